@@ -1,0 +1,1 @@
+//! The engine: a llama-family model on candle-core with a chunked KV cache.
