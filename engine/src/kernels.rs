@@ -1,0 +1,241 @@
+//! The engine's numeric kernels on plain slices: f32 matrix products, RMSNorm, RoPE, SwiGLU, softmax.
+//!
+//! Matrix products go to the `gemm` crate (the one candle-core uses on CPU), called directly so
+//! that no tensor is allocated per call; everything else is simple loops the compiler vectorises.
+
+use gemm::Parallelism;
+
+/// Threads the engine's parallel kernels use (the rayon pool's size).
+pub fn threads() -> usize {
+    rayon::current_num_threads()
+}
+
+fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
+    let t = threads();
+    // Small products are not worth waking a second thread for.
+    if t > 1 && m * n * k >= 1 << 18 {
+        Parallelism::Rayon(t)
+    } else {
+        Parallelism::None
+    }
+}
+
+/// `dst[m][n] = a[m][k] · b[n][k]ᵀ`, all row-major (b holds one output's weights per row).
+pub fn matmul_nt(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: usize) {
+    assert!(
+        dst.len() >= m * n && a.len() >= m * k && b.len() >= n * k,
+        "matmul_nt: bad sizes"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the asserts above keep every access of gemm inside the three slices: dst is
+    // m×n with row stride n, lhs a is m×k with row stride k, rhs bᵀ is k×n read from b[n][k]
+    // (column stride k, row stride 1). dst does not alias a or b (it is a &mut borrow).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(m, n, k),
+        )
+    }
+}
+
+/// `dst[m][n] = a[m][k] · b[k][n]`, all row-major.
+pub fn matmul_nn(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: usize) {
+    assert!(
+        dst.len() >= m * n && a.len() >= m * k && b.len() >= n * k,
+        "matmul_nn: bad sizes"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: as in `matmul_nt`, with rhs b read as k×n row-major (row stride n, column stride 1).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            1,
+            n as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(m, n, k),
+        )
+    }
+}
+
+/// RMSNorm of each row of `x` (rows of `w.len()`), scaled by `w`, into `out`.
+pub fn rms_norm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    for (o, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+        let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let r = 1.0 / (ss + eps).sqrt();
+        for ((o, x), w) in o.iter_mut().zip(x).zip(w) {
+            *o = x * r * w;
+        }
+    }
+}
+
+/// Precomputed rotary embedding tables for interleaved (GGML "normal") RoPE.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Rope {
+    /// Tables for positions `0..max_pos` over `rope_dim` rotated dimensions.
+    pub fn new(rope_dim: usize, base: f32, max_pos: usize) -> Self {
+        let half = rope_dim / 2;
+        let mut cos = Vec::with_capacity(max_pos * half);
+        let mut sin = Vec::with_capacity(max_pos * half);
+        let theta: Vec<f32> = (0..half)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / rope_dim as f32))
+            .collect();
+        for p in 0..max_pos {
+            for t in &theta {
+                let a = p as f32 * t;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Self { half, cos, sin }
+    }
+
+    /// Number of positions the tables cover.
+    pub fn max_pos(&self) -> usize {
+        self.cos.len() / self.half.max(1)
+    }
+
+    /// Rotates every head (of `head_dim`) of one token's row at position `pos`, in place.
+    /// Pairs are (2i, 2i+1) for i below rope_dim/2; the remaining dimensions pass through.
+    pub fn apply(&self, row: &mut [f32], head_dim: usize, pos: usize) {
+        let c = &self.cos[pos * self.half..(pos + 1) * self.half];
+        let s = &self.sin[pos * self.half..(pos + 1) * self.half];
+        for head in row.chunks_exact_mut(head_dim) {
+            for i in 0..self.half {
+                let (x0, x1) = (head[2 * i], head[2 * i + 1]);
+                head[2 * i] = x0 * c[i] - x1 * s[i];
+                head[2 * i + 1] = x0 * s[i] + x1 * c[i];
+            }
+        }
+    }
+}
+
+/// SwiGLU on rows of `[gate | up]` (each `ffn` wide): `out = silu(gate) * up`.
+pub fn swiglu(out: &mut [f32], gate_up: &[f32], ffn: usize) {
+    for (o, gu) in out.chunks_exact_mut(ffn).zip(gate_up.chunks_exact(2 * ffn)) {
+        let (g, u) = gu.split_at(ffn);
+        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+}
+
+/// Softmax of `row` in place; returns nothing, the row sums to 1.
+pub fn softmax(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in row.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Adds `b` to `a` elementwise.
+pub fn add_assign(a: &mut [f32], b: &[f32]) {
+    for (a, b) in a.iter_mut().zip(b) {
+        *a += b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut d = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                d[i * n + j] = (0..k).map(|t| a[i * k + t] * b[j * k + t]).sum();
+            }
+        }
+        d
+    }
+
+    #[test]
+    fn matmul_matches_naive() {
+        for &(m, n, k) in &[(1, 7, 5), (3, 64, 576), (65, 33, 17), (128, 192, 64)] {
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+                .collect();
+            let b: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 5.0)
+                .collect();
+            let mut d = vec![0.0; m * n];
+            matmul_nt(&mut d, &a, &b, m, n, k);
+            let want = naive(&a, &b, m, n, k);
+            for (x, y) in d.iter().zip(&want) {
+                assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "{x} vs {y}");
+            }
+            // b as k×n row-major is bᵀ of the above.
+            let mut bt = vec![0.0; n * k];
+            for j in 0..n {
+                for t in 0..k {
+                    bt[t * n + j] = b[j * k + t];
+                }
+            }
+            let mut d2 = vec![0.0; m * n];
+            matmul_nn(&mut d2, &a, &bt, m, n, k);
+            for (x, y) in d2.iter().zip(&want) {
+                assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "{x} vs {y}");
+            }
+        }
+    }
+
+    #[test]
+    fn rope_at_position_zero_is_identity_and_preserves_norm() {
+        let rope = Rope::new(8, 10_000.0, 16);
+        let orig: Vec<f32> = (0..16).map(|i| i as f32 - 3.0).collect();
+        let mut row = orig.clone();
+        rope.apply(&mut row, 8, 0);
+        assert_eq!(row, orig);
+        rope.apply(&mut row, 8, 11);
+        let n0: f32 = orig.iter().map(|v| v * v).sum();
+        let n1: f32 = row.iter().map(|v| v * v).sum();
+        assert!((n0 - n1).abs() < 1e-3);
+    }
+}
