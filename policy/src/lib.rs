@@ -1,1 +1,15 @@
 //! Pure policy decisions of llms: information density, bit-width assignment, the LCTRU queue, AoT write-out and the swapping-recompute planner. No I/O.
+
+pub mod assign;
+pub mod density;
+pub mod lctru;
+pub mod level;
+pub mod victim;
+pub mod whole;
+
+pub use assign::{AssignError, Assignment, assign_levels};
+pub use density::{DensityError, DensityTracker, TokenAttention, chunk_densities};
+pub use lctru::{ChunkLru, LctruQueue};
+pub use level::{Level, LevelError, LevelSet};
+pub use victim::{ChunkId, Victim, VictimChooser, VictimError, Victims};
+pub use whole::{WholeContextKind, WholeContextLru};

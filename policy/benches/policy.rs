@@ -1,0 +1,2 @@
+//! Criterion benchmarks of the policy crate.
+fn main() {}
