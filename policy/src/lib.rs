@@ -1,15 +1,19 @@
 //! Pure policy decisions of llms: information density, bit-width assignment, the LCTRU queue, AoT write-out and the swapping-recompute planner. No I/O.
 
 pub mod assign;
+pub mod cost;
 pub mod density;
 pub mod lctru;
 pub mod level;
+pub mod planner;
 pub mod victim;
 pub mod whole;
 
 pub use assign::{AssignError, Assignment, assign_levels};
+pub use cost::{CostError, CostModel, Fit, LinearCost};
 pub use density::{DensityError, DensityTracker, TokenAttention, chunk_densities};
 pub use lctru::{ChunkLru, LctruQueue};
 pub use level::{Level, LevelError, LevelSet};
+pub use planner::{LoadPlan, MissingChunk, PlanError, Prediction, evaluate, plan_load};
 pub use victim::{ChunkId, Victim, VictimChooser, VictimError, Victims};
 pub use whole::{WholeContextKind, WholeContextLru};

@@ -78,12 +78,12 @@ impl WholeContextLru {
 
     /// Drops `context`'s entry when it holds nothing and is not locked.
     fn tidy(&mut self, context: u64) {
-        if let Some(c) = self.contexts.get(&context) {
-            if c.chunks.is_empty() {
-                self.order.remove(&c.stamp);
-                if c.locks == 0 {
-                    self.contexts.remove(&context);
-                }
+        if let Some(c) = self.contexts.get(&context)
+            && c.chunks.is_empty()
+        {
+            self.order.remove(&c.stamp);
+            if c.locks == 0 {
+                self.contexts.remove(&context);
             }
         }
     }
