@@ -6,8 +6,10 @@ pub mod density;
 pub mod lctru;
 pub mod level;
 pub mod planner;
+pub mod pressure;
 pub mod victim;
 pub mod whole;
+pub mod writeout;
 
 pub use assign::{AssignError, Assignment, assign_levels};
 pub use cost::{CostError, CostModel, Fit, LinearCost};
@@ -15,5 +17,9 @@ pub use density::{DensityError, DensityTracker, TokenAttention, chunk_densities}
 pub use lctru::{ChunkLru, LctruQueue};
 pub use level::{Level, LevelError, LevelSet};
 pub use planner::{LoadPlan, MissingChunk, PlanError, Prediction, evaluate, plan_load};
+pub use pressure::{
+    BudgetChange, BudgetConfig, BudgetController, PressureError, PressureSignals, ShrinkReason,
+};
 pub use victim::{ChunkId, Victim, VictimChooser, VictimError, Victims};
 pub use whole::{WholeContextKind, WholeContextLru};
+pub use writeout::{ChunkState, Write, WriteOutError, WriteReason, plan_writeout};
