@@ -153,6 +153,50 @@ pub struct CostModel {
     pub recompute: LinearCost,
     /// I/O: seconds to read `m` bytes of chunks from the store, in one stream.
     pub io: LinearCost,
+    /// In how many pieces (groups of layers) a chunk can be read, so that recompute at the first
+    /// layers can start before the last layers are read: 1 when a chunk file is read whole
+    /// (0 counts as 1).
+    pub read_groups: u32,
+}
+
+impl CostModel {
+    /// A model whose chunks are read whole.
+    pub fn new(recompute: LinearCost, io: LinearCost) -> Self {
+        Self {
+            recompute,
+            io,
+            read_groups: 1,
+        }
+    }
+
+    /// When a recompute pass over `recompute` chunks ends, if it needs `blocking` chunks of
+    /// `blocking_bytes` read first and the read stream starts with them.
+    ///
+    /// With `G` read groups the blocking reads go group by group (all chunks' first layers, then
+    /// the next ones) and the pass at group `g` waits for group `g`; the pass ends at
+    /// `T_IO fixed + max over g of ((g+1) * io_B / G + (G-g) * T_re / G)`, whose maximum is at
+    /// `g = 0` or `g = G - 1`.
+    pub fn recompute_end(&self, recompute: usize, blocking: usize, blocking_bytes: f64) -> f64 {
+        let re = self.recompute.eval(recompute as f64);
+        if recompute == 0 {
+            return 0.0;
+        }
+        if blocking == 0 {
+            return re;
+        }
+        let g = f64::from(self.read_groups.max(1));
+        let io = self.io.per_unit() * blocking_bytes;
+        self.io.fixed() + (io / g + re).max(io + re / g)
+    }
+
+    /// When the blocking reads' first group is in memory (the pass can start).
+    pub fn recompute_start(&self, blocking: usize, blocking_bytes: f64) -> f64 {
+        if blocking == 0 {
+            return 0.0;
+        }
+        let g = f64::from(self.read_groups.max(1));
+        self.io.fixed() + self.io.per_unit() * blocking_bytes / g
+    }
 }
 
 #[cfg(test)]
@@ -205,6 +249,41 @@ mod tests {
             LinearCost::new(-1.0, 0.0),
             Err(CostError::BadCoefficient { .. })
         ));
+    }
+
+    /// Steps through the layer groups one by one, as the engine would run them.
+    fn simulate(m: &CostModel, recompute: usize, blocking_bytes: f64) -> f64 {
+        let g = m.read_groups.max(1);
+        let step = m.recompute.eval(recompute as f64) / f64::from(g);
+        let mut end = 0.0f64;
+        for group in 0..g {
+            let ready = m.io.fixed()
+                + m.io.per_unit() * blocking_bytes * f64::from(group + 1) / f64::from(g);
+            end = end.max(ready) + step;
+        }
+        end
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn recompute_end_matches_simulation(
+            groups in 1u32..40,
+            io_fixed in 0.0f64..10.0,
+            per_byte in 0.0f64..3.0,
+            re_fixed in 0.0f64..10.0,
+            per_chunk in 0.0f64..50.0,
+            recompute in 1usize..50,
+            bytes in 1.0f64..100.0,
+        ) {
+            let m = CostModel {
+                recompute: LinearCost::new(re_fixed, per_chunk).unwrap(),
+                io: LinearCost::new(io_fixed, per_byte).unwrap(),
+                read_groups: groups,
+            };
+            let closed = m.recompute_end(recompute, 1, bytes);
+            let stepped = simulate(&m, recompute, bytes);
+            proptest::prop_assert!((closed - stepped).abs() <= 1e-9 * stepped.max(1.0));
+        }
     }
 
     #[test]
