@@ -100,10 +100,12 @@ fn churn(q: &mut dyn VictimChooser, ids: &[ChunkId], rng: &mut Lcg) {
     }
 }
 
+type MakeChooser = fn() -> Box<dyn VictimChooser>;
+
 fn queues(c: &mut Criterion) {
     let mut g = c.benchmark_group("victims");
     for n in SIZES {
-        let makers: [(&str, fn() -> Box<dyn VictimChooser>); 3] = [
+        let makers: [(&str, MakeChooser); 3] = [
             ("lctru", || Box::new(LctruQueue::new())),
             ("chunk_lru", || Box::new(ChunkLru::new())),
             (
