@@ -187,6 +187,20 @@ impl ChunkQueue {
         out
     }
 
+    fn peek(&self, need: u64, eligible: &mut dyn FnMut(ChunkId) -> Option<u64>) -> Victims {
+        let mut out = Victims::default();
+        for &id in self.order.values() {
+            if out.freed >= need {
+                break;
+            }
+            if let Some(bytes) = eligible(id) {
+                out.freed += bytes;
+                out.chunks.push(Victim { id, bytes });
+            }
+        }
+        out
+    }
+
     /// Removes a chunk already taken out of the order map.
     fn remove_unordered(&mut self, id: ChunkId) -> u64 {
         let Some(e) = self.entries.remove(&id) else {
@@ -242,6 +256,13 @@ macro_rules! chooser {
             }
             fn pop_victims(&mut self, need_bytes: u64) -> Victims {
                 self.0.pop(need_bytes)
+            }
+            fn peek_victims(
+                &self,
+                need_bytes: u64,
+                eligible: &mut dyn FnMut(ChunkId) -> Option<u64>,
+            ) -> Victims {
+                self.0.peek(need_bytes, eligible)
             }
             fn resident_bytes(&self) -> u64 {
                 self.0.bytes
@@ -365,6 +386,8 @@ mod tests {
         Lock(u64),
         Unlock(u64),
         Pop(u64),
+        /// Peek, passing over chunks whose index is a multiple of the divisor.
+        Peek(u64, u32),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -379,6 +402,7 @@ mod tests {
             1 => c.clone().prop_map(Op::Lock),
             1 => c.prop_map(Op::Unlock),
             2 => (0u64..300).prop_map(Op::Pop),
+            1 => (0u64..300, 2u32..4).prop_map(|(n, d)| Op::Peek(n, d)),
         ]
     }
 
@@ -428,6 +452,28 @@ mod tests {
                     Some(n) if *n > 0 => *n -= 1,
                     _ => return Err(VictimError::NotLocked { context: c }),
                 },
+                Op::Peek(need, d) => {
+                    let mut live: Vec<_> = self
+                        .chunks
+                        .iter()
+                        .filter(|x| self.locks.get(&x.0.context).copied().unwrap_or(0) == 0)
+                        .collect();
+                    live.sort_by_key(|x| (if self.by_level { x.1 } else { 0 }, x.3));
+                    let mut out = Victims::default();
+                    for x in live {
+                        if out.freed >= need {
+                            break;
+                        }
+                        if x.0.index % d != 0 {
+                            out.freed += x.2;
+                            out.chunks.push(Victim {
+                                id: x.0,
+                                bytes: x.2,
+                            });
+                        }
+                    }
+                    return Ok(out);
+                }
                 Op::Pop(need) => {
                     let mut out = Victims::default();
                     while out.freed < need {
@@ -455,7 +501,11 @@ mod tests {
         }
     }
 
-    fn run(q: &mut dyn VictimChooser, op: &Op) -> Result<Victims, VictimError> {
+    fn run(
+        q: &mut dyn VictimChooser,
+        op: &Op,
+        known: &[(ChunkId, u8, u64, u64)],
+    ) -> Result<Victims, VictimError> {
         match *op {
             Op::Insert(c, i, l, b) => q.on_insert(id(c, i), Level(l), b),
             Op::Access(c, i) => q.on_access(id(c, i)),
@@ -471,6 +521,15 @@ mod tests {
             }
             Op::Unlock(c) => q.unlock(c),
             Op::Pop(need) => return Ok(q.pop_victims(need)),
+            Op::Peek(need, d) => {
+                // The pager knows each chunk's bytes; here the model does.
+                let mut eligible = |id: ChunkId| {
+                    (id.index % d != 0)
+                        .then(|| known.iter().find(|x| x.0 == id).map(|x| x.2))
+                        .flatten()
+                };
+                return Ok(q.peek_victims(need, &mut eligible));
+            }
         }
         .map(|()| Victims::default())
     }
@@ -485,7 +544,8 @@ mod tests {
                 Box::new(ChunkLru::new())
             };
             for op in &ops {
-                prop_assert_eq!(run(q.as_mut(), op), model.apply(op), "{:?}", op);
+                let got = run(q.as_mut(), op, &model.chunks);
+                prop_assert_eq!(got, model.apply(op), "{:?}", op);
                 prop_assert_eq!(q.len(), model.chunks.len());
                 prop_assert_eq!(q.resident_bytes(), model.chunks.iter().map(|x| x.2).sum::<u64>());
             }

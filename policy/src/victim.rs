@@ -66,6 +66,16 @@ pub trait VictimChooser {
     /// Chooses and removes victims until at least `need_bytes` are freed or nothing evictable is
     /// left.
     fn pop_victims(&mut self, need_bytes: u64) -> Victims;
+    /// The victims [`pop_victims`](Self::pop_victims) would choose, without removing them, among
+    /// the chunks `eligible` accepts: it returns the bytes reclaiming a chunk would free, or `None`
+    /// to pass over it (being written out, say).
+    /// The caller reports what it really reclaims with [`on_remove`](Self::on_remove); this is the
+    /// shape of a pager that asks for victims and may skip some.
+    fn peek_victims(
+        &self,
+        need_bytes: u64,
+        eligible: &mut dyn FnMut(ChunkId) -> Option<u64>,
+    ) -> Victims;
     /// Bytes occupied by tracked chunks.
     fn resident_bytes(&self) -> u64;
     /// Number of tracked chunks.

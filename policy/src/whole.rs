@@ -201,6 +201,30 @@ impl VictimChooser for WholeContextLru {
         out
     }
 
+    fn peek_victims(
+        &self,
+        need_bytes: u64,
+        eligible: &mut dyn FnMut(ChunkId) -> Option<u64>,
+    ) -> Victims {
+        let mut out = Victims::default();
+        for &context in self.order.values() {
+            if out.freed >= need_bytes {
+                break;
+            }
+            let Some(c) = self.contexts.get(&context) else {
+                continue;
+            };
+            for &index in c.chunks.keys() {
+                let id = ChunkId { context, index };
+                if let Some(bytes) = eligible(id) {
+                    out.freed += bytes;
+                    out.chunks.push(Victim { id, bytes });
+                }
+            }
+        }
+        out
+    }
+
     fn resident_bytes(&self) -> u64 {
         self.bytes
     }
@@ -265,6 +289,29 @@ mod tests {
         assert_eq!(s.unlock(1), Err(VictimError::NotLocked { context: 1 }));
         s.on_level_change(id(1, 0), Level(2), 3).unwrap();
         assert_eq!(s.pop_victims(1).freed, 3);
+    }
+
+    #[test]
+    fn peek_takes_whole_contexts_and_removes_nothing() {
+        let mut s = WholeContextLru::swapping();
+        s.on_insert(id(1, 0), Level(0), 10).unwrap();
+        s.on_insert(id(1, 1), Level(0), 10).unwrap();
+        s.on_insert(id(2, 0), Level(0), 10).unwrap();
+        // Chunk (1, 1) is being written out: passed over, the rest of its context still goes.
+        let mut eligible = |c: ChunkId| (c != id(1, 1)).then_some(10);
+        let v = s.peek_victims(5, &mut eligible);
+        assert_eq!(
+            v.chunks,
+            vec![Victim {
+                id: id(1, 0),
+                bytes: 10
+            }]
+        );
+        let v = s.peek_victims(15, &mut eligible);
+        assert_eq!(v.freed, 20);
+        assert_eq!(s.len(), 3);
+        assert_eq!(s.pop_victims(15).freed, 20);
+        assert_eq!(s.len(), 1);
     }
 
     #[test]
