@@ -464,7 +464,7 @@ mod tests {
                         if out.freed >= need {
                             break;
                         }
-                        if x.0.index % d != 0 {
+                        if !x.0.index.is_multiple_of(d) {
                             out.freed += x.2;
                             out.chunks.push(Victim {
                                 id: x.0,
@@ -524,7 +524,7 @@ mod tests {
             Op::Peek(need, d) => {
                 // The pager knows each chunk's bytes; here the model does.
                 let mut eligible = |id: ChunkId| {
-                    (id.index % d != 0)
+                    (!id.index.is_multiple_of(d))
                         .then(|| known.iter().find(|x| x.0 == id).map(|x| x.2))
                         .flatten()
                 };
