@@ -25,3 +25,17 @@ pub use pressure::{
 pub use victim::{ChunkId, Victim, VictimChooser, VictimError, Victims};
 pub use whole::{WholeContextKind, WholeContextLru};
 pub use writeout::{ChunkState, Write, WriteOutError, WriteReason, plan_writeout};
+
+#[cfg(test)]
+mod tests {
+    /// The pager calls its chooser from its own thread, under a lock.
+    #[test]
+    fn choosers_can_move_between_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<crate::LctruQueue>();
+        send_sync::<crate::ChunkLru>();
+        send_sync::<crate::WholeContextLru>();
+        send_sync::<crate::DensityTracker>();
+        send_sync::<crate::BudgetController>();
+    }
+}
