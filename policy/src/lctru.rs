@@ -1,6 +1,8 @@
 //! The LCTRU queue (paper §3.4): victims by heaviest level first, least recently used first; and plain LRU over chunks.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+use crate::hash::{IdMap, IdSet};
 
 use crate::level::Level;
 use crate::victim::{ChunkId, Victim, VictimChooser, VictimError, Victims};
@@ -14,7 +16,7 @@ struct Entry {
 
 #[derive(Debug, Default)]
 struct ContextState {
-    chunks: HashSet<u32>,
+    chunks: IdSet<u32>,
     locks: u32,
 }
 
@@ -28,8 +30,8 @@ struct ContextState {
 struct ChunkQueue {
     by_level: bool,
     order: BTreeMap<(u8, u64), ChunkId>,
-    entries: HashMap<ChunkId, Entry>,
-    contexts: HashMap<u64, ContextState>,
+    entries: IdMap<ChunkId, Entry>,
+    contexts: IdMap<u64, ContextState>,
     clock: u64,
     bytes: u64,
 }
@@ -39,8 +41,8 @@ impl ChunkQueue {
         Self {
             by_level,
             order: BTreeMap::new(),
-            entries: HashMap::new(),
-            contexts: HashMap::new(),
+            entries: IdMap::default(),
+            contexts: IdMap::default(),
             clock: 0,
             bytes: 0,
         }
@@ -315,6 +317,7 @@ chooser!(ChunkLru);
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::HashMap;
 
     fn id(context: u64, index: u32) -> ChunkId {
         ChunkId { context, index }

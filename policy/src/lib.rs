@@ -3,6 +3,7 @@
 pub mod assign;
 pub mod cost;
 pub mod density;
+mod hash;
 pub mod lctru;
 pub mod level;
 pub mod planner;

@@ -1,6 +1,8 @@
 //! Whole-context victim choosers: the Swapping baseline (swap out the least recent context) and LMK (kill it).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::hash::IdMap;
 
 use crate::level::Level;
 use crate::victim::{ChunkId, Victim, VictimChooser, VictimError, Victims};
@@ -29,7 +31,7 @@ struct ContextEntry {
 #[derive(Debug)]
 pub struct WholeContextLru {
     kind: WholeContextKind,
-    contexts: HashMap<u64, ContextEntry>,
+    contexts: IdMap<u64, ContextEntry>,
     /// Unlocked contexts that hold chunks, by recency.
     order: BTreeMap<u64, u64>,
     clock: u64,
@@ -41,7 +43,7 @@ impl WholeContextLru {
     pub fn new(kind: WholeContextKind) -> Self {
         Self {
             kind,
-            contexts: HashMap::new(),
+            contexts: IdMap::default(),
             order: BTreeMap::new(),
             clock: 0,
             bytes: 0,
