@@ -208,6 +208,7 @@ impl BudgetController {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const MIB: u64 = 1 << 20;
 
@@ -341,5 +342,59 @@ mod tests {
                 value: 101.0
             })
         );
+    }
+
+    fn signals() -> impl Strategy<Value = PressureSignals> {
+        (
+            0.0f64..30.0,
+            0.0f64..5.0,
+            prop::option::of(0u64..4096),
+            0u64..4096,
+            0u64..2048,
+        )
+            .prop_map(|(some, full, limit, usage, kv)| PressureSignals {
+                some_avg10: some,
+                full_avg10: full,
+                limit_bytes: limit.map(|l| l * MIB),
+                usage_bytes: usage * MIB,
+                kv_resident_bytes: kv * MIB,
+            })
+    }
+
+    proptest! {
+        /// The budget stays in range, never exceeds the cgroup's room, only shrinks under
+        /// pressure, and only grows after enough calm readings.
+        #[test]
+        fn budget_invariants(readings in prop::collection::vec(signals(), 0..60)) {
+            let config = BudgetConfig::new(100 * MIB, 1600 * MIB);
+            let mut ctl = BudgetController::new(config).unwrap();
+            let mut calm = 0;
+            for r in &readings {
+                let before = ctl.budget();
+                let change = ctl.update(r).unwrap();
+                let after = ctl.budget();
+                prop_assert!((config.min_bytes..=config.max_bytes).contains(&after));
+                prop_assert!(after <= ctl.ceiling(r).max(config.min_bytes));
+                let pressured = r.some_avg10 >= config.shrink_some || r.full_avg10 >= config.shrink_full;
+                let is_calm = r.some_avg10 <= config.grow_some && r.full_avg10 <= config.grow_full;
+                calm = if is_calm { calm + 1 } else { 0 };
+                match change {
+                    BudgetChange::Hold => prop_assert_eq!(after, before),
+                    BudgetChange::Shrink { to, reason } => {
+                        prop_assert!(to < before && to == after);
+                        prop_assert_eq!(reason == ShrinkReason::Pressure, pressured);
+                        calm = 0;
+                    }
+                    BudgetChange::Grow { to } => {
+                        prop_assert!(to > before && to == after && !pressured);
+                        prop_assert!(calm >= config.calm_readings);
+                        calm = 0;
+                    }
+                }
+                if pressured {
+                    prop_assert!(after <= before);
+                }
+            }
+        }
     }
 }

@@ -243,6 +243,8 @@ impl VictimChooser for WholeContextLru {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
 
     fn id(context: u64, index: u32) -> ChunkId {
         ChunkId { context, index }
@@ -333,5 +335,182 @@ mod tests {
         assert_eq!(s.remove_context(1), 5);
         assert_eq!(s.len(), 0);
         assert_eq!(s.pop_victims(1), Victims::default());
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u64, u32, u64),
+        Access(u64, u32),
+        Resize(u64, u32, u64),
+        Remove(u64, u32),
+        RemoveContext(u64),
+        Lock(u64),
+        Unlock(u64),
+        Pop(u64),
+        /// Peek, passing over chunks whose index is a multiple of the divisor.
+        Peek(u64, u32),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let c = 0u64..4;
+        let i = 0u32..5;
+        prop_oneof![
+            3 => (c.clone(), i.clone(), 1u64..100).prop_map(|(c, i, b)| Op::Insert(c, i, b)),
+            2 => (c.clone(), i.clone()).prop_map(|(c, i)| Op::Access(c, i)),
+            1 => (c.clone(), i.clone(), 1u64..100).prop_map(|(c, i, b)| Op::Resize(c, i, b)),
+            1 => (c.clone(), i.clone()).prop_map(|(c, i)| Op::Remove(c, i)),
+            1 => c.clone().prop_map(Op::RemoveContext),
+            1 => c.clone().prop_map(Op::Lock),
+            1 => c.prop_map(Op::Unlock),
+            2 => (0u64..300).prop_map(Op::Pop),
+            1 => (0u64..300, 2u32..4).prop_map(|(n, d)| Op::Peek(n, d)),
+        ]
+    }
+
+    /// The naive model: a list of chunks, a last-use time per context, scanned on every pop.
+    #[derive(Default)]
+    struct Model {
+        chunks: Vec<(ChunkId, u64)>,
+        used: HashMap<u64, u64>,
+        locks: HashMap<u64, u32>,
+        clock: u64,
+    }
+
+    impl Model {
+        fn find(&self, id: ChunkId) -> Result<usize, VictimError> {
+            self.chunks
+                .iter()
+                .position(|c| c.0 == id)
+                .ok_or(VictimError::NotTracked { id })
+        }
+
+        /// Unlocked contexts holding chunks, least recently used first.
+        fn order(&self) -> Vec<u64> {
+            let mut ctxs: Vec<u64> = self.chunks.iter().map(|c| c.0.context).collect();
+            ctxs.sort_unstable();
+            ctxs.dedup();
+            ctxs.retain(|c| self.locks.get(c).copied().unwrap_or(0) == 0);
+            ctxs.sort_by_key(|c| self.used[c]);
+            ctxs
+        }
+
+        fn of(&self, context: u64) -> Vec<(ChunkId, u64)> {
+            let mut v: Vec<_> = self
+                .chunks
+                .iter()
+                .filter(|c| c.0.context == context)
+                .copied()
+                .collect();
+            v.sort_by_key(|c| c.0.index);
+            v
+        }
+
+        fn apply(&mut self, op: &Op) -> Result<Victims, VictimError> {
+            match *op {
+                Op::Insert(c, i, b) => {
+                    if self.find(id(c, i)).is_ok() {
+                        return Err(VictimError::AlreadyTracked { id: id(c, i) });
+                    }
+                    self.chunks.push((id(c, i), b));
+                    self.clock += 1;
+                    self.used.insert(c, self.clock);
+                }
+                Op::Access(c, i) => {
+                    self.find(id(c, i))?;
+                    self.clock += 1;
+                    self.used.insert(c, self.clock);
+                }
+                Op::Resize(c, i, b) => {
+                    let k = self.find(id(c, i))?;
+                    self.chunks[k].1 = b;
+                }
+                Op::Remove(c, i) => {
+                    let k = self.find(id(c, i))?;
+                    self.chunks.remove(k);
+                }
+                Op::RemoveContext(c) => self.chunks.retain(|x| x.0.context != c),
+                Op::Lock(c) => *self.locks.entry(c).or_default() += 1,
+                Op::Unlock(c) => match self.locks.get_mut(&c) {
+                    Some(n) if *n > 0 => *n -= 1,
+                    _ => return Err(VictimError::NotLocked { context: c }),
+                },
+                Op::Pop(need) => {
+                    let mut out = Victims::default();
+                    for c in self.order() {
+                        if out.freed >= need {
+                            break;
+                        }
+                        for (id, bytes) in self.of(c) {
+                            out.freed += bytes;
+                            out.chunks.push(Victim { id, bytes });
+                        }
+                        self.chunks.retain(|x| x.0.context != c);
+                    }
+                    return Ok(out);
+                }
+                Op::Peek(need, d) => {
+                    let mut out = Victims::default();
+                    for c in self.order() {
+                        if out.freed >= need {
+                            break;
+                        }
+                        for (id, bytes) in self.of(c) {
+                            if !id.index.is_multiple_of(d) {
+                                out.freed += bytes;
+                                out.chunks.push(Victim { id, bytes });
+                            }
+                        }
+                    }
+                    return Ok(out);
+                }
+            }
+            Ok(Victims::default())
+        }
+    }
+
+    fn run(
+        q: &mut WholeContextLru,
+        op: &Op,
+        known: &[(ChunkId, u64)],
+    ) -> Result<Victims, VictimError> {
+        match *op {
+            Op::Insert(c, i, b) => q.on_insert(id(c, i), Level(0), b),
+            Op::Access(c, i) => q.on_access(id(c, i)),
+            Op::Resize(c, i, b) => q.on_level_change(id(c, i), Level(1), b),
+            Op::Remove(c, i) => q.on_remove(id(c, i)),
+            Op::RemoveContext(c) => {
+                q.remove_context(c);
+                Ok(())
+            }
+            Op::Lock(c) => {
+                q.lock(c);
+                Ok(())
+            }
+            Op::Unlock(c) => q.unlock(c),
+            Op::Pop(need) => return Ok(q.pop_victims(need)),
+            Op::Peek(need, d) => {
+                let mut eligible = |id: ChunkId| {
+                    (!id.index.is_multiple_of(d))
+                        .then(|| known.iter().find(|x| x.0 == id).map(|x| x.1))
+                        .flatten()
+                };
+                return Ok(q.peek_victims(need, &mut eligible));
+            }
+        }
+        .map(|()| Victims::default())
+    }
+
+    proptest! {
+        #[test]
+        fn matches_model(ops in prop::collection::vec(op(), 0..120)) {
+            let mut model = Model::default();
+            let mut q = WholeContextLru::swapping();
+            for op in &ops {
+                let got = run(&mut q, op, &model.chunks);
+                prop_assert_eq!(got, model.apply(op), "{:?}", op);
+                prop_assert_eq!(q.len(), model.chunks.len());
+                prop_assert_eq!(q.resident_bytes(), model.chunks.iter().map(|x| x.1).sum::<u64>());
+            }
+        }
     }
 }
