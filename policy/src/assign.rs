@@ -103,7 +103,10 @@ pub fn assign_levels(
         }
     }
     // sum bits / base <= ratio * n, in whole bits; the epsilon absorbs decimal ratios like 0.3.
-    let budget = (global_ratio * base * n as f64 + 1e-9).floor() as u64;
+    // A ratio that passed the check above affords every chunk at the lightest level, whatever
+    // the rounding at large n.
+    let budget = ((global_ratio * base * n as f64 + 1e-9).floor() as u64)
+        .max(u64::from(bits[k - 1]) * n as u64);
 
     let mut search = Search {
         n,
@@ -114,7 +117,13 @@ pub fn assign_levels(
         best: None,
     };
     search.outer(0, 0);
-    let (best_info, thresholds) = search.best.unwrap_or((0.0, vec![n; k]));
+    // The budget affords the all-lightest thresholds, so the search always finds an answer; if it
+    // did not, everything lightest is the safe one.
+    let (best_info, thresholds) = search.best.unwrap_or_else(|| {
+        let mut sigma = vec![0; k];
+        sigma[k - 1] = n;
+        (0.0, sigma)
+    });
 
     let mut levels = vec![Level(0); n];
     let mut w = 0;
@@ -249,6 +258,14 @@ mod tests {
         let four = LevelSet::new(8, &[8, 6, 4, 2]).unwrap();
         let a = assign_levels(&[1.0, 0.5, 0.2, 0.0], None, &four, 0.5).unwrap();
         assert!(a.average_ratio <= 0.5);
+    }
+
+    #[test]
+    fn ratio_at_the_lightest_level_for_many_chunks() {
+        // 0.25 minus less than the tolerance, over a million chunks: all at 2 bits, not refused.
+        let d = vec![0.5; 1_000_000];
+        let a = assign_levels(&d, None, &LevelSet::default(), 0.25 - 1e-13).unwrap();
+        assert!(a.levels.iter().all(|l| *l == Level(2)));
     }
 
     #[test]
