@@ -1,1 +1,42 @@
 //! Pure policy decisions of llms: information density, bit-width assignment, the LCTRU queue, AoT write-out and the swapping-recompute planner. No I/O.
+
+pub mod assign;
+pub mod cost;
+pub mod density;
+mod hash;
+pub mod lctru;
+pub mod level;
+pub mod planner;
+pub mod pressure;
+pub mod victim;
+pub mod whole;
+pub mod writeout;
+
+pub use assign::{AssignError, Assignment, assign_levels};
+pub use cost::{CostError, CostModel, Fit, LinearCost};
+pub use density::{DensityError, DensityTracker, TokenAttention, chunk_densities};
+pub use lctru::{ChunkLru, LctruQueue};
+pub use level::{Level, LevelError, LevelSet};
+pub use planner::{
+    LoadPlan, MissingChunk, PlanError, Prediction, evaluate, plan_load, plan_order_blind,
+};
+pub use pressure::{
+    BudgetChange, BudgetConfig, BudgetController, PressureError, PressureSignals, ShrinkReason,
+};
+pub use victim::{ChunkId, Victim, VictimChooser, VictimError, Victims};
+pub use whole::{WholeContextKind, WholeContextLru};
+pub use writeout::{ChunkState, Write, WriteOutError, WriteReason, plan_writeout};
+
+#[cfg(test)]
+mod tests {
+    /// The pager calls its chooser from its own thread, under a lock.
+    #[test]
+    fn choosers_can_move_between_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<crate::LctruQueue>();
+        send_sync::<crate::ChunkLru>();
+        send_sync::<crate::WholeContextLru>();
+        send_sync::<crate::DensityTracker>();
+        send_sync::<crate::BudgetController>();
+    }
+}
