@@ -3,6 +3,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod model_cmd;
+
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
 #[derive(Parser)]
 #[command(name = "llms", version, propagate_version = true)]
@@ -12,7 +14,10 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Fetch and list models.
+    Model(model_cmd::ModelArgs),
+}
 
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
@@ -33,5 +38,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command {}
+    match cli.command {
+        Command::Model(args) => model_cmd::run(args),
+    }
 }

