@@ -12,5 +12,6 @@ pub mod generate;
 pub mod kernels;
 pub mod kv;
 pub mod model;
+pub mod qmatvec;
 pub mod tiny;
 pub mod tokenizer;

@@ -8,8 +8,9 @@ use crate::attention::{AttnShape, attend};
 use crate::config::{ConfigError, ModelConfig};
 use crate::kernels::{Rope, add_assign, matmul_nt, rms_norm, swiglu};
 use crate::kv::{ChunkShape, KvCache, KvError};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
-use candle_core::{Device, Module, Tensor};
+use crate::qmatvec::{BLOCK, QMatrix};
+use candle_core::Device;
+use candle_core::quantized::{GgmlDType, gguf_file};
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -76,57 +77,64 @@ fn kernel(e: candle_core::Error) -> ModelError {
 pub struct Linear {
     rows: usize,
     cols: usize,
+    /// f32 for batched products (GEMM).
     f32: Vec<f32>,
-    /// Q8_0 copy for single-row products; absent when `cols` is not a multiple of 32.
-    q8: Option<QMatMul>,
+    /// 32-value blocks for single-row products: the file's own Q4_1/Q8_0 blocks, or Q8_0
+    /// made from f32; absent when `cols` is not a multiple of 32.
+    q: Option<QMatrix>,
 }
 
-/// Rows at or above which a product goes to f32 GEMM rather than the Q8_0 path.
-const GEMM_MIN_ROWS: usize = 4;
+/// Rows below which a product goes to the quantized matrix-vector kernel rather than GEMM.
+const GEMM_MIN_ROWS: usize = 2;
+
+/// One weight tensor as read: f32, and its blocks when the file stores Q4_1 or Q8_0.
+struct Weight {
+    rows: usize,
+    cols: usize,
+    f32: Vec<f32>,
+    raw: Option<QMatrix>,
+}
 
 impl Linear {
-    fn new(rows: usize, cols: usize, f32: Vec<f32>) -> Result<Self, ModelError> {
-        let q8 = if cols.is_multiple_of(32) {
-            let t = Tensor::from_slice(&f32, (rows, cols), &Device::Cpu).map_err(kernel)?;
-            let q = QTensor::quantize(&t, GgmlDType::Q8_0).map_err(kernel)?;
-            Some(QMatMul::from_qtensor(q).map_err(kernel)?)
-        } else {
+    /// Stacks weights with equal column counts, rows after rows.
+    fn stack(parts: Vec<Weight>) -> Self {
+        let cols = parts[0].cols;
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let all_raw = parts.iter().all(|p| p.raw.is_some());
+        let mut f32 = Vec::with_capacity(rows * cols);
+        let mut raws = Vec::new();
+        for p in parts {
+            f32.extend_from_slice(&p.f32);
+            raws.extend(p.raw);
+        }
+        let q = if !cols.is_multiple_of(BLOCK) {
             None
+        } else if all_raw && raws.windows(2).all(|w| w[0].same_kind(&w[1])) {
+            Some(QMatrix::stack(raws))
+        } else {
+            Some(QMatrix::quantize_q8_0(rows, cols, &f32))
         };
-        Ok(Self {
-            rows,
-            cols,
-            f32,
-            q8,
-        })
+        Self { rows, cols, f32, q }
     }
 
     /// `out[n][rows] = x[n][cols] · selfᵀ`.
-    pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), ModelError> {
-        match &self.q8 {
-            Some(q8) if n < GEMM_MIN_ROWS => {
-                let t = Tensor::from_slice(&x[..n * self.cols], (n, self.cols), &Device::Cpu)
-                    .map_err(kernel)?;
-                let y = q8.forward(&t).map_err(kernel)?;
-                let y = y
-                    .flatten_all()
-                    .map_err(kernel)?
-                    .to_vec1::<f32>()
-                    .map_err(kernel)?;
-                out[..n * self.rows].copy_from_slice(&y);
+    pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        match &self.q {
+            Some(q) if n < GEMM_MIN_ROWS => {
+                for i in 0..n {
+                    q.matvec(
+                        &x[i * self.cols..(i + 1) * self.cols],
+                        &mut out[i * self.rows..(i + 1) * self.rows],
+                    );
+                }
             }
             _ => matmul_nt(out, x, &self.f32, n, self.rows, self.cols),
         }
-        Ok(())
     }
 
-    /// Bytes held (f32 and Q8_0 forms).
+    /// Bytes held (f32 and block forms).
     pub fn bytes(&self) -> usize {
-        self.f32.len() * 4
-            + self
-                .q8
-                .as_ref()
-                .map_or(0, |_| self.rows * self.cols / 32 * 34)
+        self.f32.len() * 4 + self.q.as_ref().map_or(0, QMatrix::bytes)
     }
 }
 
@@ -148,6 +156,8 @@ pub enum Logits {
     Last,
     /// Every token's, `[n][vocab]`.
     All,
+    /// The last `k` tokens', `[k][vocab]` (all of them when fewer were given).
+    Tail(usize),
 }
 
 /// Timings of one forward call.
@@ -174,13 +184,13 @@ pub struct Model {
     pub prefill_chunk: usize,
 }
 
-fn read_f32(
+fn read_weight(
     ct: &gguf_file::Content,
     file: &mut BufReader<File>,
     path: &Path,
     name: &str,
     expected: &[usize],
-) -> Result<Vec<f32>, ModelError> {
+) -> Result<Weight, ModelError> {
     let info = ct
         .tensor_infos
         .get(name)
@@ -210,9 +220,26 @@ fn read_f32(
             dtype,
             reason: e.to_string(),
         })?;
-    t.flatten_all()
+    let f32 = t
+        .flatten_all()
         .and_then(|t| t.to_vec1::<f32>())
-        .map_err(kernel)
+        .map_err(kernel)?;
+    let (rows, cols) = match *expected {
+        [r, c] => (r, c),
+        [c] => (1, c),
+        _ => (1, f32.len()),
+    };
+    let raw = match dtype {
+        GgmlDType::Q4_1 => Some(QMatrix::from_q4_1(rows, cols, &q.data().map_err(kernel)?)),
+        GgmlDType::Q8_0 => Some(QMatrix::from_q8_0(rows, cols, &q.data().map_err(kernel)?)),
+        _ => None,
+    };
+    Ok(Weight {
+        rows,
+        cols,
+        f32,
+        raw,
+    })
 }
 
 impl Model {
@@ -249,35 +276,35 @@ impl Model {
             source,
         })?;
         let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
-        let mut rd = |name: &str, dims: &[usize]| read_f32(&ct, &mut file, path, name, dims);
+        let mut rd = |name: &str, dims: &[usize]| read_weight(&ct, &mut file, path, name, dims);
         let embed = rd("token_embd.weight", &[cfg.vocab, h])?;
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let p = |s: &str| format!("blk.{l}.{s}.weight");
-            let mut qkv = rd(&p("attn_q"), &[cfg.n_heads * hd, h])?;
-            qkv.extend(rd(&p("attn_k"), &[kvd, h])?);
-            qkv.extend(rd(&p("attn_v"), &[kvd, h])?);
-            let mut gate_up = rd(&p("ffn_gate"), &[cfg.ffn, h])?;
-            gate_up.extend(rd(&p("ffn_up"), &[cfg.ffn, h])?);
+            let qkv = Linear::stack(vec![
+                rd(&p("attn_q"), &[cfg.n_heads * hd, h])?,
+                rd(&p("attn_k"), &[kvd, h])?,
+                rd(&p("attn_v"), &[kvd, h])?,
+            ]);
+            let gate_up = Linear::stack(vec![
+                rd(&p("ffn_gate"), &[cfg.ffn, h])?,
+                rd(&p("ffn_up"), &[cfg.ffn, h])?,
+            ]);
             layers.push(Layer {
-                attn_norm: rd(&p("attn_norm"), &[h])?,
-                qkv: Linear::new(cfg.n_heads * hd + 2 * kvd, h, qkv)?,
-                wo: Linear::new(
-                    h,
-                    cfg.n_heads * hd,
-                    rd(&p("attn_output"), &[h, cfg.n_heads * hd])?,
-                )?,
-                ffn_norm: rd(&p("ffn_norm"), &[h])?,
-                gate_up: Linear::new(2 * cfg.ffn, h, gate_up)?,
-                down: Linear::new(h, cfg.ffn, rd(&p("ffn_down"), &[h, cfg.ffn])?)?,
+                attn_norm: rd(&p("attn_norm"), &[h])?.f32,
+                qkv,
+                wo: Linear::stack(vec![rd(&p("attn_output"), &[h, cfg.n_heads * hd])?]),
+                ffn_norm: rd(&p("ffn_norm"), &[h])?.f32,
+                gate_up,
+                down: Linear::stack(vec![rd(&p("ffn_down"), &[h, cfg.ffn])?]),
             });
         }
-        let out_norm = rd("output_norm.weight", &[h])?;
+        let out_norm = rd("output_norm.weight", &[h])?.f32;
         let (embed, lm_head) = if ct.tensor_infos.contains_key("output.weight") {
             let w = rd("output.weight", &[cfg.vocab, h])?;
-            (Some(embed), Linear::new(cfg.vocab, h, w)?)
+            (Some(embed.f32), Linear::stack(vec![w]))
         } else {
-            (None, Linear::new(cfg.vocab, h, embed)?)
+            (None, Linear::stack(vec![embed]))
         };
         let rope = Rope::new(cfg.rope_dim, cfg.rope_base, cfg.max_ctx);
         tracing::info!(path = %path.display(), layers = cfg.n_layers, hidden = h, "model loaded");
@@ -350,15 +377,17 @@ impl Model {
             .into());
         }
         let mut out = Vec::new();
-        let pieces: Vec<&[u32]> = tokens.chunks(self.prefill_chunk.max(1)).collect();
-        for (i, piece) in pieces.iter().enumerate() {
-            let last = i + 1 == pieces.len();
-            let want = match logits {
-                Logits::All => Some(Logits::All),
-                Logits::Last if last => Some(Logits::Last),
-                Logits::Last => None,
+        let total = tokens.len();
+        let mut done = 0;
+        for piece in tokens.chunks(self.prefill_chunk.max(1)) {
+            done += piece.len();
+            // How many of this piece's last tokens need logits.
+            let rows = match logits {
+                Logits::All => piece.len(),
+                Logits::Last => usize::from(done == total),
+                Logits::Tail(k) => piece.len().min((k + done).saturating_sub(total)),
             };
-            out.extend(self.forward_batch(cache, piece, want)?);
+            out.extend(self.forward_batch(cache, piece, rows)?);
         }
         Ok(out)
     }
@@ -367,7 +396,7 @@ impl Model {
         &self,
         cache: &mut KvCache,
         tokens: &[u32],
-        logits: Option<Logits>,
+        logit_rows: usize,
     ) -> Result<Vec<f32>, ModelError> {
         let start = Instant::now();
         let cfg = &self.cfg;
@@ -394,7 +423,7 @@ impl Model {
         };
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&mut xn, &x, &layer.attn_norm, cfg.rms_eps);
-            layer.qkv.forward(&xn, n, &mut qkv)?;
+            layer.qkv.forward(&xn, n, &mut qkv);
             for (i, row) in qkv.chunks_exact_mut(qd + 2 * kvd).enumerate() {
                 let pos = p0 + i;
                 let (qr, kv) = row.split_at_mut(qd);
@@ -405,29 +434,22 @@ impl Model {
                 cache.write(li, pos, kr, vr);
             }
             attend(cache, li, shape, &q, p0, n, &mut att)?;
-            layer.wo.forward(&att, n, &mut o)?;
+            layer.wo.forward(&att, n, &mut o);
             add_assign(&mut x, &o);
             rms_norm(&mut xn, &x, &layer.ffn_norm, cfg.rms_eps);
-            layer.gate_up.forward(&xn, n, &mut gu)?;
+            layer.gate_up.forward(&xn, n, &mut gu);
             swiglu(&mut act, &gu, cfg.ffn);
-            layer.down.forward(&act, n, &mut o)?;
+            layer.down.forward(&act, n, &mut o);
             add_assign(&mut x, &o);
         }
         cache.commit(n)?;
-        let out = match logits {
-            None => Vec::new(),
-            Some(which) => {
-                let (rows, src) = match which {
-                    Logits::All => (n, &x[..]),
-                    Logits::Last => (1, &x[(n - 1) * h..]),
-                };
-                let mut xn = vec![0.0; rows * h];
-                rms_norm(&mut xn, src, &self.out_norm, cfg.rms_eps);
-                let mut l = vec![0.0; rows * cfg.vocab];
-                self.lm_head.forward(&xn, rows, &mut l)?;
-                l
-            }
-        };
+        let rows = logit_rows.min(n);
+        let mut out = vec![0.0; rows * cfg.vocab];
+        if rows > 0 {
+            let mut xn = vec![0.0; rows * h];
+            rms_norm(&mut xn, &x[(n - rows) * h..], &self.out_norm, cfg.rms_eps);
+            self.lm_head.forward(&xn, rows, &mut out);
+        }
         tracing::trace!(
             tokens = n,
             p0,

@@ -3,6 +3,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench_engine;
+mod engine_cmd;
 mod model_cmd;
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
@@ -17,6 +19,28 @@ struct Cli {
 enum Command {
     /// Fetch and list models.
     Model(model_cmd::ModelArgs),
+    /// Generate a continuation of one prompt (a chat turn unless --raw), streamed to stdout.
+    Generate(engine_cmd::GenerateArgs),
+    /// Chat with the model in one local context (no daemon).
+    Chat(engine_cmd::ChatArgs),
+    /// Measure the model's quality.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+    /// Benchmarks; each prints a table and writes JSON.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum EvalCommand {
+    /// Perplexity of a text (llama.cpp's protocol: windows of --ctx tokens, each scored on its second half).
+    Ppl(engine_cmd::PplArgs),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode speed of the engine, and the memory of weights and KV.
+    Engine(bench_engine::BenchEngineArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -40,5 +64,9 @@ fn main() -> std::process::ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Model(args) => model_cmd::run(args),
+        Command::Generate(args) => engine_cmd::run_generate(args),
+        Command::Chat(args) => engine_cmd::run_chat(args),
+        Command::Eval(EvalCommand::Ppl(args)) => engine_cmd::run_ppl(args),
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
     }
 }

@@ -1,0 +1,408 @@
+//! `llms generate`, `llms chat` and `llms eval ppl`: the engine used directly, one local context,
+//! no daemon.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use engine::fetch;
+use engine::generate::{Sampler, SamplingParams, generate};
+use engine::kv::{HeapChunks, KvCache, KvFormat};
+use engine::model::{Logits, Model};
+use engine::tokenizer::{Message, StreamDecoder, Tokenizer};
+
+use crate::model_cmd::ModelsDirArg;
+
+/// Which model to run and how.
+#[derive(Args, Debug, Clone)]
+pub struct EngineOpts {
+    /// A llama-family GGUF file [default: the default model, fetched into the cache if missing]
+    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub dir: ModelsDirArg,
+    /// Threads for the engine's kernels [default: the number of CPUs]
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    /// Format of sealed KV chunks
+    #[arg(long, default_value = "f16", value_name = "FORMAT", value_parser = ["f16", "int8"])]
+    pub kv_format: String,
+    /// Tokens per KV chunk
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub chunk_tokens: usize,
+    /// Tokens per prefill step (one set of shapes serves every prompt length)
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub prefill_chunk: usize,
+}
+
+/// A loaded model with its tokenizer.
+pub struct Loaded {
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub format: KvFormat,
+    pub chunk_tokens: usize,
+}
+
+impl Loaded {
+    /// An empty KV cache for one context of up to the model's maximum length.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(
+            self.model.chunk_shape(self.chunk_tokens),
+            self.format,
+            self.model.cfg.max_ctx,
+            Box::new(HeapChunks::default()),
+        )
+    }
+}
+
+/// Sets the engine's thread count once per process.
+pub fn init_threads(threads: Option<usize>) -> anyhow::Result<usize> {
+    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if n == 0 {
+        bail!("--threads must be at least 1");
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .context("cannot start the engine's thread pool")?;
+    Ok(n)
+}
+
+/// The model file: `--model`, else the default model, fetched if missing.
+pub fn model_path(opts: &EngineOpts) -> anyhow::Result<PathBuf> {
+    match &opts.model {
+        Some(p) => Ok(p.clone()),
+        None => fetch::default_model_path(&opts.dir.fetch_options())
+            .context("cannot get the default model (try `llms model fetch`)"),
+    }
+}
+
+/// Loads the model and its tokenizer as `opts` says.
+pub fn load(opts: &EngineOpts) -> anyhow::Result<Loaded> {
+    init_threads(opts.threads)?;
+    if opts.chunk_tokens == 0 || opts.prefill_chunk == 0 {
+        bail!("--chunk-tokens and --prefill-chunk must be at least 1");
+    }
+    let path = model_path(opts)?;
+    load_path(&path, opts)
+}
+
+fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
+    let t = Instant::now();
+    let mut model = Model::load(path).with_context(|| format!("cannot load {}", path.display()))?;
+    model.prefill_chunk = opts.prefill_chunk;
+    let tokenizer = Tokenizer::from_gguf_file(path)
+        .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
+    tracing::info!(secs = t.elapsed().as_secs_f64(), "loaded");
+    Ok(Loaded {
+        model,
+        tokenizer,
+        format: opts.kv_format.parse()?,
+        chunk_tokens: opts.chunk_tokens,
+    })
+}
+
+/// How to sample.
+#[derive(Args, Debug, Clone)]
+pub struct SampleOpts {
+    /// Most tokens to generate per answer
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    pub temperature: f32,
+    /// Sample only from the k most likely tokens (0: all)
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub top_k: usize,
+    /// Sample only from the most likely tokens whose probabilities sum to p
+    #[arg(long, default_value_t = 1.0, value_name = "P")]
+    pub top_p: f32,
+    /// Seed of the sampler
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SampleOpts {
+    fn sampler(&self) -> anyhow::Result<Sampler> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            bail!("--temperature must be a finite number >= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!("--top-p must be in (0, 1]");
+        }
+        Ok(Sampler::new(SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        }))
+    }
+}
+
+/// `llms generate`.
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub engine: EngineOpts,
+    #[command(flatten)]
+    pub sample: SampleOpts,
+    /// The prompt
+    #[arg(long, short)]
+    pub prompt: String,
+    /// Feed the prompt as plain text instead of a chat turn
+    #[arg(long)]
+    pub raw: bool,
+    /// System prompt of the chat turn [default: the model's own]
+    #[arg(long)]
+    pub system: Option<String>,
+}
+
+/// `llms chat`.
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub engine: EngineOpts,
+    #[command(flatten)]
+    pub sample: SampleOpts,
+    /// Answer this one message and exit (without it, chat interactively, a message per line)
+    #[arg(long, short)]
+    pub prompt: Option<String>,
+    /// System prompt [default: the model's own]
+    #[arg(long)]
+    pub system: Option<String>,
+}
+
+/// Streams one answer to stdout, feeding `history[cache.len()..]` first; returns the answer's tokens.
+fn answer(
+    l: &Loaded,
+    cache: &mut KvCache,
+    history: &[u32],
+    sampler: &mut Sampler,
+    max_tokens: usize,
+) -> anyhow::Result<Vec<u32>> {
+    let stop = l.tokenizer.stop_ids();
+    let mut dec = StreamDecoder::new(true);
+    let mut out = std::io::stdout().lock();
+    let g = generate(
+        &l.model,
+        cache,
+        &history[cache.len()..],
+        max_tokens,
+        &stop,
+        sampler,
+        |t| {
+            let s = dec.push(&l.tokenizer, t);
+            write!(out, "{s}").and_then(|_| out.flush()).is_ok()
+        },
+    )?;
+    writeln!(out, "{}", dec.finish())?;
+    let n = g.tokens.len().saturating_sub(1).max(1);
+    tracing::info!(
+        prompt_tokens = g.prompt_tokens,
+        prefill_tps = g.prompt_tokens as f64 / g.prefill_secs,
+        decode_tps = n as f64 / g.decode_secs,
+        stop = ?g.stop,
+        "answered"
+    );
+    eprintln!(
+        "[{} prompt tokens at {:.0} t/s, {} generated at {:.1} t/s, stop: {:?}]",
+        g.prompt_tokens,
+        g.prompt_tokens as f64 / g.prefill_secs.max(1e-9),
+        g.tokens.len(),
+        n as f64 / g.decode_secs.max(1e-9),
+        g.stop
+    );
+    Ok(g.tokens)
+}
+
+fn first_turn(l: &Loaded, system: Option<&str>, user: &str) -> anyhow::Result<Vec<u32>> {
+    let mut msgs = Vec::new();
+    if let Some(s) = system {
+        msgs.push(Message::system(s));
+    }
+    msgs.push(Message::user(user));
+    Ok(l.tokenizer.encode_chat(&msgs, true)?)
+}
+
+/// Runs `llms generate`.
+pub fn run_generate(a: GenerateArgs) -> anyhow::Result<()> {
+    let l = load(&a.engine)?;
+    let mut sampler = a.sample.sampler()?;
+    let prompt = if a.raw {
+        l.tokenizer.encode(&a.prompt)
+    } else {
+        first_turn(&l, a.system.as_deref(), &a.prompt)?
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let mut cache = l.new_cache();
+    answer(&l, &mut cache, &prompt, &mut sampler, a.sample.max_tokens)?;
+    Ok(())
+}
+
+/// Runs `llms chat`.
+pub fn run_chat(a: ChatArgs) -> anyhow::Result<()> {
+    let l = load(&a.engine)?;
+    let mut sampler = a.sample.sampler()?;
+    let mut cache = l.new_cache();
+    let tk = &l.tokenizer;
+    let special = |s: &str| {
+        tk.token_id(s)
+            .with_context(|| format!("the model's vocabulary has no {s} token"))
+    };
+    let (im_start, im_end) = (special("<|im_start|>")?, special("<|im_end|>")?);
+    let mut history: Vec<u32> = Vec::new();
+    let mut turn =
+        |history: &mut Vec<u32>, user: &str, cache: &mut KvCache| -> anyhow::Result<()> {
+            if history.is_empty() {
+                *history = first_turn(&l, a.system.as_deref(), user)?;
+            } else {
+                history.push(im_start);
+                history.extend(tk.encode(&format!("user\n{user}")));
+                history.push(im_end);
+                history.extend(tk.encode("\n"));
+                history.push(im_start);
+                history.extend(tk.encode("assistant\n"));
+            }
+            let reply = answer(&l, cache, history, &mut sampler, a.sample.max_tokens)?;
+            history.extend(reply);
+            history.push(im_end);
+            history.extend(tk.encode("\n"));
+            Ok(())
+        };
+    if let Some(p) = &a.prompt {
+        return turn(&mut history, p, &mut cache);
+    }
+    let stdin = std::io::stdin();
+    let interactive = stdin.is_terminal();
+    if interactive {
+        eprintln!("llms chat: one message per line; an empty line or Ctrl-D ends the chat.");
+    }
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            return Ok(());
+        }
+        turn(&mut history, line.trim_end(), &mut cache)?;
+    }
+}
+
+/// `llms eval ppl`.
+#[derive(Args, Debug)]
+pub struct PplArgs {
+    #[command(flatten)]
+    pub engine: EngineOpts,
+    /// The text to score (UTF-8)
+    #[arg(long, value_name = "FILE")]
+    pub text: PathBuf,
+    /// Tokens per window; each window is scored on its second half
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub ctx: usize,
+    /// Score at most this many windows (0: all)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub max_windows: usize,
+}
+
+/// The perplexity of a text, with the protocol of llama.cpp's perplexity tool.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PplResult {
+    pub text: String,
+    pub kv_format: String,
+    pub ctx: usize,
+    pub windows: usize,
+    pub scored_tokens: usize,
+    pub ppl: f64,
+    pub seconds: f64,
+}
+
+/// Scores `tokens` in non-overlapping windows of `ctx`, each on its second half; calls
+/// `progress(window, running_ppl)` after each window.
+pub fn perplexity(
+    l: &Loaded,
+    tokens: &[u32],
+    ctx: usize,
+    max_windows: usize,
+    mut progress: impl FnMut(usize, f64),
+) -> anyhow::Result<(f64, usize, usize)> {
+    if ctx < 4 || ctx > l.model.cfg.max_ctx {
+        bail!(
+            "--ctx must be between 4 and the model's context length {}",
+            l.model.cfg.max_ctx
+        );
+    }
+    let mut windows = tokens.len() / ctx;
+    if windows == 0 {
+        bail!(
+            "the text has {} tokens, fewer than one window of {ctx}",
+            tokens.len()
+        );
+    }
+    if max_windows > 0 {
+        windows = windows.min(max_windows);
+    }
+    let first = ctx / 2;
+    let vocab = l.model.cfg.vocab;
+    let (mut nll, mut count) = (0.0f64, 0usize);
+    for w in 0..windows {
+        let win = &tokens[w * ctx..(w + 1) * ctx];
+        let mut cache = l.new_cache();
+        // Logits of positions first..ctx-1 predict tokens first+1..ctx.
+        let logits = l
+            .model
+            .forward(&mut cache, win, Logits::Tail(ctx - first))?;
+        for (j, row) in logits.chunks_exact(vocab).enumerate() {
+            let pos = first + j;
+            if pos + 1 >= ctx {
+                break;
+            }
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = row
+                .iter()
+                .map(|&v| ((v - max) as f64).exp())
+                .sum::<f64>()
+                .ln()
+                + max as f64;
+            nll += lse - row[win[pos + 1] as usize] as f64;
+            count += 1;
+        }
+        progress(w + 1, (nll / count as f64).exp());
+    }
+    Ok(((nll / count as f64).exp(), windows, count))
+}
+
+/// Runs `llms eval ppl`.
+pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
+    let l = load(&a.engine)?;
+    let text = std::fs::read_to_string(&a.text)
+        .with_context(|| format!("cannot read {} as UTF-8 text", a.text.display()))?;
+    let tokens = l.tokenizer.encode(&text);
+    let t = Instant::now();
+    eprint!(
+        "perplexity of {} ({} tokens), ctx {}, kv {}:",
+        a.text.display(),
+        tokens.len(),
+        a.ctx,
+        l.format
+    );
+    let (ppl, windows, scored) = perplexity(&l, &tokens, a.ctx, a.max_windows, |w, p| {
+        eprint!(" [{w}]{p:.4}");
+    })?;
+    eprintln!();
+    let r = PplResult {
+        text: a.text.display().to_string(),
+        kv_format: l.format.to_string(),
+        ctx: a.ctx,
+        windows,
+        scored_tokens: scored,
+        ppl,
+        seconds: t.elapsed().as_secs_f64(),
+    };
+    println!("{}", serde_json::to_string(&r)?);
+    Ok(())
+}
