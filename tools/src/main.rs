@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench_pager;
 mod model_cmd;
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
@@ -17,6 +18,15 @@ struct Cli {
 enum Command {
     /// Fetch and list models.
     Model(model_cmd::ModelArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// The userfaultfd pager: populate (COPY, MOVE), fault-to-resolved, reclaim, against memcpy.
+    Pager(bench_pager::BenchPagerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -40,5 +50,6 @@ fn main() -> std::process::ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Model(args) => model_cmd::run(args),
+        Command::Bench(BenchCommand::Pager(args)) => bench_pager::bench_pager(&args),
     }
 }
