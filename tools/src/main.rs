@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod kvfs_cmd;
 mod model_cmd;
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
@@ -17,6 +18,18 @@ struct Cli {
 enum Command {
     /// Fetch and list models.
     Model(model_cmd::ModelArgs),
+    /// Mount or inspect a kvfs chunk store
+    #[command(subcommand)]
+    Kvfs(kvfs_cmd::KvfsCommand),
+    /// Benchmarks
+    #[command(subcommand)]
+    Bench(Bench),
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// kvfs: reads and writes through the mount and directly, page cache, zstd on KV chunks
+    Kvfs(kvfs_cmd::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -40,5 +53,7 @@ fn main() -> std::process::ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Model(args) => model_cmd::run(args),
+        Command::Kvfs(cmd) => kvfs_cmd::run(cmd),
+        Command::Bench(Bench::Kvfs(args)) => kvfs_cmd::bench(args),
     }
 }
