@@ -1,0 +1,302 @@
+//! The fault thread: a runtime that owns the userfaultfd poll loop and resolves every touch of a non-resident page.
+//!
+//! Shaped like firecracker's on-demand handler: addresses are page-aligned once, the whole chunk
+//! around a faulting page is populated in one UFFDIO_COPY, EEXIST means "already there, just
+//! wake", EAGAIN means "try again". A fault on a chunk another thread is populating is deferred
+//! until that populate finishes (its UFFDIO_COPY wakes the waiter; the deferral only makes sure).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tracing::{error, warn};
+
+use crate::ChunkKey;
+use crate::pager::{ChunkState, PagerError, RecomputeReason, RecomputeRequest, Shared, Staging};
+use crate::sys::{Fault, PAGE_SIZE, SysError, poll2};
+
+/// Start the fault thread; `buf` is its one buffer, sized for the largest slot.
+pub(crate) fn spawn(shared: Arc<Shared>, buf: Staging) -> Result<JoinHandle<()>, SysError> {
+    std::thread::Builder::new()
+        .name("uffd-pager-fault".into())
+        .spawn(move || run(shared, buf))
+        .map_err(|source| SysError::Call {
+            op: "spawning the fault thread",
+            source,
+        })
+}
+
+/// On any exit of the fault thread, a panic included, mark the pager dead and release every
+/// thread blocked on a fault: nothing waits forever on a pager that is gone.
+struct ExitGuard(Arc<Shared>);
+
+impl Drop for ExitGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            error!("the fault thread panicked; releasing every faulting thread");
+        }
+        self.0.kill();
+        let mut exited = self.0.exited.lock().unwrap_or_else(|e| e.into_inner());
+        *exited = true;
+        self.0.exited_cv.notify_all();
+    }
+}
+
+/// At most `burst` messages per second; the rest are counted and reported with the next one.
+struct RateLimit {
+    window: Instant,
+    used: u32,
+    dropped: u64,
+}
+
+impl RateLimit {
+    const BURST: u32 = 10;
+
+    fn new() -> RateLimit {
+        RateLimit {
+            window: Instant::now(),
+            used: 0,
+            dropped: 0,
+        }
+    }
+
+    /// Whether to log now, and how many messages were suppressed before this one.
+    fn allow(&mut self) -> Option<u64> {
+        if self.window.elapsed() >= Duration::from_secs(1) {
+            self.window = Instant::now();
+            self.used = 0;
+        }
+        if self.used < Self::BURST {
+            self.used += 1;
+            Some(std::mem::take(&mut self.dropped))
+        } else {
+            self.dropped += 1;
+            None
+        }
+    }
+}
+
+struct Runtime {
+    shared: Arc<Shared>,
+    buf: Staging,
+    deferred: Vec<Fault>,
+    log: RateLimit,
+}
+
+fn run(shared: Arc<Shared>, buf: Staging) {
+    let _guard = ExitGuard(Arc::clone(&shared));
+    let mut rt = Runtime {
+        shared,
+        buf,
+        deferred: Vec::with_capacity(64),
+        log: RateLimit::new(),
+    };
+    let mut batch = [Fault {
+        addr: 0,
+        write: false,
+    }; 16];
+    let mut again: Vec<Fault> = Vec::with_capacity(64);
+    loop {
+        if rt.shared.lock().book.dead {
+            return;
+        }
+        let uffd_fd = rt.shared.uffd.raw_fd();
+        let wake_fd = rt.shared.wake.raw_fd();
+        match poll2(uffd_fd, wake_fd, -1) {
+            Ok((_, woken)) => {
+                if woken {
+                    rt.shared.wake.drain();
+                }
+            }
+            Err(e) => {
+                error!(error = %e, "polling the userfaultfd failed; stopping the pager");
+                return;
+            }
+        }
+        // Faults deferred behind another populate: look again.
+        std::mem::swap(&mut again, &mut rt.deferred);
+        for f in again.drain(..) {
+            rt.handle(f);
+        }
+        loop {
+            let n = match rt.shared.uffd.read_faults(&mut batch) {
+                Ok(n) => n,
+                Err(e) => {
+                    error!(error = %e, "reading the userfaultfd failed; stopping the pager");
+                    return;
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            for f in &batch[..n] {
+                rt.shared.stats.faults.fetch_add(1, Relaxed);
+                rt.handle(*f);
+            }
+        }
+    }
+}
+
+impl Runtime {
+    fn warn(&mut self, key: Option<ChunkKey>, what: &str, err: &dyn std::fmt::Display) {
+        if let Some(dropped) = self.log.allow() {
+            match key {
+                Some(k) => warn!(chunk = %k, error = %err, dropped, "{what}"),
+                None => warn!(error = %err, dropped, "{what}"),
+            }
+        }
+    }
+
+    fn handle(&mut self, fault: Fault) {
+        let t = Instant::now();
+        let page = fault.addr & !(PAGE_SIZE - 1);
+        let shared = Arc::clone(&self.shared);
+        let mut st = shared.lock();
+        if st.book.dead {
+            return;
+        }
+        let found = st
+            .book
+            .by_addr
+            .range(..=page)
+            .next_back()
+            .map(|(b, c)| (*b, *c));
+        let Some((base, ctx)) = found else {
+            drop(st);
+            self.stray(page);
+            return;
+        };
+        let Some(c) = st.book.ctxs.get(&ctx) else {
+            drop(st);
+            self.stray(page);
+            return;
+        };
+        if page >= base + c.map.len() {
+            drop(st);
+            self.stray(page);
+            return;
+        }
+        let index = (page - base) / c.stride;
+        let stride = c.stride;
+        let key = ChunkKey {
+            ctx,
+            index: index as u32,
+        };
+        let state = c.slots[index].state;
+        match state {
+            ChunkState::Resident | ChunkState::ZeroMapped => {
+                // Populated since the fault was queued (the populate's copy woke the thread
+                // already), or a touch past a shrunk chunk's end: map the zero page, which costs
+                // no memory, or just wake if a page is there.
+                drop(st);
+                shared.stats.faults_woken.fetch_add(1, Relaxed);
+                self.zero_or_wake(key, page, PAGE_SIZE);
+            }
+            ChunkState::Populating => self.deferred.push(fault),
+            ChunkState::Absent | ChunkState::Reclaimed => {
+                match shared.reserve(&mut st, key, None) {
+                    Ok(r) => {
+                        drop(st);
+                        let buf = &mut self.buf.as_mut_slice()[..r.bytes];
+                        let filled = shared.fill(key, buf);
+                        let copied = shared.copy_in(&r, &self.buf.as_slice()[..r.bytes]);
+                        if copied.is_ok() {
+                            shared.stats.fault_latency.record(t.elapsed());
+                        }
+                        let mut st = shared.lock();
+                        let reason = filled.as_ref().err().cloned().map(RecomputeReason::Source);
+                        shared.finish(&mut st, &r, copied.is_ok(), filled.is_ok(), reason);
+                        drop(st);
+                        if let Err(e) = &filled {
+                            self.warn(
+                                Some(key),
+                                "chunk source failed; zero-filled for recompute",
+                                e,
+                            );
+                        }
+                        if let Err(e) = copied {
+                            self.warn(Some(key), "populating a faulting chunk failed", &e);
+                            // Release the faulting thread; the slot is back to non-resident.
+                            self.zero_or_wake(key, page, PAGE_SIZE);
+                        }
+                    }
+                    Err(
+                        e @ (PagerError::BudgetExhausted { .. }
+                        | PagerError::LargerThanBudget { .. }),
+                    ) => {
+                        // No room: map the zero page over the whole slot (it costs no memory), and
+                        // have the engine recompute the chunk once it has made room.
+                        let c = st
+                            .book
+                            .ctxs
+                            .get_mut(&ctx)
+                            .expect("looked up under this lock");
+                        let slot = &mut c.slots[index];
+                        slot.state = ChunkState::ZeroMapped;
+                        if slot.bytes == 0 {
+                            slot.bytes = stride;
+                        }
+                        slot.needs_recompute = true;
+                        st.book.recompute.retain(|q| q.key != key);
+                        st.book.recompute.push_back(RecomputeRequest {
+                            key,
+                            reason: RecomputeReason::BudgetExhausted,
+                        });
+                        shared.stats.recompute_requests.fetch_add(1, Relaxed);
+                        drop(st);
+                        self.warn(
+                            Some(key),
+                            "fault with the budget exhausted; zero page mapped",
+                            &e,
+                        );
+                        self.zero_or_wake(key, base + index * stride, stride);
+                    }
+                    Err(e) => {
+                        drop(st);
+                        self.warn(Some(key), "cannot populate a faulting chunk", &e);
+                        self.zero_or_wake(key, page, PAGE_SIZE);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A fault outside every region (a context removed after the fault was queued): the removal
+    /// unregistered the range, which already woke the thread; wake again to be sure.
+    fn stray(&mut self, page: usize) {
+        if let Err(e) = self.shared.uffd.wake(page, PAGE_SIZE) {
+            self.warn(None, "waking a stray fault failed", &e);
+        }
+    }
+
+    /// Map zero pages over the missing pages of a range, skipping pages already there, and wake
+    /// its waiters.
+    fn zero_or_wake(&mut self, key: ChunkKey, addr: usize, len: usize) {
+        let mut done = 0;
+        while done < len {
+            match self.shared.uffd.zeropage(addr + done, len - done) {
+                Ok(()) => done = len,
+                Err(SysError::Partial {
+                    done: d, source, ..
+                }) if source.raw_os_error() == Some(libc::EEXIST) => {
+                    done += d + PAGE_SIZE;
+                }
+                Err(SysError::Partial {
+                    done: d, source, ..
+                }) if source.raw_os_error() == Some(libc::EAGAIN) => {
+                    self.shared.stats.eagain_retries.fetch_add(1, Relaxed);
+                    done += d;
+                    std::thread::yield_now();
+                }
+                Err(e) => {
+                    self.warn(Some(key), "mapping a zero page failed", &e);
+                    break;
+                }
+            }
+        }
+        if let Err(e) = self.shared.uffd.wake(addr, len) {
+            self.warn(Some(key), "waking faulting threads failed", &e);
+        }
+    }
+}

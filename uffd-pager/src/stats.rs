@@ -1,0 +1,148 @@
+//! Counters and latency histograms of the pager's primitives.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// A latency histogram with power-of-two nanosecond buckets; lock-free to record.
+#[derive(Debug)]
+pub struct Histogram {
+    buckets: [AtomicU64; 48],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+    max_ns: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            count: AtomicU64::new(0),
+            sum_ns: AtomicU64::new(0),
+            max_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+/// A histogram read out: count, mean and percentiles (bucket upper bounds), in nanoseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct HistogramSummary {
+    /// Samples recorded.
+    pub count: u64,
+    /// Mean.
+    pub mean_ns: u64,
+    /// Median, to within a factor of two.
+    pub p50_ns: u64,
+    /// 99th percentile, to within a factor of two.
+    pub p99_ns: u64,
+    /// Largest sample.
+    pub max_ns: u64,
+}
+
+impl Histogram {
+    /// Record one sample.
+    pub fn record(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let b = (64 - ns.leading_zeros() as usize).min(self.buckets.len() - 1);
+        self.buckets[b].fetch_add(1, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+        self.sum_ns.fetch_add(ns, Relaxed);
+        self.max_ns.fetch_max(ns, Relaxed);
+    }
+
+    /// Read the histogram.
+    pub fn summary(&self) -> HistogramSummary {
+        let count = self.count.load(Relaxed);
+        let pct = |p: f64| {
+            let target = ((count as f64) * p).ceil().max(1.0) as u64;
+            let mut seen = 0;
+            for (i, b) in self.buckets.iter().enumerate() {
+                seen += b.load(Relaxed);
+                if seen >= target {
+                    return if i == 0 { 0 } else { 1u64 << i };
+                }
+            }
+            self.max_ns.load(Relaxed)
+        };
+        HistogramSummary {
+            count,
+            mean_ns: self.sum_ns.load(Relaxed).checked_div(count).unwrap_or(0),
+            p50_ns: if count == 0 { 0 } else { pct(0.5) },
+            p99_ns: if count == 0 { 0 } else { pct(0.99) },
+            max_ns: self.max_ns.load(Relaxed),
+        }
+    }
+}
+
+/// The pager's counters; shared by the API and the fault thread.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub(crate) faults: AtomicU64,
+    pub(crate) faults_woken: AtomicU64,
+    pub(crate) populates: AtomicU64,
+    pub(crate) reclaims: AtomicU64,
+    pub(crate) shrinks: AtomicU64,
+    pub(crate) bytes_in: AtomicU64,
+    pub(crate) bytes_out: AtomicU64,
+    pub(crate) source_errors: AtomicU64,
+    pub(crate) recompute_requests: AtomicU64,
+    pub(crate) budget_refusals: AtomicU64,
+    pub(crate) eagain_retries: AtomicU64,
+    pub(crate) fault_latency: Histogram,
+    pub(crate) populate_latency: Histogram,
+    pub(crate) reclaim_latency: Histogram,
+}
+
+/// A copy of the counters at one moment.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct StatsSnapshot {
+    /// Page faults read from the userfaultfd.
+    pub faults: u64,
+    /// Faults on pages another path had already populated (only woken).
+    pub faults_woken: u64,
+    /// Chunks populated (claim, load or fault).
+    pub populates: u64,
+    /// Chunks reclaimed (explicitly or for room).
+    pub reclaims: u64,
+    /// Chunks shrunk in place.
+    pub shrinks: u64,
+    /// Bytes made resident.
+    pub bytes_in: u64,
+    /// Bytes given back to the kernel.
+    pub bytes_out: u64,
+    /// Source failures (missing, corrupt, I/O, timeout, panic).
+    pub source_errors: u64,
+    /// Chunks queued for recompute.
+    pub recompute_requests: u64,
+    /// Populates refused because nothing could be reclaimed.
+    pub budget_refusals: u64,
+    /// Ioctls retried after EAGAIN.
+    pub eagain_retries: u64,
+    /// Fault read to fault resolved, in the fault thread.
+    pub fault_latency: HistogramSummary,
+    /// One populate (copy or move), budget included.
+    pub populate_latency: HistogramSummary,
+    /// One chunk reclaim.
+    pub reclaim_latency: HistogramSummary,
+}
+
+impl Stats {
+    /// Read every counter.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            faults: self.faults.load(Relaxed),
+            faults_woken: self.faults_woken.load(Relaxed),
+            populates: self.populates.load(Relaxed),
+            reclaims: self.reclaims.load(Relaxed),
+            shrinks: self.shrinks.load(Relaxed),
+            bytes_in: self.bytes_in.load(Relaxed),
+            bytes_out: self.bytes_out.load(Relaxed),
+            source_errors: self.source_errors.load(Relaxed),
+            recompute_requests: self.recompute_requests.load(Relaxed),
+            budget_refusals: self.budget_refusals.load(Relaxed),
+            eagain_retries: self.eagain_retries.load(Relaxed),
+            fault_latency: self.fault_latency.summary(),
+            populate_latency: self.populate_latency.summary(),
+            reclaim_latency: self.reclaim_latency.summary(),
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! Chunk sources for tests and benchmarks: a deterministic pattern, and a deliberately faulty one.
+//!
+//! `FaultySource` plays the part firecracker's `malicious_handler.rs` plays for its page-fault
+//! handler: it fails on purpose (missing, corrupt, I/O error, timeout, panic, slowness) so the
+//! tests can show the pager neither hangs nor hands out wrong bytes.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use crate::{ChunkKey, ChunkSource, SourceError};
+
+/// The deterministic byte at `offset` of chunk `key`: what `PatternSource` serves.
+pub fn pattern_byte(key: ChunkKey, offset: usize) -> u8 {
+    let h = key
+        .ctx
+        .0
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(u64::from(key.index).wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
+        .wrapping_add(offset as u64 / 8);
+    (h ^ (h >> 29) ^ (offset as u64)) as u8
+}
+
+/// Fill `dst` with `key`'s pattern.
+pub fn fill_pattern(key: ChunkKey, dst: &mut [u8]) {
+    for (i, b) in dst.iter_mut().enumerate() {
+        *b = pattern_byte(key, i);
+    }
+}
+
+/// Serves every chunk's deterministic pattern, and counts the reads.
+#[derive(Debug, Default)]
+pub struct PatternSource {
+    reads: AtomicU64,
+}
+
+impl PatternSource {
+    /// A new source.
+    pub fn new() -> PatternSource {
+        PatternSource::default()
+    }
+
+    /// How many chunks were read.
+    pub fn reads(&self) -> u64 {
+        self.reads.load(Relaxed)
+    }
+}
+
+impl ChunkSource for PatternSource {
+    fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
+        self.reads.fetch_add(1, Relaxed);
+        fill_pattern(key, dst);
+        Ok(())
+    }
+}
+
+/// How `FaultySource` misbehaves on one chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Misbehavior {
+    /// Report the chunk missing.
+    Missing,
+    /// Report the chunk corrupt.
+    Corrupt,
+    /// Scribble garbage into the buffer, then report an I/O error.
+    IoErrorAfterGarbage,
+    /// Sleep, then report a timeout.
+    Timeout(Duration),
+    /// Panic.
+    Panic,
+    /// Sleep, then serve the right bytes.
+    Slow(Duration),
+}
+
+/// A deliberately faulty source: serves the pattern except on the chunks it is told to break.
+#[derive(Debug, Default)]
+pub struct FaultySource {
+    plan: Mutex<HashMap<ChunkKey, Misbehavior>>,
+    reads: AtomicU64,
+}
+
+impl FaultySource {
+    /// A source that misbehaves on no chunk yet.
+    pub fn new() -> FaultySource {
+        FaultySource::default()
+    }
+
+    /// Misbehave on `key` from now on.
+    pub fn break_chunk(&self, key: ChunkKey, how: Misbehavior) {
+        self.plan
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, how);
+    }
+
+    /// Serve `key` correctly again.
+    pub fn heal(&self, key: ChunkKey) {
+        self.plan
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&key);
+    }
+
+    /// How many fills were asked for.
+    pub fn reads(&self) -> u64 {
+        self.reads.load(Relaxed)
+    }
+}
+
+impl ChunkSource for FaultySource {
+    fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
+        self.reads.fetch_add(1, Relaxed);
+        let how = self
+            .plan
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+            .cloned();
+        match how {
+            None => {
+                fill_pattern(key, dst);
+                Ok(())
+            }
+            Some(Misbehavior::Missing) => Err(SourceError::Missing { key }),
+            Some(Misbehavior::Corrupt) => {
+                dst.fill(0xA5);
+                Err(SourceError::Corrupt {
+                    key,
+                    detail: "checksum mismatch".into(),
+                })
+            }
+            Some(Misbehavior::IoErrorAfterGarbage) => {
+                dst.fill(0x5A);
+                Err(SourceError::Io {
+                    key,
+                    detail: "EIO".into(),
+                })
+            }
+            Some(Misbehavior::Timeout(d)) => {
+                std::thread::sleep(d);
+                Err(SourceError::Timeout {
+                    key,
+                    millis: d.as_millis() as u64,
+                })
+            }
+            Some(Misbehavior::Panic) => panic!("FaultySource told to panic on {key}"),
+            Some(Misbehavior::Slow(d)) => {
+                std::thread::sleep(d);
+                fill_pattern(key, dst);
+                Ok(())
+            }
+        }
+    }
+}

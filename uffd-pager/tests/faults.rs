@@ -1,0 +1,467 @@
+//! Real userfaultfd faults: populate, reclaim, touch, concurrent faults, a faulty source, the budget, shutdown.
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use uffd_pager::testing::{FaultySource, Misbehavior, PatternSource, fill_pattern, pattern_byte};
+use uffd_pager::{
+    ChunkKey, ChunkSource, ChunkState, ContextId, ContextSpec, Pager, PagerConfig, PagerError,
+    RecomputeReason, SourceError, Staging,
+};
+
+const PAGE: usize = 4096;
+const SLOT: usize = 3 * PAGE;
+
+fn pager(budget_pages: u64, source: Arc<dyn ChunkSource>) -> Pager {
+    let p = Pager::new(
+        PagerConfig {
+            budget_bytes: budget_pages * PAGE as u64,
+            max_slot_bytes: SLOT,
+        },
+        source,
+    )
+    .expect("open the pager (needs root and /dev/userfaultfd)");
+    for ctx in 1..=2 {
+        p.add_context(
+            ContextId(ctx),
+            ContextSpec {
+                max_chunks: 16,
+                max_slot_bytes: SLOT,
+            },
+        )
+        .expect("add a context");
+    }
+    p
+}
+
+fn pattern(key: ChunkKey, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    fill_pattern(key, &mut v);
+    v
+}
+
+/// Read a chunk the way engine code does: plain loads through the slot pointer.
+fn touch_read(p: &Pager, key: ChunkKey, len: usize) -> Vec<u8> {
+    let (ptr, stride) = p.slot_ptr(key).expect("slot pointer");
+    assert!(len <= stride);
+    let mut out = vec![0u8; len];
+    for (i, b) in out.iter_mut().enumerate() {
+        // SAFETY: the slot lies inside the context's mapping, which lives as long as the pager;
+        // a non-resident page faults and the fault thread fills it.
+        *b = unsafe { std::ptr::read_volatile(ptr.as_ptr().add(i)) };
+    }
+    out
+}
+
+#[test]
+fn populate_copies_the_bytes_and_rss_matches() {
+    let p = pager(64, Arc::new(PatternSource::new()));
+    let k = ChunkKey::new(1, 2);
+    let data = pattern(k, 10_000);
+    p.populate(k, 10_000, &data).unwrap();
+    assert_eq!(p.resident_bytes(), SLOT as u64);
+    assert_eq!(p.region_rss(ContextId(1)).unwrap(), SLOT as u64);
+    p.lock_context(ContextId(1)).unwrap();
+    let mut out = vec![0u8; SLOT];
+    p.read(k, 0, &mut out).unwrap();
+    assert_eq!(&out[..10_000], &data[..]);
+    assert!(
+        out[10_000..].iter().all(|b| *b == 0),
+        "the tail is zero-padded"
+    );
+    let info = p.chunk_info(k).unwrap();
+    assert_eq!(info.state, ChunkState::Resident);
+    assert!(!info.persisted);
+    p.check(k).unwrap();
+}
+
+#[test]
+fn reclaim_returns_memory_and_a_touch_faults_the_chunk_back() {
+    let src = Arc::new(PatternSource::new());
+    let p = pager(64, src.clone());
+    let k = ChunkKey::new(1, 5);
+    p.populate(k, SLOT, &pattern(k, SLOT)).unwrap();
+    p.mark_persisted(k).unwrap();
+    assert_eq!(p.region_rss(ContextId(1)).unwrap(), SLOT as u64);
+    assert_eq!(p.reclaim(k).unwrap(), SLOT as u64);
+    assert_eq!(
+        p.region_rss(ContextId(1)).unwrap(),
+        0,
+        "MADV_DONTNEED gave the pages back"
+    );
+    assert_eq!(p.resident_bytes(), 0);
+    assert_eq!(p.chunk_info(k).unwrap().state, ChunkState::Reclaimed);
+
+    // Touch one byte in the middle page: the fault thread brings the whole chunk back.
+    let got = touch_read(&p, k, SLOT);
+    assert_eq!(got, pattern(k, SLOT));
+    p.check(k).unwrap();
+    assert_eq!(src.reads(), 1, "one fault populated the whole chunk");
+    assert_eq!(p.region_rss(ContextId(1)).unwrap(), SLOT as u64);
+    assert_eq!(p.resident_bytes(), SLOT as u64);
+    let s = p.stats();
+    assert_eq!(s.populates, 2);
+    assert_eq!(s.reclaims, 1);
+    assert!(s.faults >= 1);
+    assert_eq!(s.fault_latency.count, 1);
+    p.check(k).unwrap();
+}
+
+#[test]
+fn reclaim_refuses_locked_contexts_and_absent_chunks() {
+    let p = pager(64, Arc::new(PatternSource::new()));
+    let k = ChunkKey::new(2, 0);
+    assert!(matches!(p.reclaim(k), Err(PagerError::NotResident { .. })));
+    p.populate(k, PAGE, &[1u8; 100]).unwrap();
+    p.lock_context(ContextId(2)).unwrap();
+    assert!(matches!(p.reclaim(k), Err(PagerError::Locked { .. })));
+    assert!(matches!(
+        p.remove_context(ContextId(2)),
+        Err(PagerError::Locked { .. })
+    ));
+    p.unlock_context(ContextId(2)).unwrap();
+    assert!(matches!(
+        p.unlock_context(ContextId(2)),
+        Err(PagerError::NotLockedUnlock { .. })
+    ));
+    p.reclaim(k).unwrap();
+    assert!(matches!(
+        p.populate(ChunkKey::new(9, 0), PAGE, &[]),
+        Err(PagerError::NoContext { .. })
+    ));
+    assert!(matches!(
+        p.populate(ChunkKey::new(1, 16), PAGE, &[]),
+        Err(PagerError::NoChunk { .. })
+    ));
+    assert!(matches!(
+        p.populate(ChunkKey::new(1, 0), SLOT + 1, &[]),
+        Err(PagerError::SlotTooLarge { .. })
+    ));
+}
+
+#[test]
+fn shrink_in_place_returns_the_tail() {
+    let p = pager(64, Arc::new(PatternSource::new()));
+    let k = ChunkKey::new(1, 1);
+    let data = pattern(k, SLOT);
+    p.populate(k, SLOT, &data).unwrap();
+    assert_eq!(p.shrink(k, 5000).unwrap(), PAGE as u64);
+    assert_eq!(p.resident_bytes(), 2 * PAGE as u64);
+    assert_eq!(p.region_rss(ContextId(1)).unwrap(), 2 * PAGE as u64);
+    p.lock_context(ContextId(1)).unwrap();
+    let mut out = vec![0u8; 2 * PAGE];
+    p.read(k, 0, &mut out).unwrap();
+    assert_eq!(out, data[..2 * PAGE]);
+    // A stray touch past the shrunk end maps the zero page: no memory, no fault loop.
+    let mut past = vec![7u8; 16];
+    p.read(k, 2 * PAGE + 8, &mut past).unwrap();
+    assert_eq!(past, vec![0u8; 16]);
+    assert_eq!(p.region_rss(ContextId(1)).unwrap(), 2 * PAGE as u64);
+    assert!(matches!(
+        p.write(k, 2 * PAGE, &[1]),
+        Err(PagerError::OutOfRange { .. })
+    ));
+    // Reclaim and fault back at the shrunk size.
+    p.unlock_context(ContextId(1)).unwrap();
+    p.reclaim(k).unwrap();
+    p.lock_context(ContextId(1)).unwrap();
+    let mut back = vec![0u8; 2 * PAGE];
+    p.read(k, 0, &mut back).unwrap();
+    assert_eq!(back, data[..2 * PAGE]);
+    assert_eq!(p.resident_bytes(), 2 * PAGE as u64);
+}
+
+#[test]
+fn populate_by_move_hands_the_pages_over() {
+    let p = pager(64, Arc::new(PatternSource::new()));
+    assert!(p.move_supported(), "kernel 6.8+ has UFFDIO_MOVE");
+    let k = ChunkKey::new(1, 3);
+    let data = pattern(k, SLOT);
+    let mut staging = Staging::new(SLOT).unwrap();
+    staging.as_mut_slice()[..SLOT].copy_from_slice(&data);
+    p.populate_move(k, SLOT, &mut staging).unwrap();
+    assert!(
+        staging.as_slice().iter().all(|b| *b == 0),
+        "moved pages left the staging buffer"
+    );
+    assert_eq!(p.region_rss(ContextId(1)).unwrap(), SLOT as u64);
+    p.lock_context(ContextId(1)).unwrap();
+    let mut out = vec![0u8; SLOT];
+    p.read(k, 0, &mut out).unwrap();
+    assert_eq!(out, data);
+    // A staging buffer with holes (pages never written) falls back to copying them.
+    let k2 = ChunkKey::new(1, 4);
+    let mut holes = Staging::new(SLOT).unwrap();
+    holes.as_mut_slice()[..10].copy_from_slice(&[9u8; 10]);
+    p.populate_move(k2, SLOT, &mut holes).unwrap();
+    let mut out2 = vec![1u8; SLOT];
+    p.read(k2, 0, &mut out2).unwrap();
+    assert_eq!(&out2[..10], &[9u8; 10]);
+    assert!(out2[10..].iter().all(|b| *b == 0));
+    assert_eq!(p.region_rss(ContextId(1)).unwrap(), 2 * SLOT as u64);
+}
+
+#[test]
+fn load_brings_a_chunk_back_in_the_calling_thread() {
+    let src = Arc::new(FaultySource::new());
+    let p = pager(64, src.clone());
+    let k = ChunkKey::new(1, 7);
+    let mut staging = Staging::new(SLOT).unwrap();
+    p.populate(k, SLOT, &pattern(k, SLOT)).unwrap();
+    p.reclaim(k).unwrap();
+    p.load(k, &mut staging).unwrap();
+    assert_eq!(p.chunk_info(k).unwrap().state, ChunkState::Resident);
+    assert!(p.chunk_info(k).unwrap().persisted);
+    p.load(k, &mut staging).unwrap();
+    assert_eq!(src.reads(), 1, "a resident chunk is not read again");
+    p.reclaim(k).unwrap();
+    src.break_chunk(k, Misbehavior::Corrupt);
+    let err = p.load(k, &mut staging).unwrap_err();
+    assert!(matches!(
+        err,
+        PagerError::Source {
+            source: SourceError::Corrupt { .. },
+            ..
+        }
+    ));
+    assert_eq!(p.chunk_info(k).unwrap().state, ChunkState::Reclaimed);
+    assert_eq!(p.resident_bytes(), 0, "a failed load spends no budget");
+}
+
+#[test]
+fn four_threads_fault_the_same_and_different_chunks() {
+    let src = Arc::new(FaultySource::new());
+    let p = Arc::new(pager(64, src.clone()));
+    let shared = ChunkKey::new(1, 0);
+    for i in 0..5 {
+        src.break_chunk(
+            ChunkKey::new(1, i),
+            Misbehavior::Slow(Duration::from_millis(20)),
+        );
+    }
+    p.lock_context(ContextId(1)).unwrap();
+    let barrier = Arc::new(Barrier::new(4));
+    let threads: Vec<_> = (0..4u32)
+        .map(|t| {
+            let p = Arc::clone(&p);
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                barrier.wait();
+                let own = ChunkKey::new(1, 1 + t);
+                let a = touch_read(&p, shared, SLOT);
+                let b = touch_read(&p, own, SLOT);
+                (a == pattern(shared, SLOT), b == pattern(own, SLOT))
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), (true, true));
+    }
+    assert_eq!(src.reads(), 5, "each chunk was populated exactly once");
+    assert_eq!(p.resident_bytes(), 5 * SLOT as u64);
+    assert_eq!(p.region_rss(ContextId(1)).unwrap(), 5 * SLOT as u64);
+}
+
+fn check_faulty(how: Misbehavior, expect: fn(&SourceError) -> bool) {
+    let src = Arc::new(FaultySource::new());
+    let p = pager(64, src.clone());
+    let k = ChunkKey::new(1, 9);
+    p.populate(k, SLOT, &pattern(k, SLOT)).unwrap();
+    p.reclaim(k).unwrap();
+    src.break_chunk(k, how.clone());
+    let got = touch_read(&p, k, SLOT);
+    assert!(
+        got.iter().all(|b| *b == 0),
+        "{how:?}: no wrong data, only zeros"
+    );
+    let checked = p.check(k);
+    assert!(
+        matches!(checked, Err(PagerError::NeedsRecompute { .. })),
+        "{how:?}: {checked:?}"
+    );
+    let queue = p.drain_recompute();
+    assert_eq!(queue.len(), 1, "{how:?}");
+    assert_eq!(queue[0].key, k);
+    match &queue[0].reason {
+        RecomputeReason::Source(e) => assert!(expect(e), "{how:?}: {e}"),
+        other => panic!("{how:?}: unexpected reason {other:?}"),
+    }
+    assert!(p.drain_recompute().is_empty());
+    assert_eq!(p.stats().source_errors, 1);
+    // The engine recomputes in place, then the chunk is usable.
+    p.lock_context(ContextId(1)).unwrap();
+    p.write(k, 0, &pattern(k, SLOT)).unwrap();
+    p.mark_recomputed(k).unwrap();
+    p.check(k).unwrap();
+    // The pager still serves other chunks.
+    let other = ChunkKey::new(2, 1);
+    assert_eq!(touch_read(&p, other, PAGE), pattern(other, PAGE));
+}
+
+#[test]
+fn a_faulty_source_never_hangs_nor_hands_out_wrong_bytes() {
+    check_faulty(Misbehavior::Missing, |e| {
+        matches!(e, SourceError::Missing { .. })
+    });
+    check_faulty(Misbehavior::Corrupt, |e| {
+        matches!(e, SourceError::Corrupt { .. })
+    });
+    check_faulty(Misbehavior::IoErrorAfterGarbage, |e| {
+        matches!(e, SourceError::Io { .. })
+    });
+    check_faulty(Misbehavior::Timeout(Duration::from_millis(30)), |e| {
+        matches!(e, SourceError::Timeout { .. })
+    });
+    check_faulty(Misbehavior::Panic, |e| {
+        matches!(e, SourceError::Panicked { .. })
+    });
+}
+
+#[test]
+fn a_slow_source_still_serves_the_right_bytes() {
+    let src = Arc::new(FaultySource::new());
+    let p = pager(64, src.clone());
+    let k = ChunkKey::new(2, 3);
+    src.break_chunk(k, Misbehavior::Slow(Duration::from_millis(50)));
+    assert_eq!(touch_read(&p, k, SLOT), pattern(k, SLOT));
+    p.check(k).unwrap();
+    assert!(p.drain_recompute().is_empty());
+}
+
+#[test]
+fn the_budget_reclaims_victims_and_refuses_when_everything_is_locked() {
+    let p = pager(6, Arc::new(PatternSource::new()));
+    let a = ChunkKey::new(1, 0);
+    let b = ChunkKey::new(1, 1);
+    let c = ChunkKey::new(2, 0);
+    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
+    p.populate(b, SLOT, &pattern(b, SLOT)).unwrap();
+    assert_eq!(p.resident_bytes(), 6 * PAGE as u64);
+    // Full: the least recently used chunk (a) goes.
+    p.populate(c, SLOT, &pattern(c, SLOT)).unwrap();
+    assert_eq!(p.chunk_info(a).unwrap().state, ChunkState::Reclaimed);
+    assert_eq!(p.resident_bytes(), 6 * PAGE as u64);
+    assert_eq!(
+        p.region_rss(ContextId(1)).unwrap() + p.region_rss(ContextId(2)).unwrap(),
+        6 * PAGE as u64
+    );
+    // Everything resident is locked: a populate is refused with a clear error.
+    p.lock_context(ContextId(1)).unwrap();
+    p.lock_context(ContextId(2)).unwrap();
+    let err = p.populate(a, SLOT, &pattern(a, SLOT)).unwrap_err();
+    assert!(
+        matches!(err, PagerError::BudgetExhausted { need, budget, .. } if need == SLOT as u64 && budget == 6 * PAGE as u64)
+    );
+    assert!(
+        err.to_string()
+            .contains("unlock a context or raise the budget")
+    );
+    // A fault with no room maps the zero page (no memory) and asks for recompute.
+    let got = touch_read(&p, a, SLOT);
+    assert!(got.iter().all(|x| *x == 0));
+    assert_eq!(p.chunk_info(a).unwrap().state, ChunkState::ZeroMapped);
+    assert!(matches!(p.check(a), Err(PagerError::NeedsRecompute { .. })));
+    let q = p.drain_recompute();
+    assert_eq!(q.len(), 1);
+    assert_eq!(q[0].reason, RecomputeReason::BudgetExhausted);
+    assert_eq!(p.resident_bytes(), 6 * PAGE as u64);
+    assert_eq!(
+        p.region_rss(ContextId(1)).unwrap(),
+        2 * SLOT as u64 - SLOT as u64
+    );
+    // Once room is made, the chunk is populated for real.
+    p.unlock_context(ContextId(2)).unwrap();
+    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
+    assert_eq!(p.chunk_info(c).unwrap().state, ChunkState::Reclaimed);
+    p.check(a).unwrap();
+    let mut out = vec![0u8; SLOT];
+    p.read(a, 0, &mut out).unwrap();
+    assert_eq!(out, pattern(a, SLOT));
+    assert_eq!(p.stats().budget_refusals, 2);
+    // A chunk larger than the whole budget is refused outright.
+    let small = pager(2, Arc::new(PatternSource::new()));
+    assert!(matches!(
+        small.populate(a, SLOT, &[]),
+        Err(PagerError::LargerThanBudget { .. })
+    ));
+}
+
+#[test]
+fn shutdown_releases_threads_blocked_on_faults() {
+    let src = Arc::new(FaultySource::new());
+    let p = Arc::new(pager(64, src.clone()));
+    for i in 0..4 {
+        src.break_chunk(
+            ChunkKey::new(1, i),
+            Misbehavior::Slow(Duration::from_millis(300)),
+        );
+    }
+    let barrier = Arc::new(Barrier::new(5));
+    let threads: Vec<_> = (0..4u32)
+        .map(|t| {
+            let p = Arc::clone(&p);
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                let k = ChunkKey::new(1, t);
+                barrier.wait();
+                let got = touch_read(&p, k, PAGE);
+                // Engine-like code checks before it uses the bytes.
+                (
+                    p.check(k),
+                    got == pattern(k, PAGE) || got.iter().all(|b| *b == 0),
+                )
+            })
+        })
+        .collect();
+    barrier.wait();
+    std::thread::sleep(Duration::from_millis(50));
+    p.shutdown();
+    for t in threads {
+        let (check, bytes_ok) = t.join().unwrap();
+        assert!(matches!(check, Err(PagerError::ShutDown)), "{check:?}");
+        assert!(bytes_ok);
+    }
+    assert!(matches!(
+        p.populate(ChunkKey::new(1, 5), PAGE, &[]),
+        Err(PagerError::ShutDown)
+    ));
+    let _ = pattern_byte(ChunkKey::new(1, 0), 0);
+}
+
+#[test]
+fn remove_context_frees_everything() {
+    let p = pager(64, Arc::new(PatternSource::new()));
+    for i in 0..4 {
+        let k = ChunkKey::new(1, i);
+        p.populate(k, SLOT, &pattern(k, SLOT)).unwrap();
+    }
+    assert_eq!(p.resident_bytes(), 4 * SLOT as u64);
+    p.remove_context(ContextId(1)).unwrap();
+    assert_eq!(p.resident_bytes(), 0);
+    assert!(matches!(
+        p.region_rss(ContextId(1)),
+        Err(PagerError::NoContext { .. })
+    ));
+    assert!(matches!(
+        p.add_context(
+            ContextId(2),
+            ContextSpec {
+                max_chunks: 1,
+                max_slot_bytes: PAGE
+            }
+        ),
+        Err(PagerError::ContextExists { .. })
+    ));
+    p.add_context(
+        ContextId(1),
+        ContextSpec {
+            max_chunks: 2,
+            max_slot_bytes: PAGE,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        p.chunk_info(ChunkKey::new(1, 0)).unwrap().state,
+        ChunkState::Absent
+    );
+}
