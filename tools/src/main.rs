@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench_engine;
+mod bench_pager;
 mod engine_cmd;
 mod model_cmd;
 
@@ -41,6 +42,8 @@ enum EvalCommand {
 enum BenchCommand {
     /// Prefill and decode speed of the engine, and the memory of weights and KV.
     Engine(bench_engine::BenchEngineArgs),
+    /// The userfaultfd pager: populate (COPY, MOVE), fault-to-resolved, reclaim, against memcpy.
+    Pager(bench_pager::BenchPagerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -68,5 +71,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Chat(args) => engine_cmd::run_chat(args),
         Command::Eval(EvalCommand::Ppl(args)) => engine_cmd::run_ppl(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
+        Command::Bench(BenchCommand::Pager(args)) => bench_pager::bench_pager(&args),
     }
 }

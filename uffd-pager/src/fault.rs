@@ -115,6 +115,9 @@ fn run(shared: Arc<Shared>, buf: Staging) {
             }
         }
         // Faults deferred behind another populate: look again.
+        if !rt.deferred.is_empty() {
+            rt.shared.lock().book.deferred = 0;
+        }
         std::mem::swap(&mut again, &mut rt.deferred);
         for f in again.drain(..) {
             rt.handle(f);
@@ -193,7 +196,10 @@ impl Runtime {
                 shared.stats.faults_woken.fetch_add(1, Relaxed);
                 self.zero_or_wake(key, page, PAGE_SIZE);
             }
-            ChunkState::Populating => self.deferred.push(fault),
+            ChunkState::Populating => {
+                st.book.deferred += 1;
+                self.deferred.push(fault);
+            }
             ChunkState::Absent | ChunkState::Reclaimed => {
                 match shared.reserve(&mut st, key, None) {
                     Ok(r) => {

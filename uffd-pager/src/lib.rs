@@ -9,6 +9,7 @@
 //! the recompute queue ([`Pager::drain_recompute`]) of chunks that could not be read.
 //! See `docs/uffd.md` for the flows and the kernel's caveats.
 
+pub mod bench;
 mod fault;
 mod pager;
 mod source;

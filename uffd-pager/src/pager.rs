@@ -218,6 +218,9 @@ pub(crate) struct Book {
     pub(crate) recompute: VecDeque<RecomputeRequest>,
     pub(crate) dead: bool,
     pub(crate) next_epoch: u64,
+    /// Faults the fault thread deferred behind a populate in flight; a finishing populate wakes
+    /// the fault thread only when there are some (an eventfd write costs a context switch).
+    pub(crate) deferred: usize,
 }
 
 pub(crate) struct State {
@@ -463,6 +466,9 @@ impl Shared {
             // The context was removed while we populated; its bytes went with it.
             st.book.resident -= r.bytes as u64;
             self.populated.notify_all();
+            if st.book.deferred > 0 {
+                self.wake.signal();
+            }
             return;
         }
         let c = st
@@ -498,7 +504,9 @@ impl Shared {
             let _ = c.map.dontneed(r.offset, r.stride);
         }
         self.populated.notify_all();
-        self.wake.signal();
+        if st.book.deferred > 0 {
+            self.wake.signal();
+        }
     }
 
     /// Copy `src` (exactly `r.bytes`, whole pages) into the reserved slot, retrying EAGAIN and
@@ -658,6 +666,7 @@ impl Pager {
                     recompute: VecDeque::new(),
                     dead: false,
                     next_epoch: 1,
+                    deferred: 0,
                 },
                 chooser,
             }),
@@ -799,6 +808,7 @@ impl Pager {
         slot_bytes: usize,
         data: &[u8],
     ) -> Result<(), PagerError> {
+        let _span = tracing::debug_span!("populate", chunk = %key).entered();
         let t = Instant::now();
         if data.len() > slot_bytes {
             return Err(PagerError::OutOfRange {
@@ -842,6 +852,7 @@ impl Pager {
         slot_bytes: usize,
         staging: &mut Staging,
     ) -> Result<(), PagerError> {
+        let _span = tracing::debug_span!("populate_move", chunk = %key).entered();
         let t = Instant::now();
         if page_round(slot_bytes) > staging.len() {
             return Err(PagerError::StagingTooSmall {
@@ -861,6 +872,7 @@ impl Pager {
     /// `staging` as the buffer. Already resident: nothing to do. If the source fails, the chunk
     /// stays non-resident (no budget spent) and the error says why: recompute it and `populate`.
     pub fn load(&self, key: ChunkKey, staging: &mut Staging) -> Result<(), PagerError> {
+        let _span = tracing::debug_span!("load", chunk = %key).entered();
         let t = Instant::now();
         let st = self.live()?;
         let mut st = self.shared.wait_populated(st, key)?;
@@ -904,6 +916,7 @@ impl Pager {
     /// Reclaim: drop a resident chunk's pages (MADV_DONTNEED). Refused while its context is
     /// locked. Returns the bytes freed.
     pub fn reclaim(&self, key: ChunkKey) -> Result<u64, PagerError> {
+        let _span = tracing::debug_span!("reclaim", chunk = %key).entered();
         let st = self.live()?;
         let mut st = self.shared.wait_populated(st, key)?;
         let (c, s) = st.book.slot(key)?;
@@ -919,6 +932,7 @@ impl Pager {
     /// Shrink a resident chunk in place to `new_bytes` (page-rounded), after the engine rewrote it
     /// in a smaller format at the start of its slot; the tail pages go back to the kernel.
     pub fn shrink(&self, key: ChunkKey, new_bytes: usize) -> Result<u64, PagerError> {
+        let _span = tracing::debug_span!("shrink", chunk = %key).entered();
         let mut st = self.live()?;
         let new = page_round(new_bytes.max(1));
         let (slot, map, offset) = st.book.slot_mut(key)?;

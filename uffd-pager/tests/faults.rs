@@ -465,3 +465,31 @@ fn remove_context_frees_everything() {
         ChunkState::Absent
     );
 }
+
+#[test]
+fn a_fault_on_a_chunk_being_loaded_waits_for_that_load() {
+    let src = Arc::new(FaultySource::new());
+    let p = Arc::new(pager(64, src.clone()));
+    let k = ChunkKey::new(1, 6);
+    src.break_chunk(k, Misbehavior::Slow(Duration::from_millis(200)));
+    let loader = {
+        let p = Arc::clone(&p);
+        std::thread::spawn(move || {
+            let mut staging = Staging::new(SLOT).unwrap();
+            p.load(k, &mut staging)
+        })
+    };
+    // Wait until the load has claimed the chunk, then touch it.
+    while p.chunk_info(k).unwrap().state != ChunkState::Populating {
+        std::thread::yield_now();
+    }
+    assert_eq!(touch_read(&p, k, SLOT), pattern(k, SLOT));
+    loader.join().unwrap().unwrap();
+    p.check(k).unwrap();
+    assert_eq!(
+        src.reads(),
+        1,
+        "the fault did not read the chunk a second time"
+    );
+    assert_eq!(p.stats().populates, 1);
+}

@@ -1,0 +1,360 @@
+//! `llms bench pager`: populate by COPY and MOVE, fault-to-resolved latency, reclaim cost, against memcpy and the raw ioctls.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::sys::{Mapping, PAGE_SIZE, Uffd};
+use crate::{
+    ChunkKey, ChunkSource, ContextId, ContextSpec, Pager, PagerConfig, PagerError, SourceError,
+    Staging,
+};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Chunk sizes in bytes (each page-rounded).
+    pub sizes: Vec<usize>,
+    /// Operations per run.
+    pub iterations: usize,
+    /// Runs; each figure is the median over runs of each run's median.
+    pub runs: usize,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            sizes: vec![16 << 10, 64 << 10, 192 << 10],
+            iterations: 200,
+            runs: 5,
+        }
+    }
+}
+
+/// The figures for one chunk size; times are medians in nanoseconds per chunk.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SizeReport {
+    /// Chunk size in bytes.
+    pub bytes: usize,
+    /// memcpy into memory that is already populated.
+    pub memcpy_ns: u64,
+    /// A bare UFFDIO_COPY of the chunk into a registered, empty range.
+    pub raw_copy_ns: u64,
+    /// A bare UFFDIO_MOVE of the chunk from a written staging buffer.
+    pub raw_move_ns: u64,
+    /// `Pager::populate` (UFFDIO_COPY, with budget and bookkeeping).
+    pub populate_copy_ns: u64,
+    /// `Pager::populate_move` (UFFDIO_MOVE, with budget and bookkeeping), staging already written.
+    pub populate_move_ns: u64,
+    /// Writing the chunk into a staging buffer whose pages a move took away (the refault cost
+    /// the MOVE path pays before each populate).
+    pub staging_refill_ns: u64,
+    /// A bare MADV_DONTNEED of the chunk.
+    pub raw_dontneed_ns: u64,
+    /// `Pager::reclaim`.
+    pub reclaim_ns: u64,
+    /// First touch of a reclaimed chunk until the load returns, the whole chunk populated by the
+    /// fault thread from a source that memcpys from RAM.
+    pub fault_ns: u64,
+    /// The source's memcpy alone, the fault path's unavoidable copy besides the ioctl.
+    pub source_fill_ns: u64,
+}
+
+impl SizeReport {
+    fn gibs(&self, ns: u64) -> f64 {
+        if ns == 0 {
+            return 0.0;
+        }
+        self.bytes as f64 / ns as f64 * 1e9 / (1u64 << 30) as f64
+    }
+}
+
+/// The whole report.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchReport {
+    /// Operations per run.
+    pub iterations: usize,
+    /// Runs.
+    pub runs: usize,
+    /// Whether UFFDIO_MOVE was available.
+    pub move_supported: bool,
+    /// One entry per chunk size.
+    pub sizes: Vec<SizeReport>,
+}
+
+impl BenchReport {
+    /// The report as a plain-text table.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        s.push_str(&format!(
+            "pager benchmark: median of {} runs x {} ops (ns per chunk, GiB/s in brackets)\n",
+            self.runs, self.iterations
+        ));
+        s.push_str(&format!(
+            "{:<26}{}\n",
+            "",
+            self.sizes
+                .iter()
+                .map(|r| format!("{:>22}", format!("{} KiB", r.bytes >> 10)))
+                .collect::<String>()
+        ));
+        type Pick = fn(&SizeReport) -> u64;
+        let rows: [(&str, Pick); 10] = [
+            ("memcpy (populated dst)", |r| r.memcpy_ns),
+            ("raw UFFDIO_COPY", |r| r.raw_copy_ns),
+            ("raw UFFDIO_MOVE", |r| r.raw_move_ns),
+            ("populate COPY", |r| r.populate_copy_ns),
+            ("populate MOVE", |r| r.populate_move_ns),
+            ("  + staging refill", |r| r.staging_refill_ns),
+            ("raw MADV_DONTNEED", |r| r.raw_dontneed_ns),
+            ("reclaim", |r| r.reclaim_ns),
+            ("source fill (memcpy)", |r| r.source_fill_ns),
+            ("fault to resolved", |r| r.fault_ns),
+        ];
+        for (name, pick) in rows {
+            s.push_str(&format!("{name:<26}"));
+            for r in &self.sizes {
+                let ns = pick(r);
+                s.push_str(&format!("{:>22}", format!("{ns} ({:.2})", r.gibs(ns))));
+            }
+            s.push('\n');
+        }
+        s.push_str(&format!("{:<26}", "fault / raw COPY"));
+        for r in &self.sizes {
+            s.push_str(&format!(
+                "{:>22}",
+                format!("{:.2}x", r.fault_ns as f64 / r.raw_copy_ns.max(1) as f64)
+            ));
+        }
+        s.push('\n');
+        s.push_str(&format!("{:<26}", "fault / (COPY + fill)"));
+        for r in &self.sizes {
+            s.push_str(&format!(
+                "{:>22}",
+                format!(
+                    "{:.2}x",
+                    r.fault_ns as f64 / (r.raw_copy_ns + r.source_fill_ns).max(1) as f64
+                )
+            ));
+        }
+        s.push('\n');
+        s
+    }
+}
+
+/// A source that copies a chunk from RAM: the fault path's cost without storage.
+struct RamSource {
+    bytes: Vec<u8>,
+}
+
+impl ChunkSource for RamSource {
+    fn fill(&self, _key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
+        dst.copy_from_slice(&self.bytes[..dst.len()]);
+        Ok(())
+    }
+}
+
+fn median(mut v: Vec<u64>) -> u64 {
+    if v.is_empty() {
+        return 0;
+    }
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+fn ns(t: Instant) -> u64 {
+    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Run the benchmark.
+pub fn run(opts: &BenchOptions) -> Result<BenchReport, PagerError> {
+    let max = opts
+        .sizes
+        .iter()
+        .map(|s| crate::sys::page_round(*s))
+        .max()
+        .unwrap_or(PAGE_SIZE);
+    let data: Vec<u8> = (0..max).map(|i| (i * 31 % 251) as u8).collect();
+    let source = Arc::new(RamSource {
+        bytes: data.clone(),
+    });
+    let pager = Pager::new(
+        PagerConfig {
+            budget_bytes: 1 << 30,
+            max_slot_bytes: max,
+        },
+        source,
+    )?;
+    let move_supported = pager.move_supported();
+    let mut sizes = Vec::new();
+    let mut next_ctx = 1;
+    for &size in &opts.sizes {
+        let size = crate::sys::page_round(size);
+        let mut runs: Vec<[u64; 10]> = Vec::new();
+        for _ in 0..opts.runs.max(1) {
+            let ctx = ContextId(next_ctx);
+            next_ctx += 1;
+            pager.add_context(
+                ctx,
+                ContextSpec {
+                    max_chunks: 1,
+                    max_slot_bytes: size,
+                },
+            )?;
+            runs.push(one_run(&pager, ctx, size, &data[..size], opts.iterations)?);
+            pager.remove_context(ctx)?;
+        }
+        let pick = |i: usize| median(runs.iter().map(|r| r[i]).collect());
+        sizes.push(SizeReport {
+            bytes: size,
+            memcpy_ns: pick(0),
+            raw_copy_ns: pick(1),
+            raw_move_ns: pick(2),
+            populate_copy_ns: pick(3),
+            populate_move_ns: pick(4),
+            staging_refill_ns: pick(5),
+            raw_dontneed_ns: pick(6),
+            reclaim_ns: pick(7),
+            fault_ns: pick(8),
+            source_fill_ns: pick(9),
+        });
+    }
+    Ok(BenchReport {
+        iterations: opts.iterations,
+        runs: opts.runs,
+        move_supported,
+        sizes,
+    })
+}
+
+fn setup(e: crate::sys::SysError) -> PagerError {
+    PagerError::Setup { source: e }
+}
+
+/// One run at one size: the per-op median of each measurement.
+fn one_run(
+    pager: &Pager,
+    ctx: ContextId,
+    size: usize,
+    data: &[u8],
+    iters: usize,
+) -> Result<[u64; 10], PagerError> {
+    let key = ChunkKey { ctx, index: 0 };
+    let mut out = [0u64; 10];
+
+    // memcpy into populated memory.
+    let mut dst = vec![1u8; size];
+    let mut v = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        dst.copy_from_slice(black_box(data));
+        black_box(&mut dst);
+        v.push(ns(t));
+    }
+    out[0] = median(v);
+
+    // The bare ioctls on a range of our own.
+    let uffd = Uffd::open().map_err(setup)?;
+    let region = Mapping::reserve(size).map_err(setup)?;
+    uffd.register(region.addr(), region.len()).map_err(setup)?;
+    let (mut copy, mut mv, mut dn) = (Vec::new(), Vec::new(), Vec::new());
+    let mut staging = Staging::new(size)?;
+    for _ in 0..iters {
+        let t = Instant::now();
+        uffd.copy(region.addr(), data).map_err(setup)?;
+        copy.push(ns(t));
+        let t = Instant::now();
+        region.dontneed(0, size).map_err(setup)?;
+        dn.push(ns(t));
+        if uffd.move_supported() {
+            staging.as_mut_slice()[..size].copy_from_slice(data);
+            let t = Instant::now();
+            // SAFETY: the staging buffer is private anonymous, ours, fully written, and its
+            // contents are given up.
+            unsafe { uffd.move_pages(region.addr(), staging.as_slice().as_ptr() as usize, size) }
+                .map_err(setup)?;
+            mv.push(ns(t));
+            region.dontneed(0, size).map_err(setup)?;
+        }
+    }
+    out[1] = median(copy);
+    out[2] = median(mv);
+    out[6] = median(dn);
+    drop(region);
+
+    // The pager's populate (COPY, MOVE) and reclaim.
+    let (mut pc, mut pm, mut refill, mut rc) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..iters {
+        let t = Instant::now();
+        pager.populate(key, size, data)?;
+        pc.push(ns(t));
+        let t = Instant::now();
+        pager.reclaim(key)?;
+        rc.push(ns(t));
+        let t = Instant::now();
+        staging.as_mut_slice()[..size].copy_from_slice(data);
+        refill.push(ns(t));
+        let t = Instant::now();
+        pager.populate_move(key, size, &mut staging)?;
+        pm.push(ns(t));
+        pager.reclaim(key)?;
+    }
+    out[3] = median(pc);
+    out[4] = median(pm);
+    out[5] = median(refill);
+    out[7] = median(rc);
+
+    // Fault to resolved: touch one byte of a reclaimed chunk.
+    let (p, _) = pager.slot_ptr(key)?;
+    let (mut fault, mut fill) = (Vec::new(), Vec::new());
+    let mut scratch = vec![0u8; size];
+    for i in 0..iters {
+        pager.populate(key, size, data)?;
+        pager.mark_persisted(key)?;
+        pager.reclaim(key)?;
+        let off = (i * PAGE_SIZE) % size;
+        let t = Instant::now();
+        // SAFETY: the slot lies inside the context's live mapping; the read faults and the fault
+        // thread populates the chunk before it returns.
+        let b = unsafe { std::ptr::read_volatile(p.as_ptr().add(off)) };
+        fault.push(ns(t));
+        black_box(b);
+        pager.check(key)?;
+        pager.reclaim(key)?;
+        let t = Instant::now();
+        scratch.copy_from_slice(black_box(data));
+        black_box(&mut scratch);
+        fill.push(ns(t));
+    }
+    out[8] = median(fault);
+    out[9] = median(fill);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tiny_run_measures_every_row() {
+        let r = run(&BenchOptions {
+            sizes: vec![16 << 10, 5000],
+            iterations: 3,
+            runs: 1,
+        })
+        .expect("bench runs");
+        assert_eq!(r.sizes.len(), 2);
+        assert_eq!(r.sizes[1].bytes, 8192, "sizes are page-rounded");
+        for s in &r.sizes {
+            assert!(s.memcpy_ns > 0 && s.raw_copy_ns > 0 && s.populate_copy_ns > 0);
+            assert!(s.reclaim_ns > 0 && s.fault_ns > 0 && s.populate_move_ns > 0);
+        }
+        let table = r.table();
+        assert!(
+            table.contains("fault to resolved") && table.contains("16 KiB"),
+            "{table}"
+        );
+        let json = serde_json::to_string(&r).expect("serialise");
+        assert!(json.contains("\"populate_move_ns\""));
+    }
+}
