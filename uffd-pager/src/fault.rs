@@ -1,8 +1,15 @@
 //! The fault thread: a runtime that owns the userfaultfd poll loop and resolves every touch of a non-resident page.
 //!
 //! Shaped like firecracker's on-demand handler: addresses are page-aligned once, the whole chunk
-//! around a faulting page is populated in one UFFDIO_COPY, EEXIST means "already there, just
-//! wake", EAGAIN means "try again". A fault on a chunk another thread is populating is deferred
+//! around a faulting page is populated in one go, EEXIST means "already there, just wake", EAGAIN
+//! means "try again".
+//!
+//! By default (`PopulateVia::Copy`) the source fills a warm buffer and one UFFDIO_COPY maps the
+//! chunk. In `PopulateVia::Move` mode there are two buffers, each sized for the largest slot:
+//! the source fills the *move* buffer when it is warm (every page faulted in) and one UFFDIO_MOVE hands its pages to the slot without a copy;
+//! the buffer is then faulted in again (MADV_POPULATE_WRITE) in slices while no fault is pending.
+//! A fault that finds it cold (a burst) is filled into the *copy* buffer and UFFDIO_COPY'd, which
+//! leaves that buffer warm. Isolated faults get the move's latency, bursts the copy's throughput. A fault on a chunk another thread is populating is deferred
 //! until that populate finishes (its UFFDIO_COPY wakes the waiter; the deferral only makes sure).
 
 use std::sync::Arc;
@@ -16,11 +23,14 @@ use crate::ChunkKey;
 use crate::pager::{ChunkState, PagerError, RecomputeReason, RecomputeRequest, Shared, Staging};
 use crate::sys::{Fault, PAGE_SIZE, SysError, poll2};
 
-/// Start the fault thread; `buf` is its one buffer, sized for the largest slot.
-pub(crate) fn spawn(shared: Arc<Shared>, buf: Staging) -> Result<JoinHandle<()>, SysError> {
+/// Start the fault thread; `bufs` are its copy and move buffers, sized for the largest slot.
+pub(crate) fn spawn(
+    shared: Arc<Shared>,
+    bufs: (Staging, Staging),
+) -> Result<JoinHandle<()>, SysError> {
     std::thread::Builder::new()
         .name("uffd-pager-fault".into())
-        .spawn(move || run(shared, buf))
+        .spawn(move || run(shared, bufs))
         .map_err(|source| SysError::Call {
             op: "spawning the fault thread",
             source,
@@ -79,19 +89,30 @@ impl RateLimit {
 
 struct Runtime {
     shared: Arc<Shared>,
-    buf: Staging,
+    copy_buf: Staging,
+    move_buf: Staging,
+    /// How much of `move_buf` is faulted in; all of it means a fault may move from it.
+    move_warm: usize,
     deferred: Vec<Fault>,
     log: RateLimit,
 }
 
-fn run(shared: Arc<Shared>, buf: Staging) {
+/// Prefault the move buffer this much at a time between checks for pending faults.
+const PREFAULT_SLICE: usize = 64 << 10;
+
+fn run(shared: Arc<Shared>, (copy_buf, move_buf): (Staging, Staging)) {
     let _guard = ExitGuard(Arc::clone(&shared));
     let mut rt = Runtime {
         shared,
-        buf,
+        copy_buf,
+        move_buf,
+        move_warm: 0,
         deferred: Vec::with_capacity(64),
         log: RateLimit::new(),
     };
+    if let Err(e) = rt.copy_buf.prefault() {
+        rt.warn(None, "prefaulting the copy buffer failed", &e);
+    }
     let mut batch = [Fault {
         addr: 0,
         write: false,
@@ -131,6 +152,10 @@ fn run(shared: Arc<Shared>, buf: Staging) {
                 }
             };
             if n == 0 {
+                // Idle: warm the move buffer up, a slice at a time, while no fault waits.
+                if rt.warm_move_buffer() {
+                    continue;
+                }
                 break;
             }
             for f in &batch[..n] {
@@ -204,9 +229,22 @@ impl Runtime {
                 match shared.reserve(&mut st, key, None) {
                     Ok(r) => {
                         drop(st);
-                        let buf = &mut self.buf.as_mut_slice()[..r.bytes];
-                        let filled = shared.fill(key, buf);
-                        let copied = shared.copy_in(&r, &self.buf.as_slice()[..r.bytes]);
+                        let by_move =
+                            shared.uffd.move_supported() && self.move_warm >= self.move_buf.len();
+                        let buf = if by_move {
+                            &mut self.move_buf
+                        } else {
+                            &mut self.copy_buf
+                        };
+                        let filled = shared.fill(key, &mut buf.as_mut_slice()[..r.bytes]);
+                        let copied = if by_move {
+                            // The pages go to the slot; the buffer is cold until warmed again.
+                            self.move_warm = 0;
+                            shared.stats.faults_moved.fetch_add(1, Relaxed);
+                            shared.move_in(&r, &mut self.move_buf)
+                        } else {
+                            shared.copy_in(&r, &self.copy_buf.as_slice()[..r.bytes])
+                        };
                         if copied.is_ok() {
                             shared.stats.fault_latency.record(t.elapsed());
                         }
@@ -266,6 +304,26 @@ impl Runtime {
                 }
             }
         }
+    }
+
+    /// Fault one more slice of the move buffer in; returns whether a fault is pending (stop
+    /// warming and serve it). A failure leaves the buffer cold, and faults use the copy buffer.
+    fn warm_move_buffer(&mut self) -> bool {
+        let len = self.move_buf.len();
+        while self.move_warm < len && self.shared.fault_move {
+            let n = PREFAULT_SLICE.min(len - self.move_warm);
+            if let Err(e) = self.move_buf.prefault_range(self.move_warm, n) {
+                self.warn(None, "prefaulting the move buffer failed", &e);
+                return false;
+            }
+            self.move_warm += n;
+            match poll2(self.shared.uffd.raw_fd(), self.shared.wake.raw_fd(), 0) {
+                Ok((false, false)) => {}
+                Ok((fault, _)) => return fault,
+                Err(_) => return false,
+            }
+        }
+        false
     }
 
     /// A fault outside every region (a context removed after the fault was queued): the removal

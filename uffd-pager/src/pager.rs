@@ -97,8 +97,24 @@ pub enum PopulateVia {
 pub struct PagerConfig {
     /// Hard limit on resident chunk bytes (page-rounded), across all contexts.
     pub budget_bytes: u64,
-    /// The largest slot any context may ask for (sizes the fault thread's buffer).
+    /// The largest slot any context may ask for (sizes the fault thread's buffers).
     pub max_slot_bytes: usize,
+    /// How the fault thread populates: `Copy` (the default: UFFDIO_COPY from a warm buffer, the
+    /// best throughput), or `Move` (UFFDIO_MOVE from a buffer it warms up again while idle: lower
+    /// latency for isolated faults, more CPU in bursts). `Move` falls back to `Copy` on kernels
+    /// without UFFDIO_MOVE.
+    pub fault_via: PopulateVia,
+}
+
+impl PagerConfig {
+    /// A budget and a largest slot, faults resolved by copy.
+    pub fn new(budget_bytes: u64, max_slot_bytes: usize) -> PagerConfig {
+        PagerConfig {
+            budget_bytes,
+            max_slot_bytes,
+            fault_via: PopulateVia::Copy,
+        }
+    }
 }
 
 /// The shape of one context's region.
@@ -170,6 +186,29 @@ impl Staging {
         Ok(Staging { map })
     }
 
+    /// Fault the whole buffer in, writable, ahead of use (MADV_POPULATE_WRITE): after a
+    /// `populate_move` took its pages, a background thread can pay the page allocation here
+    /// instead of the next writer.
+    pub fn prefault(&mut self) -> Result<(), PagerError> {
+        self.map
+            .populate_write(0, self.map.len())
+            .map_err(|source| PagerError::Setup { source })
+    }
+
+    /// Fault `[off, off+len)` of the buffer in (page-rounded), as `prefault` does for all of it.
+    pub fn prefault_range(&mut self, off: usize, len: usize) -> Result<(), PagerError> {
+        if !off.is_multiple_of(PAGE_SIZE) || off.saturating_add(len) > self.map.len() {
+            return Err(PagerError::Setup {
+                source: SysError::Unsupported {
+                    what: "a page-aligned range inside the staging buffer",
+                },
+            });
+        }
+        self.map
+            .populate_write(off, len)
+            .map_err(|source| PagerError::Setup { source })
+    }
+
     /// The buffer, to fill.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: the mapping is ours, read-write, `len` bytes long, and `&mut self` makes this the
@@ -236,6 +275,8 @@ pub(crate) struct Shared {
     pub(crate) source: Arc<dyn ChunkSource>,
     pub(crate) budget: u64,
     pub(crate) max_slot: usize,
+    /// Whether the fault thread populates by UFFDIO_MOVE.
+    pub(crate) fault_move: bool,
     /// Never written: a source of zeros for UFFDIO_COPY that costs no memory.
     pub(crate) zeros: Mapping,
     pub(crate) stats: Stats,
@@ -655,6 +696,7 @@ impl Pager {
             });
         }
         let uffd = Uffd::open().map_err(|source| PagerError::Setup { source })?;
+        let uffd_move = uffd.move_supported();
         let wake = EventFd::new().map_err(|source| PagerError::Setup { source })?;
         let max_slot = page_round(config.max_slot_bytes.max(1));
         let shared = Arc::new(Shared {
@@ -675,14 +717,15 @@ impl Pager {
             source,
             budget: config.budget_bytes,
             max_slot,
+            fault_move: config.fault_via == PopulateVia::Move && uffd_move,
             zeros: Mapping::reserve(max_slot).map_err(|source| PagerError::Setup { source })?,
             stats: Stats::default(),
             wake,
             exited: Mutex::new(false),
             exited_cv: Condvar::new(),
         });
-        let buf = Staging::new(max_slot)?;
-        let thread = crate::fault::spawn(Arc::clone(&shared), buf)
+        let bufs = (Staging::new(max_slot)?, Staging::new(max_slot)?);
+        let thread = crate::fault::spawn(Arc::clone(&shared), bufs)
             .map_err(|source| PagerError::Setup { source })?;
         Ok(Pager {
             shared,

@@ -78,6 +78,7 @@ impl Histogram {
 pub struct Stats {
     pub(crate) faults: AtomicU64,
     pub(crate) faults_woken: AtomicU64,
+    pub(crate) faults_moved: AtomicU64,
     pub(crate) populates: AtomicU64,
     pub(crate) reclaims: AtomicU64,
     pub(crate) shrinks: AtomicU64,
@@ -99,6 +100,8 @@ pub struct StatsSnapshot {
     pub faults: u64,
     /// Faults on pages another path had already populated (only woken).
     pub faults_woken: u64,
+    /// Faults resolved by UFFDIO_MOVE from the fault thread's warm buffer.
+    pub faults_moved: u64,
     /// Chunks populated (claim, load or fault).
     pub populates: u64,
     /// Chunks reclaimed (explicitly or for room).
@@ -131,6 +134,7 @@ impl Stats {
         StatsSnapshot {
             faults: self.faults.load(Relaxed),
             faults_woken: self.faults_woken.load(Relaxed),
+            faults_moved: self.faults_moved.load(Relaxed),
             populates: self.populates.load(Relaxed),
             reclaims: self.reclaims.load(Relaxed),
             shrinks: self.shrinks.load(Relaxed),

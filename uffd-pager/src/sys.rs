@@ -468,6 +468,15 @@ impl Mapping {
         Ok(())
     }
 
+    /// Fault in writable pages over `[off, off+len)` ahead of use (MADV_POPULATE_WRITE, 5.14+).
+    pub fn populate_write(&self, off: usize, len: usize) -> Result<(), SysError> {
+        const MADV_POPULATE_WRITE: i32 = 23;
+        if len == 0 {
+            return Ok(());
+        }
+        self.madvise(off, page_round(len), MADV_POPULATE_WRITE)
+    }
+
     /// Drop the pages of `[off, off+len)`: they return to the kernel, and the next touch faults.
     pub fn dontneed(&self, off: usize, len: usize) -> Result<(), SysError> {
         if len == 0 {

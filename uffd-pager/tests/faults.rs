@@ -6,21 +6,15 @@ use std::time::Duration;
 use uffd_pager::testing::{FaultySource, Misbehavior, PatternSource, fill_pattern, pattern_byte};
 use uffd_pager::{
     ChunkKey, ChunkSource, ChunkState, ContextId, ContextSpec, Pager, PagerConfig, PagerError,
-    RecomputeReason, SourceError, Staging,
+    PopulateVia, RecomputeReason, SourceError, Staging,
 };
 
 const PAGE: usize = 4096;
 const SLOT: usize = 3 * PAGE;
 
 fn pager(budget_pages: u64, source: Arc<dyn ChunkSource>) -> Pager {
-    let p = Pager::new(
-        PagerConfig {
-            budget_bytes: budget_pages * PAGE as u64,
-            max_slot_bytes: SLOT,
-        },
-        source,
-    )
-    .expect("open the pager (needs root and /dev/userfaultfd)");
+    let p = Pager::new(PagerConfig::new(budget_pages * PAGE as u64, SLOT), source)
+        .expect("open the pager (needs root and /dev/userfaultfd)");
     for ctx in 1..=2 {
         p.add_context(
             ContextId(ctx),
@@ -492,4 +486,48 @@ fn a_fault_on_a_chunk_being_loaded_waits_for_that_load() {
         "the fault did not read the chunk a second time"
     );
     assert_eq!(p.stats().populates, 1);
+}
+
+#[test]
+fn faults_in_move_mode_serve_the_right_bytes() {
+    let src = Arc::new(PatternSource::new());
+    let p = Pager::new(
+        PagerConfig {
+            fault_via: PopulateVia::Move,
+            ..PagerConfig::new(64 * PAGE as u64, SLOT)
+        },
+        src,
+    )
+    .unwrap();
+    p.add_context(
+        ContextId(1),
+        ContextSpec {
+            max_chunks: 4,
+            max_slot_bytes: SLOT,
+        },
+    )
+    .unwrap();
+    // Back-to-back faults (some by copy while the move buffer warms), then faults after a pause
+    // (the buffer is warm by then, so they move), until at least one moved.
+    for round in 0..100 {
+        for i in 0..4 {
+            let k = ChunkKey::new(1, i);
+            assert_eq!(touch_read(&p, k, SLOT), pattern(k, SLOT), "round {round}");
+            p.check(k).unwrap();
+        }
+        for i in 0..4 {
+            p.reclaim(ChunkKey::new(1, i)).unwrap();
+        }
+        if round > 2 && p.stats().faults_moved > 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let s = p.stats();
+    assert!(s.faults_moved > 0, "{s:?}");
+    assert!(
+        s.populates > s.faults_moved,
+        "bursts fell back to copy: {s:?}"
+    );
+    assert_eq!(p.region_rss(ContextId(1)).unwrap(), 0);
 }

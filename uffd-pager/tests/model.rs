@@ -113,10 +113,7 @@ struct Harness {
 impl Harness {
     fn new() -> Harness {
         let pager = Pager::new(
-            PagerConfig {
-                budget_bytes: BUDGET_PAGES * PAGE,
-                max_slot_bytes: (MAX_PAGES * PAGE) as usize,
-            },
+            PagerConfig::new(BUDGET_PAGES * PAGE, (MAX_PAGES * PAGE) as usize),
             Arc::new(PatternSource::new()),
         )
         .expect("open the pager");
