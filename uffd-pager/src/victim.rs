@@ -109,3 +109,76 @@ impl VictimChooser for LruChooser {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// A resident set written out by hand: key -> (bytes, persisted, context locked).
+    struct View(HashMap<ChunkKey, (u64, bool, bool)>);
+
+    impl ResidentView for View {
+        fn candidate(&self, key: ChunkKey) -> Option<Candidate> {
+            let (bytes, persisted, locked) = *self.0.get(&key)?;
+            (!locked).then_some(Candidate {
+                key,
+                bytes,
+                persisted,
+            })
+        }
+        fn is_locked(&self, ctx: ContextId) -> bool {
+            self.0.iter().any(|(k, v)| k.ctx == ctx && v.2)
+        }
+        fn for_each_candidate(&self, f: &mut dyn FnMut(Candidate)) {
+            for k in self.0.keys() {
+                if let Some(c) = self.candidate(*k) {
+                    f(c);
+                }
+            }
+        }
+    }
+
+    fn k(ctx: u64, i: u32) -> ChunkKey {
+        ChunkKey::new(ctx, i)
+    }
+
+    fn check(
+        order: &[ChunkKey],
+        accessed: &[ChunkKey],
+        view: &[(ChunkKey, u64, bool, bool)],
+        need: u64,
+        expected: &[ChunkKey],
+    ) {
+        let mut lru = LruChooser::new();
+        for key in order {
+            lru.on_populate(*key, 4096);
+        }
+        for key in accessed {
+            lru.on_access(*key);
+        }
+        let view = View(view.iter().map(|(k, b, p, l)| (*k, (*b, *p, *l))).collect());
+        assert_eq!(lru.choose_victims(need, &view), expected);
+    }
+
+    #[test]
+    fn chooses_least_recent_persisted_first_and_skips_locked() {
+        let (a, b, c) = (k(1, 0), k(1, 1), k(2, 0));
+        let all = [a, b, c];
+        let view = |pa: bool, pb: bool, pc: bool, lock1: bool| {
+            [
+                (a, 4096, pa, lock1),
+                (b, 4096, pb, lock1),
+                (c, 4096, pc, false),
+            ]
+        };
+        check(&all, &[], &view(true, true, true, false), 4096, &[a]);
+        check(&all, &[a], &view(true, true, true, false), 4096, &[b]);
+        check(&all, &[], &view(true, true, true, false), 8192, &[a, b]);
+        check(&all, &[], &view(false, true, true, false), 4096, &[b]);
+        check(&all, &[], &view(false, false, false, false), 4096, &[a]);
+        check(&all, &[], &view(true, true, true, true), 4096, &[c]);
+        check(&all, &[], &view(true, true, true, true), 8192, &[c]);
+        check(&all, &[], &[], 4096, &[]);
+    }
+}
