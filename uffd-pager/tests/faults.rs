@@ -6,7 +6,7 @@ use std::time::Duration;
 use uffd_pager::testing::{FaultySource, Misbehavior, PatternSource, fill_pattern, pattern_byte};
 use uffd_pager::{
     ChunkKey, ChunkSource, ChunkState, ContextId, ContextSpec, Pager, PagerConfig, PagerError,
-    PopulateVia, RecomputeReason, SourceError, Staging,
+    PopulateVia, RecomputeReason, ResidentView, SourceError, Staging, VictimChooser,
 };
 
 const PAGE: usize = 4096;
@@ -530,4 +530,42 @@ fn faults_in_move_mode_serve_the_right_bytes() {
         "bursts fell back to copy: {s:?}"
     );
     assert_eq!(p.region_rss(ContextId(1)).unwrap(), 0);
+}
+
+/// A chooser that panics: it runs on the fault thread when a fault needs room.
+struct PanickingChooser;
+
+impl VictimChooser for PanickingChooser {
+    fn choose_victims(&mut self, _need: u64, _view: &dyn ResidentView) -> Vec<ChunkKey> {
+        panic!("chooser told to panic")
+    }
+}
+
+#[test]
+fn a_panic_on_the_fault_thread_releases_the_faulting_thread() {
+    let p = Pager::with_chooser(
+        PagerConfig::new(SLOT as u64, SLOT),
+        Arc::new(PatternSource::new()),
+        Box::new(PanickingChooser),
+    )
+    .unwrap();
+    p.add_context(
+        ContextId(1),
+        ContextSpec {
+            max_chunks: 2,
+            max_slot_bytes: SLOT,
+        },
+    )
+    .unwrap();
+    let a = ChunkKey::new(1, 0);
+    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
+    // The budget is full: the fault on `b` asks the chooser, which panics on the fault thread.
+    let b = ChunkKey::new(1, 1);
+    let got = touch_read(&p, b, PAGE);
+    assert!(got.iter().all(|x| *x == 0));
+    assert!(matches!(p.check(b), Err(PagerError::ShutDown)));
+    assert!(matches!(
+        p.populate(b, PAGE, &[]),
+        Err(PagerError::ShutDown)
+    ));
 }
