@@ -569,3 +569,26 @@ fn a_panic_on_the_fault_thread_releases_the_faulting_thread() {
         Err(PagerError::ShutDown)
     ));
 }
+
+#[test]
+fn a_kernel_mode_access_faults_through_the_pager_too() {
+    // write(2) from a reclaimed chunk's slot: the kernel's copy from user memory faults, and the
+    // fault thread must resolve it (the fd is not user-mode-only), or the file gets zeros.
+    let p = pager(64, Arc::new(PatternSource::new()));
+    let k = ChunkKey::new(2, 4);
+    p.populate(k, SLOT, &pattern(k, SLOT)).unwrap();
+    p.mark_persisted(k).unwrap();
+    p.reclaim(k).unwrap();
+    p.lock_context(ContextId(2)).unwrap();
+    let (ptr, _) = p.slot_ptr(k).unwrap();
+    // SAFETY: the slot lies inside the locked context's mapping, which lives as long as `p`;
+    // nothing writes it while the slice is alive.
+    let slot = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), SLOT) };
+    let path = std::env::temp_dir().join(format!("uffd-pager-kernel-{}", std::process::id()));
+    std::fs::write(&path, slot).unwrap();
+    let back = std::fs::read(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(back, pattern(k, SLOT));
+    p.check(k).unwrap();
+    assert!(p.stats().faults >= 1);
+}
