@@ -211,7 +211,13 @@ impl Runtime {
             ctx,
             index: index as u32,
         };
-        let state = c.slots[index].state;
+        let Some(state) = c.slots.get(index).map(|s| s.state) else {
+            // Past the last slot (cannot happen: the region is exactly its slots); never leave
+            // the thread waiting.
+            drop(st);
+            self.zero_or_wake(key, page, PAGE_SIZE);
+            return;
+        };
         match state {
             ChunkState::Resident | ChunkState::ZeroMapped => {
                 // Populated since the fault was queued (the populate's copy woke the thread

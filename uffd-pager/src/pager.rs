@@ -770,7 +770,8 @@ impl Pager {
         if st.book.ctxs.contains_key(&ctx) {
             return Err(PagerError::ContextExists { ctx });
         }
-        let len = stride * spec.max_chunks.max(1) as usize;
+        let max_chunks = spec.max_chunks.max(1) as usize;
+        let len = stride * max_chunks;
         let map = Mapping::reserve(len).map_err(|source| PagerError::Setup { source })?;
         self.shared
             .uffd
@@ -792,7 +793,7 @@ impl Pager {
                         persisted: false,
                         needs_recompute: false,
                     };
-                    spec.max_chunks as usize
+                    max_chunks
                 ],
                 locks: 0,
             },

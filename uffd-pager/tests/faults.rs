@@ -592,3 +592,22 @@ fn a_kernel_mode_access_faults_through_the_pager_too() {
     p.check(k).unwrap();
     assert!(p.stats().faults >= 1);
 }
+
+#[test]
+fn a_context_of_zero_chunks_still_has_one() {
+    let p = pager(64, Arc::new(PatternSource::new()));
+    p.add_context(
+        ContextId(3),
+        ContextSpec {
+            max_chunks: 0,
+            max_slot_bytes: PAGE,
+        },
+    )
+    .unwrap();
+    let k = ChunkKey::new(3, 0);
+    assert_eq!(touch_read(&p, k, PAGE), pattern(k, PAGE));
+    assert!(matches!(
+        p.populate(ChunkKey::new(3, 1), PAGE, &[]),
+        Err(PagerError::NoChunk { .. })
+    ));
+}
