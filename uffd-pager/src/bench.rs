@@ -217,9 +217,8 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, PagerError> {
         bytes: data.clone(),
     });
     let config = |fault_via| PagerConfig {
-        budget_bytes: 1 << 30,
-        max_slot_bytes: max,
         fault_via,
+        ..PagerConfig::new(1 << 30, max)
     };
     let pager = Pager::new(config(PopulateVia::Copy), source.clone())?;
     let move_pager = Pager::new(config(PopulateVia::Move), source)?;

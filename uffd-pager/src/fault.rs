@@ -242,7 +242,9 @@ impl Runtime {
                         } else {
                             &mut self.copy_buf
                         };
+                        shared.fill_mark(true);
                         let filled = shared.fill(key, &mut buf.as_mut_slice()[..r.bytes]);
+                        shared.fill_mark(false);
                         let copied = if by_move {
                             // The pages go to the slot; the buffer is cold until warmed again.
                             self.move_warm = 0;

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -104,6 +105,10 @@ pub struct PagerConfig {
     /// latency for isolated faults, more CPU in bursts). `Move` falls back to `Copy` on kernels
     /// without UFFDIO_MOVE.
     pub fault_via: PopulateVia,
+    /// Fail-stop for a source that never returns: if one fill on the fault thread takes longer,
+    /// a watchdog stops the pager, which releases every faulting thread (`check` then reports
+    /// `ShutDown`). `None` trusts the source to bound its own reads.
+    pub source_deadline: Option<Duration>,
 }
 
 impl PagerConfig {
@@ -113,6 +118,7 @@ impl PagerConfig {
             budget_bytes,
             max_slot_bytes,
             fault_via: PopulateVia::Copy,
+            source_deadline: Some(Duration::from_secs(10)),
         }
     }
 }
@@ -284,6 +290,13 @@ pub(crate) struct Shared {
     pub(crate) wake: EventFd,
     pub(crate) exited: Mutex<bool>,
     pub(crate) exited_cv: Condvar,
+    /// When the pager started: the origin of `fill_since`.
+    pub(crate) born: Instant,
+    /// Nanoseconds after `born` at which the fault thread's current fill started; 0 when idle.
+    pub(crate) fill_since: AtomicU64,
+    /// Set by `kill`; wakes the watchdog.
+    pub(crate) watch_stop: Mutex<bool>,
+    pub(crate) watch_cv: Condvar,
 }
 
 /// A reserved, not yet filled populate: the slot is `Populating` and its bytes are counted.
@@ -657,6 +670,20 @@ impl Shared {
         self.populated.notify_all();
         drop(st);
         self.wake.signal();
+        *self.watch_stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.watch_cv.notify_all();
+    }
+
+    /// Mark the start (`true`) or end of a fill on the fault thread, for the watchdog.
+    pub(crate) fn fill_mark(&self, start: bool) {
+        let now = if start {
+            u64::try_from(self.born.elapsed().as_nanos())
+                .unwrap_or(u64::MAX)
+                .max(1)
+        } else {
+            0
+        };
+        self.fill_since.store(now, Relaxed);
     }
 }
 
@@ -665,6 +692,7 @@ impl Shared {
 pub struct Pager {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Pager {
@@ -723,13 +751,22 @@ impl Pager {
             wake,
             exited: Mutex::new(false),
             exited_cv: Condvar::new(),
+            born: Instant::now(),
+            fill_since: AtomicU64::new(0),
+            watch_stop: Mutex::new(false),
+            watch_cv: Condvar::new(),
         });
         let bufs = (Staging::new(max_slot)?, Staging::new(max_slot)?);
         let thread = crate::fault::spawn(Arc::clone(&shared), bufs)
             .map_err(|source| PagerError::Setup { source })?;
+        let watchdog = match config.source_deadline {
+            Some(deadline) => Some(spawn_watchdog(Arc::clone(&shared), deadline)?),
+            None => None,
+        };
         Ok(Pager {
             shared,
             thread: Mutex::new(Some(thread)),
+            watchdog: Mutex::new(watchdog),
         })
     }
 
@@ -1180,6 +1217,14 @@ impl Pager {
     /// or left behind after 5 s if a chunk source never returns.
     pub fn shutdown(&self) {
         self.shared.kill();
+        let watchdog = self
+            .watchdog
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(w) = watchdog {
+            let _ = w.join();
+        }
         let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(h) = handle {
             let exited = self.shared.exited.lock().unwrap_or_else(|e| e.into_inner());
@@ -1203,6 +1248,42 @@ impl Drop for Pager {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// The watchdog: stops the pager if one fill on the fault thread outlasts `deadline`.
+fn spawn_watchdog(shared: Arc<Shared>, deadline: Duration) -> Result<JoinHandle<()>, PagerError> {
+    let deadline_ns = u64::try_from(deadline.as_nanos()).unwrap_or(u64::MAX);
+    let tick = (deadline / 4).max(Duration::from_millis(5));
+    std::thread::Builder::new()
+        .name("uffd-pager-watchdog".into())
+        .spawn(move || {
+            let mut stop = shared.watch_stop.lock().unwrap_or_else(|e| e.into_inner());
+            while !*stop {
+                let since = shared.fill_since.load(Relaxed);
+                let now = u64::try_from(shared.born.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                if since != 0 && now.saturating_sub(since) > deadline_ns {
+                    drop(stop);
+                    tracing::error!(
+                        deadline_ms = deadline.as_millis() as u64,
+                        "a chunk source has not returned within its deadline; stopping the \
+                         pager so no thread waits forever on a fault"
+                    );
+                    shared.kill();
+                    return;
+                }
+                stop = shared
+                    .watch_cv
+                    .wait_timeout(stop, tick)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        })
+        .map_err(|source| PagerError::Setup {
+            source: SysError::Call {
+                op: "spawning the watchdog",
+                source,
+            },
+        })
 }
 
 /// A view of part of a reservation, for copying a piece of the slot.

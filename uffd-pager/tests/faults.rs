@@ -611,3 +611,32 @@ fn a_context_of_zero_chunks_still_has_one() {
         Err(PagerError::NoChunk { .. })
     ));
 }
+
+#[test]
+fn a_source_that_hangs_past_its_deadline_stops_the_pager_and_releases_the_fault() {
+    let src = Arc::new(FaultySource::new());
+    let p = Pager::new(
+        PagerConfig {
+            source_deadline: Some(Duration::from_millis(100)),
+            ..PagerConfig::new(64 * PAGE as u64, SLOT)
+        },
+        src.clone(),
+    )
+    .unwrap();
+    p.add_context(
+        ContextId(1),
+        ContextSpec {
+            max_chunks: 2,
+            max_slot_bytes: SLOT,
+        },
+    )
+    .unwrap();
+    let k = ChunkKey::new(1, 0);
+    src.break_chunk(k, Misbehavior::Slow(Duration::from_secs(2)));
+    let got = touch_read(&p, k, PAGE);
+    assert!(
+        got.iter().all(|b| *b == 0),
+        "released with zeros, not the late bytes"
+    );
+    assert!(matches!(p.check(k), Err(PagerError::ShutDown)));
+}
