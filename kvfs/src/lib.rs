@@ -1,1 +1,14 @@
 //! kvfs: the crash-safe, compressed KV chunk store and its FUSE filesystem. A chunk is bytes with a header.
+//!
+//! [`Store`] is the Rust API the service uses (it works with or without a mount);
+//! [`fs::mount`] exposes a store as a filesystem.
+
+pub mod format;
+pub mod io;
+pub mod store;
+
+pub use format::{Codec, ContextMeta, Fingerprint, KvFormat};
+pub use store::{
+    ChunkMeta, ChunkState, ContextId, ContextInfo, Decoder, NewContext, Store, StoreError,
+    StoreOptions, StoredChunk,
+};

@@ -1,0 +1,1198 @@
+//! The chunk store: a directory of contexts, each with its metadata, its tokens and one file per chunk.
+//!
+//! Layout under the store root:
+//! `KVFS` (marker), `contexts/<id>/{meta,tokens,chunks/<index>}`, `staging/` (contexts being created),
+//! `trash/` (contexts being deleted) and `quarantine/` (files that failed their checks).
+//! Every file is replaced atomically (see [`crate::io::write_atomic`]); [`Store::open`] scans the
+//! directory and recovers from any crash point, quarantining what fails its checks.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::format::{
+    ChunkHeader, Codec, ContextMeta, Fingerprint, FormatError, HEADER_LEN, KvFormat, decode_tokens,
+    encode_tokens, tokens_crc,
+};
+use crate::io::{IoError, read_file, supports_direct, sync_dir, write_atomic};
+
+const MARKER: &str = "KVFS";
+const MARKER_TEXT: &[u8] = b"kvfs store, format version 1\n";
+/// The largest chunk the store accepts (the header records lengths as u32; 64 MiB is far above any
+/// real chunk and bounds the memory one request can make the store allocate).
+pub const MAX_CHUNK_BYTES: usize = 64 << 20;
+/// The longest app name.
+pub const MAX_APP_LEN: usize = 255;
+
+/// The id of a context, unique within its store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ContextId(pub u64);
+
+impl fmt::Display for ContextId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Turns token ids into text for a context's `text` file (registered by the service).
+pub type Decoder = Arc<dyn Fn(&[u32]) -> String + Send + Sync>;
+
+/// What went wrong in a store operation.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Io(#[from] IoError),
+    #[error(
+        "{path} is not a kvfs store (no {MARKER} marker) and is not empty; pick an empty or new directory"
+    )]
+    NotAStore { path: PathBuf },
+    #[error("no context {context} in the store")]
+    NoSuchContext { context: ContextId },
+    #[error("chunk {index} of context {context} is not in the store; recompute it")]
+    ChunkMissing { context: ContextId, index: u32 },
+    #[error(
+        "chunk {index} of context {context} is corrupt ({reason}); it was quarantined, recompute it"
+    )]
+    Corrupt {
+        context: ContextId,
+        index: u32,
+        reason: String,
+    },
+    #[error("context {context} belongs to model {found}, not to model {expected}")]
+    ForeignModel {
+        context: ContextId,
+        expected: Fingerprint,
+        found: Fingerprint,
+    },
+    #[error(
+        "chunk {index} of context {context} starts at token {start} but the context has {tokens} tokens; \
+         store the tokens first"
+    )]
+    BeyondTokens {
+        context: ContextId,
+        index: u32,
+        start: u64,
+        tokens: usize,
+    },
+    #[error("chunk of {len} bytes is larger than the {MAX_CHUNK_BYTES}-byte limit")]
+    TooLarge { len: usize },
+    #[error("invalid {what}: {why}")]
+    Invalid { what: &'static str, why: String },
+}
+
+impl StoreError {
+    /// Whether the caller should recompute the chunk from its tokens (the data is not available).
+    pub fn needs_recompute(&self) -> bool {
+        matches!(
+            self,
+            StoreError::ChunkMissing { .. }
+                | StoreError::Corrupt { .. }
+                | StoreError::ForeignModel { .. }
+        )
+    }
+}
+
+/// How the store compresses and checks.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// zstd level for payloads (1 is the fastest).
+    pub zstd_level: i32,
+    /// Keep the zstd payload only when raw/stored is at least this (else store raw).
+    /// `f64::INFINITY` disables compression.
+    pub min_ratio: f64,
+    /// Check every chunk's payload checksum at open, not only its header and length.
+    pub verify_on_open: bool,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            zstd_level: 1,
+            min_ratio: 1.25,
+            verify_on_open: false,
+        }
+    }
+}
+
+/// The parameters of a new context.
+#[derive(Clone, Debug)]
+pub struct NewContext {
+    pub owner_uid: u32,
+    pub app: String,
+    pub fingerprint: Fingerprint,
+    /// Tokens per chunk (16 by default in the service).
+    pub chunk_tokens: u32,
+}
+
+/// A stored chunk's metadata (from its header).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredChunk {
+    pub format: KvFormat,
+    pub codec: Codec,
+    pub density: f32,
+    pub raw_len: u32,
+    pub stored_len: u32,
+    pub generation: u64,
+    /// The tokens the chunk was computed from (shorter than the chunk's span while it is the last,
+    /// partial chunk).
+    pub tokens: Range<u32>,
+    /// crc32c of those tokens' ids.
+    pub tokens_crc: u32,
+}
+
+/// The state of one chunk slot of a context.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ChunkState {
+    /// In the store, readable.
+    Stored(StoredChunk),
+    /// Never written, or dropped because its tokens changed: recompute.
+    Missing,
+    /// Its file failed a check and was moved to `quarantine/`: recompute.
+    Quarantined { reason: String },
+}
+
+impl ChunkState {
+    /// A short name for listings.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ChunkState::Stored(_) => "stored",
+            ChunkState::Missing => "missing",
+            ChunkState::Quarantined { .. } => "quarantined",
+        }
+    }
+}
+
+/// One chunk slot of a context.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChunkMeta {
+    pub index: u32,
+    /// The token span of the slot given the context's current tokens.
+    pub span: Range<u32>,
+    pub state: ChunkState,
+}
+
+/// A context's metadata and the state of each of its chunks.
+#[derive(Clone, Debug)]
+pub struct ContextInfo {
+    pub id: ContextId,
+    pub meta: ContextMeta,
+    pub tokens: usize,
+    pub chunks: Vec<ChunkMeta>,
+}
+
+/// A file recovery moved aside or removed, and why.
+#[derive(Clone, Debug)]
+pub struct Recovered {
+    pub path: PathBuf,
+    pub action: &'static str,
+    pub reason: String,
+}
+
+/// Store-wide counters since open.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub chunk_reads: AtomicU64,
+    pub chunk_read_bytes: AtomicU64,
+    pub chunk_writes: AtomicU64,
+    pub chunk_write_raw_bytes: AtomicU64,
+    pub chunk_write_stored_bytes: AtomicU64,
+    pub corrupt_detected: AtomicU64,
+}
+
+struct Ctx {
+    id: ContextId,
+    meta: ContextMeta,
+    dir: PathBuf,
+    /// Serializes every mutation of this context (tokens, chunks, delete).
+    write: Mutex<()>,
+    state: Mutex<CtxState>,
+    deleted: AtomicBool,
+}
+
+#[derive(Default)]
+struct CtxState {
+    tokens: Vec<u32>,
+    chunks: BTreeMap<u32, ChunkState>,
+}
+
+/// The chunk store. Share it as `Arc<Store>`: every method takes `&self`.
+pub struct Store {
+    root: PathBuf,
+    options: StoreOptions,
+    direct: bool,
+    contexts: RwLock<BTreeMap<ContextId, Arc<Ctx>>>,
+    next_id: AtomicU64,
+    next_generation: AtomicU64,
+    decoder: RwLock<Option<Decoder>>,
+    recovered: Vec<Recovered>,
+    quarantined: AtomicU64,
+    counters: Counters,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("root", &self.root)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn now_nanos() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> IoError + 'a {
+    move |e| IoError::new(op, path, e)
+}
+
+fn mkdir(path: &Path) -> Result<(), IoError> {
+    match std::fs::create_dir(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(IoError::new("mkdir", path, e)),
+    }
+}
+
+fn span(index: u32, chunk_tokens: u32, tokens: usize) -> Range<u32> {
+    let start = (index as u64 * chunk_tokens as u64).min(u32::MAX as u64) as u32;
+    let end = (start as u64 + chunk_tokens as u64).min(tokens as u64) as u32;
+    start..end.max(start)
+}
+
+/// Whether a chunk computed from `range` of tokens (with crc `crc`) still matches `tokens`.
+fn covers(tokens: &[u32], range: &Range<u32>, crc: u32) -> bool {
+    range.start < range.end
+        && (range.end as usize) <= tokens.len()
+        && tokens_crc(&tokens[range.start as usize..range.end as usize]) == crc
+}
+
+impl Store {
+    /// Opens the store at `root`, creating it if `root` is missing or empty, and recovers from any
+    /// crash: leftovers of unfinished writes are removed, files that fail their checks are moved to
+    /// `quarantine/` (see [`Store::recovered`]) and their chunks marked for recompute.
+    pub fn open(root: &Path, options: StoreOptions) -> Result<Store, StoreError> {
+        let marker = root.join(MARKER);
+        if !marker.exists() {
+            let empty = match std::fs::read_dir(root) {
+                Ok(mut d) => d.next().is_none(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    std::fs::create_dir_all(root).map_err(io("mkdir", root))?;
+                    true
+                }
+                Err(e) => return Err(IoError::new("list", root, e).into()),
+            };
+            if !empty {
+                return Err(StoreError::NotAStore {
+                    path: root.to_owned(),
+                });
+            }
+            for sub in ["contexts", "staging", "trash", "quarantine"] {
+                mkdir(&root.join(sub))?;
+            }
+            write_atomic(root, MARKER, ".tmp-KVFS", &[MARKER_TEXT])?;
+        }
+        for sub in ["contexts", "staging", "trash", "quarantine"] {
+            mkdir(&root.join(sub))?;
+        }
+        let mut store = Store {
+            root: root.to_owned(),
+            direct: supports_direct(&marker),
+            options,
+            contexts: RwLock::new(BTreeMap::new()),
+            next_id: AtomicU64::new(1),
+            next_generation: AtomicU64::new(1),
+            decoder: RwLock::new(None),
+            recovered: Vec::new(),
+            quarantined: AtomicU64::new(0),
+            counters: Counters::default(),
+        };
+        store.recover()?;
+        Ok(store)
+    }
+
+    /// The store's root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether chunk reads bypass the page cache with O_DIRECT (else with fadvise).
+    pub fn direct_io(&self) -> bool {
+        self.direct
+    }
+
+    /// What recovery at open removed or quarantined.
+    pub fn recovered(&self) -> &[Recovered] {
+        &self.recovered
+    }
+
+    /// Counters since open.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Registers the function that turns token ids into a context's `text`.
+    pub fn set_decoder(&self, decoder: Decoder) {
+        *self.decoder.write().unwrap_or_else(|p| p.into_inner()) = Some(decoder);
+    }
+
+    fn recover(&mut self) -> Result<(), StoreError> {
+        for sub in ["staging", "trash"] {
+            let dir = self.root.join(sub);
+            for entry in std::fs::read_dir(&dir).map_err(io("list", &dir))? {
+                let path = entry.map_err(io("list", &dir))?.path();
+                let res = if path.is_dir() {
+                    std::fs::remove_dir_all(&path)
+                } else {
+                    std::fs::remove_file(&path)
+                };
+                res.map_err(io("remove", &path))?;
+                self.note(&path, "removed", format!("unfinished {sub} entry"));
+            }
+        }
+        let mut max_id = 0;
+        let mut max_gen = 0;
+        let contexts_dir = self.root.join("contexts");
+        let mut names: Vec<_> = std::fs::read_dir(&contexts_dir)
+            .map_err(io("list", &contexts_dir))?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<Result<_, _>>()
+            .map_err(io("list", &contexts_dir))?;
+        names.sort();
+        let mut loaded = BTreeMap::new();
+        for name in names {
+            let path = contexts_dir.join(&name);
+            let Some(id) = name.to_str().and_then(|s| s.parse::<u64>().ok()) else {
+                self.quarantine(&path, "not a context id".into())?;
+                continue;
+            };
+            max_id = max_id.max(id);
+            match self.load_context(ContextId(id), &path, &mut max_gen) {
+                Ok(ctx) => {
+                    loaded.insert(ctx.id, Arc::new(ctx));
+                }
+                Err(reason) => self.quarantine(&path, reason)?,
+            }
+        }
+        sync_dir(&contexts_dir)?;
+        *self.contexts.get_mut().unwrap_or_else(|p| p.into_inner()) = loaded;
+        self.next_id = AtomicU64::new(max_id + 1);
+        self.next_generation = AtomicU64::new(max_gen + 1);
+        for r in &self.recovered {
+            tracing::warn!(path = %r.path.display(), action = r.action, reason = %r.reason, "kvfs recovery");
+        }
+        Ok(())
+    }
+
+    /// Loads one context directory; an `Err` is the reason to quarantine it whole.
+    fn load_context(
+        &mut self,
+        id: ContextId,
+        dir: &Path,
+        max_gen: &mut u64,
+    ) -> Result<Ctx, String> {
+        let meta_bytes = read_file(&dir.join("meta"), false, None).map_err(|e| e.to_string())?;
+        let meta = ContextMeta::decode(&meta_bytes).map_err(|e| e.to_string())?;
+        let token_bytes = read_file(&dir.join("tokens"), false, None).map_err(|e| e.to_string())?;
+        let tokens = decode_tokens(&token_bytes).map_err(|e| e.to_string())?;
+        if meta.chunk_tokens == 0 {
+            return Err("chunk size of 0 tokens".into());
+        }
+        let chunks_dir = dir.join("chunks");
+        let entries = std::fs::read_dir(&chunks_dir).map_err(|e| format!("list chunks: {e}"))?;
+        let mut chunks = BTreeMap::new();
+        let mut touched = false;
+        for entry in entries {
+            let entry = entry.map_err(|e| format!("list chunks: {e}"))?;
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(".tmp-") {
+                std::fs::remove_file(&path).map_err(|e| format!("remove {name}: {e}"))?;
+                self.note(&path, "removed", "unfinished write".into());
+                touched = true;
+                continue;
+            }
+            let Ok(index) = name.parse::<u32>() else {
+                self.quarantine(&path, "not a chunk index".into())
+                    .map_err(|e| e.to_string())?;
+                touched = true;
+                continue;
+            };
+            match self.check_chunk_file(id, index, &meta, &tokens, &path) {
+                Ok(Some(stored)) => {
+                    *max_gen = (*max_gen).max(stored.generation);
+                    chunks.insert(index, ChunkState::Stored(stored));
+                }
+                Ok(None) => {
+                    std::fs::remove_file(&path).map_err(|e| format!("remove {name}: {e}"))?;
+                    self.note(&path, "removed", "stale: its tokens were replaced".into());
+                    touched = true;
+                }
+                Err(reason) => {
+                    self.quarantine(&path, reason.clone())
+                        .map_err(|e| e.to_string())?;
+                    chunks.insert(index, ChunkState::Quarantined { reason });
+                    touched = true;
+                }
+            }
+        }
+        if touched {
+            sync_dir(&chunks_dir).map_err(|e| e.to_string())?;
+        }
+        Ok(Ctx {
+            id,
+            meta,
+            dir: dir.to_owned(),
+            write: Mutex::new(()),
+            state: Mutex::new(CtxState { tokens, chunks }),
+            deleted: AtomicBool::new(false),
+        })
+    }
+
+    /// Checks a chunk file at open: `Ok(None)` if it is stale (its tokens changed), `Err` if corrupt.
+    fn check_chunk_file(
+        &self,
+        id: ContextId,
+        index: u32,
+        meta: &ContextMeta,
+        tokens: &[u32],
+        path: &Path,
+    ) -> Result<Option<StoredChunk>, String> {
+        let limit = if self.options.verify_on_open {
+            None
+        } else {
+            Some(HEADER_LEN)
+        };
+        let bytes = read_file(path, self.direct, limit).map_err(|e| e.to_string())?;
+        let header = ChunkHeader::decode(&bytes).map_err(|e| e.to_string())?;
+        check_identity(&header, id, index, meta)?;
+        let len = std::fs::metadata(path).map_err(|e| e.to_string())?.len();
+        let expected = HEADER_LEN as u64 + header.stored_len as u64;
+        if len != expected {
+            return Err(format!("torn file: {len} bytes, header says {expected}"));
+        }
+        if self.options.verify_on_open {
+            header
+                .check_payload(&bytes[HEADER_LEN..])
+                .map_err(|e| e.to_string())?;
+        }
+        let range = header.token_start..header.token_end;
+        if !covers(tokens, &range, header.tokens_crc) {
+            return Ok(None);
+        }
+        Ok(Some(stored_of(&header)))
+    }
+
+    fn note(&mut self, path: &Path, action: &'static str, reason: String) {
+        self.recovered.push(Recovered {
+            path: path.to_owned(),
+            action,
+            reason,
+        });
+    }
+
+    /// Moves `path` into `quarantine/` so it is never served again, and records why.
+    fn quarantine(&mut self, path: &Path, reason: String) -> Result<(), StoreError> {
+        let dest = self.quarantine_path(path);
+        std::fs::rename(path, &dest).map_err(io("quarantine", path))?;
+        self.quarantined.fetch_add(1, Ordering::Relaxed);
+        self.note(path, "quarantined", reason);
+        Ok(())
+    }
+
+    fn quarantine_path(&self, path: &Path) -> PathBuf {
+        let rel = path
+            .strip_prefix(self.root.join("contexts"))
+            .unwrap_or(path);
+        let flat = rel.to_string_lossy().replace('/', "-");
+        self.root
+            .join("quarantine")
+            .join(format!("{flat}.{}", now_nanos()))
+    }
+
+    fn ctx(&self, id: ContextId) -> Result<Arc<Ctx>, StoreError> {
+        let map = self.contexts.read().unwrap_or_else(|p| p.into_inner());
+        map.get(&id)
+            .cloned()
+            .ok_or(StoreError::NoSuchContext { context: id })
+    }
+
+    /// Creates an empty context, durably: it exists after a crash only if it exists whole.
+    pub fn create_context(&self, new: NewContext) -> Result<ContextId, StoreError> {
+        if new.chunk_tokens == 0 {
+            return Err(StoreError::Invalid {
+                what: "chunk size",
+                why: "must be at least 1 token".into(),
+            });
+        }
+        if new.app.len() > MAX_APP_LEN {
+            return Err(StoreError::Invalid {
+                what: "app name",
+                why: format!("{} bytes, at most {MAX_APP_LEN}", new.app.len()),
+            });
+        }
+        let id = ContextId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let meta = ContextMeta {
+            owner_uid: new.owner_uid,
+            app: new.app,
+            fingerprint: new.fingerprint,
+            chunk_tokens: new.chunk_tokens,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        };
+        let staging = self.root.join("staging");
+        let tmp = staging.join(id.to_string());
+        mkdir(&tmp)?;
+        mkdir(&tmp.join("chunks"))?;
+        write_atomic(&tmp, "meta", ".tmp-meta", &[&meta.encode()])?;
+        write_atomic(&tmp, "tokens", ".tmp-tokens", &[&encode_tokens(&[])])?;
+        sync_dir(&tmp.join("chunks"))?;
+        sync_dir(&staging)?;
+        let contexts = self.root.join("contexts");
+        let dir = contexts.join(id.to_string());
+        std::fs::rename(&tmp, &dir).map_err(io("rename", &tmp))?;
+        sync_dir(&contexts)?;
+        sync_dir(&staging)?;
+        let ctx = Ctx {
+            id,
+            meta,
+            dir,
+            write: Mutex::new(()),
+            state: Mutex::new(CtxState::default()),
+            deleted: AtomicBool::new(false),
+        };
+        self.contexts
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, Arc::new(ctx));
+        tracing::debug!(context = %id, "context created");
+        Ok(id)
+    }
+
+    /// Deletes a context and all its chunks, durably.
+    pub fn delete_context(&self, id: ContextId) -> Result<(), StoreError> {
+        let ctx = self.ctx(id)?;
+        let _w = lock(&ctx.write);
+        if ctx.deleted.swap(true, Ordering::SeqCst) {
+            return Err(StoreError::NoSuchContext { context: id });
+        }
+        let trash = self
+            .root
+            .join("trash")
+            .join(format!("{id}.{}", now_nanos()));
+        let res = std::fs::rename(&ctx.dir, &trash).map_err(io("rename", &ctx.dir));
+        if let Err(e) = res {
+            ctx.deleted.store(false, Ordering::SeqCst);
+            return Err(e.into());
+        }
+        self.contexts
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+        sync_dir(&self.root.join("contexts"))?;
+        sync_dir(&self.root.join("trash"))?;
+        if let Err(e) = std::fs::remove_dir_all(&trash) {
+            tracing::warn!(path = %trash.display(), error = %e, "could not empty trash; it is removed at next open");
+        }
+        Ok(())
+    }
+
+    /// Every context's id, in id order.
+    pub fn list_contexts(&self) -> Vec<ContextId> {
+        self.contexts
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .copied()
+            .collect()
+    }
+
+    /// A context's fixed metadata.
+    pub fn meta(&self, id: ContextId) -> Result<ContextMeta, StoreError> {
+        Ok(self.ctx(id)?.meta.clone())
+    }
+
+    /// A context's token ids.
+    pub fn tokens(&self, id: ContextId) -> Result<Vec<u32>, StoreError> {
+        Ok(lock(&self.ctx(id)?.state).tokens.clone())
+    }
+
+    /// A context's metadata, token count and chunk states.
+    pub fn context(&self, id: ContextId) -> Result<ContextInfo, StoreError> {
+        let ctx = self.ctx(id)?;
+        let st = lock(&ctx.state);
+        let ct = ctx.meta.chunk_tokens;
+        let slots = st.tokens.len().div_ceil(ct as usize) as u32;
+        let last = st.chunks.keys().next_back().map_or(0, |i| i + 1);
+        let chunks = (0..slots.max(last))
+            .map(|index| ChunkMeta {
+                index,
+                span: span(index, ct, st.tokens.len()),
+                state: st
+                    .chunks
+                    .get(&index)
+                    .cloned()
+                    .unwrap_or(ChunkState::Missing),
+            })
+            .collect();
+        Ok(ContextInfo {
+            id,
+            meta: ctx.meta.clone(),
+            tokens: st.tokens.len(),
+            chunks,
+        })
+    }
+
+    /// The state of one chunk slot.
+    pub fn chunk_state(&self, id: ContextId, index: u32) -> Result<ChunkState, StoreError> {
+        let ctx = self.ctx(id)?;
+        let st = lock(&ctx.state);
+        Ok(st
+            .chunks
+            .get(&index)
+            .cloned()
+            .unwrap_or(ChunkState::Missing))
+    }
+
+    /// Appends token ids, durably, before any chunk that depends on them is written.
+    /// Returns the new token count.
+    pub fn append_tokens(&self, id: ContextId, more: &[u32]) -> Result<usize, StoreError> {
+        let ctx = self.ctx(id)?;
+        let _w = self.write_lock(&ctx)?;
+        let mut tokens = lock(&ctx.state).tokens.clone();
+        tokens.extend_from_slice(more);
+        write_atomic(
+            &ctx.dir,
+            "tokens",
+            ".tmp-tokens",
+            &[&encode_tokens(&tokens)],
+        )?;
+        let n = tokens.len();
+        lock(&ctx.state).tokens = tokens;
+        Ok(n)
+    }
+
+    /// Replaces the token ids, durably; chunks computed from tokens that changed are dropped.
+    pub fn replace_tokens(&self, id: ContextId, tokens: Vec<u32>) -> Result<(), StoreError> {
+        let ctx = self.ctx(id)?;
+        let _w = self.write_lock(&ctx)?;
+        write_atomic(
+            &ctx.dir,
+            "tokens",
+            ".tmp-tokens",
+            &[&encode_tokens(&tokens)],
+        )?;
+        let ct = ctx.meta.chunk_tokens;
+        let slots = tokens.len().div_ceil(ct as usize) as u32;
+        let stale: Vec<u32> = {
+            let mut st = lock(&ctx.state);
+            st.tokens = tokens;
+            let st = &mut *st;
+            let stale = st
+                .chunks
+                .iter()
+                .filter(|(i, s)| match s {
+                    ChunkState::Stored(c) => {
+                        **i >= slots || !covers(&st.tokens, &c.tokens, c.tokens_crc)
+                    }
+                    _ => **i >= slots,
+                })
+                .map(|(i, _)| *i)
+                .collect::<Vec<_>>();
+            for i in &stale {
+                st.chunks.remove(i);
+            }
+            stale
+        };
+        let chunks_dir = ctx.dir.join("chunks");
+        for i in &stale {
+            let p = chunks_dir.join(i.to_string());
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(IoError::new("remove", &p, e).into()),
+            }
+        }
+        if !stale.is_empty() {
+            sync_dir(&chunks_dir)?;
+        }
+        Ok(())
+    }
+
+    fn write_lock<'a>(&self, ctx: &'a Ctx) -> Result<MutexGuard<'a, ()>, StoreError> {
+        let w = lock(&ctx.write);
+        if ctx.deleted.load(Ordering::SeqCst) {
+            return Err(StoreError::NoSuchContext { context: ctx.id });
+        }
+        Ok(w)
+    }
+
+    /// Writes chunk `index` of a context crash-safely (temp file, fsync, rename, fsync dir), replacing
+    /// any previous version; its pages are dropped from the page cache.
+    /// The tokens the chunk covers must already be stored ([`Store::append_tokens`]).
+    pub fn write_chunk(
+        &self,
+        id: ContextId,
+        index: u32,
+        fingerprint: &Fingerprint,
+        format: KvFormat,
+        density: f32,
+        data: &[u8],
+    ) -> Result<StoredChunk, StoreError> {
+        if data.len() > MAX_CHUNK_BYTES {
+            return Err(StoreError::TooLarge { len: data.len() });
+        }
+        let ctx = self.ctx(id)?;
+        if *fingerprint != ctx.meta.fingerprint {
+            return Err(StoreError::ForeignModel {
+                context: id,
+                expected: *fingerprint,
+                found: ctx.meta.fingerprint,
+            });
+        }
+        let _w = self.write_lock(&ctx)?;
+        let (range, tcrc) = {
+            let st = lock(&ctx.state);
+            let range = span(index, ctx.meta.chunk_tokens, st.tokens.len());
+            if range.is_empty() {
+                return Err(StoreError::BeyondTokens {
+                    context: id,
+                    index,
+                    start: index as u64 * ctx.meta.chunk_tokens as u64,
+                    tokens: st.tokens.len(),
+                });
+            }
+            let crc = tokens_crc(&st.tokens[range.start as usize..range.end as usize]);
+            (range, crc)
+        };
+        let compressed = self.compress(data);
+        let (codec, payload) = match &compressed {
+            Some(c) => (Codec::Zstd, c.as_slice()),
+            None => (Codec::Raw, data),
+        };
+        let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+        let header = ChunkHeader {
+            format,
+            codec,
+            context: id.0,
+            index,
+            token_start: range.start,
+            token_end: range.end,
+            tokens_crc: tcrc,
+            density,
+            raw_len: data.len() as u32,
+            stored_len: payload.len() as u32,
+            payload_crc: crc32c::crc32c(payload),
+            generation,
+            fingerprint: ctx.meta.fingerprint,
+        };
+        let chunks_dir = ctx.dir.join("chunks");
+        write_atomic(
+            &chunks_dir,
+            &index.to_string(),
+            &format!(".tmp-{index}-{generation}"),
+            &[&header.encode(), payload],
+        )?;
+        let stored = stored_of(&header);
+        lock(&ctx.state)
+            .chunks
+            .insert(index, ChunkState::Stored(stored.clone()));
+        let c = &self.counters;
+        c.chunk_writes.fetch_add(1, Ordering::Relaxed);
+        c.chunk_write_raw_bytes
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        c.chunk_write_stored_bytes
+            .fetch_add(payload.len() as u64, Ordering::Relaxed);
+        Ok(stored)
+    }
+
+    fn compress(&self, data: &[u8]) -> Option<Vec<u8>> {
+        if !self.options.min_ratio.is_finite() || data.is_empty() {
+            return None;
+        }
+        let c = zstd::bulk::compress(data, self.options.zstd_level).ok()?;
+        (data.len() as f64 >= self.options.min_ratio * c.len() as f64).then_some(c)
+    }
+
+    /// Reads chunk `index` of a context, checked end to end (header crc, identity, model fingerprint,
+    /// tokens, payload crc, decompressed length). A chunk that fails a check is quarantined and the
+    /// error says to recompute it ([`StoreError::needs_recompute`]).
+    pub fn read_chunk(
+        &self,
+        id: ContextId,
+        index: u32,
+        fingerprint: &Fingerprint,
+    ) -> Result<Vec<u8>, StoreError> {
+        let ctx = self.ctx(id)?;
+        if *fingerprint != ctx.meta.fingerprint {
+            return Err(StoreError::ForeignModel {
+                context: id,
+                expected: *fingerprint,
+                found: ctx.meta.fingerprint,
+            });
+        }
+        // A concurrent write may replace the file while we read it; retry if the generation moved.
+        for _ in 0..3 {
+            let generation = match lock(&ctx.state).chunks.get(&index) {
+                Some(ChunkState::Stored(s)) => s.generation,
+                Some(ChunkState::Quarantined { reason }) => {
+                    return Err(StoreError::Corrupt {
+                        context: id,
+                        index,
+                        reason: reason.clone(),
+                    });
+                }
+                _ => return Err(StoreError::ChunkMissing { context: id, index }),
+            };
+            let path = ctx.dir.join("chunks").join(index.to_string());
+            let checked = match read_file(&path, self.direct, None) {
+                Ok(bytes) => self.check_chunk(&ctx, index, &bytes),
+                Err(e) if e.source.kind() == std::io::ErrorKind::NotFound => Err(Check::Gone),
+                Err(e) => return Err(e.into()),
+            };
+            match checked {
+                Ok(data) => {
+                    self.counters.chunk_reads.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .chunk_read_bytes
+                        .fetch_add(data.len() as u64, Ordering::Relaxed);
+                    return Ok(data);
+                }
+                Err(check) => {
+                    let _w = lock(&ctx.write);
+                    let st = lock(&ctx.state);
+                    let current = match st.chunks.get(&index) {
+                        Some(ChunkState::Stored(s)) => Some(s.generation),
+                        _ => None,
+                    };
+                    drop(st);
+                    if current != Some(generation) {
+                        continue;
+                    }
+                    let reason = match check {
+                        Check::Gone => "file vanished".to_owned(),
+                        Check::Bad(r) => r,
+                    };
+                    let dest = self.quarantine_path(&path);
+                    if let Err(e) = std::fs::rename(&path, &dest) {
+                        tracing::warn!(path = %path.display(), error = %e, "could not quarantine");
+                    }
+                    self.quarantined.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .corrupt_detected
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(context = %id, index, reason = %reason, "corrupt chunk quarantined");
+                    lock(&ctx.state).chunks.insert(
+                        index,
+                        ChunkState::Quarantined {
+                            reason: reason.clone(),
+                        },
+                    );
+                    return Err(StoreError::Corrupt {
+                        context: id,
+                        index,
+                        reason,
+                    });
+                }
+            }
+        }
+        Err(StoreError::ChunkMissing { context: id, index })
+    }
+
+    fn check_chunk(&self, ctx: &Ctx, index: u32, bytes: &[u8]) -> Result<Vec<u8>, Check> {
+        let bad = |e: FormatError| Check::Bad(e.to_string());
+        let header = ChunkHeader::decode(bytes).map_err(bad)?;
+        check_identity(&header, ctx.id, index, &ctx.meta).map_err(Check::Bad)?;
+        let payload = &bytes[HEADER_LEN..];
+        header.check_payload(payload).map_err(bad)?;
+        {
+            let st = lock(&ctx.state);
+            if !covers(
+                &st.tokens,
+                &(header.token_start..header.token_end),
+                header.tokens_crc,
+            ) {
+                return Err(Check::Bad(
+                    "computed from tokens the context no longer has".into(),
+                ));
+            }
+        }
+        match header.codec {
+            Codec::Raw => Ok(payload.to_vec()),
+            Codec::Zstd => {
+                let data = zstd::bulk::decompress(payload, header.raw_len as usize)
+                    .map_err(|e| Check::Bad(format!("zstd: {e}")))?;
+                if data.len() != header.raw_len as usize {
+                    return Err(Check::Bad(format!(
+                        "decompressed to {} bytes, header says {}",
+                        data.len(),
+                        header.raw_len
+                    )));
+                }
+                Ok(data)
+            }
+        }
+    }
+
+    /// Reads every stored chunk and checks it; returns the chunks that failed (now quarantined).
+    pub fn verify(&self) -> Vec<(ContextId, u32, StoreError)> {
+        let mut bad = Vec::new();
+        for id in self.list_contexts() {
+            let Ok(info) = self.context(id) else { continue };
+            for c in info.chunks {
+                if matches!(c.state, ChunkState::Stored(_))
+                    && let Err(e) = self.read_chunk(id, c.index, &info.meta.fingerprint)
+                {
+                    bad.push((id, c.index, e));
+                }
+                }
+            }
+        }
+        bad
+    }
+
+    /// The path of a chunk's file (for tools and tests that inspect the store itself).
+    pub fn chunk_path(&self, id: ContextId, index: u32) -> PathBuf {
+        self.root
+            .join("contexts")
+            .join(id.to_string())
+            .join("chunks")
+            .join(index.to_string())
+    }
+
+    /// A context's human-readable `info`.
+    pub fn render_info(&self, id: ContextId) -> Result<String, StoreError> {
+        use std::fmt::Write;
+        let info = self.context(id)?;
+        let mut s = String::new();
+        let m = &info.meta;
+        let _ = writeln!(s, "context      {}", info.id);
+        let _ = writeln!(s, "owner uid    {}", m.owner_uid);
+        let _ = writeln!(s, "app          {}", m.app);
+        let _ = writeln!(s, "model        {}", m.fingerprint);
+        let _ = writeln!(s, "created      {} (unix seconds)", m.created);
+        let _ = writeln!(s, "tokens       {}", info.tokens);
+        let _ = writeln!(s, "chunk tokens {}", m.chunk_tokens);
+        let t = Totals::of(std::slice::from_ref(&info));
+        t.write(&mut s);
+        let _ = writeln!(
+            s,
+            "\nindex  tokens         state        format  density  codec   raw      stored"
+        );
+        for c in &info.chunks {
+            let span = format!("{}..{}", c.span.start, c.span.end);
+            match &c.state {
+                ChunkState::Stored(sc) => {
+                    let _ = writeln!(
+                        s,
+                        "{:<6} {:<14} {:<12} {:<7} {:<8.4} {:<7} {:<8} {}",
+                        c.index,
+                        span,
+                        "stored",
+                        sc.format.name(),
+                        sc.density,
+                        sc.codec.name(),
+                        sc.raw_len,
+                        sc.stored_len
+                    );
+                }
+                other => {
+                    let _ = writeln!(s, "{:<6} {:<14} {}", c.index, span, other.name());
+                }
+            }
+        }
+        Ok(s)
+    }
+
+    /// A context's `text`: its tokens decoded by the registered decoder, or the ids when none is.
+    pub fn render_text(&self, id: ContextId) -> Result<String, StoreError> {
+        let tokens = self.tokens(id)?;
+        let decoder = self
+            .decoder
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Ok(match decoder {
+            Some(d) => d(&tokens),
+            None => {
+                let mut s = tokens
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                s.push('\n');
+                s
+            }
+        })
+    }
+
+    /// The store-wide `stats`.
+    pub fn render_stats(&self) -> String {
+        use std::fmt::Write;
+        let infos: Vec<ContextInfo> = self
+            .list_contexts()
+            .into_iter()
+            .filter_map(|id| self.context(id).ok())
+            .collect();
+        let mut s = String::new();
+        let _ = writeln!(s, "store        {}", self.root.display());
+        let _ = writeln!(
+            s,
+            "direct io    {}",
+            if self.direct { "O_DIRECT" } else { "fadvise" }
+        );
+        let _ = writeln!(s, "contexts     {}", infos.len());
+        let _ = writeln!(
+            s,
+            "tokens       {}",
+            infos.iter().map(|i| i.tokens).sum::<usize>()
+        );
+        Totals::of(&infos).write(&mut s);
+        let c = &self.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let _ = writeln!(
+            s,
+            "quarantined  {}",
+            self.quarantined.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            s,
+            "reads        {} ({} bytes)",
+            r(&c.chunk_reads),
+            r(&c.chunk_read_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "writes       {} ({} raw bytes, {} stored)",
+            r(&c.chunk_writes),
+            r(&c.chunk_write_raw_bytes),
+            r(&c.chunk_write_stored_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "corrupt      {} detected on read",
+            r(&c.corrupt_detected)
+        );
+        s
+    }
+}
+
+enum Check {
+    Gone,
+    Bad(String),
+}
+
+fn stored_of(h: &ChunkHeader) -> StoredChunk {
+    StoredChunk {
+        format: h.format,
+        codec: h.codec,
+        density: h.density,
+        raw_len: h.raw_len,
+        stored_len: h.stored_len,
+        generation: h.generation,
+        tokens: h.token_start..h.token_end,
+        tokens_crc: h.tokens_crc,
+    }
+}
+
+fn check_identity(
+    h: &ChunkHeader,
+    id: ContextId,
+    index: u32,
+    meta: &ContextMeta,
+) -> Result<(), String> {
+    if h.context != id.0 || h.index != index {
+        return Err(format!(
+            "header says context {} chunk {}, file is context {id} chunk {index}",
+            h.context, h.index
+        ));
+    }
+    if h.fingerprint != meta.fingerprint {
+        return Err(format!(
+            "written for model {}, context is model {}",
+            h.fingerprint, meta.fingerprint
+        ));
+    }
+    Ok(())
+}
+
+/// Chunk counts by state and format, and byte totals.
+struct Totals {
+    stored: usize,
+    missing: usize,
+    quarantined: usize,
+    by_format: [usize; 4],
+    raw: u64,
+    stored_bytes: u64,
+    density_sum: f64,
+}
+
+impl Totals {
+    fn of(infos: &[ContextInfo]) -> Totals {
+        let mut t = Totals {
+            stored: 0,
+            missing: 0,
+            quarantined: 0,
+            by_format: [0; 4],
+            raw: 0,
+            stored_bytes: 0,
+            density_sum: 0.0,
+        };
+        for c in infos.iter().flat_map(|i| &i.chunks) {
+            match &c.state {
+                ChunkState::Stored(s) => {
+                    t.stored += 1;
+                    t.by_format[s.format.tag() as usize] += 1;
+                    t.raw += s.raw_len as u64;
+                    t.stored_bytes += s.stored_len as u64;
+                    t.density_sum += s.density as f64;
+                }
+                ChunkState::Missing => t.missing += 1,
+                ChunkState::Quarantined { .. } => t.quarantined += 1,
+            }
+        }
+        t
+    }
+
+    fn write(&self, s: &mut String) {
+        use std::fmt::Write;
+        let _ = writeln!(
+            s,
+            "chunks       {} stored, {} missing, {} quarantined",
+            self.stored, self.missing, self.quarantined
+        );
+        let formats: Vec<String> = KvFormat::ALL
+            .iter()
+            .map(|f| format!("{} {}", f.name(), self.by_format[f.tag() as usize]))
+            .collect();
+        let _ = writeln!(s, "formats      {}", formats.join(", "));
+        let ratio = if self.stored_bytes == 0 {
+            1.0
+        } else {
+            self.raw as f64 / self.stored_bytes as f64
+        };
+        let _ = writeln!(
+            s,
+            "bytes        {} raw, {} stored (ratio {ratio:.3})",
+            self.raw, self.stored_bytes
+        );
+        let mean = if self.stored == 0 {
+            0.0
+        } else {
+            self.density_sum / self.stored as f64
+        };
+        let _ = writeln!(s, "density      {mean:.4} mean over stored chunks");
+    }
+}
