@@ -957,7 +957,6 @@ impl Store {
                 {
                     bad.push((id, c.index, e));
                 }
-                }
             }
         }
         bad
