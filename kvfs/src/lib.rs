@@ -4,10 +4,12 @@
 //! [`fs::mount`] exposes a store as a filesystem.
 
 pub mod format;
+pub mod fs;
 pub mod io;
 pub mod store;
 
 pub use format::{Codec, ContextMeta, Fingerprint, KvFormat};
+pub use fs::{Mount, MountConfig, MountError, mount};
 pub use store::{
     ChunkMeta, ChunkState, ContextId, ContextInfo, Decoder, NewContext, Store, StoreError,
     StoreOptions, StoredChunk,

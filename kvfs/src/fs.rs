@@ -1,0 +1,1040 @@
+//! The FUSE filesystem over a [`Store`]: `/stats`, `/<context>/{info,text,chunks/<index>}`.
+//!
+//! Shaped like fuser's `examples/simple.rs`: helpers return `Result<T, Errno>` and each
+//! `Filesystem` method only adapts to its `reply`.
+//! Files belong to the uid that owns the context (mode 0600, directories 0700) and the mount uses
+//! `default_permissions`, so the kernel enforces ownership; other uids are not even shown a
+//! context they do not own. Every file is opened with `FOPEN_DIRECT_IO`, so the page cache never
+//! holds chunk bytes and the kernel forwards reads in requests of up to 1 MiB.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fuser::{
+    BackgroundSession, Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, LockOwner, MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyCreate,
+    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, ReplyXattr, Request,
+    SessionACL, TimeOrNow, WriteFlags,
+};
+
+use crate::format::KvFormat;
+use crate::store::{ChunkState, ContextId, MAX_CHUNK_BYTES, Store, StoreError};
+
+/// Attributes are never cached: sizes of `info`, `text`, `stats` and chunks change under writes.
+const TTL: Duration = Duration::ZERO;
+const ROOT: u64 = 1;
+const STATS: u64 = 2;
+/// Inode of a context's piece: `context << 32 | slot`; chunk `i` is slot `FIRST_CHUNK + i`.
+const SLOT_DIR: u64 = 1;
+const SLOT_CHUNKS: u64 = 2;
+const SLOT_INFO: u64 = 3;
+const SLOT_TEXT: u64 = 4;
+const FIRST_CHUNK: u64 = 16;
+/// Extended attributes of a chunk file; `format` and `density` can be set before a write commits.
+const XATTRS: [&str; 5] = [
+    "user.kvfs.format",
+    "user.kvfs.density",
+    "user.kvfs.state",
+    "user.kvfs.codec",
+    "user.kvfs.generation",
+];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Node {
+    Root,
+    Stats,
+    Dir(ContextId),
+    Chunks(ContextId),
+    Info(ContextId),
+    Text(ContextId),
+    Chunk(ContextId, u32),
+}
+
+impl Node {
+    fn of(ino: INodeNo) -> Option<Node> {
+        let ino = ino.0;
+        match ino {
+            ROOT => return Some(Node::Root),
+            STATS => return Some(Node::Stats),
+            _ => {}
+        }
+        let ctx = ContextId(ino >> 32);
+        if ctx.0 == 0 {
+            return None;
+        }
+        Some(match ino & 0xffff_ffff {
+            SLOT_DIR => Node::Dir(ctx),
+            SLOT_CHUNKS => Node::Chunks(ctx),
+            SLOT_INFO => Node::Info(ctx),
+            SLOT_TEXT => Node::Text(ctx),
+            s if s >= FIRST_CHUNK => Node::Chunk(ctx, (s - FIRST_CHUNK) as u32),
+            _ => return None,
+        })
+    }
+
+    fn ino(self) -> INodeNo {
+        let base = |c: ContextId| c.0 << 32;
+        INodeNo(match self {
+            Node::Root => ROOT,
+            Node::Stats => STATS,
+            Node::Dir(c) => base(c) | SLOT_DIR,
+            Node::Chunks(c) => base(c) | SLOT_CHUNKS,
+            Node::Info(c) => base(c) | SLOT_INFO,
+            Node::Text(c) => base(c) | SLOT_TEXT,
+            Node::Chunk(c, i) => base(c) | (FIRST_CHUNK + i as u64),
+        })
+    }
+
+    fn context(self) -> Option<ContextId> {
+        match self {
+            Node::Root | Node::Stats => None,
+            Node::Dir(c) | Node::Chunks(c) | Node::Info(c) | Node::Text(c) | Node::Chunk(c, _) => {
+                Some(c)
+            }
+        }
+    }
+}
+
+/// The largest chunk index with an inode (the slot must fit in 32 bits).
+const MAX_INDEX: u32 = u32::MAX - FIRST_CHUNK as u32;
+
+enum Handle {
+    /// A snapshot taken at open: a checked chunk or a generated text file.
+    Read(Arc<[u8]>),
+    /// A chunk being written: committed to the store on flush, fsync or release.
+    Write {
+        ctx: ContextId,
+        index: u32,
+        buf: Vec<u8>,
+        dirty: bool,
+    },
+}
+
+/// A chunk's format and density set through xattrs, not yet committed.
+type Label = (Option<KvFormat>, Option<f32>);
+
+/// The filesystem; mount it with [`mount`].
+pub struct KvFs {
+    store: Arc<Store>,
+    read_only: bool,
+    handles: Mutex<HashMap<u64, Handle>>,
+    next_fh: AtomicU64,
+    /// `user.kvfs.format` / `user.kvfs.density` set on a chunk, applied at its next commit.
+    pending: Mutex<HashMap<(ContextId, u32), Label>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The errno a store error becomes at the filesystem boundary.
+fn errno(e: &StoreError) -> Errno {
+    match e {
+        StoreError::NoSuchContext { .. } | StoreError::ChunkMissing { .. } => Errno::ENOENT,
+        StoreError::Corrupt { .. } | StoreError::ForeignModel { .. } => Errno::EIO,
+        StoreError::BeyondTokens { .. } | StoreError::Invalid { .. } => Errno::EINVAL,
+        StoreError::TooLarge { .. } => Errno::EFBIG,
+        StoreError::NotAStore { .. } => Errno::EIO,
+        StoreError::Io(io) => io.source.raw_os_error().map_or(Errno::EIO, Errno::from_i32),
+    }
+}
+
+fn store_err(e: StoreError) -> Errno {
+    tracing::debug!(error = %e, "kvfs request failed");
+    errno(&e)
+}
+
+impl KvFs {
+    /// A filesystem over `store`; with `read_only` every write is refused with EROFS.
+    pub fn new(store: Arc<Store>, read_only: bool) -> KvFs {
+        KvFs {
+            store,
+            read_only,
+            handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The owner of a context if `uid` may see it (its owner, or root), else ENOENT.
+    fn owner(&self, uid: u32, ctx: ContextId) -> Result<(u32, SystemTime), Errno> {
+        let meta = self.store.meta(ctx).map_err(store_err)?;
+        if uid != 0 && uid != meta.owner_uid {
+            return Err(Errno::ENOENT);
+        }
+        Ok((
+            meta.owner_uid,
+            UNIX_EPOCH + Duration::from_secs(meta.created),
+        ))
+    }
+
+    fn pending_write_len(&self, ctx: ContextId, index: u32) -> Option<usize> {
+        lock(&self.handles).values().find_map(|h| match h {
+            Handle::Write {
+                ctx: c,
+                index: i,
+                buf,
+                ..
+            } if *c == ctx && *i == index => Some(buf.len()),
+            _ => None,
+        })
+    }
+
+    fn attr(&self, uid: u32, node: Node) -> Result<FileAttr, Errno> {
+        let dir = |perm: u16, owner: u32, time: SystemTime| {
+            attr(node, FileType::Directory, perm, owner, 0, time)
+        };
+        let file = |perm: u16, owner: u32, size: usize, time: SystemTime| {
+            attr(node, FileType::RegularFile, perm, owner, size as u64, time)
+        };
+        match node {
+            Node::Root => Ok(dir(0o755, 0, UNIX_EPOCH)),
+            Node::Stats => Ok(file(
+                0o444,
+                0,
+                self.store.render_stats().len(),
+                SystemTime::now(),
+            )),
+            Node::Dir(c) | Node::Chunks(c) => {
+                let (owner, t) = self.owner(uid, c)?;
+                Ok(dir(0o700, owner, t))
+            }
+            Node::Info(c) => {
+                let (owner, t) = self.owner(uid, c)?;
+                Ok(file(
+                    0o400,
+                    owner,
+                    self.store.render_info(c).map_err(store_err)?.len(),
+                    t,
+                ))
+            }
+            Node::Text(c) => {
+                let (owner, t) = self.owner(uid, c)?;
+                Ok(file(
+                    0o400,
+                    owner,
+                    self.store.render_text(c).map_err(store_err)?.len(),
+                    t,
+                ))
+            }
+            Node::Chunk(c, i) => {
+                let (owner, t) = self.owner(uid, c)?;
+                let size = match self.pending_write_len(c, i) {
+                    Some(len) => len,
+                    None => match self.store.chunk_state(c, i).map_err(store_err)? {
+                        ChunkState::Stored(s) => s.raw_len as usize,
+                        _ => return Err(Errno::ENOENT),
+                    },
+                };
+                Ok(file(0o600, owner, size, t))
+            }
+        }
+    }
+
+    fn lookup_node(&self, parent: Node, name: &OsStr) -> Result<Node, Errno> {
+        let name = name.to_str().ok_or(Errno::ENOENT)?;
+        let node = match parent {
+            Node::Root if name == "stats" => Node::Stats,
+            Node::Root => Node::Dir(ContextId(name.parse().map_err(|_| Errno::ENOENT)?)),
+            Node::Dir(c) => match name {
+                "chunks" => Node::Chunks(c),
+                "info" => Node::Info(c),
+                "text" => Node::Text(c),
+                _ => return Err(Errno::ENOENT),
+            },
+            Node::Chunks(c) => Node::Chunk(c, parse_index(name)?),
+            _ => return Err(Errno::ENOTDIR),
+        };
+        if node.context().is_some_and(|c| c.0 == 0 || c.0 >= 1 << 32) {
+            return Err(Errno::ENOENT);
+        }
+        Ok(node)
+    }
+
+    fn entries(&self, uid: u32, node: Node) -> Result<Vec<(INodeNo, FileType, String)>, Errno> {
+        let mut out = vec![
+            (node.ino(), FileType::Directory, ".".to_owned()),
+            (INodeNo(ROOT), FileType::Directory, "..".to_owned()),
+        ];
+        match node {
+            Node::Root => {
+                out.push((INodeNo(STATS), FileType::RegularFile, "stats".to_owned()));
+                for c in self.store.list_contexts() {
+                    if c.0 < 1 << 32 && self.owner(uid, c).is_ok() {
+                        out.push((Node::Dir(c).ino(), FileType::Directory, c.to_string()));
+                    }
+                }
+            }
+            Node::Dir(c) => {
+                self.owner(uid, c)?;
+                out.push((
+                    Node::Chunks(c).ino(),
+                    FileType::Directory,
+                    "chunks".to_owned(),
+                ));
+                out.push((
+                    Node::Info(c).ino(),
+                    FileType::RegularFile,
+                    "info".to_owned(),
+                ));
+                out.push((
+                    Node::Text(c).ino(),
+                    FileType::RegularFile,
+                    "text".to_owned(),
+                ));
+            }
+            Node::Chunks(c) => {
+                self.owner(uid, c)?;
+                out[1].0 = Node::Dir(c).ino();
+                let info = self.store.context(c).map_err(store_err)?;
+                for m in info.chunks {
+                    if matches!(m.state, ChunkState::Stored(_)) && m.index <= MAX_INDEX {
+                        out.push((
+                            Node::Chunk(c, m.index).ino(),
+                            FileType::RegularFile,
+                            m.index.to_string(),
+                        ));
+                    }
+                }
+            }
+            _ => return Err(Errno::ENOTDIR),
+        }
+        Ok(out)
+    }
+
+    fn add_handle(&self, h: Handle) -> FileHandle {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        lock(&self.handles).insert(fh, h);
+        FileHandle(fh)
+    }
+
+    fn open_node(&self, uid: u32, node: Node, flags: OpenFlags) -> Result<FileHandle, Errno> {
+        let writing = flags.acc_mode() != OpenAccMode::O_RDONLY;
+        let text = |s: String| Ok(self.add_handle(Handle::Read(Arc::from(s.into_bytes()))));
+        match node {
+            Node::Root | Node::Dir(_) | Node::Chunks(_) => Err(Errno::EISDIR),
+            _ if writing && self.read_only => Err(Errno::EROFS),
+            Node::Stats | Node::Info(_) | Node::Text(_) if writing => Err(Errno::EACCES),
+            Node::Stats => text(self.store.render_stats()),
+            Node::Info(c) => {
+                self.owner(uid, c)?;
+                text(self.store.render_info(c).map_err(store_err)?)
+            }
+            Node::Text(c) => {
+                self.owner(uid, c)?;
+                text(self.store.render_text(c).map_err(store_err)?)
+            }
+            Node::Chunk(c, i) => {
+                self.owner(uid, c)?;
+                let truncate = flags.0 & libc::O_TRUNC != 0;
+                if writing {
+                    let buf = if truncate {
+                        Vec::new()
+                    } else {
+                        self.read_chunk(c, i)?
+                    };
+                    return Ok(self.add_handle(Handle::Write {
+                        ctx: c,
+                        index: i,
+                        buf,
+                        dirty: truncate,
+                    }));
+                }
+                let data = self.read_chunk(c, i)?;
+                Ok(self.add_handle(Handle::Read(Arc::from(data))))
+            }
+        }
+    }
+
+    fn read_chunk(&self, c: ContextId, i: u32) -> Result<Vec<u8>, Errno> {
+        let fp = self.store.meta(c).map_err(store_err)?.fingerprint;
+        self.store.read_chunk(c, i, &fp).map_err(|e| {
+            if matches!(e, StoreError::Corrupt { .. }) {
+                tracing::warn!(error = %e, "kvfs refused a corrupt chunk");
+            }
+            store_err(e)
+        })
+    }
+
+    fn create_node(
+        &self,
+        uid: u32,
+        parent: Node,
+        name: &OsStr,
+    ) -> Result<(FileHandle, FileAttr), Errno> {
+        let Node::Chunks(c) = parent else {
+            return Err(Errno::EPERM);
+        };
+        if self.read_only {
+            return Err(Errno::EROFS);
+        }
+        let (owner, t) = self.owner(uid, c)?;
+        let index = parse_index(name.to_str().ok_or(Errno::EINVAL)?).map_err(|_| Errno::EINVAL)?;
+        let fh = self.add_handle(Handle::Write {
+            ctx: c,
+            index,
+            buf: Vec::new(),
+            dirty: true,
+        });
+        Ok((
+            fh,
+            attr(
+                Node::Chunk(c, index),
+                FileType::RegularFile,
+                0o600,
+                owner,
+                0,
+                t,
+            ),
+        ))
+    }
+
+    fn read_handle(&self, fh: FileHandle, offset: u64, size: u32) -> Result<Vec<u8>, Errno> {
+        let handles = lock(&self.handles);
+        let bytes: &[u8] = match handles.get(&fh.0).ok_or(Errno::EBADF)? {
+            Handle::Read(b) => b,
+            Handle::Write { buf, .. } => buf,
+        };
+        let start = (offset as usize).min(bytes.len());
+        let end = start.saturating_add(size as usize).min(bytes.len());
+        Ok(bytes[start..end].to_vec())
+    }
+
+    fn write_handle(&self, fh: FileHandle, offset: u64, data: &[u8]) -> Result<u32, Errno> {
+        let mut handles = lock(&self.handles);
+        let Some(Handle::Write { buf, dirty, .. }) = handles.get_mut(&fh.0) else {
+            return Err(Errno::EBADF);
+        };
+        let end = (offset as usize)
+            .checked_add(data.len())
+            .ok_or(Errno::EFBIG)?;
+        if end > MAX_CHUNK_BYTES {
+            return Err(Errno::EFBIG);
+        }
+        if buf.len() < end {
+            buf.resize(end, 0);
+        }
+        buf[offset as usize..end].copy_from_slice(data);
+        *dirty = true;
+        Ok(data.len() as u32)
+    }
+
+    fn truncate(&self, node: Node, fh: Option<FileHandle>, size: u64) -> Result<(), Errno> {
+        let Node::Chunk(c, i) = node else {
+            return Err(Errno::EPERM);
+        };
+        if self.read_only {
+            return Err(Errno::EROFS);
+        }
+        if size as usize > MAX_CHUNK_BYTES {
+            return Err(Errno::EFBIG);
+        }
+        let mut handles = lock(&self.handles);
+        let target = handles.iter_mut().find(|(k, h)| {
+            matches!(h, Handle::Write { ctx, index, .. } if *ctx == c && *index == i)
+                && fh.is_none_or(|f| f.0 == **k)
+        });
+        match target {
+            Some((_, Handle::Write { buf, dirty, .. })) => {
+                buf.resize(size as usize, 0);
+                *dirty = true;
+                Ok(())
+            }
+            // Chunks change only through an open file, committed whole.
+            _ => Err(Errno::EPERM),
+        }
+    }
+
+    /// Writes a dirty handle's bytes to the store as the chunk's new version.
+    fn commit(&self, fh: FileHandle) -> Result<(), Errno> {
+        let (ctx, index, buf) = {
+            let mut handles = lock(&self.handles);
+            match handles.get_mut(&fh.0) {
+                Some(Handle::Write {
+                    ctx,
+                    index,
+                    buf,
+                    dirty: dirty @ true,
+                }) => {
+                    *dirty = false;
+                    (*ctx, *index, std::mem::take(buf))
+                }
+                Some(_) => return Ok(()),
+                None => return Err(Errno::EBADF),
+            }
+        };
+        let (pf, pd) = lock(&self.pending)
+            .get(&(ctx, index))
+            .copied()
+            .unwrap_or((None, None));
+        let (old_f, old_d) = match self.store.chunk_state(ctx, index) {
+            Ok(ChunkState::Stored(s)) => (Some(s.format), Some(s.density)),
+            _ => (None, None),
+        };
+        let format = pf.or(old_f).unwrap_or(KvFormat::Int8);
+        let density = pd.or(old_d).unwrap_or(0.0);
+        let result = self.store.meta(ctx).and_then(|m| {
+            self.store
+                .write_chunk(ctx, index, &m.fingerprint, format, density, &buf)
+        });
+        let mut handles = lock(&self.handles);
+        if let Some(Handle::Write { buf: b, dirty, .. }) = handles.get_mut(&fh.0) {
+            *b = buf;
+            if result.is_err() {
+                *dirty = true;
+            }
+        }
+        drop(handles);
+        match result {
+            Ok(_) => {
+                lock(&self.pending).remove(&(ctx, index));
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "kvfs write through the mount failed");
+                Err(errno(&e))
+            }
+        }
+    }
+
+    fn xattr_value(&self, uid: u32, node: Node, name: &OsStr) -> Result<Vec<u8>, Errno> {
+        let Node::Chunk(c, i) = node else {
+            return Err(Errno::from_i32(libc::ENODATA));
+        };
+        self.owner(uid, c)?;
+        let pending = lock(&self.pending).get(&(c, i)).copied();
+        let state = self.store.chunk_state(c, i).map_err(store_err)?;
+        let stored = match &state {
+            ChunkState::Stored(s) => Some(s.clone()),
+            _ => None,
+        };
+        let v = match name.to_str().unwrap_or("") {
+            "user.kvfs.format" => pending
+                .and_then(|p| p.0)
+                .or(stored.as_ref().map(|s| s.format))
+                .map(|f| f.name().to_owned()),
+            "user.kvfs.density" => pending
+                .and_then(|p| p.1)
+                .or(stored.as_ref().map(|s| s.density))
+                .map(|d| d.to_string()),
+            "user.kvfs.state" => Some(state.name().to_owned()),
+            "user.kvfs.codec" => stored.as_ref().map(|s| s.codec.name().to_owned()),
+            "user.kvfs.generation" => stored.as_ref().map(|s| s.generation.to_string()),
+            _ => None,
+        };
+        v.map(String::into_bytes)
+            .ok_or(Errno::from_i32(libc::ENODATA))
+    }
+
+    fn set_xattr(&self, uid: u32, node: Node, name: &OsStr, value: &[u8]) -> Result<(), Errno> {
+        let Node::Chunk(c, i) = node else {
+            return Err(Errno::ENOTSUP);
+        };
+        if self.read_only {
+            return Err(Errno::EROFS);
+        }
+        self.owner(uid, c)?;
+        let value = std::str::from_utf8(value)
+            .map_err(|_| Errno::EINVAL)?
+            .trim_end_matches('\0');
+        let mut pending = lock(&self.pending);
+        let entry = pending.entry((c, i)).or_default();
+        match name.to_str().unwrap_or("") {
+            "user.kvfs.format" => entry.0 = Some(value.parse().map_err(|_| Errno::EINVAL)?),
+            "user.kvfs.density" => {
+                let d: f32 = value.trim().parse().map_err(|_| Errno::EINVAL)?;
+                entry.1 = Some(d);
+            }
+            _ => return Err(Errno::ENOTSUP),
+        }
+        drop(pending);
+        // The label is part of what a write commits: open writers of the chunk commit again.
+        for h in lock(&self.handles).values_mut() {
+            if let Handle::Write {
+                ctx, index, dirty, ..
+            } = h
+                && (*ctx, *index) == (c, i)
+            {
+                *dirty = true;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn parse_index(name: &str) -> Result<u32, Errno> {
+    // Only the canonical decimal spelling, so each chunk has exactly one name.
+    let i: u32 = name.parse().map_err(|_| Errno::ENOENT)?;
+    if i.to_string() != name || i > MAX_INDEX {
+        return Err(Errno::ENOENT);
+    }
+    Ok(i)
+}
+
+fn attr(node: Node, kind: FileType, perm: u16, uid: u32, size: u64, time: SystemTime) -> FileAttr {
+    FileAttr {
+        ino: node.ino(),
+        size,
+        blocks: size.div_ceil(512),
+        atime: time,
+        mtime: time,
+        ctime: time,
+        crtime: time,
+        kind,
+        perm,
+        nlink: if kind == FileType::Directory { 2 } else { 1 },
+        uid,
+        gid: if uid == 0 { 0 } else { uid },
+        rdev: 0,
+        flags: 0,
+        blksize: 4096,
+    }
+}
+
+fn node_or_enoent(ino: INodeNo) -> Result<Node, Errno> {
+    Node::of(ino).ok_or(Errno::ENOENT)
+}
+
+impl Filesystem for KvFs {
+    fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let res = node_or_enoent(parent)
+            .and_then(|p| self.lookup_node(p, name))
+            .and_then(|n| self.attr(req.uid(), n));
+        match res {
+            Ok(a) => reply.entry(&TTL, &a, Generation(0)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match node_or_enoent(ino).and_then(|n| self.attr(req.uid(), n)) {
+            Ok(a) => reply.attr(&TTL, &a),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn setattr(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let res = node_or_enoent(ino).and_then(|n| {
+            if mode.is_some() || uid.is_some() || gid.is_some() {
+                return Err(Errno::EPERM);
+            }
+            if let Some(size) = size {
+                self.truncate(n, fh, size)?;
+            }
+            self.attr(req.uid(), n)
+        });
+        match res {
+            Ok(a) => reply.attr(&TTL, &a),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        match node_or_enoent(ino).and_then(|n| self.open_node(req.uid(), n, flags)) {
+            Ok(fh) => reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        match node_or_enoent(parent).and_then(|p| self.create_node(req.uid(), p, name)) {
+            Ok((fh, a)) => reply.created(&TTL, &a, Generation(0), fh, FopenFlags::FOPEN_DIRECT_IO),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.read_handle(fh, offset, size) {
+            Ok(d) => reply.data(&d),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        match self.write_handle(fh, offset, data) {
+            Ok(n) => reply.written(n),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        match self.commit(fh) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        match self.commit(fh) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        let res = self.commit(fh);
+        lock(&self.handles).remove(&fh.0);
+        match res {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readdir(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        match node_or_enoent(ino).and_then(|n| self.entries(req.uid(), n)) {
+            Ok(entries) => {
+                for (i, (ino, kind, name)) in entries.into_iter().enumerate().skip(offset as usize)
+                {
+                    if reply.add(ino, (i + 1) as u64, kind, name) {
+                        break;
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        match node_or_enoent(ino).and_then(|n| self.xattr_value(req.uid(), n, name)) {
+            Ok(v) if size == 0 => reply.size(v.len() as u32),
+            Ok(v) if v.len() > size as usize => reply.error(Errno::ERANGE),
+            Ok(v) => reply.data(&v),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let res = node_or_enoent(ino).and_then(|n| match n {
+            Node::Chunk(c, _) => {
+                self.owner(req.uid(), c)?;
+                Ok(XATTRS
+                    .iter()
+                    .flat_map(|x| x.bytes().chain([0]))
+                    .collect::<Vec<u8>>())
+            }
+            _ => Ok(Vec::new()),
+        });
+        match res {
+            Ok(v) if size == 0 => reply.size(v.len() as u32),
+            Ok(v) if v.len() > size as usize => reply.error(Errno::ERANGE),
+            Ok(v) => reply.data(&v),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn setxattr(
+        &self,
+        req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        _flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        match node_or_enoent(ino).and_then(|n| self.set_xattr(req.uid(), n, name, value)) {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+}
+
+/// How to mount.
+#[derive(Clone, Debug)]
+pub struct MountConfig {
+    /// Refuse every write (EROFS), and mount with `ro`.
+    pub read_only: bool,
+    /// FUSE worker threads.
+    pub threads: usize,
+}
+
+impl Default for MountConfig {
+    fn default() -> Self {
+        MountConfig {
+            read_only: false,
+            threads: 2,
+        }
+    }
+}
+
+/// What went wrong mounting or unmounting.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error("{path} is already a live mount; unmount it first (umount {path})")]
+    AlreadyMounted { path: PathBuf },
+    #[error("cannot clean up the stale mount at {path}: {source}")]
+    Stale { path: PathBuf, source: nix::Error },
+    #[error("mount point {path}: {source}")]
+    MountPoint {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("mount {path}: {source} (is /dev/fuse there and are we root?)")]
+    Mount {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("unmount {path}: {source}")]
+    Unmount {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// A live mount; dropping it unmounts (also while a panic unwinds, so tests never leak mounts).
+pub struct Mount {
+    session: Option<BackgroundSession>,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for Mount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mount")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Mount {
+    /// Where the store is mounted.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Unmounts and waits for the FUSE threads to finish.
+    pub fn unmount(mut self) -> Result<(), MountError> {
+        self.unmount_inner()
+    }
+
+    fn unmount_inner(&mut self) -> Result<(), MountError> {
+        match self.session.take() {
+            Some(s) => s.umount_and_join().map_err(|source| MountError::Unmount {
+                path: self.path.clone(),
+                source,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Err(e) = self.unmount_inner() {
+            tracing::warn!(error = %e, "kvfs unmount failed");
+        }
+    }
+}
+
+/// Whether `path` is currently a mount point (from /proc/self/mountinfo).
+fn is_mount_point(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = path.to_string_lossy();
+    // Field 5 is the mount point, with spaces and such escaped as octal.
+    info.lines().filter_map(|l| l.split(' ').nth(4)).any(|mp| {
+        mp.replace("\\040", " ")
+            .replace("\\011", "\t")
+            .replace("\\134", "\\")
+            == want
+    })
+}
+
+/// Detects a mount left behind by a killed server (its mount point answers ENOTCONN) and detaches it;
+/// refuses a mount point that is live.
+pub fn clean_stale_mount(mountpoint: &Path) -> Result<(), MountError> {
+    let path = mountpoint.to_owned();
+    match std::fs::metadata(mountpoint) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            nix::mount::umount2(mountpoint, nix::mount::MntFlags::MNT_DETACH).map_err(
+                |source| MountError::Stale {
+                    path: path.clone(),
+                    source,
+                },
+            )?;
+            tracing::warn!(path = %path.display(), "detached a stale kvfs mount left by a killed process");
+            Ok(())
+        }
+        Err(source) => Err(MountError::MountPoint { path, source }),
+        Ok(m) if !m.is_dir() => Err(MountError::MountPoint {
+            path,
+            source: std::io::Error::new(std::io::ErrorKind::NotADirectory, "not a directory"),
+        }),
+        Ok(_) if is_mount_point(&std::fs::canonicalize(mountpoint).unwrap_or(path.clone())) => {
+            Err(MountError::AlreadyMounted { path })
+        }
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Mounts `store` at `mountpoint` (cleaning up a stale mount first) and serves it on background
+/// threads until the returned [`Mount`] is dropped.
+pub fn mount(
+    store: Arc<Store>,
+    mountpoint: &Path,
+    config: &MountConfig,
+) -> Result<Mount, MountError> {
+    clean_stale_mount(mountpoint)?;
+    let mut options = vec![
+        MountOption::FSName(format!("kvfs:{}", store.root().display())),
+        MountOption::Subtype("kvfs".to_owned()),
+        MountOption::DefaultPermissions,
+        MountOption::NoAtime,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+        MountOption::NoExec,
+    ];
+    options.push(if config.read_only {
+        MountOption::RO
+    } else {
+        MountOption::RW
+    });
+    let mut cfg = Config::default();
+    cfg.mount_options = options;
+    // Other uids must reach the filesystem so the kernel can apply `default_permissions` to them.
+    cfg.acl = SessionACL::All;
+    cfg.n_threads = Some(config.threads.max(1));
+    cfg.clone_fd = true;
+    let fs = KvFs::new(store, config.read_only);
+    let session = fuser::spawn_mount(fs, mountpoint, &cfg).map_err(|source| MountError::Mount {
+        path: mountpoint.to_owned(),
+        source,
+    })?;
+    tracing::info!(path = %mountpoint.display(), read_only = config.read_only, "kvfs mounted");
+    Ok(Mount {
+        session: Some(session),
+        path: mountpoint.to_owned(),
+    })
+}
+
+/// Blocks SIGINT and SIGTERM in this thread and the threads it spawns afterwards; call before
+/// [`mount`], then [`wait_for_termination`] to unmount cleanly on either signal.
+pub fn block_termination_signals() -> Result<nix::sys::signal::SigSet, nix::Error> {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGINT);
+    set.add(Signal::SIGTERM);
+    set.thread_block()?;
+    Ok(set)
+}
+
+/// Waits for one of the signals blocked by [`block_termination_signals`].
+pub fn wait_for_termination(
+    set: &nix::sys::signal::SigSet,
+) -> Result<nix::sys::signal::Signal, nix::Error> {
+    set.wait()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inode_numbers_round_trip() {
+        let c = ContextId(7);
+        for n in [
+            Node::Root,
+            Node::Stats,
+            Node::Dir(c),
+            Node::Chunks(c),
+            Node::Info(c),
+            Node::Text(c),
+            Node::Chunk(c, 0),
+            Node::Chunk(ContextId(u32::MAX as u64), MAX_INDEX),
+        ] {
+            assert_eq!(Node::of(n.ino()), Some(n));
+        }
+        assert_eq!(Node::of(INodeNo(3)), None);
+        assert_eq!(Node::of(INodeNo((5 << 32) | 9)), None);
+    }
+
+    #[test]
+    fn chunk_names_are_canonical() {
+        assert_eq!(parse_index("12"), Ok(12));
+        for bad in ["012", "+1", "x", "", "-1", "99999999999"] {
+            assert_eq!(parse_index(bad), Err(Errno::ENOENT), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,464 @@
+//! The store through a real FUSE mount (/dev/fuse, as root): round trips, sizes, concurrency,
+//! permissions for another uid, read-only mounts, corruption and stale-mount cleanup.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use kvfs::{
+    ChunkState, ContextId, Fingerprint, KvFormat, Mount, MountConfig, NewContext, Store,
+    StoreOptions,
+};
+
+const FP: Fingerprint = Fingerprint([3; 32]);
+
+/// A store and its live mount in a temp dir; the mount is dropped (unmounted) first, even on panic.
+struct Fixture {
+    mount: Option<Mount>,
+    store: Arc<Store>,
+    mnt: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new(read_only: bool) -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        // Other uids must be able to reach the mount point for the permission tests.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let store =
+            Arc::new(Store::open(&dir.path().join("store"), StoreOptions::default()).unwrap());
+        let mount = kvfs::mount(
+            store.clone(),
+            &mnt,
+            &MountConfig {
+                read_only,
+                threads: 2,
+            },
+        )
+        .unwrap();
+        Fixture {
+            mount: Some(mount),
+            store,
+            mnt,
+            _dir: dir,
+        }
+    }
+
+    fn context(&self, owner: u32, tokens: u32) -> ContextId {
+        let id = self
+            .store
+            .create_context(NewContext {
+                owner_uid: owner,
+                app: "test".into(),
+                fingerprint: FP,
+                chunk_tokens: 16,
+            })
+            .unwrap();
+        self.store
+            .append_tokens(id, &(0..tokens).collect::<Vec<_>>())
+            .unwrap();
+        id
+    }
+
+    fn path(&self, rel: impl AsRef<Path>) -> PathBuf {
+        self.mnt.join(rel)
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if let Some(m) = self.mount.take() {
+            m.unmount().unwrap();
+        }
+    }
+}
+
+fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 11) as u8
+        })
+        .collect()
+}
+
+fn set_xattr(path: &Path, name: &str, value: &str) {
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import os,sys; os.setxattr(sys.argv[1], sys.argv[2], sys.argv[3].encode())",
+        ])
+        .arg(path)
+        .args([name, value])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "setxattr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn get_xattr(path: &Path, name: &str) -> String {
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import os,sys; print(os.getxattr(sys.argv[1], sys.argv[2]).decode())",
+        ])
+        .arg(path)
+        .arg(name)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "getxattr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+#[test]
+fn every_format_round_trips_through_the_mount() {
+    let fx = Fixture::new(false);
+    let id = fx.context(0, 16 * 8);
+    for (i, f) in KvFormat::ALL.into_iter().enumerate() {
+        // Written through the mount, format set while the file is open, committed on close.
+        let data = bytes(i as u64, 16384 << i);
+        let p = fx.path(format!("{id}/chunks/{i}"));
+        let mut file = std::fs::File::create(&p).unwrap();
+        file.write_all(&data).unwrap();
+        set_xattr(&p, "user.kvfs.format", f.name());
+        set_xattr(&p, "user.kvfs.density", "0.75");
+        drop(file);
+        assert_eq!(std::fs::read(&p).unwrap(), data, "format {f}");
+        assert_eq!(fx.store.read_chunk(id, i as u32, &FP).unwrap(), data);
+        match fx.store.chunk_state(id, i as u32).unwrap() {
+            ChunkState::Stored(s) => {
+                assert_eq!((s.format, s.density), (f, 0.75));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(get_xattr(&p, "user.kvfs.format"), f.name());
+        assert_eq!(get_xattr(&p, "user.kvfs.state"), "stored");
+        // Written through the API, read through the mount.
+        let j = 4 + i as u32;
+        let data = bytes(100 + i as u64, 4096 * (i + 1) + 17);
+        fx.store.write_chunk(id, j, &FP, f, 0.5, &data).unwrap();
+        assert_eq!(
+            std::fs::read(fx.path(format!("{id}/chunks/{j}"))).unwrap(),
+            data
+        );
+    }
+    // Rewriting in place through the mount keeps the format unless told otherwise.
+    let p = fx.path(format!("{id}/chunks/2"));
+    std::fs::write(&p, b"shorter").unwrap();
+    assert_eq!(std::fs::read(&p).unwrap(), b"shorter");
+    assert_eq!(get_xattr(&p, "user.kvfs.format"), "int4");
+}
+
+#[test]
+fn ls_cat_and_stat_agree_on_sizes() {
+    let fx = Fixture::new(false);
+    let id = fx.context(0, 40);
+    for i in 0..3 {
+        fx.store
+            .write_chunk(
+                id,
+                i,
+                &FP,
+                KvFormat::Int8,
+                0.1,
+                &bytes(i as u64, 1000 * (i as usize + 1)),
+            )
+            .unwrap();
+    }
+    let mut names: Vec<String> = std::fs::read_dir(fx.path(id.to_string()))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["chunks", "info", "text"]);
+    let mut chunks: Vec<String> = std::fs::read_dir(fx.path(format!("{id}/chunks")))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    chunks.sort();
+    assert_eq!(chunks, ["0", "1", "2"]);
+    let files = [
+        "stats".to_owned(),
+        format!("{id}/info"),
+        format!("{id}/text"),
+        format!("{id}/chunks/1"),
+    ];
+    for f in &files {
+        let p = fx.path(f);
+        let stat_len = std::fs::metadata(&p).unwrap().len();
+        let cat_len = std::fs::read(&p).unwrap().len() as u64;
+        let out = Command::new("stat")
+            .args(["-c", "%s"])
+            .arg(&p)
+            .output()
+            .unwrap();
+        let stat_cmd: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+        let out = Command::new("cat").arg(&p).output().unwrap();
+        assert_eq!(
+            (stat_len, stat_cmd, out.stdout.len() as u64),
+            (cat_len, cat_len, cat_len),
+            "{f}"
+        );
+    }
+    assert_eq!(
+        std::fs::metadata(fx.path(format!("{id}/chunks/1")))
+            .unwrap()
+            .len(),
+        2000
+    );
+    let ls = Command::new("ls")
+        .arg("-l")
+        .arg(fx.path(format!("{id}/chunks")))
+        .output()
+        .unwrap();
+    let ls = String::from_utf8(ls.stdout).unwrap();
+    assert!(
+        ls.lines()
+            .any(|l| l.contains(" 3000 ") && l.ends_with(" 2")),
+        "{ls}"
+    );
+    assert!(
+        ls.lines().filter(|l| l.starts_with("-rw-------")).count() == 3,
+        "{ls}"
+    );
+    let info = std::fs::read_to_string(fx.path(format!("{id}/info"))).unwrap();
+    assert!(info.contains("3 stored"), "{info}");
+    let text = std::fs::read_to_string(fx.path(format!("{id}/text"))).unwrap();
+    assert_eq!(text.split_whitespace().count(), 40);
+}
+
+#[test]
+fn concurrent_readers_and_a_writer_see_only_whole_versions() {
+    let fx = Fixture::new(false);
+    let id = fx.context(0, 16 * 4);
+    // Version v of chunk i: 64 KiB whose first 8 bytes are v and the rest derived from (i, v).
+    let version = |i: u32, v: u64| {
+        let mut b = v.to_le_bytes().to_vec();
+        b.extend(bytes(v * 31 + i as u64, 65536 - 8));
+        b
+    };
+    for i in 0..4 {
+        fx.store
+            .write_chunk(id, i, &FP, KvFormat::Int8, 0.0, &version(i, 0))
+            .unwrap();
+    }
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            for v in 1..=30u64 {
+                let i = (v % 4) as u32;
+                std::fs::write(fx.path(format!("{id}/chunks/{i}")), version(i, v)).unwrap();
+            }
+        });
+        for r in 0..3u32 {
+            let fx = &fx;
+            s.spawn(move || {
+                for n in 0..60 {
+                    let i = (n + r) % 4;
+                    let mut data = Vec::new();
+                    std::fs::File::open(fx.path(format!("{id}/chunks/{i}")))
+                        .unwrap()
+                        .read_to_end(&mut data)
+                        .unwrap();
+                    let v = u64::from_le_bytes(data[..8].try_into().unwrap());
+                    assert_eq!(data, version(i, v), "reader {r} chunk {i} version {v} torn");
+                }
+            });
+        }
+        writer.join().unwrap();
+    });
+    for i in 0..4u32 {
+        let last = (1..=30u64).filter(|v| v % 4 == i as u64).max().unwrap();
+        assert_eq!(
+            std::fs::read(fx.path(format!("{id}/chunks/{i}"))).unwrap(),
+            version(i, last)
+        );
+    }
+}
+
+/// Runs `args` as uid/gid 65534 (nobody) with no supplementary groups.
+fn as_nobody(args: &[&str]) -> std::process::Output {
+    Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .args(args)
+        .output()
+        .expect("setpriv from util-linux")
+}
+
+#[test]
+fn another_uid_cannot_list_or_read_a_context_it_does_not_own() {
+    let fx = Fixture::new(false);
+    let theirs = fx.context(1000, 16);
+    let mine = fx.context(65534, 16);
+    fx.store
+        .write_chunk(theirs, 0, &FP, KvFormat::Int8, 0.0, b"secret")
+        .unwrap();
+    fx.store
+        .write_chunk(mine, 0, &FP, KvFormat::Int8, 0.0, b"nobody's")
+        .unwrap();
+    let mnt = fx.mnt.to_str().unwrap();
+    let p = |rel: String| format!("{mnt}/{rel}");
+
+    let ls = as_nobody(&["ls", "-1", mnt]);
+    assert!(ls.status.success(), "{ls:?}");
+    let listed = String::from_utf8(ls.stdout).unwrap();
+    assert_eq!(
+        listed.lines().collect::<Vec<_>>(),
+        vec![mine.to_string().as_str(), "stats"]
+    );
+    for target in [p(format!("{theirs}")), p(format!("{theirs}/chunks"))] {
+        let out = as_nobody(&["ls", &target]);
+        assert!(!out.status.success(), "nobody listed {target}: {out:?}");
+    }
+    for target in [
+        p(format!("{theirs}/info")),
+        p(format!("{theirs}/text")),
+        p(format!("{theirs}/chunks/0")),
+    ] {
+        let out = as_nobody(&["cat", &target]);
+        assert!(
+            !out.status.success() && out.stdout.is_empty(),
+            "nobody read {target}: {out:?}"
+        );
+    }
+    let out = as_nobody(&[
+        "sh",
+        "-c",
+        &format!("echo x > {}", p(format!("{theirs}/chunks/1"))),
+    ]);
+    assert!(
+        !out.status.success(),
+        "nobody wrote into another's context: {out:?}"
+    );
+    // The control: nobody reads its own context, so the refusals above are about ownership.
+    let out = as_nobody(&["cat", &p(format!("{mine}/chunks/0"))]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(out.stdout, b"nobody's");
+    // Root (the service) sees both.
+    let all: Vec<_> = std::fs::read_dir(&fx.mnt).unwrap().collect();
+    assert_eq!(all.len(), 3);
+    assert_eq!(fx.store.read_chunk(theirs, 0, &FP).unwrap(), b"secret");
+}
+
+#[test]
+fn a_read_only_mount_refuses_writes() {
+    let fx = Fixture::new(true);
+    let id = fx.context(0, 16);
+    fx.store
+        .write_chunk(id, 0, &FP, KvFormat::Int2, 0.0, b"data")
+        .unwrap();
+    let p = fx.path(format!("{id}/chunks/0"));
+    assert_eq!(std::fs::read(&p).unwrap(), b"data");
+    let err = std::fs::write(&p, b"new").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+    let err = std::fs::write(fx.path(format!("{id}/chunks/1")), b"new").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+    assert_eq!(fx.store.read_chunk(id, 0, &FP).unwrap(), b"data");
+}
+
+#[test]
+fn a_corrupt_chunk_is_an_io_error_through_the_mount() {
+    let fx = Fixture::new(false);
+    let id = fx.context(0, 16);
+    fx.store
+        .write_chunk(id, 0, &FP, KvFormat::Int8, 0.0, &bytes(1, 10000))
+        .unwrap();
+    let file = fx.store.chunk_path(id, 0);
+    let mut b = std::fs::read(&file).unwrap();
+    b[200] ^= 1;
+    std::fs::write(&file, b).unwrap();
+    let err = std::fs::read(fx.path(format!("{id}/chunks/0"))).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    // Quarantined: gone from the listing, reported in info.
+    assert_eq!(
+        std::fs::read_dir(fx.path(format!("{id}/chunks")))
+            .unwrap()
+            .count(),
+        0
+    );
+    let info = std::fs::read_to_string(fx.path(format!("{id}/info"))).unwrap();
+    assert!(info.contains("1 quarantined"), "{info}");
+}
+
+#[test]
+fn a_stale_mount_of_a_killed_server_is_cleaned_up() {
+    const CHILD: &str = "KVFS_TEST_STALE_CHILD";
+    if let Ok(paths) = std::env::var(CHILD) {
+        // Child: mount and wait to be killed.
+        let (store, mnt) = paths.split_once('\n').unwrap();
+        let store = Arc::new(Store::open(Path::new(store), StoreOptions::default()).unwrap());
+        let m = kvfs::mount(store, Path::new(mnt), &MountConfig::default()).unwrap();
+        println!("mounted");
+        std::io::stdout().flush().unwrap();
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        drop(m);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_stale_mount_of_a_killed_server_is_cleaned_up",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, format!("{}\n{}", store_dir.display(), mnt.display()))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("mounted") {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "child died before mounting"
+        );
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let err = std::fs::metadata(&mnt).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN), "{err}");
+    let store = Arc::new(Store::open(&store_dir, StoreOptions::default()).unwrap());
+    let id = store
+        .create_context(NewContext {
+            owner_uid: 0,
+            app: "a".into(),
+            fingerprint: FP,
+            chunk_tokens: 16,
+        })
+        .unwrap();
+    let m = kvfs::mount(store, &mnt, &MountConfig::default()).unwrap();
+    assert!(
+        std::fs::metadata(mnt.join(id.to_string()))
+            .unwrap()
+            .is_dir()
+    );
+    // A live mount is refused rather than stacked over.
+    let again = kvfs::mount(
+        Arc::new(Store::open(&dir.path().join("s2"), StoreOptions::default()).unwrap()),
+        &mnt,
+        &MountConfig::default(),
+    );
+    assert!(
+        matches!(again, Err(kvfs::MountError::AlreadyMounted { .. })),
+        "{again:?}"
+    );
+    m.unmount().unwrap();
+}
