@@ -401,7 +401,7 @@ fn a_stale_mount_of_a_killed_server_is_cleaned_up() {
         let (store, mnt) = paths.split_once('\n').unwrap();
         let store = Arc::new(Store::open(Path::new(store), StoreOptions::default()).unwrap());
         let m = kvfs::mount(store, Path::new(mnt), &MountConfig::default()).unwrap();
-        println!("mounted");
+        std::io::stdout().write_all(b"mounted\n").unwrap();
         std::io::stdout().flush().unwrap();
         std::thread::sleep(std::time::Duration::from_secs(60));
         drop(m);
