@@ -67,7 +67,7 @@ fn writer(dir: &Path, run: u64) {
     for k in 0.. {
         let seq = run * 1_000_000 + k;
         let n = store.tokens(id).unwrap().len() as u32;
-        if n < CHUNK_TOKENS * MAX_CHUNKS && (n == 0 || rng.next() % 4 == 0) {
+        if n < CHUNK_TOKENS * MAX_CHUNKS && (n == 0 || rng.next().is_multiple_of(4)) {
             let more: Vec<u32> = (n..n + CHUNK_TOKENS).map(token).collect();
             let total = store.append_tokens(id, &more).unwrap();
             journal
