@@ -3,6 +3,7 @@
 //! [`Store`] is the Rust API the service uses (it works with or without a mount);
 //! [`fs::mount`] exposes a store as a filesystem.
 
+pub mod bench;
 pub mod format;
 pub mod fs;
 pub mod io;

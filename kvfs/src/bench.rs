@@ -1,0 +1,510 @@
+//! `llms bench kvfs`: read and write latency and throughput through the mount and directly, page-cache
+//! residency after I/O, and zstd ratio and speed on KV-shaped chunks (synthetic, or real files).
+//!
+//! The figures are measured here and returned as rows; the `tools` binary prints them.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
+use crate::fs::{MountConfig, MountError, mount};
+use crate::io::{IoError, read_file};
+use crate::store::{ContextId, NewContext, Store, StoreError, StoreOptions};
+
+/// What went wrong running the benchmark.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Mount(#[from] MountError),
+    #[error(transparent)]
+    Io(#[from] IoError),
+    #[error("{path} must be a new or empty directory on the filesystem to measure")]
+    DirNotEmpty { path: PathBuf },
+    #[error("no chunk files in {path}")]
+    NoChunks { path: PathBuf },
+}
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    /// Scratch directory (new or empty) on the filesystem to measure; removed afterwards.
+    pub dir: PathBuf,
+    /// Chunk sizes for the read and write measurements, in KiB.
+    pub sizes_kib: Vec<usize>,
+    /// Bytes written and read per chunk size (chunk count is this over the size, 32 to 512).
+    pub bytes_per_size: usize,
+    /// Real chunk files for the zstd measurement (kvfs chunk files or plain chunk bytes).
+    pub chunks_dir: Option<PathBuf>,
+    /// zstd levels to measure.
+    pub zstd_levels: Vec<i32>,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        BenchConfig {
+            dir: PathBuf::from("kvfs-bench"),
+            sizes_kib: vec![16, 64, 192, 1024],
+            bytes_per_size: 64 << 20,
+            chunks_dir: None,
+            zstd_levels: vec![1, 3],
+        }
+    }
+}
+
+/// Latency and throughput of one way of moving chunks of one size.
+#[derive(Clone, Debug)]
+pub struct IoRow {
+    pub size_kib: usize,
+    pub path: &'static str,
+    pub chunks: usize,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub mb_per_s: f64,
+}
+
+/// How many bytes of the store's files the page cache held after a phase.
+#[derive(Clone, Debug)]
+pub struct CacheRow {
+    pub after: String,
+    pub resident_bytes: u64,
+    pub file_bytes: u64,
+}
+
+/// zstd on one group of chunks at one level.
+#[derive(Clone, Debug)]
+pub struct ZstdRow {
+    pub source: String,
+    pub format: String,
+    pub chunks: usize,
+    pub chunk_bytes: usize,
+    pub level: i32,
+    pub ratio: f64,
+    pub compress_mb_per_s: f64,
+    pub decompress_mb_per_s: f64,
+}
+
+/// Everything `llms bench kvfs` measured.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub direct_io: bool,
+    pub reads: Vec<IoRow>,
+    pub writes: Vec<IoRow>,
+    pub cache: Vec<CacheRow>,
+    pub zstd: Vec<ZstdRow>,
+}
+
+const FP: Fingerprint = Fingerprint(*b"kvfs-bench-fingerprint-000000000");
+
+/// Runs every measurement.
+pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
+    let mut report = Report {
+        zstd: zstd_report(config)?,
+        ..Report::default()
+    };
+    if let Ok(mut d) = std::fs::read_dir(&config.dir)
+        && d.next().is_some()
+    {
+        return Err(BenchError::DirNotEmpty {
+            path: config.dir.clone(),
+        });
+    }
+    let result = io_report(config, &mut report);
+    let _ = std::fs::remove_dir_all(&config.dir);
+    result?;
+    Ok(report)
+}
+
+fn io_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError> {
+    let store_dir = config.dir.join("store");
+    let mnt = config.dir.join("mnt");
+    // Raw chunks (compression off) so the read figures are about I/O, not zstd.
+    let options = StoreOptions {
+        min_ratio: f64::INFINITY,
+        ..StoreOptions::default()
+    };
+    let store = Arc::new(Store::open(&store_dir, options)?);
+    report.direct_io = store.direct_io();
+    std::fs::create_dir_all(&mnt).map_err(|e| IoError::new("mkdir", &mnt, e))?;
+    let m = mount(
+        store.clone(),
+        &mnt,
+        &MountConfig {
+            read_only: false,
+            threads: 2,
+        },
+    )?;
+    for &kib in &config.sizes_kib {
+        let size = kib << 10;
+        let n = (config.bytes_per_size / size).clamp(32, 512);
+        let id = store.create_context(NewContext {
+            owner_uid: 0,
+            app: "bench".into(),
+            fingerprint: FP,
+            chunk_tokens: 16,
+        })?;
+        store.append_tokens(id, &vec![1; 16 * n])?;
+        let data = synth::noise(size, kib as u64);
+        let mut lat = Vec::with_capacity(n);
+        for i in 0..n as u32 {
+            let t = Instant::now();
+            store.write_chunk(id, i, &FP, KvFormat::Int8, 0.0, &data)?;
+            lat.push(t.elapsed());
+        }
+        report.writes.push(row(kib, "store api, fsync", &lat));
+        let mut lat = Vec::with_capacity(n);
+        for i in 0..n as u32 {
+            let p = mnt.join(id.to_string()).join("chunks").join(i.to_string());
+            let t = Instant::now();
+            std::fs::write(&p, &data).map_err(|e| IoError::new("write", &p, e))?;
+            lat.push(t.elapsed());
+        }
+        report.writes.push(row(kib, "mount, fsync", &lat));
+        drop_caches();
+        report
+            .reads
+            .push(read_pass(kib, "raw file O_DIRECT", n, |i| {
+                let p = store.chunk_path(id, i);
+                Ok(read_file(&p, store.direct_io(), None)?.len())
+            })?);
+        drop_caches();
+        report.reads.push(read_pass(kib, "store api", n, |i| {
+            Ok(store.read_chunk(id, i, &FP)?.len())
+        })?);
+        drop_caches();
+        report
+            .reads
+            .push(read_pass(kib, "mount, direct_io", n, |i| {
+                let p = mnt.join(id.to_string()).join("chunks").join(i.to_string());
+                let mut f = std::fs::File::open(&p).map_err(|e| IoError::new("open", &p, e))?;
+                let mut buf = Vec::with_capacity(size);
+                f.read_to_end(&mut buf)
+                    .map_err(|e| IoError::new("read", &p, e))?;
+                Ok(buf.len())
+            })?);
+        report.cache.push(cache_row(&store, id, n, kib)?);
+        store.delete_context(id)?;
+    }
+    m.unmount()?;
+    Ok(())
+}
+
+fn read_pass(
+    kib: usize,
+    path: &'static str,
+    n: usize,
+    mut read: impl FnMut(u32) -> Result<usize, BenchError>,
+) -> Result<IoRow, BenchError> {
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n as u32 {
+        let t = Instant::now();
+        let len = read(i)?;
+        lat.push(t.elapsed());
+        debug_assert_eq!(len, kib << 10);
+    }
+    Ok(row(kib, path, &lat))
+}
+
+fn row(kib: usize, path: &'static str, lat: &[Duration]) -> IoRow {
+    let mut us: Vec<f64> = lat.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    us.sort_by(f64::total_cmp);
+    let total: f64 = us.iter().sum::<f64>() / 1e6;
+    let pct = |p: f64| us[((us.len() - 1) as f64 * p).round() as usize];
+    IoRow {
+        size_kib: kib,
+        path,
+        chunks: us.len(),
+        p50_us: pct(0.5),
+        p99_us: pct(0.99),
+        mb_per_s: (kib << 10) as f64 * us.len() as f64 / total / 1e6,
+    }
+}
+
+/// Drops clean page-cache pages so reads start cold (root only; a no-op otherwise).
+fn drop_caches() {
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", b"1");
+}
+
+/// Page-cache residency of a context's chunk files, by `fincore` (util-linux, mincore(2)).
+fn cache_row(store: &Store, id: ContextId, n: usize, kib: usize) -> Result<CacheRow, BenchError> {
+    let paths: Vec<PathBuf> = (0..n as u32).map(|i| store.chunk_path(id, i)).collect();
+    let mut file_bytes = 0;
+    for p in &paths {
+        file_bytes += std::fs::metadata(p)
+            .map_err(|e| IoError::new("stat", p, e))?
+            .len();
+    }
+    let out = Command::new("fincore")
+        .args(["--bytes", "--noheadings", "--output", "RES"])
+        .args(&paths)
+        .output();
+    let resident_bytes = match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| l.trim().parse::<u64>().ok())
+            .sum(),
+        _ => u64::MAX,
+    };
+    let after = format!("{kib} KiB chunks written and read");
+    Ok(CacheRow {
+        after,
+        resident_bytes,
+        file_bytes,
+    })
+}
+
+/// Chunks to compress together: source, format name, the chunks.
+type Group = (String, String, Vec<Vec<u8>>);
+
+fn zstd_report(config: &BenchConfig) -> Result<Vec<ZstdRow>, BenchError> {
+    let mut groups: Vec<Group> = KvFormat::ALL
+        .iter()
+        .map(|f| {
+            let chunks = (0..24)
+                .map(|s| synth::kv_chunk(*f, 16, synth::SMOLLM2_CHANNELS, s))
+                .collect();
+            ("synthetic".to_owned(), f.name().to_owned(), chunks)
+        })
+        .collect();
+    if let Some(dir) = &config.chunks_dir {
+        groups.extend(real_chunks(dir)?);
+    }
+    let mut rows = Vec::new();
+    for (source, format, chunks) in &groups {
+        for &level in &config.zstd_levels {
+            rows.push(zstd_row(source, format, chunks, level));
+        }
+    }
+    Ok(rows)
+}
+
+/// Reads real chunks: kvfs chunk files (grouped by their format, payload decoded) or plain files.
+fn real_chunks(dir: &Path) -> Result<Vec<Group>, BenchError> {
+    let mut by_format: std::collections::BTreeMap<String, Vec<Vec<u8>>> = Default::default();
+    let entries = std::fs::read_dir(dir).map_err(|e| IoError::new("list", dir, e))?;
+    for e in entries {
+        let path = e.map_err(|e| IoError::new("list", dir, e))?.path();
+        if !path.is_file() {
+            continue;
+        }
+        let bytes = std::fs::read(&path).map_err(|e| IoError::new("read", &path, e))?;
+        match ChunkHeader::decode(&bytes) {
+            Ok(h) if h.check_payload(&bytes[HEADER_LEN..]).is_ok() => {
+                let payload = &bytes[HEADER_LEN..];
+                let data = match h.codec {
+                    Codec::Raw => payload.to_vec(),
+                    Codec::Zstd => match zstd::bulk::decompress(payload, h.raw_len as usize) {
+                        Ok(d) => d,
+                        Err(_) => continue,
+                    },
+                };
+                by_format
+                    .entry(h.format.name().to_owned())
+                    .or_default()
+                    .push(data);
+            }
+            _ => by_format.entry("file".to_owned()).or_default().push(bytes),
+        }
+    }
+    if by_format.is_empty() {
+        return Err(BenchError::NoChunks {
+            path: dir.to_owned(),
+        });
+    }
+    let source = format!("{}", dir.display());
+    Ok(by_format
+        .into_iter()
+        .map(|(f, c)| (source.clone(), f, c))
+        .collect())
+}
+
+fn zstd_row(source: &str, format: &str, chunks: &[Vec<u8>], level: i32) -> ZstdRow {
+    let raw: usize = chunks.iter().map(Vec::len).sum();
+    // Repeat small sets so each timing covers at least ~32 MiB.
+    let reps = (32 << 20) / raw.max(1) + 1;
+    let t = Instant::now();
+    let mut compressed = Vec::new();
+    for r in 0..reps {
+        let c: Vec<Vec<u8>> = chunks
+            .iter()
+            .map(|c| zstd::bulk::compress(c, level).unwrap_or_default())
+            .collect();
+        if r == 0 {
+            compressed = c;
+        }
+    }
+    let ct = t.elapsed().as_secs_f64();
+    let stored: usize = compressed.iter().map(Vec::len).sum();
+    let t = Instant::now();
+    for _ in 0..reps {
+        for (c, orig) in compressed.iter().zip(chunks) {
+            let d = zstd::bulk::decompress(c, orig.len()).unwrap_or_default();
+            debug_assert_eq!(d.len(), orig.len());
+        }
+    }
+    let dt = t.elapsed().as_secs_f64();
+    let total = (raw * reps) as f64;
+    ZstdRow {
+        source: source.to_owned(),
+        format: format.to_owned(),
+        chunks: chunks.len(),
+        chunk_bytes: raw / chunks.len().max(1),
+        level,
+        ratio: raw as f64 / stored.max(1) as f64,
+        compress_mb_per_s: total / ct / 1e6,
+        decompress_mb_per_s: total / dt / 1e6,
+    }
+}
+
+/// Synthetic data shaped like KV chunks, for when real ones are not at hand.
+pub mod synth {
+    use crate::format::KvFormat;
+
+    /// K and V channels of one token over all layers of SmolLM2-135M: 30 layers × 3 KV heads × 64 × 2.
+    pub const SMOLLM2_CHANNELS: usize = 30 * 3 * 64 * 2;
+
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        fn uniform(&mut self) -> f64 {
+            ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        }
+
+        fn gauss(&mut self) -> f32 {
+            let (u, v) = (self.uniform(), self.uniform());
+            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+        }
+    }
+
+    /// Incompressible bytes.
+    pub fn noise(len: usize, seed: u64) -> Vec<u8> {
+        let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+        (0..len).map(|_| (r.next() >> 24) as u8).collect()
+    }
+
+    /// One chunk of `tokens` tokens × `channels` channels in `format`: Gaussian activations whose
+    /// channels have log-normal scales with a few outlier channels; keys (the first half of the
+    /// channels) quantized per channel and values per token, as KIVI does; int8 symmetric, int4 and
+    /// int2 asymmetric (min/max) and packed two or four to a byte; f16 plain. The scales (and minima)
+    /// follow the codes as f32, as a real chunk carries them.
+    pub fn kv_chunk(format: KvFormat, tokens: usize, channels: usize, seed: u64) -> Vec<u8> {
+        let mut r = Rng(seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1);
+        let scale: Vec<f32> = (0..channels)
+            .map(|c| {
+                let s = (0.5 * r.gauss()).exp();
+                if c % 97 == 0 { s * 8.0 } else { s }
+            })
+            .collect();
+        let x: Vec<f32> = (0..tokens * channels)
+            .map(|i| r.gauss() * scale[i % channels])
+            .collect();
+        if format == KvFormat::F16 {
+            return x.iter().flat_map(|v| f16_bits(*v).to_le_bytes()).collect();
+        }
+        let half = channels / 2;
+        // Groups: one per key channel (over tokens), one per token's values.
+        let mut groups: Vec<Vec<usize>> = (0..half)
+            .map(|c| (0..tokens).map(|t| t * channels + c).collect())
+            .collect();
+        groups.extend((0..tokens).map(|t| (half..channels).map(|c| t * channels + c).collect()));
+        let mut codes = vec![0u8; tokens * channels];
+        let mut params = Vec::new();
+        for g in &groups {
+            let (lo, hi) = g.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &i| {
+                (lo.min(x[i]), hi.max(x[i]))
+            });
+            match format {
+                KvFormat::Int8 => {
+                    let s = lo.abs().max(hi.abs()) / 127.0;
+                    for &i in g {
+                        codes[i] = ((x[i] / s).round().clamp(-127.0, 127.0) as i8) as u8;
+                    }
+                    params.extend_from_slice(&s.to_le_bytes());
+                }
+                _ => {
+                    let levels = if format == KvFormat::Int4 { 15.0 } else { 3.0 };
+                    let s = (hi - lo).max(f32::MIN_POSITIVE) / levels;
+                    for &i in g {
+                        codes[i] = ((x[i] - lo) / s).round().clamp(0.0, levels) as u8;
+                    }
+                    params.extend_from_slice(&s.to_le_bytes());
+                    params.extend_from_slice(&lo.to_le_bytes());
+                }
+            }
+        }
+        let mut out = match format {
+            KvFormat::Int4 => codes
+                .chunks(2)
+                .map(|p| p[0] | p.get(1).map_or(0, |b| b << 4))
+                .collect(),
+            KvFormat::Int2 => codes
+                .chunks(4)
+                .map(|p| {
+                    p.iter()
+                        .enumerate()
+                        .fold(0u8, |acc, (k, b)| acc | (b << (2 * k)))
+                })
+                .collect(),
+            _ => codes,
+        };
+        out.extend(params);
+        out
+    }
+
+    /// IEEE half-precision bits of `v` (round to nearest; subnormals flushed to zero).
+    fn f16_bits(v: f32) -> u16 {
+        let b = v.to_bits();
+        let sign = ((b >> 16) & 0x8000) as u16;
+        let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
+        if exp <= 0 {
+            return sign;
+        }
+        if exp >= 31 {
+            return sign | 0x7c00;
+        }
+        let mant = b & 0x7f_ffff;
+        let half = ((exp as u32) << 10) | (mant >> 13);
+        let round = (mant >> 12) & 1;
+        sign | (half + round).min(0x7bff) as u16
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn sizes_follow_the_format() {
+            let len = |f| kv_chunk(f, 16, 256, 1).len();
+            let groups = 128 + 16;
+            assert_eq!(len(KvFormat::F16), 16 * 256 * 2);
+            assert_eq!(len(KvFormat::Int8), 16 * 256 + groups * 4);
+            assert_eq!(len(KvFormat::Int4), 16 * 256 / 2 + groups * 8);
+            assert_eq!(len(KvFormat::Int2), 16 * 256 / 4 + groups * 8);
+        }
+
+        #[test]
+        fn f16_conversion() {
+            fn check(v: f32, bits: u16) {
+                assert_eq!(f16_bits(v), bits, "{v}");
+            }
+            check(0.0, 0);
+            check(1.0, 0x3c00);
+            check(-2.0, 0xc000);
+            check(0.5, 0x3800);
+            check(65504.0, 0x7bff);
+            check(1e9, 0x7c00);
+            check(1e-9, 0);
+        }
+    }
+}
