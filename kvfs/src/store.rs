@@ -80,6 +80,8 @@ pub enum StoreError {
     },
     #[error("chunk of {len} bytes is larger than the {MAX_CHUNK_BYTES}-byte limit")]
     TooLarge { len: usize },
+    #[error("the store at {path} is open read-only")]
+    ReadOnly { path: PathBuf },
     #[error("invalid {what}: {why}")]
     Invalid { what: &'static str, why: String },
 }
@@ -106,6 +108,10 @@ pub struct StoreOptions {
     pub min_ratio: f64,
     /// Check every chunk's payload checksum at open, not only its header and length.
     pub verify_on_open: bool,
+    /// Open for inspection only: never create, repair, quarantine or write anything, so a store in
+    /// use by a running service can be looked at safely (files failing checks are reported and
+    /// not served, but left in place).
+    pub read_only: bool,
 }
 
 impl Default for StoreOptions {
@@ -114,6 +120,7 @@ impl Default for StoreOptions {
             zstd_level: 1,
             min_ratio: 1.25,
             verify_on_open: false,
+            read_only: false,
         }
     }
 }
@@ -283,6 +290,11 @@ impl Store {
     /// `quarantine/` (see [`Store::recovered`]) and their chunks marked for recompute.
     pub fn open(root: &Path, options: StoreOptions) -> Result<Store, StoreError> {
         let marker = root.join(MARKER);
+        if options.read_only && !marker.exists() {
+            return Err(StoreError::NotAStore {
+                path: root.to_owned(),
+            });
+        }
         if !marker.exists() {
             let empty = match std::fs::read_dir(root) {
                 Ok(mut d) => d.next().is_none(),
@@ -303,7 +315,9 @@ impl Store {
             write_atomic(root, MARKER, ".tmp-KVFS", &[MARKER_TEXT])?;
         }
         for sub in ["contexts", "staging", "trash", "quarantine"] {
-            mkdir(&root.join(sub))?;
+            if !options.read_only {
+                mkdir(&root.join(sub))?;
+            }
         }
         let mut store = Store {
             root: root.to_owned(),
@@ -348,6 +362,9 @@ impl Store {
 
     fn recover(&mut self) -> Result<(), StoreError> {
         for sub in ["staging", "trash"] {
+            if self.options.read_only {
+                break;
+            }
             let dir = self.root.join(sub);
             for entry in std::fs::read_dir(&dir).map_err(io("list", &dir))? {
                 let path = entry.map_err(io("list", &dir))?.path();
@@ -384,7 +401,9 @@ impl Store {
                 Err(reason) => self.quarantine(&path, reason)?,
             }
         }
-        sync_dir(&contexts_dir)?;
+        if !self.options.read_only {
+            sync_dir(&contexts_dir)?;
+        }
         *self.contexts.get_mut().unwrap_or_else(|p| p.into_inner()) = loaded;
         self.next_id = AtomicU64::new(max_id + 1);
         self.next_generation = AtomicU64::new(max_gen + 1);
@@ -417,6 +436,9 @@ impl Store {
             let path = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
             if name.starts_with(".tmp-") {
+                if self.options.read_only {
+                    continue;
+                }
                 std::fs::remove_file(&path).map_err(|e| format!("remove {name}: {e}"))?;
                 self.note(&path, "removed", "unfinished write".into());
                 touched = true;
@@ -433,6 +455,7 @@ impl Store {
                     *max_gen = (*max_gen).max(stored.generation);
                     chunks.insert(index, ChunkState::Stored(stored));
                 }
+                Ok(None) if self.options.read_only => {}
                 Ok(None) => {
                     std::fs::remove_file(&path).map_err(|e| format!("remove {name}: {e}"))?;
                     self.note(&path, "removed", "stale: its tokens were replaced".into());
@@ -503,6 +526,11 @@ impl Store {
 
     /// Moves `path` into `quarantine/` so it is never served again, and records why.
     fn quarantine(&mut self, path: &Path, reason: String) -> Result<(), StoreError> {
+        if self.options.read_only {
+            self.quarantined.fetch_add(1, Ordering::Relaxed);
+            self.note(path, "not served (read-only: left in place)", reason);
+            return Ok(());
+        }
         let dest = self.quarantine_path(path);
         std::fs::rename(path, &dest).map_err(io("quarantine", path))?;
         self.quarantined.fetch_add(1, Ordering::Relaxed);
@@ -529,6 +557,7 @@ impl Store {
 
     /// Creates an empty context, durably: it exists after a crash only if it exists whole.
     pub fn create_context(&self, new: NewContext) -> Result<ContextId, StoreError> {
+        self.writable()?;
         if new.chunk_tokens == 0 {
             return Err(StoreError::Invalid {
                 what: "chunk size",
@@ -583,6 +612,7 @@ impl Store {
 
     /// Deletes a context and all its chunks, durably.
     pub fn delete_context(&self, id: ContextId) -> Result<(), StoreError> {
+        self.writable()?;
         let ctx = self.ctx(id)?;
         let _w = lock(&ctx.write);
         if ctx.deleted.swap(true, Ordering::SeqCst) {
@@ -669,6 +699,7 @@ impl Store {
     /// Appends token ids, durably, before any chunk that depends on them is written.
     /// Returns the new token count.
     pub fn append_tokens(&self, id: ContextId, more: &[u32]) -> Result<usize, StoreError> {
+        self.writable()?;
         let ctx = self.ctx(id)?;
         let _w = self.write_lock(&ctx)?;
         let mut tokens = lock(&ctx.state).tokens.clone();
@@ -686,6 +717,7 @@ impl Store {
 
     /// Replaces the token ids, durably; chunks computed from tokens that changed are dropped.
     pub fn replace_tokens(&self, id: ContextId, tokens: Vec<u32>) -> Result<(), StoreError> {
+        self.writable()?;
         let ctx = self.ctx(id)?;
         let _w = self.write_lock(&ctx)?;
         write_atomic(
@@ -731,6 +763,15 @@ impl Store {
         Ok(())
     }
 
+    fn writable(&self) -> Result<(), StoreError> {
+        if self.options.read_only {
+            return Err(StoreError::ReadOnly {
+                path: self.root.clone(),
+            });
+        }
+        Ok(())
+    }
+
     fn write_lock<'a>(&self, ctx: &'a Ctx) -> Result<MutexGuard<'a, ()>, StoreError> {
         let w = lock(&ctx.write);
         if ctx.deleted.load(Ordering::SeqCst) {
@@ -751,6 +792,7 @@ impl Store {
         density: f32,
         data: &[u8],
     ) -> Result<StoredChunk, StoreError> {
+        self.writable()?;
         if data.len() > MAX_CHUNK_BYTES {
             return Err(StoreError::TooLarge { len: data.len() });
         }
@@ -886,7 +928,9 @@ impl Store {
                         Check::Bad(r) => r,
                     };
                     let dest = self.quarantine_path(&path);
-                    if let Err(e) = std::fs::rename(&path, &dest) {
+                    if self.options.read_only {
+                        // Not served, but not moved either: the store is not ours to change.
+                    } else if let Err(e) = std::fs::rename(&path, &dest) {
                         tracing::warn!(path = %path.display(), error = %e, "could not quarantine");
                     }
                     self.quarantined.fetch_add(1, Ordering::Relaxed);

@@ -462,3 +462,79 @@ fn info_and_stats_describe_the_store() {
     }));
     assert_eq!(store.render_text(id).unwrap(), "40 tokens of text");
 }
+
+#[test]
+fn a_read_only_open_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = Store::open(
+        &dir.path().join("none"),
+        StoreOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err, StoreError::NotAStore { .. }), "{err}");
+    assert!(!dir.path().join("none").exists());
+    let store = open(dir.path());
+    let id = new_ctx(&store, 32);
+    store
+        .write_chunk(id, 0, &FP, KvFormat::Int8, 0.0, &chunk_bytes(0, 5000))
+        .unwrap();
+    store
+        .write_chunk(id, 1, &FP, KvFormat::Int8, 0.0, &chunk_bytes(1, 5000))
+        .unwrap();
+    let chunks = store.chunk_path(id, 0).parent().unwrap().to_owned();
+    drop(store);
+    // An in-flight write of a running service, and a corrupt chunk.
+    std::fs::write(chunks.join(".tmp-0-77"), b"in flight").unwrap();
+    let mut b = std::fs::read(chunks.join("1")).unwrap();
+    b[150] ^= 2;
+    std::fs::write(chunks.join("1"), &b).unwrap();
+    let listing = |d: &Path| {
+        let mut v: Vec<_> = walk(d);
+        v.sort();
+        v
+    };
+    fn walk(d: &Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push((p.clone(), std::fs::read(&p).unwrap()));
+            }
+        }
+        out
+    }
+    let before = listing(dir.path());
+    let ro = Store::open(
+        dir.path(),
+        StoreOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(ro.read_chunk(id, 0, &FP).unwrap(), chunk_bytes(0, 5000));
+    assert!(ro.read_chunk(id, 1, &FP).unwrap_err().needs_recompute());
+    let err = ro
+        .write_chunk(id, 0, &FP, KvFormat::Int8, 0.0, b"x")
+        .unwrap_err();
+    assert!(matches!(err, StoreError::ReadOnly { .. }), "{err}");
+    assert!(matches!(
+        ro.append_tokens(id, &[1]),
+        Err(StoreError::ReadOnly { .. })
+    ));
+    assert!(matches!(
+        ro.delete_context(id),
+        Err(StoreError::ReadOnly { .. })
+    ));
+    assert!(ro.render_info(id).unwrap().contains("1 quarantined"));
+    drop(ro);
+    assert!(
+        listing(dir.path()) == before,
+        "a read-only open changed the store"
+    );
+}
