@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 mod bench_engine;
 mod bench_pager;
 mod engine_cmd;
+mod kvfs_cmd;
 mod model_cmd;
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
@@ -27,6 +28,9 @@ enum Command {
     /// Measure the model's quality.
     #[command(subcommand)]
     Eval(EvalCommand),
+    /// Mount or inspect a kvfs chunk store.
+    #[command(subcommand)]
+    Kvfs(kvfs_cmd::KvfsCommand),
     /// Benchmarks; each prints a table and writes JSON.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -44,6 +48,8 @@ enum BenchCommand {
     Engine(bench_engine::BenchEngineArgs),
     /// The userfaultfd pager: populate (COPY, MOVE), fault-to-resolved, reclaim, against memcpy.
     Pager(bench_pager::BenchPagerArgs),
+    /// kvfs: reads and writes through the mount and directly, page cache, zstd on KV chunks.
+    Kvfs(kvfs_cmd::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -72,5 +78,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Eval(EvalCommand::Ppl(args)) => engine_cmd::run_ppl(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Bench(BenchCommand::Pager(args)) => bench_pager::bench_pager(&args),
+        Command::Kvfs(cmd) => kvfs_cmd::run(cmd),
+        Command::Bench(BenchCommand::Kvfs(args)) => kvfs_cmd::bench(args),
     }
 }

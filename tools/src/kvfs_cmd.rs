@@ -1,0 +1,235 @@
+//! `llms kvfs mount|inspect` and `llms bench kvfs`: the kvfs chunk store from the command line.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use kvfs::bench::{BenchConfig, IoRow};
+use kvfs::{ChunkState, ContextId, Store, StoreOptions};
+
+/// Mount or inspect a kvfs chunk store.
+#[derive(Subcommand)]
+pub enum KvfsCommand {
+    /// Mount a store with FUSE and serve it until SIGINT or SIGTERM, then unmount
+    Mount {
+        /// The store directory
+        #[arg(long)]
+        store: PathBuf,
+        /// Where to mount it (an existing directory; a stale mount there is cleaned up)
+        mountpoint: PathBuf,
+        /// Inspect only: change nothing in the store, refuse writes
+        #[arg(long)]
+        read_only: bool,
+        /// FUSE worker threads
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+    },
+    /// Print a store's contexts and chunks without mounting it (changes nothing)
+    Inspect {
+        /// The store directory
+        #[arg(long)]
+        store: PathBuf,
+        /// Only this context, with its chunk table
+        #[arg(long)]
+        context: Option<u64>,
+        /// Read and check every chunk's payload
+        #[arg(long)]
+        verify: bool,
+    },
+}
+
+/// Arguments of `llms bench kvfs`.
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Scratch directory (new or empty) on the filesystem to measure; removed afterwards
+    #[arg(long, default_value = "kvfs-bench")]
+    dir: PathBuf,
+    /// Chunk sizes in KiB
+    #[arg(long, value_delimiter = ',', default_value = "16,64,192,1024")]
+    sizes: Vec<usize>,
+    /// MiB written and read per chunk size
+    #[arg(long, default_value_t = 64)]
+    mib: usize,
+    /// A directory of real chunk files (kvfs chunk files or plain bytes) for the zstd figures
+    #[arg(long)]
+    chunks: Option<PathBuf>,
+    /// zstd levels
+    #[arg(long, value_delimiter = ',', default_value = "1,3")]
+    levels: Vec<i32>,
+}
+
+/// Runs `llms kvfs ...`.
+pub fn run(cmd: KvfsCommand) -> anyhow::Result<()> {
+    match cmd {
+        KvfsCommand::Mount {
+            store,
+            mountpoint,
+            read_only,
+            threads,
+        } => mount(store, mountpoint, read_only, threads),
+        KvfsCommand::Inspect {
+            store,
+            context,
+            verify,
+        } => inspect(store, context, verify),
+    }
+}
+
+fn open(path: &std::path::Path, read_only: bool) -> anyhow::Result<Store> {
+    let options = StoreOptions {
+        read_only,
+        ..StoreOptions::default()
+    };
+    Store::open(path, options)
+        .with_context(|| format!("cannot open the kvfs store {}", path.display()))
+}
+
+fn mount(
+    store: PathBuf,
+    mountpoint: PathBuf,
+    read_only: bool,
+    threads: usize,
+) -> anyhow::Result<()> {
+    let root = store.clone();
+    let store = Arc::new(open(&store, read_only)?);
+    for r in store.recovered() {
+        eprintln!("recovery: {} {}: {}", r.action, r.path.display(), r.reason);
+    }
+    // Block the signals before the FUSE threads exist, so only `wait_for_termination` sees them.
+    let signals = kvfs::fs::block_termination_signals().context("cannot block SIGINT/SIGTERM")?;
+    let config = kvfs::MountConfig { read_only, threads };
+    let m = kvfs::mount(store, &mountpoint, &config)?;
+    eprintln!(
+        "kvfs: {} mounted at {}{}; SIGINT or SIGTERM unmounts",
+        root.display(),
+        m.path().display(),
+        if read_only { " (read-only)" } else { "" }
+    );
+    let sig = kvfs::fs::wait_for_termination(&signals).context("waiting for a signal")?;
+    eprintln!("kvfs: {sig}, unmounting {}", mountpoint.display());
+    m.unmount()?;
+    Ok(())
+}
+
+fn inspect(path: PathBuf, context: Option<u64>, verify: bool) -> anyhow::Result<()> {
+    let store = open(&path, true)?;
+    for r in store.recovered() {
+        println!("problem: {} {}: {}", r.action, r.path.display(), r.reason);
+    }
+    if let Some(id) = context {
+        let id = ContextId(id);
+        print!(
+            "{}",
+            store
+                .render_info(id)
+                .with_context(|| format!("in {}", path.display()))?
+        );
+    } else {
+        print!("{}", store.render_stats());
+        println!("\ncontext  owner  app                  tokens  stored  missing  quarantined");
+        for id in store.list_contexts() {
+            let info = store.context(id)?;
+            let count =
+                |f: fn(&ChunkState) -> bool| info.chunks.iter().filter(|c| f(&c.state)).count();
+            println!(
+                "{:<8} {:<6} {:<20} {:<7} {:<7} {:<8} {}",
+                id,
+                info.meta.owner_uid,
+                info.meta.app,
+                info.tokens,
+                count(|s| matches!(s, ChunkState::Stored(_))),
+                count(|s| matches!(s, ChunkState::Missing)),
+                count(|s| matches!(s, ChunkState::Quarantined { .. })),
+            );
+        }
+    }
+    if verify {
+        let bad = store.verify();
+        for (id, index, e) in &bad {
+            println!("corrupt: context {id} chunk {index}: {e}");
+        }
+        if !bad.is_empty() {
+            bail!(
+                "{} chunks failed verification; they will be recomputed",
+                bad.len()
+            );
+        }
+        println!("verify: every stored chunk checks out");
+    }
+    Ok(())
+}
+
+/// Runs `llms bench kvfs`.
+pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let config = BenchConfig {
+        dir: args.dir,
+        sizes_kib: args.sizes,
+        bytes_per_size: args.mib << 20,
+        chunks_dir: args.chunks,
+        zstd_levels: args.levels,
+    };
+    let r = kvfs::bench::run(&config).context("kvfs benchmark failed")?;
+    println!(
+        "kvfs benchmark ({}), one thread, cold page cache",
+        if r.direct_io {
+            "O_DIRECT reads"
+        } else {
+            "fadvise"
+        }
+    );
+    println!("\nreads");
+    io_table(&r.reads);
+    for kib in &config.sizes_kib {
+        let get = |p: &str| {
+            r.reads
+                .iter()
+                .find(|x| x.size_kib == *kib && x.path == p)
+                .map(|x| x.mb_per_s)
+        };
+        if let (Some(m), Some(d)) = (get("mount, direct_io"), get("store api")) {
+            println!("  {kib:>5} KiB: mount / store api = {:.0}%", 100.0 * m / d);
+        }
+    }
+    println!("\nwrites (each chunk fsynced and renamed)");
+    io_table(&r.writes);
+    println!("\npage cache after the I/O (fincore)");
+    for c in &r.cache {
+        println!(
+            "  {:<34} {} of {} bytes resident",
+            c.after, c.resident_bytes, c.file_bytes
+        );
+    }
+    println!("\nzstd (one core)");
+    println!(
+        "  {:<12} {:<6} {:>6} {:>9} {:>5} {:>7} {:>11} {:>13}",
+        "source", "format", "chunks", "bytes", "level", "ratio", "comp MB/s", "decomp MB/s"
+    );
+    for z in &r.zstd {
+        println!(
+            "  {:<12} {:<6} {:>6} {:>9} {:>5} {:>7.3} {:>11.0} {:>13.0}",
+            z.source,
+            z.format,
+            z.chunks,
+            z.chunk_bytes,
+            z.level,
+            z.ratio,
+            z.compress_mb_per_s,
+            z.decompress_mb_per_s
+        );
+    }
+    Ok(())
+}
+
+fn io_table(rows: &[IoRow]) {
+    println!(
+        "  {:>8} {:<20} {:>6} {:>10} {:>10} {:>9}",
+        "size KiB", "path", "chunks", "p50 us", "p99 us", "MB/s"
+    );
+    for x in rows {
+        println!(
+            "  {:>8} {:<20} {:>6} {:>10.0} {:>10.0} {:>9.0}",
+            x.size_kib, x.path, x.chunks, x.p50_us, x.p99_us, x.mb_per_s
+        );
+    }
+}
