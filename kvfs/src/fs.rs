@@ -24,8 +24,17 @@ use fuser::{
 use crate::format::KvFormat;
 use crate::store::{ChunkState, ContextId, MAX_CHUNK_BYTES, Store, StoreError};
 
-/// Attributes are never cached: sizes of `info`, `text`, `stats` and chunks change under writes.
+/// Attributes are not cached: sizes of `info`, `text`, `stats` and chunks change under writes, and a
+/// fresh `getattr` is where a uid that does not own a context is turned away.
 const TTL: Duration = Duration::ZERO;
+/// Names are cached for a second, which saves a `lookup` per path component on every open.
+/// Ids are never reused and deleted or quarantined names fail their `getattr`, so a cached name
+/// never leads to wrong data; new names are not cached negatively and appear at once.
+const ENTRY_TTL: Duration = Duration::from_secs(1);
+/// The root directory's attributes never change.
+const ROOT_TTL: Duration = Duration::from_secs(1);
+/// The attribute TTL of context directories when [`MountConfig::cache_dir_attrs`] is set.
+const DIR_TTL: Duration = Duration::from_secs(1);
 const ROOT: u64 = 1;
 const STATS: u64 = 2;
 /// Inode of a context's piece: `context << 32 | slot`; chunk `i` is slot `FIRST_CHUNK + i`.
@@ -121,6 +130,7 @@ type Label = (Option<KvFormat>, Option<f32>);
 pub struct KvFs {
     store: Arc<Store>,
     read_only: bool,
+    cache_dir_attrs: bool,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
     /// `user.kvfs.format` / `user.kvfs.density` set on a chunk, applied at its next commit.
@@ -150,14 +160,26 @@ fn store_err(e: StoreError) -> Errno {
 }
 
 impl KvFs {
-    /// A filesystem over `store`; with `read_only` every write is refused with EROFS.
-    pub fn new(store: Arc<Store>, read_only: bool) -> KvFs {
+    /// A filesystem over `store`; with `read_only` every write is refused with EROFS; see
+    /// [`MountConfig::cache_dir_attrs`].
+    pub fn new(store: Arc<Store>, read_only: bool, cache_dir_attrs: bool) -> KvFs {
         KvFs {
             store,
             read_only,
+            cache_dir_attrs,
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn attr_ttl(&self, a: &FileAttr) -> &'static Duration {
+        if a.ino.0 == ROOT {
+            &ROOT_TTL
+        } else if self.cache_dir_attrs && a.kind == FileType::Directory {
+            &DIR_TTL
+        } else {
+            &TTL
         }
     }
 
@@ -606,14 +628,14 @@ impl Filesystem for KvFs {
             .and_then(|p| self.lookup_node(p, name))
             .and_then(|n| self.attr(req.uid(), n));
         match res {
-            Ok(a) => reply.entry(&TTL, &a, Generation(0)),
+            Ok(a) => reply.entry_with_ttls(self.attr_ttl(&a), &ENTRY_TTL, &a, Generation(0)),
             Err(e) => reply.error(e),
         }
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         match node_or_enoent(ino).and_then(|n| self.attr(req.uid(), n)) {
-            Ok(a) => reply.attr(&TTL, &a),
+            Ok(a) => reply.attr(self.attr_ttl(&a), &a),
             Err(e) => reply.error(e),
         }
     }
@@ -652,8 +674,15 @@ impl Filesystem for KvFs {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let writing = flags.acc_mode() != OpenAccMode::O_RDONLY;
+        // Read-only handles have nothing to commit: spare the kernel a FLUSH round trip on close.
+        let open_flags = if writing {
+            FopenFlags::FOPEN_DIRECT_IO
+        } else {
+            FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH
+        };
         match node_or_enoent(ino).and_then(|n| self.open_node(req.uid(), n, flags)) {
-            Ok(fh) => reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO),
+            Ok(fh) => reply.opened(fh, open_flags),
             Err(e) => reply.error(e),
         }
     }
@@ -829,6 +858,11 @@ pub struct MountConfig {
     pub read_only: bool,
     /// FUSE worker threads.
     pub threads: usize,
+    /// Let the kernel cache context directories' attributes for a second. This saves two
+    /// `getattr` round trips per chunk open (the kernel checks permissions on each directory of
+    /// the path), but within that second a uid that does not own a context, and guesses its id,
+    /// can `stat` its directory (it still cannot list or read it). Off by default.
+    pub cache_dir_attrs: bool,
 }
 
 impl Default for MountConfig {
@@ -836,6 +870,7 @@ impl Default for MountConfig {
         MountConfig {
             read_only: false,
             threads: 2,
+            cache_dir_attrs: false,
         }
     }
 }
@@ -978,7 +1013,7 @@ pub fn mount(
     cfg.acl = SessionACL::All;
     cfg.n_threads = Some(config.threads.max(1));
     cfg.clone_fd = true;
-    let fs = KvFs::new(store, config.read_only);
+    let fs = KvFs::new(store, config.read_only, config.cache_dir_attrs);
     let session = fuser::spawn_mount(fs, mountpoint, &cfg).map_err(|source| MountError::Mount {
         path: mountpoint.to_owned(),
         source,
