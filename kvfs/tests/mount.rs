@@ -36,7 +36,7 @@ impl Fixture {
             &mnt,
             &MountConfig {
                 read_only,
-                threads: 2,
+                ..MountConfig::default()
             },
         )
         .unwrap();
