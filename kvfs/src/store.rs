@@ -47,7 +47,7 @@ pub enum StoreError {
     #[error(transparent)]
     Io(#[from] IoError),
     #[error(
-        "{path} is not a kvfs store (no {MARKER} marker) and is not empty; pick an empty or new directory"
+        "{path} is not a kvfs store (it has no {MARKER} marker file); a new store needs a new or empty directory"
     )]
     NotAStore { path: PathBuf },
     #[error("no context {context} in the store")]
