@@ -165,28 +165,37 @@ fn io_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError
             lat.push(t.elapsed());
         }
         report.writes.push(row(kib, "mount, fsync", &lat));
-        drop_caches();
-        report
-            .reads
-            .push(read_pass(kib, "raw file O_DIRECT", n, |i| {
-                let p = store.chunk_path(id, i);
-                Ok(read_file(&p, store.direct_io(), None)?.len())
-            })?);
-        drop_caches();
-        report.reads.push(read_pass(kib, "store api", n, |i| {
-            Ok(store.read_chunk(id, i, &FP)?.len())
-        })?);
-        for (path, root) in [("mount, direct_io", &mnt), ("mount, dirs cached", &mnt2)] {
+        // Three rounds of every path, one after the other, so load from elsewhere on the machine
+        // spreads over all of them; each row pools the rounds' latencies.
+        let mut lat: [Vec<Duration>; 4] = Default::default();
+        for _round in 0..3 {
             drop_caches();
-            report.reads.push(read_pass(kib, path, n, |i| {
-                let p = root.join(id.to_string()).join("chunks").join(i.to_string());
-                let mut f = std::fs::File::open(&p).map_err(|e| IoError::new("open", &p, e))?;
-                // The reader knows the chunk's size (from its metadata), as the service does.
-                let mut buf = vec![0u8; size];
-                f.read_exact(&mut buf)
-                    .map_err(|e| IoError::new("read", &p, e))?;
-                Ok(buf.len())
+            lat[0].extend(read_pass(n, |i| {
+                Ok(read_file(&store.chunk_path(id, i), store.direct_io(), None)?.len())
             })?);
+            drop_caches();
+            lat[1].extend(read_pass(n, |i| Ok(store.read_chunk(id, i, &FP)?.len()))?);
+            for (k, root) in [(2, &mnt), (3, &mnt2)] {
+                drop_caches();
+                lat[k].extend(read_pass(n, |i| {
+                    let p = root.join(id.to_string()).join("chunks").join(i.to_string());
+                    let mut f = std::fs::File::open(&p).map_err(|e| IoError::new("open", &p, e))?;
+                    // The reader knows the chunk's size (from its metadata), as the service does.
+                    let mut buf = vec![0u8; size];
+                    f.read_exact(&mut buf)
+                        .map_err(|e| IoError::new("read", &p, e))?;
+                    Ok(buf.len())
+                })?);
+            }
+        }
+        let paths = [
+            "raw file O_DIRECT",
+            "store api",
+            "mount, direct_io",
+            "mount, dirs cached",
+        ];
+        for (path, lat) in paths.into_iter().zip(&lat) {
+            report.reads.push(row(kib, path, lat));
         }
         report.cache.push(cache_row(&store, id, n, kib)?);
         store.delete_context(id)?;
@@ -197,18 +206,16 @@ fn io_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError
 }
 
 fn read_pass(
-    kib: usize,
-    path: &'static str,
     n: usize,
     mut read: impl FnMut(u32) -> Result<usize, BenchError>,
-) -> Result<IoRow, BenchError> {
+) -> Result<Vec<Duration>, BenchError> {
     let mut lat = Vec::with_capacity(n);
     for i in 0..n as u32 {
         let t = Instant::now();
         read(i)?;
         lat.push(t.elapsed());
     }
-    Ok(row(kib, path, &lat))
+    Ok(lat)
 }
 
 fn row(kib: usize, path: &'static str, lat: &[Duration]) -> IoRow {

@@ -113,7 +113,7 @@ const MAX_INDEX: u32 = u32::MAX - FIRST_CHUNK as u32;
 
 enum Handle {
     /// A snapshot taken at open: a checked chunk or a generated text file.
-    Read(Arc<[u8]>),
+    Read(Arc<Vec<u8>>),
     /// A chunk being written: committed to the store on flush, fsync or release.
     Write {
         ctx: ContextId,
@@ -337,7 +337,7 @@ impl KvFs {
 
     fn open_node(&self, uid: u32, node: Node, flags: OpenFlags) -> Result<FileHandle, Errno> {
         let writing = flags.acc_mode() != OpenAccMode::O_RDONLY;
-        let text = |s: String| Ok(self.add_handle(Handle::Read(Arc::from(s.into_bytes()))));
+        let text = |s: String| Ok(self.add_handle(Handle::Read(Arc::new(s.into_bytes()))));
         match node {
             Node::Root | Node::Dir(_) | Node::Chunks(_) => Err(Errno::EISDIR),
             _ if writing && self.read_only => Err(Errno::EROFS),
@@ -368,7 +368,7 @@ impl KvFs {
                     }));
                 }
                 let data = self.read_chunk(c, i)?;
-                Ok(self.add_handle(Handle::Read(Arc::from(data))))
+                Ok(self.add_handle(Handle::Read(Arc::new(data))))
             }
         }
     }
@@ -416,15 +416,12 @@ impl KvFs {
         ))
     }
 
-    fn read_handle(&self, fh: FileHandle, offset: u64, size: u32) -> Result<Vec<u8>, Errno> {
-        let handles = lock(&self.handles);
-        let bytes: &[u8] = match handles.get(&fh.0).ok_or(Errno::EBADF)? {
-            Handle::Read(b) => b,
-            Handle::Write { buf, .. } => buf,
-        };
-        let start = (offset as usize).min(bytes.len());
-        let end = start.saturating_add(size as usize).min(bytes.len());
-        Ok(bytes[start..end].to_vec())
+    /// The bytes of a handle: shared for read handles (no copy), copied for write handles.
+    fn handle_bytes(&self, fh: FileHandle) -> Result<Arc<Vec<u8>>, Errno> {
+        match lock(&self.handles).get(&fh.0).ok_or(Errno::EBADF)? {
+            Handle::Read(b) => Ok(b.clone()),
+            Handle::Write { buf, .. } => Ok(Arc::new(buf.clone())),
+        }
     }
 
     fn write_handle(&self, fh: FileHandle, offset: u64, data: &[u8]) -> Result<u32, Errno> {
@@ -714,8 +711,12 @@ impl Filesystem for KvFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.read_handle(fh, offset, size) {
-            Ok(d) => reply.data(&d),
+        match self.handle_bytes(fh) {
+            Ok(bytes) => {
+                let start = (offset as usize).min(bytes.len());
+                let end = start.saturating_add(size as usize).min(bytes.len());
+                reply.data(&bytes[start..end]);
+            }
             Err(e) => reply.error(e),
         }
     }

@@ -87,9 +87,37 @@ pub fn supports_direct(probe: &Path) -> bool {
         .is_ok()
 }
 
+/// Bytes read into an aligned buffer: `buf[start..start + len]`.
+#[derive(Debug)]
+pub struct Aligned {
+    buf: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl Aligned {
+    /// The bytes read.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+
+    /// The bytes read after the first `skip`, as a vector, moving them once (no second copy).
+    pub fn into_vec_from(mut self, skip: usize) -> Vec<u8> {
+        let skip = skip.min(self.len);
+        self.buf.truncate(self.start + self.len);
+        self.buf.drain(..self.start + skip);
+        self.buf
+    }
+}
+
 /// Reads the first `limit` bytes of a file (or all of it when `limit` is `None`), bypassing the page
 /// cache: with O_DIRECT when `direct`, else a buffered read followed by fadvise DONTNEED.
 pub fn read_file(path: &Path, direct: bool, limit: Option<usize>) -> Result<Vec<u8>, IoError> {
+    Ok(read_aligned(path, direct, limit)?.into_vec_from(0))
+}
+
+/// [`read_file`] without the final move: the bytes stay where O_DIRECT put them.
+pub fn read_aligned(path: &Path, direct: bool, limit: Option<usize>) -> Result<Aligned, IoError> {
     let flags = if direct { libc::O_DIRECT } else { 0 };
     let f = OpenOptions::new()
         .read(true)
@@ -106,7 +134,7 @@ pub fn read_file(path: &Path, direct: bool, limit: Option<usize>) -> Result<Vec<
         f.read_exact_at(&mut buf, 0)
             .map_err(|e| IoError::new("read", path, e))?;
         drop_cache(&f);
-        return Ok(buf);
+        return Ok(Aligned { buf, start: 0, len });
     }
     let cap = len.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
     let mut buf = vec![0u8; cap + DIRECT_ALIGN];
@@ -125,9 +153,7 @@ pub fn read_file(path: &Path, direct: bool, limit: Option<usize>) -> Result<Vec<
         }
         done += n;
     }
-    buf.truncate(start + len);
-    buf.drain(..start);
-    Ok(buf)
+    Ok(Aligned { buf, start, len })
 }
 
 #[cfg(test)]
@@ -156,6 +182,10 @@ mod tests {
             std::fs::write(&p, &data).unwrap();
             assert_eq!(read_file(&p, direct, None).unwrap(), data, "len {len}");
             assert_eq!(read_file(&p, false, None).unwrap(), data, "len {len}");
+            let cut = len.min(7);
+            let a = read_aligned(&p, direct, None).unwrap();
+            assert_eq!(a.bytes(), &data[..]);
+            assert_eq!(a.into_vec_from(7), &data[cut..], "len {len}");
             let cut = len.min(104);
             assert_eq!(
                 read_file(&p, direct, Some(104)).unwrap(),

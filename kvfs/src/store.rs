@@ -18,7 +18,9 @@ use crate::format::{
     ChunkHeader, Codec, ContextMeta, Fingerprint, FormatError, HEADER_LEN, KvFormat, decode_tokens,
     encode_tokens, tokens_crc,
 };
-use crate::io::{IoError, read_file, supports_direct, sync_dir, write_atomic};
+use crate::io::{
+    Aligned, IoError, read_aligned, read_file, supports_direct, sync_dir, write_atomic,
+};
 
 const MARKER: &str = "KVFS";
 const MARKER_TEXT: &[u8] = b"kvfs store, format version 1\n";
@@ -899,8 +901,8 @@ impl Store {
                 _ => return Err(StoreError::ChunkMissing { context: id, index }),
             };
             let path = ctx.dir.join("chunks").join(index.to_string());
-            let checked = match read_file(&path, self.direct, None) {
-                Ok(bytes) => self.check_chunk(&ctx, index, &bytes),
+            let checked = match read_aligned(&path, self.direct, None) {
+                Ok(bytes) => self.check_chunk(&ctx, index, bytes),
                 Err(e) if e.source.kind() == std::io::ErrorKind::NotFound => Err(Check::Gone),
                 Err(e) => return Err(e.into()),
             };
@@ -955,7 +957,8 @@ impl Store {
         Err(StoreError::ChunkMissing { context: id, index })
     }
 
-    fn check_chunk(&self, ctx: &Ctx, index: u32, bytes: &[u8]) -> Result<Vec<u8>, Check> {
+    fn check_chunk(&self, ctx: &Ctx, index: u32, file: Aligned) -> Result<Vec<u8>, Check> {
+        let bytes = file.bytes();
         let bad = |e: FormatError| Check::Bad(e.to_string());
         let header = ChunkHeader::decode(bytes).map_err(bad)?;
         check_identity(&header, ctx.id, index, &ctx.meta).map_err(Check::Bad)?;
@@ -974,7 +977,7 @@ impl Store {
             }
         }
         match header.codec {
-            Codec::Raw => Ok(payload.to_vec()),
+            Codec::Raw => Ok(file.into_vec_from(HEADER_LEN)),
             Codec::Zstd => {
                 let data = zstd::bulk::decompress(payload, header.raw_len as usize)
                     .map_err(|e| Check::Bad(format!("zstd: {e}")))?;
