@@ -233,6 +233,36 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             z.decompress_mb_per_s
         );
     }
+    // Reading a chunk costs stored/disk + raw/decompression with zstd and raw/disk without, so
+    // zstd pays when ratio > 1 / (1 - disk/decompression).
+    let disk = r
+        .reads
+        .iter()
+        .filter(|x| x.path == "raw file O_DIRECT")
+        .min_by_key(|x| x.size_kib.abs_diff(192))
+        .map(|x| (x.size_kib, x.mb_per_s));
+    if let Some((kib, disk)) = disk {
+        println!(
+            "\nzstd pays for reads when ratio > 1 / (1 - disk / decompression); disk = {disk:.0} MB/s ({kib} KiB O_DIRECT)"
+        );
+        for z in &r.zstd {
+            let verdict = if disk >= z.decompress_mb_per_s {
+                "never (decompression is slower than the disk)".to_owned()
+            } else {
+                let need = 1.0 / (1.0 - disk / z.decompress_mb_per_s);
+                let pays = if z.ratio > need {
+                    "pays"
+                } else {
+                    "does not pay"
+                };
+                format!("needs {need:.2}, has {:.3}: {pays}", z.ratio)
+            };
+            println!(
+                "  {:<12} {:<6} level {}: {verdict}",
+                z.source, z.format, z.level
+            );
+        }
+    }
     Ok(())
 }
 
