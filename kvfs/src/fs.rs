@@ -149,6 +149,7 @@ fn errno(e: &StoreError) -> Errno {
         StoreError::BeyondTokens { .. } | StoreError::Invalid { .. } => Errno::EINVAL,
         StoreError::TooLarge { .. } => Errno::EFBIG,
         StoreError::NotAStore { .. } => Errno::EIO,
+        StoreError::Locked { .. } => Errno::EBUSY,
         StoreError::ReadOnly { .. } => Errno::EROFS,
         StoreError::Io(io) => io.source.raw_os_error().map_or(Errno::EIO, Errno::from_i32),
     }

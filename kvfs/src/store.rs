@@ -82,6 +82,8 @@ pub enum StoreError {
     },
     #[error("chunk of {len} bytes is larger than the {MAX_CHUNK_BYTES}-byte limit")]
     TooLarge { len: usize },
+    #[error("the store at {path} is in use by another process; open it read-only to inspect it")]
+    Locked { path: PathBuf },
     #[error("the store at {path} is open read-only")]
     ReadOnly { path: PathBuf },
     #[error("invalid {what}: {why}")]
@@ -240,6 +242,9 @@ pub struct Store {
     recovered: Vec<Recovered>,
     quarantined: AtomicU64,
     counters: Counters,
+    /// An exclusive `flock` on the marker while open for writing: one writer per store, since
+    /// recovery removes what another writer has in flight.
+    _lock: Option<nix::fcntl::Flock<std::fs::File>>,
 }
 
 impl fmt::Debug for Store {
@@ -321,7 +326,22 @@ impl Store {
                 mkdir(&root.join(sub))?;
             }
         }
+        let lock = if options.read_only {
+            None
+        } else {
+            let f = std::fs::File::open(&marker).map_err(io("open", &marker))?;
+            match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+                Ok(l) => Some(l),
+                Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+                    return Err(StoreError::Locked {
+                        path: root.to_owned(),
+                    });
+                }
+                Err((_, e)) => return Err(IoError::new("flock", &marker, e.into()).into()),
+            }
+        };
         let mut store = Store {
+            _lock: lock,
             root: root.to_owned(),
             direct: supports_direct(&marker),
             options,

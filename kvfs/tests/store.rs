@@ -538,3 +538,26 @@ fn a_read_only_open_changes_nothing() {
         "a read-only open changed the store"
     );
 }
+
+#[test]
+fn one_writer_per_store_and_readers_alongside() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let id = new_ctx(&store, 16);
+    store
+        .write_chunk(id, 0, &FP, KvFormat::Int8, 0.0, b"held")
+        .unwrap();
+    let err = Store::open(dir.path(), StoreOptions::default()).unwrap_err();
+    assert!(matches!(err, StoreError::Locked { .. }), "{err}");
+    let ro = Store::open(
+        dir.path(),
+        StoreOptions {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(ro.read_chunk(id, 0, &FP).unwrap(), b"held");
+    drop(store);
+    assert_eq!(open(dir.path()).read_chunk(id, 0, &FP).unwrap(), b"held");
+}
