@@ -814,6 +814,7 @@ impl Store {
         density: f32,
         data: &[u8],
     ) -> Result<StoredChunk, StoreError> {
+        let _span = tracing::debug_span!("kvfs_write_chunk", context = %id, index).entered();
         self.writable()?;
         if data.len() > MAX_CHUNK_BYTES {
             return Err(StoreError::TooLarge { len: data.len() });
@@ -899,6 +900,7 @@ impl Store {
         index: u32,
         fingerprint: &Fingerprint,
     ) -> Result<Vec<u8>, StoreError> {
+        let _span = tracing::debug_span!("kvfs_read_chunk", context = %id, index).entered();
         let ctx = self.ctx(id)?;
         if *fingerprint != ctx.meta.fingerprint {
             return Err(StoreError::ForeignModel {
