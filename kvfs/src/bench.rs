@@ -102,10 +102,6 @@ const FP: Fingerprint = Fingerprint(*b"kvfs-bench-fingerprint-000000000");
 
 /// Runs every measurement.
 pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
-    let mut report = Report {
-        zstd: zstd_report(config)?,
-        ..Report::default()
-    };
     if let Ok(mut d) = std::fs::read_dir(&config.dir)
         && d.next().is_some()
     {
@@ -113,6 +109,10 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
             path: config.dir.clone(),
         });
     }
+    let mut report = Report {
+        zstd: zstd_report(config)?,
+        ..Report::default()
+    };
     let result = io_report(config, &mut report);
     let _ = std::fs::remove_dir_all(&config.dir);
     result?;
@@ -514,5 +514,73 @@ pub mod synth {
             check(1e9, 0x7c00);
             check(1e-9, 0);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn real_chunk_files_are_grouped_by_format_and_decoded() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s"), StoreOptions::default()).unwrap();
+        let id = store
+            .create_context(NewContext {
+                owner_uid: 0,
+                app: "b".into(),
+                fingerprint: FP,
+                chunk_tokens: 16,
+            })
+            .unwrap();
+        store.append_tokens(id, &[0; 48]).unwrap();
+        let skewed = synth::kv_chunk(KvFormat::Int2, 16, 512, 1);
+        store.write_chunk(id, 0, &FP, KvFormat::Int2, 0.0, &skewed).unwrap();
+        store.write_chunk(id, 1, &FP, KvFormat::Int8, 0.0, b"plain").unwrap();
+        let chunks = store.chunk_path(id, 0).parent().unwrap().to_owned();
+        std::fs::write(chunks.join("x"), b"not a chunk file").unwrap();
+        let groups = real_chunks(&chunks).unwrap();
+        let found: Vec<(&str, Vec<usize>)> = groups
+            .iter()
+            .map(|(_, f, c)| (f.as_str(), c.iter().map(Vec::len).collect()))
+            .collect();
+        assert_eq!(
+            found,
+            vec![("file", vec![16]), ("int2", vec![skewed.len()]), ("int8", vec![5])]
+        );
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        assert!(matches!(
+            real_chunks(&empty),
+            Err(BenchError::NoChunks { .. })
+        ));
+    }
+
+    #[test]
+    fn the_benchmark_runs_end_to_end_on_a_small_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = BenchConfig {
+            dir: dir.path().join("bench"),
+            sizes_kib: vec![16],
+            bytes_per_size: 0,
+            chunks_dir: None,
+            zstd_levels: vec![1],
+        };
+        let r = run(&config).unwrap();
+        let paths: Vec<&str> = r.reads.iter().map(|x| x.path).collect();
+        assert_eq!(
+            paths,
+            ["raw file O_DIRECT", "store api", "mount, direct_io", "mount, dirs cached"]
+        );
+        assert!(r.reads.iter().all(|x| x.chunks == 96 && x.mb_per_s > 0.0));
+        assert_eq!(r.writes.len(), 2);
+        assert_eq!(r.cache[0].resident_bytes, 0, "{:?}", r.cache);
+        assert_eq!(r.zstd.len(), 4);
+        assert!(!config.dir.exists(), "scratch directory left behind");
+        // A directory with something in it is not taken over.
+        std::fs::create_dir(&config.dir).unwrap();
+        std::fs::write(config.dir.join("keep"), b"x").unwrap();
+        assert!(matches!(run(&config), Err(BenchError::DirNotEmpty { .. })));
+        assert!(config.dir.join("keep").exists());
     }
 }
