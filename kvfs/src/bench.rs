@@ -535,8 +535,12 @@ mod tests {
             .unwrap();
         store.append_tokens(id, &[0; 48]).unwrap();
         let skewed = synth::kv_chunk(KvFormat::Int2, 16, 512, 1);
-        store.write_chunk(id, 0, &FP, KvFormat::Int2, 0.0, &skewed).unwrap();
-        store.write_chunk(id, 1, &FP, KvFormat::Int8, 0.0, b"plain").unwrap();
+        store
+            .write_chunk(id, 0, &FP, KvFormat::Int2, 0.0, &skewed)
+            .unwrap();
+        store
+            .write_chunk(id, 1, &FP, KvFormat::Int8, 0.0, b"plain")
+            .unwrap();
         let chunks = store.chunk_path(id, 0).parent().unwrap().to_owned();
         std::fs::write(chunks.join("x"), b"not a chunk file").unwrap();
         let groups = real_chunks(&chunks).unwrap();
@@ -546,7 +550,11 @@ mod tests {
             .collect();
         assert_eq!(
             found,
-            vec![("file", vec![16]), ("int2", vec![skewed.len()]), ("int8", vec![5])]
+            vec![
+                ("file", vec![16]),
+                ("int2", vec![skewed.len()]),
+                ("int8", vec![5])
+            ]
         );
         let empty = dir.path().join("empty");
         std::fs::create_dir(&empty).unwrap();
@@ -570,7 +578,12 @@ mod tests {
         let paths: Vec<&str> = r.reads.iter().map(|x| x.path).collect();
         assert_eq!(
             paths,
-            ["raw file O_DIRECT", "store api", "mount, direct_io", "mount, dirs cached"]
+            [
+                "raw file O_DIRECT",
+                "store api",
+                "mount, direct_io",
+                "mount, dirs cached"
+            ]
         );
         assert!(r.reads.iter().all(|x| x.chunks == 96 && x.mb_per_s > 0.0));
         assert_eq!(r.writes.len(), 2);
