@@ -61,6 +61,9 @@ pub struct BenchArgs {
     /// zstd levels
     #[arg(long, value_delimiter = ',', default_value = "1,3")]
     levels: Vec<i32>,
+    /// Where to write the figures as JSON
+    #[arg(long, default_value = "bench-kvfs.json")]
+    json: PathBuf,
 }
 
 /// Runs `llms kvfs ...`.
@@ -172,6 +175,7 @@ fn inspect(path: PathBuf, context: Option<u64>, verify: bool) -> anyhow::Result<
 
 /// Runs `llms bench kvfs`.
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let args_json = args.json;
     let config = BenchConfig {
         dir: args.dir,
         sizes_kib: args.sizes,
@@ -263,6 +267,32 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             );
         }
     }
+    let io = |rows: &[IoRow]| {
+        rows.iter()
+            .map(|x| {
+                serde_json::json!({
+                    "size_kib": x.size_kib, "path": x.path, "chunks": x.chunks,
+                    "p50_us": x.p50_us, "p99_us": x.p99_us, "mb_per_s": x.mb_per_s,
+                })
+            })
+            .collect::<Vec<_>>()
+    };
+    let json = serde_json::json!({
+        "direct_io": r.direct_io,
+        "reads": io(&r.reads),
+        "writes": io(&r.writes),
+        "page_cache": r.cache.iter().map(|c| serde_json::json!({
+            "after": c.after, "resident_bytes": c.resident_bytes, "file_bytes": c.file_bytes,
+        })).collect::<Vec<_>>(),
+        "zstd": r.zstd.iter().map(|z| serde_json::json!({
+            "source": z.source, "format": z.format, "chunks": z.chunks, "chunk_bytes": z.chunk_bytes,
+            "level": z.level, "ratio": z.ratio, "compress_mb_per_s": z.compress_mb_per_s,
+            "decompress_mb_per_s": z.decompress_mb_per_s,
+        })).collect::<Vec<_>>(),
+    });
+    let text = serde_json::to_string_pretty(&json).context("serialising the report")?;
+    std::fs::write(&args_json, text).with_context(|| format!("writing {}", args_json.display()))?;
+    println!("\nwrote {}", args_json.display());
     Ok(())
 }
 
