@@ -31,9 +31,6 @@ enum Command {
     /// Measure the model's quality.
     #[command(subcommand)]
     Eval(EvalCommand),
-    /// Mount or inspect a kvfs chunk store.
-    #[command(subcommand)]
-    Kvfs(kvfs_cmd::KvfsCommand),
     /// Benchmarks; each prints a table and writes JSON.
     #[command(subcommand)]
     Bench(BenchCommand),
