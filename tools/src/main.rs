@@ -4,9 +4,12 @@
 use clap::{Parser, Subcommand};
 
 mod bench_engine;
+mod bench_kv;
 mod bench_pager;
 mod engine_cmd;
+mod kv_mix_cmd;
 mod model_cmd;
+mod profile_cmd;
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
 #[derive(Parser)]
@@ -30,6 +33,8 @@ enum Command {
     /// Benchmarks; each prints a table and writes JSON.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Measure recompute cost on this machine and fit the planner's cost model (JSON profile).
+    Profile(profile_cmd::ProfileArgs),
 }
 
 #[derive(Subcommand)]
@@ -44,6 +49,8 @@ enum BenchCommand {
     Engine(bench_engine::BenchEngineArgs),
     /// The userfaultfd pager: populate (COPY, MOVE), fault-to-resolved, reclaim, against memcpy.
     Pager(bench_pager::BenchPagerArgs),
+    /// KV chunks: codec GB/s and error per format, attention per decode step, recompute tokens/s.
+    Kv(bench_kv::KvArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -72,5 +79,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Eval(EvalCommand::Ppl(args)) => engine_cmd::run_ppl(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Bench(BenchCommand::Pager(args)) => bench_pager::bench_pager(&args),
+        Command::Bench(BenchCommand::Kv(args)) => bench_kv::run(args),
+        Command::Profile(args) => profile_cmd::run(args),
     }
 }
