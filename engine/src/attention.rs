@@ -1,12 +1,16 @@
 //! Causal GQA attention of a batch of queries over a context's chunked KV cache.
 //!
-//! Each KV head's keys and values are gathered from the chunks (decoding sealed chunks, borrowing
-//! the open one) into f32, then scores, a masked softmax and the weighted sum of values are
-//! computed per block of query rows in parallel. While it runs, the attention every key receives
-//! is summed into the cache, so each chunk's information density is known with no second pass.
+//! Decode (a few query rows) reads chunk memory directly: each chunk's block of one KV head is
+//! dequantized into a small buffer that stays in L1 and used at once by every query row of that
+//! head, so no f32 copy of the context is ever made. Prefill and recompute (many rows) gather
+//! each KV head's keys and values to f32 and use GEMM, per block of query rows in parallel.
+//! Chunks of one context may be in mixed formats. While it runs, the attention every key
+//! receives is summed into the cache, so each chunk's information density is known with no
+//! second pass.
 
+use crate::codec::{decode_k, decode_v};
 use crate::kernels::{matmul_nn, matmul_nt, softmax};
-use crate::kv::{KvCache, KvError};
+use crate::kv::{KvCache, KvError, LayerView};
 use rayon::prelude::*;
 
 /// The shape of one attention call.
@@ -23,9 +27,127 @@ pub struct AttnShape {
 /// Query rows handled by one parallel task.
 const ROW_BLOCK: usize = 48;
 
+/// Query tokens up to which attention reads packed chunks directly instead of gathering.
+pub const PACKED_MAX_TOKENS: usize = 2;
+
 /// Attention at `layer` for `n` queries at positions `p0..p0 + n` (their K/V already written to
 /// the cache). `q` is `[n][n_heads * head_dim]` (after RoPE); the result goes to `out`, same shape.
 pub fn attend(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    p0: usize,
+    n: usize,
+    out: &mut [f32],
+) -> Result<(), KvError> {
+    if n <= PACKED_MAX_TOKENS {
+        attend_packed(cache, layer, shape, q, p0, n, out)
+    } else {
+        attend_gathered(cache, layer, shape, q, p0, n, out)
+    }
+}
+
+/// Attention of a few query rows straight from chunk memory (see the module comment).
+pub fn attend_packed(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    p0: usize,
+    n: usize,
+    out: &mut [f32],
+) -> Result<(), KvError> {
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+    } = shape;
+    let group = n_heads / n_kv_heads;
+    let total = p0 + n;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let cs = *cache.shape();
+    let t = cs.tokens;
+    let chunks = cache.chunks_upto(total);
+    let rows = n * group;
+    let results: Vec<(Vec<f32>, Vec<f32>)> = {
+        let cache = &*cache;
+        (0..n_kv_heads)
+            .into_par_iter()
+            .map(|g| -> Result<_, KvError> {
+                // Row r is query token r / group, head g * group + r % group.
+                let qrow = |r: usize| {
+                    let src = (r / group) * n_heads * hd + (g * group + r % group) * hd;
+                    &q[src..src + hd]
+                };
+                let mut s = vec![0.0f32; rows * total];
+                let mut buf = vec![0.0f32; t * hd];
+                for c in 0..chunks {
+                    let keys = match cache.layer_view(layer, c)? {
+                        LayerView::Sealed(f, bytes) => {
+                            decode_k(&cs, f, bytes, g, &mut buf);
+                            &buf[..]
+                        }
+                        LayerView::Open(b) => &b[g * t * hd..(g + 1) * t * hd],
+                    };
+                    let live = t.min(total - c * t);
+                    for (i, k) in keys.chunks_exact(hd).take(live).enumerate() {
+                        let p = c * t + i;
+                        for r in 0..rows {
+                            s[r * total + p] = dot(qrow(r), k);
+                        }
+                    }
+                }
+                let mut col = vec![0.0f32; total];
+                for (r, srow) in s.chunks_exact_mut(total).enumerate() {
+                    let visible = p0 + r / group + 1;
+                    let (live, masked) = srow.split_at_mut(visible);
+                    for v in live.iter_mut() {
+                        *v *= scale;
+                    }
+                    softmax(live);
+                    masked.fill(0.0);
+                    for (c, p) in col.iter_mut().zip(live.iter()) {
+                        *c += p;
+                    }
+                }
+                let mut o = vec![0.0f32; rows * hd];
+                for c in 0..chunks {
+                    let values = match cache.layer_view(layer, c)? {
+                        LayerView::Sealed(f, bytes) => {
+                            decode_v(&cs, f, bytes, g, &mut buf);
+                            &buf[..]
+                        }
+                        LayerView::Open(b) => &b[(n_kv_heads + g) * t * hd..][..t * hd],
+                    };
+                    let live = t.min(total - c * t);
+                    for (i, v) in values.chunks_exact(hd).take(live).enumerate() {
+                        let p = c * t + i;
+                        for (r, orow) in o.chunks_exact_mut(hd).enumerate() {
+                            let w = s[r * total + p];
+                            if w != 0.0 {
+                                axpy(orow, w, v);
+                            }
+                        }
+                    }
+                }
+                Ok((o, col))
+            })
+            .collect::<Result<_, _>>()?
+    };
+    for (g, (o, col)) in results.into_iter().enumerate() {
+        for (r, orow) in o.chunks_exact(hd).enumerate() {
+            let dst = (r / group) * n_heads * hd + (g * group + r % group) * hd;
+            out[dst..dst + hd].copy_from_slice(orow);
+        }
+        cache.add_attention(&col);
+    }
+    add_seen(cache, n_heads, p0, n);
+    Ok(())
+}
+
+/// Attention of many query rows: gather to f32, then GEMM per block of rows.
+pub fn attend_gathered(
     cache: &mut KvCache,
     layer: usize,
     shape: AttnShape,
@@ -136,13 +258,17 @@ pub fn attend(
         }
         cache.add_attention(&col);
     }
-    // Every query row of every head saw the keys before it: count the rows once per key.
-    // Key p is seen by every query at or after it: all n for p < p0, n - (p - p0) after.
-    let seen: Vec<u32> = (0..total)
+    add_seen(cache, n_heads, p0, n);
+    Ok(())
+}
+
+/// Counts, once per key, the query rows of every head that saw it: key p is seen by every
+/// query at or after it, all n for p < p0 and n - (p - p0) after.
+fn add_seen(cache: &mut KvCache, n_heads: usize, p0: usize, n: usize) {
+    let seen: Vec<u32> = (0..p0 + n)
         .map(|p| (n - p.saturating_sub(p0)) as u32 * n_heads as u32)
         .collect();
     cache.add_rows(&seen);
-    Ok(())
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -165,5 +291,135 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{ChunkShape, HeapChunks, KvFormat};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    const SHAPE: AttnShape = AttnShape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+    };
+
+    /// A cache of `len` random tokens over 2 layers whose sealed chunks take `formats` in turn.
+    fn cache(len: usize, formats: &[KvFormat], rng: &mut StdRng) -> KvCache {
+        let s = ChunkShape {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 16,
+            tokens: 16,
+        };
+        let mut c = KvCache::new(s, KvFormat::F16, 1024, Box::new(HeapChunks::default()));
+        c.reserve(len).unwrap();
+        for p in 0..len {
+            for l in 0..2 {
+                let k: Vec<f32> = (0..32).map(|_| rng.random_range(-2.0..2.0)).collect();
+                let v: Vec<f32> = (0..32).map(|_| rng.random_range(-2.0..2.0)).collect();
+                c.write(l, p, &k, &v);
+            }
+        }
+        c.commit(&vec![0; len]).unwrap();
+        for i in 0..c.chunk_formats().len() {
+            let f = formats[i % formats.len()];
+            if f != KvFormat::F16 {
+                c.recompress(i, f).unwrap();
+            }
+        }
+        c
+    }
+
+    /// Direct attention from the full matrix: every key decoded, each row's softmax over the
+    /// keys at or before it. Returns the output and every key's summed column.
+    fn direct(c: &KvCache, layer: usize, q: &[f32], p0: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim: hd,
+        } = SHAPE;
+        let t = c.shape().tokens;
+        let total = p0 + n;
+        let (mut keys, mut vals) = (vec![vec![]; n_kv_heads], vec![vec![]; n_kv_heads]);
+        for g in 0..n_kv_heads {
+            for ch in 0..c.chunks_upto(total) {
+                let (mut kb, mut vb) = (vec![0.0; t * hd], vec![0.0; t * hd]);
+                let (k, v) = c.block(layer, g, ch, &mut kb, &mut vb).unwrap();
+                keys[g].extend_from_slice(k);
+                vals[g].extend_from_slice(v);
+            }
+        }
+        let mut out = vec![0.0; n * n_heads * hd];
+        let mut col = vec![0.0; total];
+        for i in 0..n {
+            for h in 0..n_heads {
+                let g = h / (n_heads / n_kv_heads);
+                let qr = &q[(i * n_heads + h) * hd..][..hd];
+                let visible = p0 + i + 1;
+                let scores: Vec<f64> = (0..visible)
+                    .map(|p| {
+                        let k = &keys[g][p * hd..(p + 1) * hd];
+                        qr.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                for (p, s) in scores.iter().enumerate() {
+                    let a = (s - m).exp() / z;
+                    col[p] += a as f32;
+                    for d in 0..hd {
+                        out[(i * n_heads + h) * hd + d] += (a * vals[g][p * hd + d] as f64) as f32;
+                    }
+                }
+            }
+        }
+        (out, col)
+    }
+
+    fn check(len: usize, n: usize, formats: &[KvFormat], seed: u64) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut c = cache(len, formats, &mut rng);
+        let p0 = len - n;
+        let q: Vec<f32> = (0..n * 64).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let (want, want_col) = direct(&c, 1, &q, p0, n);
+        let mut got = vec![0.0; n * 64];
+        attend(&mut c, 1, SHAPE, &q, p0, n, &mut got).unwrap();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-4,
+                "{formats:?} len {len} n {n}: out {i}: {a} vs {b}"
+            );
+        }
+        let (col, rows) = c.attention_received();
+        for p in 0..len {
+            assert!(
+                (col[p] - want_col[p]).abs() < 1e-4,
+                "{formats:?} len {len} n {n}: key {p}: {} vs {}",
+                col[p],
+                want_col[p]
+            );
+            let seen = (n - p.saturating_sub(p0)) * 4;
+            assert_eq!(rows[p] as usize, seen, "rows of key {p}");
+        }
+    }
+
+    #[test]
+    fn packed_and_gathered_attention_equal_the_full_matrix() {
+        use KvFormat::*;
+        let mixed = [Int8, F16, Int4, Int2];
+        // Decode (packed path) and prefill (gathered path), sealed chunks and an open tail.
+        check(1, 1, &[Int8], 1);
+        check(16, 1, &[Int8], 2);
+        check(70, 1, &mixed, 3);
+        check(70, 2, &mixed, 4);
+        check(64, 2, &[Int2], 5);
+        check(70, 20, &mixed, 6);
+        check(40, 40, &[F16], 7);
+        check(100, 3, &[Int4, F16], 8);
     }
 }

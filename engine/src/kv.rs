@@ -1,22 +1,17 @@
-//! The chunked KV cache: chunk formats and their codecs, the raw chunk memory interface, and a
-//! context's cache of sealed (encoded) chunks plus the open chunk still being filled.
+//! The chunked KV cache: the raw chunk memory interface, and a context's cache of sealed
+//! (encoded) chunks plus the open chunk still being filled, with the token ids it was built from.
 //!
-//! A chunk holds `tokens` consecutive tokens of one context, all layers. Its bytes are laid out
-//! layer by layer; within a layer, the K section then the V section, each `[kv_head][token][dim]`
-//! followed by its scales. So attention at layer l reads one contiguous piece of every chunk.
-//! The last, partly filled chunk stays open in f32 until it is full: a chunk is encoded once,
-//! with all its tokens, so per-channel key scales never change after the fact.
+//! A chunk holds `tokens` consecutive tokens of one context, all layers, in one of the formats of
+//! [`crate::codec`]. The last, partly filled chunk stays open in f32 until it is full: a chunk is
+//! encoded once, with all its tokens, so per-channel key scales never change after the fact.
+//! A sealed chunk may later move down a format ([`KvCache::recompress`]), be dropped from memory
+//! ([`KvCache::evict`]) and be rebuilt from its tokens ([`crate::recompute`]).
 
-use half::f16;
-use std::fmt;
-use std::str::FromStr;
+pub use crate::codec::{ChunkShape, CodecError, KvFormat, PAGE, decode_k, decode_v, encode_layer};
 
 /// What went wrong in the KV cache.
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
-    /// A format name that is not known.
-    #[error("unknown KV format {name:?}: expected one of f16, int8")]
-    UnknownFormat { name: String },
     /// The chunk memory refused to store a chunk (budget, I/O).
     #[error("cannot store chunk {index}: {reason}")]
     Store { index: usize, reason: String },
@@ -30,216 +25,15 @@ pub enum KvError {
         adding: usize,
         max: usize,
     },
-}
-
-/// How a sealed chunk's K and V values are stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KvFormat {
-    /// IEEE half precision: the reference and the uncompressed baseline.
-    F16,
-    /// 8-bit: keys quantized per channel, values per token, symmetric, f32 scales.
-    Int8,
-}
-
-impl KvFormat {
-    /// Every format, best fidelity first.
-    pub const ALL: [KvFormat; 2] = [KvFormat::F16, KvFormat::Int8];
-
-    /// The name used on the command line and in files.
-    pub fn name(self) -> &'static str {
-        match self {
-            KvFormat::F16 => "f16",
-            KvFormat::Int8 => "int8",
-        }
-    }
-
-    /// Bits per stored value, not counting scales.
-    pub fn bits(self) -> u32 {
-        match self {
-            KvFormat::F16 => 16,
-            KvFormat::Int8 => 8,
-        }
-    }
-}
-
-impl fmt::Display for KvFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for KvFormat {
-    type Err = KvError;
-    fn from_str(s: &str) -> Result<Self, KvError> {
-        KvFormat::ALL
-            .into_iter()
-            .find(|f| f.name() == s)
-            .ok_or_else(|| KvError::UnknownFormat { name: s.into() })
-    }
-}
-
-/// Page size chunk slots are rounded to.
-pub const PAGE: usize = 4096;
-
-/// The dimensions of one chunk; every size in this module is a pure function of them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ChunkShape {
-    /// Transformer blocks.
-    pub n_layers: usize,
-    /// KV heads.
-    pub n_kv_heads: usize,
-    /// Dimension of one head.
-    pub head_dim: usize,
-    /// Tokens per chunk.
-    pub tokens: usize,
-}
-
-impl ChunkShape {
-    /// Values in one head's block of K (or V) of one layer: `tokens * head_dim`.
-    pub fn block(&self) -> usize {
-        self.tokens * self.head_dim
-    }
-
-    /// Values of K (or V) of one layer: `n_kv_heads * tokens * head_dim`.
-    pub fn section(&self) -> usize {
-        self.n_kv_heads * self.block()
-    }
-
-    /// f32 values of an open chunk: `n_layers * 2 * section`.
-    pub fn open_len(&self) -> usize {
-        self.n_layers * 2 * self.section()
-    }
-
-    /// Bytes of the K section of one layer in `f` (values then scales).
-    pub fn k_bytes(&self, f: KvFormat) -> usize {
-        match f {
-            KvFormat::F16 => self.section() * 2,
-            KvFormat::Int8 => self.section() + self.n_kv_heads * self.head_dim * 4,
-        }
-    }
-
-    /// Bytes of the V section of one layer in `f`.
-    pub fn v_bytes(&self, f: KvFormat) -> usize {
-        match f {
-            KvFormat::F16 => self.section() * 2,
-            KvFormat::Int8 => self.section() + self.n_kv_heads * self.tokens * 4,
-        }
-    }
-
-    /// Bytes of one layer of a chunk in `f`.
-    pub fn layer_bytes(&self, f: KvFormat) -> usize {
-        self.k_bytes(f) + self.v_bytes(f)
-    }
-
-    /// Bytes of a whole chunk in `f`.
-    pub fn chunk_bytes(&self, f: KvFormat) -> usize {
-        self.n_layers * self.layer_bytes(f)
-    }
-
-    /// A chunk's slot in memory: its bytes rounded up to whole pages.
-    pub fn slot_bytes(&self, f: KvFormat) -> usize {
-        self.chunk_bytes(f).div_ceil(PAGE) * PAGE
-    }
-}
-
-/// Encodes one layer of an open chunk (`k`, `v`: `[kv_head][token][dim]` f32) into `out`.
-pub fn encode_layer(shape: &ChunkShape, f: KvFormat, k: &[f32], v: &[f32], out: &mut [u8]) {
-    let (ko, vo) = out[..shape.layer_bytes(f)].split_at_mut(shape.k_bytes(f));
-    match f {
-        KvFormat::F16 => {
-            for (o, x) in ko.chunks_exact_mut(2).zip(k) {
-                o.copy_from_slice(&f16::from_f32(*x).to_le_bytes());
-            }
-            for (o, x) in vo.chunks_exact_mut(2).zip(v) {
-                o.copy_from_slice(&f16::from_f32(*x).to_le_bytes());
-            }
-        }
-        KvFormat::Int8 => {
-            let (d, hd, t) = (shape.section(), shape.head_dim, shape.tokens);
-            // Keys: one scale per (head, channel) over the chunk's tokens.
-            let (kq, ks) = ko.split_at_mut(d);
-            for h in 0..shape.n_kv_heads {
-                let blk = &k[h * t * hd..(h + 1) * t * hd];
-                for c in 0..hd {
-                    let amax = (0..t).map(|i| blk[i * hd + c].abs()).fold(0.0f32, f32::max);
-                    let scale = amax / 127.0;
-                    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                    for i in 0..t {
-                        kq[h * t * hd + i * hd + c] = (blk[i * hd + c] * inv).round() as i8 as u8;
-                    }
-                    let s = (h * hd + c) * 4;
-                    ks[s..s + 4].copy_from_slice(&scale.to_le_bytes());
-                }
-            }
-            // Values: one scale per (head, token) over the head's channels.
-            let (vq, vs) = vo.split_at_mut(d);
-            for (row, (q, x)) in vq.chunks_exact_mut(hd).zip(v.chunks_exact(hd)).enumerate() {
-                let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let scale = amax / 127.0;
-                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                for (q, x) in q.iter_mut().zip(x) {
-                    *q = (x * inv).round() as i8 as u8;
-                }
-                vs[row * 4..row * 4 + 4].copy_from_slice(&scale.to_le_bytes());
-            }
-        }
-    }
-}
-
-fn le_f32(b: &[u8], i: usize) -> f32 {
-    f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
-}
-
-/// Decodes head `h`'s keys from one encoded layer into `out` (`[token][dim]`).
-pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &mut [f32]) {
-    let (blk, hd) = (shape.block(), shape.head_dim);
-    let kb = &layer[..shape.k_bytes(f)];
-    match f {
-        KvFormat::F16 => {
-            let src = &kb[h * blk * 2..(h + 1) * blk * 2];
-            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
-        KvFormat::Int8 => {
-            let q = &kb[h * blk..(h + 1) * blk];
-            let scales = &kb[shape.section() + h * hd * 4..shape.section() + (h + 1) * hd * 4];
-            let mut s = [0f32; 256];
-            for (c, s) in s.iter_mut().enumerate().take(hd) {
-                *s = le_f32(scales, c);
-            }
-            for (o, q) in out.chunks_exact_mut(hd).zip(q.chunks_exact(hd)) {
-                for c in 0..hd {
-                    o[c] = q[c] as i8 as f32 * s[c];
-                }
-            }
-        }
-    }
-}
-
-/// Decodes head `h`'s values from one encoded layer into `out` (`[token][dim]`).
-pub fn decode_v(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &mut [f32]) {
-    let (blk, hd, t) = (shape.block(), shape.head_dim, shape.tokens);
-    let vb = &layer[shape.k_bytes(f)..shape.layer_bytes(f)];
-    match f {
-        KvFormat::F16 => {
-            let src = &vb[h * blk * 2..(h + 1) * blk * 2];
-            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
-        KvFormat::Int8 => {
-            let q = &vb[h * blk..(h + 1) * blk];
-            let scales = &vb[shape.section()..];
-            for (i, (o, q)) in out.chunks_exact_mut(hd).zip(q.chunks_exact(hd)).enumerate() {
-                let s = le_f32(scales, h * t + i);
-                for (o, q) in o.iter_mut().zip(q) {
-                    *o = *q as i8 as f32 * s;
-                }
-            }
-        }
-    }
+    /// A chunk could not be encoded.
+    #[error("cannot encode chunk {index}: {source}")]
+    Codec { index: usize, source: CodecError },
+    /// A chunk index that is not a sealed chunk of this context.
+    #[error("chunk {index} is not sealed: the context has {sealed} sealed chunks")]
+    NotSealed { index: usize, sealed: usize },
+    /// Committed tokens disagree with the reserved count.
+    #[error("{given} token ids given for {expected} written tokens")]
+    TokenCount { given: usize, expected: usize },
 }
 
 /// Raw memory for a context's sealed chunks: where the engine puts encoded chunk bytes and reads
@@ -250,6 +44,8 @@ pub trait ChunkMemory: Send + Sync {
     fn get(&self, index: usize) -> Option<&[u8]>;
     /// Stores chunk `index` (claim and populate), replacing any previous bytes.
     fn put(&mut self, index: usize, bytes: &[u8]) -> Result<(), KvError>;
+    /// Drops chunk `index`'s bytes (reclaim); it is no longer resident.
+    fn evict(&mut self, index: usize);
     /// Drops chunk `index` and everything after it.
     fn truncate(&mut self, chunks: usize);
     /// Bytes resident now.
@@ -282,6 +78,12 @@ impl ChunkMemory for HeapChunks {
         Ok(())
     }
 
+    fn evict(&mut self, index: usize) {
+        if let Some(old) = self.slots.get_mut(index).and_then(Option::take) {
+            self.resident -= old.len();
+        }
+    }
+
     fn truncate(&mut self, chunks: usize) {
         for s in self.slots.drain(chunks.min(self.slots.len())..) {
             self.resident -= s.map_or(0, |b| b.len());
@@ -291,6 +93,15 @@ impl ChunkMemory for HeapChunks {
     fn resident_bytes(&self) -> usize {
         self.resident
     }
+}
+
+/// One layer of one chunk as attention reads it.
+#[derive(Clone, Copy, Debug)]
+pub enum LayerView<'a> {
+    /// A sealed chunk: the layer's encoded bytes in its format.
+    Sealed(KvFormat, &'a [u8]),
+    /// An open (or recomputing) chunk: the layer's f32 `[k|v][kv_head][token][dim]`.
+    Open(&'a [f32]),
 }
 
 /// One context's KV cache: sealed chunks in a [`ChunkMemory`], and the open chunk in f32.
@@ -303,6 +114,10 @@ pub struct KvCache {
     /// Open chunks (f32, `[layer][k|v][kv_head][token][dim]`), the first at index `formats.len()`.
     open: Vec<Vec<f32>>,
     len: usize,
+    /// Token ids of positions `0..len`: the source of truth for recompute.
+    tokens: Vec<u32>,
+    /// A sealed chunk being recomputed, with its f32 staging laid out as an open chunk.
+    staged: Option<(usize, Vec<f32>)>,
     /// Attention each token received, summed over heads, layers and queries.
     attn_sum: Vec<f32>,
     /// How many (query, head, layer) rows saw each token.
@@ -326,6 +141,8 @@ impl KvCache {
             mem,
             open: Vec::new(),
             len: 0,
+            tokens: Vec::new(),
+            staged: None,
             attn_sum: Vec::new(),
             attn_rows: Vec::new(),
             scratch: Vec::new(),
@@ -362,6 +179,29 @@ impl KvCache {
         &self.formats
     }
 
+    /// Token ids of every position held.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Whether sealed chunk `index` has its bytes in memory.
+    pub fn is_resident(&self, index: usize) -> bool {
+        self.mem.get(index).is_some()
+    }
+
+    /// Sealed chunks whose bytes are not in memory, ascending.
+    pub fn missing_chunks(&self) -> Vec<usize> {
+        (0..self.formats.len())
+            .filter(|&c| !self.is_resident(c))
+            .collect()
+    }
+
+    /// The encoded bytes of sealed chunk `index`, when resident.
+    pub fn chunk_bytes(&self, index: usize) -> Option<&[u8]> {
+        let f = *self.formats.get(index)?;
+        Some(&self.mem.get(index)?[..self.shape.chunk_bytes(f)])
+    }
+
     /// Resident bytes of sealed chunks plus the open chunk's f32 staging.
     pub fn resident_bytes(&self) -> usize {
         self.mem.resident_bytes() + self.open.len() * self.shape.open_len() * 4
@@ -372,12 +212,28 @@ impl KvCache {
         (&self.attn_sum, &self.attn_rows)
     }
 
+    /// Every token's attention received as the policy crate counts it: `heads_layers` is the
+    /// model's query heads times layers, so `queries` counts each query token once.
+    pub fn token_attention(&self, heads_layers: u32) -> Vec<policy::TokenAttention> {
+        let hl = u64::from(heads_layers.max(1));
+        self.attn_sum
+            .iter()
+            .zip(&self.attn_rows)
+            .map(|(&received, &rows)| policy::TokenAttention {
+                received: f64::from(received),
+                queries: u64::from(rows) / hl,
+            })
+            .collect()
+    }
+
     /// Empties the cache.
     pub fn clear(&mut self) {
         self.mem.truncate(0);
         self.formats.clear();
         self.open.clear();
         self.len = 0;
+        self.tokens.clear();
+        self.staged = None;
         self.attn_sum.clear();
         self.attn_rows.clear();
     }
@@ -401,29 +257,45 @@ impl KvCache {
         Ok(())
     }
 
-    fn open_offset(&self, layer: usize, kv: usize, head: usize, pos: usize) -> (usize, usize) {
+    /// The f32 buffer holding position `pos` (open or staged) and the offset of its row.
+    fn row_offset(&self, layer: usize, kv: usize, head: usize, pos: usize) -> usize {
         let s = &self.shape;
-        let chunk = pos / s.tokens - self.formats.len();
-        let off =
-            ((layer * 2 + kv) * s.n_kv_heads + head) * s.block() + (pos % s.tokens) * s.head_dim;
-        (chunk, off)
+        ((layer * 2 + kv) * s.n_kv_heads + head) * s.block() + (pos % s.tokens) * s.head_dim
     }
 
-    /// Writes the K and V rows (`[kv_head][dim]`) of the token at `pos` for `layer`.
-    /// `pos` must be in the reserved, open range.
-    pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let hd = self.shape.head_dim;
-        for h in 0..self.shape.n_kv_heads {
-            let (c, o) = self.open_offset(layer, 0, h, pos);
-            self.open[c][o..o + hd].copy_from_slice(&k[h * hd..(h + 1) * hd]);
-            let (c, o) = self.open_offset(layer, 1, h, pos);
-            self.open[c][o..o + hd].copy_from_slice(&v[h * hd..(h + 1) * hd]);
+    fn buffer_mut(&mut self, chunk: usize) -> &mut [f32] {
+        match &mut self.staged {
+            Some((c, buf)) if *c == chunk => buf,
+            _ => &mut self.open[chunk - self.formats.len()],
         }
     }
 
-    /// Marks `n` reserved tokens as written, and seals every open chunk that is now full.
-    pub fn commit(&mut self, n: usize) -> Result<(), KvError> {
+    /// Writes the K and V rows (`[kv_head][dim]`) of the token at `pos` for `layer`.
+    /// `pos` must be in the reserved, open range, or in the chunk being recomputed.
+    pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
+        let hd = self.shape.head_dim;
+        let chunk = pos / self.shape.tokens;
+        for h in 0..self.shape.n_kv_heads {
+            let ko = self.row_offset(layer, 0, h, pos);
+            let vo = self.row_offset(layer, 1, h, pos);
+            let buf = self.buffer_mut(chunk);
+            buf[ko..ko + hd].copy_from_slice(&k[h * hd..(h + 1) * hd]);
+            buf[vo..vo + hd].copy_from_slice(&v[h * hd..(h + 1) * hd]);
+        }
+    }
+
+    /// Marks the reserved tokens `tokens` (their K/V written) as held, and seals every open
+    /// chunk that is now full.
+    pub fn commit(&mut self, tokens: &[u32]) -> Result<(), KvError> {
+        let n = tokens.len();
+        if self.len + n > self.attn_sum.len() {
+            return Err(KvError::TokenCount {
+                given: n,
+                expected: self.attn_sum.len() - self.len,
+            });
+        }
         self.len += n;
+        self.tokens.extend_from_slice(tokens);
         let t = self.shape.tokens;
         while self.len >= (self.formats.len() + 1) * t && !self.open.is_empty() {
             let buf = self.open.remove(0);
@@ -442,14 +314,96 @@ impl KvCache {
         for l in 0..s.n_layers {
             let k = &buf[(l * 2) * sec..(l * 2 + 1) * sec];
             let v = &buf[(l * 2 + 1) * sec..(l * 2 + 2) * sec];
-            encode_layer(&s, f, k, v, &mut self.scratch[l * lb..(l + 1) * lb]);
+            encode_layer(&s, f, k, v, &mut self.scratch[l * lb..(l + 1) * lb])
+                .map_err(|source| KvError::Codec { index, source })?;
         }
         self.mem.put(index, &self.scratch)
+    }
+
+    fn check_sealed(&self, index: usize) -> Result<KvFormat, KvError> {
+        self.formats.get(index).copied().ok_or(KvError::NotSealed {
+            index,
+            sealed: self.formats.len(),
+        })
+    }
+
+    /// Moves sealed chunk `index` down to format `to` (int8 to int4 or int2, say), in place.
+    /// Moving up is refused: the lost bits can only come back by recompute.
+    pub fn recompress(&mut self, index: usize, to: KvFormat) -> Result<(), KvError> {
+        let from = self.check_sealed(index)?;
+        let codec = |source| KvError::Codec { index, source };
+        if to.bits() >= from.bits() {
+            return Err(codec(CodecError::NotDown { from, to }));
+        }
+        let bytes = self.mem.get(index).ok_or(KvError::NotResident { index })?;
+        crate::codec::recompress(&self.shape, from, to, bytes, &mut self.scratch).map_err(codec)?;
+        self.mem.put(index, &self.scratch)?;
+        self.formats[index] = to;
+        Ok(())
+    }
+
+    /// Drops sealed chunk `index` from memory; its format and tokens are kept for recompute.
+    pub fn evict(&mut self, index: usize) -> Result<(), KvError> {
+        self.check_sealed(index)?;
+        self.mem.evict(index);
+        Ok(())
+    }
+
+    /// Puts back sealed chunk `index`'s encoded bytes (read from storage), in format `f`.
+    pub fn restore(&mut self, index: usize, f: KvFormat, bytes: &[u8]) -> Result<(), KvError> {
+        self.check_sealed(index)?;
+        self.mem.put(index, bytes)?;
+        self.formats[index] = f;
+        Ok(())
+    }
+
+    /// Starts recomputing sealed chunk `index`: until [`KvCache::finish_recompute`], writes to
+    /// its positions go to an f32 staging that attention reads as an open chunk, and attention
+    /// received is not recorded (the original pass recorded it).
+    pub fn begin_recompute(&mut self, index: usize) -> Result<(), KvError> {
+        self.check_sealed(index)?;
+        self.staged = Some((index, vec![0.0; self.shape.open_len()]));
+        Ok(())
+    }
+
+    /// Seals the chunk being recomputed into its slot, in its recorded format.
+    pub fn finish_recompute(&mut self) -> Result<(), KvError> {
+        if let Some((index, buf)) = self.staged.take() {
+            let f = self.formats[index];
+            self.seal(index, &buf, f)?;
+        }
+        Ok(())
+    }
+
+    /// Abandons a recompute in progress; the chunk stays missing.
+    pub fn abort_recompute(&mut self) {
+        self.staged = None;
     }
 
     /// Number of chunks touched by keys `0..upto` (sealed or open).
     pub fn chunks_upto(&self, upto: usize) -> usize {
         upto.div_ceil(self.shape.tokens)
+    }
+
+    /// Layer `layer` of chunk `c`: encoded bytes of a sealed chunk, or the f32 staging of an
+    /// open or recomputing one.
+    pub fn layer_view(&self, layer: usize, c: usize) -> Result<LayerView<'_>, KvError> {
+        let s = &self.shape;
+        let open = s.open_len() / s.n_layers;
+        if let Some((i, buf)) = &self.staged
+            && *i == c
+        {
+            return Ok(LayerView::Open(&buf[layer * open..(layer + 1) * open]));
+        }
+        if c < self.formats.len() {
+            let f = self.formats[c];
+            let bytes = self.mem.get(c).ok_or(KvError::NotResident { index: c })?;
+            let lb = s.layer_bytes(f);
+            Ok(LayerView::Sealed(f, &bytes[layer * lb..(layer + 1) * lb]))
+        } else {
+            let buf = &self.open[c - self.formats.len()];
+            Ok(LayerView::Open(&buf[layer * open..(layer + 1) * open]))
+        }
     }
 
     /// Reads head `h`'s K and V block of chunk `c` at `layer` as f32 `[token][dim]`, either
@@ -463,24 +417,29 @@ impl KvCache {
         v: &'a mut [f32],
     ) -> Result<(&'a [f32], &'a [f32]), KvError> {
         let s = &self.shape;
-        if c < self.formats.len() {
-            let f = self.formats[c];
-            let bytes = self.mem.get(c).ok_or(KvError::NotResident { index: c })?;
-            let lb = s.layer_bytes(f);
-            let layer_bytes = &bytes[layer * lb..(layer + 1) * lb];
-            decode_k(s, f, layer_bytes, h, k);
-            decode_v(s, f, layer_bytes, h, v);
-            Ok((k, v))
-        } else {
-            let buf = &self.open[c - self.formats.len()];
-            let ko = ((layer * 2) * s.n_kv_heads + h) * s.block();
-            let vo = ((layer * 2 + 1) * s.n_kv_heads + h) * s.block();
-            Ok((&buf[ko..ko + s.block()], &buf[vo..vo + s.block()]))
+        match self.layer_view(layer, c)? {
+            LayerView::Sealed(f, bytes) => {
+                decode_k(s, f, bytes, h, k);
+                decode_v(s, f, bytes, h, v);
+                Ok((k, v))
+            }
+            LayerView::Open(buf) => {
+                let (ko, vo) = (h * s.block(), (s.n_kv_heads + h) * s.block());
+                Ok((&buf[ko..ko + s.block()], &buf[vo..vo + s.block()]))
+            }
         }
+    }
+
+    /// Whether attention received is being recorded (not during a recompute).
+    pub fn recording(&self) -> bool {
+        self.staged.is_none()
     }
 
     /// Adds attention received by keys `0..col.len()`.
     pub fn add_attention(&mut self, col: &[f32]) {
+        if !self.recording() {
+            return;
+        }
         for (a, c) in self.attn_sum.iter_mut().zip(col) {
             *a += c;
         }
@@ -488,6 +447,9 @@ impl KvCache {
 
     /// Adds to the number of query rows that saw each key `0..seen.len()`.
     pub fn add_rows(&mut self, seen: &[u32]) {
+        if !self.recording() {
+            return;
+        }
         for (r, s) in self.attn_rows.iter_mut().zip(seen) {
             *r += s;
         }
@@ -507,70 +469,109 @@ mod tests {
         }
     }
 
-    #[test]
-    fn sizes_are_pure_functions_of_shape() {
-        let s = ChunkShape {
-            n_layers: 30,
-            n_kv_heads: 3,
-            head_dim: 64,
-            tokens: 16,
-        };
-        assert_eq!(s.chunk_bytes(KvFormat::F16), 30 * 2 * 3 * 16 * 64 * 2);
-        assert_eq!(
-            s.chunk_bytes(KvFormat::Int8),
-            30 * (2 * 3 * 16 * 64 + 3 * 64 * 4 + 3 * 16 * 4)
-        );
-        assert_eq!(s.slot_bytes(KvFormat::F16) % PAGE, 0);
-    }
-
-    #[test]
-    fn codecs_round_trip_within_bounds() {
+    /// A cache of `n` tokens whose K/V rows are a simple function of (layer, position).
+    fn filled(format: KvFormat, n: usize) -> KvCache {
         let s = shape();
-        let n = s.section();
-        let k: Vec<f32> = (0..n)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
-            .collect();
-        let v: Vec<f32> = (0..n)
-            .map(|i| ((i * 53 % 89) as f32 - 44.0) / 3.0)
-            .collect();
-        for f in KvFormat::ALL {
-            let mut buf = vec![0u8; s.layer_bytes(f)];
-            encode_layer(&s, f, &k, &v, &mut buf);
-            for h in 0..s.n_kv_heads {
-                let (mut dk, mut dv) = (vec![0.0; s.block()], vec![0.0; s.block()]);
-                decode_k(&s, f, &buf, h, &mut dk);
-                decode_v(&s, f, &buf, h, &mut dv);
-                let kb = &k[h * s.block()..(h + 1) * s.block()];
-                let vb = &v[h * s.block()..(h + 1) * s.block()];
-                for (got, want) in dk.iter().zip(kb).chain(dv.iter().zip(vb)) {
-                    let bound = match f {
-                        KvFormat::F16 => want.abs() / 1024.0,
-                        // half a step of the largest value on its channel/token (<= 14.3/127/2)
-                        KvFormat::Int8 => 14.3 / 127.0 / 2.0 + 1e-6,
-                    };
-                    assert!((got - want).abs() <= bound, "{f}: {got} vs {want}");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn open_chunks_seal_when_full() {
-        let s = shape();
-        let mut c = KvCache::new(s, KvFormat::F16, 64, Box::new(HeapChunks::default()));
-        c.reserve(6).unwrap();
-        let row: Vec<f32> = (0..s.n_kv_heads * s.head_dim).map(|i| i as f32).collect();
-        for p in 0..6 {
+        let mut c = KvCache::new(s, format, 64, Box::new(HeapChunks::default()));
+        c.reserve(n).unwrap();
+        for p in 0..n {
             for l in 0..s.n_layers {
+                let row: Vec<f32> = (0..s.n_kv_heads * s.head_dim)
+                    .map(|i| ((i * 7 + p * 3 + l) % 11) as f32 - 5.0)
+                    .collect();
                 c.write(l, p, &row, &row);
             }
         }
-        c.commit(6).unwrap();
+        let tokens: Vec<u32> = (0..n as u32).map(|t| t * 10).collect();
+        c.commit(&tokens).unwrap();
+        c
+    }
+
+    #[test]
+    fn open_chunks_seal_when_full_and_tokens_are_kept() {
+        let s = shape();
+        let c = filled(KvFormat::F16, 6);
         assert_eq!(c.chunk_formats().len(), 1);
         assert_eq!(c.len(), 6);
+        assert_eq!(c.tokens(), &[0, 10, 20, 30, 40, 50]);
         let (mut k, mut v) = (vec![0.0; s.block()], vec![0.0; s.block()]);
         let (kb, _) = c.block(1, 2, 0, &mut k, &mut v).unwrap();
-        assert_eq!(&kb[..s.head_dim], &row[2 * s.head_dim..3 * s.head_dim]);
+        let want: Vec<f32> = (16..24).map(|i| ((i * 7 + 1) % 11) as f32 - 5.0).collect();
+        assert_eq!(&kb[..s.head_dim], &want[..]);
+        let mut c = c;
         assert!(matches!(c.reserve(59), Err(KvError::Full { .. })));
+        assert!(matches!(
+            c.commit(&[1, 2]),
+            Err(KvError::TokenCount { given: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn chunks_move_down_never_up() {
+        let mut c = filled(KvFormat::Int8, 12);
+        let before = c.resident_bytes();
+        c.recompress(1, KvFormat::Int4).unwrap();
+        c.recompress(2, KvFormat::Int2).unwrap();
+        c.recompress(1, KvFormat::Int2).unwrap();
+        assert_eq!(
+            c.chunk_formats(),
+            &[KvFormat::Int8, KvFormat::Int2, KvFormat::Int2]
+        );
+        assert!(c.resident_bytes() <= before);
+        let err = c.recompress(1, KvFormat::Int8).unwrap_err();
+        assert!(matches!(
+            err,
+            KvError::Codec {
+                index: 1,
+                source: CodecError::NotDown { .. }
+            }
+        ));
+        assert!(matches!(
+            c.recompress(3, KvFormat::Int2),
+            Err(KvError::NotSealed {
+                index: 3,
+                sealed: 3
+            })
+        ));
+    }
+
+    #[test]
+    fn evicted_chunks_are_missing_until_restored() {
+        let s = shape();
+        let mut c = filled(KvFormat::Int8, 12);
+        let saved = c.chunk_bytes(1).unwrap().to_vec();
+        c.evict(1).unwrap();
+        assert_eq!(c.missing_chunks(), vec![1]);
+        let (mut k, mut v) = (vec![0.0; s.block()], vec![0.0; s.block()]);
+        assert!(matches!(
+            c.block(0, 0, 1, &mut k, &mut v),
+            Err(KvError::NotResident { index: 1 })
+        ));
+        c.restore(1, KvFormat::Int8, &saved).unwrap();
+        assert!(c.missing_chunks().is_empty());
+        assert_eq!(c.chunk_bytes(1).unwrap(), &saved[..]);
+    }
+
+    #[test]
+    fn a_recomputing_chunk_is_read_from_its_staging_and_sealed_in_its_format() {
+        let s = shape();
+        let mut c = filled(KvFormat::F16, 8);
+        let original = c.chunk_bytes(1).unwrap().to_vec();
+        c.evict(1).unwrap();
+        c.begin_recompute(1).unwrap();
+        assert!(!c.recording());
+        for p in 4..8 {
+            for l in 0..s.n_layers {
+                let row: Vec<f32> = (0..s.n_kv_heads * s.head_dim)
+                    .map(|i| ((i * 7 + p * 3 + l) % 11) as f32 - 5.0)
+                    .collect();
+                c.write(l, p, &row, &row);
+            }
+        }
+        assert!(matches!(c.layer_view(0, 1).unwrap(), LayerView::Open(_)));
+        c.add_attention(&[1.0; 8]);
+        c.finish_recompute().unwrap();
+        assert_eq!(c.chunk_bytes(1).unwrap(), &original[..]);
+        assert!(c.attention_received().0.iter().all(|&a| a == 0.0));
     }
 }

@@ -6,12 +6,15 @@
 //! model and caches it.
 
 pub mod attention;
+pub mod codec;
 pub mod config;
+pub mod eval_mix;
 pub mod fetch;
 pub mod generate;
 pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod qmatvec;
+pub mod recompute;
 pub mod tiny;
 pub mod tokenizer;

@@ -392,23 +392,28 @@ impl Model {
         Ok(out)
     }
 
-    fn forward_batch(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        logit_rows: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        let start = Instant::now();
-        let cfg = &self.cfg;
-        let (n, h, hd, kvd) = (tokens.len(), cfg.hidden, cfg.head_dim, cfg.kv_dim());
-        let qd = cfg.n_heads * hd;
-        let p0 = cache.len();
-        cache.reserve(n)?;
-        let emb = self.embedding();
-        let mut x = Vec::with_capacity(n * h);
+    fn embed_rows(&self, tokens: &[u32]) -> Vec<f32> {
+        let (emb, h) = (self.embedding(), self.cfg.hidden);
+        let mut x = Vec::with_capacity(tokens.len() * h);
         for &t in tokens {
             x.extend_from_slice(&emb[t as usize * h..(t as usize + 1) * h]);
         }
+        x
+    }
+
+    /// Runs every layer over the `n` tokens at positions `p0..p0 + n` whose embeddings are `x`
+    /// (updated in place to the last hidden state), writing their K/V into the cache and
+    /// attending causally to every key at or before each position.
+    fn run_layers(
+        &self,
+        cache: &mut KvCache,
+        x: &mut [f32],
+        p0: usize,
+        n: usize,
+    ) -> Result<(), ModelError> {
+        let cfg = &self.cfg;
+        let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
+        let qd = cfg.n_heads * hd;
         let mut xn = vec![0.0; n * h];
         let mut qkv = vec![0.0; n * (qd + 2 * kvd)];
         let mut q = vec![0.0; n * qd];
@@ -422,7 +427,7 @@ impl Model {
             head_dim: hd,
         };
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&mut xn, &x, &layer.attn_norm, cfg.rms_eps);
+            rms_norm(&mut xn, x, &layer.attn_norm, cfg.rms_eps);
             layer.qkv.forward(&xn, n, &mut qkv);
             for (i, row) in qkv.chunks_exact_mut(qd + 2 * kvd).enumerate() {
                 let pos = p0 + i;
@@ -435,14 +440,49 @@ impl Model {
             }
             attend(cache, li, shape, &q, p0, n, &mut att)?;
             layer.wo.forward(&att, n, &mut o);
-            add_assign(&mut x, &o);
-            rms_norm(&mut xn, &x, &layer.ffn_norm, cfg.rms_eps);
+            add_assign(x, &o);
+            rms_norm(&mut xn, x, &layer.ffn_norm, cfg.rms_eps);
             layer.gate_up.forward(&xn, n, &mut gu);
             swiglu(&mut act, &gu, cfg.ffn);
             layer.down.forward(&act, n, &mut o);
-            add_assign(&mut x, &o);
+            add_assign(x, &o);
         }
-        cache.commit(n)?;
+        Ok(())
+    }
+
+    /// Recomputes the K/V of `tokens` at their true positions `p0..p0 + tokens.len()` into the
+    /// chunk the cache is recomputing ([`KvCache::begin_recompute`]), attending to every key
+    /// before each position; nothing else in the cache changes.
+    pub fn forward_positions(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        p0: usize,
+    ) -> Result<(), ModelError> {
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            return Err(ModelError::BadToken {
+                id,
+                vocab: self.cfg.vocab,
+            });
+        }
+        let mut x = self.embed_rows(tokens);
+        self.run_layers(cache, &mut x, p0, tokens.len())
+    }
+
+    fn forward_batch(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        logit_rows: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let start = Instant::now();
+        let cfg = &self.cfg;
+        let (n, h) = (tokens.len(), cfg.hidden);
+        let p0 = cache.len();
+        cache.reserve(n)?;
+        let mut x = self.embed_rows(tokens);
+        self.run_layers(cache, &mut x, p0, n)?;
+        cache.commit(tokens)?;
         let rows = logit_rows.min(n);
         let mut out = vec![0.0; rows * cfg.vocab];
         if rows > 0 {

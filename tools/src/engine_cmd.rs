@@ -27,7 +27,7 @@ pub struct EngineOpts {
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
     /// Format of sealed KV chunks
-    #[arg(long, default_value = "f16", value_name = "FORMAT", value_parser = ["f16", "int8"])]
+    #[arg(long, default_value = "f16", value_name = "FORMAT", value_parser = ["f16", "int8", "int4", "int2"])]
     pub kv_format: String,
     /// Tokens per KV chunk
     #[arg(long, default_value_t = 16, value_name = "N")]
@@ -307,6 +307,11 @@ pub struct PplArgs {
     /// Score at most this many windows (0: all)
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub max_windows: usize,
+    /// Compress each window's first half before scoring its second: `8:4:2=PCT:PCT:PCT`
+    /// (shares of chunks at int8/int4/int2 by density rank), `ratio=R` (the policy's
+    /// assignment under global ratio R) or a format name
+    #[arg(long, value_name = "MIX")]
+    pub kv_mix: Option<String>,
 }
 
 /// The perplexity of a text, with the protocol of llama.cpp's perplexity tool.
@@ -382,6 +387,10 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&a.text)
         .with_context(|| format!("cannot read {} as UTF-8 text", a.text.display()))?;
     let tokens = l.tokenizer.encode(&text);
+    if let Some(mix) = &a.kv_mix {
+        let name = a.text.display().to_string();
+        return crate::kv_mix_cmd::run(&l, &name, &tokens, mix, a.ctx, a.max_windows);
+    }
     let t = Instant::now();
     eprint!(
         "perplexity of {} ({} tokens), ctx {}, kv {}:",

@@ -4,10 +4,13 @@
 use clap::{Parser, Subcommand};
 
 mod bench_engine;
+mod bench_kv;
 mod bench_pager;
 mod engine_cmd;
 mod kvfs_cmd;
+mod kv_mix_cmd;
 mod model_cmd;
+mod profile_cmd;
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
 #[derive(Parser)]
@@ -34,6 +37,8 @@ enum Command {
     /// Benchmarks; each prints a table and writes JSON.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Measure recompute cost on this machine and fit the planner's cost model (JSON profile).
+    Profile(profile_cmd::ProfileArgs),
 }
 
 #[derive(Subcommand)]
@@ -50,6 +55,8 @@ enum BenchCommand {
     Pager(bench_pager::BenchPagerArgs),
     /// kvfs: reads and writes through the mount and directly, page cache, zstd on KV chunks.
     Kvfs(kvfs_cmd::BenchArgs),
+    /// KV chunks: codec GB/s and error per format, attention per decode step, recompute tokens/s.
+    Kv(bench_kv::KvArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -80,5 +87,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Pager(args)) => bench_pager::bench_pager(&args),
         Command::Kvfs(cmd) => kvfs_cmd::run(cmd),
         Command::Bench(BenchCommand::Kvfs(args)) => kvfs_cmd::bench(args),
+        Command::Bench(BenchCommand::Kv(args)) => bench_kv::run(args),
+        Command::Profile(args) => profile_cmd::run(args),
     }
 }

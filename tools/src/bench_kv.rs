@@ -1,0 +1,373 @@
+//! `llms bench kv`: KV chunk codec speed and error per format, attention time per decode step
+//! over packed chunks, and recompute throughput, on the real model; a table and JSON.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use engine::attention::{AttnShape, attend_gathered, attend_packed};
+use engine::codec::{ChunkShape, KvFormat, decode_layer, encode_layer};
+use engine::kv::{HeapChunks, KvCache};
+use engine::model::{Logits, Model};
+use engine::recompute::recompute_chunks;
+use engine::tokenizer::Tokenizer;
+use serde::Serialize;
+
+use crate::model_cmd::ModelsDirArg;
+
+/// Where the model and the context's tokens come from, shared with `llms profile`.
+#[derive(Args, Debug, Clone)]
+pub struct ModelInput {
+    #[command(flatten)]
+    pub dir: ModelsDirArg,
+    /// A GGUF model file [default: the default model, fetched if missing]
+    #[arg(long, value_name = "FILE")]
+    pub model: Option<PathBuf>,
+    /// Take the context's tokens from this text file (tokenized with the model's vocabulary)
+    /// instead of a deterministic pseudo-random sequence.
+    #[arg(long, value_name = "FILE")]
+    pub text: Option<PathBuf>,
+}
+
+impl ModelInput {
+    /// Loads the model (fetching the default one if needed).
+    pub fn load(&self) -> anyhow::Result<Model> {
+        let path = match &self.model {
+            Some(p) => p.clone(),
+            None => engine::fetch::default_model_path(&self.dir.fetch_options())
+                .context("cannot fetch the default model")?,
+        };
+        Model::load(&path).with_context(|| format!("cannot load {}", path.display()))
+    }
+
+    /// `n` token ids: the text file's tokens repeated, or a pseudo-random sequence.
+    pub fn tokens(&self, model: &Model, n: usize) -> anyhow::Result<Vec<u32>> {
+        let Some(text) = &self.text else {
+            let mut x = 0x2545_f491_4f6c_dd1du64;
+            let vocab = model.cfg.vocab as u64;
+            return Ok((0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % vocab) as u32
+                })
+                .collect());
+        };
+        let body = std::fs::read_to_string(text)
+            .with_context(|| format!("cannot read {}", text.display()))?;
+        let tok = Tokenizer::from_gguf_file(model.path())
+            .with_context(|| format!("cannot build the tokenizer of {}", model.path().display()))?;
+        let ids = tok.encode(&body);
+        anyhow::ensure!(!ids.is_empty(), "{} has no tokens", text.display());
+        Ok(ids.iter().copied().cycle().take(n).collect())
+    }
+}
+
+/// A cache of `tokens` prefilled by the model in `format`.
+pub fn prefilled(model: &Model, tokens: &[u32], format: KvFormat) -> anyhow::Result<KvCache> {
+    let mut c = KvCache::new(
+        model.chunk_shape(16),
+        format,
+        tokens.len().max(16),
+        Box::new(HeapChunks::default()),
+    );
+    model
+        .forward(&mut c, tokens, Logits::Last)
+        .context("prefill failed")?;
+    Ok(c)
+}
+
+/// Median wall time of `f` over `reps` runs, in seconds.
+pub fn median_secs(reps: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+#[derive(Args, Debug)]
+pub struct KvArgs {
+    #[command(flatten)]
+    pub input: ModelInput,
+    /// Context lengths for the attention timings.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048,8192")]
+    pub contexts: Vec<usize>,
+    /// Chunk counts for the recompute timings.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    pub recompute: Vec<usize>,
+    /// Repetitions per measurement (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// Write the figures as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct CodecRow {
+    format: KvFormat,
+    encode_gbps: f64,
+    decode_gbps: f64,
+    key_rel_rms: f64,
+    value_rel_rms: f64,
+    bits_with_params: f64,
+    slot_bytes: usize,
+}
+
+#[derive(Serialize)]
+struct AttnRow {
+    format: KvFormat,
+    context: usize,
+    packed_ms: f64,
+    gathered_ms: f64,
+}
+
+#[derive(Serialize)]
+struct RecomputeRow {
+    chunks: usize,
+    context: usize,
+    seconds: f64,
+    tokens_per_sec: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    model: String,
+    threads: usize,
+    codec: Vec<CodecRow>,
+    attention: Vec<AttnRow>,
+    recompute: Vec<RecomputeRow>,
+}
+
+/// Real K/V of every layer of the first chunks of a prefilled f16 context, as f32 sections.
+fn real_layers(c: &KvCache, chunks: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let s = *c.shape();
+    let mut out = Vec::new();
+    for i in 0..chunks.min(c.chunk_formats().len()) {
+        let Some(bytes) = c.chunk_bytes(i) else {
+            continue;
+        };
+        let lb = s.layer_bytes(KvFormat::F16);
+        for l in 0..s.n_layers {
+            let (mut k, mut v) = (vec![0.0; s.section()], vec![0.0; s.section()]);
+            decode_layer(
+                &s,
+                KvFormat::F16,
+                &bytes[l * lb..(l + 1) * lb],
+                &mut k,
+                &mut v,
+            );
+            out.push((k, v));
+        }
+    }
+    out
+}
+
+fn rel_rms(a: &[f32], b: &[f32]) -> (f64, f64) {
+    let e: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+    let s: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum();
+    (e, s)
+}
+
+fn codec_rows(s: &ChunkShape, layers: &[(Vec<f32>, Vec<f32>)]) -> anyhow::Result<Vec<CodecRow>> {
+    let mut rows = Vec::new();
+    let f32_bytes = (layers.len() * 2 * s.section() * 4) as f64;
+    for f in KvFormat::ALL {
+        let lb = s.layer_bytes(f);
+        let mut enc = vec![0u8; lb * layers.len()];
+        let t = Instant::now();
+        for (i, (k, v)) in layers.iter().enumerate() {
+            encode_layer(s, f, k, v, &mut enc[i * lb..(i + 1) * lb])
+                .with_context(|| format!("cannot encode a real layer in {f}"))?;
+        }
+        let enc_s = t.elapsed().as_secs_f64();
+        let (mut dk, mut dv) = (vec![0.0; s.section()], vec![0.0; s.section()]);
+        let (mut ke, mut ks, mut ve, mut vs) = (0.0, 0.0, 0.0, 0.0);
+        let mut dec_s = 0.0;
+        for (i, (k, v)) in layers.iter().enumerate() {
+            let t = Instant::now();
+            decode_layer(s, f, &enc[i * lb..(i + 1) * lb], &mut dk, &mut dv);
+            dec_s += t.elapsed().as_secs_f64();
+            let (e, n) = rel_rms(k, &dk);
+            (ke, ks) = (ke + e, ks + n);
+            let (e, n) = rel_rms(v, &dv);
+            (ve, vs) = (ve + e, vs + n);
+        }
+        rows.push(CodecRow {
+            format: f,
+            encode_gbps: f32_bytes / enc_s / 1e9,
+            decode_gbps: f32_bytes / dec_s / 1e9,
+            key_rel_rms: (ke / ks).sqrt(),
+            value_rel_rms: (ve / vs).sqrt(),
+            bits_with_params: (lb * 8) as f64 / (2 * s.section()) as f64,
+            slot_bytes: s.slot_bytes(f),
+        });
+    }
+    Ok(rows)
+}
+
+/// A cache of `len` tokens in `format` whose chunks repeat the real chunks' K/V.
+fn synthetic(
+    s: ChunkShape,
+    format: KvFormat,
+    len: usize,
+    real: &[(Vec<f32>, Vec<f32>)],
+) -> anyhow::Result<KvCache> {
+    let mut c = KvCache::new(s, format, len, Box::new(HeapChunks::default()));
+    c.reserve(len)?;
+    let row = s.n_kv_heads * s.head_dim;
+    let (mut k, mut v) = (vec![0.0; row], vec![0.0; row]);
+    let per_chunk = real.len() / s.n_layers;
+    for p in 0..len {
+        let src = (p / s.tokens) % per_chunk.max(1);
+        for l in 0..s.n_layers {
+            let (rk, rv) = &real[src * s.n_layers + l];
+            for h in 0..s.n_kv_heads {
+                let o = h * s.block() + (p % s.tokens) * s.head_dim;
+                k[h * s.head_dim..(h + 1) * s.head_dim].copy_from_slice(&rk[o..o + s.head_dim]);
+                v[h * s.head_dim..(h + 1) * s.head_dim].copy_from_slice(&rv[o..o + s.head_dim]);
+            }
+            c.write(l, p, &k, &v);
+        }
+    }
+    c.commit(&vec![0; len])?;
+    Ok(c)
+}
+
+/// Runs `llms bench kv`.
+pub fn run(args: KvArgs) -> anyhow::Result<()> {
+    let model = args.input.load()?;
+    let s = model.chunk_shape(16);
+    let cfg = &model.cfg;
+    let reps = args.reps.max(1);
+    eprintln!("prefilling 256 tokens for real K/V");
+    let tokens = args.input.tokens(&model, 257)?;
+    let base = prefilled(&model, &tokens[..256], KvFormat::F16)?;
+    let real = real_layers(&base, 16);
+    let codec = codec_rows(&s, &real)?;
+
+    let shape = AttnShape {
+        n_heads: cfg.n_heads,
+        n_kv_heads: cfg.n_kv_heads,
+        head_dim: cfg.head_dim,
+    };
+    let qd = cfg.n_heads * cfg.head_dim;
+    let q: Vec<f32> = (0..qd)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+        .collect();
+    let mut out = vec![0.0; qd];
+    let mut attention = Vec::new();
+    for &len in &args.contexts {
+        for f in KvFormat::ALL {
+            let mut c = synthetic(s, f, len, &real)?;
+            let mut step = |packed: bool| {
+                median_secs(reps, || {
+                    for l in 0..s.n_layers {
+                        if packed {
+                            attend_packed(&mut c, l, shape, &q, len - 1, 1, &mut out)?;
+                        } else {
+                            attend_gathered(&mut c, l, shape, &q, len - 1, 1, &mut out)?;
+                        }
+                    }
+                    Ok(())
+                })
+            };
+            let packed = step(true)?;
+            let gathered = step(false)?;
+            attention.push(AttnRow {
+                format: f,
+                context: len,
+                packed_ms: packed * 1e3,
+                gathered_ms: gathered * 1e3,
+            });
+        }
+    }
+
+    let mut recompute = Vec::new();
+    let most = args.recompute.iter().copied().max().unwrap_or(1);
+    let ctx_len = most * 16 + 16;
+    eprintln!("prefilling {ctx_len} tokens for recompute");
+    let tokens = args.input.tokens(&model, ctx_len)?;
+    let mut c = prefilled(&model, &tokens, KvFormat::Int8)?;
+    let sealed = c.chunk_formats().len();
+    for &x in &args.recompute {
+        let x = x.min(sealed);
+        // Spread the chunks over the context, the last one included.
+        let set: Vec<usize> = (0..x).map(|i| sealed - 1 - i * sealed / x.max(1)).collect();
+        let secs = median_secs(reps.min(3), || {
+            for &i in &set {
+                c.evict(i)?;
+            }
+            recompute_chunks(&model, &mut c, &set)?;
+            Ok(())
+        })?;
+        recompute.push(RecomputeRow {
+            chunks: x,
+            context: ctx_len,
+            seconds: secs,
+            tokens_per_sec: (x * 16) as f64 / secs,
+        });
+    }
+
+    println!(
+        "codec (real K/V of {} chunks x {} layers)",
+        real.len() / s.n_layers,
+        s.n_layers
+    );
+    println!(
+        "{:<6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
+        "format", "enc GB/s", "dec GB/s", "K rel rms", "V rel rms", "bits", "slot KB"
+    );
+    for r in &codec {
+        println!(
+            "{:<6} {:>10.2} {:>10.2} {:>10.5} {:>10.5} {:>8.2} {:>8}",
+            r.format.name(),
+            r.encode_gbps,
+            r.decode_gbps,
+            r.key_rel_rms,
+            r.value_rel_rms,
+            r.bits_with_params,
+            r.slot_bytes / 1024
+        );
+    }
+    println!("\nattention per decode step ({} layers, ms)", s.n_layers);
+    println!(
+        "{:<6} {:>8} {:>10} {:>12}",
+        "format", "context", "packed", "gathered"
+    );
+    for r in &attention {
+        println!(
+            "{:<6} {:>8} {:>10.3} {:>12.3}",
+            r.format.name(),
+            r.context,
+            r.packed_ms,
+            r.gathered_ms
+        );
+    }
+    println!("\nrecompute (int8 context of {ctx_len} tokens)");
+    println!("{:>7} {:>10} {:>10}", "chunks", "seconds", "tokens/s");
+    for r in &recompute {
+        println!(
+            "{:>7} {:>10.3} {:>10.1}",
+            r.chunks, r.seconds, r.tokens_per_sec
+        );
+    }
+    if let Some(path) = &args.json {
+        let report = Report {
+            model: model.path().display().to_string(),
+            threads: engine::kernels::threads(),
+            codec,
+            attention,
+            recompute,
+        };
+        let body = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, body).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
