@@ -609,6 +609,14 @@ impl Tokenizer {
         ids
     }
 
+    /// Drops the per-word BPE cache (it refills as text is encoded; for benchmarks and memory pressure).
+    pub fn clear_cache(&self) {
+        match self.cache.lock() {
+            Ok(mut c) => c.clear(),
+            Err(poisoned) => poisoned.into_inner().clear(),
+        }
+    }
+
     /// Encodes plain text: control tokens written in the text are encoded as the characters they are
     /// made of, never as the control token. BOS is not added.
     pub fn encode(&self, text: &str) -> Vec<u32> {
