@@ -330,7 +330,7 @@ fn report(opts: &FetchOptions, event: FetchEvent) {
                 // In this mode pip writes straight to stderr (stdout) or is echoed (stderr) by `run_pip`.
                 FetchEvent::Pip { .. } => return,
                 FetchEvent::Extracting { done, total } if done == total => {
-                    format!("extracted {} MB", total >> 20)
+                    format!("extracted {:.1} MB", *total as f64 / 1e6)
                 }
                 FetchEvent::Extracting { .. } => return,
                 FetchEvent::Cached { path } => format!("model cached at {}", path.display()),

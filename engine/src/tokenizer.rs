@@ -52,11 +52,8 @@ pub enum TokenizerError {
     MissingSpecialToken { token: &'static str },
     #[error("unsupported chat template (only ChatML is supported): {head:?}")]
     UnsupportedChatTemplate { head: String },
-    #[error("invalid pre-tokenizer pattern {pattern:?}: {source}")]
-    Regex {
-        pattern: String,
-        source: Box<fancy_regex::Error>,
-    },
+    #[error("invalid pre-tokenizer pattern {pattern:?}: {reason}")]
+    Regex { pattern: String, reason: String },
 }
 
 type Result<T, E = TokenizerError> = std::result::Result<T, E>;
@@ -233,7 +230,7 @@ pub struct Tokenizer {
     /// The token of each single byte, the starting point of BPE.
     byte_tokens: [u32; 256],
     pre_name: String,
-    regexes: Vec<fancy_regex::Regex>,
+    splitters: Vec<Splitter>,
     /// Control tokens (recognised on request) and user-defined tokens (always), longest first.
     control: Vec<(String, u32)>,
     user_defined: Vec<(String, u32)>,
@@ -497,15 +494,10 @@ impl Tokenizer {
             };
         }
 
-        let regexes = pre
+        let splitters = pre
             .patterns()
             .iter()
-            .map(|p| {
-                fancy_regex::Regex::new(p).map_err(|source| TokenizerError::Regex {
-                    pattern: (*p).to_owned(),
-                    source: Box::new(source),
-                })
-            })
+            .map(|p| Splitter::new(p))
             .collect::<Result<Vec<_>>>()?;
 
         let specials_of = |ty: TokenType| {
@@ -529,7 +521,7 @@ impl Tokenizer {
             merges,
             byte_tokens,
             pre_name,
-            regexes,
+            splitters,
             control,
             user_defined,
             bos,
@@ -609,6 +601,14 @@ impl Tokenizer {
         ids
     }
 
+    /// Drops the per-word BPE cache (it refills as text is encoded; for benchmarks and memory pressure).
+    pub fn clear_cache(&self) {
+        match self.cache.lock() {
+            Ok(mut c) => c.clear(),
+            Err(poisoned) => poisoned.into_inner().clear(),
+        }
+    }
+
     /// Encodes plain text: control tokens written in the text are encoded as the characters they are
     /// made of, never as the control token. BOS is not added.
     pub fn encode(&self, text: &str) -> Vec<u32> {
@@ -670,10 +670,10 @@ impl Tokenizer {
             return;
         }
         let mut pieces: Vec<&str> = vec![text];
-        for re in &self.regexes {
+        for splitter in &self.splitters {
             let mut next = Vec::with_capacity(pieces.len() * 2);
             for piece in pieces {
-                split_isolated(re, piece, &mut next);
+                splitter.split(piece, &mut next);
             }
             pieces = next;
         }
@@ -878,28 +878,101 @@ enum Segment {
 /// lowest rank first, leftmost first among equal ranks.
 type MergeCandidate = Reverse<(u32, usize, u32, u32, u32)>;
 
-/// Splits `text` by the matches of `re`, keeping both the matches and the text between them as pieces.
-fn split_isolated<'t>(re: &fancy_regex::Regex, text: &'t str, out: &mut Vec<&'t str>) {
-    let mut last = 0;
-    for m in re.find_iter(text) {
-        let m = match m {
-            Ok(m) => m,
-            Err(e) => {
-                // Only a backtracking limit on pathological input gets here: keep the rest whole.
-                tracing::warn!(error = %e, "pre-tokenizer gave up on a piece; it is kept whole");
-                break;
-            }
+/// The alternatives that end every GPT-2-like pattern; the lookahead needs a backtracking engine.
+const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
+
+/// One split pattern of a pre-tokenizer, run by the fastest engine that gives the same pieces.
+enum Splitter {
+    /// A pattern the `regex` crate runs as it is.
+    Plain(regex::Regex),
+    /// A pattern ending in `\s+(?!\S)|\s+`, run as `...|\s+` by the `regex` crate with the lookahead done
+    /// by hand: a run of several whitespace characters followed by a non-space leaves its last character
+    /// to the next piece. `newline_alt` says the pattern has a `\s*[\r\n]+` alternative before the tail.
+    WhitespaceLookahead { re: regex::Regex, newline_alt: bool },
+    /// Anything else, by backtracking.
+    Fancy(fancy_regex::Regex),
+}
+
+impl Splitter {
+    fn new(pattern: &str) -> Result<Splitter> {
+        let err = |reason: String| TokenizerError::Regex {
+            pattern: pattern.to_owned(),
+            reason,
         };
-        if m.start() > last {
-            out.push(&text[last..m.start()]);
+        if let Some(head) = pattern.strip_suffix(LOOKAHEAD_TAIL) {
+            let re = regex::Regex::new(&format!(r"{head}|\s+")).map_err(|e| err(e.to_string()))?;
+            return Ok(Splitter::WhitespaceLookahead {
+                re,
+                newline_alt: head.contains(r"\s*[\r\n]+"),
+            });
         }
-        if m.end() > m.start() {
-            out.push(m.as_str());
+        if let Ok(re) = regex::Regex::new(pattern) {
+            return Ok(Splitter::Plain(re));
         }
-        last = m.end();
+        fancy_regex::Regex::new(pattern)
+            .map(Splitter::Fancy)
+            .map_err(|e| err(e.to_string()))
     }
-    if last < text.len() {
-        out.push(&text[last..]);
+
+    /// Splits `text` by the matches, keeping both the matches and the text between them as pieces.
+    fn split<'t>(&self, text: &'t str, out: &mut Vec<&'t str>) {
+        let mut last = 0;
+        let mut piece = |out: &mut Vec<&'t str>, start: usize, end: usize| {
+            if start > last {
+                out.push(&text[last..start]);
+            }
+            if end > start {
+                out.push(&text[start..end]);
+            }
+            last = end;
+        };
+        match self {
+            Splitter::Plain(re) => {
+                for m in re.find_iter(text) {
+                    piece(out, m.start(), m.end());
+                }
+            }
+            Splitter::WhitespaceLookahead { re, newline_alt } => {
+                let mut pos = 0;
+                while pos < text.len() {
+                    let Some(m) = re.find_at(text, pos) else {
+                        break;
+                    };
+                    let s = m.as_str();
+                    let mut end = m.end();
+                    // Only the final `\s+` yields all-whitespace matches, except `\s*[\r\n]+`, whose
+                    // matches end in a line break (and `\s+` cannot match a run holding one after it).
+                    let from_tail = s.chars().all(char::is_whitespace)
+                        && !(*newline_alt && s.ends_with(['\r', '\n']));
+                    if from_tail && end < text.len() && s.chars().nth(1).is_some() {
+                        // `\s+` stopped at a non-space: `\s+(?!\S)` would leave that run's last character.
+                        end -= s.chars().next_back().map_or(0, char::len_utf8);
+                    }
+                    piece(out, m.start(), end);
+                    // No alternative matches empty text; advance anyway rather than loop.
+                    pos = if end > m.start() {
+                        end
+                    } else {
+                        end + text[end..].chars().next().map_or(1, char::len_utf8)
+                    };
+                }
+            }
+            Splitter::Fancy(re) => {
+                for m in re.find_iter(text) {
+                    match m {
+                        Ok(m) => piece(out, m.start(), m.end()),
+                        Err(e) => {
+                            // Only a backtracking limit on pathological input gets here.
+                            tracing::warn!(error = %e, "pre-tokenizer gave up on a piece; it is kept whole");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        if last < text.len() {
+            out.push(&text[last..]);
+        }
     }
 }
 
@@ -1074,6 +1147,62 @@ mod tests {
             .unwrap_or_default();
         assert_eq!(ids.iter().filter(|&&id| id == 1).count(), 2, "{ids:?}");
         assert_eq!(t.stop_ids(), [1]);
+    }
+
+    /// The pieces of `text` by backtracking on the pattern as written (the naive oracle).
+    fn fancy_pieces(pattern: &str, text: &str) -> Vec<String> {
+        let re = match fancy_regex::Regex::new(pattern) {
+            Ok(re) => Splitter::Fancy(re),
+            Err(e) => panic!("{pattern}: {e}"),
+        };
+        let mut out = Vec::new();
+        re.split(text, &mut out);
+        out.into_iter().map(str::to_owned).collect()
+    }
+
+    fn fast_pieces(pattern: &str, text: &str) -> Vec<String> {
+        let splitter = match Splitter::new(pattern) {
+            Ok(s) => s,
+            Err(e) => panic!("{e}"),
+        };
+        assert!(
+            matches!(splitter, Splitter::WhitespaceLookahead { .. }),
+            "{pattern}"
+        );
+        let mut out = Vec::new();
+        splitter.split(text, &mut out);
+        out.into_iter().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn fast_splitter_examples() {
+        let check = |text: &str, expected: &[&str]| {
+            assert_eq!(fast_pieces(GPT2_PATTERN, text), expected, "{text:?}");
+            assert_eq!(fancy_pieces(GPT2_PATTERN, text), expected, "{text:?}");
+        };
+        check("a  b", &["a", " ", " b"]);
+        check("a \n b", &["a", " \n", " b"]);
+        check("a\t\tb  ", &["a", "\t", "\t", "b", "  "]);
+        check(" \u{3000}x", &[" ", "\u{3000}", "x"]);
+        check("it's  42!", &["it", "'s", " ", " 42", "!"]);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+
+        /// The hand-made lookahead splits exactly as the backtracking engine does.
+        #[test]
+        fn fast_splitter_matches_backtracking(
+            text in "[ \\t\\r\\n\\u{a0}\\u{3000}a-cA\\u{e9}0-2'!.<|>]{0,24}|\\PC{0,24}"
+        ) {
+            for pattern in [GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN] {
+                proptest::prop_assert_eq!(
+                    fast_pieces(pattern, &text),
+                    fancy_pieces(pattern, &text),
+                    "pattern {}", pattern
+                );
+            }
+        }
     }
 
     #[test]

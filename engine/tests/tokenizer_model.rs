@@ -1,4 +1,5 @@
 //! Tests of the tokenizer on the real model's vocabulary: known token ids, round trips on real text, the chat template.
+#![allow(clippy::print_stderr)]
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -193,20 +194,17 @@ fn gpl3_round_trips_and_matches_the_reference() {
     );
 }
 
-/// A chapter of the Rust book that ships with the pinned toolchain's documentation (`rust-docs`).
-fn rust_book_chapter() -> PathBuf {
+/// A chapter of the Rust book from the toolchain's documentation, if the `rust-docs` component is
+/// installed (it is on this machine; a `minimal` toolchain profile leaves it out).
+fn rust_book_chapter() -> Option<PathBuf> {
     let out = std::process::Command::new("rustc")
         .args(["--print", "sysroot"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
-        .unwrap_or_else(|e| panic!("cannot run rustc: {e}"));
+        .ok()?;
     let sysroot = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     let path = sysroot.join("share/doc/rust/html/book/ch04-01-what-is-ownership.html");
-    assert!(
-        path.exists(),
-        "{path:?} is missing: install the docs with `rustup component add rust-docs`"
-    );
-    path
+    path.exists().then_some(path)
 }
 
 /// The text of an HTML page's `<main>`: tags dropped, the common entities decoded.
@@ -237,14 +235,23 @@ fn html_text(html: &str) -> String {
 
 #[test]
 fn rust_book_chapter_round_trips() {
-    let html = read(&rust_book_chapter());
-    let text = html_text(&html);
-    assert!(
-        text.contains("fn main()") && text.len() > 20_000,
-        "unexpected chapter text"
-    );
-    round_trip(&text);
-    round_trip(&html);
+    match rust_book_chapter() {
+        Some(path) => {
+            let html = read(&path);
+            let text = html_text(&html);
+            assert!(
+                text.contains("fn main()") && text.len() > 20_000,
+                "unexpected chapter text"
+            );
+            round_trip(&text);
+            round_trip(&html);
+        }
+        None => {
+            // Without the book, another real text that every Debian system ships.
+            eprintln!("rust-docs not installed: round trip on the GFDL-1.3 text instead");
+            round_trip(&read(Path::new("/usr/share/common-licenses/GFDL-1.3")));
+        }
+    }
 }
 
 #[test]
@@ -325,4 +332,22 @@ fn chat_template_matches_the_reference() {
         4,
         "{forged:?}"
     );
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+    /// Any text, of any characters, comes back unchanged, whole or streamed token by token,
+    /// and plain encoding never yields a control token.
+    #[test]
+    fn any_text_round_trips(text in "\\PC{0,64}|[ \\t\\n\\r0-9a-zA-Z'<|>_]{0,64}") {
+        let t = tokenizer();
+        let ids = t.encode(&text);
+        proptest::prop_assert!(ids.iter().all(|&id| !t.is_control(id)));
+        proptest::prop_assert_eq!(t.decode(&ids), text.clone());
+        let mut dec = StreamDecoder::new(false);
+        let mut streamed: String = ids.iter().map(|&id| dec.push(t, id)).collect();
+        streamed.push_str(&dec.finish());
+        proptest::prop_assert_eq!(streamed, text);
+    }
 }
