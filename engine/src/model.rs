@@ -316,7 +316,7 @@ impl Model {
             out_norm,
             lm_head,
             rope,
-            prefill_chunk: 64,
+            prefill_chunk: 256,
         })
     }
 

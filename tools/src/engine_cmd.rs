@@ -33,7 +33,7 @@ pub struct EngineOpts {
     #[arg(long, default_value_t = 16, value_name = "N")]
     pub chunk_tokens: usize,
     /// Tokens per prefill step (one set of shapes serves every prompt length)
-    #[arg(long, default_value_t = 64, value_name = "N")]
+    #[arg(long, default_value_t = 256, value_name = "N")]
     pub prefill_chunk: usize,
 }
 

@@ -7,8 +7,8 @@ mod bench_engine;
 mod bench_kv;
 mod bench_pager;
 mod engine_cmd;
-mod kvfs_cmd;
 mod kv_mix_cmd;
+mod kvfs_cmd;
 mod model_cmd;
 mod profile_cmd;
 
