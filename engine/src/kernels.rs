@@ -22,51 +22,35 @@ fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
 
 /// `dst[m][n] = a[m][k] · b[n][k]ᵀ`, all row-major (b holds one output's weights per row).
 pub fn matmul_nt(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: usize) {
-    assert!(
-        dst.len() >= m * n && a.len() >= m * k && b.len() >= n * k,
-        "matmul_nt: bad sizes"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    // SAFETY: the asserts above keep every access of gemm inside the three slices: dst is
-    // m×n with row stride n, lhs a is m×k with row stride k, rhs bᵀ is k×n read from b[n][k]
-    // (column stride k, row stride 1). dst does not alias a or b (it is a &mut borrow).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.as_ptr(),
-            1,
-            k as isize,
-            b.as_ptr(),
-            k as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(m, n, k),
-        )
-    }
+    // bᵀ is k×n read from b[n][k]: column stride k, row stride 1.
+    matmul(dst, a, b, (m, n, k), (k as isize, 1));
 }
 
 /// `dst[m][n] = a[m][k] · b[k][n]`, all row-major.
 pub fn matmul_nn(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: usize) {
+    // b is k×n row-major: column stride 1, row stride n.
+    matmul(dst, a, b, (m, n, k), (1, n as isize));
+}
+
+/// `dst = a · b` with dst m×n and a m×k row-major, and b k×n with the given (column, row)
+/// strides, both positive and addressing at most n·k elements.
+fn matmul(
+    dst: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    (m, n, k): (usize, usize, usize),
+    (b_cs, b_rs): (isize, isize),
+) {
     assert!(
         dst.len() >= m * n && a.len() >= m * k && b.len() >= n * k,
-        "matmul_nn: bad sizes"
+        "matmul: bad sizes"
     );
     if m == 0 || n == 0 {
         return;
     }
-    // SAFETY: as in `matmul_nt`, with rhs b read as k×n row-major (row stride n, column stride 1).
+    // SAFETY: the assert above keeps every access of gemm inside the three slices: dst is m×n
+    // with row stride n, lhs a is m×k with row stride k, and both callers' rhs strides address
+    // exactly the n·k elements of b. dst does not alias a or b (it is a &mut borrow).
     unsafe {
         gemm::gemm(
             m,
@@ -80,8 +64,8 @@ pub fn matmul_nn(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: u
             1,
             k as isize,
             b.as_ptr(),
-            1,
-            n as isize,
+            b_cs,
+            b_rs,
             0.0,
             1.0,
             false,
