@@ -303,8 +303,30 @@ impl Store {
             });
         }
         if !marker.exists() {
+            // Empty, or only what an interrupted creation leaves: the empty skeleton folders
+            // and the marker's temp file (creation writes the marker last).
             let empty = match std::fs::read_dir(root) {
-                Ok(mut d) => d.next().is_none(),
+                Ok(d) => {
+                    let mut only_skeleton = true;
+                    for e in d {
+                        let e = e.map_err(io("list", root))?;
+                        let name = e.file_name();
+                        let name = name.to_string_lossy();
+                        let skeleton = ["contexts", "staging", "trash", "quarantine"]
+                            .contains(&name.as_ref())
+                            && std::fs::read_dir(e.path())
+                                .map(|mut d| d.next().is_none())
+                                .unwrap_or(false);
+                        if !(skeleton || name.starts_with(".tmp-KVFS")) {
+                            only_skeleton = false;
+                            break;
+                        }
+                        if !skeleton {
+                            std::fs::remove_file(e.path()).map_err(io("remove", &e.path()))?;
+                        }
+                    }
+                    only_skeleton
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     std::fs::create_dir_all(root).map_err(io("mkdir", root))?;
                     true

@@ -364,6 +364,24 @@ fn delete_and_list() {
 }
 
 #[test]
+fn a_creation_killed_before_the_marker_is_finished_at_the_next_open() {
+    let dir = tempfile::tempdir().unwrap();
+    for sub in ["contexts", "staging"] {
+        std::fs::create_dir(dir.path().join(sub)).unwrap();
+    }
+    std::fs::write(dir.path().join(".tmp-KVFS.123"), b"half").unwrap();
+    let store = Store::open(dir.path(), StoreOptions::default()).unwrap();
+    assert!(store.list_contexts().is_empty());
+    assert!(!dir.path().join(".tmp-KVFS.123").exists());
+    // A skeleton folder with something in it is not an interrupted creation.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("contexts")).unwrap();
+    std::fs::write(dir.path().join("contexts").join("precious"), b"x").unwrap();
+    let err = Store::open(dir.path(), StoreOptions::default()).unwrap_err();
+    assert!(matches!(err, StoreError::NotAStore { .. }), "{err}");
+}
+
+#[test]
 fn a_non_empty_directory_is_not_taken_over() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("precious"), b"x").unwrap();
