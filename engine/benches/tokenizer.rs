@@ -4,8 +4,8 @@ use std::hint::black_box;
 use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use engine::fetch::{self, FetchOptions};
-use engine::tokenizer::{StreamDecoder, Tokenizer};
+use engine::model::fetch::{self, FetchOptions};
+use engine::model::tokenizer::{StreamDecoder, Tokenizer};
 
 fn bench(c: &mut Criterion) {
     let model = match fetch::default_model_path(&FetchOptions::default()) {

@@ -1,20 +1,8 @@
-//! The engine: a llama-family model on candle-core with a chunked KV cache.
+//! The engine: a llama-family model with a chunked KV cache, and the service that runs it.
 //!
-//! [`model::Model`] loads a GGUF file and runs the forward pass; [`kv::KvCache`] holds one
-//! context's K/V in 16-token chunks over a [`kv::ChunkMemory`]; [`generate`] samples tokens;
-//! [`tokenizer::Tokenizer`] is built from the GGUF's own vocabulary; [`fetch`] gets the default
-//! model and caches it.
+//! [`model`] loads a GGUF file, tokenizes, runs the forward pass with the engine's own kernels
+//! and samples tokens; [`kv`] holds one context's K/V in 16-token chunks over a
+//! [`kv::ChunkMemory`], with the chunk codecs, attention over packed chunks and recompute.
 
-pub mod attention;
-pub mod codec;
-pub mod config;
-pub mod eval_mix;
-pub mod fetch;
-pub mod generate;
-pub mod kernels;
 pub mod kv;
 pub mod model;
-pub mod qmatvec;
-pub mod recompute;
-pub mod tiny;
-pub mod tokenizer;

@@ -6,7 +6,7 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use engine::fetch::{
+use engine::model::fetch::{
     self, DEFAULT_MODEL, FetchError, FetchEvent, FetchOptions, ModelSpec, Progress,
 };
 

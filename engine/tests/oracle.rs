@@ -8,11 +8,11 @@ use candle_core::quantized::gguf_file::{self, Content};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use engine::fetch::{FetchOptions, default_model_path};
-use engine::generate::argmax;
 use engine::kv::{HeapChunks, KvCache, KvFormat};
+use engine::model::fetch::{FetchOptions, default_model_path};
+use engine::model::generate::argmax;
+use engine::model::tokenizer::{Message, Tokenizer};
 use engine::model::{Logits, Model};
-use engine::tokenizer::{Message, Tokenizer};
 use std::io::Cursor;
 use std::path::Path;
 

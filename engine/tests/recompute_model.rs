@@ -1,11 +1,11 @@
 //! Exact recompute of interleaved chunks on the real model: rebuilt chunks equal the originals,
 //! and the next token's logits equal an uninterrupted run's.
 
-use engine::fetch::{self, FetchOptions};
+use engine::kv::recompute::{RecomputeError, recompute_chunks};
 use engine::kv::{HeapChunks, KvCache, KvFormat, decode_k, decode_v};
+use engine::model::fetch::{self, FetchOptions};
+use engine::model::tokenizer::Tokenizer;
 use engine::model::{Logits, Model};
-use engine::recompute::{RecomputeError, recompute_chunks};
-use engine::tokenizer::Tokenizer;
 use std::sync::OnceLock;
 
 const TEXT: &str = "The lighthouse keeper climbed the spiral stairs every evening at dusk, \
@@ -195,7 +195,7 @@ fn quantized_and_mixed_chunks_recompute_within_quantization_error() {
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     // Measured 0.75 (logits span about 30); the prediction is the same.
     assert!(max < 1.5, "next logits differ by up to {max}");
-    let argmax = |l: &[f32]| engine::generate::argmax(l);
+    let argmax = |l: &[f32]| engine::model::generate::argmax(l);
     assert_eq!(argmax(&got), argmax(&want));
 }
 

@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use engine::fetch::{self, FetchOptions};
-use engine::tokenizer::{ChatTemplate, Message, StreamDecoder, Tokenizer};
+use engine::model::fetch::{self, FetchOptions};
+use engine::model::tokenizer::{ChatTemplate, Message, StreamDecoder, Tokenizer};
 
 /// The default model's tokenizer, fetched into the shared cache if missing; built once per test binary.
 fn tokenizer() -> &'static Tokenizer {

@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use engine::generate::argmax;
 use engine::model::Logits;
+use engine::model::generate::argmax;
 
 use crate::engine_cmd::{EngineOpts, load};
 

@@ -6,12 +6,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use engine::attention::{AttnShape, attend_gathered, attend_packed};
-use engine::codec::{ChunkShape, KvFormat, decode_layer, encode_layer};
+use engine::kv::attention::{AttnShape, attend_gathered, attend_packed};
+use engine::kv::codec::{ChunkShape, KvFormat, decode_layer, encode_layer};
+use engine::kv::recompute::recompute_chunks;
 use engine::kv::{HeapChunks, KvCache};
+use engine::model::tokenizer::Tokenizer;
 use engine::model::{Logits, Model};
-use engine::recompute::recompute_chunks;
-use engine::tokenizer::Tokenizer;
 use serde::Serialize;
 
 use crate::model_cmd::ModelsDirArg;
@@ -35,7 +35,7 @@ impl ModelInput {
     pub fn load(&self) -> anyhow::Result<Model> {
         let path = match &self.model {
             Some(p) => p.clone(),
-            None => engine::fetch::default_model_path(&self.dir.fetch_options())
+            None => engine::model::fetch::default_model_path(&self.dir.fetch_options())
                 .context("cannot fetch the default model")?,
         };
         Model::load(&path).with_context(|| format!("cannot load {}", path.display()))
@@ -361,7 +361,7 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
         let report = Report {
             model: model.path().display().to_string(),
-            threads: engine::kernels::threads(),
+            threads: engine::model::kernels::threads(),
             codec,
             attention,
             recompute,

@@ -7,11 +7,11 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use engine::fetch;
-use engine::generate::{Sampler, SamplingParams, generate};
 use engine::kv::{HeapChunks, KvCache, KvFormat};
+use engine::model::fetch;
+use engine::model::generate::{Sampler, SamplingParams, generate};
+use engine::model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use engine::model::{Logits, Model};
-use engine::tokenizer::{Message, StreamDecoder, Tokenizer};
 
 use crate::model_cmd::ModelsDirArg;
 

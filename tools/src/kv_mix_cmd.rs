@@ -1,11 +1,11 @@
 //! `llms eval ppl --kv-mix`: perplexity with the context's KV chunks compressed to a mix of
-//! levels chosen by density rank (paper Fig. 6 and 12), through `engine::eval_mix`.
+//! levels chosen by density rank (paper Fig. 6 and 12), through `engine::kv::eval`.
 
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use engine::eval_mix::{Compression, perplexity};
 use engine::kv::KvFormat;
+use engine::kv::eval::{Compression, perplexity};
 
 use crate::engine_cmd::Loaded;
 

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use engine::kv::KvFormat;
-use engine::recompute::recompute_chunks;
+use engine::kv::recompute::recompute_chunks;
 use policy::LinearCost;
 use serde::Serialize;
 
@@ -110,7 +110,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     let profile = Profile {
         model: model.path().display().to_string(),
         chunk_tokens: 16,
-        threads: engine::kernels::threads(),
+        threads: engine::model::kernels::threads(),
         recompute: fit(&all)?,
         recompute_by_context: by_context,
         io: None,

@@ -2,12 +2,14 @@
 //! (encoded) chunks plus the open chunk still being filled, with the token ids it was built from.
 //!
 //! A chunk holds `tokens` consecutive tokens of one context, all layers, in one of the formats of
-//! [`crate::codec`]. The last, partly filled chunk stays open in f32 until it is full: a chunk is
+//! [`crate::kv::codec`]. The last, partly filled chunk stays open in f32 until it is full: a chunk is
 //! encoded once, with all its tokens, so per-channel key scales never change after the fact.
 //! A sealed chunk may later move down a format ([`KvCache::recompress`]), be dropped from memory
-//! ([`KvCache::evict`]) and be rebuilt from its tokens ([`crate::recompute`]).
+//! ([`KvCache::evict`]) and be rebuilt from its tokens ([`crate::kv::recompute`]).
 
-pub use crate::codec::{ChunkShape, CodecError, KvFormat, PAGE, decode_k, decode_v, encode_layer};
+pub use crate::kv::codec::{
+    ChunkShape, CodecError, KvFormat, PAGE, decode_k, decode_v, encode_layer,
+};
 
 /// What went wrong in the KV cache.
 #[derive(Debug, thiserror::Error)]
@@ -336,7 +338,8 @@ impl KvCache {
             return Err(codec(CodecError::NotDown { from, to }));
         }
         let bytes = self.mem.get(index).ok_or(KvError::NotResident { index })?;
-        crate::codec::recompress(&self.shape, from, to, bytes, &mut self.scratch).map_err(codec)?;
+        crate::kv::codec::recompress(&self.shape, from, to, bytes, &mut self.scratch)
+            .map_err(codec)?;
         self.mem.put(index, &self.scratch)?;
         self.formats[index] = to;
         Ok(())

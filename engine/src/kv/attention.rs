@@ -8,9 +8,9 @@
 //! receives is summed into the cache, so each chunk's information density is known with no
 //! second pass.
 
-use crate::codec::{decode_k, decode_v};
-use crate::kernels::{matmul_nn, matmul_nt, softmax};
+use crate::kv::codec::{decode_k, decode_v};
 use crate::kv::{KvCache, KvError, LayerView};
+use crate::model::kernels::{matmul_nn, matmul_nt, softmax};
 use rayon::prelude::*;
 
 /// The shape of one attention call.

@@ -4,11 +4,11 @@
 //! run as f32 GEMM, single-token decode runs on a Q8_0 copy through candle's quantized kernels.
 //! The prompt is prefilled in fixed-size chunks, so one set of shapes serves every length.
 
-use crate::attention::{AttnShape, attend};
-use crate::config::{ConfigError, ModelConfig};
-use crate::kernels::{Rope, add_assign, matmul_nt, rms_norm, swiglu};
+use crate::kv::attention::{AttnShape, attend};
 use crate::kv::{ChunkShape, KvCache, KvError};
-use crate::qmatvec::{BLOCK, QMatrix};
+use crate::model::config::{ConfigError, ModelConfig};
+use crate::model::kernels::{Rope, add_assign, matmul_nt, rms_norm, swiglu};
+use crate::model::qmatvec::{BLOCK, QMatrix};
 use candle_core::Device;
 use candle_core::quantized::{GgmlDType, gguf_file};
 use std::fs::File;

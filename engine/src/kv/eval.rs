@@ -178,7 +178,7 @@ pub fn perplexity(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tiny::{TinySpec, write_tiny_gguf};
+    use crate::model::tiny::{TinySpec, write_tiny_gguf};
 
     #[test]
     fn perplexity_under_formats_and_mixes_on_the_tiny_model() {

@@ -100,7 +100,7 @@ mod tests {
     use super::*;
     use crate::kv::{HeapChunks, KvFormat};
     use crate::model::Logits;
-    use crate::tiny::{TinySpec, write_tiny_gguf};
+    use crate::model::tiny::{TinySpec, write_tiny_gguf};
 
     fn tiny() -> (tempfile::TempDir, Model) {
         let dir = tempfile::tempdir().unwrap();
