@@ -148,6 +148,7 @@ fn errno(e: &StoreError) -> Errno {
         StoreError::Corrupt { .. } | StoreError::ForeignModel { .. } => Errno::EIO,
         StoreError::BeyondTokens { .. } | StoreError::Invalid { .. } => Errno::EINVAL,
         StoreError::TooLarge { .. } => Errno::EFBIG,
+        StoreError::BufferTooSmall { .. } => Errno::ERANGE,
         StoreError::NotAStore { .. } => Errno::EIO,
         StoreError::Locked { .. } => Errno::EBUSY,
         StoreError::ReadOnly { .. } => Errno::EROFS,
@@ -375,7 +376,7 @@ impl KvFs {
     }
 
     fn read_chunk(&self, c: ContextId, i: u32) -> Result<Vec<u8>, Errno> {
-        let fp = self.store.meta(c).map_err(store_err)?.fingerprint;
+        let fp = self.store.fingerprint(c).map_err(store_err)?;
         self.store.read_chunk(c, i, &fp).map_err(|e| {
             if matches!(e, StoreError::Corrupt { .. }) {
                 tracing::warn!(error = %e, "kvfs refused a corrupt chunk");

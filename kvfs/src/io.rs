@@ -156,6 +156,69 @@ pub fn read_aligned(path: &Path, direct: bool, limit: Option<usize>) -> Result<A
     Ok(Aligned { buf, start, len })
 }
 
+/// Reads a whole file into `scratch`, reusing its allocation, and returns where the bytes are:
+/// `scratch[range]`. With `direct` the read uses O_DIRECT into a 4 KiB-aligned part of `scratch`
+/// (which grows once to the largest file seen and is never shrunk, so steady-state reads allocate
+/// nothing); without it the read is buffered and the file's pages are dropped afterwards.
+/// Files longer than `max_len` are refused (`InvalidData`) before anything is allocated.
+pub fn read_into_scratch(
+    path: &Path,
+    direct: bool,
+    max_len: usize,
+    scratch: &mut Vec<u8>,
+) -> Result<std::ops::Range<usize>, IoError> {
+    let flags = if direct { libc::O_DIRECT } else { 0 };
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)
+        .map_err(|e| IoError::new("open", path, e))?;
+    let len = f
+        .metadata()
+        .map_err(|e| IoError::new("stat", path, e))?
+        .len();
+    if len > max_len as u64 {
+        return Err(IoError::new(
+            "read",
+            path,
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{len} bytes, more than the {max_len}-byte limit"),
+            ),
+        ));
+    }
+    let len = len as usize;
+    let cap = len.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
+    if scratch.len() < cap + DIRECT_ALIGN {
+        scratch.resize(cap + DIRECT_ALIGN, 0);
+    }
+    let start = if direct {
+        scratch.as_ptr().align_offset(DIRECT_ALIGN)
+    } else {
+        0
+    };
+    // O_DIRECT reads whole aligned blocks: ask for `cap` bytes and stop at end of file.
+    let end = if direct { start + cap } else { start + len };
+    let mut done = 0;
+    while done < len {
+        let n = f
+            .read_at(&mut scratch[start + done..end], done as u64)
+            .map_err(|e| IoError::new("read", path, e))?;
+        if n == 0 {
+            return Err(IoError::new(
+                "read",
+                path,
+                io::Error::new(io::ErrorKind::UnexpectedEof, "file shrank while being read"),
+            ));
+        }
+        done += n;
+    }
+    if !direct {
+        drop_cache(&f);
+    }
+    Ok(start..start + len)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,6 +256,30 @@ mod tests {
                 "len {len}"
             );
         }
+    }
+
+    #[test]
+    fn scratch_reads_agree_and_reuse_the_buffer() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("probe"), b"x").unwrap();
+        let direct = supports_direct(&dir.path().join("probe"));
+        let mut scratch = Vec::new();
+        let mut first_cap = None;
+        // The first (largest) file sizes the buffer; the rest fit in it without a reallocation.
+        for len in [65536 + 13, 0usize, 1, 104, 4095, 4096, 4097, 12345] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+            let p = dir.path().join(format!("f{len}"));
+            std::fs::write(&p, &data).unwrap();
+            for d in [direct, false] {
+                let r = read_into_scratch(&p, d, 1 << 20, &mut scratch).unwrap();
+                assert_eq!(&scratch[r], &data[..], "len {len} direct {d}");
+            }
+            let cap = *first_cap.get_or_insert(scratch.capacity());
+            assert_eq!(scratch.capacity(), cap, "len {len}");
+        }
+        let big = dir.path().join("f65549");
+        let err = read_into_scratch(&big, direct, 1000, &mut scratch).unwrap_err();
+        assert_eq!(err.source.kind(), io::ErrorKind::InvalidData, "{err}");
     }
 
     #[test]

@@ -6,8 +6,10 @@
 //! Every file is replaced atomically (see [`crate::io::write_atomic`]); [`Store::open`] scans the
 //! directory and recovers from any crash point, quarantining what fails its checks.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::fmt::Write as _;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -18,9 +20,7 @@ use crate::format::{
     ChunkHeader, Codec, ContextMeta, Fingerprint, FormatError, HEADER_LEN, KvFormat, decode_tokens,
     encode_tokens, tokens_crc,
 };
-use crate::io::{
-    Aligned, IoError, read_aligned, read_file, supports_direct, sync_dir, write_atomic,
-};
+use crate::io::{IoError, read_file, read_into_scratch, supports_direct, sync_dir, write_atomic};
 
 const MARKER: &str = "KVFS";
 const MARKER_TEXT: &[u8] = b"kvfs store, format version 1\n";
@@ -79,6 +79,15 @@ pub enum StoreError {
         index: u32,
         start: u64,
         tokens: usize,
+    },
+    #[error(
+        "chunk {index} of context {context} is {need} bytes, the buffer given for it only {have}"
+    )]
+    BufferTooSmall {
+        context: ContextId,
+        index: u32,
+        need: usize,
+        have: usize,
     },
     #[error("chunk of {len} bytes is larger than the {MAX_CHUNK_BYTES}-byte limit")]
     TooLarge { len: usize },
@@ -698,6 +707,17 @@ impl Store {
         Ok(self.ctx(id)?.meta.clone())
     }
 
+    /// A context's model fingerprint (no allocation, unlike [`Store::meta`]).
+    pub fn fingerprint(&self, id: ContextId) -> Result<Fingerprint, StoreError> {
+        Ok(self.ctx(id)?.meta.fingerprint)
+    }
+
+    /// A context's owner uid and creation time (seconds since the Unix epoch), without allocating.
+    pub fn owner(&self, id: ContextId) -> Result<(u32, u64), StoreError> {
+        let ctx = self.ctx(id)?;
+        Ok((ctx.meta.owner_uid, ctx.meta.created))
+    }
+
     /// A context's token ids.
     pub fn tokens(&self, id: ContextId) -> Result<Vec<u32>, StoreError> {
         Ok(lock(&self.ctx(id)?.state).tokens.clone())
@@ -916,12 +936,132 @@ impl Store {
     /// Reads chunk `index` of a context, checked end to end (header crc, identity, model fingerprint,
     /// tokens, payload crc, decompressed length). A chunk that fails a check is quarantined and the
     /// error says to recompute it ([`StoreError::needs_recompute`]).
+    ///
+    /// This allocates the returned vector; the service's load and fault paths use
+    /// [`Store::read_chunk_into`], which does not.
     pub fn read_chunk(
         &self,
         id: ContextId,
         index: u32,
         fingerprint: &Fingerprint,
     ) -> Result<Vec<u8>, StoreError> {
+        let mut out = Vec::new();
+        self.read_chunk_into_vec(id, index, fingerprint, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads chunk `index` of a context into the front of `buf`, with every check of
+    /// [`Store::read_chunk`], and returns the chunk's metadata: its bytes are
+    /// `buf[..meta.raw_len as usize]`.
+    ///
+    /// Nothing is allocated per read in steady state: the file is read with O_DIRECT into a buffer
+    /// kept per thread (grown once to the largest chunk file seen), a raw payload is copied into
+    /// `buf` and a zstd payload is decompressed straight into it with a decompression context kept
+    /// per thread.
+    /// A `buf` shorter than the chunk is [`StoreError::BufferTooSmall`] (the chunk is fine; nothing
+    /// is quarantined); a chunk that fails a check is quarantined and never copied out whole:
+    /// `buf` may then hold garbage, and the error says to recompute the chunk.
+    pub fn read_chunk_into(
+        &self,
+        id: ContextId,
+        index: u32,
+        fingerprint: &Fingerprint,
+        buf: &mut [u8],
+    ) -> Result<StoredChunk, StoreError> {
+        self.read_checked(id, index, fingerprint, |h, file, dctx, _| {
+            let raw = h.raw_len as usize;
+            let have = buf.len();
+            let out = buf
+                .get_mut(..raw)
+                .ok_or(Check::TooSmall { need: raw, have })?;
+            decode_payload(h, &file[HEADER_LEN..], out, dctx)?;
+            Ok(stored_of(h))
+        })
+    }
+
+    /// [`Store::read_chunk_into`] into a vector resized to the chunk's length (its capacity is
+    /// reused, so a vector kept by the caller stops allocating once it has held the largest chunk).
+    pub fn read_chunk_into_vec(
+        &self,
+        id: ContextId,
+        index: u32,
+        fingerprint: &Fingerprint,
+        buf: &mut Vec<u8>,
+    ) -> Result<StoredChunk, StoreError> {
+        self.read_checked(id, index, fingerprint, |h, file, dctx, _| {
+            let raw = h.raw_len as usize;
+            buf.clear();
+            buf.resize(raw, 0);
+            decode_payload(h, &file[HEADER_LEN..], buf, dctx)?;
+            Ok(stored_of(h))
+        })
+    }
+
+    /// Reads and checks chunk `index` as [`Store::read_chunk`] does and calls `f` with its *image*:
+    /// a chunk file whose header says codec raw, followed by the plain bytes (the file itself for a
+    /// raw chunk, no copy; for a zstd chunk a header rewritten for the plain bytes, with their crc,
+    /// and the decompressed bytes, in a buffer kept per thread).
+    /// This is what the mount's per-context `kv` file serves; [`crate::MountReader`] checks it with
+    /// [`ChunkHeader::decode`] like any chunk file.
+    /// `f` runs only for a chunk that passed every check.
+    pub fn with_chunk_image<R>(
+        &self,
+        id: ContextId,
+        index: u32,
+        fingerprint: &Fingerprint,
+        f: impl FnOnce(&StoredChunk, &[u8]) -> R,
+    ) -> Result<R, StoreError> {
+        let mut f = Some(f);
+        self.read_checked(id, index, fingerprint, |h, file, dctx, image| {
+            let stored = stored_of(h);
+            let bytes = match h.codec {
+                Codec::Raw => {
+                    if h.stored_len != h.raw_len {
+                        return Err(Check::Bad(format!(
+                            "raw payload of {} bytes, header says {} raw",
+                            h.stored_len, h.raw_len
+                        )));
+                    }
+                    file
+                }
+                Codec::Zstd => {
+                    let raw = h.raw_len as usize;
+                    image.clear();
+                    image.resize(HEADER_LEN + raw, 0);
+                    decode_payload(h, &file[HEADER_LEN..], &mut image[HEADER_LEN..], dctx)?;
+                    let plain = ChunkHeader {
+                        codec: Codec::Raw,
+                        stored_len: h.raw_len,
+                        payload_crc: crc32c::crc32c(&image[HEADER_LEN..]),
+                        ..h.clone()
+                    };
+                    image[..HEADER_LEN].copy_from_slice(&plain.encode());
+                    image.as_slice()
+                }
+            };
+            match f.take() {
+                Some(f) => Ok(f(&stored, bytes)),
+                None => Err(Check::Bad("image consumed twice".into())),
+            }
+        })
+    }
+
+    /// The one read path: reads chunk `index`'s file into this thread's scratch buffer, checks it,
+    /// and hands it to `finish` (which copies or decompresses it out). A chunk that fails a check,
+    /// in the file or in `finish`, is quarantined unless a concurrent write replaced it (then the
+    /// read is retried).
+    fn read_checked<R>(
+        &self,
+        id: ContextId,
+        index: u32,
+        fingerprint: &Fingerprint,
+        mut finish: impl FnMut(
+            &ChunkHeader,
+            &[u8],
+            &mut zstd::bulk::Decompressor<'static>,
+            &mut Vec<u8>,
+        ) -> Result<R, Check>,
+    ) -> Result<R, StoreError> {
         let _span = tracing::debug_span!("kvfs_read_chunk", context = %id, index).entered();
         let ctx = self.ctx(id)?;
         if *fingerprint != ctx.meta.fingerprint {
@@ -931,110 +1071,138 @@ impl Store {
                 found: ctx.meta.fingerprint,
             });
         }
-        // A concurrent write may replace the file while we read it; retry if the generation moved.
-        for _ in 0..3 {
-            let generation = match lock(&ctx.state).chunks.get(&index) {
-                Some(ChunkState::Stored(s)) => s.generation,
-                Some(ChunkState::Quarantined { reason }) => {
-                    return Err(StoreError::Corrupt {
-                        context: id,
-                        index,
-                        reason: reason.clone(),
-                    });
-                }
-                _ => return Err(StoreError::ChunkMissing { context: id, index }),
+        with_scratch(|s| {
+            let Scratch {
+                file,
+                image,
+                dctx,
+                path,
+                name,
+            } = s;
+            let dctx = match dctx {
+                Some(d) => d,
+                None => dctx.insert(
+                    zstd::bulk::Decompressor::new()
+                        .map_err(|e| IoError::new("zstd context for", &self.root, e))?,
+                ),
             };
-            let path = ctx.dir.join("chunks").join(index.to_string());
-            let checked = match read_aligned(&path, self.direct, None) {
-                Ok(bytes) => self.check_chunk(&ctx, index, bytes),
-                Err(e) if e.source.kind() == std::io::ErrorKind::NotFound => Err(Check::Gone),
-                Err(e) => return Err(e.into()),
-            };
-            match checked {
-                Ok(data) => {
-                    self.counters.chunk_reads.fetch_add(1, Ordering::Relaxed);
-                    self.counters
-                        .chunk_read_bytes
-                        .fetch_add(data.len() as u64, Ordering::Relaxed);
-                    return Ok(data);
-                }
-                Err(check) => {
-                    let _w = lock(&ctx.write);
-                    let st = lock(&ctx.state);
-                    let current = match st.chunks.get(&index) {
-                        Some(ChunkState::Stored(s)) => Some(s.generation),
-                        _ => None,
-                    };
-                    drop(st);
-                    if current != Some(generation) {
-                        continue;
-                    }
-                    let reason = match check {
-                        Check::Gone => "file vanished".to_owned(),
-                        Check::Bad(r) => r,
-                    };
-                    let dest = self.quarantine_path(&path);
-                    if self.options.read_only {
-                        // Not served, but not moved either: the store is not ours to change.
-                    } else if let Err(e) = std::fs::rename(&path, &dest) {
-                        tracing::warn!(path = %path.display(), error = %e, "could not quarantine");
-                    }
-                    self.quarantined.fetch_add(1, Ordering::Relaxed);
-                    self.counters
-                        .corrupt_detected
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(context = %id, index, reason = %reason, "corrupt chunk quarantined");
-                    lock(&ctx.state).chunks.insert(
-                        index,
-                        ChunkState::Quarantined {
+            // The chunk's path, built in buffers kept per thread.
+            path.as_mut_os_string().clear();
+            path.push(&ctx.dir);
+            path.push("chunks");
+            name.clear();
+            let _ = write!(name, "{index}");
+            path.push(&*name);
+            // A concurrent write may replace the file while we read it; retry if the generation moved.
+            for _ in 0..3 {
+                let generation = match lock(&ctx.state).chunks.get(&index) {
+                    Some(ChunkState::Stored(s)) => s.generation,
+                    Some(ChunkState::Quarantined { reason }) => {
+                        return Err(StoreError::Corrupt {
+                            context: id,
+                            index,
                             reason: reason.clone(),
-                        },
-                    );
-                    return Err(StoreError::Corrupt {
-                        context: id,
-                        index,
-                        reason,
-                    });
+                        });
+                    }
+                    _ => return Err(StoreError::ChunkMissing { context: id, index }),
+                };
+                let checked = match read_into_scratch(path, self.direct, MAX_FILE_BYTES, file) {
+                    Ok(range) => {
+                        let bytes = &file[range];
+                        self.check_file(&ctx, index, bytes)
+                            .and_then(|h| finish(&h, bytes, dctx, image).map(|r| (h.raw_len, r)))
+                    }
+                    Err(e) if e.source.kind() == std::io::ErrorKind::NotFound => Err(Check::Gone),
+                    Err(e) if e.source.kind() == std::io::ErrorKind::InvalidData => {
+                        Err(Check::Bad(e.to_string()))
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                let check = match checked {
+                    Ok((raw_len, r)) => {
+                        self.counters.chunk_reads.fetch_add(1, Ordering::Relaxed);
+                        self.counters
+                            .chunk_read_bytes
+                            .fetch_add(raw_len as u64, Ordering::Relaxed);
+                        return Ok(r);
+                    }
+                    Err(Check::TooSmall { need, have }) => {
+                        return Err(StoreError::BufferTooSmall {
+                            context: id,
+                            index,
+                            need,
+                            have,
+                        });
+                    }
+                    Err(check) => check,
+                };
+                let _w = lock(&ctx.write);
+                let st = lock(&ctx.state);
+                let current = match st.chunks.get(&index) {
+                    Some(ChunkState::Stored(s)) => Some(s.generation),
+                    _ => None,
+                };
+                drop(st);
+                if current != Some(generation) {
+                    continue;
                 }
+                let reason = match check {
+                    Check::Gone => "file vanished".to_owned(),
+                    Check::Bad(r) => r,
+                    Check::TooSmall { need, have } => {
+                        format!("{need} bytes for a {have}-byte buffer")
+                    }
+                };
+                let dest = self.quarantine_path(path);
+                if self.options.read_only {
+                    // Not served, but not moved either: the store is not ours to change.
+                } else if let Err(e) = std::fs::rename(&*path, &dest) {
+                    tracing::warn!(path = %path.display(), error = %e, "could not quarantine");
+                }
+                self.quarantined.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .corrupt_detected
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(context = %id, index, reason = %reason, "corrupt chunk quarantined");
+                lock(&ctx.state).chunks.insert(
+                    index,
+                    ChunkState::Quarantined {
+                        reason: reason.clone(),
+                    },
+                );
+                return Err(StoreError::Corrupt {
+                    context: id,
+                    index,
+                    reason,
+                });
             }
-        }
-        Err(StoreError::ChunkMissing { context: id, index })
+            Err(StoreError::ChunkMissing { context: id, index })
+        })
     }
 
-    fn check_chunk(&self, ctx: &Ctx, index: u32, file: Aligned) -> Result<Vec<u8>, Check> {
-        let bytes = file.bytes();
+    /// Checks a chunk file read whole: header, identity, model, payload length and crc, tokens.
+    fn check_file(&self, ctx: &Ctx, index: u32, bytes: &[u8]) -> Result<ChunkHeader, Check> {
         let bad = |e: FormatError| Check::Bad(e.to_string());
         let header = ChunkHeader::decode(bytes).map_err(bad)?;
         check_identity(&header, ctx.id, index, &ctx.meta).map_err(Check::Bad)?;
-        let payload = &bytes[HEADER_LEN..];
-        header.check_payload(payload).map_err(bad)?;
-        {
-            let st = lock(&ctx.state);
-            if !covers(
-                &st.tokens,
-                &(header.token_start..header.token_end),
-                header.tokens_crc,
-            ) {
-                return Err(Check::Bad(
-                    "computed from tokens the context no longer has".into(),
-                ));
-            }
+        header.check_payload(&bytes[HEADER_LEN..]).map_err(bad)?;
+        if header.raw_len as usize > MAX_CHUNK_BYTES {
+            return Err(Check::Bad(format!(
+                "header says {} raw bytes, more than the limit",
+                header.raw_len
+            )));
         }
-        match header.codec {
-            Codec::Raw => Ok(file.into_vec_from(HEADER_LEN)),
-            Codec::Zstd => {
-                let data = zstd::bulk::decompress(payload, header.raw_len as usize)
-                    .map_err(|e| Check::Bad(format!("zstd: {e}")))?;
-                if data.len() != header.raw_len as usize {
-                    return Err(Check::Bad(format!(
-                        "decompressed to {} bytes, header says {}",
-                        data.len(),
-                        header.raw_len
-                    )));
-                }
-                Ok(data)
-            }
+        let st = lock(&ctx.state);
+        if !covers(
+            &st.tokens,
+            &(header.token_start..header.token_end),
+            header.tokens_crc,
+        ) {
+            return Err(Check::Bad(
+                "computed from tokens the context no longer has".into(),
+            ));
         }
+        Ok(header)
     }
 
     /// Reads every stored chunk and checks it; returns the chunks that failed (now quarantined).
@@ -1179,12 +1347,78 @@ impl Store {
     }
 }
 
+/// Why a chunk read did not deliver.
 enum Check {
+    /// The file vanished under the read.
     Gone,
+    /// The file failed a check: quarantine it.
     Bad(String),
+    /// The chunk is fine but the caller's buffer is too short for it.
+    TooSmall { need: usize, have: usize },
 }
 
-fn stored_of(h: &ChunkHeader) -> StoredChunk {
+/// The largest chunk file the store reads.
+const MAX_FILE_BYTES: usize = HEADER_LEN + MAX_CHUNK_BYTES;
+
+/// Buffers for chunk reads, one set per thread, kept between reads so that steady-state reads
+/// allocate nothing: the O_DIRECT file buffer, the image buffer of [`Store::with_chunk_image`],
+/// the zstd decompression context and the path being opened.
+#[derive(Default)]
+struct Scratch {
+    file: Vec<u8>,
+    image: Vec<u8>,
+    dctx: Option<zstd::bulk::Decompressor<'static>>,
+    path: PathBuf,
+    name: String,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Runs `f` with this thread's scratch buffers (or one-off buffers if they are in use, which
+/// happens only when a [`Store::with_chunk_image`] callback reads another chunk).
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut s) => f(&mut s),
+        Err(_) => f(&mut Scratch::default()),
+    })
+}
+
+/// Copies or decompresses a checked payload into `out`, which is exactly the chunk's raw length.
+fn decode_payload(
+    h: &ChunkHeader,
+    payload: &[u8],
+    out: &mut [u8],
+    dctx: &mut zstd::bulk::Decompressor<'static>,
+) -> Result<(), Check> {
+    match h.codec {
+        Codec::Raw if payload.len() == out.len() => {
+            out.copy_from_slice(payload);
+            Ok(())
+        }
+        Codec::Raw => Err(Check::Bad(format!(
+            "raw payload of {} bytes, header says {} raw",
+            payload.len(),
+            out.len()
+        ))),
+        Codec::Zstd => {
+            let n = dctx
+                .decompress_to_buffer(payload, out)
+                .map_err(|e| Check::Bad(format!("zstd: {e}")))?;
+            if n != out.len() {
+                return Err(Check::Bad(format!(
+                    "decompressed to {n} bytes, header says {}",
+                    out.len()
+                )));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// A chunk's metadata as its header records it.
+pub(crate) fn stored_of(h: &ChunkHeader) -> StoredChunk {
     StoredChunk {
         format: h.format,
         codec: h.codec,

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use kvfs::format::{ChunkHeader, HEADER_LEN};
 use kvfs::{
     ChunkState, Codec, ContextId, Fingerprint, KvFormat, NewContext, Store, StoreError,
     StoreOptions,
@@ -156,6 +157,178 @@ fn flipped_bits_are_detected_quarantined_and_marked_for_recompute() {
         .unwrap()
         .count();
     assert_eq!(q, offsets.len());
+}
+
+fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 32) as u8
+        })
+        .collect()
+}
+
+/// Reads chunk `index` every way the API offers and checks they all give `data`.
+fn check_every_read_path(store: &Store, id: ContextId, index: u32, data: &[u8]) {
+    assert_eq!(store.read_chunk(id, index, &FP).unwrap(), data);
+    // Into a larger caller buffer: the chunk at the front, the rest untouched.
+    let mut buf = vec![0xa5u8; data.len() + 4099];
+    let meta = store.read_chunk_into(id, index, &FP, &mut buf).unwrap();
+    assert_eq!(meta.raw_len as usize, data.len());
+    assert_eq!(&buf[..data.len()], data);
+    assert!(buf[data.len()..].iter().all(|&b| b == 0xa5));
+    // Into an exact buffer.
+    let mut exact = vec![0u8; data.len()];
+    store.read_chunk_into(id, index, &FP, &mut exact).unwrap();
+    assert_eq!(exact, data);
+    // Into a reused vector, which shrinks and grows to the chunk.
+    let mut v = vec![9u8; 3];
+    store.read_chunk_into_vec(id, index, &FP, &mut v).unwrap();
+    assert_eq!(v, data);
+    // The image the mount serves: a valid raw chunk file of the plain bytes.
+    let image = store
+        .with_chunk_image(id, index, &FP, |_, image| image.to_vec())
+        .unwrap();
+    let h = ChunkHeader::decode(&image).unwrap();
+    assert_eq!((h.context, h.index, h.codec), (id.0, index, Codec::Raw));
+    assert_eq!(h.raw_len as usize, data.len());
+    h.check_payload(&image[HEADER_LEN..]).unwrap();
+    assert_eq!(&image[HEADER_LEN..], data);
+    assert_eq!(
+        meta,
+        store
+            .with_chunk_image(id, index, &FP, |m, _| m.clone())
+            .unwrap()
+    );
+}
+
+#[test]
+fn reads_into_a_caller_buffer_equal_read_chunk_for_every_format_and_codec() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let id = new_ctx(&store, 16 * 16);
+    let mut index = 0;
+    for f in KvFormat::ALL {
+        // Skewed bytes compress (zstd), noise does not (raw); sizes around the O_DIRECT alignment.
+        for (data, codec) in [
+            (chunk_bytes(index, 212 << 10), Codec::Zstd),
+            (noise(index as u64, 120 << 10), Codec::Raw),
+            (noise(7 + index as u64, 4096 - HEADER_LEN), Codec::Raw),
+            (chunk_bytes(index, 1), Codec::Raw),
+        ] {
+            let meta = store.write_chunk(id, index, &FP, f, 0.25, &data).unwrap();
+            assert_eq!(meta.codec, codec, "format {f} len {}", data.len());
+            check_every_read_path(&store, id, index, &data);
+            index += 1;
+        }
+    }
+    // The same after a reopen, from other threads (each with its own buffers).
+    drop(store);
+    let store = open(dir.path());
+    std::thread::scope(|s| {
+        for t in 0..2u32 {
+            let store = &store;
+            s.spawn(move || {
+                for i in (t..index).step_by(2) {
+                    let data = store.read_chunk(id, i, &FP).unwrap();
+                    check_every_read_path(store, id, i, &data);
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn a_buffer_too_small_is_an_error_that_quarantines_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let id = new_ctx(&store, 32);
+    for (i, data) in [chunk_bytes(1, 50000), noise(2, 50000)].iter().enumerate() {
+        store
+            .write_chunk(id, i as u32, &FP, KvFormat::Int8, 0.0, data)
+            .unwrap();
+        let mut small = vec![0u8; 49999];
+        let err = store
+            .read_chunk_into(id, i as u32, &FP, &mut small)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StoreError::BufferTooSmall {
+                    need: 50000,
+                    have: 49999,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(!err.needs_recompute());
+        assert!(matches!(
+            store.chunk_state(id, i as u32).unwrap(),
+            ChunkState::Stored(_)
+        ));
+        assert_eq!(&store.read_chunk(id, i as u32, &FP).unwrap(), data);
+    }
+}
+
+#[test]
+fn a_corrupt_chunk_is_refused_by_every_read_path_and_quarantined() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let id = new_ctx(&store, 16 * 6);
+    // Raw and zstd chunks, one flipped bit in the payload, read through each path in turn.
+    let cases = [chunk_bytes(1, 30000), noise(2, 30000)];
+    let mut index = 0;
+    for data in &cases {
+        for path in 0..3 {
+            store
+                .write_chunk(id, index, &FP, KvFormat::Int4, 0.0, data)
+                .unwrap();
+            let file = store.chunk_path(id, index);
+            let mut bytes = std::fs::read(&file).unwrap();
+            let at = HEADER_LEN + (bytes.len() - HEADER_LEN) / 3;
+            bytes[at] ^= 0x10;
+            std::fs::write(&file, &bytes).unwrap();
+            let mut buf = vec![0u8; data.len()];
+            let mut served = false;
+            let err = match path {
+                0 => store.read_chunk_into(id, index, &FP, &mut buf).unwrap_err(),
+                1 => store
+                    .read_chunk_into_vec(id, index, &FP, &mut buf)
+                    .unwrap_err(),
+                _ => store
+                    .with_chunk_image(id, index, &FP, |_, _| served = true)
+                    .unwrap_err(),
+            };
+            assert!(!served, "a corrupt image was handed out");
+            assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+            assert!(err.needs_recompute());
+            assert!(matches!(
+                store.chunk_state(id, index).unwrap(),
+                ChunkState::Quarantined { .. }
+            ));
+            assert!(!file.exists(), "corrupt file left in place");
+            assert!(store.read_chunk_into(id, index, &FP, &mut buf).is_err());
+            index += 1;
+        }
+    }
+    assert_eq!(
+        store
+            .counters()
+            .corrupt_detected
+            .load(std::sync::atomic::Ordering::Relaxed),
+        6
+    );
+    // A chunk of another model is refused before any read.
+    let other = Fingerprint([8; 32]);
+    let mut buf = vec![0u8; 16];
+    assert!(matches!(
+        store.read_chunk_into(id, 0, &other, &mut buf),
+        Err(StoreError::ForeignModel { .. })
+    ));
 }
 
 #[test]
@@ -417,33 +590,69 @@ fn bad_arguments_get_clear_errors() {
     ));
 }
 
+/// Bytes of `path` in the page cache, by fincore (util-linux), which asks mincore(2).
+fn resident(path: &Path) -> u64 {
+    let out = std::process::Command::new("fincore")
+        .args(["--bytes", "--noheadings", "--output", "RES"])
+        .arg(path)
+        .output()
+        .expect("fincore from util-linux");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+/// Every file under `dir`.
+fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(files_under(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
 #[test]
 fn written_chunks_leave_the_page_cache() {
-    // fincore (util-linux) reports how much of a file is in the page cache, via mincore(2).
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
-    let id = new_ctx(&store, 16);
+    let id = new_ctx(&store, 48);
     let data = chunk_bytes(5, 1 << 20);
     store
         .write_chunk(id, 0, &FP, KvFormat::F16, 0.0, &data)
         .unwrap();
+    store
+        .write_chunk(id, 1, &FP, KvFormat::Int8, 0.0, &noise(1, 212 << 10))
+        .unwrap();
+    store
+        .write_chunk(id, 2, &FP, KvFormat::Int2, 0.0, &chunk_bytes(6, 76 << 10))
+        .unwrap();
     let path = store.chunk_path(id, 0);
-    let resident = |p: &Path| -> u64 {
-        let out = std::process::Command::new("fincore")
-            .args(["--bytes", "--noheadings", "--output", "RES"])
-            .arg(p)
-            .output()
-            .expect("fincore from util-linux");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
-    };
     assert_eq!(resident(&path), 0, "written chunk still cached");
     assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), data);
     assert_eq!(resident(&path), 0, "read chunk cached");
+    let mut buf = vec![0u8; 1 << 20];
+    for i in 0..3 {
+        store.read_chunk_into(id, i, &FP, &mut buf).unwrap();
+        store.with_chunk_image(id, i, &FP, |_, _| ()).unwrap();
+    }
+    // No file of the store (markers, meta, tokens, chunks) holds a cached page after the writes
+    // and reads, nor after a reopen, which reads every meta, tokens and chunk header.
+    drop(store);
+    let store = open(dir.path());
+    store.read_chunk_into(id, 2, &FP, &mut buf).unwrap();
+    let files = files_under(dir.path());
+    assert!(files.len() >= 6, "{files:?}");
+    for f in &files {
+        assert_eq!(resident(f), 0, "{} cached", f.display());
+    }
     // The control: a plain read does fill the cache, so fincore sees caching when there is some.
     let _ = std::fs::read(&path).unwrap();
     assert!(resident(&path) > 0);
