@@ -25,10 +25,10 @@ pub struct BenchEngineArgs {
     /// Prompt lengths to prefill
     #[arg(long, value_delimiter = ',', default_values_t = [128usize, 512, 2048])]
     pub prefill: Vec<usize>,
-    /// Prompt length before decoding
-    #[arg(long, default_value_t = 512)]
-    pub decode_after: usize,
-    /// Tokens to decode
+    /// Context depths (prompt lengths) to decode after
+    #[arg(long, value_delimiter = ',', default_values_t = [0usize, 512, 2048])]
+    pub decode_at: Vec<usize>,
+    /// Tokens to decode at each depth
     #[arg(long, default_value_t = 128)]
     pub decode: usize,
     /// Runs of each measurement; the median is reported
@@ -46,12 +46,30 @@ struct Report {
     kv_format: String,
     prefill_chunk: usize,
     runs: usize,
+    kernels: String,
     prefill: Vec<Row>,
-    decode: Row,
+    decode: Vec<DecodeRow>,
     weight_bytes: usize,
-    kv_bytes_after_decode: usize,
-    kv_bytes_per_token: f64,
+    file_tensor_bytes: usize,
+    decode_weight_bytes: usize,
+    read_bandwidth_bytes_per_sec: f64,
     rss_bytes: usize,
+    peak_rss_bytes: usize,
+}
+
+#[derive(serde::Serialize)]
+struct DecodeRow {
+    depth: usize,
+    #[serde(flatten)]
+    row: Row,
+    /// KV bytes resident after the decode (read once per token, more or less).
+    kv_bytes: usize,
+    /// Weights + KV at the middle of the decode, bytes read per token.
+    bytes_per_token: f64,
+    /// Tokens/s if every token only had to read its bytes at the measured bandwidth.
+    bandwidth_bound_tokens_per_sec: f64,
+    /// Measured over bound.
+    bandwidth_ratio: f64,
 }
 
 #[derive(serde::Serialize)]
@@ -69,14 +87,36 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Resident set size of this process, from /proc/self/status.
 pub fn rss_bytes() -> usize {
+    status_kb("VmRSS:")
+}
+
+/// Peak resident set size of this process (the kernel's high-water mark).
+pub fn peak_rss_bytes() -> usize {
+    status_kb("VmHWM:")
+}
+
+fn status_kb(key: &str) -> usize {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
+                .find(|l| l.starts_with(key))
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+/// Read bandwidth of the decode weights: the median of `runs` passes over them.
+fn read_bandwidth(model: &engine::model::Model, runs: usize) -> f64 {
+    let bytes = model.decode_weight_bytes() as f64;
+    let mut secs: Vec<f64> = (0..runs.max(3))
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(model.stream_weights());
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    bytes / median(&mut secs)
 }
 
 /// Runs `llms bench engine`.
@@ -90,14 +130,16 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
     let need = a
         .prefill
         .iter()
+        .chain(&a.decode_at)
         .copied()
         .max()
         .unwrap_or(0)
-        .max(a.decode_after);
+        + 1;
     let tokens: Vec<u32> = base.iter().copied().cycle().take(need).collect();
     let threads = rayon::current_num_threads();
+    let kernels = format!("{:?}", engine::model::qmatrix::Isa::best());
     eprintln!(
-        "bench engine: {} threads, kv {}, prefill chunk {}, {runs} runs each",
+        "bench engine: {} threads, kernels {kernels}, kv {}, prefill chunk {}, {runs} runs each",
         threads, l.format, l.model.prefill_chunk
     );
     let mut prefill = Vec::new();
@@ -118,68 +160,100 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
             all_secs: secs,
         });
     }
-    let mut secs = Vec::new();
-    let mut kv_bytes = 0;
-    for _ in 0..runs {
-        let mut cache = l.new_cache();
-        let mut logits = l
-            .model
-            .forward(&mut cache, &tokens[..a.decode_after], Logits::Last)?;
-        let t = Instant::now();
-        for _ in 0..a.decode {
-            let next = argmax(&logits);
-            logits = l.model.forward(&mut cache, &[next], Logits::Last)?;
-        }
-        secs.push(t.elapsed().as_secs_f64());
-        kv_bytes = cache.resident_bytes();
-    }
-    let m = median(&mut secs);
+    let bandwidth = read_bandwidth(&l.model, runs);
+    let weights_read = l.model.decode_weight_bytes() as f64;
     eprintln!(
-        "  decode  {:>5} tokens after {}: {:>8.1} t/s",
-        a.decode,
-        a.decode_after,
-        a.decode as f64 / m
+        "  read bandwidth over the decode weights ({:.1} MiB): {:.2} GB/s",
+        weights_read / 1048576.0,
+        bandwidth / 1e9
     );
+    let mut decode = Vec::new();
+    for &depth in &a.decode_at {
+        let mut secs = Vec::new();
+        let mut kv_bytes = 0;
+        for _ in 0..runs {
+            let mut cache = l.new_cache();
+            // Depth 0 still needs one token to start from.
+            let start = depth.max(1);
+            let mut logits = l
+                .model
+                .forward(&mut cache, &tokens[..start], Logits::Last)?;
+            let t = Instant::now();
+            for _ in 0..a.decode {
+                let next = argmax(&logits);
+                logits = l.model.forward(&mut cache, &[next], Logits::Last)?;
+            }
+            secs.push(t.elapsed().as_secs_f64());
+            kv_bytes = cache.resident_bytes();
+        }
+        let m = median(&mut secs);
+        let tps = a.decode as f64 / m;
+        // The KV read per token grows from the depth to the end; take its middle.
+        let kv_per_token = kv_bytes as f64 / (depth.max(1) + a.decode) as f64;
+        let per_token = weights_read + kv_per_token * (depth as f64 + a.decode as f64 / 2.0);
+        let bound = bandwidth / per_token;
+        eprintln!(
+            "  decode  {:>5} tokens at depth {depth:>5}: {tps:>8.1} t/s ({:.0}% of the bandwidth bound {bound:.1})",
+            a.decode,
+            100.0 * tps / bound
+        );
+        decode.push(DecodeRow {
+            depth,
+            row: Row {
+                tokens: a.decode,
+                median_secs: m,
+                tokens_per_sec: tps,
+                all_secs: secs,
+            },
+            kv_bytes,
+            bytes_per_token: per_token,
+            bandwidth_bound_tokens_per_sec: bound,
+            bandwidth_ratio: tps / bound,
+        });
+    }
     let report = Report {
         model: l.model.path().display().to_string(),
         threads,
         kv_format: l.format.to_string(),
         prefill_chunk: l.model.prefill_chunk,
         runs,
+        kernels,
         prefill,
-        decode: Row {
-            tokens: a.decode,
-            median_secs: m,
-            tokens_per_sec: a.decode as f64 / m,
-            all_secs: secs,
-        },
+        decode,
         weight_bytes: l.model.weight_bytes(),
-        kv_bytes_after_decode: kv_bytes,
-        kv_bytes_per_token: kv_bytes as f64 / (a.decode_after + a.decode) as f64,
+        file_tensor_bytes: l.model.file_tensor_bytes(),
+        decode_weight_bytes: l.model.decode_weight_bytes(),
+        read_bandwidth_bytes_per_sec: bandwidth,
         rss_bytes: rss_bytes(),
+        peak_rss_bytes: peak_rss_bytes(),
     };
-    println!("| phase | tokens | median s | tokens/s |");
-    println!("|---|---:|---:|---:|");
+    println!("| phase | tokens | median s | tokens/s | bandwidth bound | ratio |");
+    println!("|---|---:|---:|---:|---:|---:|");
     for r in &report.prefill {
         println!(
-            "| prefill | {} | {:.3} | {:.1} |",
+            "| prefill | {} | {:.3} | {:.1} | | |",
             r.tokens, r.median_secs, r.tokens_per_sec
         );
     }
+    for d in &report.decode {
+        println!(
+            "| decode at {} | {} | {:.3} | {:.1} | {:.1} | {:.2} |",
+            d.depth,
+            d.row.tokens,
+            d.row.median_secs,
+            d.row.tokens_per_sec,
+            d.bandwidth_bound_tokens_per_sec,
+            d.bandwidth_ratio
+        );
+    }
     println!(
-        "| decode after {} | {} | {:.3} | {:.1} |",
-        a.decode_after,
-        report.decode.tokens,
-        report.decode.median_secs,
-        report.decode.tokens_per_sec
-    );
-    println!(
-        "\nweights {:.1} MiB, KV {:.2} MiB for {} tokens ({:.0} bytes/token), process RSS {:.1} MiB",
+        "\nweights {:.1} MiB ({:.3}× the file's {:.1} MiB of tensors), read bandwidth {:.2} GB/s, RSS {:.1} MiB, peak RSS {:.1} MiB",
         report.weight_bytes as f64 / 1048576.0,
-        kv_bytes as f64 / 1048576.0,
-        a.decode_after + a.decode,
-        report.kv_bytes_per_token,
-        report.rss_bytes as f64 / 1048576.0
+        report.weight_bytes as f64 / report.file_tensor_bytes as f64,
+        report.file_tensor_bytes as f64 / 1048576.0,
+        bandwidth / 1e9,
+        report.rss_bytes as f64 / 1048576.0,
+        report.peak_rss_bytes as f64 / 1048576.0
     );
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;

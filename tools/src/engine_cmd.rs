@@ -10,6 +10,7 @@ use clap::Args;
 use engine::kv::{HeapChunks, KvCache, KvFormat};
 use engine::model::fetch;
 use engine::model::generate::{Sampler, SamplingParams, generate};
+use engine::model::qmatrix::Activations;
 use engine::model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use engine::model::{Logits, Model};
 
@@ -35,6 +36,9 @@ pub struct EngineOpts {
     /// Tokens per prefill step (one set of shapes serves every prompt length)
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub prefill_chunk: usize,
+    /// Activations of single-token products: f32 (exact) or int8 (8 bits per 32 values)
+    #[arg(long, default_value = "f32", value_name = "KIND", value_parser = ["f32", "int8"])]
+    pub activations: String,
 }
 
 /// A loaded model with its tokenizer.
@@ -93,6 +97,10 @@ fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
     let t = Instant::now();
     let mut model = Model::load(path).with_context(|| format!("cannot load {}", path.display()))?;
     model.prefill_chunk = opts.prefill_chunk;
+    model.set_activations(match opts.activations.as_str() {
+        "int8" => Activations::Int8,
+        _ => Activations::F32,
+    });
     let tokenizer = Tokenizer::from_gguf_file(path)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
     tracing::info!(secs = t.elapsed().as_secs_f64(), "loaded");

@@ -1,18 +1,20 @@
-//! A llama-family model loaded from GGUF, with weights repacked for speed, and its forward pass.
+//! A llama-family model loaded from GGUF, its weights held once in the file's own blocks, and its
+//! forward pass.
 //!
-//! Weights are dequantized once at load time: batched products (prefill, recompute, scoring)
-//! run as f32 GEMM, single-token decode runs on a Q8_0 copy through candle's quantized kernels.
+//! No weight matrix is ever held as f32: single-token products read the blocks directly
+//! ([`QMatrix::matvec`]); batched products (prefill, recompute, scoring) dequantize the weights a
+//! small tile at a time and multiply each tile with f32 GEMM; embeddings are dequantized on lookup.
 //! The prompt is prefilled in fixed-size chunks, so one set of shapes serves every length.
 
 use crate::kv::attention::{AttnShape, attend};
 use crate::kv::{ChunkShape, KvCache, KvError};
 use crate::model::config::{ConfigError, ModelConfig};
-use crate::model::kernels::{Rope, add_assign, matmul_nt, rms_norm, swiglu};
-use crate::model::qmatvec::{BLOCK, QMatrix};
+use crate::model::kernels::{Rope, add_assign, matmul_nt, matmul_nt_tiled, rms_norm, swiglu};
+use crate::model::qmatrix::{Activations, BLOCK, Kind, QMatrix};
 use candle_core::Device;
 use candle_core::quantized::{GgmlDType, gguf_file};
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -69,72 +71,79 @@ pub enum ModelError {
     Kernel(String),
 }
 
-fn kernel(e: candle_core::Error) -> ModelError {
-    ModelError::Kernel(e.to_string())
-}
-
-/// A weight matrix `[rows][cols]` kept in the two forms the two phases want.
+/// A weight matrix `[rows][cols]`, held once, in the file's own blocks ([`QMatrix`]).
 pub struct Linear {
-    rows: usize,
-    cols: usize,
-    /// f32 for batched products (GEMM).
-    f32: Vec<f32>,
-    /// 32-value blocks for single-row products: the file's own Q4_1/Q8_0 blocks, or Q8_0
-    /// made from f32; absent when `cols` is not a multiple of 32.
-    q: Option<QMatrix>,
+    w: QMatrix,
+    /// How single-row products take their activations.
+    acts: Activations,
 }
 
-/// Rows below which a product goes to the quantized matrix-vector kernel rather than GEMM.
-const GEMM_MIN_ROWS: usize = 2;
+/// Rows below which a product is a matrix-vector product per row (weights read once per row,
+/// dequantized in registers) rather than a GEMM over dequantized tiles.
+const GEMM_MIN_ROWS: usize = 4;
 
-/// One weight tensor as read: f32, and its blocks when the file stores Q4_1 or Q8_0.
-struct Weight {
-    rows: usize,
-    cols: usize,
-    f32: Vec<f32>,
-    raw: Option<QMatrix>,
-}
+/// Bytes of f32 weights one GEMM tile holds (dequantized on the fly, reused per thread): small
+/// enough to stay in L2 next to the activations it multiplies.
+const TILE_BYTES: usize = 192 * 1024;
 
 impl Linear {
-    /// Stacks weights with equal column counts, rows after rows.
-    fn stack(parts: Vec<Weight>) -> Self {
-        let cols = parts[0].cols;
-        let rows = parts.iter().map(|p| p.rows).sum();
-        let all_raw = parts.iter().all(|p| p.raw.is_some());
-        let mut f32 = Vec::with_capacity(rows * cols);
-        let mut raws = Vec::new();
-        for p in parts {
-            f32.extend_from_slice(&p.f32);
-            raws.extend(p.raw);
+    /// Stacks weights with equal column counts, rows after rows. Matrices of one block kind stay
+    /// as they are; a mix is requantized to Q8_0 (or kept f32 if rows do not split in blocks).
+    fn stack(parts: Vec<QMatrix>) -> Self {
+        if parts.windows(2).all(|w| w[0].kind() == w[1].kind()) {
+            return Self {
+                w: QMatrix::stack(parts),
+                acts: Activations::default(),
+            };
         }
-        let q = if !cols.is_multiple_of(BLOCK) {
-            None
-        } else if all_raw && raws.windows(2).all(|w| w[0].same_kind(&w[1])) {
-            Some(QMatrix::stack(raws))
-        } else {
-            Some(QMatrix::quantize_q8_0(rows, cols, &f32))
-        };
-        Self { rows, cols, f32, q }
+        let cols = parts[0].cols();
+        let rows = parts.iter().map(QMatrix::rows).sum();
+        let mut f = vec![0.0; rows * cols];
+        let mut r = 0;
+        for p in &parts {
+            p.dequant_rows(0, p.rows(), &mut f[r * cols..]);
+            r += p.rows();
+        }
+        Self {
+            w: requantize(rows, cols, f),
+            acts: Activations::default(),
+        }
     }
 
     /// `out[n][rows] = x[n][cols] · selfᵀ`.
     pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
-        match &self.q {
-            Some(q) if n < GEMM_MIN_ROWS => {
-                for i in 0..n {
-                    q.matvec(
-                        &x[i * self.cols..(i + 1) * self.cols],
-                        &mut out[i * self.rows..(i + 1) * self.rows],
-                    );
-                }
+        let (rows, cols) = (self.w.rows(), self.w.cols());
+        if let Some(f) = self.w.as_f32() {
+            matmul_nt(out, x, f, n, rows, cols);
+        } else if n < GEMM_MIN_ROWS {
+            for i in 0..n {
+                self.w.matvec(
+                    self.acts,
+                    &x[i * cols..(i + 1) * cols],
+                    &mut out[i * rows..(i + 1) * rows],
+                );
             }
-            _ => matmul_nt(out, x, &self.f32, n, self.rows, self.cols),
+        } else {
+            let tile = (TILE_BYTES / 4 / cols.max(1) / 16 * 16).max(16);
+            matmul_nt_tiled(out, x, n, rows, cols, tile, |r0, r1, buf| {
+                self.w.dequant_rows(r0, r1, buf)
+            });
         }
     }
 
-    /// Bytes held (f32 and block forms).
+    /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.f32.len() * 4 + self.q.as_ref().map_or(0, QMatrix::bytes)
+        self.w.bytes()
+    }
+}
+
+/// f32 weights from a type the kernels do not read directly: Q8_0 when rows split in blocks
+/// (near-lossless, 8.5 bits per weight), else f32.
+fn requantize(rows: usize, cols: usize, f: Vec<f32>) -> QMatrix {
+    if cols.is_multiple_of(BLOCK) {
+        QMatrix::quantize_q8_0(rows, cols, &f)
+    } else {
+        QMatrix::from_f32(rows, cols, f)
     }
 }
 
@@ -174,23 +183,29 @@ pub struct Model {
     /// The model's shape.
     pub cfg: ModelConfig,
     path: PathBuf,
-    /// Token embeddings `[vocab][hidden]`; `None` when tied to the output head.
-    embed: Option<Vec<f32>>,
+    /// Token embeddings `[vocab][hidden]`, dequantized a row at a time on lookup; `None` when
+    /// tied to the output head.
+    embed: Option<QMatrix>,
     layers: Vec<Layer>,
     out_norm: Vec<f32>,
     lm_head: Linear,
     rope: Rope,
     /// Tokens per prefill chunk: every batched forward call is cut to this size.
     pub prefill_chunk: usize,
+    /// Bytes of tensor data in the file (what the weights occupy on disk).
+    file_tensor_bytes: usize,
 }
 
+/// Reads one tensor of `expected` dims (`[rows, cols]` or `[cols]`) straight from the file into
+/// its blocks, a piece at a time, so no tensor is ever in memory twice; types the kernels do not
+/// read are dequantized by candle and requantized.
 fn read_weight(
     ct: &gguf_file::Content,
     file: &mut BufReader<File>,
     path: &Path,
     name: &str,
     expected: &[usize],
-) -> Result<Weight, ModelError> {
+) -> Result<QMatrix, ModelError> {
     let info = ct
         .tensor_infos
         .get(name)
@@ -206,40 +221,67 @@ fn read_weight(
             expected: expected.to_vec(),
         });
     }
-    let dtype = info.ggml_dtype;
-    let q = ct
-        .tensor(file, name, &Device::Cpu)
-        .map_err(|e| ModelError::Gguf {
-            path: path.into(),
-            reason: format!("tensor {name:?}: {e}"),
-        })?;
-    let t = q
-        .dequantize(&Device::Cpu)
-        .map_err(|e| ModelError::TensorType {
-            name: name.into(),
-            dtype,
-            reason: e.to_string(),
-        })?;
-    let f32 = t
-        .flatten_all()
-        .and_then(|t| t.to_vec1::<f32>())
-        .map_err(kernel)?;
     let (rows, cols) = match *expected {
         [r, c] => (r, c),
         [c] => (1, c),
-        _ => (1, f32.len()),
+        _ => (1, info.shape.elem_count()),
     };
-    let raw = match dtype {
-        GgmlDType::Q4_1 => Some(QMatrix::from_q4_1(rows, cols, &q.data().map_err(kernel)?)),
-        GgmlDType::Q8_0 => Some(QMatrix::from_q8_0(rows, cols, &q.data().map_err(kernel)?)),
+    let dtype = info.ggml_dtype;
+    let kind = match dtype {
+        GgmlDType::Q4_1 => Some(Kind::Q4_1),
+        GgmlDType::Q8_0 => Some(Kind::Q8_0),
+        GgmlDType::F32 => Some(Kind::F32),
         _ => None,
     };
-    Ok(Weight {
-        rows,
-        cols,
-        f32,
-        raw,
-    })
+    let gguf = |e: String| ModelError::Gguf {
+        path: path.into(),
+        reason: format!("tensor {name:?}: {e}"),
+    };
+    let Some(kind) = kind else {
+        let q = ct
+            .tensor(file, name, &Device::Cpu)
+            .map_err(|e| gguf(e.to_string()))?;
+        let f = q
+            .dequantize(&Device::Cpu)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| ModelError::TensorType {
+                name: name.into(),
+                dtype,
+                reason: e.to_string(),
+            })?;
+        return Ok(if rows == 1 {
+            QMatrix::from_f32(rows, cols, f)
+        } else {
+            requantize(rows, cols, f)
+        });
+    };
+    let units = if kind == Kind::F32 {
+        rows * cols
+    } else {
+        rows * cols / BLOCK
+    };
+    let unit = QMatrix::raw_unit(kind);
+    file.seek(SeekFrom::Start(ct.tensor_data_offset + info.offset))
+        .map_err(|e| gguf(e.to_string()))?;
+    let mut q = QMatrix::with_capacity(rows, cols, kind);
+    let mut buf = vec![0u8; unit * 4096];
+    let mut left = units;
+    while left > 0 {
+        let take = left.min(4096);
+        file.read_exact(&mut buf[..take * unit])
+            .map_err(|e| gguf(e.to_string()))?;
+        q.push_raw(&buf[..take * unit]);
+        left -= take;
+    }
+    Ok(q)
+}
+
+/// A norm's weights as f32.
+fn to_vector(w: QMatrix) -> Vec<f32> {
+    let mut f = vec![0.0; w.rows() * w.cols()];
+    w.dequant_rows(0, w.rows(), &mut f);
+    f
 }
 
 impl Model {
@@ -257,11 +299,13 @@ impl Model {
             reason: e.to_string(),
         })?;
         // Check every tensor lies inside the file before reading any.
+        let mut file_tensor_bytes = 0;
         for (name, info) in &ct.tensor_infos {
             let n = info.shape.elem_count() as u64;
             let bs = info.ggml_dtype.block_size() as u64;
-            let end =
-                ct.tensor_data_offset + info.offset + n / bs * info.ggml_dtype.type_size() as u64;
+            let bytes = n / bs * info.ggml_dtype.type_size() as u64;
+            file_tensor_bytes += bytes as usize;
+            let end = ct.tensor_data_offset + info.offset + bytes;
             if end > len {
                 return Err(ModelError::Truncated {
                     path: path.into(),
@@ -291,18 +335,18 @@ impl Model {
                 rd(&p("ffn_up"), &[cfg.ffn, h])?,
             ]);
             layers.push(Layer {
-                attn_norm: rd(&p("attn_norm"), &[h])?.f32,
+                attn_norm: to_vector(rd(&p("attn_norm"), &[h])?),
                 qkv,
                 wo: Linear::stack(vec![rd(&p("attn_output"), &[h, cfg.n_heads * hd])?]),
-                ffn_norm: rd(&p("ffn_norm"), &[h])?.f32,
+                ffn_norm: to_vector(rd(&p("ffn_norm"), &[h])?),
                 gate_up,
                 down: Linear::stack(vec![rd(&p("ffn_down"), &[h, cfg.ffn])?]),
             });
         }
-        let out_norm = rd("output_norm.weight", &[h])?.f32;
+        let out_norm = to_vector(rd("output_norm.weight", &[h])?);
         let (embed, lm_head) = if ct.tensor_infos.contains_key("output.weight") {
             let w = rd("output.weight", &[cfg.vocab, h])?;
-            (Some(embed.f32), Linear::stack(vec![w]))
+            (Some(embed), Linear::stack(vec![w]))
         } else {
             (None, Linear::stack(vec![embed]))
         };
@@ -317,6 +361,7 @@ impl Model {
             lm_head,
             rope,
             prefill_chunk: 256,
+            file_tensor_bytes,
         })
     }
 
@@ -336,8 +381,51 @@ impl Model {
         norms
             + layers
             + self.lm_head.bytes()
-            + self.embed.as_ref().map_or(0, |e| e.len() * 4)
+            + self.embed.as_ref().map_or(0, QMatrix::bytes)
             + self.rope.max_pos() * self.cfg.rope_dim * 4
+    }
+
+    /// How single-token products take their activations (every matrix of the model).
+    pub fn set_activations(&mut self, acts: Activations) {
+        for l in &mut self.layers {
+            for lin in [&mut l.qkv, &mut l.wo, &mut l.gate_up, &mut l.down] {
+                lin.acts = acts;
+            }
+        }
+        self.lm_head.acts = acts;
+    }
+
+    /// How single-token products take their activations.
+    pub fn activations(&self) -> Activations {
+        self.lm_head.acts
+    }
+
+    /// Bytes of tensor data in the GGUF file the model was loaded from.
+    pub fn file_tensor_bytes(&self) -> usize {
+        self.file_tensor_bytes
+    }
+
+    /// Weight bytes one decode step reads: every layer's matrices and the output head (the
+    /// norms and one embedding row are noise).
+    pub fn decode_weight_bytes(&self) -> usize {
+        self.matrices().map(|m| m.bytes()).sum()
+    }
+
+    fn matrices(&self) -> impl Iterator<Item = &QMatrix> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.qkv.w, &l.wo.w, &l.gate_up.w, &l.down.w])
+            .chain([&self.lm_head.w])
+    }
+
+    /// Reads every byte of the decode weights once on the engine's threads and returns a
+    /// checksum: the memory read bandwidth a decode step can reach, measured on its own data.
+    pub fn stream_weights(&self) -> u64 {
+        use rayon::prelude::*;
+        let ms: Vec<&QMatrix> = self.matrices().collect();
+        ms.par_iter()
+            .map(|m| m.sum_bytes())
+            .reduce(|| 0, u64::wrapping_add)
     }
 
     /// The chunk shape of this model's KV cache with `tokens` tokens per chunk.
@@ -350,8 +438,8 @@ impl Model {
         }
     }
 
-    fn embedding(&self) -> &[f32] {
-        self.embed.as_deref().unwrap_or(&self.lm_head.f32)
+    fn embedding(&self) -> &QMatrix {
+        self.embed.as_ref().unwrap_or(&self.lm_head.w)
     }
 
     /// Runs `tokens` through the model after the tokens already in `cache`, appending their K/V
@@ -394,9 +482,9 @@ impl Model {
 
     fn embed_rows(&self, tokens: &[u32]) -> Vec<f32> {
         let (emb, h) = (self.embedding(), self.cfg.hidden);
-        let mut x = Vec::with_capacity(tokens.len() * h);
-        for &t in tokens {
-            x.extend_from_slice(&emb[t as usize * h..(t as usize + 1) * h]);
+        let mut x = vec![0.0; tokens.len() * h];
+        for (&t, row) in tokens.iter().zip(x.chunks_exact_mut(h)) {
+            emb.dequant_rows(t as usize, t as usize + 1, row);
         }
         x
     }

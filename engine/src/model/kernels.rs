@@ -26,6 +26,97 @@ pub fn matmul_nt(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: u
     matmul(dst, a, b, (m, n, k), (k as isize, 1));
 }
 
+/// `dst[m][n] = a[m][k] · b[n][k]ᵀ` where `b` is never whole in memory: `tile(r0, r1, buf)`
+/// writes its rows `r0..r1` (f32, `k` each) into `buf`, a thread's reusable buffer of
+/// `tile_rows * k` values, and each tile's product runs on its own thread.
+pub fn matmul_nt_tiled<F>(
+    dst: &mut [f32],
+    a: &[f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    tile_rows: usize,
+    tile: F,
+) where
+    F: Fn(usize, usize, &mut [f32]) + Sync,
+{
+    use rayon::prelude::*;
+    use std::cell::RefCell;
+    thread_local! {
+        static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+    assert!(
+        dst.len() >= m * n && a.len() >= m * k && tile_rows > 0,
+        "matmul_nt_tiled: bad sizes"
+    );
+    let a = &a[..m * k];
+    // The address, not the pointer, crosses threads; each task writes only its own columns.
+    let addr = dst.as_mut_ptr() as usize;
+    (0..n.div_ceil(tile_rows)).into_par_iter().for_each(|t| {
+        let (r0, r1) = (t * tile_rows, ((t + 1) * tile_rows).min(n));
+        TILE.with_borrow_mut(|buf| {
+            if buf.len() < tile_rows * k {
+                buf.resize(tile_rows * k, 0.0);
+            }
+            let b = &mut buf[..(r1 - r0) * k];
+            tile(r0, r1, b);
+            // SAFETY: dst is borrowed mutably for this whole call and holds m rows of n values
+            // (asserted above); tasks cover disjoint column ranges r0..r1 of it, so no two
+            // threads touch the same element, and nothing else reads dst meanwhile.
+            unsafe { matmul_nt_cols(addr as *mut f32, n, r0, a, b, (m, r1 - r0, k)) }
+        });
+    });
+}
+
+/// Columns `c0..c0 + n` of `dst[m][ld]` `= a[m][k] · b[n][k]ᵀ`, single-threaded: one tile of a
+/// product whose weight rows are dequantized a tile at a time (see `Linear::forward`).
+///
+/// # Safety
+/// `dst` must be valid for writes of `m` rows of `ld` values, `c0 + n <= ld`, and no other
+/// thread may read or write those columns of those rows while this runs.
+unsafe fn matmul_nt_cols(
+    dst: *mut f32,
+    ld: usize,
+    c0: usize,
+    a: &[f32],
+    b: &[f32],
+    (m, n, k): (usize, usize, usize),
+) {
+    assert!(
+        a.len() >= m * k && b.len() >= n * k && c0 + n <= ld,
+        "matmul_nt_cols: bad sizes"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the caller guarantees dst rows of ld values with columns c0..c0+n its own; a is
+    // m×k with row stride k and b is n×k read as k×n (column stride k, row stride 1), inside
+    // their slices by the assert above.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.add(c0),
+            1,
+            ld as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
+    }
+}
+
 /// `dst[m][n] = a[m][k] · b[k][n]`, all row-major.
 pub fn matmul_nn(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: usize) {
     // b is k×n row-major: column stride 1, row stride n.

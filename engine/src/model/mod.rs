@@ -9,7 +9,8 @@ pub mod fetch;
 pub mod forward;
 pub mod generate;
 pub mod kernels;
-pub mod qmatvec;
+pub mod qmatrix;
+pub mod simd;
 pub mod tiny;
 pub mod tokenizer;
 

@@ -1,0 +1,252 @@
+//! The engine's SIMD kernels over quantized blocks, one module per instruction set; callers check
+//! the CPU at run time ([`crate::model::qmatrix::Isa`]) before calling into them.
+
+/// AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1).
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// One f16 to f32 through F16C.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn h2f(h: f16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
+    }
+
+    /// The 32 nibbles of a Q4_1 block as four vectors of eight f32 (values 0..8, ..., 24..32).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn unpack_q4(q: __m128i) -> [__m256; 4] {
+        let mask = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(q, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+        [
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(lo))),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(hi))),
+        ]
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Σ (d q + m) x over the blocks of one Q4_1 row (`xsum` holds Σ x per block).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `m` and `xsum` must hold `d.len()` values, `qs` 16
+    /// bytes and `x` 32 values for each of the `d.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1(d: &[f16], m: &[f16], qs: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+        let nb = d.len();
+        assert!(m.len() >= nb && xsum.len() >= nb && qs.len() >= nb * 16 && x.len() >= nb * 32);
+        let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
+        let mut mins = 0.0;
+        for b in 0..nb {
+            // SAFETY: the assert above keeps the 16-byte load at qs[16b..] and the four 8-float
+            // loads at x[32b..32b+32] inside their slices; unaligned loads accept any address.
+            let (q, xs) = unsafe {
+                let xp = x.as_ptr().add(b * 32);
+                (
+                    _mm_loadu_si128(qs.as_ptr().add(b * 16) as *const __m128i),
+                    [
+                        _mm256_loadu_ps(xp),
+                        _mm256_loadu_ps(xp.add(8)),
+                        _mm256_loadu_ps(xp.add(16)),
+                        _mm256_loadu_ps(xp.add(24)),
+                    ],
+                )
+            };
+            let w = unpack_q4(q);
+            let t = _mm256_fmadd_ps(
+                w[3],
+                xs[3],
+                _mm256_fmadd_ps(
+                    w[2],
+                    xs[2],
+                    _mm256_fmadd_ps(w[1], xs[1], _mm256_mul_ps(w[0], xs[0])),
+                ),
+            );
+            acc[b & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(h2f(d[b])), acc[b & 1]);
+            mins += h2f(m[b]) * xsum[b];
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1])) + mins
+    }
+
+    /// Σ d q x over the blocks of one Q8_0 row.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `qs` and `x` must hold 32 values for each of the
+    /// `d.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0(d: &[f16], qs: &[u8], x: &[f32]) -> f32 {
+        let nb = d.len();
+        assert!(qs.len() >= nb * 32 && x.len() >= nb * 32);
+        let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
+        for b in 0..nb {
+            // SAFETY: the assert above keeps the four 8-byte loads at qs[32b..32b+32] and the
+            // four 8-float loads at x[32b..32b+32] inside their slices.
+            let (w, xs) = unsafe {
+                let qp = qs.as_ptr().add(b * 32);
+                let xp = x.as_ptr().add(b * 32);
+                let w = |o: usize| {
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        qp.add(o) as *const __m128i
+                    )))
+                };
+                (
+                    [w(0), w(8), w(16), w(24)],
+                    [
+                        _mm256_loadu_ps(xp),
+                        _mm256_loadu_ps(xp.add(8)),
+                        _mm256_loadu_ps(xp.add(16)),
+                        _mm256_loadu_ps(xp.add(24)),
+                    ],
+                )
+            };
+            let t = _mm256_fmadd_ps(
+                w[3],
+                xs[3],
+                _mm256_fmadd_ps(
+                    w[2],
+                    xs[2],
+                    _mm256_fmadd_ps(w[1], xs[1], _mm256_mul_ps(w[0], xs[0])),
+                ),
+            );
+            acc[b & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(h2f(d[b])), acc[b & 1]);
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1]))
+    }
+
+    /// Dequantizes Q4_1 blocks into `out` (32 values per block).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `m` must hold `d.len()` values, `qs` 16 bytes and
+    /// `out` 32 values for each of the `d.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dequant_q4_1(d: &[f16], m: &[f16], qs: &[u8], out: &mut [f32]) {
+        let nb = d.len();
+        assert!(m.len() >= nb && qs.len() >= nb * 16 && out.len() >= nb * 32);
+        for b in 0..nb {
+            // SAFETY: the assert above keeps the 16-byte load at qs[16b..] inside `qs`.
+            let q = unsafe { _mm_loadu_si128(qs.as_ptr().add(b * 16) as *const __m128i) };
+            let (db, mb) = (_mm256_set1_ps(h2f(d[b])), _mm256_set1_ps(h2f(m[b])));
+            for (i, w) in unpack_q4(q).into_iter().enumerate() {
+                // SAFETY: out[32b + 8i..+8] is inside `out` by the assert above.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr().add(b * 32 + i * 8),
+                        _mm256_fmadd_ps(w, db, mb),
+                    )
+                };
+            }
+        }
+    }
+
+    /// Dequantizes Q8_0 blocks into `out` (32 values per block).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `qs` and `out` must hold 32 values for each of the
+    /// `d.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dequant_q8_0(d: &[f16], qs: &[u8], out: &mut [f32]) {
+        let nb = d.len();
+        assert!(qs.len() >= nb * 32 && out.len() >= nb * 32);
+        for b in 0..nb {
+            let db = _mm256_set1_ps(h2f(d[b]));
+            for i in 0..4 {
+                // SAFETY: the 8-byte load at qs[32b + 8i..] and the 8-float store at
+                // out[32b + 8i..] are inside their slices by the assert above.
+                unsafe {
+                    let q = _mm_loadl_epi64(qs.as_ptr().add(b * 32 + i * 8) as *const __m128i);
+                    let w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                    _mm256_storeu_ps(out.as_mut_ptr().add(b * 32 + i * 8), _mm256_mul_ps(w, db));
+                }
+            }
+        }
+    }
+
+    /// Σ (d q + m) x over the blocks of one Q4_1 row with activations quantized to 8 bits per
+    /// block (`xq`, scales `dx`; `xsum` holds the exact Σ x per block for the minimum term).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `m`, `dx` and `xsum` must hold `d.len()` values,
+    /// `qs` 16 bytes and `xq` 32 values for each of the `d.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_1_q8(
+        d: &[f16],
+        m: &[f16],
+        qs: &[u8],
+        xq: &[i8],
+        dx: &[f32],
+        xsum: &[f32],
+    ) -> f32 {
+        let nb = d.len();
+        assert!(
+            m.len() >= nb
+                && dx.len() >= nb
+                && xsum.len() >= nb
+                && qs.len() >= nb * 16
+                && xq.len() >= nb * 32
+        );
+        let mask = _mm_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
+        let mut mins = 0.0;
+        for b in 0..nb {
+            // SAFETY: the assert above keeps the 16-byte load at qs[16b..] and the 32-byte load
+            // at xq[32b..] inside their slices.
+            let (q, xv) = unsafe {
+                (
+                    _mm_loadu_si128(qs.as_ptr().add(b * 16) as *const __m128i),
+                    _mm256_loadu_si256(xq.as_ptr().add(b * 32) as *const __m256i),
+                )
+            };
+            let lo = _mm_and_si128(q, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+            // Unsigned nibbles (≤ 15) times signed bytes (|x| ≤ 127): pair sums fit in i16.
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), xv), ones);
+            let s = _mm256_set1_ps(h2f(d[b]) * dx[b]);
+            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[b & 1]);
+            mins += h2f(m[b]) * xsum[b];
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1])) + mins
+    }
+
+    /// Σ d q x over the blocks of one Q8_0 row with activations quantized to 8 bits per block.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `dx` must hold `d.len()` values, `qs` and `xq` 32
+    /// values for each of the `d.len()` blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8_0_q8(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32]) -> f32 {
+        let nb = d.len();
+        assert!(dx.len() >= nb && qs.len() >= nb * 32 && xq.len() >= nb * 32);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
+        for b in 0..nb {
+            // SAFETY: the assert above keeps both 32-byte loads inside their slices.
+            let (w, xv) = unsafe {
+                (
+                    _mm256_loadu_si256(qs.as_ptr().add(b * 32) as *const __m256i),
+                    _mm256_loadu_si256(xq.as_ptr().add(b * 32) as *const __m256i),
+                )
+            };
+            // maddubs wants its first operand unsigned: |w| times x with w's sign.
+            let p = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)),
+                ones,
+            );
+            let s = _mm256_set1_ps(h2f(d[b]) * dx[b]);
+            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[b & 1]);
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1]))
+    }
+}
