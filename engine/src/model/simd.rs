@@ -159,8 +159,8 @@ pub mod avx2 {
     pub unsafe fn dequant_q8_0(d: &[f16], qs: &[u8], out: &mut [f32]) {
         let nb = d.len();
         assert!(qs.len() >= nb * 32 && out.len() >= nb * 32);
-        for b in 0..nb {
-            let db = _mm256_set1_ps(h2f(d[b]));
+        for (b, &h) in d.iter().enumerate() {
+            let db = _mm256_set1_ps(h2f(h));
             for i in 0..4 {
                 // SAFETY: the 8-byte load at qs[32b + 8i..] and the 8-float store at
                 // out[32b + 8i..] are inside their slices by the assert above.
