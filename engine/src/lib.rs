@@ -2,7 +2,9 @@
 //!
 //! [`model`] loads a GGUF file, tokenizes, runs the forward pass with the engine's own kernels
 //! and samples tokens; [`kv`] holds one context's K/V in 16-token chunks over a
-//! [`kv::ChunkMemory`], with the chunk codecs, attention over packed chunks and recompute.
+//! [`kv::ChunkMemory`], with the chunk codecs, attention over packed chunks and recompute;
+//! [`service`] runs calls of many contexts on managed memory under one KV budget.
 
 pub mod kv;
 pub mod model;
+pub mod service;

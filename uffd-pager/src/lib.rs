@@ -19,7 +19,7 @@ pub mod testing;
 mod victim;
 
 pub use pager::{
-    ChunkInfo, ChunkState, ContextSpec, Pager, PagerConfig, PagerError, PopulateVia,
+    ChunkInfo, ChunkState, ContextLock, ContextSpec, Pager, PagerConfig, PagerError, PopulateVia,
     RecomputeReason, RecomputeRequest, Staging,
 };
 pub use source::{ChunkSource, SourceError};

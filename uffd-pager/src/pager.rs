@@ -279,7 +279,8 @@ pub(crate) struct Shared {
     pub(crate) populated: Condvar,
     pub(crate) uffd: Uffd,
     pub(crate) source: Arc<dyn ChunkSource>,
-    pub(crate) budget: u64,
+    /// The budget in bytes; `Pager::set_budget` changes it while running.
+    pub(crate) budget: AtomicU64,
     pub(crate) max_slot: usize,
     /// Whether the fault thread populates by UFFDIO_MOVE.
     pub(crate) fault_move: bool,
@@ -391,6 +392,9 @@ impl State {
         } else {
             0
         };
+        if slot.state == ChunkState::Resident && !slot.persisted {
+            stats.unpersisted_reclaims.fetch_add(1, Relaxed);
+        }
         slot.state = ChunkState::Reclaimed;
         self.book.resident -= freed;
         self.chooser.on_reclaim(key);
@@ -475,7 +479,7 @@ impl Shared {
             ChunkState::Populating => return Err(PagerError::Busy { key }),
             ChunkState::Absent | ChunkState::Reclaimed | ChunkState::ZeroMapped => {}
         }
-        st.make_room(&self.stats, self.budget, key, bytes as u64)?;
+        st.make_room(&self.stats, self.budget.load(Relaxed), key, bytes as u64)?;
         let c = st
             .book
             .ctxs
@@ -698,7 +702,7 @@ pub struct Pager {
 impl std::fmt::Debug for Pager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pager")
-            .field("budget", &self.shared.budget)
+            .field("budget", &self.shared.budget.load(Relaxed))
             .finish_non_exhaustive()
     }
 }
@@ -743,7 +747,7 @@ impl Pager {
             populated: Condvar::new(),
             uffd,
             source,
-            budget: config.budget_bytes,
+            budget: AtomicU64::new(config.budget_bytes),
             max_slot,
             fault_move: config.fault_via == PopulateVia::Move && uffd_move,
             zeros: Mapping::reserve(max_slot).map_err(|source| PagerError::Setup { source })?,
@@ -777,7 +781,47 @@ impl Pager {
 
     /// The budget in bytes.
     pub fn budget(&self) -> u64 {
-        self.shared.budget
+        self.shared.budget.load(Relaxed)
+    }
+
+    /// Change the budget (memory pressure lowers it, relief raises it). A lower budget is met at
+    /// once by reclaiming victims the chooser names; locked contexts are not touched, so the
+    /// resident bytes may stay above the new budget until they unlock (the next populate then
+    /// reclaims first). Returns the bytes freed now.
+    pub fn set_budget(&self, budget_bytes: u64) -> Result<u64, PagerError> {
+        let mut st = self.live()?;
+        self.shared.budget.store(budget_bytes, Relaxed);
+        let mut freed = 0;
+        while st.book.resident > budget_bytes {
+            let short = st.book.resident - budget_bytes;
+            let State { book, chooser } = &mut *st;
+            let victims = chooser.choose_victims(short, book);
+            let mut round = 0;
+            for v in victims {
+                if st.book.resident <= budget_bytes {
+                    break;
+                }
+                if st.book.candidate(v).is_some() {
+                    round += st.drop_chunk(&self.shared.stats, v)?;
+                }
+            }
+            if round == 0 {
+                break;
+            }
+            freed += round;
+        }
+        debug!(budget_bytes, freed, "budget changed");
+        Ok(freed)
+    }
+
+    /// Lock a context against reclaim until the returned guard drops, and read its resident
+    /// chunks through the guard.
+    pub fn lock(&self, ctx: ContextId) -> Result<ContextLock, PagerError> {
+        self.lock_context(ctx)?;
+        Ok(ContextLock {
+            shared: Arc::clone(&self.shared),
+            ctx,
+        })
     }
 
     /// Resident bytes as accounted (page-rounded slots, including populates in flight).
@@ -1029,9 +1073,29 @@ impl Pager {
         slot.bytes = new;
         slot.persisted = false;
         st.book.resident -= freed;
+        st.chooser.on_resize(key, new as u64);
         self.shared.stats.shrinks.fetch_add(1, Relaxed);
         self.shared.stats.bytes_out.fetch_add(freed, Relaxed);
         Ok(freed)
+    }
+
+    /// How many chunks a context's region holds.
+    pub fn context_chunks(&self, ctx: ContextId) -> Result<u32, PagerError> {
+        let st = self.shared.lock();
+        let c = st.book.ctxs.get(&ctx).ok_or(PagerError::NoContext { ctx })?;
+        Ok(c.slots.len() as u32)
+    }
+
+    /// The bytes a context's resident chunks occupy, as accounted.
+    pub fn context_resident(&self, ctx: ContextId) -> Result<u64, PagerError> {
+        let st = self.shared.lock();
+        let c = st.book.ctxs.get(&ctx).ok_or(PagerError::NoContext { ctx })?;
+        Ok(c
+            .slots
+            .iter()
+            .filter(|s| s.state == ChunkState::Resident)
+            .map(|s| s.bytes as u64)
+            .sum())
     }
 
     /// Lock a context's chunks against reclaim (nests).
@@ -1247,6 +1311,88 @@ impl Pager {
 impl Drop for Pager {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// A context locked against reclaim (`Pager::lock`); unlocks when dropped.
+///
+/// Its resident chunks can be read in place through it: while the guard lives the context cannot
+/// be removed and none of its chunks reclaimed, so the bytes it hands out stay mapped and are
+/// changed only by this process's own writes to the chunk (`Pager::write`, `Pager::shrink`).
+pub struct ContextLock {
+    shared: Arc<Shared>,
+    ctx: ContextId,
+}
+
+impl std::fmt::Debug for ContextLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContextLock").field("ctx", &self.ctx).finish()
+    }
+}
+
+impl ContextLock {
+    /// The locked context.
+    pub fn context(&self) -> ContextId {
+        self.ctx
+    }
+
+    /// The bytes of resident chunk `index` (its whole page-rounded slot), or why they cannot be
+    /// used: not resident, holding zeros that await recompute, or the pager is gone.
+    pub fn chunk(&self, index: u32) -> Result<&[u8], PagerError> {
+        let key = ChunkKey {
+            ctx: self.ctx,
+            index,
+        };
+        let st = self.shared.lock();
+        if st.book.dead {
+            return Err(PagerError::ShutDown);
+        }
+        let st = self.shared.wait_populated(st, key)?;
+        let (c, s) = st.book.slot(key)?;
+        match s.state {
+            ChunkState::Resident if s.needs_recompute => {
+                return Err(PagerError::NeedsRecompute { key });
+            }
+            ChunkState::Resident => {}
+            ChunkState::ZeroMapped => return Err(PagerError::NeedsRecompute { key }),
+            _ => return Err(PagerError::NotResident { key }),
+        }
+        // SAFETY: `index < max_chunks` (checked by `slot`), so the slot's `s.bytes <= stride`
+        // bytes lie inside the context's mapping. The guard holds a lock on the context, so it
+        // cannot be removed (its mapping stays alive as long as `self`) and no chunk of it can be
+        // reclaimed; the pages are resident and counted against the budget. Only this process's
+        // own `write`/`shrink` calls change them, which the caller orders against its reads.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(c.map.ptr().as_ptr().add(index as usize * c.stride), s.bytes)
+        };
+        Ok(bytes)
+    }
+}
+
+impl ContextLock {
+    /// Reclaim one of the locked context's own chunks (the engine drops a chunk it is about to
+    /// rebuild). `&mut self` ends every borrow of the chunk's bytes taken through this guard.
+    pub fn reclaim(&mut self, index: u32) -> Result<u64, PagerError> {
+        let key = ChunkKey {
+            ctx: self.ctx,
+            index,
+        };
+        let st = self.shared.lock();
+        let mut st = self.shared.wait_populated(st, key)?;
+        let (_, s) = st.book.slot(key)?;
+        match s.state {
+            ChunkState::Resident | ChunkState::ZeroMapped => st.drop_chunk(&self.shared.stats, key),
+            _ => Err(PagerError::NotResident { key }),
+        }
+    }
+}
+
+impl Drop for ContextLock {
+    fn drop(&mut self) {
+        let mut st = self.shared.lock();
+        if let Some(c) = st.book.ctxs.get_mut(&self.ctx) {
+            c.locks = c.locks.saturating_sub(1);
+        }
     }
 }
 

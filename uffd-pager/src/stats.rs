@@ -81,6 +81,7 @@ pub struct Stats {
     pub(crate) faults_moved: AtomicU64,
     pub(crate) populates: AtomicU64,
     pub(crate) reclaims: AtomicU64,
+    pub(crate) unpersisted_reclaims: AtomicU64,
     pub(crate) shrinks: AtomicU64,
     pub(crate) bytes_in: AtomicU64,
     pub(crate) bytes_out: AtomicU64,
@@ -106,6 +107,8 @@ pub struct StatsSnapshot {
     pub populates: u64,
     /// Chunks reclaimed (explicitly or for room).
     pub reclaims: u64,
+    /// Reclaims of chunks not written out: their bytes are gone until recomputed.
+    pub unpersisted_reclaims: u64,
     /// Chunks shrunk in place.
     pub shrinks: u64,
     /// Bytes made resident.
@@ -137,6 +140,7 @@ impl Stats {
             faults_moved: self.faults_moved.load(Relaxed),
             populates: self.populates.load(Relaxed),
             reclaims: self.reclaims.load(Relaxed),
+            unpersisted_reclaims: self.unpersisted_reclaims.load(Relaxed),
             shrinks: self.shrinks.load(Relaxed),
             bytes_in: self.bytes_in.load(Relaxed),
             bytes_out: self.bytes_out.load(Relaxed),

@@ -43,6 +43,10 @@ pub trait VictimChooser: Send {
     fn on_reclaim(&mut self, key: ChunkKey) {
         let _ = key;
     }
+    /// A resident chunk shrank in place to `bytes` (it moved to a lighter format).
+    fn on_resize(&mut self, key: ChunkKey, bytes: u64) {
+        let _ = (key, bytes);
+    }
 }
 
 /// Least recently populated or accessed first, persisted chunks before unpersisted ones.

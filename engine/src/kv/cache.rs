@@ -39,19 +39,30 @@ pub enum KvError {
 }
 
 /// Raw memory for a context's sealed chunks: where the engine puts encoded chunk bytes and reads
-/// them back. The heap implementation is [`HeapChunks`]; the pager provides userfaultfd-managed
-/// slots behind the same interface.
+/// them back. The heap implementation is [`HeapChunks`]; the service's `PagerChunks` puts them in
+/// userfaultfd-managed slots under a budget.
+///
+/// Managed memory must be pinned ([`ChunkMemory::pin`]) while the engine uses it: between pins,
+/// chunks may be reclaimed behind the cache's back, and `get` answers `None`.
 pub trait ChunkMemory: Send + Sync {
-    /// The bytes of chunk `index`, or `None` when it is not resident.
+    /// The bytes of chunk `index` (at least its encoded length), or `None` when it is not
+    /// resident or not usable now (unpinned, awaiting recompute).
     fn get(&self, index: usize) -> Option<&[u8]>;
-    /// Stores chunk `index` (claim and populate), replacing any previous bytes.
+    /// Stores chunk `index`: claims memory for it, or rewrites it in place when it is resident
+    /// (a recompress to a lighter format gives back the pages it no longer needs).
     fn put(&mut self, index: usize, bytes: &[u8]) -> Result<(), KvError>;
     /// Drops chunk `index`'s bytes (reclaim); it is no longer resident.
-    fn evict(&mut self, index: usize);
+    fn evict(&mut self, index: usize) -> Result<(), KvError>;
     /// Drops chunk `index` and everything after it.
-    fn truncate(&mut self, chunks: usize);
+    fn truncate(&mut self, chunks: usize) -> Result<(), KvError>;
     /// Bytes resident now.
     fn resident_bytes(&self) -> usize;
+    /// Holds the memory for use: no chunk is reclaimed until [`ChunkMemory::unpin`].
+    fn pin(&mut self) -> Result<(), KvError> {
+        Ok(())
+    }
+    /// Lets chunks be reclaimed again.
+    fn unpin(&mut self) {}
 }
 
 /// Chunk memory on the heap: one page-rounded allocation per chunk.
@@ -80,16 +91,18 @@ impl ChunkMemory for HeapChunks {
         Ok(())
     }
 
-    fn evict(&mut self, index: usize) {
+    fn evict(&mut self, index: usize) -> Result<(), KvError> {
         if let Some(old) = self.slots.get_mut(index).and_then(Option::take) {
             self.resident -= old.len();
         }
+        Ok(())
     }
 
-    fn truncate(&mut self, chunks: usize) {
+    fn truncate(&mut self, chunks: usize) -> Result<(), KvError> {
         for s in self.slots.drain(chunks.min(self.slots.len())..) {
             self.resident -= s.map_or(0, |b| b.len());
         }
+        Ok(())
     }
 
     fn resident_bytes(&self) -> usize {
@@ -228,9 +241,67 @@ impl KvCache {
             .collect()
     }
 
+    /// A cache rebuilt from what a store keeps of a context: the token ids of its sealed chunks
+    /// and each chunk's format. No chunk is resident until it is loaded or recomputed; attention
+    /// received starts again from zero.
+    pub fn resume(
+        shape: ChunkShape,
+        format: KvFormat,
+        max_tokens: usize,
+        mem: Box<dyn ChunkMemory>,
+        tokens: Vec<u32>,
+        formats: Vec<KvFormat>,
+    ) -> Result<Self, KvError> {
+        if tokens.len() != formats.len() * shape.tokens || tokens.len() > max_tokens {
+            return Err(KvError::TokenCount {
+                given: tokens.len(),
+                expected: formats.len() * shape.tokens,
+            });
+        }
+        let mut c = Self::new(shape, format, max_tokens, mem);
+        c.len = tokens.len();
+        c.attn_sum = vec![0.0; tokens.len()];
+        c.attn_rows = vec![0; tokens.len()];
+        c.tokens = tokens;
+        c.formats = formats;
+        Ok(c)
+    }
+
+    /// Drops the open chunk (its f32 K/V, the one part of a context not kept in chunk memory)
+    /// and returns its token ids: the caller runs them through the model again before the next
+    /// tokens, which costs less than keeping an f32 chunk per idle context.
+    pub fn drop_open(&mut self) -> Vec<u32> {
+        let sealed = self.formats.len() * self.shape.tokens;
+        let tail = self.tokens.split_off(sealed.min(self.tokens.len()));
+        self.open.clear();
+        self.len = self.tokens.len();
+        self.attn_sum.truncate(self.len);
+        self.attn_rows.truncate(self.len);
+        tail
+    }
+
+    /// Holds the chunk memory for use (see [`ChunkMemory::pin`]).
+    pub fn pin(&mut self) -> Result<(), KvError> {
+        self.mem.pin()
+    }
+
+    /// Lets chunks be reclaimed again.
+    pub fn unpin(&mut self) {
+        self.mem.unpin();
+    }
+
+    /// Attention received per sealed chunk so far, as the policy crate counts it, and resets the
+    /// sums (the caller merges them into its density tracker once per call).
+    pub fn take_attention(&mut self, heads_layers: u32) -> Vec<policy::TokenAttention> {
+        let out = self.token_attention(heads_layers);
+        self.attn_sum.iter_mut().for_each(|a| *a = 0.0);
+        self.attn_rows.iter_mut().for_each(|r| *r = 0);
+        out
+    }
+
     /// Empties the cache.
     pub fn clear(&mut self) {
-        self.mem.truncate(0);
+        let _ = self.mem.truncate(0);
         self.formats.clear();
         self.open.clear();
         self.len = 0;
@@ -348,8 +419,7 @@ impl KvCache {
     /// Drops sealed chunk `index` from memory; its format and tokens are kept for recompute.
     pub fn evict(&mut self, index: usize) -> Result<(), KvError> {
         self.check_sealed(index)?;
-        self.mem.evict(index);
-        Ok(())
+        self.mem.evict(index)
     }
 
     /// Puts back sealed chunk `index`'s encoded bytes (read from storage), in format `f`.

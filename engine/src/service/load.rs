@@ -1,0 +1,249 @@
+//! The Load pipeline (paper §3.3, Eq. 4): a context's missing chunks come back before its call
+//! runs, some read from kvfs on an I/O thread while the engine recomputes the others.
+//!
+//! 1. Plan: `policy::plan_load` splits the missing chunks that the store holds into reads and
+//!    recomputes from the cost model; chunks the store does not hold are recomputed.
+//!    Reads positioned before the last recomputed chunk go first ("blocking": the recompute
+//!    attends to them).
+//! 2. The I/O thread reads the blocking chunks and populates their slots, signals, then reads the
+//!    rest; the calling thread waits for the signal and recomputes its set in the meantime.
+//! 3. A read that fails its checks (missing, corrupt, other model) is recomputed after both are
+//!    done, when every chunk it depends on is resident.
+
+use std::sync::mpsc;
+use std::time::Instant;
+
+use kvfs::{Fingerprint, Store};
+use policy::{CostModel, LoadPlan, MissingChunk};
+use uffd_pager::{ChunkKey, ContextId, Pager};
+
+use crate::kv::recompute::{RecomputeError, recompute_chunks};
+use crate::kv::{ChunkShape, KvCache, KvFormat};
+use crate::model::Model;
+use crate::service::ServiceError;
+use crate::service::source::from_store;
+
+/// How a context's missing chunks come back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LoadMode {
+    /// Reads and recomputes at once, as the planner splits them (LLMS).
+    #[default]
+    Planned,
+    /// Every chunk the store holds is read; only the others are recomputed.
+    ReadOnly,
+    /// Every missing chunk is recomputed from its tokens.
+    RecomputeOnly,
+}
+
+/// What one Load did, in seconds from its start.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct LoadReport {
+    /// Chunks missing when the call arrived.
+    pub missing: usize,
+    /// Chunks read from the store.
+    pub read: Vec<u32>,
+    /// Chunks recomputed (planned, and those whose read failed).
+    pub recomputed: Vec<u32>,
+    /// Reads that failed their checks and were recomputed instead.
+    pub failed_reads: Vec<u32>,
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Planning time.
+    pub plan_secs: f64,
+    /// The I/O thread's busy time (read and populate).
+    pub io_secs: f64,
+    /// Recompute time.
+    pub recompute_secs: f64,
+    /// The whole Load.
+    pub total_secs: f64,
+    /// What the plan predicted for the whole Load.
+    pub predicted_secs: f64,
+}
+
+/// What the store holds of a context's chunk: its format there and its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoredChunk {
+    pub format: KvFormat,
+    pub bytes: u64,
+}
+
+/// Brings every missing chunk of `cache` back. `stored[i]` is what the store holds of chunk `i`.
+/// The cache must be pinned.
+#[allow(clippy::too_many_arguments)]
+pub fn load(
+    model: &Model,
+    store: &Store,
+    pager: &Pager,
+    fingerprint: &Fingerprint,
+    ctx: u64,
+    cache: &mut KvCache,
+    stored: &[Option<StoredChunk>],
+    mode: LoadMode,
+    cost: &CostModel,
+) -> Result<LoadReport, ServiceError> {
+    let t0 = Instant::now();
+    let missing = cache.missing_chunks();
+    let mut report = LoadReport {
+        missing: missing.len(),
+        ..LoadReport::default()
+    };
+    if missing.is_empty() {
+        return Ok(report);
+    }
+    let _span = tracing::debug_span!("load", ctx, missing = missing.len()).entered();
+    let readable: Vec<MissingChunk> = missing
+        .iter()
+        .filter_map(|&i| {
+            stored.get(i).copied().flatten().map(|s| MissingChunk {
+                index: i as u32,
+                bytes: s.bytes,
+            })
+        })
+        .collect();
+    let unreadable: Vec<u32> = missing
+        .iter()
+        .map(|&i| i as u32)
+        .filter(|i| !readable.iter().any(|r| r.index == *i))
+        .collect();
+    let mut plan = match mode {
+        LoadMode::Planned => policy::plan_load(&readable, cost)?,
+        LoadMode::ReadOnly => policy::planner::evaluate(&readable, &[], cost)?,
+        LoadMode::RecomputeOnly => {
+            let all: Vec<u32> = readable.iter().map(|r| r.index).collect();
+            policy::planner::evaluate(&readable, &all, cost)?
+        }
+    };
+    force_recompute(&mut plan, &unreadable);
+    report.predicted_secs = plan.predicted.total;
+    report.plan_secs = t0.elapsed().as_secs_f64();
+
+    let shape = *cache.shape();
+    let formats = cache.chunk_formats().to_vec();
+    let (first_done, wait_first) = mpsc::channel::<()>();
+    let io = |reads: &[u32], after: &[u32]| -> (Vec<u32>, Vec<u32>, u64, f64) {
+        let t = Instant::now();
+        let (mut ok, mut failed, mut bytes) = (Vec::new(), Vec::new(), 0);
+        let mut scratch = Vec::new();
+        for (n, &i) in reads.iter().chain(after).enumerate() {
+            if n == reads.len() {
+                let _ = first_done.send(());
+            }
+            let key = ChunkKey {
+                ctx: ContextId(ctx),
+                index: i,
+            };
+            match read_one(store, pager, fingerprint, &shape, formats[i as usize], key, &mut scratch) {
+                Ok(b) => {
+                    ok.push(i);
+                    bytes += b;
+                }
+                Err(e) => {
+                    tracing::debug!(chunk = %key, error = %e, "read failed; recomputing it");
+                    failed.push(i);
+                }
+            }
+        }
+        let _ = first_done.send(());
+        (ok, failed, bytes, t.elapsed().as_secs_f64())
+    };
+    let recompute = plan.recompute.iter().map(|&i| i as usize).collect::<Vec<_>>();
+    let (io_out, re_out) = std::thread::scope(|s| {
+        let h = s.spawn(|| io(&plan.read_first, &plan.read_after));
+        let _ = wait_first.recv();
+        let t = Instant::now();
+        let re = if recompute.is_empty() {
+            Ok(0.0)
+        } else {
+            recompute_chunks(model, cache, &recompute).map(|_| t.elapsed().as_secs_f64())
+        };
+        let io = h.join().map_err(|_| ServiceError::Internal {
+            what: "the load I/O thread panicked".into(),
+        });
+        (io, re)
+    });
+    let (read, failed, read_bytes, io_secs) = io_out?;
+    // A blocking read that failed leaves the planned recompute short of a chunk it attends to:
+    // then the planned set is recomputed with the failed reads, now that the rest is resident.
+    let mut again: Vec<usize> = failed.iter().map(|&i| i as usize).collect();
+    match re_out {
+        Ok(secs) => report.recompute_secs = secs,
+        Err(RecomputeError::Dependency { .. }) if !failed.is_empty() => again.extend(&recompute),
+        Err(e) => return Err(e.into()),
+    }
+    if !again.is_empty() {
+        let t = Instant::now();
+        recompute_chunks(model, cache, &again)?;
+        report.recompute_secs += t.elapsed().as_secs_f64();
+    }
+    report.read = read;
+    report.read_bytes = read_bytes;
+    report.io_secs = io_secs;
+    report.recomputed = plan.recompute.clone();
+    report.recomputed.extend(&failed);
+    report.recomputed.sort_unstable();
+    report.failed_reads = failed;
+    report.total_secs = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Adds chunks that cannot be read to the plan's recompute set, and moves the reads they now
+/// depend on to the blocking group.
+fn force_recompute(plan: &mut LoadPlan, unreadable: &[u32]) {
+    if unreadable.is_empty() {
+        return;
+    }
+    plan.recompute.extend_from_slice(unreadable);
+    plan.recompute.sort_unstable();
+    let last = *plan.recompute.last().expect("not empty");
+    let (before, after): (Vec<u32>, Vec<u32>) = plan.read_after.iter().partition(|&&i| i < last);
+    plan.read_first.extend(before);
+    plan.read_first.sort_unstable();
+    plan.read_after = after;
+}
+
+/// Reads one chunk from the store and populates its slot. A stored copy heavier than the format
+/// the cache records (the chunk was recompressed in memory after it was written) is recompressed
+/// on the way in, which gives the same bytes.
+fn read_one(
+    store: &Store,
+    pager: &Pager,
+    fingerprint: &Fingerprint,
+    shape: &ChunkShape,
+    want: KvFormat,
+    key: ChunkKey,
+    scratch: &mut Vec<u8>,
+) -> Result<u64, ServiceError> {
+    let id = kvfs::ContextId(key.ctx.0);
+    let have = match store.chunk_state(id, key.index)? {
+        kvfs::ChunkState::Stored(s) => from_store(s.format),
+        _ => {
+            return Err(ServiceError::Internal {
+                what: format!("{key} is not in the store"),
+            });
+        }
+    };
+    let bytes = store.read_chunk(id, key.index, fingerprint)?;
+    let n = bytes.len() as u64;
+    let data: &[u8] = if have == want {
+        &bytes
+    } else if have.bits() > want.bits() && have != KvFormat::F16 {
+        crate::kv::codec::recompress(shape, have, want, &bytes, scratch).map_err(|e| {
+            ServiceError::Internal {
+                what: format!("{key}: {e}"),
+            }
+        })?;
+        scratch
+    } else {
+        return Err(ServiceError::Internal {
+            what: format!("{key} is stored as {} but the context holds it as {}", have.name(), want.name()),
+        });
+    };
+    if data.len() != shape.chunk_bytes(want) {
+        return Err(ServiceError::Internal {
+            what: format!("{key}: {} bytes stored for a {}-byte chunk", data.len(), shape.chunk_bytes(want)),
+        });
+    }
+    pager.populate(key, data.len(), data)?;
+    Ok(n)
+}

@@ -1,0 +1,819 @@
+//! The context manager: runs one call of one context against managed memory.
+//!
+//! A call, top-down (docs/service.md numbers the same steps):
+//! 1. Load: the context is pinned (its pager region locked against reclaim) and its missing
+//!    chunks come back ([`crate::service::load`]); the switch latency is measured from the
+//!    request's arrival to the end of the Load.
+//! 2. Run: the tokens left open at the end of the last call, then the prompt, are prefilled and
+//!    the answer generated; new chunks are Claimed in the pager under the budget.
+//! 3. Compress: the call's attention is merged into the context's densities (Eq. 1) and
+//!    `policy::assign_levels` (Eq. 2-3) moves chunks down a level; their slots shrink.
+//! 4. AoT: the tokens are made durable, then `policy::plan_writeout` lists the chunks to write
+//!    and the background writer writes them; the call returns without waiting for it.
+//! 5. The context is unpinned; its chunks are now candidates for Reclaim (LCTRU order).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvfs::{Fingerprint, NewContext, Store, StoreOptions};
+use policy::{CostModel, DensityTracker, Level, LevelSet, LinearCost};
+use uffd_pager::{ChunkKey, ContextId, ContextSpec, Histogram, HistogramSummary, Pager, PagerConfig};
+
+use crate::kv::{KvCache, KvFormat};
+use crate::model::Model;
+use crate::model::generate::{Generation, Sampler, SamplingParams, StopReason, generate};
+use crate::service::ServiceError;
+use crate::service::chooser::PolicyChooser;
+use crate::service::load::{self, LoadMode, LoadReport, StoredChunk};
+use crate::service::memory::{PagerChunks, Versions};
+use crate::service::source::{
+    Expected, StoreSource, format_of, from_store, level_of, model_fingerprint,
+};
+use crate::service::writer::{WriteJob, Writer};
+
+/// Which chunks the pager gives up when it needs room.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum VictimPolicy {
+    /// LCTRU: the heaviest level first, least recently used among them (LLMS).
+    #[default]
+    Lctru,
+    /// Least recently used chunk first.
+    Lru,
+}
+
+/// The manager's settings.
+#[derive(Clone, Debug)]
+pub struct ManagerConfig {
+    /// The kvfs store directory (created if it does not exist).
+    pub store: PathBuf,
+    /// Bytes of KV chunks that may be resident at once, across contexts.
+    pub kv_budget: u64,
+    /// The format new chunks are sealed in.
+    pub kv_format: KvFormat,
+    /// Tokens per chunk.
+    pub chunk_tokens: usize,
+    /// The most tokens one context holds.
+    pub max_tokens: usize,
+    /// The global compression ratio (paper Eq. 3) applied at the end of every call, or `None` to
+    /// keep every chunk in `kv_format`.
+    pub compress_ratio: Option<f64>,
+    /// The levels chunks may take.
+    pub levels: LevelSet,
+    /// How the pager picks victims.
+    pub victims: VictimPolicy,
+    /// How missing chunks come back.
+    pub load: LoadMode,
+    /// The costs the planner starts from; refined with every Load's measurements.
+    pub cost: CostModel,
+    /// Chunks the AoT writer may hold queued (bounds its memory).
+    pub writer_queue: usize,
+}
+
+impl ManagerConfig {
+    /// The LLMS defaults over the store at `store` with a KV budget of `kv_budget` bytes.
+    pub fn new(store: impl Into<PathBuf>, kv_budget: u64) -> Self {
+        Self {
+            store: store.into(),
+            kv_budget,
+            kv_format: KvFormat::Int8,
+            chunk_tokens: 16,
+            max_tokens: 2048,
+            compress_ratio: Some(0.5),
+            levels: LevelSet::paper_default(),
+            victims: VictimPolicy::Lctru,
+            load: LoadMode::Planned,
+            cost: default_cost(),
+            writer_queue: 16,
+        }
+    }
+}
+
+/// Starting costs, before any Load was measured on this machine: reads at 1 GB/s after 100 us,
+/// recompute at 20 ms per chunk after 5 ms (orders of magnitude measured here; every Load
+/// refines them).
+pub fn default_cost() -> CostModel {
+    CostModel::new(
+        LinearCost::new(5e-3, 20e-3).expect("valid constants"),
+        LinearCost::new(100e-6, 1e-9).expect("valid constants"),
+    )
+}
+
+/// Who owns a context: the peer's uid and the app name it gave.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub uid: u32,
+    pub app: String,
+}
+
+/// One call's options.
+#[derive(Clone, Debug)]
+pub struct CallOptions {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Token ids that end the answer (not included in it).
+    pub stop: Vec<u32>,
+}
+
+impl Default for CallOptions {
+    fn default() -> Self {
+        Self {
+            max_tokens: 64,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// What a call did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CallReport {
+    /// The generated tokens.
+    pub tokens: Vec<u32>,
+    /// Why generation stopped.
+    pub stop: &'static str,
+    /// Request received to every chunk of the context resident, seconds.
+    pub switch_secs: f64,
+    /// The Load's parts and the plan's prediction.
+    pub load: LoadReport,
+    /// Tokens prefilled (the previous call's open tail and the prompt).
+    pub prefill_tokens: usize,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    /// Chunks moved down a level at the end of the call.
+    pub recompressed: usize,
+    /// Chunks queued for write-out.
+    pub queued_writes: usize,
+}
+
+/// A context as `list` shows it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ContextSummary {
+    pub id: u64,
+    pub app: String,
+    pub tokens: usize,
+    pub chunks: usize,
+    pub resident_chunks: usize,
+    pub resident_bytes: u64,
+    /// Chunks per format, in memory's view.
+    pub formats: BTreeMap<&'static str, usize>,
+    pub calls: u64,
+}
+
+/// Service-wide counters.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ServiceStats {
+    pub budget_bytes: u64,
+    pub resident_bytes: u64,
+    pub contexts: usize,
+    pub calls: u64,
+    pub chunks_read: u64,
+    pub chunks_recomputed: u64,
+    pub faults: u64,
+    pub reclaims: u64,
+    /// Victims given up before they were written out (they are recomputed when needed).
+    pub unwritten_reclaims: u64,
+    pub writes: u64,
+    pub write_failures: u64,
+    pub writes_queued: u64,
+    pub switch: HistogramSummary,
+}
+
+struct Context {
+    owner: Owner,
+    cache: KvCache,
+    /// Tokens said but not in the cache: the open tail of the last call.
+    pending: Vec<u32>,
+    /// What the store holds of each sealed chunk.
+    stored: Vec<Option<StoredChunk>>,
+    density: DensityTracker,
+    calls: u64,
+}
+
+/// Measured points for the cost model.
+#[derive(Default)]
+struct Profile {
+    io: Vec<(f64, f64)>,
+    re: Vec<(f64, f64)>,
+}
+
+impl Profile {
+    const KEEP: usize = 64;
+
+    fn add(v: &mut Vec<(f64, f64)>, p: (f64, f64)) {
+        if v.len() == Self::KEEP {
+            v.remove(0);
+        }
+        v.push(p);
+    }
+
+    fn refit(&self, cost: &mut CostModel) {
+        if let Ok(f) = LinearCost::fit(&self.io) {
+            cost.io = f.cost;
+        }
+        if let Ok(f) = LinearCost::fit(&self.re) {
+            cost.recompute = f.cost;
+        }
+    }
+}
+
+/// Runs calls of many contexts under one KV budget. One thread owns it (the daemon's engine
+/// thread); the pager's fault thread and the AoT writer work beside it.
+pub struct Manager {
+    model: Arc<Model>,
+    cfg: ManagerConfig,
+    store: Arc<Store>,
+    pager: Arc<Pager>,
+    versions: Arc<Versions>,
+    expected: Arc<Expected>,
+    writer: Writer,
+    fingerprint: Fingerprint,
+    contexts: BTreeMap<u64, Context>,
+    cost: CostModel,
+    profile: Profile,
+    calls: u64,
+    chunks_read: u64,
+    chunks_recomputed: u64,
+    switch: Histogram,
+}
+
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager")
+            .field("contexts", &self.contexts.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Manager {
+    /// Opens the store (recovering it after a crash), starts the pager and the writer, and
+    /// takes back every context the store holds; none of their chunks is resident yet.
+    pub fn open(model: Arc<Model>, cfg: ManagerConfig) -> Result<Manager, ServiceError> {
+        if cfg.chunk_tokens == 0 || cfg.max_tokens < cfg.chunk_tokens {
+            return Err(ServiceError::BadRequest {
+                what: format!(
+                    "chunks of {} tokens and contexts of at most {} tokens do not fit",
+                    cfg.chunk_tokens, cfg.max_tokens
+                ),
+            });
+        }
+        let fingerprint = model_fingerprint(model.path()).map_err(|e| ServiceError::Internal {
+            what: format!("reading {} to fingerprint it: {e}", model.path().display()),
+        })?;
+        std::fs::create_dir_all(&cfg.store).map_err(|e| ServiceError::Internal {
+            what: format!("creating the store {}: {e}", cfg.store.display()),
+        })?;
+        let store = Arc::new(Store::open(&cfg.store, StoreOptions::default())?);
+        let shape = model.chunk_shape(cfg.chunk_tokens);
+        let slot = shape.slot_bytes(cfg.kv_format);
+        let expected = Arc::new(Expected::default());
+        let source = Arc::new(StoreSource::new(
+            Arc::clone(&store),
+            fingerprint,
+            Arc::clone(&expected),
+        ));
+        let sizes: Vec<(u64, Level)> = cfg
+            .levels
+            .levels()
+            .filter_map(|l| format_of(&cfg.levels, l).map(|f| (shape.slot_bytes(f) as u64, l)))
+            .collect();
+        let inner: Box<dyn policy::VictimChooser + Send> = match cfg.victims {
+            VictimPolicy::Lctru => Box::new(policy::LctruQueue::new()),
+            VictimPolicy::Lru => Box::new(policy::ChunkLru::new()),
+        };
+        let chooser = Box::new(PolicyChooser::new(inner, sizes));
+        let pager = Arc::new(Pager::with_chooser(
+            PagerConfig::new(cfg.kv_budget, slot),
+            source,
+            chooser,
+        )?);
+        let versions = Arc::new(Versions::default());
+        let writer = Writer::spawn(
+            Arc::clone(&store),
+            Arc::clone(&pager),
+            Arc::clone(&versions),
+            fingerprint,
+            cfg.writer_queue,
+        )
+        .map_err(|e| ServiceError::Internal {
+            what: format!("starting the writer thread: {e}"),
+        })?;
+        let mut m = Manager {
+            cost: cfg.cost,
+            model,
+            cfg,
+            store,
+            pager,
+            versions,
+            expected,
+            writer,
+            fingerprint,
+            contexts: BTreeMap::new(),
+            profile: Profile::default(),
+            calls: 0,
+            chunks_read: 0,
+            chunks_recomputed: 0,
+            switch: Histogram::default(),
+        };
+        for id in m.store.list_contexts() {
+            if let Err(e) = m.resume(id.0) {
+                tracing::warn!(context = id.0, error = %e, "context not taken back");
+            }
+        }
+        tracing::info!(contexts = m.contexts.len(), "context manager open");
+        Ok(m)
+    }
+
+    fn new_context(&self, id: u64, owner: Owner, tokens: Vec<u32>) -> Result<Context, ServiceError> {
+        let shape = self.model.chunk_shape(self.cfg.chunk_tokens);
+        let max_chunks = self.cfg.max_tokens.div_ceil(self.cfg.chunk_tokens) as u32;
+        self.pager.add_context(
+            ContextId(id),
+            ContextSpec {
+                max_chunks,
+                max_slot_bytes: shape.slot_bytes(self.cfg.kv_format),
+            },
+        )?;
+        let mem = Box::new(PagerChunks::new(
+            Arc::clone(&self.pager),
+            ContextId(id),
+            Arc::clone(&self.versions),
+        ));
+        let hl = (self.model.cfg.n_heads * self.model.cfg.n_layers) as u32;
+        let mut density = DensityTracker::new(hl, self.cfg.chunk_tokens).map_err(|e| {
+            ServiceError::Internal {
+                what: e.to_string(),
+            }
+        })?;
+        let t = self.cfg.chunk_tokens;
+        let sealed = tokens.len() / t;
+        let mut stored = vec![None; sealed];
+        let mut formats = vec![self.cfg.kv_format; sealed];
+        let mut seeds = Vec::new();
+        let info = self.store.context(kvfs::ContextId(id)).ok();
+        for c in info.iter().flat_map(|i| &i.chunks) {
+            if let (kvfs::ChunkState::Stored(s), Some(slot)) =
+                (&c.state, stored.get_mut(c.index as usize))
+                && s.tokens.len() == t
+            {
+                let f = from_store(s.format);
+                *slot = Some(StoredChunk {
+                    format: f,
+                    bytes: u64::from(s.stored_len),
+                });
+                formats[c.index as usize] = f;
+                seeds.push((c.index as usize, s.density));
+            }
+        }
+        // Densities come back from the chunk headers as if one query had seen each token: the
+        // ranking of chunks is kept, the weight of their history is not.
+        let mut seeded = vec![policy::TokenAttention::default(); sealed * t];
+        for (i, d) in seeds {
+            for a in &mut seeded[i * t..(i + 1) * t] {
+                *a = policy::TokenAttention {
+                    received: f64::from(d.max(0.0)) * f64::from(hl),
+                    queries: 1,
+                };
+            }
+        }
+        density.merge(&seeded).map_err(|e| ServiceError::Internal {
+            what: e.to_string(),
+        })?;
+        let cache = KvCache::resume(
+            shape,
+            self.cfg.kv_format,
+            self.cfg.max_tokens,
+            mem,
+            tokens[..sealed * t].to_vec(),
+            formats,
+        )?;
+        self.expected.set(id, cache.chunk_formats());
+        Ok(Context {
+            owner,
+            cache,
+            pending: tokens[sealed * t..].to_vec(),
+            stored,
+            density,
+            calls: 0,
+        })
+    }
+
+    /// Takes back a context the store holds.
+    fn resume(&mut self, id: u64) -> Result<(), ServiceError> {
+        let meta = self.store.meta(kvfs::ContextId(id))?;
+        if meta.fingerprint != self.fingerprint {
+            return Err(ServiceError::Internal {
+                what: format!("context {id} was made with another model"),
+            });
+        }
+        let tokens = self.store.tokens(kvfs::ContextId(id))?;
+        let owner = Owner {
+            uid: meta.owner_uid,
+            app: meta.app.clone(),
+        };
+        let ctx = self.new_context(id, owner, tokens)?;
+        self.contexts.insert(id, ctx);
+        Ok(())
+    }
+
+    /// Forgets a context's memory and takes it back from the store.
+    fn reload(&mut self, id: u64) -> Result<(), ServiceError> {
+        self.contexts.remove(&id);
+        self.writer.flush();
+        self.pager.remove_context(ContextId(id))?;
+        self.versions.forget(ContextId(id));
+        self.expected.remove(id);
+        self.resume(id)
+    }
+
+    /// Creates a context for `owner`, optionally starting with `system` tokens (prefilled with
+    /// the first call's prompt). Durable when it returns.
+    pub fn create(&mut self, owner: &Owner, system: &[u32]) -> Result<u64, ServiceError> {
+        if system.len() > self.cfg.max_tokens {
+            return Err(ServiceError::BadRequest {
+                what: format!(
+                    "a system prompt of {} tokens exceeds the context length of {}",
+                    system.len(),
+                    self.cfg.max_tokens
+                ),
+            });
+        }
+        let id = self.store.create_context(NewContext {
+            owner_uid: owner.uid,
+            app: owner.app.clone(),
+            fingerprint: self.fingerprint,
+            chunk_tokens: self.cfg.chunk_tokens as u32,
+        })?;
+        if !system.is_empty() {
+            self.store.append_tokens(id, system)?;
+        }
+        let mut ctx = self.new_context(id.0, owner.clone(), Vec::new())?;
+        ctx.pending = system.to_vec();
+        self.contexts.insert(id.0, ctx);
+        Ok(id.0)
+    }
+
+    fn owned(&mut self, owner: &Owner, id: u64) -> Result<&mut Context, ServiceError> {
+        match self.contexts.get_mut(&id) {
+            Some(c) if c.owner.uid == owner.uid => Ok(c),
+            _ => Err(ServiceError::NotFound { id }),
+        }
+    }
+
+    /// Runs one call: appends `prompt` to the context, generates up to `opts.max_tokens`
+    /// tokens, streaming each to `on_token` (return false to stop). `received` is when the
+    /// request arrived: the switch latency counts from it.
+    pub fn call(
+        &mut self,
+        owner: &Owner,
+        id: u64,
+        prompt: &[u32],
+        opts: &CallOptions,
+        received: Instant,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<CallReport, ServiceError> {
+        let _span = tracing::info_span!("call", ctx = id, prompt = prompt.len()).entered();
+        let ctx = self.owned(owner, id)?;
+        let said = ctx.cache.len() + ctx.pending.len();
+        if said + prompt.len() + 1 > self.cfg.max_tokens {
+            return Err(ServiceError::Kv(crate::kv::KvError::Full {
+                len: said,
+                adding: prompt.len() + 1,
+                max: self.cfg.max_tokens,
+            }));
+        }
+        let ctx = self.contexts.get_mut(&id).expect("owned checked it");
+        ctx.cache.pin()?;
+        let r = Self::run_call(
+            &self.model,
+            &self.cfg,
+            &self.store,
+            &self.pager,
+            &self.fingerprint,
+            &self.cost,
+            &self.versions,
+            &self.writer,
+            &self.expected,
+            id,
+            ctx,
+            prompt,
+            opts,
+            received,
+            on_token,
+        );
+        let ctx = self.contexts.get_mut(&id).expect("still there");
+        ctx.cache.unpin();
+        let report = match r {
+            Ok(r) => r,
+            Err(e) => {
+                // The context goes back to its last completed call, as the store holds it.
+                tracing::warn!(ctx = id, error = %e, "call failed; the context is reloaded");
+                if let Err(e2) = self.reload(id) {
+                    tracing::error!(ctx = id, error = %e2, "reloading the context failed");
+                }
+                return Err(e);
+            }
+        };
+        self.calls += 1;
+        self.chunks_read += report.load.read.len() as u64;
+        self.chunks_recomputed += report.load.recomputed.len() as u64;
+        self.switch
+            .record(std::time::Duration::from_secs_f64(report.switch_secs));
+        self.learn(&report.load);
+        Ok(report)
+    }
+
+    fn learn(&mut self, load: &LoadReport) {
+        if !load.read.is_empty() && load.failed_reads.is_empty() {
+            Profile::add(&mut self.profile.io, (load.read_bytes as f64, load.io_secs));
+        }
+        if !load.recomputed.is_empty() {
+            Profile::add(
+                &mut self.profile.re,
+                (load.recomputed.len() as f64, load.recompute_secs),
+            );
+        }
+        self.profile.refit(&mut self.cost);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_call(
+        model: &Model,
+        cfg: &ManagerConfig,
+        store: &Store,
+        pager: &Pager,
+        fingerprint: &Fingerprint,
+        cost: &CostModel,
+        versions: &Versions,
+        writer: &Writer,
+        expected: &Expected,
+        id: u64,
+        ctx: &mut Context,
+        prompt: &[u32],
+        opts: &CallOptions,
+        received: Instant,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<CallReport, ServiceError> {
+        // 1. Load.
+        let load = load::load(
+            model,
+            store,
+            pager,
+            fingerprint,
+            id,
+            &mut ctx.cache,
+            &ctx.stored,
+            cfg.load,
+            cost,
+        )?;
+        for &i in &load.failed_reads {
+            ctx.stored[i as usize] = None;
+        }
+        let switch_secs = received.elapsed().as_secs_f64();
+
+        // 2. Run.
+        let mut input = std::mem::take(&mut ctx.pending);
+        input.extend_from_slice(prompt);
+        let mut said: Vec<u32> = ctx.cache.tokens().to_vec();
+        said.extend_from_slice(&input);
+        let mut sampler = Sampler::new(opts.sampling.clone());
+        let run = generate(
+            model,
+            &mut ctx.cache,
+            &input,
+            opts.max_tokens,
+            &opts.stop,
+            &mut sampler,
+            on_token,
+        );
+        let run: Generation = run?;
+        said.extend_from_slice(&run.tokens);
+
+        // 3. Compress.
+        let hl = (model.cfg.n_heads * model.cfg.n_layers) as u32;
+        ctx.pending = ctx.cache.drop_open();
+        ctx.pending.extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);
+        let attention = ctx.cache.take_attention(hl);
+        ctx.density
+            .merge(&attention)
+            .map_err(|e| ServiceError::Internal {
+                what: e.to_string(),
+            })?;
+        let sealed = ctx.cache.chunk_formats().len();
+        ctx.stored.resize(sealed, None);
+        let mut recompressed = 0;
+        if let Some(ratio) = cfg.compress_ratio
+            && sealed > 0
+            && level_of(&cfg.levels, cfg.kv_format).is_some()
+        {
+            let densities = ctx.density.chunk_densities();
+            let floors: Vec<Level> = ctx
+                .cache
+                .chunk_formats()
+                .iter()
+                .map(|&f| level_of(&cfg.levels, f).unwrap_or(Level(0)))
+                .collect();
+            let a = policy::assign_levels(&densities[..sealed], Some(&floors), &cfg.levels, ratio)
+                .map_err(|e| ServiceError::Internal {
+                    what: e.to_string(),
+                })?;
+            for (i, (&to, &from)) in a.levels.iter().zip(&floors).enumerate() {
+                if to.0 > from.0
+                    && let Some(f) = format_of(&cfg.levels, to)
+                {
+                    ctx.cache.recompress(i, f)?;
+                    recompressed += 1;
+                }
+            }
+        }
+        expected.set(id, ctx.cache.chunk_formats());
+
+        // 4. AoT write-out: the tokens first (a chunk is valid only with its tokens), then the
+        // chunks, in the background.
+        let kid = kvfs::ContextId(id);
+        let stored_tokens = store.tokens(kid)?.len();
+        if said.len() > stored_tokens {
+            store.append_tokens(kid, &said[stored_tokens..])?;
+        }
+        let shape = *ctx.cache.shape();
+        let states: Vec<policy::ChunkState> = (0..sealed)
+            .map(|i| {
+                let f = ctx.cache.chunk_formats()[i];
+                policy::ChunkState {
+                    index: i as u32,
+                    level: level_of(&cfg.levels, f).unwrap_or(Level(0)),
+                    stored: ctx.stored[i].and_then(|s| level_of(&cfg.levels, s.format)),
+                    modified: false,
+                    bytes: shape.chunk_bytes(f) as u64,
+                }
+            })
+            .collect();
+        let writes = policy::plan_writeout(&states).map_err(|e| ServiceError::Internal {
+            what: e.to_string(),
+        })?;
+        let densities = ctx.density.chunk_densities();
+        for w in &writes {
+            let i = w.index as usize;
+            let f = ctx.cache.chunk_formats()[i];
+            let Some(bytes) = ctx.cache.chunk_bytes(i) else {
+                continue;
+            };
+            let key = ChunkKey {
+                ctx: ContextId(id),
+                index: w.index,
+            };
+            writer.submit(WriteJob {
+                key,
+                format: f,
+                density: densities.get(i).copied().unwrap_or(0.0) as f32,
+                bytes: bytes.to_vec(),
+                version: versions.get(key),
+            });
+            ctx.stored[i] = Some(StoredChunk {
+                format: f,
+                bytes: shape.chunk_bytes(f) as u64,
+            });
+        }
+        ctx.calls += 1;
+        Ok(CallReport {
+            tokens: run.tokens,
+            stop: match run.stop {
+                StopReason::Stop => "stop",
+                StopReason::MaxTokens => "max_tokens",
+                StopReason::Cancelled => "cancelled",
+                StopReason::ContextFull => "context_full",
+            },
+            switch_secs,
+            load,
+            prefill_tokens: run.prompt_tokens,
+            prefill_secs: run.prefill_secs,
+            decode_secs: run.decode_secs,
+            recompressed,
+            queued_writes: writes.len(),
+        })
+    }
+
+    /// Deletes a context: its memory, its store directory.
+    pub fn delete(&mut self, owner: &Owner, id: u64) -> Result<(), ServiceError> {
+        self.owned(owner, id)?;
+        let ctx = self.contexts.remove(&id).expect("owned checked it");
+        drop(ctx);
+        self.pager.remove_context(ContextId(id))?;
+        self.versions.forget(ContextId(id));
+        self.expected.remove(id);
+        self.store.delete_context(kvfs::ContextId(id))?;
+        Ok(())
+    }
+
+    /// The owner's contexts.
+    pub fn list(&self, owner: &Owner) -> Vec<ContextSummary> {
+        self.contexts
+            .iter()
+            .filter(|(_, c)| c.owner.uid == owner.uid)
+            .map(|(&id, c)| self.summary(id, c))
+            .collect()
+    }
+
+    /// One context, as `list` shows it.
+    pub fn info(&self, owner: &Owner, id: u64) -> Result<ContextSummary, ServiceError> {
+        match self.contexts.get(&id) {
+            Some(c) if c.owner.uid == owner.uid => Ok(self.summary(id, c)),
+            _ => Err(ServiceError::NotFound { id }),
+        }
+    }
+
+    fn summary(&self, id: u64, c: &Context) -> ContextSummary {
+        let mut formats = BTreeMap::new();
+        for f in c.cache.chunk_formats() {
+            *formats.entry(f.name()).or_insert(0) += 1;
+        }
+        let chunks = c.cache.chunk_formats().len();
+        let resident_chunks = (0..chunks)
+            .filter(|&i| {
+                self.pager
+                    .chunk_info(ChunkKey::new(id, i as u32))
+                    .is_ok_and(|s| s.state == uffd_pager::ChunkState::Resident)
+            })
+            .count();
+        ContextSummary {
+            id,
+            app: c.owner.app.clone(),
+            tokens: c.cache.len() + c.pending.len(),
+            chunks,
+            resident_chunks,
+            resident_bytes: self.pager.context_resident(ContextId(id)).unwrap_or(0),
+            formats,
+            calls: c.calls,
+        }
+    }
+
+    /// Service-wide counters.
+    pub fn stats(&self) -> ServiceStats {
+        let p = self.pager.stats();
+        let w = self.writer.stats();
+        use std::sync::atomic::Ordering::Relaxed;
+        ServiceStats {
+            budget_bytes: self.pager.budget(),
+            resident_bytes: self.pager.resident_bytes(),
+            contexts: self.contexts.len(),
+            calls: self.calls,
+            chunks_read: self.chunks_read,
+            chunks_recomputed: self.chunks_recomputed,
+            faults: p.faults,
+            reclaims: p.reclaims,
+            unwritten_reclaims: p.unpersisted_reclaims,
+            writes: w.written.load(Relaxed),
+            write_failures: w.failed.load(Relaxed),
+            writes_queued: self.writer.queued(),
+            switch: self.switch.summary(),
+        }
+    }
+
+    /// Changes the KV budget (memory pressure); returns the bytes freed at once.
+    pub fn set_budget(&self, bytes: u64) -> Result<u64, ServiceError> {
+        Ok(self.pager.set_budget(bytes)?)
+    }
+
+    /// Waits until every chunk queued for write-out is written.
+    pub fn flush(&self) {
+        self.writer.flush();
+    }
+
+    /// Drops every resident chunk of a context from memory (they come back on its next call):
+    /// what memory pressure does to an idle context, on demand.
+    pub fn swap_out(&mut self, owner: &Owner, id: u64) -> Result<u64, ServiceError> {
+        self.owned(owner, id)?;
+        let max = self.pager.context_chunks(ContextId(id))?;
+        let mut freed = 0;
+        for i in 0..max {
+            match self.pager.reclaim(ChunkKey::new(id, i)) {
+                Ok(b) => freed += b,
+                Err(uffd_pager::PagerError::NotResident { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(freed)
+    }
+
+    /// The pager, for measurements (RSS of a context's region, counters).
+    pub fn pager(&self) -> &Pager {
+        &self.pager
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The cost model the planner uses now.
+    pub fn cost(&self) -> CostModel {
+        self.cost
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+}

@@ -1,0 +1,156 @@
+//! Where a swapped-out chunk comes from: the kvfs store, for the pager's fault path and for Load;
+//! and the one place the engine's, kvfs's and the policy's names for a chunk's format meet.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use kvfs::{Fingerprint, Store, StoreError};
+use policy::{Level, LevelSet};
+use sha2::Digest;
+use uffd_pager::{ChunkKey, ChunkSource, SourceError};
+
+use crate::kv::KvFormat;
+
+/// The engine's format as kvfs records it.
+pub fn to_store(f: KvFormat) -> kvfs::KvFormat {
+    match f {
+        KvFormat::F16 => kvfs::KvFormat::F16,
+        KvFormat::Int8 => kvfs::KvFormat::Int8,
+        KvFormat::Int4 => kvfs::KvFormat::Int4,
+        KvFormat::Int2 => kvfs::KvFormat::Int2,
+    }
+}
+
+/// A format kvfs recorded, as the engine knows it.
+pub fn from_store(f: kvfs::KvFormat) -> KvFormat {
+    match f {
+        kvfs::KvFormat::F16 => KvFormat::F16,
+        kvfs::KvFormat::Int8 => KvFormat::Int8,
+        kvfs::KvFormat::Int4 => KvFormat::Int4,
+        kvfs::KvFormat::Int2 => KvFormat::Int2,
+    }
+}
+
+/// The format of a policy level (its bits), if the engine has one.
+pub fn format_of(set: &LevelSet, level: Level) -> Option<KvFormat> {
+    let bits = set.bits(level)?;
+    KvFormat::ALL.into_iter().find(|f| f.bits() == u32::from(bits))
+}
+
+/// The policy level of a format, if the set has one with its bits.
+pub fn level_of(set: &LevelSet, f: KvFormat) -> Option<Level> {
+    set.levels().find(|&l| set.bits(l) == u8::try_from(f.bits()).ok())
+}
+
+/// The model's fingerprint as kvfs checks it: sha256 of the GGUF file, read in 1 MiB pieces.
+pub fn model_fingerprint(path: &Path) -> std::io::Result<Fingerprint> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(Fingerprint(h.finalize().into()))
+}
+
+/// The format each chunk of each context is expected in (what the engine's cache records), so a
+/// stored copy in another format is never handed to the engine as if it were the right one.
+#[derive(Debug, Default)]
+pub struct Expected {
+    map: Mutex<HashMap<u64, Vec<KvFormat>>>,
+}
+
+impl Expected {
+    /// Records `ctx`'s chunk formats.
+    pub fn set(&self, ctx: u64, formats: &[KvFormat]) {
+        self.lock().insert(ctx, formats.to_vec());
+    }
+
+    /// Forgets `ctx`.
+    pub fn remove(&self, ctx: u64) {
+        self.lock().remove(&ctx);
+    }
+
+    /// The format chunk `key` is expected in.
+    pub fn get(&self, key: ChunkKey) -> Option<KvFormat> {
+        self.lock()
+            .get(&key.ctx.0)
+            .and_then(|v| v.get(key.index as usize).copied())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Vec<KvFormat>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Reads chunks from a kvfs store: the pager's source for faults.
+pub struct StoreSource {
+    store: Arc<Store>,
+    fingerprint: Fingerprint,
+    expected: Arc<Expected>,
+}
+
+impl StoreSource {
+    /// A source over `store` for the model with `fingerprint`.
+    pub fn new(store: Arc<Store>, fingerprint: Fingerprint, expected: Arc<Expected>) -> Self {
+        Self {
+            store,
+            fingerprint,
+            expected,
+        }
+    }
+}
+
+/// A store error, classified for the pager.
+pub fn classify(key: ChunkKey, e: &StoreError) -> SourceError {
+    match e {
+        StoreError::ChunkMissing { .. } | StoreError::NoSuchContext { .. } => {
+            SourceError::Missing { key }
+        }
+        e if e.needs_recompute() => SourceError::Corrupt {
+            key,
+            detail: e.to_string(),
+        },
+        e => SourceError::Io {
+            key,
+            detail: e.to_string(),
+        },
+    }
+}
+
+impl ChunkSource for StoreSource {
+    fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
+        let id = kvfs::ContextId(key.ctx.0);
+        let want = self.expected.get(key).ok_or(SourceError::Missing { key })?;
+        match self.store.chunk_state(id, key.index) {
+            Ok(kvfs::ChunkState::Stored(s)) if from_store(s.format) == want => {}
+            Ok(kvfs::ChunkState::Stored(s)) => {
+                return Err(SourceError::Corrupt {
+                    key,
+                    detail: format!("stored as {}, expected {}", s.format, want.name()),
+                });
+            }
+            Ok(_) => return Err(SourceError::Missing { key }),
+            Err(e) => return Err(classify(key, &e)),
+        }
+        let bytes = self
+            .store
+            .read_chunk(id, key.index, &self.fingerprint)
+            .map_err(|e| classify(key, &e))?;
+        if bytes.len() > dst.len() {
+            return Err(SourceError::Corrupt {
+                key,
+                detail: format!("{} bytes for a {}-byte slot", bytes.len(), dst.len()),
+            });
+        }
+        dst[..bytes.len()].copy_from_slice(&bytes);
+        dst[bytes.len()..].fill(0);
+        Ok(())
+    }
+}

@@ -1,0 +1,253 @@
+//! The context manager on real parts: userfaultfd slots under a budget, a kvfs store on disk,
+//! the AoT writer, the Load pipeline. A context swapped out and brought back answers exactly as
+//! one never swapped.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use engine::kv::KvFormat;
+use engine::model::Model;
+use engine::model::tiny::{TinySpec, write_tiny_gguf};
+use engine::service::{CallOptions, LoadMode, Manager, ManagerConfig, Owner, ServiceError};
+use uffd_pager::{ChunkKey, ContextId};
+
+struct Tiny {
+    _dir: tempfile::TempDir,
+    model: Arc<Model>,
+}
+
+fn tiny() -> Tiny {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    let spec = TinySpec {
+        max_ctx: 1024,
+        ..TinySpec::default()
+    };
+    write_tiny_gguf(&path, &spec).unwrap();
+    let model = Arc::new(Model::load(&path).unwrap());
+    Tiny { _dir: dir, model }
+}
+
+fn owner() -> Owner {
+    Owner {
+        uid: 1000,
+        app: "test".into(),
+    }
+}
+
+/// Deterministic prompt tokens (ids within the tiny vocabulary).
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 250 + 3)
+        .collect()
+}
+
+fn opts(n: usize) -> CallOptions {
+    CallOptions {
+        max_tokens: n,
+        ..CallOptions::default()
+    }
+}
+
+fn config(store: &std::path::Path, budget: u64, format: KvFormat, load: LoadMode) -> ManagerConfig {
+    let mut c = ManagerConfig::new(store, budget);
+    c.kv_format = format;
+    c.max_tokens = 1024;
+    c.load = load;
+    if format == KvFormat::F16 {
+        c.compress_ratio = None;
+    }
+    c
+}
+
+/// Three calls on one context, with the context swapped out completely before each call when
+/// `swap`; returns every answer.
+fn conversation(t: &Tiny, format: KvFormat, load: LoadMode, swap: bool) -> Vec<Vec<u32>> {
+    let store = tempfile::tempdir().unwrap();
+    let mut m = Manager::open(Arc::clone(&t.model), config(store.path(), 64 << 20, format, load))
+        .unwrap();
+    let o = owner();
+    let id = m.create(&o, &prompt(1, 21)).unwrap();
+    let mut answers = Vec::new();
+    for call in 0..3u32 {
+        if swap && call > 0 {
+            m.flush();
+            m.swap_out(&o, id).unwrap();
+            assert_eq!(m.pager().context_resident(ContextId(id)).unwrap(), 0);
+            assert_eq!(m.pager().region_rss(ContextId(id)).unwrap(), 0, "region RSS");
+        }
+        let r = m
+            .call(&o, id, &prompt(call + 2, 40), &opts(12), Instant::now(), |_| true)
+            .unwrap();
+        if swap && call > 0 {
+            assert!(r.load.missing > 0, "nothing was missing after a swap-out");
+            match load {
+                LoadMode::ReadOnly => assert!(r.load.recomputed.is_empty(), "{:?}", r.load),
+                LoadMode::RecomputeOnly => assert!(r.load.read.is_empty(), "{:?}", r.load),
+                LoadMode::Planned => {}
+            }
+        }
+        answers.push(r.tokens);
+    }
+    answers
+}
+
+#[test]
+fn a_context_swapped_out_and_read_back_answers_as_one_never_swapped() {
+    let t = tiny();
+    for format in [KvFormat::Int8, KvFormat::F16] {
+        let kept = conversation(&t, format, LoadMode::ReadOnly, false);
+        let swapped = conversation(&t, format, LoadMode::ReadOnly, true);
+        assert_eq!(kept, swapped, "{format:?}");
+    }
+}
+
+#[test]
+fn a_context_recomputed_or_planned_back_answers_as_one_never_swapped() {
+    let t = tiny();
+    let kept = conversation(&t, KvFormat::Int8, LoadMode::RecomputeOnly, false);
+    for load in [LoadMode::RecomputeOnly, LoadMode::Planned] {
+        let swapped = conversation(&t, KvFormat::Int8, load, true);
+        assert_eq!(kept, swapped, "{load:?}");
+    }
+}
+
+#[test]
+fn a_deleted_or_corrupt_chunk_file_is_recomputed_and_the_answer_is_the_same() {
+    let t = tiny();
+    let kept = conversation(&t, KvFormat::Int8, LoadMode::ReadOnly, false);
+    for damage in ["delete", "corrupt"] {
+        let store = tempfile::tempdir().unwrap();
+        let cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::ReadOnly);
+        let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+        let o = owner();
+        let id = m.create(&o, &prompt(1, 21)).unwrap();
+        let mut answers = Vec::new();
+        for call in 0..3u32 {
+            if call > 0 {
+                m.flush();
+                m.swap_out(&o, id).unwrap();
+                let file = m.store().chunk_path(kvfs::ContextId(id), call - 1);
+                match damage {
+                    "delete" => std::fs::remove_file(&file).unwrap(),
+                    _ => {
+                        let mut b = std::fs::read(&file).unwrap();
+                        let n = b.len();
+                        b[n - 7] ^= 0x5a;
+                        std::fs::write(&file, b).unwrap();
+                    }
+                }
+            }
+            let r = m
+                .call(&o, id, &prompt(call + 2, 40), &opts(12), Instant::now(), |_| true)
+                .unwrap();
+            if call > 0 {
+                assert_eq!(r.load.failed_reads, vec![call - 1], "{damage}: {:?}", r.load);
+                assert!(r.load.recomputed.contains(&(call - 1)));
+            }
+            answers.push(r.tokens);
+        }
+        assert_eq!(kept, answers, "{damage}");
+        if damage == "corrupt" {
+            let q = store.path().join("quarantine");
+            assert!(
+                std::fs::read_dir(&q).is_ok_and(|d| d.count() > 0),
+                "nothing quarantined in {}",
+                q.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn many_contexts_under_a_budget_of_two_never_exceed_it_and_answer_as_unmanaged() {
+    let t = tiny();
+    let shape = t.model.chunk_shape(16);
+    // Each context holds 61 tokens + 3 calls of 24 + 8 answer tokens: about 10 chunks.
+    let per_ctx = 10 * shape.slot_bytes(KvFormat::Int8) as u64;
+    let run = |budget: u64| -> (Vec<Vec<u32>>, u64, u64) {
+        let store = tempfile::tempdir().unwrap();
+        let mut cfg = config(store.path(), budget, KvFormat::Int8, LoadMode::Planned);
+        cfg.compress_ratio = None;
+        let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+        let o = owner();
+        let ids: Vec<u64> = (0..5).map(|i| m.create(&o, &prompt(i, 61)).unwrap()).collect();
+        let mut answers = Vec::new();
+        let mut faults_after_warmup = 0;
+        for round in 0..3u32 {
+            for (n, &id) in ids.iter().enumerate() {
+                let before = m.stats().faults;
+                let r = m
+                    .call(&o, id, &prompt(round * 10 + n as u32, 24), &opts(8), Instant::now(), |_| {
+                        true
+                    })
+                    .unwrap();
+                if round > 0 {
+                    faults_after_warmup += m.stats().faults - before;
+                }
+                assert!(
+                    m.pager().resident_bytes() <= budget,
+                    "{} resident over a budget of {budget}",
+                    m.pager().resident_bytes()
+                );
+                answers.push(r.tokens);
+                m.flush();
+            }
+        }
+        let s = m.stats();
+        (answers, faults_after_warmup, s.reclaims.min(s.chunks_read + s.chunks_recomputed))
+    };
+    let (unmanaged, _, swapped) = run(1 << 30);
+    assert_eq!(swapped, 0, "nothing should be swapped with room for all");
+    let (managed, faults, swapped) = run(2 * per_ctx);
+    assert!(swapped > 10, "the budget of two contexts swapped only {swapped} chunks");
+    assert_eq!(unmanaged, managed);
+    assert_eq!(faults, 0, "calls took faults in steady state");
+}
+
+#[test]
+fn contexts_survive_a_restart_and_answer_as_if_it_never_happened() {
+    let t = tiny();
+    let kept = conversation(&t, KvFormat::Int8, LoadMode::ReadOnly, false);
+    let store = tempfile::tempdir().unwrap();
+    let o = owner();
+    let mut answers = Vec::new();
+    let mut id = 0;
+    for call in 0..3u32 {
+        let cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::ReadOnly);
+        let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+        if call == 0 {
+            id = m.create(&o, &prompt(1, 21)).unwrap();
+        }
+        let r = m
+            .call(&o, id, &prompt(call + 2, 40), &opts(12), Instant::now(), |_| true)
+            .unwrap();
+        answers.push(r.tokens);
+        m.flush();
+    }
+    assert_eq!(kept, answers);
+}
+
+#[test]
+fn another_owner_sees_no_context() {
+    let t = tiny();
+    let store = tempfile::tempdir().unwrap();
+    let cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
+    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+    let id = m.create(&owner(), &prompt(1, 5)).unwrap();
+    let other = Owner {
+        uid: 1001,
+        app: "test".into(),
+    };
+    let err = m
+        .call(&other, id, &prompt(2, 5), &opts(2), Instant::now(), |_| true)
+        .unwrap_err();
+    assert!(matches!(err, ServiceError::NotFound { .. }), "{err}");
+    assert_eq!(err.code(), "not_found");
+    assert!(m.list(&other).is_empty());
+    assert_eq!(m.list(&owner()).len(), 1);
+    assert_eq!(m.delete(&other, id).unwrap_err().code(), "not_found");
+    m.delete(&owner(), id).unwrap();
+    assert!(m.list(&owner()).is_empty());
+    let _ = ChunkKey::new(id, 0);
+}
