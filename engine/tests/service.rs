@@ -64,8 +64,11 @@ fn config(store: &std::path::Path, budget: u64, format: KvFormat, load: LoadMode
 /// `swap`; returns every answer.
 fn conversation(t: &Tiny, format: KvFormat, load: LoadMode, swap: bool) -> Vec<Vec<u32>> {
     let store = tempfile::tempdir().unwrap();
-    let mut m = Manager::open(Arc::clone(&t.model), config(store.path(), 64 << 20, format, load))
-        .unwrap();
+    let mut m = Manager::open(
+        Arc::clone(&t.model),
+        config(store.path(), 64 << 20, format, load),
+    )
+    .unwrap();
     let o = owner();
     let id = m.create(&o, &prompt(1, 21)).unwrap();
     let mut answers = Vec::new();
@@ -74,10 +77,21 @@ fn conversation(t: &Tiny, format: KvFormat, load: LoadMode, swap: bool) -> Vec<V
             m.flush();
             m.swap_out(&o, id).unwrap();
             assert_eq!(m.pager().context_resident(ContextId(id)).unwrap(), 0);
-            assert_eq!(m.pager().region_rss(ContextId(id)).unwrap(), 0, "region RSS");
+            assert_eq!(
+                m.pager().region_rss(ContextId(id)).unwrap(),
+                0,
+                "region RSS"
+            );
         }
         let r = m
-            .call(&o, id, &prompt(call + 2, 40), &opts(12), Instant::now(), |_| true)
+            .call(
+                &o,
+                id,
+                &prompt(call + 2, 40),
+                &opts(12),
+                Instant::now(),
+                |_| true,
+            )
             .unwrap();
         if swap && call > 0 {
             assert!(r.load.missing > 0, "nothing was missing after a swap-out");
@@ -139,10 +153,22 @@ fn a_deleted_or_corrupt_chunk_file_is_recomputed_and_the_answer_is_the_same() {
                 }
             }
             let r = m
-                .call(&o, id, &prompt(call + 2, 40), &opts(12), Instant::now(), |_| true)
+                .call(
+                    &o,
+                    id,
+                    &prompt(call + 2, 40),
+                    &opts(12),
+                    Instant::now(),
+                    |_| true,
+                )
                 .unwrap();
             if call > 0 {
-                assert_eq!(r.load.failed_reads, vec![call - 1], "{damage}: {:?}", r.load);
+                assert_eq!(
+                    r.load.failed_reads,
+                    vec![call - 1],
+                    "{damage}: {:?}",
+                    r.load
+                );
                 assert!(r.load.recomputed.contains(&(call - 1)));
             }
             answers.push(r.tokens);
@@ -171,16 +197,23 @@ fn many_contexts_under_a_budget_of_two_never_exceed_it_and_answer_as_unmanaged()
         cfg.compress_ratio = None;
         let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
         let o = owner();
-        let ids: Vec<u64> = (0..5).map(|i| m.create(&o, &prompt(i, 61)).unwrap()).collect();
+        let ids: Vec<u64> = (0..5)
+            .map(|i| m.create(&o, &prompt(i, 61)).unwrap())
+            .collect();
         let mut answers = Vec::new();
         let mut faults_after_warmup = 0;
         for round in 0..3u32 {
             for (n, &id) in ids.iter().enumerate() {
                 let before = m.stats().faults;
                 let r = m
-                    .call(&o, id, &prompt(round * 10 + n as u32, 24), &opts(8), Instant::now(), |_| {
-                        true
-                    })
+                    .call(
+                        &o,
+                        id,
+                        &prompt(round * 10 + n as u32, 24),
+                        &opts(8),
+                        Instant::now(),
+                        |_| true,
+                    )
                     .unwrap();
                 if round > 0 {
                     faults_after_warmup += m.stats().faults - before;
@@ -195,12 +228,19 @@ fn many_contexts_under_a_budget_of_two_never_exceed_it_and_answer_as_unmanaged()
             }
         }
         let s = m.stats();
-        (answers, faults_after_warmup, s.reclaims.min(s.chunks_read + s.chunks_recomputed))
+        (
+            answers,
+            faults_after_warmup,
+            s.reclaims.min(s.chunks_read + s.chunks_recomputed),
+        )
     };
     let (unmanaged, _, swapped) = run(1 << 30);
     assert_eq!(swapped, 0, "nothing should be swapped with room for all");
     let (managed, faults, swapped) = run(2 * per_ctx);
-    assert!(swapped > 10, "the budget of two contexts swapped only {swapped} chunks");
+    assert!(
+        swapped > 10,
+        "the budget of two contexts swapped only {swapped} chunks"
+    );
     assert_eq!(unmanaged, managed);
     assert_eq!(faults, 0, "calls took faults in steady state");
 }
@@ -220,7 +260,14 @@ fn contexts_survive_a_restart_and_answer_as_if_it_never_happened() {
             id = m.create(&o, &prompt(1, 21)).unwrap();
         }
         let r = m
-            .call(&o, id, &prompt(call + 2, 40), &opts(12), Instant::now(), |_| true)
+            .call(
+                &o,
+                id,
+                &prompt(call + 2, 40),
+                &opts(12),
+                Instant::now(),
+                |_| true,
+            )
             .unwrap();
         answers.push(r.tokens);
         m.flush();
@@ -240,7 +287,9 @@ fn another_owner_sees_no_context() {
         app: "test".into(),
     };
     let err = m
-        .call(&other, id, &prompt(2, 5), &opts(2), Instant::now(), |_| true)
+        .call(&other, id, &prompt(2, 5), &opts(2), Instant::now(), |_| {
+            true
+        })
         .unwrap_err();
     assert!(matches!(err, ServiceError::NotFound { .. }), "{err}");
     assert_eq!(err.code(), "not_found");

@@ -1082,16 +1082,23 @@ impl Pager {
     /// How many chunks a context's region holds.
     pub fn context_chunks(&self, ctx: ContextId) -> Result<u32, PagerError> {
         let st = self.shared.lock();
-        let c = st.book.ctxs.get(&ctx).ok_or(PagerError::NoContext { ctx })?;
+        let c = st
+            .book
+            .ctxs
+            .get(&ctx)
+            .ok_or(PagerError::NoContext { ctx })?;
         Ok(c.slots.len() as u32)
     }
 
     /// The bytes a context's resident chunks occupy, as accounted.
     pub fn context_resident(&self, ctx: ContextId) -> Result<u64, PagerError> {
         let st = self.shared.lock();
-        let c = st.book.ctxs.get(&ctx).ok_or(PagerError::NoContext { ctx })?;
-        Ok(c
-            .slots
+        let c = st
+            .book
+            .ctxs
+            .get(&ctx)
+            .ok_or(PagerError::NoContext { ctx })?;
+        Ok(c.slots
             .iter()
             .filter(|s| s.state == ChunkState::Resident)
             .map(|s| s.bytes as u64)
@@ -1326,7 +1333,9 @@ pub struct ContextLock {
 
 impl std::fmt::Debug for ContextLock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ContextLock").field("ctx", &self.ctx).finish()
+        f.debug_struct("ContextLock")
+            .field("ctx", &self.ctx)
+            .finish()
     }
 }
 

@@ -133,7 +133,15 @@ pub fn load(
                 ctx: ContextId(ctx),
                 index: i,
             };
-            match read_one(store, pager, fingerprint, &shape, formats[i as usize], key, &mut scratch) {
+            match read_one(
+                store,
+                pager,
+                fingerprint,
+                &shape,
+                formats[i as usize],
+                key,
+                &mut scratch,
+            ) {
                 Ok(b) => {
                     ok.push(i);
                     bytes += b;
@@ -147,7 +155,11 @@ pub fn load(
         let _ = first_done.send(());
         (ok, failed, bytes, t.elapsed().as_secs_f64())
     };
-    let recompute = plan.recompute.iter().map(|&i| i as usize).collect::<Vec<_>>();
+    let recompute = plan
+        .recompute
+        .iter()
+        .map(|&i| i as usize)
+        .collect::<Vec<_>>();
     let (io_out, re_out) = std::thread::scope(|s| {
         let h = s.spawn(|| io(&plan.read_first, &plan.read_after));
         let _ = wait_first.recv();
@@ -236,12 +248,20 @@ fn read_one(
         scratch
     } else {
         return Err(ServiceError::Internal {
-            what: format!("{key} is stored as {} but the context holds it as {}", have.name(), want.name()),
+            what: format!(
+                "{key} is stored as {} but the context holds it as {}",
+                have.name(),
+                want.name()
+            ),
         });
     };
     if data.len() != shape.chunk_bytes(want) {
         return Err(ServiceError::Internal {
-            what: format!("{key}: {} bytes stored for a {}-byte chunk", data.len(), shape.chunk_bytes(want)),
+            what: format!(
+                "{key}: {} bytes stored for a {}-byte chunk",
+                data.len(),
+                shape.chunk_bytes(want)
+            ),
         });
     }
     pager.populate(key, data.len(), data)?;

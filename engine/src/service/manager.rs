@@ -19,7 +19,9 @@ use std::time::Instant;
 
 use kvfs::{Fingerprint, NewContext, Store, StoreOptions};
 use policy::{CostModel, DensityTracker, Level, LevelSet, LinearCost};
-use uffd_pager::{ChunkKey, ContextId, ContextSpec, Histogram, HistogramSummary, Pager, PagerConfig};
+use uffd_pager::{
+    ChunkKey, ContextId, ContextSpec, Histogram, HistogramSummary, Pager, PagerConfig,
+};
 
 use crate::kv::{KvCache, KvFormat};
 use crate::model::Model;
@@ -326,7 +328,12 @@ impl Manager {
         Ok(m)
     }
 
-    fn new_context(&self, id: u64, owner: Owner, tokens: Vec<u32>) -> Result<Context, ServiceError> {
+    fn new_context(
+        &self,
+        id: u64,
+        owner: Owner,
+        tokens: Vec<u32>,
+    ) -> Result<Context, ServiceError> {
         let shape = self.model.chunk_shape(self.cfg.chunk_tokens);
         let max_chunks = self.cfg.max_tokens.div_ceil(self.cfg.chunk_tokens) as u32;
         self.pager.add_context(
@@ -342,11 +349,10 @@ impl Manager {
             Arc::clone(&self.versions),
         ));
         let hl = (self.model.cfg.n_heads * self.model.cfg.n_layers) as u32;
-        let mut density = DensityTracker::new(hl, self.cfg.chunk_tokens).map_err(|e| {
-            ServiceError::Internal {
+        let mut density =
+            DensityTracker::new(hl, self.cfg.chunk_tokens).map_err(|e| ServiceError::Internal {
                 what: e.to_string(),
-            }
-        })?;
+            })?;
         let t = self.cfg.chunk_tokens;
         let sealed = tokens.len() / t;
         let mut stored = vec![None; sealed];
@@ -594,7 +600,8 @@ impl Manager {
         // 3. Compress.
         let hl = (model.cfg.n_heads * model.cfg.n_layers) as u32;
         ctx.pending = ctx.cache.drop_open();
-        ctx.pending.extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);
+        ctx.pending
+            .extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);
         let attention = ctx.cache.take_attention(hl);
         ctx.density
             .merge(&attention)

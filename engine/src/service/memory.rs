@@ -91,7 +91,10 @@ impl ChunkMemory for PagerChunks {
     fn put(&mut self, index: usize, bytes: &[u8]) -> Result<(), KvError> {
         let key = self.key(index);
         self.versions.bump(key);
-        let info = self.pager.chunk_info(key).map_err(|e| store_err(index, e))?;
+        let info = self
+            .pager
+            .chunk_info(key)
+            .map_err(|e| store_err(index, e))?;
         let resident = info.state == uffd_pager::ChunkState::Resident;
         if resident && self.lock.is_some() && bytes.len() <= info.bytes {
             // Rewrite in place (recompute, recompress), then give back the pages past the end.

@@ -57,9 +57,7 @@ impl ServiceError {
             ServiceError::Kv(crate::kv::KvError::Full { .. }) => "context_full",
             ServiceError::Model(crate::model::ModelError::BadToken { .. }) => "bad_request",
             ServiceError::Pager(uffd_pager::PagerError::BudgetExhausted { .. })
-            | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => {
-                "over_budget"
-            }
+            | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => "over_budget",
             ServiceError::Store(_) => "store",
             _ => "internal",
         }

@@ -36,12 +36,15 @@ pub fn from_store(f: kvfs::KvFormat) -> KvFormat {
 /// The format of a policy level (its bits), if the engine has one.
 pub fn format_of(set: &LevelSet, level: Level) -> Option<KvFormat> {
     let bits = set.bits(level)?;
-    KvFormat::ALL.into_iter().find(|f| f.bits() == u32::from(bits))
+    KvFormat::ALL
+        .into_iter()
+        .find(|f| f.bits() == u32::from(bits))
 }
 
 /// The policy level of a format, if the set has one with its bits.
 pub fn level_of(set: &LevelSet, f: KvFormat) -> Option<Level> {
-    set.levels().find(|&l| set.bits(l) == u8::try_from(f.bits()).ok())
+    set.levels()
+        .find(|&l| set.bits(l) == u8::try_from(f.bits()).ok())
 }
 
 /// The model's fingerprint as kvfs checks it: sha256 of the GGUF file, read in 1 MiB pieces.
