@@ -300,3 +300,34 @@ fn another_owner_sees_no_context() {
     assert!(m.list(&owner()).is_empty());
     let _ = ChunkKey::new(id, 0);
 }
+
+#[test]
+fn a_lower_budget_reclaims_at_once_and_calls_still_answer() {
+    let t = tiny();
+    let store = tempfile::tempdir().unwrap();
+    let cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
+    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+    let o = owner();
+    let a = m.create(&o, &prompt(1, 70)).unwrap();
+    let b = m.create(&o, &prompt(2, 70)).unwrap();
+    for id in [a, b] {
+        m.call(&o, id, &prompt(3, 30), &opts(4), Instant::now(), |_| true)
+            .unwrap();
+    }
+    m.flush();
+    let before = m.pager().resident_bytes();
+    let slot = t.model.chunk_shape(16).slot_bytes(KvFormat::Int8) as u64;
+    let freed = m.set_budget(2 * slot).unwrap();
+    assert!(freed > 0 && m.pager().resident_bytes() <= 2 * slot, "{before} -> freed {freed}");
+    assert_eq!(m.stats().unwritten_reclaims, 0, "written chunks go first");
+    let r = m
+        .call(&o, a, &prompt(4, 8), &opts(4), Instant::now(), |_| true)
+        .unwrap_err();
+    // Context a alone needs more than two chunks: the call cannot run, and says so.
+    assert_eq!(r.code(), "over_budget", "{r}");
+    m.set_budget(64 << 20).unwrap();
+    let r = m
+        .call(&o, a, &prompt(4, 8), &opts(4), Instant::now(), |_| true)
+        .unwrap();
+    assert!(r.load.missing > 0);
+}

@@ -17,6 +17,9 @@ pub enum KvError {
     /// The chunk memory refused to store a chunk (budget, I/O).
     #[error("cannot store chunk {index}: {reason}")]
     Store { index: usize, reason: String },
+    /// The chunk memory's budget has no room for the chunk (everything else is in use).
+    #[error("no memory for chunk {index}: {reason}")]
+    OverBudget { index: usize, reason: String },
     /// A sealed chunk is not resident and the memory could not bring it back.
     #[error("chunk {index} is not resident")]
     NotResident { index: usize },

@@ -77,9 +77,17 @@ impl PagerChunks {
 }
 
 fn store_err(index: usize, e: PagerError) -> KvError {
-    KvError::Store {
-        index,
-        reason: e.to_string(),
+    match e {
+        PagerError::BudgetExhausted { .. } | PagerError::LargerThanBudget { .. } => {
+            KvError::OverBudget {
+                index,
+                reason: e.to_string(),
+            }
+        }
+        e => KvError::Store {
+            index,
+            reason: e.to_string(),
+        },
     }
 }
 

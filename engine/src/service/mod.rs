@@ -50,14 +50,28 @@ pub enum ServiceError {
 impl ServiceError {
     /// A stable, machine-readable name for the error.
     pub fn code(&self) -> &'static str {
+        use crate::kv::recompute::RecomputeError;
+        use crate::model::ModelError;
+        let kv = |e: &crate::kv::KvError| match e {
+            crate::kv::KvError::Full { .. } => "context_full",
+            crate::kv::KvError::OverBudget { .. } => "over_budget",
+            _ => "internal",
+        };
         match self {
             ServiceError::NotFound { .. } => "not_found",
             ServiceError::BadRequest { .. } => "bad_request",
             ServiceError::TooManyContexts { .. } => "too_many_contexts",
-            ServiceError::Kv(crate::kv::KvError::Full { .. }) => "context_full",
-            ServiceError::Model(crate::model::ModelError::BadToken { .. }) => "bad_request",
+            ServiceError::Kv(e)
+            | ServiceError::Model(ModelError::Kv(e))
+            | ServiceError::Recompute(RecomputeError::Model {
+                source: ModelError::Kv(e),
+                ..
+            }) => kv(e),
+            ServiceError::Model(ModelError::BadToken { .. }) => "bad_request",
             ServiceError::Pager(uffd_pager::PagerError::BudgetExhausted { .. })
-            | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => "over_budget",
+            | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => {
+                "over_budget"
+            }
             ServiceError::Store(_) => "store",
             _ => "internal",
         }
