@@ -318,7 +318,10 @@ fn a_lower_budget_reclaims_at_once_and_calls_still_answer() {
     let before = m.pager().resident_bytes();
     let slot = t.model.chunk_shape(16).slot_bytes(KvFormat::Int8) as u64;
     let freed = m.set_budget(2 * slot).unwrap();
-    assert!(freed > 0 && m.pager().resident_bytes() <= 2 * slot, "{before} -> freed {freed}");
+    assert!(
+        freed > 0 && m.pager().resident_bytes() <= 2 * slot,
+        "{before} -> freed {freed}"
+    );
     assert_eq!(m.stats().unwritten_reclaims, 0, "written chunks go first");
     let r = m
         .call(&o, a, &prompt(4, 8), &opts(4), Instant::now(), |_| true)

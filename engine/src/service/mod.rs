@@ -69,9 +69,7 @@ impl ServiceError {
             }) => kv(e),
             ServiceError::Model(ModelError::BadToken { .. }) => "bad_request",
             ServiceError::Pager(uffd_pager::PagerError::BudgetExhausted { .. })
-            | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => {
-                "over_budget"
-            }
+            | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => "over_budget",
             ServiceError::Store(_) => "store",
             _ => "internal",
         }
