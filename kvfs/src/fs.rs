@@ -21,7 +21,7 @@ use fuser::{
     SessionACL, TimeOrNow, WriteFlags,
 };
 
-use crate::format::KvFormat;
+use crate::format::{ChunkHeader, Codec, HEADER_LEN, KvFormat};
 use crate::store::{ChunkState, ContextId, MAX_CHUNK_BYTES, Store, StoreError};
 
 /// Attributes are not cached: sizes of `info`, `text`, `stats` and chunks change under writes, and a
@@ -42,6 +42,7 @@ const SLOT_DIR: u64 = 1;
 const SLOT_CHUNKS: u64 = 2;
 const SLOT_INFO: u64 = 3;
 const SLOT_TEXT: u64 = 4;
+const SLOT_KV: u64 = 5;
 const FIRST_CHUNK: u64 = 16;
 /// Extended attributes of a chunk file; `format` and `density` can be set before a write commits.
 const XATTRS: [&str; 5] = [
@@ -60,6 +61,7 @@ enum Node {
     Chunks(ContextId),
     Info(ContextId),
     Text(ContextId),
+    Kv(ContextId),
     Chunk(ContextId, u32),
 }
 
@@ -80,6 +82,7 @@ impl Node {
             SLOT_CHUNKS => Node::Chunks(ctx),
             SLOT_INFO => Node::Info(ctx),
             SLOT_TEXT => Node::Text(ctx),
+            SLOT_KV => Node::Kv(ctx),
             s if s >= FIRST_CHUNK => Node::Chunk(ctx, (s - FIRST_CHUNK) as u32),
             _ => return None,
         })
@@ -94,6 +97,7 @@ impl Node {
             Node::Chunks(c) => base(c) | SLOT_CHUNKS,
             Node::Info(c) => base(c) | SLOT_INFO,
             Node::Text(c) => base(c) | SLOT_TEXT,
+            Node::Kv(c) => base(c) | SLOT_KV,
             Node::Chunk(c, i) => base(c) | (FIRST_CHUNK + i as u64),
         })
     }
@@ -101,11 +105,36 @@ impl Node {
     fn context(self) -> Option<ContextId> {
         match self {
             Node::Root | Node::Stats => None,
-            Node::Dir(c) | Node::Chunks(c) | Node::Info(c) | Node::Text(c) | Node::Chunk(c, _) => {
-                Some(c)
-            }
+            Node::Dir(c)
+            | Node::Chunks(c)
+            | Node::Info(c)
+            | Node::Text(c)
+            | Node::Kv(c)
+            | Node::Chunk(c, _) => Some(c),
         }
     }
+}
+
+/// The distance between two chunks' slots in a context's `kv` file: chunk `i`'s image starts at
+/// `i * KV_SLOT_BYTES` (128 MiB, above the largest chunk image, so slots never overlap; the file is
+/// sparse and absent chunks are holes).
+pub const KV_SLOT_BYTES: u64 = 1 << 27;
+
+/// Where chunk `index`'s image starts in its context's `kv` file.
+pub fn kv_offset(index: u32) -> u64 {
+    index as u64 * KV_SLOT_BYTES
+}
+
+/// The length of the chunk image a `kv` write header announces, after checking that it names
+/// context `c` and chunk `index` and holds plain bytes.
+fn image_len(h: &ChunkHeader, c: ContextId, index: u32) -> Result<usize, Errno> {
+    if h.context != c.0 || h.index != index || h.codec != Codec::Raw || h.stored_len != h.raw_len {
+        return Err(Errno::EINVAL);
+    }
+    if h.raw_len as usize > MAX_CHUNK_BYTES {
+        return Err(Errno::EFBIG);
+    }
+    Ok(HEADER_LEN + h.raw_len as usize)
 }
 
 /// The largest chunk index with an inode (the slot must fit in 32 bits).
@@ -114,6 +143,9 @@ const MAX_INDEX: u32 = u32::MAX - FIRST_CHUNK as u32;
 enum Handle {
     /// A snapshot taken at open: a checked chunk or a generated text file.
     Read(Arc<Vec<u8>>),
+    /// The per-context `kv` file; reads need nothing from the handle, a write of a chunk image
+    /// split over several requests is gathered here until it is whole.
+    Kv { partial: Option<Partial> },
     /// A chunk being written: committed to the store on flush, fsync or release.
     Write {
         ctx: ContextId,
@@ -121,6 +153,13 @@ enum Handle {
         buf: Vec<u8>,
         dirty: bool,
     },
+}
+
+/// A chunk image written to the `kv` file in more than one request, gathered until it is whole.
+struct Partial {
+    index: u32,
+    image: Vec<u8>,
+    filled: usize,
 }
 
 /// A chunk's format and density set through xattrs, not yet committed.
@@ -187,14 +226,11 @@ impl KvFs {
 
     /// The owner of a context if `uid` may see it (its owner, or root), else ENOENT.
     fn owner(&self, uid: u32, ctx: ContextId) -> Result<(u32, SystemTime), Errno> {
-        let meta = self.store.meta(ctx).map_err(store_err)?;
-        if uid != 0 && uid != meta.owner_uid {
+        let (owner, created) = self.store.owner(ctx).map_err(store_err)?;
+        if uid != 0 && uid != owner {
             return Err(Errno::ENOENT);
         }
-        Ok((
-            meta.owner_uid,
-            UNIX_EPOCH + Duration::from_secs(meta.created),
-        ))
+        Ok((owner, UNIX_EPOCH + Duration::from_secs(created)))
     }
 
     fn pending_write_len(&self, ctx: ContextId, index: u32) -> Option<usize> {
@@ -246,6 +282,10 @@ impl KvFs {
                     t,
                 ))
             }
+            Node::Kv(c) => {
+                let (owner, t) = self.owner(uid, c)?;
+                Ok(file(0o600, owner, self.kv_len(c)? as usize, t))
+            }
             Node::Chunk(c, i) => {
                 let (owner, t) = self.owner(uid, c)?;
                 let size = match self.pending_write_len(c, i) {
@@ -269,6 +309,7 @@ impl KvFs {
                 "chunks" => Node::Chunks(c),
                 "info" => Node::Info(c),
                 "text" => Node::Text(c),
+                "kv" => Node::Kv(c),
                 _ => return Err(Errno::ENOENT),
             },
             Node::Chunks(c) => Node::Chunk(c, parse_index(name)?),
@@ -311,6 +352,7 @@ impl KvFs {
                     FileType::RegularFile,
                     "text".to_owned(),
                 ));
+                out.push((Node::Kv(c).ino(), FileType::RegularFile, "kv".to_owned()));
             }
             Node::Chunks(c) => {
                 self.owner(uid, c)?;
@@ -352,6 +394,10 @@ impl KvFs {
             Node::Text(c) => {
                 self.owner(uid, c)?;
                 text(self.store.render_text(c).map_err(store_err)?)
+            }
+            Node::Kv(c) => {
+                self.owner(uid, c)?;
+                Ok(self.add_handle(Handle::Kv { partial: None }))
             }
             Node::Chunk(c, i) => {
                 self.owner(uid, c)?;
@@ -423,7 +469,160 @@ impl KvFs {
         match lock(&self.handles).get(&fh.0).ok_or(Errno::EBADF)? {
             Handle::Read(b) => Ok(b.clone()),
             Handle::Write { buf, .. } => Ok(Arc::new(buf.clone())),
+            Handle::Kv { .. } => Err(Errno::EBADF),
         }
+    }
+
+    /// The `kv` file's length: the end of its last stored chunk's image.
+    fn kv_len(&self, c: ContextId) -> Result<u64, Errno> {
+        let info = self.store.context(c).map_err(store_err)?;
+        Ok(info
+            .chunks
+            .iter()
+            .rev()
+            .find_map(|m| match &m.state {
+                ChunkState::Stored(s) => {
+                    Some(kv_offset(m.index) + HEADER_LEN as u64 + s.raw_len as u64)
+                }
+                _ => None,
+            })
+            .unwrap_or(0))
+    }
+
+    /// Serves `size` bytes at `offset` of context `c`'s `kv` file: a piece of one chunk's image,
+    /// never crossing into the next slot; nothing (end of file) past the image or for a chunk
+    /// that was never stored; EIO for a chunk that fails its checks (it is quarantined) or was
+    /// quarantined before.
+    fn read_kv(&self, c: ContextId, offset: u64, size: u32, reply: ReplyData) {
+        let index = offset / KV_SLOT_BYTES;
+        let within = (offset % KV_SLOT_BYTES) as usize;
+        let stored = match u32::try_from(index) {
+            Ok(i) if i <= MAX_INDEX => match self.store.chunk_state(c, i) {
+                Ok(ChunkState::Stored(s)) => Some((i, s.raw_len as usize)),
+                // Refused again, as the store refuses it, until it is rewritten.
+                Ok(ChunkState::Quarantined { .. }) => return reply.error(Errno::EIO),
+                Ok(ChunkState::Missing) => None,
+                Err(e) => return reply.error(store_err(e)),
+            },
+            _ => None,
+        };
+        let Some((i, _)) = stored.filter(|(_, raw)| within < HEADER_LEN + raw) else {
+            return reply.data(&[]);
+        };
+        let fp = match self.store.fingerprint(c) {
+            Ok(fp) => fp,
+            Err(e) => return reply.error(store_err(e)),
+        };
+        let mut reply = Some(reply);
+        let res = self.store.with_chunk_image(c, i, &fp, |_, image| {
+            let start = within.min(image.len());
+            let end = start.saturating_add(size as usize).min(image.len());
+            if let Some(r) = reply.take() {
+                r.data(&image[start..end]);
+            }
+        });
+        if let (Err(e), Some(r)) = (res, reply.take()) {
+            if matches!(e, StoreError::Corrupt { .. }) {
+                tracing::warn!(error = %e, "kvfs refused a corrupt chunk");
+            }
+            r.error(store_err(e));
+        }
+    }
+
+    /// Takes `data` written at `offset` of context `c`'s `kv` file: a chunk image (a raw chunk
+    /// header and the plain bytes) at its slot, whole or in pieces; a whole image is checked (its
+    /// crcs, that it names this context, this slot and the context's model) and committed with
+    /// [`Store::write_chunk`] before the write returns, so a returned `pwrite` is durable.
+    fn write_kv(
+        &self,
+        fh: FileHandle,
+        c: ContextId,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<u32, Errno> {
+        if self.read_only {
+            return Err(Errno::EROFS);
+        }
+        let index = u32::try_from(offset / KV_SLOT_BYTES).map_err(|_| Errno::EINVAL)?;
+        let within = (offset % KV_SLOT_BYTES) as usize;
+        if within == 0 {
+            let header = ChunkHeader::decode(data).map_err(|_| Errno::EINVAL)?;
+            let total = image_len(&header, c, index)?;
+            if data.len() > total {
+                return Err(Errno::EINVAL);
+            }
+            if data.len() < total {
+                let mut image = Vec::with_capacity(total);
+                image.extend_from_slice(data);
+                let mut handles = lock(&self.handles);
+                let Some(Handle::Kv { partial }) = handles.get_mut(&fh.0) else {
+                    return Err(Errno::EBADF);
+                };
+                *partial = Some(Partial {
+                    index,
+                    image,
+                    filled: data.len(),
+                });
+                return Ok(data.len() as u32);
+            }
+            self.commit_image(c, index, &header, data)?;
+            return Ok(data.len() as u32);
+        }
+        // A later piece of a split image: gather it, commit when whole.
+        let done = {
+            let mut handles = lock(&self.handles);
+            let Some(Handle::Kv { partial }) = handles.get_mut(&fh.0) else {
+                return Err(Errno::EBADF);
+            };
+            let Some(p) = partial.as_mut().filter(|p| p.index == index) else {
+                return Err(Errno::EINVAL);
+            };
+            let end = within.checked_add(data.len()).ok_or(Errno::EINVAL)?;
+            if within != p.image.len() || end > p.image.capacity() {
+                return Err(Errno::EINVAL);
+            }
+            p.image.extend_from_slice(data);
+            p.filled = end;
+            if end == p.image.capacity() {
+                partial.take()
+            } else {
+                None
+            }
+        };
+        if let Some(p) = done {
+            let header = ChunkHeader::decode(&p.image).map_err(|_| Errno::EINVAL)?;
+            self.commit_image(c, p.index, &header, &p.image)?;
+        }
+        Ok(data.len() as u32)
+    }
+
+    /// Checks a whole chunk image written to the `kv` file and writes it to the store.
+    fn commit_image(
+        &self,
+        c: ContextId,
+        index: u32,
+        header: &ChunkHeader,
+        image: &[u8],
+    ) -> Result<(), Errno> {
+        let payload = &image[HEADER_LEN..];
+        header.check_payload(payload).map_err(|e| {
+            tracing::warn!(context = %c, index, error = %e, "kvfs refused a damaged chunk image");
+            Errno::EIO
+        })?;
+        self.store
+            .write_chunk(
+                c,
+                index,
+                &header.fingerprint,
+                header.format,
+                header.density,
+                payload,
+            )
+            .map(|_| ())
+            .map_err(|e| {
+                tracing::warn!(error = %e, "kvfs write through the kv file failed");
+                errno(&e)
+            })
     }
 
     fn write_handle(&self, fh: FileHandle, offset: u64, data: &[u8]) -> Result<u32, Errno> {
@@ -485,6 +684,7 @@ impl KvFs {
                     *dirty = false;
                     (*ctx, *index, std::mem::take(buf))
                 }
+                // `kv` writes commit as each image completes; nothing waits for a close.
                 Some(_) => return Ok(()),
                 None => return Err(Errno::EBADF),
             }
@@ -675,7 +875,14 @@ impl Filesystem for KvFs {
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let writing = flags.acc_mode() != OpenAccMode::O_RDONLY;
         // Read-only handles have nothing to commit: spare the kernel a FLUSH round trip on close.
-        let open_flags = if writing {
+        // A `kv` writer commits each chunk as its write completes: nothing to flush either, and
+        // writes to different chunks may run in parallel.
+        let kv = matches!(Node::of(ino), Some(Node::Kv(_)));
+        let open_flags = if kv && writing {
+            FopenFlags::FOPEN_DIRECT_IO
+                | FopenFlags::FOPEN_NOFLUSH
+                | FopenFlags::FOPEN_PARALLEL_DIRECT_WRITES
+        } else if writing {
             FopenFlags::FOPEN_DIRECT_IO
         } else {
             FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH
@@ -705,7 +912,7 @@ impl Filesystem for KvFs {
     fn read(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         size: u32,
@@ -713,6 +920,9 @@ impl Filesystem for KvFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        if let Some(Node::Kv(c)) = Node::of(ino) {
+            return self.read_kv(c, offset, size, reply);
+        }
         match self.handle_bytes(fh) {
             Ok(bytes) => {
                 let start = (offset as usize).min(bytes.len());
@@ -726,7 +936,7 @@ impl Filesystem for KvFs {
     fn write(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
@@ -735,7 +945,11 @@ impl Filesystem for KvFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
-        match self.write_handle(fh, offset, data) {
+        let res = match Node::of(ino) {
+            Some(Node::Kv(c)) => self.write_kv(fh, c, offset, data),
+            _ => self.write_handle(fh, offset, data),
+        };
+        match res {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(e),
         }
@@ -780,7 +994,16 @@ impl Filesystem for KvFs {
         reply: ReplyEmpty,
     ) {
         let res = self.commit(fh);
-        lock(&self.handles).remove(&fh.0);
+        if let Some(Handle::Kv {
+            partial: Some(p), ..
+        }) = lock(&self.handles).remove(&fh.0)
+        {
+            tracing::warn!(
+                index = p.index,
+                bytes = p.filled,
+                "kvfs dropped an unfinished chunk image at close; the stored chunk is unchanged"
+            );
+        }
         match res {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
@@ -859,7 +1082,8 @@ impl Filesystem for KvFs {
 pub struct MountConfig {
     /// Refuse every write (EROFS), and mount with `ro`.
     pub read_only: bool,
-    /// FUSE worker threads.
+    /// FUSE worker threads, each reading its own cloned `/dev/fuse` descriptor: as many as the
+    /// parallel chunk readers to serve (each blocks on its chunk's disk read).
     pub threads: usize,
     /// Let the kernel cache context directories' attributes for a second. This saves two
     /// `getattr` round trips per chunk open (the kernel checks permissions on each directory of
@@ -872,7 +1096,7 @@ impl Default for MountConfig {
     fn default() -> Self {
         MountConfig {
             read_only: false,
-            threads: 2,
+            threads: 4,
             cache_dir_attrs: false,
         }
     }

@@ -1,16 +1,19 @@
 //! kvfs: the crash-safe, compressed KV chunk store and its FUSE filesystem. A chunk is bytes with a header.
 //!
 //! [`Store`] is the Rust API the service uses (it works with or without a mount);
-//! [`fs::mount`] exposes a store as a filesystem.
+//! [`fs::mount`] exposes a store as a filesystem, and [`MountReader`] moves chunks through a mount's
+//! per-context `kv` file.
 
 pub mod bench;
+pub mod client;
 pub mod format;
 pub mod fs;
 pub mod io;
 pub mod store;
 
+pub use client::MountReader;
 pub use format::{Codec, ContextMeta, Fingerprint, KvFormat};
-pub use fs::{Mount, MountConfig, MountError, mount};
+pub use fs::{KV_SLOT_BYTES, Mount, MountConfig, MountError, kv_offset, mount};
 pub use store::{
     ChunkMeta, ChunkState, ContextId, ContextInfo, Decoder, NewContext, Store, StoreError,
     StoreOptions, StoredChunk,

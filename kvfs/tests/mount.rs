@@ -8,8 +8,8 @@ use std::process::Command;
 use std::sync::Arc;
 
 use kvfs::{
-    ChunkState, ContextId, Fingerprint, KvFormat, Mount, MountConfig, NewContext, Store,
-    StoreOptions,
+    ChunkState, ContextId, Fingerprint, KvFormat, Mount, MountConfig, MountReader, NewContext,
+    Store, StoreError, StoreOptions, kv_offset,
 };
 
 const FP: Fingerprint = Fingerprint([3; 32]);
@@ -184,7 +184,7 @@ fn ls_cat_and_stat_agree_on_sizes() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     names.sort();
-    assert_eq!(names, ["chunks", "info", "text"]);
+    assert_eq!(names, ["chunks", "info", "kv", "text"]);
     let mut chunks: Vec<String> = std::fs::read_dir(fx.path(format!("{id}/chunks")))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -326,6 +326,7 @@ fn another_uid_cannot_list_or_read_a_context_it_does_not_own() {
     for target in [
         p(format!("{theirs}/info")),
         p(format!("{theirs}/text")),
+        p(format!("{theirs}/kv")),
         p(format!("{theirs}/chunks/0")),
     ] {
         let out = as_nobody(&["cat", &target]);
@@ -347,6 +348,16 @@ fn another_uid_cannot_list_or_read_a_context_it_does_not_own() {
     let out = as_nobody(&["cat", &p(format!("{mine}/chunks/0"))]);
     assert!(out.status.success(), "{out:?}");
     assert_eq!(out.stdout, b"nobody's");
+    // Its kv file shows chunk 0's image: a chunk header and the bytes.
+    let out = as_nobody(&["cat", &p(format!("{mine}/kv"))]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(out.stdout.len(), 104 + 8);
+    assert!(out.stdout.ends_with(b"nobody's"));
+    // Neither view of the other context can be opened for writing either.
+    for target in [p(format!("{theirs}/kv")), p(format!("{theirs}/chunks/0"))] {
+        let out = as_nobody(&["sh", "-c", &format!("exec 3<>{target}")]);
+        assert!(!out.status.success(), "nobody opened {target}: {out:?}");
+    }
     // Root (the service) sees both.
     let all: Vec<_> = std::fs::read_dir(&fx.mnt).unwrap().collect();
     assert_eq!(all.len(), 3);
@@ -461,4 +472,271 @@ fn a_stale_mount_of_a_killed_server_is_cleaned_up() {
         "{again:?}"
     );
     m.unmount().unwrap();
+}
+
+/// Incompressible bytes (stored raw).
+fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 32) as u8
+        })
+        .collect()
+}
+
+#[test]
+fn the_kv_file_and_the_chunk_view_agree_byte_for_byte() {
+    let fx = Fixture::new(false);
+    let id = fx.context(0, 16 * 12);
+    // Every format, raw and zstd payloads, real chunk sizes, one larger than a FUSE request
+    // (split over requests), and holes at 3 and 9.
+    let chunks: Vec<(u32, KvFormat, Vec<u8>)> = vec![
+        (0, KvFormat::Int8, noise(1, 212 << 10)),
+        (1, KvFormat::Int4, noise(2, 120 << 10)),
+        (2, KvFormat::Int2, bytes(3, 76 << 10)),
+        (4, KvFormat::F16, bytes(4, 368 << 10)),
+        (5, KvFormat::Int8, noise(5, (1 << 20) + 4097)),
+        (6, KvFormat::Int8, bytes(6, 3 << 20)),
+        (7, KvFormat::Int2, noise(7, 1)),
+        (8, KvFormat::Int4, noise(8, 4096 - 104)),
+    ];
+    for (i, f, data) in &chunks {
+        fx.store.write_chunk(id, *i, &FP, *f, 0.5, data).unwrap();
+    }
+    let kv = MountReader::open(&fx.mnt, id, FP).unwrap();
+    let mut buf = vec![0u8; 4 << 20];
+    for (i, f, data) in &chunks {
+        let meta = kv.read_chunk_into(*i, &mut buf).unwrap();
+        assert_eq!((meta.format, meta.raw_len as usize), (*f, data.len()));
+        assert_eq!(&buf[..data.len()], &data[..], "chunk {i} through kv");
+        let view = std::fs::read(fx.path(format!("{id}/chunks/{i}"))).unwrap();
+        assert_eq!(&view, data, "chunk {i} through chunks/");
+        // The raw image in the file: a raw chunk header and the bytes.
+        let mut image = vec![0u8; 104 + data.len()];
+        let f = std::fs::File::open(fx.path(format!("{id}/kv"))).unwrap();
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut image, kv_offset(*i)).unwrap();
+        let h = kvfs::format::ChunkHeader::decode(&image).unwrap();
+        h.check_payload(&image[104..]).unwrap();
+        assert_eq!(&image[104..], &data[..]);
+    }
+    for hole in [3, 9, 100] {
+        assert!(
+            matches!(
+                kv.read_chunk_into(hole, &mut buf),
+                Err(StoreError::ChunkMissing { .. })
+            ),
+            "hole {hole}"
+        );
+    }
+    let err = kv.read_chunk_into(0, &mut buf[..1000]).unwrap_err();
+    assert!(
+        matches!(err, StoreError::BufferTooSmall { need, .. } if need == 212 << 10),
+        "{err}"
+    );
+    // The file's size ends at the last chunk's image; it is listed with the rest.
+    let len = std::fs::metadata(fx.path(format!("{id}/kv")))
+        .unwrap()
+        .len();
+    assert_eq!(len, kv_offset(8) + 104 + 4096 - 104);
+    // A reader of another model is refused.
+    let other = MountReader::open(&fx.mnt, id, Fingerprint([9; 32])).unwrap();
+    assert!(matches!(
+        other.read_chunk_into(0, &mut buf),
+        Err(StoreError::ForeignModel { .. })
+    ));
+    assert!(matches!(
+        MountReader::open(&fx.mnt, ContextId(999), FP),
+        Err(StoreError::NoSuchContext { .. })
+    ));
+}
+
+#[test]
+fn writes_through_the_kv_file_are_checked_and_durable() {
+    let fx = Fixture::new(false);
+    let id = fx.context(0, 16 * 4);
+    let kv = MountReader::open_rw(&fx.mnt, id, FP).unwrap();
+    let chunks = [
+        (KvFormat::Int8, noise(1, 212 << 10)),
+        (KvFormat::Int4, bytes(2, 120 << 10)),
+        (KvFormat::Int2, noise(3, (2 << 20) + 333)),
+    ];
+    for (i, (f, data)) in chunks.iter().enumerate() {
+        kv.write_chunk(i as u32, *f, 0.25, data).unwrap();
+        // Durable and visible as soon as the write returned.
+        match fx.store.chunk_state(id, i as u32).unwrap() {
+            ChunkState::Stored(s) => assert_eq!((s.format, s.density), (*f, 0.25)),
+            other => panic!("chunk {i}: {other:?}"),
+        }
+        assert_eq!(&fx.store.read_chunk(id, i as u32, &FP).unwrap(), data);
+        let mut buf = vec![0u8; data.len()];
+        kv.read_chunk_into(i as u32, &mut buf).unwrap();
+        assert_eq!(&buf, data);
+    }
+    // Rewriting replaces the chunk whole.
+    kv.write_chunk(0, KvFormat::Int4, 0.5, b"shorter").unwrap();
+    assert_eq!(fx.store.read_chunk(id, 0, &FP).unwrap(), b"shorter");
+    // A chunk beyond the stored tokens is refused, as through the API.
+    let err = kv.write_chunk(4, KvFormat::Int8, 0.0, b"x").unwrap_err();
+    assert!(err.to_string().contains("Invalid argument"), "{err}");
+    // A damaged image (payload crc wrong) and an image for another slot are refused.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(fx.path(format!("{id}/kv")))
+        .unwrap();
+    let mut header = kvfs::format::ChunkHeader {
+        format: KvFormat::Int8,
+        codec: kvfs::Codec::Raw,
+        context: id.0,
+        index: 1,
+        token_start: 0,
+        token_end: 0,
+        tokens_crc: 0,
+        density: 0.0,
+        raw_len: 4,
+        stored_len: 4,
+        payload_crc: 0,
+        generation: 0,
+        fingerprint: FP,
+    };
+    let mut image = header.encode().to_vec();
+    image.extend_from_slice(b"data");
+    let err = std::os::unix::fs::FileExt::write_at(&f, &image, kv_offset(1)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    header.payload_crc = crc32c::crc32c(b"data");
+    let mut image = header.encode().to_vec();
+    image.extend_from_slice(b"data");
+    let err = std::os::unix::fs::FileExt::write_at(&f, &image, kv_offset(2)).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EINVAL), "{err}");
+    assert_eq!(&fx.store.read_chunk(id, 1, &FP).unwrap(), &chunks[1].1);
+    // The accepted image commits.
+    std::os::unix::fs::FileExt::write_all_at(&f, &image, kv_offset(1)).unwrap();
+    assert_eq!(fx.store.read_chunk(id, 1, &FP).unwrap(), b"data");
+    // What was written is on disk: a second, read-only open of the store sees it.
+    let again = Store::open(
+        fx.store.root(),
+        StoreOptions {
+            read_only: true,
+            verify_on_open: true,
+            ..StoreOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(again.recovered().is_empty(), "{:?}", again.recovered());
+    assert_eq!(again.read_chunk(id, 2, &FP).unwrap(), chunks[2].1);
+    // A read-only mount refuses kv writes too.
+    drop(kv);
+    let ro = Fixture::new(true);
+    let rid = ro.context(0, 16);
+    let kv = MountReader::open(&ro.mnt, rid, FP).unwrap();
+    drop(kv);
+    assert!(MountReader::open_rw(&ro.mnt, rid, FP).is_err());
+}
+
+#[test]
+fn a_corrupt_chunk_is_refused_with_eio_through_the_kv_file_and_quarantined() {
+    let fx = Fixture::new(false);
+    let id = fx.context(0, 16 * 4);
+    let data = [noise(1, 212 << 10), bytes(2, 120 << 10), noise(3, 2 << 20)];
+    for (i, d) in data.iter().enumerate() {
+        fx.store
+            .write_chunk(id, i as u32, &FP, KvFormat::Int8, 0.0, d)
+            .unwrap();
+        let file = fx.store.chunk_path(id, i as u32);
+        let mut b = std::fs::read(&file).unwrap();
+        let at = b.len() - 1 - i * 1000;
+        b[at] ^= 0x40;
+        std::fs::write(&file, b).unwrap();
+    }
+    let kv = MountReader::open(&fx.mnt, id, FP).unwrap();
+    let mut buf = vec![0u8; 4 << 20];
+    // Chunks 0 and 2 read through kv first, chunk 1 through its chunks/ file first.
+    for i in [0u32, 2] {
+        let err = kv.read_chunk_into(i, &mut buf).unwrap_err();
+        assert!(
+            matches!(err, StoreError::Corrupt { .. }) && err.needs_recompute(),
+            "{err}"
+        );
+        let raw = std::fs::File::open(fx.path(format!("{id}/kv"))).unwrap();
+        let err = std::os::unix::fs::FileExt::read_at(&raw, &mut buf[..4096], kv_offset(i));
+        assert_eq!(err.unwrap_err().raw_os_error(), Some(libc::EIO));
+    }
+    let err = std::fs::read(fx.path(format!("{id}/chunks/1"))).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    let err = kv.read_chunk_into(1, &mut buf).unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+    for i in 0..3 {
+        assert!(matches!(
+            fx.store.chunk_state(id, i).unwrap(),
+            ChunkState::Quarantined { .. }
+        ));
+        assert!(!fx.store.chunk_path(id, i).exists());
+    }
+    let info = std::fs::read_to_string(fx.path(format!("{id}/info"))).unwrap();
+    assert!(info.contains("3 quarantined"), "{info}");
+}
+
+#[test]
+fn concurrent_kv_readers_and_writers_never_see_a_torn_chunk() {
+    let fx = Fixture::new(false);
+    let id = fx.context(0, 16 * 4);
+    // Version v of chunk i: its first 8 bytes are v, the rest derived from (i, v); sizes vary by
+    // version, and chunk 3 is larger than one FUSE request, so its reads are split.
+    let version = |i: u32, v: u64| {
+        let len = if i == 3 {
+            (1 << 20) + 8192 * (v as usize % 5)
+        } else {
+            (64 << 10) + 4096 * (v as usize % 7)
+        };
+        let mut b = v.to_le_bytes().to_vec();
+        b.extend(noise(v * 31 + i as u64, len - 8));
+        b
+    };
+    for i in 0..4 {
+        fx.store
+            .write_chunk(id, i, &FP, KvFormat::Int8, 0.0, &version(i, 0))
+            .unwrap();
+    }
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let kv = MountReader::open_rw(&fx.mnt, id, FP).unwrap();
+            for v in 1..=24u64 {
+                let i = (v % 4) as u32;
+                if v % 3 == 0 {
+                    // Through the per-chunk view too.
+                    std::fs::write(fx.path(format!("{id}/chunks/{i}")), version(i, v)).unwrap();
+                } else {
+                    kv.write_chunk(i, KvFormat::Int8, 0.0, &version(i, v))
+                        .unwrap();
+                }
+            }
+        });
+        for r in 0..3u32 {
+            let fx = &fx;
+            s.spawn(move || {
+                let kv = MountReader::open(&fx.mnt, id, FP).unwrap();
+                let mut buf = vec![0u8; 2 << 20];
+                for n in 0..40 {
+                    let i = (n + r) % 4;
+                    let meta = kv.read_chunk_into(i, &mut buf).unwrap();
+                    let data = &buf[..meta.raw_len as usize];
+                    let v = u64::from_le_bytes(data[..8].try_into().unwrap());
+                    assert!(
+                        data == version(i, v),
+                        "reader {r} chunk {i} version {v} torn"
+                    );
+                }
+            });
+        }
+        writer.join().unwrap();
+    });
+    let kv = MountReader::open(&fx.mnt, id, FP).unwrap();
+    let mut buf = vec![0u8; 2 << 20];
+    for i in 0..4u32 {
+        let last = (1..=24u64).filter(|v| v % 4 == i as u64).max().unwrap();
+        let meta = kv.read_chunk_into(i, &mut buf).unwrap();
+        assert!(buf[..meta.raw_len as usize] == version(i, last)[..]);
+    }
 }
