@@ -9,9 +9,10 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::client::MountReader;
 use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
 use crate::fs::{MountConfig, MountError, mount};
-use crate::io::{IoError, read_file};
+use crate::io::{IoError, read_file, read_into_scratch};
 use crate::store::{ContextId, NewContext, Store, StoreError, StoreOptions};
 
 /// What went wrong running the benchmark.
@@ -42,6 +43,17 @@ pub struct BenchConfig {
     pub chunks_dir: Option<PathBuf>,
     /// zstd levels to measure.
     pub zstd_levels: Vec<i32>,
+    /// Chunk sets for the load measurement (real chunk sizes; empty skips it).
+    pub load_sets: Vec<LoadSet>,
+    /// Chunks per load set.
+    pub load_chunks: usize,
+    /// Parallel reader counts for the load measurement.
+    pub readers: Vec<usize>,
+    /// Passes of each load measurement (the rows pool their latencies and take the median
+    /// pass's throughput).
+    pub rounds: usize,
+    /// Chunks written per path and load set for the write-out measurement.
+    pub write_chunks: usize,
 }
 
 impl Default for BenchConfig {
@@ -52,6 +64,11 @@ impl Default for BenchConfig {
             bytes_per_size: 64 << 20,
             chunks_dir: None,
             zstd_levels: vec![1, 3],
+            load_sets: LoadSet::defaults(),
+            load_chunks: 256,
+            readers: vec![1, 2, 3, 4],
+            rounds: 3,
+            write_chunks: 48,
         }
     }
 }
@@ -96,6 +113,10 @@ pub struct Report {
     pub writes: Vec<IoRow>,
     pub cache: Vec<CacheRow>,
     pub zstd: Vec<ZstdRow>,
+    /// Chunk loads at real sizes, by path and number of parallel readers.
+    pub loads: Vec<LoadRow>,
+    /// Chunk write-out at real sizes, by path.
+    pub load_writes: Vec<LoadRow>,
 }
 
 const FP: Fingerprint = Fingerprint(*b"kvfs-bench-fingerprint-000000000");
@@ -113,7 +134,13 @@ pub fn run(config: &BenchConfig) -> Result<Report, BenchError> {
         zstd: zstd_report(config)?,
         ..Report::default()
     };
-    let result = io_report(config, &mut report);
+    let result = io_report(config, &mut report).and_then(|()| {
+        if config.load_sets.is_empty() {
+            Ok(())
+        } else {
+            load_report(config, &mut report)
+        }
+    });
     let _ = std::fs::remove_dir_all(&config.dir);
     result?;
     Ok(report)
@@ -233,6 +260,261 @@ fn row(kib: usize, path: &'static str, lat: &[Duration]) -> IoRow {
     }
 }
 
+/// A set of chunks to load: a name and each chunk's length (chunk `i` has `lens[i % lens.len()]`).
+#[derive(Clone, Debug)]
+pub struct LoadSet {
+    pub name: String,
+    pub lens: Vec<usize>,
+}
+
+impl LoadSet {
+    /// SmolLM2-135M's chunk sizes (16 tokens, page-rounded) and the 25:50:25 mix of them.
+    pub fn defaults() -> Vec<LoadSet> {
+        let set = |name: &str, lens: &[usize]| LoadSet {
+            name: name.to_owned(),
+            lens: lens.to_vec(),
+        };
+        vec![
+            set("int8 212 KiB", &[212 << 10]),
+            set("int4 120 KiB", &[120 << 10]),
+            set("int2 76 KiB", &[76 << 10]),
+            set("mix 25:50:25", &[212 << 10, 120 << 10, 120 << 10, 76 << 10]),
+        ]
+    }
+
+    fn len(&self, i: u32) -> usize {
+        self.lens[i as usize % self.lens.len()]
+    }
+}
+
+/// Chunk loads (or writes) of one set by one path with some parallel readers.
+#[derive(Clone, Debug)]
+pub struct LoadRow {
+    pub set: String,
+    pub path: &'static str,
+    pub readers: usize,
+    pub chunks: usize,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    /// Aggregate: bytes moved over the wall time of the pass.
+    pub mb_per_s: f64,
+}
+
+/// The ways of loading a chunk that `llms bench kvfs` compares.
+pub const LOAD_PATHS: [&str; 4] = [
+    "disk O_DIRECT",
+    "store read_chunk_into",
+    "mount kv MountReader",
+    "mount chunks/ open+read",
+];
+
+/// The ways of writing a chunk that `llms bench kvfs` compares.
+pub const WRITE_PATHS: [&str; 3] = [
+    "store write_chunk",
+    "mount kv pwrite",
+    "mount chunks/ write",
+];
+
+/// Runs `per_chunk` over chunks `0..n` split across `threads` threads (thread `t` takes chunks
+/// `t, t + threads, ...`), each with its own state from `make`; returns every chunk's latency,
+/// the bytes moved and the wall time.
+fn parallel_pass<S>(
+    n: u32,
+    threads: usize,
+    make: impl Fn() -> S + Sync,
+    per_chunk: impl Fn(&mut S, u32) -> Result<usize, BenchError> + Sync,
+) -> Result<(Vec<Duration>, usize, Duration), BenchError> {
+    let start = Instant::now();
+    let results: Vec<Result<(Vec<Duration>, usize), BenchError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (make, per_chunk) = (&make, &per_chunk);
+                s.spawn(move || {
+                    let mut state = make();
+                    let mut lat = Vec::new();
+                    let mut bytes = 0;
+                    for i in (t as u32..n).step_by(threads) {
+                        let t0 = Instant::now();
+                        bytes += per_chunk(&mut state, i)?;
+                        lat.push(t0.elapsed());
+                    }
+                    Ok((lat, bytes))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Ok((Vec::new(), 0))))
+            .collect()
+    });
+    let wall = start.elapsed();
+    let mut lat = Vec::new();
+    let mut bytes = 0;
+    for r in results {
+        let (l, b) = r?;
+        lat.extend(l);
+        bytes += b;
+    }
+    Ok((lat, bytes, wall))
+}
+
+fn load_row(
+    set: &str,
+    path: &'static str,
+    readers: usize,
+    runs: &[(Vec<Duration>, usize, Duration)],
+) -> LoadRow {
+    let mut us: Vec<f64> = runs
+        .iter()
+        .flat_map(|r| r.0.iter().map(|d| d.as_secs_f64() * 1e6))
+        .collect();
+    us.sort_by(f64::total_cmp);
+    let pct = |p: f64| {
+        us.get(((us.len().max(1) - 1) as f64 * p).round() as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
+    // The median run's throughput, so one disturbed run does not decide the figure.
+    let mut mbs: Vec<f64> = runs
+        .iter()
+        .map(|(_, b, w)| *b as f64 / w.as_secs_f64().max(1e-9) / 1e6)
+        .collect();
+    mbs.sort_by(f64::total_cmp);
+    LoadRow {
+        set: set.to_owned(),
+        path,
+        readers,
+        chunks: us.len(),
+        p50_us: pct(0.5),
+        p99_us: pct(0.99),
+        mb_per_s: mbs.get(mbs.len() / 2).copied().unwrap_or(0.0),
+    }
+}
+
+/// Chunk loads and writes at real chunk sizes through every path, with 1 to 4 readers.
+fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError> {
+    let store_dir = config.dir.join("load-store");
+    let mnt = config.dir.join("load-mnt");
+    let options = StoreOptions {
+        min_ratio: f64::INFINITY,
+        ..StoreOptions::default()
+    };
+    let store = Arc::new(Store::open(&store_dir, options)?);
+    std::fs::create_dir_all(&mnt).map_err(|e| IoError::new("mkdir", &mnt, e))?;
+    let max_readers = config.readers.iter().copied().max().unwrap_or(1).max(1);
+    let mcfg = MountConfig {
+        threads: max_readers.max(MountConfig::default().threads),
+        ..MountConfig::default()
+    };
+    let m = mount(store.clone(), &mnt, &mcfg)?;
+    let n = config.load_chunks.max(8) as u32;
+    for set in &config.load_sets {
+        let id = store.create_context(NewContext {
+            owner_uid: 0,
+            app: "bench".into(),
+            fingerprint: FP,
+            chunk_tokens: 16,
+        })?;
+        store.append_tokens(id, &vec![1; 16 * n as usize])?;
+        let max_len = set.lens.iter().copied().max().unwrap_or(0);
+        let data = synth::noise(max_len, 17);
+        for i in 0..n {
+            store.write_chunk(id, i, &FP, KvFormat::Int8, 0.0, &data[..set.len(i)])?;
+        }
+        let kv = MountReader::open_rw(&mnt, id, FP)?;
+        let chunk_file =
+            |root: &Path, i: u32| root.join(id.to_string()).join("chunks").join(i.to_string());
+        for &readers in &config.readers {
+            let mut runs: [Vec<_>; 4] = Default::default();
+            for _round in 0..config.rounds.max(1) {
+                drop_caches();
+                runs[0].push(parallel_pass(n, readers, Vec::new, |buf, i| {
+                    let p = store.chunk_path(id, i);
+                    let r = read_into_scratch(&p, store.direct_io(), 128 << 20, buf)?;
+                    Ok(r.len())
+                })?);
+                drop_caches();
+                runs[1].push(parallel_pass(
+                    n,
+                    readers,
+                    || vec![0u8; max_len],
+                    |buf, i| Ok(store.read_chunk_into(id, i, &FP, buf)?.raw_len as usize),
+                )?);
+                drop_caches();
+                runs[2].push(parallel_pass(
+                    n,
+                    readers,
+                    || vec![0u8; max_len],
+                    |buf, i| Ok(kv.read_chunk_into(i, buf)?.raw_len as usize),
+                )?);
+                drop_caches();
+                runs[3].push(parallel_pass(
+                    n,
+                    readers,
+                    || vec![0u8; max_len],
+                    |buf, i| {
+                        let p = chunk_file(&mnt, i);
+                        let mut f =
+                            std::fs::File::open(&p).map_err(|e| IoError::new("open", &p, e))?;
+                        let len = set.len(i);
+                        f.read_exact(&mut buf[..len])
+                            .map_err(|e| IoError::new("read", &p, e))?;
+                        Ok(len)
+                    },
+                )?);
+            }
+            for (path, runs) in LOAD_PATHS.into_iter().zip(&runs) {
+                report.loads.push(load_row(&set.name, path, readers, runs));
+            }
+        }
+        // Write-out: one writer, each chunk durable before the next.
+        let w = (config.write_chunks as u32).clamp(1, n);
+        let mut runs: [Vec<_>; 3] = Default::default();
+        runs[0].push(parallel_pass(
+            w,
+            1,
+            || (),
+            |_, i| {
+                store.write_chunk(id, i, &FP, KvFormat::Int8, 0.0, &data[..set.len(i)])?;
+                Ok(set.len(i))
+            },
+        )?);
+        runs[1].push(parallel_pass(
+            w,
+            1,
+            || (),
+            |_, i| {
+                kv.write_chunk(i, KvFormat::Int8, 0.0, &data[..set.len(i)])?;
+                Ok(set.len(i))
+            },
+        )?);
+        runs[2].push(parallel_pass(
+            w,
+            1,
+            || (),
+            |_, i| {
+                let p = chunk_file(&mnt, i);
+                std::fs::write(&p, &data[..set.len(i)])
+                    .map_err(|e| IoError::new("write", &p, e))?;
+                Ok(set.len(i))
+            },
+        )?);
+        for (path, runs) in WRITE_PATHS.into_iter().zip(&runs) {
+            report.load_writes.push(load_row(&set.name, path, 1, runs));
+        }
+        drop(kv);
+        report.cache.push(cache_row_named(
+            &store,
+            id,
+            n as usize,
+            format!("{} written and loaded", set.name),
+        )?);
+        store.delete_context(id)?;
+    }
+    m.unmount()?;
+    Ok(())
+}
+
 /// Drops clean page-cache pages so reads start cold (root only; a no-op otherwise).
 fn drop_caches() {
     let _ = std::fs::write("/proc/sys/vm/drop_caches", b"1");
@@ -240,6 +522,15 @@ fn drop_caches() {
 
 /// Page-cache residency of a context's chunk files, by `fincore` (util-linux, mincore(2)).
 fn cache_row(store: &Store, id: ContextId, n: usize, kib: usize) -> Result<CacheRow, BenchError> {
+    cache_row_named(store, id, n, format!("{kib} KiB chunks written and read"))
+}
+
+fn cache_row_named(
+    store: &Store,
+    id: ContextId,
+    n: usize,
+    after: String,
+) -> Result<CacheRow, BenchError> {
     let paths: Vec<PathBuf> = (0..n as u32).map(|i| store.chunk_path(id, i)).collect();
     let mut file_bytes = 0;
     for p in &paths {
@@ -258,7 +549,6 @@ fn cache_row(store: &Store, id: ContextId, n: usize, kib: usize) -> Result<Cache
             .sum(),
         _ => u64::MAX,
     };
-    let after = format!("{kib} KiB chunks written and read");
     Ok(CacheRow {
         after,
         resident_bytes,
@@ -573,6 +863,14 @@ mod tests {
             bytes_per_size: 0,
             chunks_dir: None,
             zstd_levels: vec![1],
+            load_sets: vec![LoadSet {
+                name: "mix".into(),
+                lens: vec![8192, 100, 20000],
+            }],
+            load_chunks: 8,
+            readers: vec![1, 2],
+            rounds: 1,
+            write_chunks: 4,
         };
         let r = run(&config).unwrap();
         let paths: Vec<&str> = r.reads.iter().map(|x| x.path).collect();
@@ -589,6 +887,28 @@ mod tests {
         assert_eq!(r.writes.len(), 2);
         assert_eq!(r.cache[0].resident_bytes, 0, "{:?}", r.cache);
         assert_eq!(r.zstd.len(), 4);
+        let loads: Vec<(&str, usize, usize)> = r
+            .loads
+            .iter()
+            .map(|x| (x.path, x.readers, x.chunks))
+            .collect();
+        let want: Vec<(&str, usize, usize)> = [1, 2]
+            .into_iter()
+            .flat_map(|n| LOAD_PATHS.map(|p| (p, n, 8)))
+            .collect();
+        assert_eq!(loads, want);
+        assert!(
+            r.loads
+                .iter()
+                .all(|x| x.mb_per_s > 0.0 && x.p99_us >= x.p50_us)
+        );
+        let writes: Vec<(&str, usize)> = r.load_writes.iter().map(|x| (x.path, x.chunks)).collect();
+        assert_eq!(writes, WRITE_PATHS.map(|p| (p, 4)));
+        assert!(
+            r.cache.iter().all(|c| c.resident_bytes == 0),
+            "{:?}",
+            r.cache
+        );
         assert!(!config.dir.exists(), "scratch directory left behind");
         // A directory with something in it is not taken over.
         std::fs::create_dir(&config.dir).unwrap();

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
-use kvfs::bench::{BenchConfig, IoRow};
+use kvfs::bench::{BenchConfig, IoRow, LoadRow, LoadSet};
 use kvfs::{ChunkState, ContextId, Store, StoreOptions};
 
 /// Mount or inspect a kvfs chunk store.
@@ -21,8 +21,8 @@ pub enum KvfsCommand {
         /// Inspect only: change nothing in the store, refuse writes
         #[arg(long)]
         read_only: bool,
-        /// FUSE worker threads
-        #[arg(long, default_value_t = 2)]
+        /// FUSE worker threads (as many as the parallel chunk readers to serve)
+        #[arg(long, default_value_t = 4)]
         threads: usize,
         /// Cache context directories' attributes for 1 s: faster opens, but another uid may then
         /// stat (not list or read) a context directory whose id it guesses
@@ -61,6 +61,19 @@ pub struct BenchArgs {
     /// zstd levels
     #[arg(long, value_delimiter = ',', default_value = "1,3")]
     levels: Vec<i32>,
+    /// Chunks per set in the load measurement (int8 212 KiB, int4 120 KiB, int2 76 KiB and a
+    /// 25:50:25 mix); 0 skips it
+    #[arg(long, default_value_t = 256)]
+    load_chunks: usize,
+    /// Parallel reader counts for the load measurement
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
+    readers: Vec<usize>,
+    /// Passes of each load measurement
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Chunks written per path and set for the write-out measurement
+    #[arg(long, default_value_t = 48)]
+    write_chunks: usize,
     /// Where to write the figures as JSON
     #[arg(long, default_value = "bench-kvfs.json")]
     json: PathBuf,
@@ -182,6 +195,15 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         bytes_per_size: args.mib << 20,
         chunks_dir: args.chunks,
         zstd_levels: args.levels,
+        load_sets: if args.load_chunks == 0 {
+            Vec::new()
+        } else {
+            LoadSet::defaults()
+        },
+        load_chunks: args.load_chunks,
+        readers: args.readers,
+        rounds: args.rounds,
+        write_chunks: args.write_chunks,
     };
     let r = kvfs::bench::run(&config).context("kvfs benchmark failed")?;
     println!(
@@ -212,6 +234,9 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     }
     println!("\nwrites (each chunk fsynced and renamed)");
     io_table(&r.writes);
+    if !r.loads.is_empty() {
+        load_tables(&r.loads, &r.load_writes);
+    }
     println!("\npage cache after the I/O (fincore)");
     for c in &r.cache {
         println!(
@@ -277,6 +302,16 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             })
             .collect::<Vec<_>>()
     };
+    let loads = |rows: &[LoadRow]| {
+        rows.iter()
+            .map(|x| {
+                serde_json::json!({
+                    "set": x.set, "path": x.path, "readers": x.readers, "chunks": x.chunks,
+                    "p50_us": x.p50_us, "p99_us": x.p99_us, "mb_per_s": x.mb_per_s,
+                })
+            })
+            .collect::<Vec<_>>()
+    };
     let json = serde_json::json!({
         "direct_io": r.direct_io,
         "reads": io(&r.reads),
@@ -284,6 +319,8 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "page_cache": r.cache.iter().map(|c| serde_json::json!({
             "after": c.after, "resident_bytes": c.resident_bytes, "file_bytes": c.file_bytes,
         })).collect::<Vec<_>>(),
+        "loads": loads(&r.loads),
+        "load_writes": loads(&r.load_writes),
         "zstd": r.zstd.iter().map(|z| serde_json::json!({
             "source": z.source, "format": z.format, "chunks": z.chunks, "chunk_bytes": z.chunk_bytes,
             "level": z.level, "ratio": z.ratio, "compress_mb_per_s": z.compress_mb_per_s,
@@ -306,5 +343,79 @@ fn io_table(rows: &[IoRow]) {
             "  {:>8} {:<20} {:>6} {:>10.0} {:>10.0} {:>9.0}",
             x.size_kib, x.path, x.chunks, x.p50_us, x.p99_us, x.mb_per_s
         );
+    }
+}
+
+/// Prints the chunk-load and write-out tables and the targets of issue 10 against them.
+fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
+    println!(
+        "\nchunk loads at real sizes (O_DIRECT, raw payloads; MB/s is the aggregate of all readers)"
+    );
+    println!(
+        "  {:<13} {:<24} {:>7} {:>6} {:>8} {:>8} {:>8}",
+        "set", "path", "readers", "chunks", "p50 us", "p99 us", "MB/s"
+    );
+    for x in loads {
+        println!(
+            "  {:<13} {:<24} {:>7} {:>6} {:>8.0} {:>8.0} {:>8.0}",
+            x.set, x.path, x.readers, x.chunks, x.p50_us, x.p99_us, x.mb_per_s
+        );
+    }
+    let get = |set: &str, path: &str, n: usize| {
+        loads
+            .iter()
+            .find(|x| x.set == set && x.path == path && x.readers == n)
+    };
+    let mut sets: Vec<&str> = loads.iter().map(|x| x.set.as_str()).collect();
+    sets.dedup();
+    println!(
+        "\n  targets: one reader, mount >= 80% of the store path; 2-4 readers, mount >= 70% of the disk limit"
+    );
+    for set in &sets {
+        if let (Some(m), Some(d)) = (
+            get(set, "mount kv MountReader", 1),
+            get(set, "store read_chunk_into", 1),
+        ) {
+            println!(
+                "  {set:<13} 1 reader:  mount / store {:>4.0}% of the throughput, {:>4.0}% of the median speed",
+                100.0 * m.mb_per_s / d.mb_per_s,
+                100.0 * d.p50_us / m.p50_us
+            );
+        }
+        // The disk's O_DIRECT limit: the best aggregate of the bare reads at any reader count.
+        let limit = loads
+            .iter()
+            .filter(|x| x.set == *set && x.path == "disk O_DIRECT")
+            .map(|x| x.mb_per_s)
+            .fold(0.0, f64::max);
+        for n in 2..=4 {
+            if let Some(m) = get(set, "mount kv MountReader", n) {
+                println!(
+                    "  {set:<13} {n} readers: mount {:>5.0} MB/s = {:>4.0}% of the disk limit {limit:.0} MB/s",
+                    m.mb_per_s,
+                    100.0 * m.mb_per_s / limit
+                );
+            }
+        }
+    }
+    println!("\nchunk write-out at real sizes (one writer, each chunk durable before the next)");
+    println!(
+        "  {:<13} {:<24} {:>6} {:>8} {:>8} {:>8}",
+        "set", "path", "chunks", "p50 us", "p99 us", "MB/s"
+    );
+    for x in writes {
+        println!(
+            "  {:<13} {:<24} {:>6} {:>8.0} {:>8.0} {:>8.0}",
+            x.set, x.path, x.chunks, x.p50_us, x.p99_us, x.mb_per_s
+        );
+    }
+    for set in &sets {
+        let w = |p: &str| writes.iter().find(|x| x.set == *set && x.path == p);
+        if let (Some(m), Some(d)) = (w("mount kv pwrite"), w("store write_chunk")) {
+            println!(
+                "  {set:<13} write-out: mount kv / store {:>4.0}% of the throughput (target >= 70%)",
+                100.0 * m.mb_per_s / d.mb_per_s
+            );
+        }
     }
 }
