@@ -146,12 +146,16 @@ enum Handle {
     /// The per-context `kv` file; reads need nothing from the handle, a write of a chunk image
     /// split over several requests is gathered here until it is whole.
     Kv { partial: Option<Partial> },
-    /// A chunk being written: committed to the store on flush, fsync or release.
+    /// A chunk being written: committed to the store on flush (by the opener), fsync or release.
     Write {
         ctx: ContextId,
         index: u32,
         buf: Vec<u8>,
         dirty: bool,
+        /// The thread that opened the file. Only its `close` commits at `flush`: a child forked
+        /// while the file is open closes its copy of the descriptor at `exec`, which sends a
+        /// `flush` too, and must not commit a half-written chunk.
+        opener: u32,
     },
 }
 
@@ -379,7 +383,13 @@ impl KvFs {
         FileHandle(fh)
     }
 
-    fn open_node(&self, uid: u32, node: Node, flags: OpenFlags) -> Result<FileHandle, Errno> {
+    fn open_node(
+        &self,
+        uid: u32,
+        pid: u32,
+        node: Node,
+        flags: OpenFlags,
+    ) -> Result<FileHandle, Errno> {
         let writing = flags.acc_mode() != OpenAccMode::O_RDONLY;
         let text = |s: String| Ok(self.add_handle(Handle::Read(Arc::new(s.into_bytes()))));
         match node {
@@ -413,6 +423,7 @@ impl KvFs {
                         index: i,
                         buf,
                         dirty: truncate,
+                        opener: pid,
                     }));
                 }
                 let data = self.read_chunk(c, i)?;
@@ -434,6 +445,7 @@ impl KvFs {
     fn create_node(
         &self,
         uid: u32,
+        pid: u32,
         parent: Node,
         name: &OsStr,
     ) -> Result<(FileHandle, FileAttr), Errno> {
@@ -450,6 +462,7 @@ impl KvFs {
             index,
             buf: Vec::new(),
             dirty: true,
+            opener: pid,
         });
         Ok((
             fh,
@@ -680,6 +693,7 @@ impl KvFs {
                     index,
                     buf,
                     dirty: dirty @ true,
+                    ..
                 }) => {
                     *dirty = false;
                     (*ctx, *index, std::mem::take(buf))
@@ -887,7 +901,7 @@ impl Filesystem for KvFs {
         } else {
             FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH
         };
-        match node_or_enoent(ino).and_then(|n| self.open_node(req.uid(), n, flags)) {
+        match node_or_enoent(ino).and_then(|n| self.open_node(req.uid(), req.pid(), n, flags)) {
             Ok(fh) => reply.opened(fh, open_flags),
             Err(e) => reply.error(e),
         }
@@ -903,7 +917,7 @@ impl Filesystem for KvFs {
         _flags: i32,
         reply: ReplyCreate,
     ) {
-        match node_or_enoent(parent).and_then(|p| self.create_node(req.uid(), p, name)) {
+        match node_or_enoent(parent).and_then(|p| self.create_node(req.uid(), req.pid(), p, name)) {
             Ok((fh, a)) => reply.created(&TTL, &a, Generation(0), fh, FopenFlags::FOPEN_DIRECT_IO),
             Err(e) => reply.error(e),
         }
@@ -957,13 +971,19 @@ impl Filesystem for KvFs {
 
     fn flush(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
-        match self.commit(fh) {
+        let opener = matches!(
+            lock(&self.handles).get(&fh.0),
+            Some(Handle::Write { opener, .. }) if *opener == req.pid()
+        );
+        // Another process's close (a forked child's, at exec) commits nothing; `release` will.
+        let res = if opener { self.commit(fh) } else { Ok(()) };
+        match res {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(e),
         }

@@ -723,9 +723,12 @@ fn concurrent_kv_readers_and_writers_never_see_a_torn_chunk() {
                     let meta = kv.read_chunk_into(i, &mut buf).unwrap();
                     let data = &buf[..meta.raw_len as usize];
                     let v = u64::from_le_bytes(data[..8].try_into().unwrap());
+                    let want = version(i, v);
+                    let first = data.iter().zip(&want).position(|(a, b)| a != b);
                     assert!(
-                        data == version(i, v),
-                        "reader {r} chunk {i} version {v} torn"
+                        data == want,
+                        "reader {r} chunk {i} version {v} torn: {} bytes, want {}, first diff {first:?}, gen {}",
+                        data.len(), want.len(), meta.generation
                     );
                 }
             });
