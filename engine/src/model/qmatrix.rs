@@ -356,8 +356,11 @@ impl QMatrix {
             Vec::new()
         };
         let xq = (acts == Activations::Int8 && self.kind != Kind::F32).then(|| quantize_acts(x));
-        // Enough rows per task to amortise the task, few enough to balance two threads.
-        let per_task = (16384 / self.cols.max(1)).clamp(8, 256);
+        // Four tasks per thread: few enough that waking threads costs little, enough to balance.
+        let per_task = self
+            .rows
+            .div_ceil(4 * rayon::current_num_threads())
+            .max(8);
         out.par_chunks_mut(per_task).enumerate().for_each(|(t, o)| {
             for (i, o) in o.iter_mut().enumerate() {
                 let r = t * per_task + i;
@@ -499,6 +502,22 @@ fn dot_q8_0_portable(d: &[f16], qs: &[u8], x: &[f32]) -> f32 {
         acc += d[b].to_f32() * s;
     }
     acc
+}
+
+/// Little-endian f16 bytes to f32 (`src` holds two bytes per value of `out`), with F16C when
+/// the CPU has it: for readers of f16 data such as KV chunks, since `half`'s per-value
+/// conversion is a call per value when the binary is not built for the CPU it runs on.
+pub fn f16_bytes_to_f32(src: &[u8], out: &mut [f32]) {
+    assert!(src.len() >= out.len() * 2, "f16_bytes_to_f32: short source");
+    #[cfg(target_arch = "x86_64")]
+    if Isa::best() == Isa::Avx2 {
+        // SAFETY: Isa::best() is Avx2 only when the CPU has AVX2, FMA and F16C; the assert
+        // above covers the source.
+        return unsafe { simd::avx2::f16_to_f32(src, out) };
+    }
+    for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+        *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+    }
 }
 
 /// Dot product in eight lanes (the compiler vectorises it on any x86-64).
@@ -647,6 +666,20 @@ mod tests {
                     assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn f16_bytes_convert_exactly() {
+        let vals: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.37).collect();
+        let bytes: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let mut out = vec![0.0; vals.len()];
+        f16_bytes_to_f32(&bytes, &mut out);
+        for (o, v) in out.iter().zip(&vals) {
+            assert_eq!(*o, f16::from_f32(*v).to_f32());
         }
     }
 

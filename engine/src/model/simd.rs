@@ -249,4 +249,27 @@ pub mod avx2 {
         }
         hsum(_mm256_add_ps(acc[0], acc[1]))
     }
+
+    /// Little-endian f16 bytes to f32, eight at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `src` must hold two bytes per value of `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn f16_to_f32(src: &[u8], out: &mut [f32]) {
+        let n = out.len();
+        assert!(src.len() >= n * 2);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: the 16-byte load at src[2i..2i+16] and the 8-float store at out[i..i+8]
+            // are inside their slices (i + 8 <= n and the assert above).
+            unsafe {
+                let h = _mm_loadu_si128(src.as_ptr().add(i * 2) as *const __m128i);
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+            }
+            i += 8;
+        }
+        for j in i..n {
+            out[j] = h2f(f16::from_le_bytes([src[2 * j], src[2 * j + 1]]));
+        }
+    }
 }
