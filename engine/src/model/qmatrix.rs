@@ -357,10 +357,7 @@ impl QMatrix {
         };
         let xq = (acts == Activations::Int8 && self.kind != Kind::F32).then(|| quantize_acts(x));
         // Four tasks per thread: few enough that waking threads costs little, enough to balance.
-        let per_task = self
-            .rows
-            .div_ceil(4 * rayon::current_num_threads())
-            .max(8);
+        let per_task = self.rows.div_ceil(4 * rayon::current_num_threads()).max(8);
         out.par_chunks_mut(per_task).enumerate().for_each(|(t, o)| {
             for (i, o) in o.iter_mut().enumerate() {
                 let r = t * per_task + i;
