@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 
 mod bench_engine;
 mod bench_kv;
+mod bench_load;
 mod bench_pager;
 mod engine_cmd;
 mod kv_mix_cmd;
@@ -57,6 +58,8 @@ enum BenchCommand {
     Kvfs(kvfs_cmd::BenchArgs),
     /// KV chunks: codec GB/s and error per format, attention per decode step, recompute tokens/s.
     Kv(bench_kv::KvArgs),
+    /// Switch latency: a context swapped out and brought back by reads, recompute and the plan.
+    Load(bench_load::BenchLoadArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -88,6 +91,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Kvfs(cmd) => kvfs_cmd::run(cmd),
         Command::Bench(BenchCommand::Kvfs(args)) => kvfs_cmd::bench(args),
         Command::Bench(BenchCommand::Kv(args)) => bench_kv::run(args),
+        Command::Bench(BenchCommand::Load(args)) => bench_load::run_cmd(&args),
         Command::Profile(args) => profile_cmd::run(args),
     }
 }

@@ -10,6 +10,7 @@
 //! 3. A read that fails its checks (missing, corrupt, other model) is recomputed after both are
 //!    done, when every chunk it depends on is resident.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -51,7 +52,7 @@ pub struct LoadReport {
     pub read_bytes: u64,
     /// Planning time.
     pub plan_secs: f64,
-    /// The I/O thread's busy time (read and populate).
+    /// The I/O threads' busy time (read and populate), the longest of them.
     pub io_secs: f64,
     /// Recompute time.
     pub recompute_secs: f64,
@@ -81,6 +82,7 @@ pub fn load(
     stored: &[Option<StoredChunk>],
     mode: LoadMode,
     cost: &CostModel,
+    io_threads: usize,
 ) -> Result<LoadReport, ServiceError> {
     let t0 = Instant::now();
     let missing = cache.missing_chunks();
@@ -121,19 +123,32 @@ pub fn load(
     let shape = *cache.shape();
     let formats = cache.chunk_formats().to_vec();
     let (first_done, wait_first) = mpsc::channel::<()>();
-    let io = |reads: &[u32], after: &[u32]| -> (Vec<u32>, Vec<u32>, u64, f64) {
+    // The reads, blocking ones first, pulled by the I/O threads from one shared cursor; the
+    // thread that finishes the last blocking read lets the recompute start.
+    let order: Vec<u32> = plan
+        .read_first
+        .iter()
+        .chain(&plan.read_after)
+        .copied()
+        .collect();
+    let blocking = plan.read_first.len();
+    let cursor = AtomicUsize::new(0);
+    let first_left = AtomicUsize::new(blocking);
+    if blocking == 0 {
+        let _ = first_done.send(());
+    }
+    let io = || -> (Vec<u32>, Vec<u32>, u64, f64) {
         let t = Instant::now();
         let (mut ok, mut failed, mut bytes) = (Vec::new(), Vec::new(), 0);
         let mut scratch = Vec::new();
-        for (n, &i) in reads.iter().chain(after).enumerate() {
-            if n == reads.len() {
-                let _ = first_done.send(());
-            }
+        loop {
+            let n = cursor.fetch_add(1, Ordering::Relaxed);
+            let Some(&i) = order.get(n) else { break };
             let key = ChunkKey {
                 ctx: ContextId(ctx),
                 index: i,
             };
-            match read_one(
+            let r = read_one(
                 store,
                 pager,
                 fingerprint,
@@ -141,7 +156,8 @@ pub fn load(
                 formats[i as usize],
                 key,
                 &mut scratch,
-            ) {
+            );
+            match r {
                 Ok(b) => {
                     ok.push(i);
                     bytes += b;
@@ -151,8 +167,10 @@ pub fn load(
                     failed.push(i);
                 }
             }
+            if n < blocking && first_left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                let _ = first_done.send(());
+            }
         }
-        let _ = first_done.send(());
         (ok, failed, bytes, t.elapsed().as_secs_f64())
     };
     let recompute = plan
@@ -160,19 +178,44 @@ pub fn load(
         .iter()
         .map(|&i| i as usize)
         .collect::<Vec<_>>();
+    // With nothing to recompute the engine thread is idle: every core reads.
+    let threads = if recompute.is_empty() {
+        io_threads.max(1)
+    } else {
+        1
+    }
+    .min(order.len().max(1));
     let (io_out, re_out) = std::thread::scope(|s| {
-        let h = s.spawn(|| io(&plan.read_first, &plan.read_after));
+        let hs: Vec<_> = (0..threads).map(|_| s.spawn(io)).collect();
         let _ = wait_first.recv();
-        let t = Instant::now();
+        let t_re = Instant::now();
         let re = if recompute.is_empty() {
             Ok(0.0)
         } else {
-            recompute_chunks(model, cache, &recompute).map(|_| t.elapsed().as_secs_f64())
+            recompute_chunks(model, cache, &recompute).map(|_| t_re.elapsed().as_secs_f64())
         };
-        let io = h.join().map_err(|_| ServiceError::Internal {
-            what: "the load I/O thread panicked".into(),
-        });
-        (io, re)
+        let mut out = (Vec::new(), Vec::new(), 0, 0.0);
+        for h in hs {
+            match h.join() {
+                Ok((ok, failed, bytes, secs)) => {
+                    out.0.extend(ok);
+                    out.1.extend(failed);
+                    out.2 += bytes;
+                    out.3 = f64::max(out.3, secs);
+                }
+                Err(_) => {
+                    return (
+                        Err(ServiceError::Internal {
+                            what: "a load I/O thread panicked".into(),
+                        }),
+                        re,
+                    );
+                }
+            }
+        }
+        out.0.sort_unstable();
+        out.1.sort_unstable();
+        (Ok(out), re)
     });
     let (read, failed, read_bytes, io_secs) = io_out?;
     // A blocking read that failed leaves the planned recompute short of a chunk it attends to:

@@ -72,6 +72,9 @@ pub struct ManagerConfig {
     pub cost: CostModel,
     /// Chunks the AoT writer may hold queued (bounds its memory).
     pub writer_queue: usize,
+    /// Threads that read chunks during a Load with nothing to recompute (one otherwise: the
+    /// engine thread recomputes on the other core).
+    pub io_threads: usize,
 }
 
 impl ManagerConfig {
@@ -89,6 +92,7 @@ impl ManagerConfig {
             load: LoadMode::Planned,
             cost: default_cost(),
             writer_queue: 16,
+            io_threads: 2,
         }
     }
 }
@@ -211,13 +215,26 @@ impl Profile {
         v.push(p);
     }
 
+    /// Least squares over the points; while they all share one size (the same context loaded
+    /// again), the cost is taken as proportional to the size, keeping the fixed part.
     fn refit(&self, cost: &mut CostModel) {
-        if let Ok(f) = LinearCost::fit(&self.io) {
-            cost.io = f.cost;
+        fn one(points: &[(f64, f64)], old: LinearCost) -> LinearCost {
+            if let Ok(f) = LinearCost::fit(points) {
+                return f.cost;
+            }
+            let mut per: Vec<f64> = points
+                .iter()
+                .filter(|(x, _)| *x > 0.0)
+                .map(|(x, y)| (y - old.fixed()).max(0.0) / x)
+                .collect();
+            if per.is_empty() {
+                return old;
+            }
+            per.sort_by(f64::total_cmp);
+            LinearCost::new(old.fixed(), per[per.len() / 2]).unwrap_or(old)
         }
-        if let Ok(f) = LinearCost::fit(&self.re) {
-            cost.recompute = f.cost;
-        }
+        cost.io = one(&self.io, cost.io);
+        cost.recompute = one(&self.re, cost.recompute);
     }
 }
 
@@ -573,6 +590,7 @@ impl Manager {
             &ctx.stored,
             cfg.load,
             cost,
+            cfg.io_threads,
         )?;
         for &i in &load.failed_reads {
             ctx.stored[i as usize] = None;
@@ -802,6 +820,11 @@ impl Manager {
             }
         }
         Ok(freed)
+    }
+
+    /// Changes how missing chunks come back (the baselines are load modes of the one manager).
+    pub fn set_load_mode(&mut self, mode: LoadMode) {
+        self.cfg.load = mode;
     }
 
     /// The pager, for measurements (RSS of a context's region, counters).

@@ -6,6 +6,7 @@
 //! to kvfs ahead of time; [`source`] reads them back on a fault; [`chooser`] lets the policy
 //! crate's LCTRU queue pick the pager's victims. docs/service.md gives the numbered flows.
 
+pub mod bench;
 pub mod chooser;
 pub mod load;
 pub mod manager;

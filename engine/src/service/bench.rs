@@ -1,0 +1,246 @@
+//! `llms bench load`: one context swapped out completely and brought back by the Load pipeline,
+//! (a) reading every chunk, (b) recomputing every chunk, (c) as the planner splits them, with
+//! (d) the delay the plan predicted; optionally under a cgroup v1 blkio read throttle.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::kv::KvFormat;
+use crate::model::Model;
+use crate::service::{CallOptions, LoadMode, Manager, ManagerConfig, Owner, ServiceError};
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct LoadBenchOptions {
+    /// Context lengths in tokens.
+    pub lengths: Vec<usize>,
+    /// Swap-out and load rounds per mode (figures are medians).
+    pub runs: usize,
+    /// Base format of the chunks.
+    pub format: KvFormat,
+    /// Compress at call end (the mix) or keep every chunk in `format`.
+    pub compress: bool,
+    /// Where the store lives (a fresh directory is made inside).
+    pub dir: PathBuf,
+    /// Read limits to emulate slow storage (bytes/s); `None` is the disk's own speed.
+    pub throttles: Vec<Option<u64>>,
+}
+
+/// One row: a length, a storage speed and a load mode, medians over the runs.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LoadRow {
+    pub tokens: usize,
+    pub throttle_mib_s: Option<f64>,
+    pub mode: &'static str,
+    pub chunks: usize,
+    pub read: usize,
+    pub recomputed: usize,
+    pub read_bytes: u64,
+    /// The whole Load, ms.
+    pub load_ms: f64,
+    pub io_ms: f64,
+    pub recompute_ms: f64,
+    /// What the plan predicted, ms.
+    pub predicted_ms: f64,
+    /// Recompute throughput during the Load, tokens/s.
+    pub recompute_tps: f64,
+}
+
+/// The report.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LoadBenchReport {
+    pub rows: Vec<LoadRow>,
+    /// Prefill throughput of each context's first call (tokens/s), for comparison with recompute.
+    pub prefill_tps: Vec<(usize, f64)>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
+
+impl LoadBenchReport {
+    /// A text table.
+    pub fn table(&self) -> String {
+        let mut s = String::from(
+            "tokens  disk        mode        chunks  read  recomp  load ms   io ms  recomp ms  predicted ms  recomp t/s\n",
+        );
+        for r in &self.rows {
+            let disk = r
+                .throttle_mib_s
+                .map_or("full".to_string(), |m| format!("{m:.0} MiB/s"));
+            s += &format!(
+                "{:>6}  {:<10}  {:<10}  {:>6}  {:>4}  {:>6}  {:>7.2}  {:>6.2}  {:>9.2}  {:>12.2}  {:>10.0}\n",
+                r.tokens,
+                disk,
+                r.mode,
+                r.chunks,
+                r.read,
+                r.recomputed,
+                r.load_ms,
+                r.io_ms,
+                r.recompute_ms,
+                r.predicted_ms,
+                r.recompute_tps
+            );
+        }
+        for (n, tps) in &self.prefill_tps {
+            s += &format!("prefill of {n} tokens: {tps:.0} tokens/s\n");
+        }
+        s
+    }
+}
+
+/// Runs the benchmark on `model`; `progress` is told what runs.
+pub fn run(
+    model: Arc<Model>,
+    opts: &LoadBenchOptions,
+    mut progress: impl FnMut(&str),
+) -> Result<LoadBenchReport, ServiceError> {
+    let mut rows = Vec::new();
+    let mut prefill_tps = Vec::new();
+    let owner = Owner {
+        uid: 0,
+        app: "bench".into(),
+    };
+    let max_len = opts.lengths.iter().copied().max().unwrap_or(16);
+    let vocab = model.cfg.vocab as u64;
+    for &n in &opts.lengths {
+        let store = opts.dir.join(format!("load-{n}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&store);
+        let mut cfg = ManagerConfig::new(&store, 1 << 34);
+        cfg.kv_format = opts.format;
+        cfg.max_tokens = (max_len + 64).div_ceil(16) * 16;
+        if !opts.compress {
+            cfg.compress_ratio = None;
+        }
+        let mut m = Manager::open(Arc::clone(&model), cfg)?;
+        let mut x = 0x2545_f491_4f6c_dd1du64 ^ n as u64;
+        let tokens: Vec<u32> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % vocab) as u32
+            })
+            .collect();
+        let id = m.create(&owner, &[])?;
+        progress(&format!("prefilling {n} tokens"));
+        let opts1 = CallOptions {
+            max_tokens: 1,
+            ..CallOptions::default()
+        };
+        let r = m.call(&owner, id, &tokens, &opts1, Instant::now(), |_| true)?;
+        prefill_tps.push((n, r.prefill_tokens as f64 / r.prefill_secs.max(1e-9)));
+        m.flush();
+        for &throttle in &opts.throttles {
+            let guard = match throttle {
+                Some(bps) => Some(Throttle::start(&store, bps)?),
+                None => None,
+            };
+            for (mode, name) in [
+                (LoadMode::ReadOnly, "read"),
+                (LoadMode::RecomputeOnly, "recompute"),
+                (LoadMode::Planned, "planned"),
+            ] {
+                progress(&format!(
+                    "{n} tokens, {name}, disk {}",
+                    throttle.map_or("full".into(), |b| format!("{} MiB/s", b >> 20))
+                ));
+                m.set_load_mode(mode);
+                let mut samples: Vec<crate::service::LoadReport> = Vec::new();
+                for _ in 0..opts.runs.max(1) {
+                    m.flush();
+                    m.swap_out(&owner, id)?;
+                    // One token in, none out: the call is its Load plus one token of prefill.
+                    let opts0 = CallOptions {
+                        max_tokens: 0,
+                        ..CallOptions::default()
+                    };
+                    let r = m.call(&owner, id, &[], &opts0, Instant::now(), |_| true)?;
+                    samples.push(r.load);
+                }
+                let med = |f: &dyn Fn(&crate::service::LoadReport) -> f64| {
+                    median(&mut samples.iter().map(f).collect::<Vec<_>>())
+                };
+                let last = samples.last().cloned().unwrap_or_default();
+                let re_tokens = last.recomputed.len() * 16;
+                let re_ms = med(&|l| l.recompute_secs * 1e3);
+                rows.push(LoadRow {
+                    tokens: n,
+                    throttle_mib_s: throttle.map(|b| b as f64 / f64::from(1 << 20)),
+                    mode: name,
+                    chunks: last.missing,
+                    read: last.read.len(),
+                    recomputed: last.recomputed.len(),
+                    read_bytes: last.read_bytes,
+                    load_ms: med(&|l| l.total_secs * 1e3),
+                    io_ms: med(&|l| l.io_secs * 1e3),
+                    recompute_ms: re_ms,
+                    predicted_ms: med(&|l| l.predicted_secs * 1e3),
+                    recompute_tps: if re_ms > 0.0 {
+                        re_tokens as f64 / (re_ms / 1e3)
+                    } else {
+                        0.0
+                    },
+                });
+            }
+            drop(guard);
+        }
+        drop(m);
+        let _ = std::fs::remove_dir_all(&store);
+    }
+    Ok(LoadBenchReport { rows, prefill_tps })
+}
+
+/// This process in a cgroup v1 blkio group that limits reads from the store's disk; dropping it
+/// moves the process back and removes the group.
+#[derive(Debug)]
+pub struct Throttle {
+    dir: PathBuf,
+}
+
+const BLKIO: &str = "/sys/fs/cgroup/blkio";
+
+impl Throttle {
+    /// Limits reads from the disk holding `path` to `bps` bytes/s for this process.
+    pub fn start(path: &Path, bps: u64) -> Result<Throttle, ServiceError> {
+        use std::os::unix::fs::MetadataExt;
+        let err = |what: String| ServiceError::Internal { what };
+        let dev = std::fs::metadata(path)
+            .map_err(|e| err(format!("{}: {e}", path.display())))?
+            .dev();
+        let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
+        let dir = Path::new(BLKIO).join(format!("llms-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            err(format!(
+                "creating {} (needs root and the cgroup v1 blkio controller): {e}",
+                dir.display()
+            ))
+        })?;
+        let t = Throttle { dir };
+        std::fs::write(
+            t.dir.join("blkio.throttle.read_bps_device"),
+            format!("{major}:{minor} {bps}"),
+        )
+        .map_err(|e| {
+            err(format!(
+                "throttling device {major}:{minor} (a partition cannot be throttled, only its disk): {e}"
+            ))
+        })?;
+        std::fs::write(t.dir.join("cgroup.procs"), std::process::id().to_string())
+            .map_err(|e| err(format!("joining {}: {e}", t.dir.display())))?;
+        Ok(t)
+    }
+}
+
+impl Drop for Throttle {
+    fn drop(&mut self) {
+        let _ = std::fs::write(
+            Path::new(BLKIO).join("cgroup.procs"),
+            std::process::id().to_string(),
+        );
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
