@@ -990,9 +990,29 @@ impl Store {
     ) -> Result<StoredChunk, StoreError> {
         self.read_checked(id, index, fingerprint, |h, file, dctx, _| {
             let raw = h.raw_len as usize;
+            let payload = &file[HEADER_LEN..];
             buf.clear();
-            buf.resize(raw, 0);
-            decode_payload(h, &file[HEADER_LEN..], buf, dctx)?;
+            // Copy or decompress into the vector's spare capacity: no zero-filling first.
+            match h.codec {
+                Codec::Raw if payload.len() == raw => buf.extend_from_slice(payload),
+                Codec::Raw => {
+                    return Err(Check::Bad(format!(
+                        "raw payload of {} bytes, header says {raw} raw",
+                        payload.len()
+                    )));
+                }
+                Codec::Zstd => {
+                    buf.reserve(raw);
+                    let n = dctx
+                        .decompress_to_buffer(payload, buf)
+                        .map_err(|e| Check::Bad(format!("zstd: {e}")))?;
+                    if n != raw {
+                        return Err(Check::Bad(format!(
+                            "decompressed to {n} bytes, header says {raw}"
+                        )));
+                    }
+                }
+            }
             Ok(stored_of(h))
         })
     }
