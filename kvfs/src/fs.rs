@@ -1172,7 +1172,13 @@ impl Mount {
     }
 
     fn unmount_inner(&mut self) -> Result<(), MountError> {
+        let unmounted = self.session.is_some() && self.unmount_when_idle();
         match self.session.take() {
+            // The FUSE threads end once the kernel drops the connection.
+            Some(s) if unmounted => s.join().map_err(|source| MountError::Unmount {
+                path: self.path.clone(),
+                source,
+            }),
             Some(s) => s.umount_and_join().map_err(|source| MountError::Unmount {
                 path: self.path.clone(),
                 source,
@@ -1189,6 +1195,35 @@ impl Drop for Mount {
         }
     }
 }
+
+impl Mount {
+    /// Unmounts as soon as the mount is not busy, waiting up to `UNMOUNT_PATIENCE`.
+    ///
+    /// A descriptor on the mount can outlive its `close` for a moment: a process forked by another
+    /// thread holds a copy until its `exec` closes it. The kernel answers EBUSY during that window,
+    /// so a busy mount is retried briefly; one still busy after the wait (a shell sitting in it, a
+    /// reader that never closes) is left to fuser, whose error names the mount point. Without the
+    /// right to unmount (EPERM, not root), fuser goes through `fusermount` instead. Returns whether
+    /// it unmounted.
+    fn unmount_when_idle(&self) -> bool {
+        let deadline = std::time::Instant::now() + UNMOUNT_PATIENCE;
+        loop {
+            match nix::mount::umount2(&self.path, nix::mount::MntFlags::empty()) {
+                Err(nix::errno::Errno::EBUSY) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Ok(()) => {
+                    tracing::debug!(path = %self.path.display(), "kvfs unmounted");
+                    return true;
+                }
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
+/// How long an unmount waits for a busy mount to become idle.
+const UNMOUNT_PATIENCE: Duration = Duration::from_secs(2);
 
 /// Whether `path` is currently a mount point (from /proc/self/mountinfo).
 fn is_mount_point(path: &Path) -> bool {
