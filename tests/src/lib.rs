@@ -1,1 +1,211 @@
-//! End-to-end tests of llms live in `tests/tests/`; this library holds their shared helpers.
+//! End-to-end tests of llms live in `tests/tests/`; this library holds their shared helpers:
+//! a tiny random-weight model, a real `llms serve` process on a real socket, and the same
+//! calls run on a local context manager to compare with.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::Instant;
+
+use engine::model::Model;
+use engine::model::tiny::{TinySpec, write_tiny_gguf};
+use engine::model::tokenizer::Tokenizer;
+use engine::service::client::{Answer, CallParams, Client};
+use engine::service::protocol::PromptFormat;
+use engine::service::{CallOptions, Manager, ManagerConfig, Owner};
+
+/// The most tokens a context holds in these tests.
+pub const MAX_CONTEXT: usize = 1024;
+
+/// A temporary directory (readable by every uid, for the ownership test) with a tiny model.
+pub struct World {
+    pub dir: tempfile::TempDir,
+    pub model: PathBuf,
+}
+
+impl World {
+    pub fn new() -> World {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let model = dir.path().join("tiny.gguf");
+        let spec = TinySpec {
+            max_ctx: MAX_CONTEXT,
+            ..TinySpec::default()
+        };
+        write_tiny_gguf(&model, &spec).unwrap();
+        World { dir, model }
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("run/llms.sock")
+    }
+
+    pub fn store(&self) -> PathBuf {
+        self.dir.path().join("store")
+    }
+
+    /// `llms serve` on this world's socket and store, with `extra` flags.
+    pub fn serve(&self, extra: &[&str]) -> Serve {
+        Serve::start(self, extra)
+    }
+
+    pub fn connect(&self, app: &str) -> Client {
+        Client::connect(&self.socket(), app).unwrap()
+    }
+
+    /// The tokenizer of the tiny model.
+    pub fn tokenizer(&self) -> Tokenizer {
+        Tokenizer::from_gguf_file(&self.model).unwrap()
+    }
+}
+
+impl Default for World {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The `llms` binary of the tests crate.
+pub fn llms() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_llms-e2e"))
+}
+
+/// A running `llms serve`; killed (SIGKILL) when dropped.
+pub struct Serve {
+    child: Option<Child>,
+    pub ready_line: String,
+}
+
+impl Serve {
+    fn start(w: &World, extra: &[&str]) -> Serve {
+        let mut cmd = llms();
+        cmd.arg("serve")
+            .arg("--socket")
+            .arg(w.socket())
+            .arg("--store")
+            .arg(w.store())
+            .arg("--model")
+            .arg(&w.model)
+            .args(["--max-context", &MAX_CONTEXT.to_string(), "--threads", "1"])
+            .args(extra)
+            .env_remove("LLMS_CONFIG")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("llms serve: listening"),
+            "the daemon did not start: {:?} {:?}",
+            line,
+            child.wait()
+        );
+        Serve {
+            child: Some(child),
+            ready_line: line,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    fn signal(&mut self, s: nix::sys::signal::Signal) -> ExitStatus {
+        let mut c = self.child.take().unwrap();
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), s).unwrap();
+        c.wait().unwrap()
+    }
+
+    /// SIGTERM, and the exit status once drained.
+    pub fn term(mut self) -> ExitStatus {
+        self.signal(nix::sys::signal::Signal::SIGTERM)
+    }
+
+    /// SIGKILL: a crash at this very moment.
+    pub fn kill9(mut self) {
+        self.signal(nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Greedy raw calls of `max_tokens`.
+pub fn raw(max_tokens: usize) -> CallParams {
+    CallParams {
+        format: PromptFormat::Raw,
+        max_tokens,
+        ..CallParams::default()
+    }
+}
+
+/// One answer through the daemon.
+pub fn ask(c: &mut Client, ctx: u64, prompt: &str, max_tokens: usize) -> Answer {
+    c.call(ctx, prompt, &raw(max_tokens))
+        .unwrap()
+        .collect_answer()
+        .unwrap()
+}
+
+/// The answers a local context manager gives to `prompts`, one context, raw greedy calls of
+/// `max_tokens`: what the daemon must answer for the same history.
+pub fn local_answers(w: &World, prompts: &[&str], max_tokens: usize) -> Vec<Vec<u32>> {
+    let model = Arc::new(Model::load(&w.model).unwrap());
+    let tok = w.tokenizer();
+    let store = tempfile::tempdir().unwrap();
+    let mut cfg = ManagerConfig::new(store.path().join("store"), 256 << 20);
+    cfg.max_tokens = MAX_CONTEXT;
+    let mut m = Manager::open(model, cfg).unwrap();
+    let o = Owner {
+        uid: 0,
+        app: "local".into(),
+    };
+    let id = m.create(&o, &[]).unwrap();
+    let opts = CallOptions {
+        max_tokens,
+        stop: tok.stop_ids(),
+        ..CallOptions::default()
+    };
+    prompts
+        .iter()
+        .map(|p| {
+            m.call(&o, id, &tok.encode(p), &opts, Instant::now(), |_| true)
+                .unwrap()
+                .tokens
+        })
+        .collect()
+}
+
+/// A seed from the clock unless `LLMS_TEST_SEED` gives one; printed so a failure replays.
+pub fn seed(test: &str) -> u64 {
+    let seed = std::env::var("LLMS_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!("{test}: seed {seed} (replay with LLMS_TEST_SEED={seed})");
+    seed
+}
+
+/// Whether `path` exists (for readable assertions).
+pub fn exists(path: &Path) -> bool {
+    path.exists()
+}

@@ -133,6 +133,19 @@ pub struct SampleOpts {
 }
 
 impl SampleOpts {
+    /// The call options the daemon takes.
+    pub fn params(&self) -> anyhow::Result<engine::service::client::CallParams> {
+        self.sampler()?;
+        Ok(engine::service::client::CallParams {
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed,
+            ..Default::default()
+        })
+    }
+
     fn sampler(&self) -> anyhow::Result<Sampler> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             bail!("--temperature must be a finite number >= 0");
@@ -180,6 +193,21 @@ pub struct ChatArgs {
     /// System prompt [default: the model's own]
     #[arg(long)]
     pub system: Option<String>,
+    /// Run the model in this process, one context, no daemon (the --kv-format, --chunk-tokens,
+    /// --prefill-chunk and --threads options apply only here)
+    #[arg(long)]
+    pub local: bool,
+    #[command(flatten)]
+    pub socket: crate::serve_cmd::SocketArg,
+    /// Continue this context of the daemon (see `llms ctx ls`) instead of a new one
+    #[arg(long, value_name = "ID", conflicts_with_all = ["local", "system"])]
+    pub context: Option<u64>,
+    /// Keep the new context when the chat ends (it is deleted otherwise)
+    #[arg(long, conflicts_with = "local")]
+    pub keep: bool,
+    /// The app name the daemon files the context under
+    #[arg(long, default_value = "chat", value_name = "NAME")]
+    pub app: String,
 }
 
 /// Streams one answer to stdout, feeding `history[cache.len()..]` first; returns the answer's tokens.
@@ -251,7 +279,7 @@ pub fn run_generate(a: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs `llms chat`.
+/// Runs `llms chat --local`.
 pub fn run_chat(a: ChatArgs) -> anyhow::Result<()> {
     let l = load(&a.engine)?;
     let mut sampler = a.sample.sampler()?;

@@ -5,12 +5,17 @@
 //! [`memory`] puts a context's chunks in the pager's userfaultfd slots; [`writer`] writes chunks
 //! to kvfs ahead of time; [`source`] reads them back on a fault; [`chooser`] lets the policy
 //! crate's LCTRU queue pick the pager's victims. docs/service.md gives the numbered flows.
+//! Around it, [`daemon`] serves many apps over a Unix socket in the JSON-lines [`protocol`]
+//! (docs/protocol.md), and [`client`] is the typed client `llms` and apps use.
 
 pub mod bench;
 pub mod chooser;
+pub mod client;
+pub mod daemon;
 pub mod load;
 pub mod manager;
 pub mod memory;
+pub mod protocol;
 pub mod source;
 pub mod writer;
 

@@ -1,0 +1,352 @@
+//! `llms serve` as apps use it: a real daemon process on a real socket, with the tiny model.
+//! Several clients at once, restarts and crashes, bad input of every kind, and another uid.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+
+use engine::service::client::CallEvent;
+use engine::service::protocol::{Reply, ReplyBody};
+use rand::{Rng, SeedableRng};
+use tests::{World, ask, llms, local_answers, raw, seed};
+
+const PROMPTS: [&str; 3] = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "A second message, somewhat longer than the first one, to fill a chunk or two. ",
+    "And a third. ",
+];
+
+#[test]
+fn several_clients_at_once_answer_as_a_local_manager() {
+    let w = World::new();
+    let _d = w.serve(&[]);
+    let local = local_answers(&w, &PROMPTS, 12);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|i| {
+                let w = &w;
+                s.spawn(move || {
+                    let mut c = w.connect(&format!("app{i}"));
+                    let ctx = c.new_context(None, Default::default()).unwrap();
+                    PROMPTS
+                        .iter()
+                        .map(|p| ask(&mut c, ctx, p, 12).tokens)
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), local);
+        }
+    });
+    let mut c = w.connect("check");
+    let list = c.list().unwrap();
+    assert_eq!(list.len(), 4);
+    let s = c.stats().unwrap();
+    assert_eq!((s.contexts, s.calls), (4, 12));
+    assert_eq!(s.switch.count, 12);
+}
+
+#[test]
+fn a_call_streams_tokens_then_done_with_timings() {
+    let w = World::new();
+    let _d = w.serve(&[]);
+    let mut c = w.connect("stream");
+    let ctx = c.new_context(Some("You are terse. "), engine::service::protocol::PromptFormat::Raw)
+        .unwrap();
+    let events: Vec<CallEvent> = c
+        .call(ctx, PROMPTS[0], &raw(5))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let Some(CallEvent::Done(d)) = events.last() else {
+        panic!("no done: {events:?}")
+    };
+    assert_eq!(events.len(), d.tokens + 1, "{events:?}");
+    assert!(
+        (d.stop == "max_tokens" && d.tokens == 5) || (d.stop == "stop" && d.tokens < 5),
+        "{d:?}"
+    );
+    assert!(d.timings.switch_ms >= d.timings.queue_ms);
+    assert!(d.timings.total_ms >= d.timings.switch_ms);
+    let info = c.info(ctx).unwrap();
+    assert_eq!(info.tokens, d.context_tokens);
+    assert_eq!(info.calls, 1);
+}
+
+#[test]
+fn a_clean_restart_keeps_contexts_and_the_conversation_goes_on() {
+    let w = World::new();
+    let local = local_answers(&w, &PROMPTS, 10);
+    let d = w.serve(&[]);
+    let mut c = w.connect("restart");
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    let mut got = vec![ask(&mut c, ctx, PROMPTS[0], 10).tokens];
+    got.push(ask(&mut c, ctx, PROMPTS[1], 10).tokens);
+    let before = c.info(ctx).unwrap();
+    drop(c);
+    assert!(d.term().success(), "SIGTERM drains and exits 0");
+    assert!(!tests::exists(&w.socket()), "the socket is removed");
+
+    let _d = w.serve(&[]);
+    let mut c = w.connect("restart");
+    let after = c.info(ctx).unwrap();
+    assert_eq!((after.tokens, after.chunks), (before.tokens, before.chunks));
+    got.push(ask(&mut c, ctx, PROMPTS[2], 10).tokens);
+    assert_eq!(got, local);
+}
+
+#[test]
+fn kill_9_mid_call_leaves_the_last_completed_call() {
+    let seed = seed("kill_9_mid_call");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let w = World::new();
+    let local = local_answers(&w, &[PROMPTS[0], PROMPTS[2]], 10);
+    let d = w.serve(&[]);
+    let mut c = w.connect("crash");
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    assert_eq!(ask(&mut c, ctx, PROMPTS[0], 10).tokens, local[0]);
+    let done = c.info(ctx).unwrap();
+    // The second call dies with the daemon after a random number of its tokens.
+    let after = rng.random_range(1..=40usize);
+    let mut stream = c.call(ctx, PROMPTS[1], &raw(60)).unwrap();
+    for _ in 0..after {
+        match stream.next() {
+            Some(Ok(CallEvent::Token { .. })) => {}
+            other => panic!("expected a token, got {other:?}"),
+        }
+    }
+    d.kill9();
+    drop(stream);
+    drop(c);
+
+    let _d = w.serve(&[]);
+    let mut c = w.connect("crash");
+    assert_eq!(c.info(ctx).unwrap().tokens, done.tokens);
+    assert_eq!(ask(&mut c, ctx, PROMPTS[2], 10).tokens, local[1]);
+}
+
+#[test]
+fn a_stale_socket_is_cleaned_and_a_second_daemon_refused() {
+    let w = World::new();
+    let d = w.serve(&[]);
+    let out = llms()
+        .arg("serve")
+        .arg("--socket")
+        .arg(w.dir.path().join("other.sock"))
+        .arg("--store")
+        .arg(w.store())
+        .arg("--model")
+        .arg(&w.model)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("another llms serve"), "{err}");
+    d.kill9();
+    assert!(tests::exists(&w.socket()), "a killed daemon leaves its socket");
+    let _d = w.serve(&[]);
+    w.connect("after").list().unwrap();
+}
+
+/// Sends raw lines and reads one reply per line.
+struct Raw {
+    r: BufReader<UnixStream>,
+    w: UnixStream,
+}
+
+impl Raw {
+    fn new(w: &World) -> Raw {
+        let s = UnixStream::connect(w.socket()).unwrap();
+        Raw {
+            w: s.try_clone().unwrap(),
+            r: BufReader::new(s),
+        }
+    }
+
+    fn send(&mut self, bytes: &[u8]) -> Reply {
+        self.w.write_all(bytes).unwrap();
+        self.w.write_all(b"\n").unwrap();
+        let mut line = String::new();
+        self.r.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
+    }
+
+    /// The error code the daemon answers `bytes` with, and the id it gives.
+    fn error(&mut self, bytes: &[u8]) -> (Option<u64>, String) {
+        match self.send(bytes) {
+            Reply {
+                id,
+                body: ReplyBody::Error { error },
+            } => (id, error.code),
+            r => panic!("{}: expected an error, got {r:?}", String::from_utf8_lossy(bytes)),
+        }
+    }
+}
+
+#[test]
+fn bad_input_gets_an_error_and_changes_nothing() {
+    let w = World::new();
+    let _d = w.serve(&["--max-line", "4096"]);
+    let mut good = w.connect("good");
+    let ctx = good.new_context(None, Default::default()).unwrap();
+    let first = ask(&mut good, ctx, PROMPTS[0], 6);
+
+    let mut r = Raw::new(&w);
+    let e = |id: Option<u64>, code: &str| (id, code.to_owned());
+    assert_eq!(r.error(br#"{"op":"list","id":1}"#), e(Some(1), "no_hello"));
+    assert_eq!(
+        r.send(br#"{"op":"hello","id":2,"version":1,"app":"bad"}"#).id,
+        Some(2)
+    );
+    let huge = vec![b'x'; 10_000];
+    let cases: Vec<(Vec<u8>, (Option<u64>, String))> = vec![
+        (b"{not json".to_vec(), e(None, "bad_request")),
+        (br#"{"op":"frob","id":3}"#.to_vec(), e(Some(3), "bad_request")),
+        (br#"{"op":"info","id":4,"context":"one"}"#.to_vec(), e(Some(4), "bad_request")),
+        (br#"{"op":"list","id":5,"x":1}"#.to_vec(), e(Some(5), "bad_request")),
+        (huge, e(None, "too_long")),
+        (b"{\"op\":\"list\",\"id\":6,\xff}".to_vec(), e(None, "bad_request")),
+        (
+            format!(r#"{{"op":"call","id":7,"context":{ctx},"prompt":"x","top_p":2}}"#)
+                .into_bytes(),
+            e(Some(7), "bad_request"),
+        ),
+        (
+            format!(r#"{{"op":"call","id":8,"context":{ctx},"prompt":"x","temperature":-1}}"#)
+                .into_bytes(),
+            e(Some(8), "bad_request"),
+        ),
+        (br#"{"op":"info","id":9,"context":999}"#.to_vec(), e(Some(9), "not_found")),
+        (br#"{"op":"hello","id":10,"version":1,"app":"again"}"#.to_vec(), e(Some(10), "no_hello")),
+        (br#"{"op":"cancel","id":11,"call":77}"#.to_vec(), e(Some(11), "not_found")),
+    ];
+    for (line, want) in cases {
+        assert_eq!(r.error(&line), want, "{}", String::from_utf8_lossy(&line));
+    }
+    // A deleted context is gone for calls too.
+    let gone = good.new_context(None, Default::default()).unwrap();
+    good.delete(gone).unwrap();
+    let err = good.call(gone, "x", &raw(2)).unwrap().collect_answer().unwrap_err();
+    assert_eq!(err.code(), Some("not_found"));
+
+    // 64 clients that connect and drop, some in the middle of a call.
+    for i in 0..64 {
+        let mut s = UnixStream::connect(w.socket()).unwrap();
+        if i % 2 == 0 {
+            let app = format!(r#"{{"op":"hello","id":1,"version":1,"app":"drop{i}"}}"#);
+            let call = format!(
+                r#"{{"op":"call","id":2,"context":{ctx},"prompt":"x","format":"raw","max_tokens":50}}"#
+            );
+            s.write_all(format!("{app}\n{call}\n").as_bytes()).unwrap();
+            let mut one = [0u8; 1];
+            let _ = s.read(&mut one);
+        }
+    }
+    // Random bytes, bounded.
+    let seed = seed("bad_input random bytes");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut junk = Raw::new(&w);
+    for _ in 0..50 {
+        let n = rng.random_range(0..200);
+        let mut bytes: Vec<u8> = (0..n).map(|_| rng.random()).collect();
+        bytes.retain(|&b| b != b'\n');
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let _ = junk.error(&bytes);
+    }
+
+    // The first client's context is as it was, and it goes on (the dropped calls on it were
+    // other apps' of the same uid: they ran or were cancelled, each a completed call).
+    let again = good.info(ctx).unwrap();
+    assert!(again.tokens >= first.done.context_tokens);
+    ask(&mut good, ctx, PROMPTS[1], 4);
+    let s = good.stats().unwrap();
+    assert!(s.daemon.errors >= 12, "{s:?}");
+}
+
+#[test]
+fn a_full_queue_answers_busy() {
+    let w = World::new();
+    let _d = w.serve(&["--queue", "1"]);
+    let mut c = w.connect("busy");
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    let mut r = Raw::new(&w);
+    r.send(br#"{"op":"hello","id":1,"version":1,"app":"busy"}"#);
+    // Three long calls at once: one runs, one waits, the third finds the queue full.
+    let call = |id: u32| {
+        format!(
+            r#"{{"op":"call","id":{id},"context":{ctx},"prompt":"x","format":"raw","max_tokens":400}}"#
+        )
+    };
+    r.w.write_all(format!("{}\n{}\n{}\n", call(2), call(3), call(4)).as_bytes())
+        .unwrap();
+    // Each of the three ends once: done (ran, perhaps cancelled), busy, or cancelled (queued).
+    let mut ended = std::collections::BTreeMap::new();
+    let mut cancelled = false;
+    while ended.len() < 3 {
+        let mut line = String::new();
+        r.r.read_line(&mut line).unwrap();
+        let reply: Reply = serde_json::from_str(&line).unwrap();
+        let id = reply.id.unwrap();
+        match reply.body {
+            _ if id >= 9 => {}
+            ReplyBody::Error { error } => {
+                ended.insert(id, error.code);
+            }
+            ReplyBody::Event(engine::service::protocol::Event::Done(d)) => {
+                ended.insert(id, d.stop);
+            }
+            ReplyBody::Event(_) => {}
+        }
+        if !cancelled && ended.values().any(|c| c == "busy") {
+            // Stop the running and the waiting call so the test does not wait for them.
+            r.w.write_all(b"{\"op\":\"cancel\",\"id\":9,\"call\":2}\n").unwrap();
+            r.w.write_all(b"{\"op\":\"cancel\",\"id\":10,\"call\":3}\n").unwrap();
+            cancelled = true;
+        }
+    }
+    assert_eq!(ended.get(&4).map(String::as_str), Some("busy"), "{ended:?}");
+    assert!(ended.values().all(|c| ["busy", "cancelled", "max_tokens", "stop"].contains(&c.as_str())), "{ended:?}");
+}
+
+#[test]
+fn another_uid_finds_nothing() {
+    let w = World::new();
+    let _d = w.serve(&[]);
+    let mut c = w.connect("mine");
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    ask(&mut c, ctx, PROMPTS[0], 4);
+    let as_nobody = |args: &[&str]| {
+        let out = {
+            use std::os::unix::process::CommandExt;
+            llms()
+                .args(args)
+                .arg("--socket")
+                .arg(w.socket())
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap()
+        };
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let id = ctx.to_string();
+    let (ok, out, err) = as_nobody(&["ctx", "ls", "--json"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "[]");
+    for cmd in [&["ctx", "show", &id][..], &["ctx", "rm", &id][..]] {
+        let (ok, _, err) = as_nobody(cmd);
+        assert!(!ok);
+        assert!(err.contains("not_found"), "{cmd:?}: {err}");
+    }
+    let (ok, _, err) = as_nobody(&["chat", "--context", &id, "--prompt", "hi"]);
+    assert!(!ok);
+    assert!(err.contains("not_found"), "{err}");
+    // Still there for its owner.
+    assert_eq!(c.info(ctx).unwrap().calls, 1);
+}

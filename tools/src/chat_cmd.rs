@@ -1,0 +1,124 @@
+//! `llms chat`: a conversation with the daemon, one context, streamed to stdout. If no daemon
+//! listens on the socket, it starts `llms serve` in the background and says so; the daemon keeps
+//! running for the next command. `--local` runs the model in this process instead.
+
+use std::io::{BufRead, IsTerminal, Write};
+
+use anyhow::Context;
+use engine::service::client::{CallEvent, ClientError, Client};
+use engine::service::protocol::PromptFormat;
+
+use crate::engine_cmd::ChatArgs;
+use crate::serve_cmd::start_background;
+
+fn connect_or_start(a: &ChatArgs) -> anyhow::Result<Client> {
+    let path = a.socket.path();
+    match Client::connect(&path, &a.app) {
+        Ok(c) => return Ok(c),
+        Err(ClientError::Connect { source, .. })
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+            ) => {}
+        Err(e) => return Err(e).context("cannot talk to the daemon"),
+    }
+    eprintln!(
+        "llms chat: no daemon on {}; starting `llms serve` in the background",
+        path.display()
+    );
+    match start_background(&path, a.engine.model.as_deref()) {
+        Ok((pid, log)) => eprintln!(
+            "llms chat: llms serve is pid {pid} (log {}); it keeps serving, stop it with `kill {pid}`",
+            log.display()
+        ),
+        // Another chat may have started one at the same moment: use it if it is there.
+        Err(e) => {
+            return Client::connect(&path, &a.app)
+                .map_err(|_| e)
+                .context("cannot start the daemon");
+        }
+    }
+    Client::connect(&path, &a.app).context("the daemon started but does not answer")
+}
+
+/// Runs `llms chat`.
+pub fn run(a: ChatArgs) -> anyhow::Result<()> {
+    if a.local {
+        return crate::engine_cmd::run_chat(a);
+    }
+    let params = a.sample.params()?;
+    let mut client = match connect_or_start(&a) {
+        Ok(c) => c,
+        // A machine where the service cannot run (no userfaultfd for this user, say) still
+        // gets its answer, from the model in this process.
+        Err(e) if a.context.is_none() => {
+            eprintln!("llms chat: {e:#}; answering in this process instead (--local)");
+            return crate::engine_cmd::run_chat(a);
+        }
+        Err(e) => return Err(e),
+    };
+    let (ctx, created) = match a.context {
+        Some(id) => {
+            let info = client.info(id)?;
+            eprintln!("llms chat: context {id}, {} tokens so far", info.tokens);
+            (id, false)
+        }
+        None => (
+            client.new_context(a.system.as_deref(), PromptFormat::Chat)?,
+            true,
+        ),
+    };
+    let r = chat(&mut client, ctx, &a, &params);
+    if created && !a.keep {
+        client.delete(ctx)?;
+    } else {
+        eprintln!("[context {ctx}: continue it with `llms chat --context {ctx}`]");
+    }
+    r
+}
+
+fn chat(
+    client: &mut Client,
+    ctx: u64,
+    a: &ChatArgs,
+    params: &engine::service::client::CallParams,
+) -> anyhow::Result<()> {
+    let mut turn = |prompt: &str| -> anyhow::Result<()> {
+        let mut out = std::io::stdout().lock();
+        for ev in client.call(ctx, prompt, params)? {
+            match ev? {
+                CallEvent::Token { text, .. } => {
+                    write!(out, "{text}")?;
+                    out.flush()?;
+                }
+                CallEvent::Done(d) => {
+                    writeln!(out)?;
+                    let t = &d.timings;
+                    eprintln!(
+                        "[switch {:.1} ms, {} prompt tokens at {:.0} t/s, {} generated at {:.1} t/s, stop: {}]",
+                        t.switch_ms, t.prefill_tokens, t.prefill_tps, d.tokens, t.decode_tps, d.stop
+                    );
+                }
+            }
+        }
+        Ok(())
+    };
+    if let Some(p) = &a.prompt {
+        return turn(p);
+    }
+    let stdin = std::io::stdin();
+    let interactive = stdin.is_terminal();
+    if interactive {
+        eprintln!("llms chat: one message per line; an empty line or Ctrl-D ends the chat.");
+    }
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            return Ok(());
+        }
+        turn(line.trim_end())?;
+    }
+}

@@ -1,0 +1,174 @@
+//! `llms ctx ls|show|rm` and `llms stats`: the daemon's contexts and counters, through its
+//! socket (a uid sees only its own contexts).
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use engine::service::client::Client;
+use engine::service::protocol::ContextInfo;
+
+use crate::serve_cmd::SocketArg;
+
+/// The app name these commands give the daemon.
+const APP: &str = "llms-cli";
+
+fn connect(s: &SocketArg) -> anyhow::Result<Client> {
+    let path = s.path();
+    Client::connect(&path, APP).with_context(|| format!("no daemon on {}", path.display()))
+}
+
+/// `llms ctx`.
+#[derive(Subcommand, Debug)]
+pub enum CtxCommand {
+    /// List your contexts: tokens, chunks, residency.
+    Ls(CtxLs),
+    /// One context in detail.
+    Show(CtxShow),
+    /// Delete contexts (memory and store).
+    Rm(CtxRm),
+}
+
+#[derive(Args, Debug)]
+pub struct CtxLs {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// JSON on stdout instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CtxShow {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// JSON on stdout instead of text
+    #[arg(long)]
+    pub json: bool,
+    /// The context's id
+    pub id: u64,
+}
+
+#[derive(Args, Debug)]
+pub struct CtxRm {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// The contexts' ids
+    #[arg(required = true)]
+    pub ids: Vec<u64>,
+}
+
+/// `llms stats`.
+#[derive(Args, Debug)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// JSON on stdout instead of a table
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn formats(c: &ContextInfo) -> String {
+    let v: Vec<String> = c.formats.iter().map(|(f, n)| format!("{f}:{n}")).collect();
+    if v.is_empty() { "-".into() } else { v.join(" ") }
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+/// Runs `llms ctx ...`.
+pub fn run(cmd: CtxCommand) -> anyhow::Result<()> {
+    match cmd {
+        CtxCommand::Ls(a) => {
+            let list = connect(&a.socket)?.list()?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+                return Ok(());
+            }
+            println!(
+                "{:>6}  {:<16} {:>7} {:>7} {:>9} {:>10} {:>6}  formats",
+                "id", "app", "tokens", "chunks", "resident", "MiB", "calls"
+            );
+            for c in &list {
+                println!(
+                    "{:>6}  {:<16} {:>7} {:>7} {:>9} {:>10.2} {:>6}  {}",
+                    c.id,
+                    c.app,
+                    c.tokens,
+                    c.chunks,
+                    c.resident_chunks,
+                    mib(c.resident_bytes),
+                    c.calls,
+                    formats(c)
+                );
+            }
+            Ok(())
+        }
+        CtxCommand::Show(a) => {
+            let c = connect(&a.socket)?.info(a.id)?;
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&c)?);
+                return Ok(());
+            }
+            println!("context  {}", c.id);
+            println!("app      {}", c.app);
+            println!("tokens   {}", c.tokens);
+            println!(
+                "chunks   {} ({} resident, {:.2} MiB)",
+                c.chunks,
+                c.resident_chunks,
+                mib(c.resident_bytes)
+            );
+            println!("formats  {}", formats(&c));
+            println!("calls    {} (since the daemon started)", c.calls);
+            Ok(())
+        }
+        CtxCommand::Rm(a) => {
+            let mut client = connect(&a.socket)?;
+            for id in a.ids {
+                client
+                    .delete(id)
+                    .with_context(|| format!("cannot delete context {id}"))?;
+                eprintln!("deleted context {id}");
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Runs `llms stats`.
+pub fn run_stats(a: StatsArgs) -> anyhow::Result<()> {
+    let s = connect(&a.socket)?.stats()?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(());
+    }
+    let d = &s.daemon;
+    println!(
+        "kv memory      {:.1} / {:.1} MiB resident",
+        mib(s.resident_bytes),
+        mib(s.budget_bytes)
+    );
+    println!("contexts       {}", s.contexts);
+    println!("calls          {}", s.calls);
+    println!(
+        "switch         {} calls: mean {:.2} ms, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        s.switch.count, s.switch.mean_ms, s.switch.p50_ms, s.switch.p99_ms, s.switch.max_ms
+    );
+    println!(
+        "chunks         {} read, {} recomputed, {} faults",
+        s.chunks_read, s.chunks_recomputed, s.faults
+    );
+    println!(
+        "reclaims       {} ({} before write-out)",
+        s.reclaims, s.unwritten_reclaims
+    );
+    println!(
+        "writes         {} done, {} failed, {} queued",
+        s.writes, s.write_failures, s.writes_queued
+    );
+    println!(
+        "daemon         up {:.0} s, {} connections, {} queued, {} requests, {} errors ({} busy)",
+        d.uptime_secs, d.connections, d.queued, d.requests, d.errors, d.busy
+    );
+    Ok(())
+}

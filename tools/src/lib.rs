@@ -1,0 +1,119 @@
+//! `llms`: the one command-line tool of the project: the service and its clients, the model,
+//! generation and chat, evaluation and benchmarks. The binary (`main.rs`) calls [`main`]; the
+//! end-to-end tests run the same code as their own binary.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use clap::{Parser, Subcommand};
+
+mod bench_engine;
+mod bench_kv;
+mod bench_load;
+mod bench_pager;
+mod chat_cmd;
+mod ctx_cmd;
+mod engine_cmd;
+mod kv_mix_cmd;
+mod kvfs_cmd;
+mod model_cmd;
+mod profile_cmd;
+mod serve_cmd;
+
+/// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
+#[derive(Parser)]
+#[command(name = "llms", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fetch and list models.
+    Model(model_cmd::ModelArgs),
+    /// Generate a continuation of one prompt (a chat turn unless --raw), streamed to stdout.
+    Generate(engine_cmd::GenerateArgs),
+    /// Run the service: one model for every app, over a Unix socket.
+    Serve(Box<serve_cmd::ServeArgs>),
+    /// Chat through the daemon (started in the background if none listens), or --local.
+    Chat(engine_cmd::ChatArgs),
+    /// The daemon's contexts (yours).
+    #[command(subcommand)]
+    Ctx(ctx_cmd::CtxCommand),
+    /// The daemon's counters: memory, switch latency, chunks, queue.
+    Stats(ctx_cmd::StatsArgs),
+    /// Mount or inspect a kvfs chunk store.
+    #[command(subcommand)]
+    Kvfs(kvfs_cmd::KvfsCommand),
+    /// Measure the model's quality.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+    /// Benchmarks; each prints a table and writes JSON.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Measure recompute cost on this machine and fit the planner's cost model (JSON profile).
+    Profile(profile_cmd::ProfileArgs),
+}
+
+#[derive(Subcommand)]
+enum EvalCommand {
+    /// Perplexity of a text (llama.cpp's protocol: windows of --ctx tokens, each scored on its second half).
+    Ppl(engine_cmd::PplArgs),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode speed of the engine, and the memory of weights and KV.
+    Engine(bench_engine::BenchEngineArgs),
+    /// The userfaultfd pager: populate (COPY, MOVE), fault-to-resolved, reclaim, against memcpy.
+    Pager(bench_pager::BenchPagerArgs),
+    /// kvfs: reads and writes through the mount and directly, page cache, zstd on KV chunks.
+    Kvfs(kvfs_cmd::BenchArgs),
+    /// KV chunks: codec GB/s and error per format, attention per decode step, recompute tokens/s.
+    Kv(bench_kv::KvArgs),
+    /// Switch latency: a context swapped out and brought back by reads, recompute and the plan.
+    Load(bench_load::BenchLoadArgs),
+}
+
+/// The whole `llms` command line: parses the arguments, runs the command, reports errors.
+pub fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // The service logs its life by default; the other commands only warnings.
+    let default = if matches!(cli.command, Command::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Model(args) => model_cmd::run(args),
+        Command::Generate(args) => engine_cmd::run_generate(args),
+        Command::Serve(args) => serve_cmd::run(*args),
+        Command::Chat(args) => chat_cmd::run(args),
+        Command::Ctx(cmd) => ctx_cmd::run(cmd),
+        Command::Stats(args) => ctx_cmd::run_stats(args),
+        Command::Eval(EvalCommand::Ppl(args)) => engine_cmd::run_ppl(args),
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
+        Command::Bench(BenchCommand::Pager(args)) => bench_pager::bench_pager(&args),
+        Command::Kvfs(cmd) => kvfs_cmd::run(cmd),
+        Command::Bench(BenchCommand::Kvfs(args)) => kvfs_cmd::bench(args),
+        Command::Bench(BenchCommand::Kv(args)) => bench_kv::run(args),
+        Command::Bench(BenchCommand::Load(args)) => bench_load::run_cmd(&args),
+        Command::Profile(args) => profile_cmd::run(args),
+    }
+}

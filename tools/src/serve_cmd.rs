@@ -1,0 +1,440 @@
+//! `llms serve`: the system service. Resolves its settings (flags, then `LLMS_*` variables, then
+//! an optional TOML file, then defaults), takes the store's lock, cleans a stale socket, loads
+//! the model, opens the context manager and runs the daemon until SIGTERM or SIGINT drain it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use engine::kv::KvFormat;
+use engine::model::Model;
+use engine::model::tokenizer::Tokenizer;
+use engine::service::daemon::{Daemon, DaemonConfig};
+use engine::service::protocol::DEFAULT_MAX_LINE;
+use engine::service::{Manager, ManagerConfig};
+
+use crate::model_cmd::ModelsDirArg;
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+fn env_dir(var: &str) -> Option<PathBuf> {
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+}
+
+/// The socket when none is given: `/run/llms/llms.sock` as root, else
+/// `$XDG_RUNTIME_DIR/llms/llms.sock`, else `/tmp/llms-UID/llms.sock`.
+pub fn default_socket() -> PathBuf {
+    if is_root() {
+        return PathBuf::from("/run/llms/llms.sock");
+    }
+    match env_dir("XDG_RUNTIME_DIR") {
+        Some(d) => d.join("llms/llms.sock"),
+        None => PathBuf::from(format!("/tmp/llms-{}/llms.sock", nix::unistd::getuid())),
+    }
+}
+
+/// The store when none is given: `/var/lib/llms/store` as root, else
+/// `$XDG_DATA_HOME/llms/store`, else `~/.local/share/llms/store`.
+pub fn default_store() -> anyhow::Result<PathBuf> {
+    if is_root() {
+        return Ok(PathBuf::from("/var/lib/llms/store"));
+    }
+    if let Some(d) = env_dir("XDG_DATA_HOME") {
+        return Ok(d.join("llms/store"));
+    }
+    match env_dir("HOME") {
+        Some(h) => Ok(h.join(".local/share/llms/store")),
+        None => bail!("no place for the store: set XDG_DATA_HOME or HOME, or pass --store"),
+    }
+}
+
+/// The socket option every client command shares.
+#[derive(Args, Debug, Clone)]
+pub struct SocketArg {
+    /// The daemon's socket [default: $XDG_RUNTIME_DIR/llms/llms.sock, /run/llms/llms.sock as
+    /// root]
+    #[arg(long, env = "LLMS_SOCKET", value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+}
+
+impl SocketArg {
+    pub fn path(&self) -> PathBuf {
+        self.socket.clone().unwrap_or_else(default_socket)
+    }
+}
+
+/// `llms serve`.
+#[derive(Args, Debug, Default)]
+pub struct ServeArgs {
+    /// Unix socket to listen on (mode 0666: any local user connects; contexts are per uid)
+    /// [default: $XDG_RUNTIME_DIR/llms/llms.sock, /run/llms/llms.sock as root]
+    #[arg(long, env = "LLMS_SOCKET", value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+    /// The kvfs store of the contexts (created if missing; `<store>.lock` keeps a second daemon
+    /// off it) [default: $XDG_DATA_HOME/llms/store, /var/lib/llms/store as root]
+    #[arg(long, env = "LLMS_STORE", value_name = "DIR")]
+    pub store: Option<PathBuf>,
+    /// A llama-family GGUF file [default: the default model, fetched into the cache if missing]
+    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub dir: ModelsDirArg,
+    /// Bytes of KV chunks resident at once, across contexts (suffixes K, M, G: powers of 1024)
+    /// [default: 256M]
+    #[arg(long, env = "LLMS_KV_BUDGET", value_name = "BYTES")]
+    pub kv_budget: Option<String>,
+    /// Format new KV chunks are sealed in: f16, int8 (then compressed to int4/int2 by
+    /// attention) [default: int8]
+    #[arg(long, env = "LLMS_KV_FORMAT", value_name = "FORMAT")]
+    pub kv_format: Option<String>,
+    /// Most tokens one context holds [default: the model's context length, at most 2048]
+    #[arg(long, env = "LLMS_MAX_CONTEXT", value_name = "TOKENS")]
+    pub max_context: Option<usize>,
+    /// Contexts one app may hold; the next `new` gets `too_many_contexts` [default: 8]
+    #[arg(long, env = "LLMS_MAX_CONTEXTS_PER_APP", value_name = "N")]
+    pub max_contexts_per_app: Option<usize>,
+    /// Calls that may wait; more get `busy` [default: 64]
+    #[arg(long, env = "LLMS_QUEUE", value_name = "N")]
+    pub queue: Option<usize>,
+    /// Longest request line in bytes [default: 1048576]
+    #[arg(long, env = "LLMS_MAX_LINE", value_name = "BYTES")]
+    pub max_line: Option<usize>,
+    /// Connections at once; more are refused with `busy` [default: 256]
+    #[arg(long, env = "LLMS_MAX_CONNECTIONS", value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// Threads for the engine's kernels [default: the number of CPUs]
+    #[arg(long, env = "LLMS_THREADS", value_name = "N")]
+    pub threads: Option<usize>,
+    /// A TOML file with any of the settings above, keys as the long flags (`kv-budget = "1G"`);
+    /// flags and variables win over it [default: $XDG_CONFIG_HOME/llms/serve.toml, or
+    /// /etc/llms/serve.toml as root, when the file exists]
+    #[arg(long, env = "LLMS_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+/// The settings a TOML file may hold.
+#[derive(serde::Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct ConfigFile {
+    socket: Option<PathBuf>,
+    store: Option<PathBuf>,
+    model: Option<PathBuf>,
+    models_dir: Option<PathBuf>,
+    kv_budget: Option<toml::Value>,
+    kv_format: Option<String>,
+    max_context: Option<usize>,
+    max_contexts_per_app: Option<usize>,
+    queue: Option<usize>,
+    max_line: Option<usize>,
+    max_connections: Option<usize>,
+    threads: Option<usize>,
+}
+
+fn default_config_file() -> Option<PathBuf> {
+    let p = if is_root() {
+        PathBuf::from("/etc/llms/serve.toml")
+    } else {
+        env_dir("XDG_CONFIG_HOME")
+            .or_else(|| env_dir("HOME").map(|h| h.join(".config")))?
+            .join("llms/serve.toml")
+    };
+    p.exists().then_some(p)
+}
+
+/// Parses `512M`, `1G`, `1048576`, `256MiB`.
+pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
+    let t = s.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: u64 = num
+        .parse()
+        .with_context(|| format!("{s:?} is not a size (try 512M or 1G)"))?;
+    let mul: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => bail!("{s:?} is not a size (suffixes K, M, G)"),
+    };
+    n.checked_mul(mul)
+        .with_context(|| format!("{s:?} is too large"))
+}
+
+/// Settings after flags, variables, the file and defaults.
+#[derive(Debug)]
+struct Settings {
+    socket: PathBuf,
+    store: PathBuf,
+    model: Option<PathBuf>,
+    dir: ModelsDirArg,
+    kv_budget: u64,
+    kv_format: KvFormat,
+    max_context: Option<usize>,
+    daemon: DaemonConfig,
+    threads: Option<usize>,
+}
+
+fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
+    let file_path = a.config.clone().or_else(default_config_file);
+    let f: ConfigFile = match &file_path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read the config file {}", p.display()))?;
+            toml::from_str(&text)
+                .with_context(|| format!("the config file {} is not valid", p.display()))?
+        }
+        None => ConfigFile::default(),
+    };
+    let budget = match (a.kv_budget, f.kv_budget) {
+        (Some(s), _) => parse_bytes(&s)?,
+        (None, Some(toml::Value::Integer(n))) => {
+            u64::try_from(n).context("kv-budget must not be negative")?
+        }
+        (None, Some(toml::Value::String(s))) => parse_bytes(&s)?,
+        (None, Some(v)) => bail!("kv-budget must be a size like \"512M\", not {v}"),
+        (None, None) => 256 << 20,
+    };
+    let kv_format: KvFormat = a
+        .kv_format
+        .or(f.kv_format)
+        .unwrap_or_else(|| "int8".into())
+        .parse()?;
+    let d = DaemonConfig::default();
+    let positive = |name: &str, v: usize| {
+        if v == 0 {
+            bail!("--{name} must be at least 1");
+        }
+        Ok(v)
+    };
+    let daemon = DaemonConfig {
+        max_line: positive("max-line", a.max_line.or(f.max_line).unwrap_or(DEFAULT_MAX_LINE))?,
+        queue: positive("queue", a.queue.or(f.queue).unwrap_or(d.queue))?,
+        max_connections: positive(
+            "max-connections",
+            a.max_connections.or(f.max_connections).unwrap_or(d.max_connections),
+        )?,
+        max_contexts_per_app: positive(
+            "max-contexts-per-app",
+            a.max_contexts_per_app
+                .or(f.max_contexts_per_app)
+                .unwrap_or(d.max_contexts_per_app),
+        )?,
+        ..d
+    };
+    Ok(Settings {
+        socket: a.socket.or(f.socket).unwrap_or_else(default_socket),
+        store: match a.store.or(f.store) {
+            Some(s) => s,
+            None => default_store()?,
+        },
+        model: a.model.or(f.model),
+        dir: ModelsDirArg {
+            models_dir: a.dir.models_dir.or(f.models_dir),
+        },
+        kv_budget: budget,
+        kv_format,
+        max_context: a.max_context.or(f.max_context),
+        daemon,
+        threads: a.threads.or(f.threads),
+    })
+}
+
+/// Takes `<store>.lock`; a second daemon on the same store is refused with the first one's pid.
+fn lock_store(store: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
+    let mut name = store
+        .file_name()
+        .context("--store must name a directory")?
+        .to_owned();
+    name.push(".lock");
+    let path = store.with_file_name(name);
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open the lock file {}", path.display()))?;
+    let mut lock = match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(l) => l,
+        Err((f, nix::errno::Errno::EWOULDBLOCK)) => {
+            let pid = std::io::read_to_string(&f).unwrap_or_default();
+            bail!(
+                "another llms serve (pid {}) uses the store {}; stop it or pass another --store",
+                pid.trim(),
+                store.display()
+            );
+        }
+        Err((_, e)) => return Err(e).with_context(|| format!("cannot lock {}", path.display())),
+    };
+    lock.set_len(0)?;
+    writeln!(&mut *lock, "{}", std::process::id())?;
+    Ok(lock)
+}
+
+/// Removes a socket file left by a daemon that died; refuses if a daemon answers on it.
+fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("cannot look at {}", path.display())),
+        Ok(md) if !md.file_type().is_socket() => bail!(
+            "{} exists and is not a socket; remove it or pass another --socket",
+            path.display()
+        ),
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => bail!(
+                "a daemon already listens on {}; stop it or pass another --socket",
+                path.display()
+            ),
+            Err(_) => {
+                std::fs::remove_file(path)
+                    .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
+                tracing::info!(socket = %path.display(), "removed a stale socket");
+                Ok(())
+            }
+        },
+    }
+}
+
+fn mkdir_for(path: &Path) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// Runs `llms serve`.
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    // Every thread inherits this mask; one thread waits for the signals and drains.
+    let mut signals = nix::sys::signal::SigSet::empty();
+    signals.add(nix::sys::signal::Signal::SIGTERM);
+    signals.add(nix::sys::signal::Signal::SIGINT);
+    signals
+        .thread_block()
+        .context("cannot block SIGTERM and SIGINT")?;
+    let t0 = Instant::now();
+    let s = resolve(a)?;
+    crate::engine_cmd::init_threads(s.threads)?;
+    mkdir_for(&s.store)?;
+    let _lock = lock_store(&s.store)?;
+    mkdir_for(&s.socket)?;
+    clear_stale_socket(&s.socket)?;
+
+    let path = match &s.model {
+        Some(p) => p.clone(),
+        None => engine::model::fetch::default_model_path(&s.dir.fetch_options())
+            .context("cannot get the default model (try `llms model fetch`)")?,
+    };
+    let model =
+        Arc::new(Model::load(&path).with_context(|| format!("cannot load {}", path.display()))?);
+    let tokenizer = Arc::new(
+        Tokenizer::from_gguf_file(&path)
+            .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?,
+    );
+    let mut mc = ManagerConfig::new(&s.store, s.kv_budget);
+    mc.kv_format = s.kv_format;
+    if s.kv_format == KvFormat::F16 {
+        mc.compress_ratio = None;
+    }
+    mc.max_tokens = s.max_context.unwrap_or(model.cfg.max_ctx.min(2048));
+    let max_tokens = mc.max_tokens;
+    let manager = Manager::open(Arc::clone(&model), mc)
+        .with_context(|| format!("cannot open the contexts in {}", s.store.display()))?;
+    let contexts = manager.stats().contexts;
+
+    let listener = UnixListener::bind(&s.socket)
+        .with_context(|| format!("cannot listen on {}", s.socket.display()))?;
+    std::fs::set_permissions(&s.socket, std::fs::Permissions::from_mode(0o666))
+        .with_context(|| format!("cannot open {} to every user", s.socket.display()))?;
+    let daemon = Daemon::start(
+        listener,
+        manager,
+        tokenizer,
+        DaemonConfig {
+            max_context_tokens: max_tokens,
+            ..s.daemon.clone()
+        },
+    )?;
+    let stopper = daemon.stopper();
+    std::thread::Builder::new()
+        .name("llms-signals".into())
+        .spawn(move || {
+            if let Ok(sig) = signals.wait() {
+                tracing::info!(signal = %sig, "draining");
+                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+                stopper.stop();
+            }
+        })
+        .context("cannot start the signal thread")?;
+    tracing::info!(
+        socket = %s.socket.display(),
+        store = %s.store.display(),
+        model = %path.display(),
+        kv_budget = s.kv_budget,
+        contexts,
+        secs = t0.elapsed().as_secs_f64(),
+        "serving"
+    );
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(
+            out,
+            "llms serve: listening on {} (pid {}, {} contexts)",
+            s.socket.display(),
+            std::process::id(),
+            contexts
+        )?;
+        out.flush()?;
+    }
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+    let r = daemon.wait();
+    let _ = std::fs::remove_file(&s.socket);
+    r?;
+    Ok(())
+}
+
+/// Starts `llms serve` in the background on `socket` (with `model` if given), waits until it
+/// listens, and returns its pid and log file. The daemon outlives the caller.
+pub fn start_background(socket: &Path, model: Option<&Path>) -> anyhow::Result<(u32, PathBuf)> {
+    mkdir_for(socket)?;
+    let log = socket.with_file_name("serve.log");
+    let log_file = std::fs::File::create(&log)
+        .with_context(|| format!("cannot create the daemon's log {}", log.display()))?;
+    let exe = std::env::current_exe().context("cannot find the llms executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("serve").arg("--socket").arg(socket);
+    if let Some(m) = model {
+        cmd.arg("--model").arg(m);
+    }
+    let mut child = {
+        use std::os::unix::process::CommandExt;
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log_file)
+            // Its own process group: a Ctrl-C in this terminal does not stop the service.
+            .process_group(0)
+            .spawn()
+            .context("cannot start llms serve")?
+    };
+    let pid = child.id();
+    let out = child.stdout.take().context("no pipe from llms serve")?;
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line)?;
+    if !line.starts_with("llms serve: listening") {
+        let status = child.wait()?;
+        bail!(
+            "llms serve exited ({status}) before it listened; see {}",
+            log.display()
+        );
+    }
+    Ok((pid, log))
+}
