@@ -22,10 +22,12 @@ pub const MAX_CONTEXT: usize = 1024;
 pub struct World {
     pub dir: tempfile::TempDir,
     pub model: PathBuf,
+    /// The `llms` binary (an integration test passes `env!("CARGO_BIN_EXE_llms-e2e")`).
+    pub bin: PathBuf,
 }
 
 impl World {
-    pub fn new() -> World {
+    pub fn new(bin: &str) -> World {
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(
             dir.path(),
@@ -38,7 +40,16 @@ impl World {
             ..TinySpec::default()
         };
         write_tiny_gguf(&model, &spec).unwrap();
-        World { dir, model }
+        World {
+            dir,
+            model,
+            bin: bin.into(),
+        }
+    }
+
+    /// The `llms` command.
+    pub fn llms(&self) -> Command {
+        Command::new(&self.bin)
     }
 
     pub fn socket(&self) -> PathBuf {
@@ -64,17 +75,6 @@ impl World {
     }
 }
 
-impl Default for World {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-/// The `llms` binary of the tests crate.
-pub fn llms() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_llms-e2e"))
-}
-
 /// A running `llms serve`; killed (SIGKILL) when dropped.
 pub struct Serve {
     child: Option<Child>,
@@ -83,7 +83,7 @@ pub struct Serve {
 
 impl Serve {
     fn start(w: &World, extra: &[&str]) -> Serve {
-        let mut cmd = llms();
+        let mut cmd = w.llms();
         cmd.arg("serve")
             .arg("--socket")
             .arg(w.socket())

@@ -7,7 +7,11 @@ use std::os::unix::net::UnixStream;
 use engine::service::client::CallEvent;
 use engine::service::protocol::{Reply, ReplyBody};
 use rand::{Rng, SeedableRng};
-use tests::{World, ask, llms, local_answers, raw, seed};
+use tests::{ask, local_answers, raw, seed};
+
+fn world() -> tests::World {
+    tests::World::new(env!("CARGO_BIN_EXE_llms-e2e"))
+}
 
 const PROMPTS: [&str; 3] = [
     "The quick brown fox jumps over the lazy dog. ",
@@ -17,7 +21,7 @@ const PROMPTS: [&str; 3] = [
 
 #[test]
 fn several_clients_at_once_answer_as_a_local_manager() {
-    let w = World::new();
+    let w = world();
     let _d = w.serve(&[]);
     let local = local_answers(&w, &PROMPTS, 12);
     std::thread::scope(|s| {
@@ -48,7 +52,7 @@ fn several_clients_at_once_answer_as_a_local_manager() {
 
 #[test]
 fn a_call_streams_tokens_then_done_with_timings() {
-    let w = World::new();
+    let w = world();
     let _d = w.serve(&[]);
     let mut c = w.connect("stream");
     let ctx = c.new_context(Some("You are terse. "), engine::service::protocol::PromptFormat::Raw)
@@ -75,7 +79,7 @@ fn a_call_streams_tokens_then_done_with_timings() {
 
 #[test]
 fn a_clean_restart_keeps_contexts_and_the_conversation_goes_on() {
-    let w = World::new();
+    let w = world();
     let local = local_answers(&w, &PROMPTS, 10);
     let d = w.serve(&[]);
     let mut c = w.connect("restart");
@@ -99,7 +103,7 @@ fn a_clean_restart_keeps_contexts_and_the_conversation_goes_on() {
 fn kill_9_mid_call_leaves_the_last_completed_call() {
     let seed = seed("kill_9_mid_call");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let w = World::new();
+    let w = world();
     let local = local_answers(&w, &[PROMPTS[0], PROMPTS[2]], 10);
     let d = w.serve(&[]);
     let mut c = w.connect("crash");
@@ -127,9 +131,10 @@ fn kill_9_mid_call_leaves_the_last_completed_call() {
 
 #[test]
 fn a_stale_socket_is_cleaned_and_a_second_daemon_refused() {
-    let w = World::new();
+    let w = world();
     let d = w.serve(&[]);
-    let out = llms()
+    let out = w
+        .llms()
         .arg("serve")
         .arg("--socket")
         .arg(w.dir.path().join("other.sock"))
@@ -155,7 +160,7 @@ struct Raw {
 }
 
 impl Raw {
-    fn new(w: &World) -> Raw {
+    fn new(w: &tests::World) -> Raw {
         let s = UnixStream::connect(w.socket()).unwrap();
         Raw {
             w: s.try_clone().unwrap(),
@@ -185,7 +190,7 @@ impl Raw {
 
 #[test]
 fn bad_input_gets_an_error_and_changes_nothing() {
-    let w = World::new();
+    let w = world();
     let _d = w.serve(&["--max-line", "4096"]);
     let mut good = w.connect("good");
     let ctx = good.new_context(None, Default::default()).unwrap();
@@ -267,7 +272,7 @@ fn bad_input_gets_an_error_and_changes_nothing() {
 
 #[test]
 fn a_full_queue_answers_busy() {
-    let w = World::new();
+    let w = world();
     let _d = w.serve(&["--queue", "1"]);
     let mut c = w.connect("busy");
     let ctx = c.new_context(None, Default::default()).unwrap();
@@ -312,7 +317,7 @@ fn a_full_queue_answers_busy() {
 
 #[test]
 fn another_uid_finds_nothing() {
-    let w = World::new();
+    let w = world();
     let _d = w.serve(&[]);
     let mut c = w.connect("mine");
     let ctx = c.new_context(None, Default::default()).unwrap();
@@ -320,7 +325,7 @@ fn another_uid_finds_nothing() {
     let as_nobody = |args: &[&str]| {
         let out = {
             use std::os::unix::process::CommandExt;
-            llms()
+            w.llms()
                 .args(args)
                 .arg("--socket")
                 .arg(w.socket())

@@ -74,7 +74,7 @@ impl SocketArg {
 }
 
 /// `llms serve`.
-#[derive(Args, Debug, Default)]
+#[derive(Args, Debug)]
 pub struct ServeArgs {
     /// Unix socket to listen on (mode 0666: any local user connects; contexts are per uid)
     /// [default: $XDG_RUNTIME_DIR/llms/llms.sock, /run/llms/llms.sock as root]
