@@ -279,7 +279,7 @@ impl Client {
     pub fn info(&mut self, context: u64) -> Result<ContextInfo, ClientError> {
         let id = self.next_id();
         match self.request(Request::Info { id, context })? {
-            Event::Info(i) => Ok(i),
+            Event::Info { context } => Ok(context),
             e => Err(unexpected(&e)),
         }
     }

@@ -314,7 +314,7 @@ pub enum Event {
     /// The answer to `list`.
     Contexts { contexts: Vec<ContextInfo> },
     /// The answer to `info`.
-    Info(ContextInfo),
+    Info { context: ContextInfo },
     /// The answer to `stats`.
     Stats(Box<Stats>),
 }

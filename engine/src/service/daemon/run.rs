@@ -83,7 +83,9 @@ fn handle(m: &mut Manager, tok: &Tokenizer, shared: &Shared, job: &Job) -> Resul
         }),
         Request::Info { context, .. } => m
             .info(o, *context)
-            .map(|c| Event::Info(context_info(c)))
+            .map(|c| Event::Info {
+                context: context_info(c),
+            })
             .map_err(service_error),
         Request::Stats { .. } => Ok(Event::Stats(Box::new(stats(m, shared)))),
         Request::Hello { .. } | Request::Cancel { .. } => Err(ErrorBody::new(
