@@ -201,7 +201,11 @@ pub fn seed(test: &str) -> u64 {
                 .unwrap()
                 .as_nanos() as u64
         });
-    eprintln!("{test}: seed {seed} (replay with LLMS_TEST_SEED={seed})");
+    // The test harness shows a failing test's output, so a failure names its seed.
+    #[allow(clippy::print_stderr)]
+    {
+        eprintln!("{test}: seed {seed} (replay with LLMS_TEST_SEED={seed})");
+    }
     seed
 }
 

@@ -55,7 +55,11 @@ fn a_call_streams_tokens_then_done_with_timings() {
     let w = world();
     let _d = w.serve(&[]);
     let mut c = w.connect("stream");
-    let ctx = c.new_context(Some("You are terse. "), engine::service::protocol::PromptFormat::Raw)
+    let ctx = c
+        .new_context(
+            Some("You are terse. "),
+            engine::service::protocol::PromptFormat::Raw,
+        )
         .unwrap();
     let events: Vec<CallEvent> = c
         .call(ctx, PROMPTS[0], &raw(5))
@@ -120,7 +124,6 @@ fn kill_9_mid_call_leaves_the_last_completed_call() {
         }
     }
     d.kill9();
-    drop(stream);
     drop(c);
 
     let _d = w.serve(&[]);
@@ -148,7 +151,10 @@ fn a_stale_socket_is_cleaned_and_a_second_daemon_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("another llms serve"), "{err}");
     d.kill9();
-    assert!(tests::exists(&w.socket()), "a killed daemon leaves its socket");
+    assert!(
+        tests::exists(&w.socket()),
+        "a killed daemon leaves its socket"
+    );
     let _d = w.serve(&[]);
     w.connect("after").list().unwrap();
 }
@@ -183,7 +189,10 @@ impl Raw {
                 id,
                 body: ReplyBody::Error { error },
             } => (id, error.code),
-            r => panic!("{}: expected an error, got {r:?}", String::from_utf8_lossy(bytes)),
+            r => panic!(
+                "{}: expected an error, got {r:?}",
+                String::from_utf8_lossy(bytes)
+            ),
         }
     }
 }
@@ -200,17 +209,31 @@ fn bad_input_gets_an_error_and_changes_nothing() {
     let e = |id: Option<u64>, code: &str| (id, code.to_owned());
     assert_eq!(r.error(br#"{"op":"list","id":1}"#), e(Some(1), "no_hello"));
     assert_eq!(
-        r.send(br#"{"op":"hello","id":2,"version":1,"app":"bad"}"#).id,
+        r.send(br#"{"op":"hello","id":2,"version":1,"app":"bad"}"#)
+            .id,
         Some(2)
     );
     let huge = vec![b'x'; 10_000];
-    let cases: Vec<(Vec<u8>, (Option<u64>, String))> = vec![
+    type Case = (Vec<u8>, (Option<u64>, String));
+    let cases: Vec<Case> = vec![
         (b"{not json".to_vec(), e(None, "bad_request")),
-        (br#"{"op":"frob","id":3}"#.to_vec(), e(Some(3), "bad_request")),
-        (br#"{"op":"info","id":4,"context":"one"}"#.to_vec(), e(Some(4), "bad_request")),
-        (br#"{"op":"list","id":5,"x":1}"#.to_vec(), e(Some(5), "bad_request")),
+        (
+            br#"{"op":"frob","id":3}"#.to_vec(),
+            e(Some(3), "bad_request"),
+        ),
+        (
+            br#"{"op":"info","id":4,"context":"one"}"#.to_vec(),
+            e(Some(4), "bad_request"),
+        ),
+        (
+            br#"{"op":"list","id":5,"x":1}"#.to_vec(),
+            e(Some(5), "bad_request"),
+        ),
         (huge, e(None, "too_long")),
-        (b"{\"op\":\"list\",\"id\":6,\xff}".to_vec(), e(None, "bad_request")),
+        (
+            b"{\"op\":\"list\",\"id\":6,\xff}".to_vec(),
+            e(None, "bad_request"),
+        ),
         (
             format!(r#"{{"op":"call","id":7,"context":{ctx},"prompt":"x","top_p":2}}"#)
                 .into_bytes(),
@@ -221,9 +244,18 @@ fn bad_input_gets_an_error_and_changes_nothing() {
                 .into_bytes(),
             e(Some(8), "bad_request"),
         ),
-        (br#"{"op":"info","id":9,"context":999}"#.to_vec(), e(Some(9), "not_found")),
-        (br#"{"op":"hello","id":10,"version":1,"app":"again"}"#.to_vec(), e(Some(10), "no_hello")),
-        (br#"{"op":"cancel","id":11,"call":77}"#.to_vec(), e(Some(11), "not_found")),
+        (
+            br#"{"op":"info","id":9,"context":999}"#.to_vec(),
+            e(Some(9), "not_found"),
+        ),
+        (
+            br#"{"op":"hello","id":10,"version":1,"app":"again"}"#.to_vec(),
+            e(Some(10), "no_hello"),
+        ),
+        (
+            br#"{"op":"cancel","id":11,"call":77}"#.to_vec(),
+            e(Some(11), "not_found"),
+        ),
     ];
     for (line, want) in cases {
         assert_eq!(r.error(&line), want, "{}", String::from_utf8_lossy(&line));
@@ -231,7 +263,11 @@ fn bad_input_gets_an_error_and_changes_nothing() {
     // A deleted context is gone for calls too.
     let gone = good.new_context(None, Default::default()).unwrap();
     good.delete(gone).unwrap();
-    let err = good.call(gone, "x", &raw(2)).unwrap().collect_answer().unwrap_err();
+    let err = good
+        .call(gone, "x", &raw(2))
+        .unwrap()
+        .collect_answer()
+        .unwrap_err();
     assert_eq!(err.code(), Some("not_found"));
 
     // 64 clients that connect and drop, some in the middle of a call.
@@ -306,13 +342,20 @@ fn a_full_queue_answers_busy() {
         }
         if !cancelled && ended.values().any(|c| c == "busy") {
             // Stop the running and the waiting call so the test does not wait for them.
-            r.w.write_all(b"{\"op\":\"cancel\",\"id\":9,\"call\":2}\n").unwrap();
-            r.w.write_all(b"{\"op\":\"cancel\",\"id\":10,\"call\":3}\n").unwrap();
+            r.w.write_all(b"{\"op\":\"cancel\",\"id\":9,\"call\":2}\n")
+                .unwrap();
+            r.w.write_all(b"{\"op\":\"cancel\",\"id\":10,\"call\":3}\n")
+                .unwrap();
             cancelled = true;
         }
     }
     assert_eq!(ended.get(&4).map(String::as_str), Some("busy"), "{ended:?}");
-    assert!(ended.values().all(|c| ["busy", "cancelled", "max_tokens", "stop"].contains(&c.as_str())), "{ended:?}");
+    assert!(
+        ended
+            .values()
+            .all(|c| ["busy", "cancelled", "max_tokens", "stop"].contains(&c.as_str())),
+        "{ended:?}"
+    );
 }
 
 #[test]

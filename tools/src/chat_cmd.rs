@@ -5,7 +5,7 @@
 use std::io::{BufRead, IsTerminal, Write};
 
 use anyhow::Context;
-use engine::service::client::{CallEvent, ClientError, Client};
+use engine::service::client::{CallEvent, Client, ClientError};
 use engine::service::protocol::PromptFormat;
 
 use crate::engine_cmd::ChatArgs;
@@ -96,7 +96,12 @@ fn chat(
                     let t = &d.timings;
                     eprintln!(
                         "[switch {:.1} ms, {} prompt tokens at {:.0} t/s, {} generated at {:.1} t/s, stop: {}]",
-                        t.switch_ms, t.prefill_tokens, t.prefill_tps, d.tokens, t.decode_tps, d.stop
+                        t.switch_ms,
+                        t.prefill_tokens,
+                        t.prefill_tps,
+                        d.tokens,
+                        t.decode_tps,
+                        d.stop
                     );
                 }
             }

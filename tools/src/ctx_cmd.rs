@@ -68,7 +68,11 @@ pub struct StatsArgs {
 
 fn formats(c: &ContextInfo) -> String {
     let v: Vec<String> = c.formats.iter().map(|(f, n)| format!("{f}:{n}")).collect();
-    if v.is_empty() { "-".into() } else { v.join(" ") }
+    if v.is_empty() {
+        "-".into()
+    } else {
+        v.join(" ")
+    }
 }
 
 fn mib(b: u64) -> f64 {

@@ -217,11 +217,16 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         Ok(v)
     };
     let daemon = DaemonConfig {
-        max_line: positive("max-line", a.max_line.or(f.max_line).unwrap_or(DEFAULT_MAX_LINE))?,
+        max_line: positive(
+            "max-line",
+            a.max_line.or(f.max_line).unwrap_or(DEFAULT_MAX_LINE),
+        )?,
         queue: positive("queue", a.queue.or(f.queue).unwrap_or(d.queue))?,
         max_connections: positive(
             "max-connections",
-            a.max_connections.or(f.max_connections).unwrap_or(d.max_connections),
+            a.max_connections
+                .or(f.max_connections)
+                .unwrap_or(d.max_connections),
         )?,
         max_contexts_per_app: positive(
             "max-contexts-per-app",
@@ -296,8 +301,9 @@ fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
                 path.display()
             ),
             Err(_) => {
-                std::fs::remove_file(path)
-                    .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
+                std::fs::remove_file(path).with_context(|| {
+                    format!("cannot remove the stale socket {}", path.display())
+                })?;
                 tracing::info!(socket = %path.display(), "removed a stale socket");
                 Ok(())
             }

@@ -106,7 +106,9 @@ pub struct Client {
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client").field("hello", &self.hello).finish()
+        f.debug_struct("Client")
+            .field("hello", &self.hello)
+            .finish()
     }
 }
 

@@ -186,7 +186,9 @@ impl Request {
                     return bad("top_p must be in (0, 1]".into());
                 }
                 if stop.len() > MAX_STOPS
-                    || stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+                    || stop
+                        .iter()
+                        .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
                 {
                     return bad(format!(
                         "at most {MAX_STOPS} stop strings of 1 to {MAX_STOP_BYTES} bytes"
@@ -241,7 +243,9 @@ pub fn parse_request(line: &[u8]) -> Result<Request, (Option<u64>, ErrorBody)> {
             struct IdProbe {
                 id: Option<u64>,
             }
-            let id = serde_json::from_str::<IdProbe>(text).ok().and_then(|p| p.id);
+            let id = serde_json::from_str::<IdProbe>(text)
+                .ok()
+                .and_then(|p| p.id);
             Err((
                 id,
                 ErrorBody::new(
@@ -485,18 +489,36 @@ mod tests {
             version: 1,
             app: "notes".into(),
         };
-        check(r#"{"op":"hello","id":1,"version":1,"app":"notes"}"#, Ok(hello));
-        check(r#"{"op":"call","id":3,"context":7,"prompt":"Hi"}"#, Ok(call(3, 7, "Hi")));
+        check(
+            r#"{"op":"hello","id":1,"version":1,"app":"notes"}"#,
+            Ok(hello),
+        );
+        check(
+            r#"{"op":"call","id":3,"context":7,"prompt":"Hi"}"#,
+            Ok(call(3, 7, "Hi")),
+        );
         check(r#"{"op":"list","id":9}"#, Ok(Request::List { id: 9 }));
         let new = Request::New {
             id: 2,
             system: Some("terse".into()),
             format: PromptFormat::Raw,
         };
-        check(r#"{"op":"new","id":2,"system":"terse","format":"raw"}"#, Ok(new));
-        check(r#"{"op":"frobnicate","id":4}"#, Err((Some(4), codes::BAD_REQUEST)));
-        check(r#"{"op":"list","id":5,"extra":1}"#, Err((Some(5), codes::BAD_REQUEST)));
-        check(r#"{"op":"info","id":6,"context":"x"}"#, Err((Some(6), codes::BAD_REQUEST)));
+        check(
+            r#"{"op":"new","id":2,"system":"terse","format":"raw"}"#,
+            Ok(new),
+        );
+        check(
+            r#"{"op":"frobnicate","id":4}"#,
+            Err((Some(4), codes::BAD_REQUEST)),
+        );
+        check(
+            r#"{"op":"list","id":5,"extra":1}"#,
+            Err((Some(5), codes::BAD_REQUEST)),
+        );
+        check(
+            r#"{"op":"info","id":6,"context":"x"}"#,
+            Err((Some(6), codes::BAD_REQUEST)),
+        );
         check(r#"{"op":"list"}"#, Err((None, codes::BAD_REQUEST)));
         check(r#"{"op":"list","id":-1}"#, Err((None, codes::BAD_REQUEST)));
         check("not json", Err((None, codes::BAD_REQUEST)));

@@ -43,7 +43,10 @@ impl Conn {
         match self.tx.try_send(r.to_line()) {
             Ok(()) => true,
             Err(TrySendError::Full(_)) => {
-                tracing::warn!(conn = self.id, "client does not read its replies; dropping it");
+                tracing::warn!(
+                    conn = self.id,
+                    "client does not read its replies; dropping it"
+                );
                 self.leave();
                 false
             }
@@ -136,11 +139,7 @@ pub fn spawn(
     }
 }
 
-fn write_loop(
-    mut stream: UnixStream,
-    rx: Receiver<String>,
-    conn: std::sync::Weak<Conn>,
-) {
+fn write_loop(mut stream: UnixStream, rx: Receiver<String>, conn: std::sync::Weak<Conn>) {
     while let Ok(line) = rx.recv() {
         if stream.write_all(line.as_bytes()).is_err() {
             if let Some(c) = conn.upgrade() {
@@ -159,7 +158,11 @@ enum Line {
     Eof,
 }
 
-fn read_line(r: &mut BufReader<UnixStream>, max: usize, buf: &mut Vec<u8>) -> std::io::Result<Line> {
+fn read_line(
+    r: &mut BufReader<UnixStream>,
+    max: usize,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Line> {
     buf.clear();
     let mut skipped = 0usize;
     loop {
@@ -287,7 +290,10 @@ fn dispatch(
             return;
         }
         (Request::Hello { .. }, Some(_)) => {
-            return fail(codes::NO_HELLO, "hello was already sent on this connection".into());
+            return fail(
+                codes::NO_HELLO,
+                "hello was already sent on this connection".into(),
+            );
         }
         (_, None) => {
             return fail(
@@ -342,7 +348,10 @@ fn dispatch(
         match why {
             Refused::Busy => {
                 shared.busy();
-                fail(codes::BUSY, "the daemon's queue is full; try again shortly".into());
+                fail(
+                    codes::BUSY,
+                    "the daemon's queue is full; try again shortly".into(),
+                );
             }
             Refused::Closed => {
                 fail(codes::SHUTTING_DOWN, "the daemon is shutting down".into());
@@ -375,7 +384,10 @@ mod tests {
     fn bounded_lines() {
         assert_eq!(lines(b"ab\ncd\n", 8), ["ab", "cd"]);
         assert_eq!(lines(b"ab\n0123456789\ncd", 8), ["ab", "too long 10", "cd"]);
-        assert_eq!(lines(b"01234567\n012345678\n", 8), ["01234567", "too long 9"]);
+        assert_eq!(
+            lines(b"01234567\n012345678\n", 8),
+            ["01234567", "too long 9"]
+        );
         assert_eq!(lines(b"\n\n", 8), ["", ""]);
         assert!(lines(b"", 8).is_empty());
     }

@@ -11,8 +11,8 @@ use crate::model::generate::SamplingParams;
 use crate::model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use crate::service::daemon::{Job, Shared, lock};
 use crate::service::protocol::{
-    ChunkCounts, ContextInfo, Done, ErrorBody, Event, Latency, PromptFormat, Reply, Request,
-    Stats, Timings, codes,
+    ChunkCounts, ContextInfo, Done, ErrorBody, Event, Latency, PromptFormat, Reply, Request, Stats,
+    Timings, codes,
 };
 use crate::service::{CallOptions, ContextSummary, Manager, Owner, ServiceError};
 
@@ -49,7 +49,12 @@ fn service_error(e: ServiceError) -> ErrorBody {
     ErrorBody::new(e.code(), e.to_string())
 }
 
-fn handle(m: &mut Manager, tok: &Tokenizer, shared: &Shared, job: &Job) -> Result<Event, ErrorBody> {
+fn handle(
+    m: &mut Manager,
+    tok: &Tokenizer,
+    shared: &Shared,
+    job: &Job,
+) -> Result<Event, ErrorBody> {
     let o = &job.owner;
     match &job.request {
         Request::New { system, format, .. } => {
@@ -190,11 +195,20 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
             let piece = dec.push(tok, t);
             let from = text.len().saturating_sub(longest_stop + piece.len());
             text.push_str(&piece);
-            if !conn.send(&Reply::event(*id, Event::Token { token: t, text: piece })) {
+            if !conn.send(&Reply::event(
+                *id,
+                Event::Token {
+                    token: t,
+                    text: piece,
+                },
+            )) {
                 return false;
             }
             if !stop.is_empty() {
-                let from = (0..=from).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+                let from = (0..=from)
+                    .rev()
+                    .find(|&i| text.is_char_boundary(i))
+                    .unwrap_or(0);
                 if stop.iter().any(|s| text[from..].contains(s.as_str())) {
                     stop_string = true;
                     return false;
