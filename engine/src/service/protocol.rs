@@ -552,6 +552,39 @@ mod tests {
         assert_eq!((err.0, err.1.code.as_str()), (None, codes::BAD_REQUEST));
     }
 
+    proptest::proptest! {
+        /// Any bytes get a request or an error, never a panic; an error's id is one the line
+        /// really holds.
+        #[test]
+        fn any_bytes_parse_or_fail(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..300)) {
+            if let Err((Some(id), _)) = parse_request(&bytes) {
+                let text = String::from_utf8_lossy(&bytes);
+                proptest::prop_assert!(text.contains(&id.to_string()));
+            }
+        }
+
+        /// Every valid call survives the wire: serialized by the client, parsed by the daemon.
+        #[test]
+        fn calls_round_trip(
+            id in 0u64..u64::MAX,
+            context in 0u64..1000,
+            prompt in ".{0,40}",
+            max_tokens in 1usize..=MAX_CALL_TOKENS,
+            temperature in 0.0f32..=100.0,
+            top_p in 0.001f32..=1.0,
+            top_k in 0usize..100,
+            seed in proptest::prelude::any::<u64>(),
+            stop in proptest::collection::vec(".{1,8}", 0..4),
+        ) {
+            let r = Request::Call {
+                id, context, prompt, format: PromptFormat::Chat, max_tokens, temperature, top_p,
+                top_k, seed, stop,
+            };
+            let line = serde_json::to_vec(&r).unwrap();
+            proptest::prop_assert_eq!(parse_request(&line).unwrap(), r);
+        }
+    }
+
     #[test]
     fn replies_round_trip() {
         let replies = [
