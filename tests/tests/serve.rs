@@ -417,7 +417,10 @@ fn kill_9_loop_loses_no_completed_call() {
         let mut c = w.connect("loop");
         for (&ctx, may) in expected.iter_mut() {
             let tokens = c.info(ctx).unwrap().tokens;
-            assert!(may.contains(&tokens), "round {round}, context {ctx}: {tokens} not in {may:?}");
+            assert!(
+                may.contains(&tokens),
+                "round {round}, context {ctx}: {tokens} not in {may:?}"
+            );
             *may = vec![tokens];
         }
         if expected.len() < 3 {
@@ -428,7 +431,12 @@ fn kill_9_loop_loses_no_completed_call() {
         // Some completed calls, then one that a crash interrupts after some of its tokens.
         for _ in 0..rng.random_range(0..3) {
             let ctx = ids[rng.random_range(0..ids.len())];
-            let a = ask(&mut c, ctx, PROMPTS[rng.random_range(0..3)], rng.random_range(1..8));
+            let a = ask(
+                &mut c,
+                ctx,
+                PROMPTS[rng.random_range(0..3)],
+                rng.random_range(1..8),
+            );
             expected.insert(ctx, vec![a.done.context_tokens]);
         }
         let ctx = ids[rng.random_range(0..ids.len())];
@@ -469,7 +477,10 @@ fn kill_9_loop_loses_no_completed_call() {
     let mut c = w.connect("loop");
     for (&ctx, may) in &expected {
         let tokens = c.info(ctx).unwrap().tokens;
-        assert!(may.contains(&tokens), "context {ctx}: {tokens} not in {may:?}");
+        assert!(
+            may.contains(&tokens),
+            "context {ctx}: {tokens} not in {may:?}"
+        );
         ask(&mut c, ctx, PROMPTS[0], 4);
     }
     assert_eq!(c.list().unwrap().len(), expected.len());
