@@ -2,15 +2,24 @@
 //!
 //! Decode (a few query rows) reads chunk memory directly: each chunk's block of one KV head is
 //! dequantized into a small buffer that stays in L1 and used at once by every query row of that
-//! head, so no f32 copy of the context is ever made. Prefill and recompute (many rows) gather
-//! each KV head's keys and values to f32 and use GEMM, per block of query rows in parallel.
+//! head, so no f32 copy of the context is ever made.
+//!
+//! Prefill and recompute (many rows) are block-causal by chunk ([`attend_chunks`]): a query
+//! attends to every earlier chunk in its sealed form (decoded from its format, whether it sits
+//! in chunk memory or was sealed by the same pass a moment ago) and to its own chunk in f32, as
+//! decode does. Each KV head's sealed keys and values are gathered to f32 once, then every
+//! (KV head, chunk) pair is one task of fixed-shape GEMMs over all the chunk's query rows. The
+//! shapes depend only on the chunk's index, so a chunk's result never depends on which other
+//! chunks were in the pass: prefill in pieces of any size and recompute of any set agree bit
+//! for bit.
+//!
 //! Chunks of one context may be in mixed formats. While it runs, the attention every key
 //! receives is summed into the cache, so each chunk's information density is known with no
 //! second pass.
 
 use crate::kv::codec::{decode_k, decode_v};
 use crate::kv::{KvCache, KvError, LayerView};
-use crate::model::kernels::{matmul_nn, matmul_nt, softmax};
+use crate::model::kernels::{matmul_nn, matmul_nt, matmul_serial, softmax};
 use rayon::prelude::*;
 
 /// The shape of one attention call.
@@ -44,8 +53,187 @@ pub fn attend(
     if n <= PACKED_MAX_TOKENS {
         attend_packed(cache, layer, shape, q, p0, n, out)
     } else {
-        attend_gathered(cache, layer, shape, q, p0, n, out)
+        let positions: Vec<usize> = (p0..p0 + n).collect();
+        let rows = ChunkRows::of(&positions, cache.shape().tokens);
+        attend_chunks(cache, layer, shape, q, &rows, out)
     }
+}
+
+/// The query rows of one chunk in a batched pass: rows `first..first + n` of the batch are the
+/// chunk's tokens `lo..lo + n` (positions `chunk * tokens + lo..`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkRows {
+    /// The chunk.
+    pub chunk: usize,
+    /// The batch row of its first query.
+    pub first: usize,
+    /// The first query's offset in the chunk.
+    pub lo: usize,
+    /// Queries.
+    pub n: usize,
+}
+
+impl ChunkRows {
+    /// The rows of a batch whose queries sit at `positions` (ascending), grouped by chunk of
+    /// `tokens` positions.
+    pub fn of(positions: &[usize], tokens: usize) -> Vec<ChunkRows> {
+        let mut rows: Vec<ChunkRows> = Vec::new();
+        for (i, &p) in positions.iter().enumerate() {
+            match rows.last_mut() {
+                Some(r) if r.chunk == p / tokens && r.chunk * tokens + r.lo + r.n == p => {
+                    r.n += 1
+                }
+                _ => rows.push(ChunkRows {
+                    chunk: p / tokens,
+                    first: i,
+                    lo: p % tokens,
+                    n: 1,
+                }),
+            }
+        }
+        rows
+    }
+}
+
+/// Block-causal attention at `layer` of a batch of queries grouped by chunk (see the module
+/// comment): each chunk's queries see every earlier chunk sealed ([`KvCache::sealed_layer`])
+/// and their own chunk in f32 ([`KvCache::f32_layer`]; its sealed form when it has no f32
+/// staging). Every chunk before the last one with queries must have a sealed form. `q` is
+/// `[rows][n_heads * head_dim]` (after RoPE); the result goes to `out`, same shape.
+pub fn attend_chunks(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    rows: &[ChunkRows],
+    out: &mut [f32],
+) -> Result<(), KvError> {
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+    } = shape;
+    let Some(last) = rows.iter().map(|r| r.chunk).max() else {
+        return Ok(());
+    };
+    let group = n_heads / n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let cs = *cache.shape();
+    let t = cs.tokens;
+
+    // Phase 1: every KV head's sealed keys and values of chunks 0..=last, as f32 [pos][dim]. A
+    // chunk with no sealed form stays zero: only its own queries read it, from its f32 staging.
+    let gathered: Vec<(Vec<f32>, Vec<f32>)> = {
+        let cache = &*cache;
+        (0..n_kv_heads)
+            .into_par_iter()
+            .map(|g| -> Result<_, KvError> {
+                let mut ka = vec![0.0; (last + 1) * t * hd];
+                let mut va = vec![0.0; (last + 1) * t * hd];
+                for c in 0..=last {
+                    if let Some((f, bytes)) = cache.sealed_layer(layer, c)? {
+                        decode_k(&cs, f, bytes, g, &mut ka[c * t * hd..(c + 1) * t * hd]);
+                        decode_v(&cs, f, bytes, g, &mut va[c * t * hd..(c + 1) * t * hd]);
+                    } else if rows.iter().any(|r| r.chunk > c) {
+                        return Err(KvError::NotResident { index: c });
+                    }
+                }
+                Ok((ka, va))
+            })
+            .collect::<Result<_, _>>()?
+    };
+
+    // Phase 2: per (KV head, chunk with queries): all the chunk's query rows at once, padded to
+    // the full chunk so the shapes depend on the chunk's index alone. Row r is the chunk's
+    // token r / group, head g * group + r % group.
+    let m = t * group;
+    let tasks: Vec<(usize, usize)> = (0..n_kv_heads)
+        .flat_map(|g| (0..rows.len()).map(move |i| (g, i)))
+        .collect();
+    type Done = (usize, usize, Vec<f32>, Vec<f32>);
+    let results: Vec<Done> = {
+        let cache = &*cache;
+        tasks
+            .into_par_iter()
+            .map(|(g, i)| -> Done {
+                let r = rows[i];
+                let base = r.chunk * t;
+                let width = base + t;
+                let (ka, va) = &gathered[g];
+                let block = t * hd;
+                let (ko, vo) = match cache.f32_layer(layer, r.chunk) {
+                    Some(buf) => (
+                        &buf[g * block..(g + 1) * block],
+                        &buf[(n_kv_heads + g) * block..(n_kv_heads + g + 1) * block],
+                    ),
+                    None => (&ka[base * hd..width * hd], &va[base * hd..width * hd]),
+                };
+                let live = r.lo..r.lo + r.n;
+                let mut qb = vec![0.0; m * hd];
+                for tok in live.clone() {
+                    for j in 0..group {
+                        let src = (r.first + tok - r.lo) * n_heads * hd + (g * group + j) * hd;
+                        qb[(tok * group + j) * hd..][..hd].copy_from_slice(&q[src..src + hd]);
+                    }
+                }
+                // Scores: earlier chunks sealed, then the chunk's own keys.
+                let mut s = vec![0.0; m * width];
+                matmul_serial(&mut s, width, &qb, hd, ka, (hd, 1), (m, base, hd), false);
+                matmul_serial(&mut s[base..], width, &qb, hd, ko, (hd, 1), (m, t, hd), false);
+                let mut col = vec![0.0f32; width];
+                for (row, srow) in s.chunks_exact_mut(width).enumerate() {
+                    let tok = row / group;
+                    if !live.contains(&tok) {
+                        srow.fill(0.0);
+                        continue;
+                    }
+                    let (seen, masked) = srow.split_at_mut(base + tok + 1);
+                    for v in seen.iter_mut() {
+                        *v *= scale;
+                    }
+                    softmax(seen);
+                    masked.fill(0.0);
+                    for (c, p) in col.iter_mut().zip(seen.iter()) {
+                        *c += p;
+                    }
+                }
+                // Weighted values, in the same two parts.
+                let mut o = vec![0.0; m * hd];
+                matmul_serial(&mut o, hd, &s, width, va, (1, hd), (m, hd, base), false);
+                let acc = base > 0;
+                matmul_serial(&mut o, hd, &s[base..], width, vo, (1, hd), (m, hd, t), acc);
+                (g, i, o, col)
+            })
+            .collect()
+    };
+
+    for (g, i, o, col) in results {
+        let r = rows[i];
+        for tok in r.lo..r.lo + r.n {
+            for j in 0..group {
+                let src = (tok * group + j) * hd;
+                let dst = (r.first + tok - r.lo) * n_heads * hd + (g * group + j) * hd;
+                out[dst..dst + hd].copy_from_slice(&o[src..src + hd]);
+            }
+        }
+        cache.add_attention(&col);
+    }
+    if cache.recording() {
+        // Key p is seen by every query at or after it, once per head.
+        let mut seen = vec![0u32; (last + 1) * t];
+        for r in rows {
+            for tok in r.lo..r.lo + r.n {
+                seen[r.chunk * t + tok] += 1;
+            }
+        }
+        let mut after = 0;
+        for v in seen.iter_mut().rev() {
+            after += *v;
+            *v = after * n_heads as u32;
+        }
+        cache.add_rows(&seen);
+    }
+    Ok(())
 }
 
 /// Attention of a few query rows straight from chunk memory (see the module comment).

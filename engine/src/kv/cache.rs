@@ -122,6 +122,21 @@ pub enum LayerView<'a> {
     Open(&'a [f32]),
 }
 
+/// A chunk encoded layer by layer during a batched pass.
+struct Fresh {
+    index: usize,
+    format: KvFormat,
+    bytes: Vec<u8>,
+    /// Which layers are encoded in `bytes`.
+    layers: Vec<bool>,
+}
+
+impl Fresh {
+    fn complete(&self) -> bool {
+        self.layers.iter().all(|&l| l)
+    }
+}
+
 /// One context's KV cache: sealed chunks in a [`ChunkMemory`], and the open chunk in f32.
 pub struct KvCache {
     shape: ChunkShape,
@@ -134,8 +149,11 @@ pub struct KvCache {
     len: usize,
     /// Token ids of positions `0..len`: the source of truth for recompute.
     tokens: Vec<u32>,
-    /// A sealed chunk being recomputed, with its f32 staging laid out as an open chunk.
-    staged: Option<(usize, Vec<f32>)>,
+    /// Sealed chunks being recomputed, each with its f32 staging laid out as an open chunk.
+    staged: Vec<(usize, Vec<f32>)>,
+    /// Chunks sealed layer by layer during the current batched pass, before they reach chunk
+    /// memory: later chunks of the pass read them in this form ([`KvCache::sealed_layer`]).
+    fresh: Vec<Fresh>,
     /// Attention each token received, summed over heads, layers and queries.
     attn_sum: Vec<f32>,
     /// How many (query, head, layer) rows saw each token.
@@ -160,7 +178,8 @@ impl KvCache {
             open: Vec::new(),
             len: 0,
             tokens: Vec::new(),
-            staged: None,
+            staged: Vec::new(),
+            fresh: Vec::new(),
             attn_sum: Vec::new(),
             attn_rows: Vec::new(),
             scratch: Vec::new(),
@@ -277,6 +296,7 @@ impl KvCache {
         let sealed = self.formats.len() * self.shape.tokens;
         let tail = self.tokens.split_off(sealed.min(self.tokens.len()));
         self.open.clear();
+        self.fresh.clear();
         self.len = self.tokens.len();
         self.attn_sum.truncate(self.len);
         self.attn_rows.truncate(self.len);
@@ -309,7 +329,8 @@ impl KvCache {
         self.open.clear();
         self.len = 0;
         self.tokens.clear();
-        self.staged = None;
+        self.staged.clear();
+        self.fresh.clear();
         self.attn_sum.clear();
         self.attn_rows.clear();
     }
@@ -323,6 +344,7 @@ impl KvCache {
                 max: self.max_tokens,
             });
         }
+        self.fresh.clear();
         let t = self.shape.tokens;
         let need_chunks = (self.len + n).div_ceil(t);
         while self.formats.len() + self.open.len() < need_chunks {
@@ -340,14 +362,14 @@ impl KvCache {
     }
 
     fn buffer_mut(&mut self, chunk: usize) -> &mut [f32] {
-        match &mut self.staged {
-            Some((c, buf)) if *c == chunk => buf,
-            _ => &mut self.open[chunk - self.formats.len()],
+        match self.staged.iter_mut().find(|(c, _)| *c == chunk) {
+            Some((_, buf)) => buf,
+            None => &mut self.open[chunk - self.formats.len()],
         }
     }
 
     /// Writes the K and V rows (`[kv_head][dim]`) of the token at `pos` for `layer`.
-    /// `pos` must be in the reserved, open range, or in the chunk being recomputed.
+    /// `pos` must be in the reserved, open range, or in a chunk being recomputed.
     pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
         let hd = self.shape.head_dim;
         let chunk = pos / self.shape.tokens;
@@ -376,10 +398,102 @@ impl KvCache {
         while self.len >= (self.formats.len() + 1) * t && !self.open.is_empty() {
             let buf = self.open.remove(0);
             let index = self.formats.len();
-            self.seal(index, &buf, self.format)?;
+            // A chunk the pass already encoded layer by layer goes in as it is: the same bytes
+            // a seal would make.
+            match self.take_fresh(index) {
+                Some(f) if f.complete() && f.format == self.format => {
+                    self.mem.put(index, &f.bytes)?
+                }
+                _ => self.seal(index, &buf, self.format)?,
+            }
             self.formats.push(self.format);
         }
+        self.fresh.clear();
         Ok(())
+    }
+
+    fn take_fresh(&mut self, index: usize) -> Option<Fresh> {
+        let i = self.fresh.iter().position(|f| f.index == index)?;
+        Some(self.fresh.swap_remove(i))
+    }
+
+    /// Encodes layer `layer` of chunk `index` from its f32 staging (a chunk being recomputed, in
+    /// its recorded format, or an open chunk, in the cache's format) while a batched pass runs,
+    /// so that the pass's later chunks read it sealed ([`KvCache::sealed_layer`]) before it
+    /// reaches chunk memory. The chunk's rows for the layer must all be written. A chunk that is
+    /// sealed already and not being recomputed is left alone.
+    pub fn seal_layer(&mut self, layer: usize, index: usize) -> Result<(), KvError> {
+        let s = self.shape;
+        let (format, buf): (KvFormat, &[f32]) =
+            match self.staged.iter().find(|(c, _)| *c == index) {
+                Some((_, buf)) => (self.formats[index], buf),
+                None if index >= self.formats.len() => {
+                    match self.open.get(index - self.formats.len()) {
+                        Some(buf) => (self.format, buf),
+                        None => {
+                            return Err(KvError::NotSealed {
+                                index,
+                                sealed: self.formats.len(),
+                            });
+                        }
+                    }
+                }
+                None => return Ok(()),
+            };
+        let i = match self.fresh.iter().position(|f| f.index == index) {
+            Some(i) => i,
+            None => {
+                self.fresh.push(Fresh {
+                    index,
+                    format,
+                    bytes: vec![0; s.chunk_bytes(format)],
+                    layers: vec![false; s.n_layers],
+                });
+                self.fresh.len() - 1
+            }
+        };
+        let fresh = &mut self.fresh[i];
+        let (lb, sec) = (s.layer_bytes(format), s.section());
+        let k = &buf[(layer * 2) * sec..(layer * 2 + 1) * sec];
+        let v = &buf[(layer * 2 + 1) * sec..(layer * 2 + 2) * sec];
+        encode_layer(&s, format, k, v, &mut fresh.bytes[layer * lb..(layer + 1) * lb])
+            .map_err(|source| KvError::Codec { index, source })?;
+        fresh.layers[layer] = true;
+        Ok(())
+    }
+
+    /// Layer `layer` of chunk `c` in its sealed form, as later chunks attend to it: encoded by
+    /// the running pass ([`KvCache::seal_layer`]) or read from chunk memory. `None` for a chunk
+    /// that has no sealed form yet (open, or being recomputed and not yet sealed at this layer).
+    pub fn sealed_layer(
+        &self,
+        layer: usize,
+        c: usize,
+    ) -> Result<Option<(KvFormat, &[u8])>, KvError> {
+        let s = &self.shape;
+        if let Some(f) = self.fresh.iter().find(|f| f.index == c && f.layers[layer]) {
+            let lb = s.layer_bytes(f.format);
+            return Ok(Some((f.format, &f.bytes[layer * lb..(layer + 1) * lb])));
+        }
+        if c >= self.formats.len() || self.staged.iter().any(|(i, _)| *i == c) {
+            return Ok(None);
+        }
+        let f = self.formats[c];
+        let bytes = self.mem.get(c).ok_or(KvError::NotResident { index: c })?;
+        let lb = s.layer_bytes(f);
+        Ok(Some((f, &bytes[layer * lb..(layer + 1) * lb])))
+    }
+
+    /// Layer `layer` of chunk `c` in f32 (`[k|v][kv_head][token][dim]`) when it has an f32
+    /// staging: an open chunk or one being recomputed.
+    pub fn f32_layer(&self, layer: usize, c: usize) -> Option<&[f32]> {
+        let s = &self.shape;
+        let open = s.open_len() / s.n_layers;
+        let buf = match self.staged.iter().find(|(i, _)| *i == c) {
+            Some((_, buf)) => buf,
+            None => self.open.get(c.checked_sub(self.formats.len())?)?,
+        };
+        Some(&buf[layer * open..(layer + 1) * open])
     }
 
     fn seal(&mut self, index: usize, buf: &[f32], f: KvFormat) -> Result<(), KvError> {
@@ -433,27 +547,46 @@ impl KvCache {
         Ok(())
     }
 
-    /// Starts recomputing sealed chunk `index`: until [`KvCache::finish_recompute`], writes to
-    /// its positions go to an f32 staging that attention reads as an open chunk, and attention
-    /// received is not recorded (the original pass recorded it).
-    pub fn begin_recompute(&mut self, index: usize) -> Result<(), KvError> {
-        self.check_sealed(index)?;
-        self.staged = Some((index, vec![0.0; self.shape.open_len()]));
-        Ok(())
-    }
-
-    /// Seals the chunk being recomputed into its slot, in its recorded format.
-    pub fn finish_recompute(&mut self) -> Result<(), KvError> {
-        if let Some((index, buf)) = self.staged.take() {
-            let f = self.formats[index];
-            self.seal(index, &buf, f)?;
+    /// Starts recomputing sealed chunks `chunks` in one pass: until
+    /// [`KvCache::finish_recompute`], writes to their positions go to f32 stagings that
+    /// attention reads as open chunks, and attention received is not recorded (the original
+    /// pass recorded it).
+    pub fn begin_recompute(&mut self, chunks: &[usize]) -> Result<(), KvError> {
+        for &index in chunks {
+            self.check_sealed(index)?;
         }
+        self.fresh.clear();
+        self.staged = chunks
+            .iter()
+            .map(|&index| (index, vec![0.0; self.shape.open_len()]))
+            .collect();
         Ok(())
     }
 
-    /// Abandons a recompute in progress; the chunk stays missing.
+    /// Seals every chunk being recomputed into its slot, in its recorded format (the bytes the
+    /// pass encoded layer by layer, or encoded now).
+    pub fn finish_recompute(&mut self) -> Result<(), KvError> {
+        let staged = std::mem::take(&mut self.staged);
+        let mut result = Ok(());
+        for (index, buf) in &staged {
+            let f = self.formats[*index];
+            let put = match self.take_fresh(*index) {
+                Some(fr) if fr.complete() && fr.format == f => self.mem.put(*index, &fr.bytes),
+                _ => self.seal(*index, buf, f),
+            };
+            if let Err(e) = put {
+                result = Err(e);
+                break;
+            }
+        }
+        self.fresh.clear();
+        result
+    }
+
+    /// Abandons a recompute in progress; its chunks stay missing.
     pub fn abort_recompute(&mut self) {
-        self.staged = None;
+        self.staged.clear();
+        self.fresh.clear();
     }
 
     /// Number of chunks touched by keys `0..upto` (sealed or open).
@@ -466,9 +599,7 @@ impl KvCache {
     pub fn layer_view(&self, layer: usize, c: usize) -> Result<LayerView<'_>, KvError> {
         let s = &self.shape;
         let open = s.open_len() / s.n_layers;
-        if let Some((i, buf)) = &self.staged
-            && *i == c
-        {
+        if let Some((_, buf)) = self.staged.iter().find(|(i, _)| *i == c) {
             return Ok(LayerView::Open(&buf[layer * open..(layer + 1) * open]));
         }
         if c < self.formats.len() {
@@ -508,7 +639,7 @@ impl KvCache {
 
     /// Whether attention received is being recorded (not during a recompute).
     pub fn recording(&self) -> bool {
-        self.staged.is_none()
+        self.staged.is_empty()
     }
 
     /// Adds attention received by keys `0..col.len()`.
@@ -634,7 +765,7 @@ mod tests {
         let mut c = filled(KvFormat::F16, 8);
         let original = c.chunk_bytes(1).unwrap().to_vec();
         c.evict(1).unwrap();
-        c.begin_recompute(1).unwrap();
+        c.begin_recompute(&[1]).unwrap();
         assert!(!c.recording());
         for p in 4..8 {
             for l in 0..s.n_layers {

@@ -2,12 +2,20 @@
 //! context's sealed chunks from their token ids, at their true positions, attending causally to
 //! every other chunk, and seals each into its slot in its recorded format.
 //!
-//! Chunks are rebuilt in ascending order, one chunk (16 tokens) per batched pass: a chunk's
-//! tokens attend to every earlier chunk as sealed (decoded from its format, whether resident or
-//! just rebuilt) and to their own chunk in f32, which is what a prefill in chunk-sized pieces saw.
-//! So with the same format and chunk-sized prefill, recompute reproduces the original bytes
-//! exactly; after a larger prefill piece it is within the format's quantization error.
-//! Resident chunks outside the set are only read, and attention received is not recorded again.
+//! Chunks are rebuilt in ascending order, as many per batched pass as fill a prefill step
+//! ([`Model::prefill_chunk`] tokens, 16 chunks by default): one GEMM per weight matrix and layer
+//! over all the pass's rows, whatever the gaps between its chunks ([`Model::forward_chunks`]).
+//! Attention is block-causal by chunk, the rule prefill follows too: a chunk's tokens attend to
+//! every earlier chunk as sealed (decoded from its format, whether resident, rebuilt by an
+//! earlier pass, or sealed a moment ago by this pass at the same layer) and to their own chunk
+//! in f32. Every GEMM has a shape fixed by the chunk alone (16 activation rows per call, one
+//! attention task per chunk and KV head), so a rebuilt chunk reproduces the bytes a batched
+//! prefill made of it exactly, whatever the prefill's piece sizes and whichever chunks are
+//! rebuilt together. Only chunks whose original rows came through a single-token or tiny
+//! forward (decode, pieces under four tokens: matrix-vector products on quantized activations)
+//! or that were recompressed from a heavier format differ, within the format's quantization
+//! error. Resident chunks between and after the set are only read, and attention received is
+//! not recorded again.
 
 use crate::kv::KvCache;
 use crate::model::{Model, ModelError};
@@ -22,8 +30,8 @@ pub enum RecomputeError {
     /// A chunk before a requested one is missing and not requested: its K/V are needed.
     #[error("chunk {chunk} needs chunk {missing}, which is not resident and not being recomputed")]
     Dependency { chunk: usize, missing: usize },
-    /// The model failed while recomputing a chunk.
-    #[error("recomputing chunk {chunk}: {source}")]
+    /// The model failed while recomputing a pass of chunks (the first one named).
+    #[error("recomputing chunks from {chunk}: {source}")]
     Model { chunk: usize, source: ModelError },
 }
 
@@ -63,19 +71,14 @@ pub fn recompute_chunks(
         });
     }
     let t = cache.shape().tokens;
-    for &c in &set {
-        let tokens = cache.tokens()[c * t..(c + 1) * t].to_vec();
-        let model_err = |source| RecomputeError::Model { chunk: c, source };
-        cache
-            .begin_recompute(c)
-            .map_err(|e| model_err(ModelError::Kv(e)))?;
-        let run = model
-            .forward_positions(cache, &tokens, c * t)
-            .and_then(|()| cache.finish_recompute().map_err(ModelError::from));
-        if let Err(e) = run {
-            cache.abort_recompute();
-            return Err(model_err(e));
-        }
+    let per_pass = (model.prefill_chunk / t).max(1);
+    for pass in set.chunks(per_pass) {
+        model
+            .forward_chunks(cache, pass)
+            .map_err(|source| RecomputeError::Model {
+                chunk: pass[0],
+                source,
+            })?;
     }
     let stats = RecomputeStats {
         chunks: set.len(),
@@ -145,6 +148,60 @@ mod tests {
             assert_eq!((stats.chunks, stats.tokens), (set.len(), set.len() * 16));
             for (i, want) in original.iter().enumerate() {
                 assert!(c.chunk_bytes(i).unwrap() == &want[..], "{set:?}: chunk {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn large_interleaved_sets_recompute_bit_exactly_after_prefill_in_any_piece_size() {
+        let (_dir, mut model) = tiny();
+        let tokens: Vec<u32> = (0..391u32).map(|i| (i * 53 + 11) % 256).collect();
+        let by_chunk = prefill(&model, &tokens, KvFormat::Int8);
+        let n = by_chunk.chunk_formats().len();
+        assert_eq!(n, 24);
+        let original: Vec<Vec<u8>> = (0..n)
+            .map(|i| by_chunk.chunk_bytes(i).unwrap().to_vec())
+            .collect();
+        // Block-causal prefill: the pieces' size does not change a byte.
+        for piece in [model.prefill_chunk, 100, 7] {
+            let mut c = KvCache::new(
+                model.chunk_shape(16),
+                KvFormat::Int8,
+                512,
+                Box::new(HeapChunks::default()),
+            );
+            for p in tokens.chunks(piece) {
+                model.forward(&mut c, p, Logits::Last).unwrap();
+            }
+            for (i, want) in original.iter().enumerate() {
+                assert!(c.chunk_bytes(i).unwrap() == &want[..], "piece {piece}: chunk {i}");
+            }
+        }
+        let every_other: Vec<usize> = (0..n).step_by(2).collect();
+        let odd: Vec<usize> = (1..n).step_by(2).collect();
+        let sets = [
+            (1..=20).collect::<Vec<_>>(),
+            every_other,
+            odd,
+            (0..n).collect(),
+            vec![23, 0, 12],
+        ];
+        // Passes of 16 chunks (the default step) and of 3, which cut the sets elsewhere.
+        for step in [model.prefill_chunk, 48] {
+            model.prefill_chunk = step;
+            let mut c = prefill(&model, &tokens, KvFormat::Int8);
+            for set in &sets {
+                for &i in set {
+                    c.evict(i).unwrap();
+                }
+                let stats = recompute_chunks(&model, &mut c, set).unwrap();
+                assert_eq!(stats.chunks, set.len());
+                for (i, want) in original.iter().enumerate() {
+                    assert!(
+                        c.chunk_bytes(i).unwrap() == &want[..],
+                        "step {step}, set {set:?}: chunk {i}"
+                    );
+                }
             }
         }
     }

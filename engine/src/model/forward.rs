@@ -4,12 +4,21 @@
 //! No weight matrix is ever held as f32: single-token products read the blocks directly
 //! ([`QMatrix::matvec`]); batched products (prefill, recompute, scoring) dequantize the weights a
 //! small tile at a time and multiply each tile with f32 GEMM; embeddings are dequantized on lookup.
-//! The prompt is prefilled in fixed-size chunks, so one set of shapes serves every length.
+//! The prompt is prefilled in fixed-size steps, so one set of shapes serves every length.
+//!
+//! Prefill and recompute are one batched pass ([`Model::forward`], [`Model::forward_chunks`]),
+//! block-causal by KV chunk: at each layer, the chunks the pass completes are sealed first, then
+//! each chunk's queries attend to every earlier chunk in its sealed form and to their own chunk
+//! in f32, the rule decode follows too. With every GEMM at a fixed shape
+//! ([`crate::model::kernels::GEMM_ROWS`]), a sealed chunk's bytes never depend on the step size
+//! or on which chunks were recomputed together, so recompute after any prefill is exact. The
+//! cost: a step's chunks see each other quantized rather than in f32, and are encoded a layer
+//! at a time as the pass runs rather than once at its end (the same work).
 
-use crate::kv::attention::{AttnShape, attend};
+use crate::kv::attention::{AttnShape, ChunkRows, PACKED_MAX_TOKENS, attend_chunks, attend_packed};
 use crate::kv::{ChunkShape, KvCache, KvError};
 use crate::model::config::{ConfigError, ModelConfig};
-use crate::model::kernels::{Rope, add_assign, matmul_nt, matmul_nt_tiled, rms_norm, swiglu};
+use crate::model::kernels::{Rope, add_assign, matmul_nt_tiled, rms_norm, swiglu};
 use crate::model::qmatrix::{Activations, BLOCK, Kind, QMatrix};
 use candle_core::Device;
 use candle_core::quantized::{GgmlDType, gguf_file};
@@ -114,7 +123,10 @@ impl Linear {
     pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
         let (rows, cols) = (self.w.rows(), self.w.cols());
         if let Some(f) = self.w.as_f32() {
-            matmul_nt(out, x, f, n, rows, cols);
+            let tile = (TILE_BYTES / 4 / cols.max(1) / 16 * 16).max(16);
+            matmul_nt_tiled(out, x, n, rows, cols, tile, |r0, r1, buf| {
+                buf.copy_from_slice(&f[r0 * cols..r1 * cols])
+            });
         } else if n < GEMM_MIN_ROWS {
             for i in 0..n {
                 self.w.matvec(
@@ -489,16 +501,22 @@ impl Model {
         x
     }
 
-    /// Runs every layer over the `n` tokens at positions `p0..p0 + n` whose embeddings are `x`
-    /// (updated in place to the last hidden state), writing their K/V into the cache and
-    /// attending causally to every key at or before each position.
+    /// Runs every layer over the tokens at `positions` (ascending) whose embeddings are `x`
+    /// (updated in place to the last hidden state), writing their K/V into the cache. A few
+    /// contiguous tokens (decode) attend to the cache as it is; a batch attends block-causally
+    /// ([`attend_chunks`]): at each layer, once every row's K/V is written, the chunks in `seal`
+    /// (those the batch completes) are encoded ([`KvCache::seal_layer`]), then each chunk's
+    /// queries see earlier chunks sealed and their own in f32.
     fn run_layers(
         &self,
         cache: &mut KvCache,
         x: &mut [f32],
-        p0: usize,
-        n: usize,
+        positions: &[usize],
+        seal: &[usize],
     ) -> Result<(), ModelError> {
+        let n = positions.len();
+        let batched = n > PACKED_MAX_TOKENS;
+        let chunk_rows = ChunkRows::of(positions, cache.shape().tokens);
         let cfg = &self.cfg;
         let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
         let qd = cfg.n_heads * hd;
@@ -518,7 +536,7 @@ impl Model {
             rms_norm(&mut xn, x, &layer.attn_norm, cfg.rms_eps);
             layer.qkv.forward(&xn, n, &mut qkv);
             for (i, row) in qkv.chunks_exact_mut(qd + 2 * kvd).enumerate() {
-                let pos = p0 + i;
+                let pos = positions[i];
                 let (qr, kv) = row.split_at_mut(qd);
                 let (kr, vr) = kv.split_at_mut(kvd);
                 self.rope.apply(qr, hd, pos);
@@ -526,7 +544,14 @@ impl Model {
                 q[i * qd..(i + 1) * qd].copy_from_slice(qr);
                 cache.write(li, pos, kr, vr);
             }
-            attend(cache, li, shape, &q, p0, n, &mut att)?;
+            if batched {
+                for &c in seal {
+                    cache.seal_layer(li, c)?;
+                }
+                attend_chunks(cache, li, shape, &q, &chunk_rows, &mut att)?;
+            } else {
+                attend_packed(cache, li, shape, &q, positions[0], n, &mut att)?;
+            }
             layer.wo.forward(&att, n, &mut o);
             add_assign(x, &o);
             rms_norm(&mut xn, x, &layer.ffn_norm, cfg.rms_eps);
@@ -538,23 +563,38 @@ impl Model {
         Ok(())
     }
 
-    /// Recomputes the K/V of `tokens` at their true positions `p0..p0 + tokens.len()` into the
-    /// chunk the cache is recomputing ([`KvCache::begin_recompute`]), attending to every key
-    /// before each position; nothing else in the cache changes.
-    pub fn forward_positions(
-        &self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        p0: usize,
-    ) -> Result<(), ModelError> {
+    /// Recomputes the K/V of the sealed chunks `chunks` (ascending) in one batched pass from
+    /// their token ids, at their true positions, and seals each into its slot in its recorded
+    /// format ([`KvCache::begin_recompute`]). Every chunk before the last one must be resident
+    /// or in the set; attention is block-causal as in prefill, so each rebuilt chunk equals what
+    /// a batched prefill made of it, bit for bit. Nothing else in the cache changes.
+    pub fn forward_chunks(&self, cache: &mut KvCache, chunks: &[usize]) -> Result<(), ModelError> {
+        let t = cache.shape().tokens;
+        let mut tokens = Vec::with_capacity(chunks.len() * t);
+        let mut positions = Vec::with_capacity(chunks.len() * t);
+        for &c in chunks {
+            let ids = cache.tokens().get(c * t..(c + 1) * t).ok_or(KvError::NotSealed {
+                index: c,
+                sealed: cache.chunk_formats().len(),
+            })?;
+            tokens.extend_from_slice(ids);
+            positions.extend(c * t..(c + 1) * t);
+        }
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
             return Err(ModelError::BadToken {
                 id,
                 vocab: self.cfg.vocab,
             });
         }
-        let mut x = self.embed_rows(tokens);
-        self.run_layers(cache, &mut x, p0, tokens.len())
+        cache.begin_recompute(chunks)?;
+        let mut x = self.embed_rows(&tokens);
+        let run = self
+            .run_layers(cache, &mut x, &positions, chunks)
+            .and_then(|()| cache.finish_recompute().map_err(ModelError::from));
+        if run.is_err() {
+            cache.abort_recompute();
+        }
+        run
     }
 
     fn forward_batch(
@@ -569,7 +609,11 @@ impl Model {
         let p0 = cache.len();
         cache.reserve(n)?;
         let mut x = self.embed_rows(tokens);
-        self.run_layers(cache, &mut x, p0, n)?;
+        let t = cache.shape().tokens;
+        let positions: Vec<usize> = (p0..p0 + n).collect();
+        // The chunks this batch completes are sealed layer by layer as it runs.
+        let seal: Vec<usize> = (p0 / t..(p0 + n) / t).collect();
+        self.run_layers(cache, &mut x, &positions, &seal)?;
         cache.commit(tokens)?;
         let rows = logit_rows.min(n);
         let mut out = vec![0.0; rows * cfg.vocab];

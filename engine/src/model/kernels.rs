@@ -26,9 +26,18 @@ pub fn matmul_nt(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: u
     matmul(dst, a, b, (m, n, k), (k as isize, 1));
 }
 
+/// Rows of activations every GEMM call of a batched product takes: a batch is cut in blocks of
+/// this many rows, the last one zero-padded, so each call has the same shape and a row's result
+/// never depends on how many rows were batched with it or where it sat (the `gemm` crate picks
+/// its blocking along `k`, hence its rounding, from the shape). Prefill in pieces of any size and
+/// recompute of any set of chunks thus compute every row bit for bit alike. 16 rows are also
+/// the f32 micro-kernel's height on AVX2 (2 × 8 lanes), so no lane is wasted there.
+pub const GEMM_ROWS: usize = 16;
+
 /// `dst[m][n] = a[m][k] · b[n][k]ᵀ` where `b` is never whole in memory: `tile(r0, r1, buf)`
 /// writes its rows `r0..r1` (f32, `k` each) into `buf`, a thread's reusable buffer of
-/// `tile_rows * k` values, and each tile's product runs on its own thread.
+/// `tile_rows * k` values, and each tile's product runs on its own thread, [`GEMM_ROWS`] rows
+/// of `a` per call.
 pub fn matmul_nt_tiled<F>(
     dst: &mut [f32],
     a: &[f32],
@@ -49,9 +58,19 @@ pub fn matmul_nt_tiled<F>(
         dst.len() >= m * n && a.len() >= m * k && tile_rows > 0,
         "matmul_nt_tiled: bad sizes"
     );
-    let a = &a[..m * k];
+    // Whole blocks of GEMM_ROWS rows: a partial last block is computed on padded copies.
+    let padded = m.div_ceil(GEMM_ROWS) * GEMM_ROWS;
+    let (mut pa, mut pd) = (Vec::new(), Vec::new());
+    let (a, dst_all): (&[f32], &mut [f32]) = if padded == m {
+        (&a[..m * k], &mut dst[..m * n])
+    } else {
+        pa.resize(padded * k, 0.0);
+        pa[..m * k].copy_from_slice(&a[..m * k]);
+        pd.resize(padded * n, 0.0);
+        (&pa, &mut pd)
+    };
     // The address, not the pointer, crosses threads; each task writes only its own columns.
-    let addr = dst.as_mut_ptr() as usize;
+    let addr = dst_all.as_mut_ptr() as usize;
     (0..n.div_ceil(tile_rows)).into_par_iter().for_each(|t| {
         let (r0, r1) = (t * tile_rows, ((t + 1) * tile_rows).min(n));
         TILE.with_borrow_mut(|buf| {
@@ -60,12 +79,22 @@ pub fn matmul_nt_tiled<F>(
             }
             let b = &mut buf[..(r1 - r0) * k];
             tile(r0, r1, b);
-            // SAFETY: dst is borrowed mutably for this whole call and holds m rows of n values
-            // (asserted above); tasks cover disjoint column ranges r0..r1 of it, so no two
-            // threads touch the same element, and nothing else reads dst meanwhile.
-            unsafe { matmul_nt_cols(addr as *mut f32, n, r0, a, b, (m, r1 - r0, k)) }
+            for i0 in (0..padded).step_by(GEMM_ROWS) {
+                let rows = &a[i0 * k..(i0 + GEMM_ROWS) * k];
+                // SAFETY: dst_all is borrowed mutably for this whole call and holds `padded`
+                // rows of n values; row block i0 starts at element i0 * n, inside it. Tasks
+                // cover disjoint column ranges r0..r1, so no two threads touch the same
+                // element, and nothing else reads dst_all meanwhile.
+                unsafe {
+                    let d = (addr as *mut f32).add(i0 * n);
+                    matmul_nt_cols(d, n, r0, rows, b, (GEMM_ROWS, r1 - r0, k));
+                }
+            }
         });
     });
+    if padded != m {
+        dst[..m * n].copy_from_slice(&pd[..m * n]);
+    }
 }
 
 /// Columns `c0..c0 + n` of `dst[m][ld]` `= a[m][k] · b[n][k]ᵀ`, single-threaded: one tile of a
@@ -121,6 +150,61 @@ unsafe fn matmul_nt_cols(
 pub fn matmul_nn(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: usize) {
     // b is k×n row-major: column stride 1, row stride n.
     matmul(dst, a, b, (m, n, k), (1, n as isize));
+}
+
+/// `dst[m][n] = a[m][k] · b[k][n]` (or `+=` when `accumulate`) on the calling thread, with row
+/// strides `dst_rs` and `a_rs` and `b` given by its (column, row) strides: attention's products
+/// over a window of a wider score matrix. The shapes alone decide the rounding (see
+/// [`GEMM_ROWS`]).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_serial(
+    dst: &mut [f32],
+    dst_rs: usize,
+    a: &[f32],
+    a_rs: usize,
+    b: &[f32],
+    (b_cs, b_rs): (usize, usize),
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        dst_rs >= n
+            && a_rs >= k
+            && dst.len() >= (m - 1) * dst_rs + n
+            && (k == 0 || a.len() >= (m - 1) * a_rs + k)
+            && (k == 0 || b.len() > (n - 1) * b_cs + (k - 1) * b_rs),
+        "matmul_serial: bad sizes"
+    );
+    let alpha = if accumulate { 1.0 } else { 0.0 };
+    // SAFETY: the assert above keeps every access inside the slices: dst rows i < m of n values
+    // at i * dst_rs, a rows of k values at i * a_rs, and b element (kk, j) at
+    // j * b_cs + kk * b_rs for kk < k, j < n. dst does not alias a or b (a &mut borrow).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            a.as_ptr(),
+            1,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            alpha,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
+    }
 }
 
 /// `dst = a · b` with dst m×n and a m×k row-major, and b k×n with the given (column, row)
