@@ -80,9 +80,7 @@ impl ChunkRows {
         let mut rows: Vec<ChunkRows> = Vec::new();
         for (i, &p) in positions.iter().enumerate() {
             match rows.last_mut() {
-                Some(r) if r.chunk == p / tokens && r.chunk * tokens + r.lo + r.n == p => {
-                    r.n += 1
-                }
+                Some(r) if r.chunk == p / tokens && r.chunk * tokens + r.lo + r.n == p => r.n += 1,
                 _ => rows.push(ChunkRows {
                     chunk: p / tokens,
                     first: i,
@@ -179,7 +177,16 @@ pub fn attend_chunks(
                 // Scores: earlier chunks sealed, then the chunk's own keys.
                 let mut s = vec![0.0; m * width];
                 matmul_serial(&mut s, width, &qb, hd, ka, (hd, 1), (m, base, hd), false);
-                matmul_serial(&mut s[base..], width, &qb, hd, ko, (hd, 1), (m, t, hd), false);
+                matmul_serial(
+                    &mut s[base..],
+                    width,
+                    &qb,
+                    hd,
+                    ko,
+                    (hd, 1),
+                    (m, t, hd),
+                    false,
+                );
                 let mut col = vec![0.0f32; width];
                 for (row, srow) in s.chunks_exact_mut(width).enumerate() {
                     let tok = row / group;

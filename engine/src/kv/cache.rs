@@ -424,22 +424,22 @@ impl KvCache {
     /// sealed already and not being recomputed is left alone.
     pub fn seal_layer(&mut self, layer: usize, index: usize) -> Result<(), KvError> {
         let s = self.shape;
-        let (format, buf): (KvFormat, &[f32]) =
-            match self.staged.iter().find(|(c, _)| *c == index) {
-                Some((_, buf)) => (self.formats[index], buf),
-                None if index >= self.formats.len() => {
-                    match self.open.get(index - self.formats.len()) {
-                        Some(buf) => (self.format, buf),
-                        None => {
-                            return Err(KvError::NotSealed {
-                                index,
-                                sealed: self.formats.len(),
-                            });
-                        }
+        let (format, buf): (KvFormat, &[f32]) = match self.staged.iter().find(|(c, _)| *c == index)
+        {
+            Some((_, buf)) => (self.formats[index], buf),
+            None if index >= self.formats.len() => {
+                match self.open.get(index - self.formats.len()) {
+                    Some(buf) => (self.format, buf),
+                    None => {
+                        return Err(KvError::NotSealed {
+                            index,
+                            sealed: self.formats.len(),
+                        });
                     }
                 }
-                None => return Ok(()),
-            };
+            }
+            None => return Ok(()),
+        };
         let i = match self.fresh.iter().position(|f| f.index == index) {
             Some(i) => i,
             None => {
@@ -456,8 +456,14 @@ impl KvCache {
         let (lb, sec) = (s.layer_bytes(format), s.section());
         let k = &buf[(layer * 2) * sec..(layer * 2 + 1) * sec];
         let v = &buf[(layer * 2 + 1) * sec..(layer * 2 + 2) * sec];
-        encode_layer(&s, format, k, v, &mut fresh.bytes[layer * lb..(layer + 1) * lb])
-            .map_err(|source| KvError::Codec { index, source })?;
+        encode_layer(
+            &s,
+            format,
+            k,
+            v,
+            &mut fresh.bytes[layer * lb..(layer + 1) * lb],
+        )
+        .map_err(|source| KvError::Codec { index, source })?;
         fresh.layers[layer] = true;
         Ok(())
     }

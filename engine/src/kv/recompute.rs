@@ -174,7 +174,10 @@ mod tests {
                 model.forward(&mut c, p, Logits::Last).unwrap();
             }
             for (i, want) in original.iter().enumerate() {
-                assert!(c.chunk_bytes(i).unwrap() == &want[..], "piece {piece}: chunk {i}");
+                assert!(
+                    c.chunk_bytes(i).unwrap() == &want[..],
+                    "piece {piece}: chunk {i}"
+                );
             }
         }
         let every_other: Vec<usize> = (0..n).step_by(2).collect();

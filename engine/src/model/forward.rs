@@ -573,10 +573,13 @@ impl Model {
         let mut tokens = Vec::with_capacity(chunks.len() * t);
         let mut positions = Vec::with_capacity(chunks.len() * t);
         for &c in chunks {
-            let ids = cache.tokens().get(c * t..(c + 1) * t).ok_or(KvError::NotSealed {
-                index: c,
-                sealed: cache.chunk_formats().len(),
-            })?;
+            let ids = cache
+                .tokens()
+                .get(c * t..(c + 1) * t)
+                .ok_or(KvError::NotSealed {
+                    index: c,
+                    sealed: cache.chunk_formats().len(),
+                })?;
             tokens.extend_from_slice(ids);
             positions.extend(c * t..(c + 1) * t);
         }
