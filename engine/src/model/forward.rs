@@ -9,8 +9,8 @@
 //! Prefill and recompute are one batched pass ([`Model::forward`], [`Model::forward_chunks`]),
 //! block-causal by KV chunk: at each layer, the chunks the pass completes are sealed first, then
 //! each chunk's queries attend to every earlier chunk in its sealed form and to their own chunk
-//! in f32, the rule decode follows too. With every GEMM at a fixed shape
-//! ([`crate::model::kernels::GEMM_ROWS`]), a sealed chunk's bytes never depend on the step size
+//! in f32, the rule decode follows too. With every GEMM's rounding independent of the batch
+//! ([`crate::model::kernels::GEMM_DEPTH`]), a sealed chunk's bytes never depend on the step size
 //! or on which chunks were recomputed together, so recompute after any prefill is exact. The
 //! cost: a step's chunks see each other quantized rather than in f32, and are encoded a layer
 //! at a time as the pass runs rather than once at its end (the same work).

@@ -26,18 +26,23 @@ pub fn matmul_nt(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: u
     matmul(dst, a, b, (m, n, k), (k as isize, 1));
 }
 
-/// Rows of activations every GEMM call of a batched product takes: a batch is cut in blocks of
-/// this many rows, the last one zero-padded, so each call has the same shape and a row's result
-/// never depends on how many rows were batched with it or where it sat (the `gemm` crate picks
-/// its blocking along `k`, hence its rounding, from the shape). Prefill in pieces of any size and
-/// recompute of any set of chunks thus compute every row bit for bit alike. 16 rows are also
-/// the f32 micro-kernel's height on AVX2 (2 × 8 lanes), so no lane is wasted there.
-pub const GEMM_ROWS: usize = 16;
+/// Depth of one GEMM call in a batched product: the inner dimension is cut in slices of at most
+/// this many, each slice's product added to the last. The `gemm` crate picks its own blocking
+/// along the inner dimension, hence its rounding, from the product's shape (512 for up to 64
+/// rows, `k / ceil(k / 512)` beyond); at this depth it never splits, so a row's rounding is the
+/// same whatever the number of rows it is batched with. Prefill in steps of any size and
+/// recompute of any set of chunks thus compute every row bit for bit alike.
+pub const GEMM_DEPTH: usize = 512;
+
+/// Fewest rows a batched product runs with (zero-padded): with weight tiles of at least 16
+/// columns, the `gemm` crate's other kernels for tiny products (at most 256 outputs per call,
+/// or a single row) never see a batch, and they round differently.
+pub const GEMM_MIN_BATCH: usize = 32;
 
 /// `dst[m][n] = a[m][k] · b[n][k]ᵀ` where `b` is never whole in memory: `tile(r0, r1, buf)`
 /// writes its rows `r0..r1` (f32, `k` each) into `buf`, a thread's reusable buffer of
-/// `tile_rows * k` values, and each tile's product runs on its own thread, [`GEMM_ROWS`] rows
-/// of `a` per call.
+/// `tile_rows * k` values, and each tile's product runs on its own thread, in slices of
+/// [`GEMM_DEPTH`] along `k`, with at least [`GEMM_MIN_BATCH`] rows.
 pub fn matmul_nt_tiled<F>(
     dst: &mut [f32],
     a: &[f32],
@@ -58,15 +63,18 @@ pub fn matmul_nt_tiled<F>(
         dst.len() >= m * n && a.len() >= m * k && tile_rows > 0,
         "matmul_nt_tiled: bad sizes"
     );
-    // Whole blocks of GEMM_ROWS rows: a partial last block is computed on padded copies.
-    let padded = m.div_ceil(GEMM_ROWS) * GEMM_ROWS;
+    if m == 0 || n == 0 {
+        return;
+    }
+    // A small batch runs on padded copies.
+    let rows = m.max(GEMM_MIN_BATCH);
     let (mut pa, mut pd) = (Vec::new(), Vec::new());
-    let (a, dst_all): (&[f32], &mut [f32]) = if padded == m {
+    let (a, dst_all): (&[f32], &mut [f32]) = if rows == m {
         (&a[..m * k], &mut dst[..m * n])
     } else {
-        pa.resize(padded * k, 0.0);
+        pa.resize(rows * k, 0.0);
         pa[..m * k].copy_from_slice(&a[..m * k]);
-        pd.resize(padded * n, 0.0);
+        pd.resize(rows * n, 0.0);
         (&pa, &mut pd)
     };
     // The address, not the pointer, crosses threads; each task writes only its own columns.
@@ -79,25 +87,25 @@ pub fn matmul_nt_tiled<F>(
             }
             let b = &mut buf[..(r1 - r0) * k];
             tile(r0, r1, b);
-            for i0 in (0..padded).step_by(GEMM_ROWS) {
-                let rows = &a[i0 * k..(i0 + GEMM_ROWS) * k];
-                // SAFETY: dst_all is borrowed mutably for this whole call and holds `padded`
-                // rows of n values; row block i0 starts at element i0 * n, inside it. Tasks
-                // cover disjoint column ranges r0..r1, so no two threads touch the same
-                // element, and nothing else reads dst_all meanwhile.
+            for k0 in (0..k).step_by(GEMM_DEPTH) {
+                let k1 = (k0 + GEMM_DEPTH).min(k);
+                // SAFETY: dst_all is borrowed mutably for this whole call and holds `rows` rows
+                // of n values (asserted above, or padded to that); tasks cover disjoint column
+                // ranges r0..r1 of it, so no two threads touch the same element, and nothing
+                // else reads dst_all meanwhile.
                 unsafe {
-                    let d = (addr as *mut f32).add(i0 * n);
-                    matmul_nt_cols(d, n, r0, rows, b, (GEMM_ROWS, r1 - r0, k));
+                    matmul_nt_cols(addr as *mut f32, n, r0, a, b, (rows, r1 - r0, k), k0..k1)
                 }
             }
         });
     });
-    if padded != m {
+    if rows != m {
         dst[..m * n].copy_from_slice(&pd[..m * n]);
     }
 }
 
-/// Columns `c0..c0 + n` of `dst[m][ld]` `= a[m][k] · b[n][k]ᵀ`, single-threaded: one tile of a
+/// Columns `c0..c0 + n` of `dst[m][ld]` `= a[m][k] · b[n][k]ᵀ` over the inner slice `ks` only,
+/// added to what `dst` holds unless the slice starts at 0; single-threaded: one tile of a
 /// product whose weight rows are dequantized a tile at a time (see `Linear::forward`).
 ///
 /// # Safety
@@ -110,33 +118,35 @@ unsafe fn matmul_nt_cols(
     a: &[f32],
     b: &[f32],
     (m, n, k): (usize, usize, usize),
+    ks: std::ops::Range<usize>,
 ) {
     assert!(
-        a.len() >= m * k && b.len() >= n * k && c0 + n <= ld,
+        a.len() >= m * k && b.len() >= n * k && c0 + n <= ld && ks.start < ks.end && ks.end <= k,
         "matmul_nt_cols: bad sizes"
     );
     if m == 0 || n == 0 {
         return;
     }
+    let accumulate = ks.start > 0;
     // SAFETY: the caller guarantees dst rows of ld values with columns c0..c0+n its own; a is
-    // m×k with row stride k and b is n×k read as k×n (column stride k, row stride 1), inside
-    // their slices by the assert above.
+    // m×k with row stride k and b is n×k read as k×n (column stride k, row stride 1); both are
+    // read from column ks.start for ks.len() columns, inside their slices by the assert above.
     unsafe {
         gemm::gemm(
             m,
             n,
-            k,
+            ks.len(),
             dst.add(c0),
             1,
             ld as isize,
-            false,
-            a.as_ptr(),
+            accumulate,
+            a.as_ptr().add(ks.start),
             1,
             k as isize,
-            b.as_ptr(),
+            b.as_ptr().add(ks.start),
             k as isize,
             1,
-            0.0,
+            if accumulate { 1.0 } else { 0.0 },
             1.0,
             false,
             false,
@@ -155,7 +165,7 @@ pub fn matmul_nn(dst: &mut [f32], a: &[f32], b: &[f32], m: usize, n: usize, k: u
 /// `dst[m][n] = a[m][k] · b[k][n]` (or `+=` when `accumulate`) on the calling thread, with row
 /// strides `dst_rs` and `a_rs` and `b` given by its (column, row) strides: attention's products
 /// over a window of a wider score matrix. The shapes alone decide the rounding (see
-/// [`GEMM_ROWS`]).
+/// [`GEMM_DEPTH`]).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_serial(
     dst: &mut [f32],
