@@ -93,9 +93,7 @@ pub fn matmul_nt_tiled<F>(
                 // of n values (asserted above, or padded to that); tasks cover disjoint column
                 // ranges r0..r1 of it, so no two threads touch the same element, and nothing
                 // else reads dst_all meanwhile.
-                unsafe {
-                    matmul_nt_cols(addr as *mut f32, n, r0, a, b, (rows, r1 - r0, k), k0..k1)
-                }
+                unsafe { matmul_nt_cols(addr as *mut f32, n, r0, a, b, (rows, r1 - r0, k), k0..k1) }
             }
         });
     });
