@@ -178,6 +178,9 @@ pub struct KvFs {
     next_fh: AtomicU64,
     /// `user.kvfs.format` / `user.kvfs.density` set on a chunk, applied at its next commit.
     pending: Mutex<HashMap<(ContextId, u32), Label>>,
+    /// Chunk images served from, and committed through, `kv` files (shown in `/stats`).
+    kv_reads: AtomicU64,
+    kv_writes: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -215,6 +218,8 @@ impl KvFs {
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
+            kv_reads: AtomicU64::new(0),
+            kv_writes: AtomicU64::new(0),
         }
     }
 
@@ -258,12 +263,7 @@ impl KvFs {
         };
         match node {
             Node::Root => Ok(dir(0o755, 0, UNIX_EPOCH)),
-            Node::Stats => Ok(file(
-                0o444,
-                0,
-                self.store.render_stats().len(),
-                SystemTime::now(),
-            )),
+            Node::Stats => Ok(file(0o444, 0, self.stats_text().len(), SystemTime::now())),
             Node::Dir(c) | Node::Chunks(c) => {
                 let (owner, t) = self.owner(uid, c)?;
                 Ok(dir(0o700, owner, t))
@@ -396,7 +396,7 @@ impl KvFs {
             Node::Root | Node::Dir(_) | Node::Chunks(_) => Err(Errno::EISDIR),
             _ if writing && self.read_only => Err(Errno::EROFS),
             Node::Stats | Node::Info(_) | Node::Text(_) if writing => Err(Errno::EACCES),
-            Node::Stats => text(self.store.render_stats()),
+            Node::Stats => text(self.stats_text()),
             Node::Info(c) => {
                 self.owner(uid, c)?;
                 text(self.store.render_info(c).map_err(store_err)?)
@@ -430,6 +430,16 @@ impl KvFs {
                 Ok(self.add_handle(Handle::Read(Arc::new(data))))
             }
         }
+    }
+
+    /// `/stats`: the store's counters, then the chunks that moved through `kv` files.
+    fn stats_text(&self) -> String {
+        format!(
+            "{}kv file      {} chunk reads, {} chunk writes\n",
+            self.store.render_stats(),
+            self.kv_reads.load(Ordering::Relaxed),
+            self.kv_writes.load(Ordering::Relaxed)
+        )
     }
 
     fn read_chunk(&self, c: ContextId, i: u32) -> Result<Vec<u8>, Errno> {
@@ -534,6 +544,9 @@ impl KvFs {
                 r.data(&image[start..end]);
             }
         });
+        if res.is_ok() && within == 0 {
+            self.kv_reads.fetch_add(1, Ordering::Relaxed);
+        }
         if let (Err(e), Some(r)) = (res, reply.take()) {
             if matches!(e, StoreError::Corrupt { .. }) {
                 tracing::warn!(error = %e, "kvfs refused a corrupt chunk");
@@ -631,7 +644,9 @@ impl KvFs {
                 header.density,
                 payload,
             )
-            .map(|_| ())
+            .map(|_| {
+                self.kv_writes.fetch_add(1, Ordering::Relaxed);
+            })
             .map_err(|e| {
                 tracing::warn!(error = %e, "kvfs write through the kv file failed");
                 errno(&e)
@@ -1150,6 +1165,7 @@ pub enum MountError {
 pub struct Mount {
     session: Option<BackgroundSession>,
     path: PathBuf,
+    guard: Option<crate::guard::Guard>,
 }
 
 impl std::fmt::Debug for Mount {
@@ -1166,12 +1182,25 @@ impl Mount {
         &self.path
     }
 
+    /// Starts a guard process ([`crate::guard`]) that aborts this mount's FUSE connection if this
+    /// process dies, for a process that also does I/O through its own mount. Call it from a thread
+    /// that lives as long as the process.
+    pub fn guard(
+        &mut self,
+        cmd: &crate::guard::GuardCommand,
+    ) -> Result<(), crate::guard::GuardError> {
+        self.guard = Some(crate::guard::spawn(cmd, &self.path)?);
+        Ok(())
+    }
+
     /// Unmounts and waits for the FUSE threads to finish.
     pub fn unmount(mut self) -> Result<(), MountError> {
         self.unmount_inner()
     }
 
     fn unmount_inner(&mut self) -> Result<(), MountError> {
+        // The guard goes first: it must not abort a connection that is being closed cleanly.
+        self.guard = None;
         let unmounted = self.session.is_some() && self.unmount_when_idle();
         match self.session.take() {
             // The FUSE threads end once the kernel drops the connection.
@@ -1304,6 +1333,7 @@ pub fn mount(
     Ok(Mount {
         session: Some(session),
         path: mountpoint.to_owned(),
+        guard: None,
     })
 }
 

@@ -8,6 +8,7 @@ pub mod bench;
 pub mod client;
 pub mod format;
 pub mod fs;
+pub mod guard;
 pub mod io;
 pub mod store;
 

@@ -60,6 +60,11 @@ impl World {
         self.dir.path().join("store")
     }
 
+    /// Where the daemon mounts kvfs by default: `kv` beside the socket.
+    pub fn mountpoint(&self) -> PathBuf {
+        self.dir.path().join("run/kv")
+    }
+
     /// `llms serve` on this world's socket and store, with `extra` flags.
     pub fn serve(&self, extra: &[&str]) -> Serve {
         Serve::start(self, extra)
@@ -73,6 +78,35 @@ impl World {
     pub fn tokenizer(&self) -> Tokenizer {
         Tokenizer::from_gguf_file(&self.model).unwrap()
     }
+}
+
+impl Drop for World {
+    /// A daemon killed last leaves its dead mount behind (the next daemon would clean it): detach
+    /// it, so the directory can go.
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.mountpoint(), nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+/// Whether `path` is a mount point now (from /proc/self/mountinfo).
+pub fn is_mount_point(path: &Path) -> bool {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let want = path.to_string_lossy();
+    info.lines().any(|l| l.split(' ').nth(4) == Some(&*want))
+}
+
+/// The `kv file` line of a kvfs mount's `/stats`: chunks read and written through `kv` files.
+pub fn kv_file_counts(mountpoint: &Path) -> (u64, u64) {
+    let stats = std::fs::read_to_string(mountpoint.join("stats")).unwrap();
+    let line = stats
+        .lines()
+        .find(|l| l.starts_with("kv file"))
+        .unwrap_or_else(|| panic!("no kv file line in {stats}"));
+    let n: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (n[0], n[1])
 }
 
 /// A running `llms serve`; killed (SIGKILL) when dropped.

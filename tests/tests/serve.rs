@@ -485,3 +485,61 @@ fn kill_9_loop_loses_no_completed_call() {
     }
     assert_eq!(c.list().unwrap().len(), expected.len());
 }
+
+#[test]
+fn contexts_go_out_and_come_back_through_the_daemons_kvfs_mount() {
+    let w = world();
+    let local = local_answers(&w, &PROMPTS, 12);
+    let mnt = w.mountpoint();
+    let mut ctxs = Vec::new();
+    let mut answers = vec![Vec::new(); 3];
+    // A drained restart between prompts: each context then comes back from kvfs.
+    for (round, prompt) in PROMPTS.iter().enumerate() {
+        let d = w.serve(&[]);
+        assert!(tests::is_mount_point(&mnt), "round {round}: not mounted");
+        let mut c = w.connect("mounted");
+        if ctxs.is_empty() {
+            ctxs = (0..3)
+                .map(|_| c.new_context(None, Default::default()).unwrap())
+                .collect();
+        }
+        for (i, &ctx) in ctxs.iter().enumerate() {
+            answers[i].push(ask(&mut c, ctx, prompt, 12).tokens);
+        }
+        let read = c.stats().unwrap().chunks_read;
+        let (kv_reads, _) = tests::kv_file_counts(&mnt);
+        if round > 0 {
+            assert!(read > 0, "round {round}: nothing read back");
+            assert_eq!(kv_reads, read, "round {round}: reads not through the mount");
+        }
+        // The AoT writes of this round go through the mount too.
+        let t = std::time::Instant::now();
+        while tests::kv_file_counts(&mnt).1 == 0 {
+            assert!(t.elapsed().as_secs() < 60, "no write through the mount");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        // What people see there is what the daemon stored.
+        let chunks = std::fs::read_dir(mnt.join(format!("{}/chunks", ctxs[0])))
+            .unwrap()
+            .count();
+        assert!(chunks > 0, "round {round}: no chunk files");
+        drop(c);
+        assert!(d.term().success());
+        assert!(!tests::is_mount_point(&mnt), "round {round}: still mounted");
+    }
+    for a in answers {
+        assert_eq!(a, local);
+    }
+}
+
+#[test]
+fn no_mount_serves_without_kvfs() {
+    let w = world();
+    let d = w.serve(&["--no-mount"]);
+    assert!(!tests::is_mount_point(&w.mountpoint()));
+    let mut c = w.connect("plain");
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    assert!(!ask(&mut c, ctx, PROMPTS[0], 4).tokens.is_empty());
+    drop(c);
+    assert!(d.term().success());
+}

@@ -39,6 +39,9 @@ pub struct BenchLoadArgs {
     /// Engine threads [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Move chunks through the store's API instead of a kvfs mount of it (the service's path).
+    #[arg(long)]
+    pub no_mount: bool,
 }
 
 /// Runs the benchmark, prints the table, writes the JSON.
@@ -61,6 +64,8 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         compress: args.compress,
         dir: args.dir.clone(),
         throttles,
+        mount: !args.no_mount,
+        mount_guard: Some(crate::kvfs_cmd::guard_command()?),
     };
     #[allow(clippy::print_stderr)]
     let report = run(model, &opts, |what| eprintln!("bench load: {what}"))

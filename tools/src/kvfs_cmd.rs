@@ -41,6 +41,25 @@ pub enum KvfsCommand {
         #[arg(long)]
         verify: bool,
     },
+    /// (internal) The guard `llms serve` starts beside its mount: aborts the mount's FUSE
+    /// connection if the daemon dies, so a kill -9 during chunk I/O cannot hang it
+    #[command(hide = true)]
+    Guard {
+        #[arg(long)]
+        parent: u32,
+        #[arg(long)]
+        mountpoint: PathBuf,
+        #[arg(long)]
+        connection: u32,
+    },
+}
+
+/// How `llms` starts its mount guard: this same program, `kvfs guard`.
+pub fn guard_command() -> anyhow::Result<kvfs::guard::GuardCommand> {
+    Ok(kvfs::guard::GuardCommand {
+        program: std::env::current_exe().context("cannot find this program to run its guard")?,
+        args: vec!["kvfs".into(), "guard".into()],
+    })
 }
 
 /// Arguments of `llms bench kvfs`.
@@ -94,6 +113,11 @@ pub fn run(cmd: KvfsCommand) -> anyhow::Result<()> {
             context,
             verify,
         } => inspect(store, context, verify),
+        KvfsCommand::Guard {
+            parent,
+            mountpoint,
+            connection,
+        } => Ok(kvfs::guard::run(parent, &mountpoint, connection)?),
     }
 }
 

@@ -77,11 +77,13 @@ enum BenchCommand {
 /// The whole `llms` command line: parses the arguments, runs the command, reports errors.
 pub fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    // The service logs its life by default; the other commands only warnings.
+    // The service logs its life by default; the other commands only warnings. fuser warns when
+    // it finds the mount it would unmount already gone, which is how kvfs unmounts (it retries a
+    // busy mount itself first).
     let default = if matches!(cli.command, Command::Serve(_)) {
-        "info"
+        "info,fuser::mnt=error"
     } else {
-        "warn"
+        "warn,fuser::mnt=error"
     };
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -15,6 +15,7 @@ use clap::Args;
 use engine::kv::KvFormat;
 use engine::model::Model;
 use engine::model::tokenizer::Tokenizer;
+use engine::service::chunk_io::default_mountpoint;
 use engine::service::daemon::{Daemon, DaemonConfig};
 use engine::service::protocol::DEFAULT_MAX_LINE;
 use engine::service::{Manager, ManagerConfig};
@@ -84,6 +85,20 @@ pub struct ServeArgs {
     /// off it) [default: $XDG_DATA_HOME/llms/store, /var/lib/llms/store as root]
     #[arg(long, env = "LLMS_STORE", value_name = "DIR")]
     pub store: Option<PathBuf>,
+    /// Where the store is mounted as the kvfs filesystem: every chunk the daemon swaps in or out
+    /// goes through it, and `ls`, `cat` and `getfattr` show the contexts (each uid sees its own);
+    /// a stale mount of a killed daemon is cleaned at start [default: `kv` beside the socket]
+    #[arg(
+        long,
+        env = "LLMS_MOUNT",
+        value_name = "DIR",
+        conflicts_with = "no_mount"
+    )]
+    pub mount: Option<PathBuf>,
+    /// Serve without the kvfs mount (chunks move through the store's API directly): for machines
+    /// without FUSE (/dev/fuse) or the right to mount
+    #[arg(long, env = "LLMS_NO_MOUNT")]
+    pub no_mount: bool,
     /// A llama-family GGUF file [default: the default model, fetched into the cache if missing]
     #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
     pub model: Option<PathBuf>,
@@ -128,6 +143,8 @@ pub struct ServeArgs {
 struct ConfigFile {
     socket: Option<PathBuf>,
     store: Option<PathBuf>,
+    mount: Option<PathBuf>,
+    no_mount: Option<bool>,
     model: Option<PathBuf>,
     models_dir: Option<PathBuf>,
     kv_budget: Option<toml::Value>,
@@ -175,6 +192,8 @@ pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
 struct Settings {
     socket: PathBuf,
     store: PathBuf,
+    /// `None`: no mount.
+    mount: Option<PathBuf>,
     model: Option<PathBuf>,
     dir: ModelsDirArg,
     kv_budget: u64,
@@ -236,12 +255,20 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         )?,
         ..d
     };
+    let socket = a.socket.or(f.socket).unwrap_or_else(default_socket);
+    let no_mount = a.no_mount || (a.mount.is_none() && f.no_mount == Some(true));
+    let mount = match (no_mount, a.mount.or(f.mount)) {
+        (true, _) => None,
+        (false, Some(m)) => Some(m),
+        (false, None) => Some(default_mountpoint(&socket)),
+    };
     Ok(Settings {
-        socket: a.socket.or(f.socket).unwrap_or_else(default_socket),
+        socket,
         store: match a.store.or(f.store) {
             Some(s) => s,
             None => default_store()?,
         },
+        mount,
         model: a.model.or(f.model),
         dir: ModelsDirArg {
             models_dir: a.dir.models_dir.or(f.models_dir),
@@ -347,6 +374,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?,
     );
     let mut mc = ManagerConfig::new(&s.store, s.kv_budget);
+    mc.mount = s.mount.clone();
+    mc.mount_guard = Some(crate::kvfs_cmd::guard_command()?);
     mc.kv_format = s.kv_format;
     if s.kv_format == KvFormat::F16 {
         mc.compress_ratio = None;
@@ -384,6 +413,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(
         socket = %s.socket.display(),
         store = %s.store.display(),
+        mount = %s.mount.as_deref().map_or("none".into(), |m| m.display().to_string()),
         model = %path.display(),
         kv_budget = s.kv_budget,
         contexts,

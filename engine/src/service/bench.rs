@@ -25,6 +25,11 @@ pub struct LoadBenchOptions {
     pub dir: PathBuf,
     /// Read limits to emulate slow storage (bytes/s); `None` is the disk's own speed.
     pub throttles: Vec<Option<u64>>,
+    /// Move chunks through a kvfs mount of the store (as `llms serve` does), or through the
+    /// store's API.
+    pub mount: bool,
+    /// The mount's guard (see `kvfs::guard`), so an interrupted benchmark cannot hang.
+    pub mount_guard: Option<kvfs::guard::GuardCommand>,
 }
 
 /// One row: a length, a storage speed and a load mode, medians over the runs.
@@ -50,6 +55,8 @@ pub struct LoadRow {
 /// The report.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct LoadBenchReport {
+    /// Whether chunks moved through a kvfs mount.
+    pub mount: bool,
     pub rows: Vec<LoadRow>,
     /// Prefill throughput of each context's first call (tokens/s), for comparison with recompute.
     pub prefill_tps: Vec<(usize, f64)>,
@@ -63,9 +70,15 @@ fn median(v: &mut [f64]) -> f64 {
 impl LoadBenchReport {
     /// A text table.
     pub fn table(&self) -> String {
-        let mut s = String::from(
-            "tokens  disk        mode        chunks  read  recomp  load ms   io ms  recomp ms  predicted ms  recomp t/s\n",
+        let mut s = format!(
+            "chunks move through {}\n",
+            if self.mount {
+                "the kvfs mount (kv files)"
+            } else {
+                "the store's API (no mount)"
+            }
         );
+        s += "tokens  disk        mode        chunks  read  recomp  load ms   io ms  recomp ms  predicted ms  recomp t/s\n";
         for r in &self.rows {
             let disk = r
                 .throttle_mib_s
@@ -110,6 +123,8 @@ pub fn run(
         let store = opts.dir.join(format!("load-{n}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&store);
         let mut cfg = ManagerConfig::new(&store, 1 << 34);
+        cfg.mount = opts.mount.then(|| store.with_extension("mnt"));
+        cfg.mount_guard = opts.mount_guard.clone();
         cfg.kv_format = opts.format;
         cfg.max_tokens = (max_len + 64).div_ceil(16) * 16;
         if !opts.compress {
@@ -190,8 +205,13 @@ pub fn run(
         }
         drop(m);
         let _ = std::fs::remove_dir_all(&store);
+        let _ = std::fs::remove_dir(store.with_extension("mnt"));
     }
-    Ok(LoadBenchReport { rows, prefill_tps })
+    Ok(LoadBenchReport {
+        mount: opts.mount,
+        rows,
+        prefill_tps,
+    })
 }
 
 /// This process in a cgroup v1 blkio group that limits reads from the store's disk; dropping it

@@ -14,7 +14,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
-use kvfs::{Fingerprint, Store};
 use policy::{CostModel, LoadPlan, MissingChunk};
 use uffd_pager::{ChunkKey, ContextId, Pager};
 
@@ -22,6 +21,7 @@ use crate::kv::recompute::{RecomputeError, recompute_chunks};
 use crate::kv::{ChunkShape, KvCache, KvFormat};
 use crate::model::Model;
 use crate::service::ServiceError;
+use crate::service::chunk_io::ChunkIo;
 use crate::service::source::from_store;
 
 /// How a context's missing chunks come back.
@@ -74,9 +74,8 @@ pub struct StoredChunk {
 #[allow(clippy::too_many_arguments)]
 pub fn load(
     model: &Model,
-    store: &Store,
+    io: &ChunkIo,
     pager: &Pager,
-    fingerprint: &Fingerprint,
     ctx: u64,
     cache: &mut KvCache,
     stored: &[Option<StoredChunk>],
@@ -140,7 +139,7 @@ pub fn load(
     let io = || -> (Vec<u32>, Vec<u32>, u64, f64) {
         let t = Instant::now();
         let (mut ok, mut failed, mut bytes) = (Vec::new(), Vec::new(), 0);
-        let mut scratch = Vec::new();
+        let (mut buf, mut scratch) = (Vec::new(), Vec::new());
         loop {
             let n = cursor.fetch_add(1, Ordering::Relaxed);
             let Some(&i) = order.get(n) else { break };
@@ -149,12 +148,12 @@ pub fn load(
                 index: i,
             };
             let r = read_one(
-                store,
+                io,
                 pager,
-                fingerprint,
                 &shape,
                 formats[i as usize],
                 key,
+                &mut buf,
                 &mut scratch,
             );
             match r {
@@ -257,33 +256,31 @@ fn force_recompute(plan: &mut LoadPlan, unreadable: &[u32]) {
     plan.read_after = after;
 }
 
-/// Reads one chunk from the store and populates its slot. A stored copy heavier than the format
-/// the cache records (the chunk was recompressed in memory after it was written) is recompressed
-/// on the way in, which gives the same bytes.
+/// Reads one chunk from kvfs into `buf` (grown once per thread to the heaviest format's size)
+/// and populates its slot. A stored copy heavier than the format the cache records (the chunk
+/// was recompressed in memory after it was written) is recompressed on the way in, which gives
+/// the same bytes.
 fn read_one(
-    store: &Store,
+    io: &ChunkIo,
     pager: &Pager,
-    fingerprint: &Fingerprint,
     shape: &ChunkShape,
     want: KvFormat,
     key: ChunkKey,
+    buf: &mut Vec<u8>,
     scratch: &mut Vec<u8>,
 ) -> Result<u64, ServiceError> {
-    let id = kvfs::ContextId(key.ctx.0);
-    let have = match store.chunk_state(id, key.index)? {
-        kvfs::ChunkState::Stored(s) => from_store(s.format),
-        _ => {
-            return Err(ServiceError::Internal {
-                what: format!("{key} is not in the store"),
-            });
-        }
-    };
-    let bytes = store.read_chunk(id, key.index, fingerprint)?;
+    let heaviest = shape.chunk_bytes(KvFormat::F16);
+    if buf.len() < heaviest {
+        buf.resize(heaviest, 0);
+    }
+    let meta = io.read_into(key.ctx.0, key.index, buf)?;
+    let have = from_store(meta.format);
+    let bytes = &buf[..meta.raw_len as usize];
     let n = bytes.len() as u64;
     let data: &[u8] = if have == want {
-        &bytes
+        bytes
     } else if have.bits() > want.bits() && have != KvFormat::F16 {
-        crate::kv::codec::recompress(shape, have, want, &bytes, scratch).map_err(|e| {
+        crate::kv::codec::recompress(shape, have, want, bytes, scratch).map_err(|e| {
             ServiceError::Internal {
                 what: format!("{key}: {e}"),
             }

@@ -28,6 +28,7 @@ use crate::model::Model;
 use crate::model::generate::{Generation, Sampler, SamplingParams, StopReason, generate};
 use crate::service::ServiceError;
 use crate::service::chooser::PolicyChooser;
+use crate::service::chunk_io::ChunkIo;
 use crate::service::load::{self, LoadMode, LoadReport, StoredChunk};
 use crate::service::memory::{PagerChunks, Versions};
 use crate::service::source::{
@@ -51,6 +52,12 @@ pub enum VictimPolicy {
 pub struct ManagerConfig {
     /// The kvfs store directory (created if it does not exist).
     pub store: PathBuf,
+    /// Where to mount the store; every chunk read and write then goes through the mount (the data
+    /// path people inspect). `None` moves chunks through the store's API directly.
+    pub mount: Option<PathBuf>,
+    /// How to start the mount's guard process (see `kvfs::guard`), for a process that may be
+    /// killed while chunks move through its own mount: `llms serve` runs itself.
+    pub mount_guard: Option<kvfs::guard::GuardCommand>,
     /// Bytes of KV chunks that may be resident at once, across contexts.
     pub kv_budget: u64,
     /// The format new chunks are sealed in.
@@ -82,6 +89,8 @@ impl ManagerConfig {
     pub fn new(store: impl Into<PathBuf>, kv_budget: u64) -> Self {
         Self {
             store: store.into(),
+            mount: None,
+            mount_guard: None,
             kv_budget,
             kv_format: KvFormat::Int8,
             chunk_tokens: 16,
@@ -244,6 +253,9 @@ pub struct Manager {
     model: Arc<Model>,
     cfg: ManagerConfig,
     store: Arc<Store>,
+    /// Chunk reads and writes (through the mount when there is one); the pager's source and the
+    /// writer hold it too, and the mount goes when the last of them does.
+    io: Arc<ChunkIo>,
     pager: Arc<Pager>,
     versions: Arc<Versions>,
     expected: Arc<Expected>,
@@ -285,14 +297,19 @@ impl Manager {
             what: format!("creating the store {}: {e}", cfg.store.display()),
         })?;
         let store = Arc::new(Store::open(&cfg.store, StoreOptions::default())?);
+        let io = Arc::new(match &cfg.mount {
+            Some(at) => ChunkIo::mounted(
+                Arc::clone(&store),
+                fingerprint,
+                at,
+                cfg.mount_guard.as_ref(),
+            )?,
+            None => ChunkIo::direct(Arc::clone(&store), fingerprint),
+        });
         let shape = model.chunk_shape(cfg.chunk_tokens);
         let slot = shape.slot_bytes(cfg.kv_format);
         let expected = Arc::new(Expected::default());
-        let source = Arc::new(StoreSource::new(
-            Arc::clone(&store),
-            fingerprint,
-            Arc::clone(&expected),
-        ));
+        let source = Arc::new(StoreSource::new(Arc::clone(&io), Arc::clone(&expected)));
         let sizes: Vec<(u64, Level)> = cfg
             .levels
             .levels()
@@ -310,10 +327,9 @@ impl Manager {
         )?);
         let versions = Arc::new(Versions::default());
         let writer = Writer::spawn(
-            Arc::clone(&store),
+            Arc::clone(&io),
             Arc::clone(&pager),
             Arc::clone(&versions),
-            fingerprint,
             cfg.writer_queue,
         )
         .map_err(|e| ServiceError::Internal {
@@ -324,6 +340,7 @@ impl Manager {
             model,
             cfg,
             store,
+            io,
             pager,
             versions,
             expected,
@@ -512,9 +529,8 @@ impl Manager {
         let r = Self::run_call(
             &self.model,
             &self.cfg,
-            &self.store,
+            &self.io,
             &self.pager,
-            &self.fingerprint,
             &self.cost,
             &self.versions,
             &self.writer,
@@ -565,9 +581,8 @@ impl Manager {
     fn run_call(
         model: &Model,
         cfg: &ManagerConfig,
-        store: &Store,
+        io: &ChunkIo,
         pager: &Pager,
-        fingerprint: &Fingerprint,
         cost: &CostModel,
         versions: &Versions,
         writer: &Writer,
@@ -582,9 +597,8 @@ impl Manager {
         // 1. Load.
         let load = load::load(
             model,
-            store,
+            io,
             pager,
-            fingerprint,
             id,
             &mut ctx.cache,
             &ctx.stored,
@@ -658,9 +672,9 @@ impl Manager {
         // 4. AoT write-out: the tokens first (a chunk is valid only with its tokens), then the
         // chunks, in the background.
         let kid = kvfs::ContextId(id);
-        let stored_tokens = store.tokens(kid)?.len();
+        let stored_tokens = io.store().tokens(kid)?.len();
         if said.len() > stored_tokens {
-            store.append_tokens(kid, &said[stored_tokens..])?;
+            io.store().append_tokens(kid, &said[stored_tokens..])?;
         }
         let shape = *ctx.cache.shape();
         let states: Vec<policy::ChunkState> = (0..sealed)
@@ -728,6 +742,7 @@ impl Manager {
         self.pager.remove_context(ContextId(id))?;
         self.versions.forget(ContextId(id));
         self.expected.remove(id);
+        self.io.forget(id);
         self.store.delete_context(kvfs::ContextId(id))?;
         Ok(())
     }
@@ -835,6 +850,11 @@ impl Manager {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Where the store is mounted (chunks move through the mount), if it is.
+    pub fn mountpoint(&self) -> Option<&std::path::Path> {
+        self.io.mountpoint()
     }
 
     /// The cost model the planner uses now.

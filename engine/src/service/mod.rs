@@ -10,6 +10,7 @@
 
 pub mod bench;
 pub mod chooser;
+pub mod chunk_io;
 pub mod client;
 pub mod daemon;
 pub mod load;

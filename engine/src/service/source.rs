@@ -6,12 +6,13 @@ use std::io::Read;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use kvfs::{Fingerprint, Store, StoreError};
+use kvfs::{Fingerprint, StoreError};
 use policy::{Level, LevelSet};
 use sha2::Digest;
 use uffd_pager::{ChunkKey, ChunkSource, SourceError};
 
 use crate::kv::KvFormat;
+use crate::service::chunk_io::ChunkIo;
 
 /// The engine's format as kvfs records it.
 pub fn to_store(f: KvFormat) -> kvfs::KvFormat {
@@ -92,21 +93,17 @@ impl Expected {
     }
 }
 
-/// Reads chunks from a kvfs store: the pager's source for faults.
+/// Reads chunks from kvfs (through the mount when there is one): the pager's source for faults.
+/// A chunk is read straight into the pager's buffer, with no allocation.
 pub struct StoreSource {
-    store: Arc<Store>,
-    fingerprint: Fingerprint,
+    io: Arc<ChunkIo>,
     expected: Arc<Expected>,
 }
 
 impl StoreSource {
-    /// A source over `store` for the model with `fingerprint`.
-    pub fn new(store: Arc<Store>, fingerprint: Fingerprint, expected: Arc<Expected>) -> Self {
-        Self {
-            store,
-            fingerprint,
-            expected,
-        }
+    /// A source over `io`.
+    pub fn new(io: Arc<ChunkIo>, expected: Arc<Expected>) -> Self {
+        Self { io, expected }
     }
 }
 
@@ -131,7 +128,7 @@ impl ChunkSource for StoreSource {
     fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
         let id = kvfs::ContextId(key.ctx.0);
         let want = self.expected.get(key).ok_or(SourceError::Missing { key })?;
-        match self.store.chunk_state(id, key.index) {
+        match self.io.store().chunk_state(id, key.index) {
             Ok(kvfs::ChunkState::Stored(s)) if from_store(s.format) == want => {}
             Ok(kvfs::ChunkState::Stored(s)) => {
                 return Err(SourceError::Corrupt {
@@ -142,18 +139,17 @@ impl ChunkSource for StoreSource {
             Ok(_) => return Err(SourceError::Missing { key }),
             Err(e) => return Err(classify(key, &e)),
         }
-        let bytes = self
-            .store
-            .read_chunk(id, key.index, &self.fingerprint)
-            .map_err(|e| classify(key, &e))?;
-        if bytes.len() > dst.len() {
-            return Err(SourceError::Corrupt {
-                key,
-                detail: format!("{} bytes for a {}-byte slot", bytes.len(), dst.len()),
-            });
-        }
-        dst[..bytes.len()].copy_from_slice(&bytes);
-        dst[bytes.len()..].fill(0);
+        let meta = match self.io.read_into(key.ctx.0, key.index, dst) {
+            Ok(meta) => meta,
+            Err(StoreError::BufferTooSmall { need, have, .. }) => {
+                return Err(SourceError::Corrupt {
+                    key,
+                    detail: format!("{need} bytes for a {have}-byte slot"),
+                });
+            }
+            Err(e) => return Err(classify(key, &e)),
+        };
+        dst[meta.raw_len as usize..].fill(0);
         Ok(())
     }
 }

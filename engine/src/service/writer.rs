@@ -10,10 +10,11 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use kvfs::{Fingerprint, Store, StoreError};
+use kvfs::StoreError;
 use uffd_pager::{ChunkKey, Pager};
 
 use crate::kv::KvFormat;
+use crate::service::chunk_io::ChunkIo;
 use crate::service::memory::Versions;
 use crate::service::source::to_store;
 
@@ -59,10 +60,9 @@ impl std::fmt::Debug for Writer {
 }
 
 struct Ctx {
-    store: Arc<Store>,
+    io: Arc<ChunkIo>,
     pager: Arc<Pager>,
     versions: Arc<Versions>,
-    fingerprint: Fingerprint,
     pending: Arc<Pending>,
     stats: Arc<WriterStats>,
 }
@@ -70,20 +70,18 @@ struct Ctx {
 impl Writer {
     /// Starts the writer thread with a queue of `capacity` chunks.
     pub fn spawn(
-        store: Arc<Store>,
+        io: Arc<ChunkIo>,
         pager: Arc<Pager>,
         versions: Arc<Versions>,
-        fingerprint: Fingerprint,
         capacity: usize,
     ) -> std::io::Result<Writer> {
         let (tx, rx) = sync_channel(capacity.max(1));
         let pending = Arc::new(Pending::default());
         let stats = Arc::new(WriterStats::default());
         let ctx = Ctx {
-            store,
+            io,
             pager,
             versions,
-            fingerprint,
             pending: Arc::clone(&pending),
             stats: Arc::clone(&stats),
         };
@@ -161,11 +159,9 @@ fn run(ctx: &Ctx, rx: &Receiver<WriteJob>) {
 fn write_one(ctx: &Ctx, job: &WriteJob) {
     let key = job.key;
     let _span = tracing::debug_span!("aot_write", chunk = %key).entered();
-    let id = kvfs::ContextId(key.ctx.0);
-    let r = ctx.store.write_chunk(
-        id,
+    let r = ctx.io.write(
+        key.ctx.0,
         key.index,
-        &ctx.fingerprint,
         to_store(job.format),
         job.density,
         &job.bytes,
