@@ -216,6 +216,24 @@ struct Profile {
 
 impl Profile {
     const KEEP: usize = 64;
+    /// A read this many times slower or faster than the model predicted means the disk changed
+    /// (a throttle, another tenant, the page cache): the earlier points describe another disk.
+    const IO_SHIFT: f64 = 3.0;
+
+    /// Adds a measured read; when it is off the model's prediction by more than
+    /// [`Profile::IO_SHIFT`] either way, the earlier points are dropped first, so the model
+    /// follows a changed disk within one Load instead of averaging it away.
+    fn add_io(&mut self, p: (f64, f64), model: LinearCost) {
+        let predicted = model.eval(p.0);
+        if predicted > 0.0 && p.1 > 0.0 {
+            let ratio = p.1 / predicted;
+            if !(1.0 / Self::IO_SHIFT..=Self::IO_SHIFT).contains(&ratio) {
+                tracing::debug!(ratio, "disk speed changed: I/O model restarts");
+                self.io.clear();
+            }
+        }
+        Self::add(&mut self.io, p);
+    }
 
     fn add(v: &mut Vec<(f64, f64)>, p: (f64, f64)) {
         if v.len() == Self::KEEP {
@@ -566,7 +584,8 @@ impl Manager {
 
     fn learn(&mut self, load: &LoadReport) {
         if !load.read.is_empty() && load.failed_reads.is_empty() {
-            Profile::add(&mut self.profile.io, (load.read_bytes as f64, load.io_secs));
+            self.profile
+                .add_io((load.read_bytes as f64, load.io_secs), self.cost.io);
         }
         if !load.recomputed.is_empty() {
             Profile::add(
@@ -865,5 +884,31 @@ impl Manager {
     /// The model.
     pub fn model(&self) -> &Model {
         &self.model
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_io_model_follows_a_throttled_disk_within_one_load() {
+        let mut profile = Profile::default();
+        let mut cost = default_cost();
+        // A fast disk: 1 GB/s over contexts of 1, 2 and 4 MB.
+        for mb in [1.0, 2.0, 4.0, 1.0, 2.0, 4.0] {
+            profile.add_io((mb * 1e6, 1e-4 + mb * 1e-3), cost.io);
+            profile.refit(&mut cost);
+        }
+        assert!((cost.io.per_unit() - 1e-9).abs() < 1e-11);
+        // Within noise: kept with the others.
+        profile.add_io((2e6, 2.0 * (1e-4 + 2e-3)), cost.io);
+        assert_eq!(profile.io.len(), 7);
+        // Throttled to 50 MB/s: the earlier points go, the model takes the new speed at once.
+        profile.add_io((4e6, 80e-3), cost.io);
+        assert_eq!(profile.io.len(), 1);
+        profile.refit(&mut cost);
+        let predicted = cost.io.eval(4e6);
+        assert!((predicted - 80e-3).abs() < 1e-3, "{predicted}");
     }
 }
