@@ -543,3 +543,68 @@ fn no_mount_serves_without_kvfs() {
     drop(c);
     assert!(d.term().success());
 }
+
+/// A cgroup v1 memory group for one test, removed when dropped (after its tasks are gone).
+struct MemoryGroup(std::path::PathBuf);
+
+impl MemoryGroup {
+    fn new(name: &str) -> MemoryGroup {
+        let dir = std::path::Path::new("/sys/fs/cgroup/memory").join(name);
+        std::fs::create_dir(&dir).unwrap();
+        MemoryGroup(dir)
+    }
+
+    fn set(&self, file: &str, value: &str) {
+        std::fs::write(self.0.join(file), value).unwrap();
+    }
+}
+
+impl Drop for MemoryGroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+#[test]
+fn a_memory_cgroup_limit_lowers_the_kv_budget_and_its_removal_restores_it() {
+    let w = world();
+    let max: u64 = 1 << 30;
+    let d = w.serve(&[
+        "--kv-budget",
+        "1G",
+        "--min-kv-budget",
+        "16M",
+        "--pressure-interval",
+        "0.05",
+    ]);
+    let group = MemoryGroup::new(&format!("llms-test-{}", d.pid()));
+    group.set("cgroup.procs", &d.pid().to_string());
+    let limit: u64 = 512 << 20;
+    group.set("memory.limit_in_bytes", &limit.to_string());
+    let mut c = w.connect("pressure");
+    let wait_for =
+        |c: &mut engine::service::client::Client, what: &str, ok: &dyn Fn(u64) -> bool| {
+            let t = std::time::Instant::now();
+            loop {
+                let b = c.stats().unwrap().budget_bytes;
+                if ok(b) {
+                    return b;
+                }
+                assert!(
+                    t.elapsed().as_secs() < 60,
+                    "{what}: the budget stayed at {b}"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        };
+    // Under the limit, less what else the group uses, less the 64 MiB reserve.
+    let lowered = wait_for(&mut c, "limit", &|b| b < max);
+    assert!(lowered <= limit - (64 << 20), "{lowered}");
+    // Calls still run under the lowered budget.
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    assert!(!ask(&mut c, ctx, PROMPTS[1], 4).tokens.is_empty());
+    group.set("memory.limit_in_bytes", "-1");
+    wait_for(&mut c, "no limit", &|b| b == max);
+    drop(c);
+    assert!(d.term().success());
+}

@@ -17,8 +17,10 @@ use engine::model::Model;
 use engine::model::tokenizer::Tokenizer;
 use engine::service::chunk_io::default_mountpoint;
 use engine::service::daemon::{Daemon, DaemonConfig};
+use engine::service::pressure::{PressureFiles, PressureWatch};
 use engine::service::protocol::DEFAULT_MAX_LINE;
 use engine::service::{Manager, ManagerConfig};
+use policy::BudgetConfig;
 
 use crate::model_cmd::ModelsDirArg;
 
@@ -127,6 +129,18 @@ pub struct ServeArgs {
     /// Connections at once; more are refused with `busy` [default: 256]
     #[arg(long, env = "LLMS_MAX_CONNECTIONS", value_name = "N")]
     pub max_connections: Option<usize>,
+    /// Lowest KV budget memory pressure may push it to (suffixes K, M, G) [default: a quarter of
+    /// --kv-budget]
+    #[arg(long, env = "LLMS_MIN_KV_BUDGET", value_name = "BYTES")]
+    pub min_kv_budget: Option<String>,
+    /// Seconds between two readings of memory pressure (PSI, /proc/pressure/memory, and the
+    /// memory cgroup's limit and usage): under pressure the KV budget shrinks by a quarter, and
+    /// grows back by a sixteenth after three calm readings [default: 2]
+    #[arg(long, env = "LLMS_PRESSURE_INTERVAL", value_name = "SECS")]
+    pub pressure_interval: Option<f64>,
+    /// Keep the KV budget fixed: do not watch memory pressure
+    #[arg(long, env = "LLMS_NO_PRESSURE")]
+    pub no_pressure: bool,
     /// Threads for the engine's kernels [default: the number of CPUs]
     #[arg(long, env = "LLMS_THREADS", value_name = "N")]
     pub threads: Option<usize>,
@@ -148,6 +162,9 @@ struct ConfigFile {
     model: Option<PathBuf>,
     models_dir: Option<PathBuf>,
     kv_budget: Option<toml::Value>,
+    min_kv_budget: Option<toml::Value>,
+    pressure_interval: Option<f64>,
+    no_pressure: Option<bool>,
     kv_format: Option<String>,
     max_context: Option<usize>,
     max_contexts_per_app: Option<usize>,
@@ -197,6 +214,8 @@ struct Settings {
     model: Option<PathBuf>,
     dir: ModelsDirArg,
     kv_budget: u64,
+    /// `None`: no pressure watch.
+    pressure: Option<(u64, std::time::Duration)>,
     kv_format: KvFormat,
     max_context: Option<usize>,
     daemon: DaemonConfig,
@@ -214,14 +233,30 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         }
         None => ConfigFile::default(),
     };
-    let budget = match (a.kv_budget, f.kv_budget) {
-        (Some(s), _) => parse_bytes(&s)?,
-        (None, Some(toml::Value::Integer(n))) => {
-            u64::try_from(n).context("kv-budget must not be negative")?
+    let size = |name: &str, flag: Option<String>, file: Option<toml::Value>| {
+        Ok(match (flag, file) {
+            (Some(s), _) => Some(parse_bytes(&s)?),
+            (None, Some(toml::Value::Integer(n))) => {
+                Some(u64::try_from(n).with_context(|| format!("{name} must not be negative"))?)
+            }
+            (None, Some(toml::Value::String(s))) => Some(parse_bytes(&s)?),
+            (None, Some(v)) => bail!("{name} must be a size like \"512M\", not {v}"),
+            (None, None) => None,
+        })
+    };
+    let budget = size("kv-budget", a.kv_budget, f.kv_budget)?.unwrap_or(256 << 20);
+    let pressure = if a.no_pressure || f.no_pressure == Some(true) {
+        None
+    } else {
+        let min = size("min-kv-budget", a.min_kv_budget, f.min_kv_budget)?.unwrap_or(budget / 4);
+        if min > budget {
+            bail!("--min-kv-budget ({min} bytes) is above --kv-budget ({budget} bytes)");
         }
-        (None, Some(toml::Value::String(s))) => parse_bytes(&s)?,
-        (None, Some(v)) => bail!("kv-budget must be a size like \"512M\", not {v}"),
-        (None, None) => 256 << 20,
+        let secs = a.pressure_interval.or(f.pressure_interval).unwrap_or(2.0);
+        if !(secs.is_finite() && (0.01..=3600.0).contains(&secs)) {
+            bail!("--pressure-interval must be between 0.01 and 3600 seconds, not {secs}");
+        }
+        Some((min, std::time::Duration::from_secs_f64(secs)))
     };
     let kv_format: KvFormat = a
         .kv_format
@@ -274,6 +309,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
             models_dir: a.dir.models_dir.or(f.models_dir),
         },
         kv_budget: budget,
+        pressure,
         kv_format,
         max_context: a.max_context.or(f.max_context),
         daemon,
@@ -385,6 +421,18 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let manager = Manager::open(Arc::clone(&model), mc)
         .with_context(|| format!("cannot open the contexts in {}", s.store.display()))?;
     let contexts = manager.stats().contexts;
+    let _pressure = match s.pressure {
+        Some((min, every)) => Some(
+            PressureWatch::start(
+                manager.shared_pager(),
+                BudgetConfig::new(min, s.kv_budget),
+                PressureFiles::default(),
+                every,
+            )
+            .context("cannot watch memory pressure")?,
+        ),
+        None => None,
+    };
 
     let listener = UnixListener::bind(&s.socket)
         .with_context(|| format!("cannot listen on {}", s.socket.display()))?;

@@ -866,6 +866,11 @@ impl Manager {
         &self.pager
     }
 
+    /// The pager, shared: its budget may be set from another thread (memory pressure).
+    pub fn shared_pager(&self) -> Arc<Pager> {
+        Arc::clone(&self.pager)
+    }
+
     /// The store.
     pub fn store(&self) -> &Store {
         &self.store

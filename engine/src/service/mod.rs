@@ -16,6 +16,7 @@ pub mod daemon;
 pub mod load;
 pub mod manager;
 pub mod memory;
+pub mod pressure;
 pub mod protocol;
 pub mod source;
 pub mod writer;
