@@ -301,6 +301,11 @@ fn covers(tokens: &[u32], range: &Range<u32>, crc: u32) -> bool {
 }
 
 impl Store {
+    /// Whether `root` holds a kvfs store (its marker file), without opening or changing it.
+    pub fn exists(root: &Path) -> bool {
+        root.join(MARKER).is_file()
+    }
+
     /// Opens the store at `root`, creating it if `root` is missing or empty, and recovers from any
     /// crash: leftovers of unfinished writes are removed, files that fail their checks are moved to
     /// `quarantine/` (see [`Store::recovered`]) and their chunks marked for recompute.

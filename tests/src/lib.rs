@@ -123,6 +123,7 @@ impl Serve {
             .arg(w.socket())
             .arg("--store")
             .arg(w.store())
+            .arg("--create")
             .arg("--model")
             .arg(&w.model)
             .args(["--max-context", &MAX_CONTEXT.to_string(), "--threads", "1"])

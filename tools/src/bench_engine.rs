@@ -9,6 +9,7 @@ use engine::model::Logits;
 use engine::model::generate::argmax;
 
 use crate::engine_cmd::{EngineOpts, load};
+use crate::report::table;
 
 /// `llms bench engine`.
 #[derive(Args, Debug)]
@@ -22,21 +23,20 @@ pub struct BenchEngineArgs {
         value_name = "FILE"
     )]
     pub text: PathBuf,
-    /// Prompt lengths to prefill
-    #[arg(long, value_delimiter = ',', default_values_t = [128usize, 512, 2048])]
+    #[command(flatten)]
+    pub report: crate::report::ReportArgs,
+    /// Prompt lengths to prefill (1 to the model's context length)
+    #[arg(long, value_delimiter = ',', default_values_t = [128usize, 512, 2048], value_parser = crate::report::positive)]
     pub prefill: Vec<usize>,
     /// Context depths (prompt lengths) to decode after
     #[arg(long, value_delimiter = ',', default_values_t = [0usize, 512, 2048])]
     pub decode_at: Vec<usize>,
-    /// Tokens to decode at each depth
-    #[arg(long, default_value_t = 128)]
+    /// Tokens to decode at each depth (depth + tokens at most the model's context length)
+    #[arg(long, default_value_t = 128, value_parser = crate::report::positive)]
     pub decode: usize,
     /// Runs of each measurement; the median is reported
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = crate::report::positive)]
     pub runs: usize,
-    /// Where the JSON report goes
-    #[arg(long, default_value = "bench-out/engine.json", value_name = "FILE")]
-    pub out: PathBuf,
 }
 
 #[derive(serde::Serialize)]
@@ -121,8 +121,23 @@ fn read_bandwidth(model: &engine::model::Model, runs: usize) -> f64 {
 
 /// Runs `llms bench engine`.
 pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
+    a.report.begin();
     let l = load(&a.engine)?;
-    let runs = a.runs.max(1);
+    let runs = a.runs;
+    let max_ctx = l.model.cfg.max_ctx;
+    if let Some(n) = a.prefill.iter().find(|&&n| n > max_ctx) {
+        anyhow::bail!("--prefill {n} is longer than the model's context of {max_ctx} tokens");
+    }
+    if let Some(d) = a
+        .decode_at
+        .iter()
+        .find(|&&d| d.max(1).saturating_add(a.decode) > max_ctx)
+    {
+        anyhow::bail!(
+            "--decode-at {d} plus --decode {} is longer than the model's context of {max_ctx} tokens",
+            a.decode
+        );
+    }
     let text = std::fs::read_to_string(&a.text)
         .with_context(|| format!("cannot read {}", a.text.display()))?;
     let base = l.tokenizer.encode(&text);
@@ -227,16 +242,18 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         rss_bytes: rss_bytes(),
         peak_rss_bytes: peak_rss_bytes(),
     };
-    println!("| phase | tokens | median s | tokens/s | bandwidth bound | ratio |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    table!("| phase | tokens | median s | tokens/s | bandwidth bound | ratio |");
+    table!("|---|---:|---:|---:|---:|---:|");
     for r in &report.prefill {
-        println!(
+        table!(
             "| prefill | {} | {:.3} | {:.1} | | |",
-            r.tokens, r.median_secs, r.tokens_per_sec
+            r.tokens,
+            r.median_secs,
+            r.tokens_per_sec
         );
     }
     for d in &report.decode {
-        println!(
+        table!(
             "| decode at {} | {} | {:.3} | {:.1} | {:.1} | {:.2} |",
             d.depth,
             d.row.tokens,
@@ -246,7 +263,7 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
             d.bandwidth_ratio
         );
     }
-    println!(
+    table!(
         "\nweights {:.1} MiB ({:.3}× the file's {:.1} MiB of tensors), read bandwidth {:.2} GB/s, RSS {:.1} MiB, peak RSS {:.1} MiB",
         report.weight_bytes as f64 / 1048576.0,
         report.weight_bytes as f64 / report.file_tensor_bytes as f64,
@@ -255,11 +272,6 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         report.rss_bytes as f64 / 1048576.0,
         report.peak_rss_bytes as f64 / 1048576.0
     );
-    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    }
-    std::fs::write(&a.out, serde_json::to_string_pretty(&report)?)
-        .with_context(|| format!("cannot write {}", a.out.display()))?;
-    eprintln!("wrote {}", a.out.display());
+    a.report.write("engine", &report)?;
     Ok(())
 }

@@ -15,6 +15,7 @@ use engine::model::{Logits, Model};
 use serde::Serialize;
 
 use crate::model_cmd::ModelsDirArg;
+use crate::report::table;
 
 /// Where the model and the context's tokens come from, shared with `llms profile`.
 #[derive(Args, Debug, Clone)]
@@ -22,7 +23,7 @@ pub struct ModelInput {
     #[command(flatten)]
     pub dir: ModelsDirArg,
     /// A GGUF model file [default: the default model, fetched if missing]
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
     pub model: Option<PathBuf>,
     /// Take the context's tokens from this text file (tokenized with the model's vocabulary)
     /// instead of a deterministic pseudo-random sequence.
@@ -95,19 +96,22 @@ pub fn median_secs(reps: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> an
 pub struct KvArgs {
     #[command(flatten)]
     pub input: ModelInput,
-    /// Context lengths for the attention timings.
-    #[arg(long, value_delimiter = ',', default_value = "512,2048,8192")]
+    #[command(flatten)]
+    pub report: crate::report::ReportArgs,
+    /// Context lengths in tokens for the attention timings (1 to 65536).
+    #[arg(long, value_delimiter = ',', default_value = "512,2048,8192", value_parser = crate::report::positive)]
     pub contexts: Vec<usize>,
-    /// Chunk counts for the recompute timings.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
+    /// Chunk counts for the recompute timings (their context, 16 tokens a chunk plus one chunk,
+    /// must fit the model's context).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64", value_parser = crate::report::positive)]
     pub recompute: Vec<usize>,
     /// Repetitions per measurement (the median is reported).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::report::positive)]
     pub reps: usize,
-    /// Write the figures as JSON to this file.
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<PathBuf>,
 }
+
+/// The longest context `llms bench kv` times attention at (its KV is held in memory).
+const MAX_BENCH_CONTEXT: usize = 1 << 16;
 
 #[derive(Serialize)]
 struct CodecRow {
@@ -242,10 +246,21 @@ fn synthetic(
 
 /// Runs `llms bench kv`.
 pub fn run(args: KvArgs) -> anyhow::Result<()> {
+    if let Some(n) = args.contexts.iter().find(|&&n| n > MAX_BENCH_CONTEXT) {
+        anyhow::bail!("--contexts {n} is longer than {MAX_BENCH_CONTEXT} tokens");
+    }
+    args.report.begin();
     let model = args.input.load()?;
     let s = model.chunk_shape(16);
     let cfg = &model.cfg;
-    let reps = args.reps.max(1);
+    let reps = args.reps;
+    let most = args.recompute.iter().copied().max().unwrap_or(1);
+    anyhow::ensure!(
+        most.saturating_mul(16).saturating_add(16) <= cfg.max_ctx,
+        "--recompute {most} needs a context of {} tokens, longer than the model's {}",
+        most.saturating_mul(16).saturating_add(16),
+        cfg.max_ctx
+    );
     eprintln!("prefilling 256 tokens for real K/V");
     let tokens = args.input.tokens(&model, 257)?;
     let base = prefilled(&model, &tokens[..256], KvFormat::F16)?;
@@ -290,7 +305,6 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     }
 
     let mut recompute = Vec::new();
-    let most = args.recompute.iter().copied().max().unwrap_or(1);
     let ctx_len = most * 16 + 16;
     eprintln!("prefilling {ctx_len} tokens for recompute");
     let tokens = args.input.tokens(&model, ctx_len)?;
@@ -315,17 +329,23 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
         });
     }
 
-    println!(
+    table!(
         "codec (real K/V of {} chunks x {} layers)",
         real.len() / s.n_layers,
         s.n_layers
     );
-    println!(
+    table!(
         "{:<6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
-        "format", "enc GB/s", "dec GB/s", "K rel rms", "V rel rms", "bits", "slot KB"
+        "format",
+        "enc GB/s",
+        "dec GB/s",
+        "K rel rms",
+        "V rel rms",
+        "bits",
+        "slot KB"
     );
     for r in &codec {
-        println!(
+        table!(
             "{:<6} {:>10.2} {:>10.2} {:>10.5} {:>10.5} {:>8.2} {:>8}",
             r.format.name(),
             r.encode_gbps,
@@ -336,13 +356,16 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
             r.slot_bytes / 1024
         );
     }
-    println!("\nattention per decode step ({} layers, ms)", s.n_layers);
-    println!(
+    table!("\nattention per decode step ({} layers, ms)", s.n_layers);
+    table!(
         "{:<6} {:>8} {:>10} {:>12}",
-        "format", "context", "packed", "gathered"
+        "format",
+        "context",
+        "packed",
+        "gathered"
     );
     for r in &attention {
-        println!(
+        table!(
             "{:<6} {:>8} {:>10.3} {:>12.3}",
             r.format.name(),
             r.context,
@@ -350,24 +373,23 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
             r.gathered_ms
         );
     }
-    println!("\nrecompute (int8 context of {ctx_len} tokens)");
-    println!("{:>7} {:>10} {:>10}", "chunks", "seconds", "tokens/s");
+    table!("\nrecompute (int8 context of {ctx_len} tokens)");
+    table!("{:>7} {:>10} {:>10}", "chunks", "seconds", "tokens/s");
     for r in &recompute {
-        println!(
+        table!(
             "{:>7} {:>10.3} {:>10.1}",
-            r.chunks, r.seconds, r.tokens_per_sec
+            r.chunks,
+            r.seconds,
+            r.tokens_per_sec
         );
     }
-    if let Some(path) = &args.json {
-        let report = Report {
-            model: model.path().display().to_string(),
-            threads: engine::model::kernels::threads(),
-            codec,
-            attention,
-            recompute,
-        };
-        let body = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, body).with_context(|| format!("cannot write {}", path.display()))?;
-    }
+    let report = Report {
+        model: model.path().display().to_string(),
+        threads: engine::model::kernels::threads(),
+        codec,
+        attention,
+        recompute,
+    };
+    args.report.write("kv", &report)?;
     Ok(())
 }

@@ -15,11 +15,13 @@ use crate::bench_kv::ModelInput;
 pub struct BenchLoadArgs {
     #[command(flatten)]
     pub input: ModelInput,
-    /// Context lengths in tokens.
+    #[command(flatten)]
+    pub report: crate::report::ReportArgs,
+    /// Context lengths in tokens (at least 16 each).
     #[arg(long, value_delimiter = ',', default_values_t = [512usize, 1024, 2048])]
     pub lengths: Vec<usize>,
     /// Swap-out and load rounds per mode; each figure is the median.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::report::positive)]
     pub runs: usize,
     /// Base format of the context's chunks (f16, int8, int4, int2).
     #[arg(long, default_value = "int8")]
@@ -30,14 +32,12 @@ pub struct BenchLoadArgs {
     /// Also measure with reads throttled to these MiB/s (cgroup v1 blkio; needs root).
     #[arg(long, value_delimiter = ',')]
     pub throttle_mib: Vec<u64>,
-    /// Directory for the benchmark's store (on the disk to measure).
-    #[arg(long, default_value = "bench-out")]
-    pub dir: PathBuf,
-    /// Where to write the JSON report.
-    #[arg(long, default_value = "bench-out/bench-load.json")]
-    pub json: PathBuf,
+    /// Directory for the benchmark's store, on the disk to measure (a fresh store is made
+    /// inside and removed) [default: <out>]
+    #[arg(long, value_name = "DIR")]
+    pub scratch: Option<PathBuf>,
     /// Engine threads [default: all cores].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::report::positive)]
     pub threads: Option<usize>,
     /// Move chunks through the store's API instead of a kvfs mount of it (the service's path).
     #[arg(long)]
@@ -52,17 +52,31 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         "--lengths must list context lengths of at least 16 tokens"
     );
     let format: KvFormat = args.kv_format.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    anyhow::ensure!(
+        args.throttle_mib.iter().all(|&m| (1..1 << 40).contains(&m)),
+        "--throttle-mib takes MiB/s from 1 to 2^40"
+    );
+    args.report.begin();
     let model = Arc::new(args.input.load()?);
-    std::fs::create_dir_all(&args.dir)
-        .with_context(|| format!("creating {}", args.dir.display()))?;
+    if let Some(n) = args.lengths.iter().find(|&&n| n > model.cfg.max_ctx) {
+        anyhow::bail!(
+            "--lengths {n} is longer than the model's context of {} tokens",
+            model.cfg.max_ctx
+        );
+    }
+    let dir = args
+        .scratch
+        .clone()
+        .unwrap_or_else(|| args.report.out.clone());
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut throttles = vec![None];
     throttles.extend(args.throttle_mib.iter().map(|&m| Some(m << 20)));
     let opts = LoadBenchOptions {
         lengths: args.lengths.clone(),
-        runs: args.runs.max(1),
+        runs: args.runs,
         format,
         compress: args.compress,
-        dir: args.dir.clone(),
+        dir,
         throttles,
         mount: !args.no_mount,
         mount_guard: Some(crate::kvfs_cmd::guard_command()?),
@@ -70,12 +84,7 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
     #[allow(clippy::print_stderr)]
     let report = run(model, &opts, |what| eprintln!("bench load: {what}"))
         .context("running the load benchmark (needs root and /dev/userfaultfd)")?;
-    print!("{}", report.table());
-    if let Some(parent) = args.json.parent() {
-        std::fs::create_dir_all(parent).ok();
-    }
-    let json = serde_json::to_string_pretty(&report).context("serialising the report")?;
-    std::fs::write(&args.json, json).with_context(|| format!("writing {}", args.json.display()))?;
-    println!("wrote {}", args.json.display());
+    crate::report::table_str!("{}", report.table());
+    args.report.write("load", &report)?;
     Ok(())
 }

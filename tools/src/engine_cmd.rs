@@ -64,8 +64,8 @@ impl Loaded {
 /// Sets the engine's thread count once per process.
 pub fn init_threads(threads: Option<usize>) -> anyhow::Result<usize> {
     let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    if n == 0 {
-        bail!("--threads must be at least 1");
+    if !(1..=1024).contains(&n) {
+        bail!("--threads must be from 1 to 1024");
     }
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)
@@ -419,6 +419,9 @@ pub fn perplexity(
 
 /// Runs `llms eval ppl`.
 pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
+    if a.ctx < 4 {
+        bail!("--ctx must be at least 4 tokens");
+    }
     let l = load(&a.engine)?;
     let text = std::fs::read_to_string(&a.text)
         .with_context(|| format!("cannot read {} as UTF-8 text", a.text.display()))?;

@@ -8,21 +8,25 @@ use clap::{Args, Subcommand};
 use kvfs::bench::{BenchConfig, IoRow, LoadRow, LoadSet};
 use kvfs::{ChunkState, ContextId, Store, StoreOptions};
 
+use crate::report::table;
+
 /// Mount or inspect a kvfs chunk store.
 #[derive(Subcommand)]
 pub enum KvfsCommand {
-    /// Mount a store with FUSE and serve it until SIGINT or SIGTERM, then unmount
+    /// Mount a store with FUSE, read-only unless --rw, and serve it until SIGINT or SIGTERM,
+    /// then unmount
     Mount {
-        /// The store directory
-        #[arg(long)]
+        /// The store directory (an existing kvfs store: mounting never creates one)
+        #[arg(long, value_name = "DIR")]
         store: PathBuf,
         /// Where to mount it (an existing directory; a stale mount there is cleaned up)
         mountpoint: PathBuf,
-        /// Inspect only: change nothing in the store, refuse writes
+        /// Read-write: recover the store at open and accept writes through the mount (never on a
+        /// store a running `llms serve` holds) [default: read-only, nothing in the store changes]
         #[arg(long)]
-        read_only: bool,
+        rw: bool,
         /// FUSE worker threads (as many as the parallel chunk readers to serve)
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 4, value_parser = crate::report::positive)]
         threads: usize,
         /// Cache context directories' attributes for 1 s: faster opens, but another uid may then
         /// stat (not list or read) a context directory whose id it guesses
@@ -31,8 +35,8 @@ pub enum KvfsCommand {
     },
     /// Print a store's contexts and chunks without mounting it (changes nothing)
     Inspect {
-        /// The store directory
-        #[arg(long)]
+        /// The store directory (an existing kvfs store)
+        #[arg(long, value_name = "DIR")]
         store: PathBuf,
         /// Only this context, with its chunk table
         #[arg(long)]
@@ -65,14 +69,17 @@ pub fn guard_command() -> anyhow::Result<kvfs::guard::GuardCommand> {
 /// Arguments of `llms bench kvfs`.
 #[derive(Args)]
 pub struct BenchArgs {
+    #[command(flatten)]
+    report: crate::report::ReportArgs,
     /// Scratch directory (new or empty) on the filesystem to measure; removed afterwards
-    #[arg(long, default_value = "kvfs-bench")]
-    dir: PathBuf,
+    /// [default: <out>/kvfs-scratch]
+    #[arg(long, value_name = "DIR")]
+    scratch: Option<PathBuf>,
     /// Chunk sizes in KiB
-    #[arg(long, value_delimiter = ',', default_value = "16,64,192,1024")]
+    #[arg(long, value_delimiter = ',', default_value = "16,64,192,1024", value_parser = crate::report::positive)]
     sizes: Vec<usize>,
     /// MiB written and read per chunk size
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::report::positive)]
     mib: usize,
     /// A directory of real chunk files (kvfs chunk files or plain bytes) for the zstd figures
     #[arg(long)]
@@ -85,17 +92,14 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 256)]
     load_chunks: usize,
     /// Parallel reader counts for the load measurement
-    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4", value_parser = crate::report::positive)]
     readers: Vec<usize>,
     /// Passes of each load measurement
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = crate::report::positive)]
     rounds: usize,
     /// Chunks written per path and set for the write-out measurement
-    #[arg(long, default_value_t = 48)]
+    #[arg(long, default_value_t = 48, value_parser = crate::report::positive)]
     write_chunks: usize,
-    /// Where to write the figures as JSON
-    #[arg(long, default_value = "bench-kvfs.json")]
-    json: PathBuf,
 }
 
 /// Runs `llms kvfs ...`.
@@ -104,10 +108,10 @@ pub fn run(cmd: KvfsCommand) -> anyhow::Result<()> {
         KvfsCommand::Mount {
             store,
             mountpoint,
-            read_only,
+            rw,
             threads,
             cache_dir_attrs,
-        } => mount(store, mountpoint, read_only, threads, cache_dir_attrs),
+        } => mount(store, mountpoint, !rw, threads, cache_dir_attrs),
         KvfsCommand::Inspect {
             store,
             context,
@@ -121,7 +125,14 @@ pub fn run(cmd: KvfsCommand) -> anyhow::Result<()> {
     }
 }
 
+/// Opens an existing store; `llms kvfs` never creates one (a mistyped --store is an error).
 fn open(path: &std::path::Path, read_only: bool) -> anyhow::Result<Store> {
+    if !Store::exists(path) {
+        bail!(
+            "{} is not a kvfs store (no such store; `llms serve --store DIR --create` makes one)",
+            path.display()
+        );
+    }
     let options = StoreOptions {
         read_only,
         ..StoreOptions::default()
@@ -212,11 +223,17 @@ fn inspect(path: PathBuf, context: Option<u64>, verify: bool) -> anyhow::Result<
 
 /// Runs `llms bench kvfs`.
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let args_json = args.json;
+    let report = args.report;
+    report.begin();
     let config = BenchConfig {
-        dir: args.dir,
+        dir: args
+            .scratch
+            .unwrap_or_else(|| report.scratch("kvfs-scratch")),
         sizes_kib: args.sizes,
-        bytes_per_size: args.mib << 20,
+        bytes_per_size: args
+            .mib
+            .checked_mul(1 << 20)
+            .context("--mib is too large")?,
         chunks_dir: args.chunks,
         zstd_levels: args.levels,
         load_sets: if args.load_chunks == 0 {
@@ -230,7 +247,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         write_chunks: args.write_chunks,
     };
     let r = kvfs::bench::run(&config).context("kvfs benchmark failed")?;
-    println!(
+    table!(
         "kvfs benchmark ({}), one thread, cold page cache",
         if r.direct_io {
             "O_DIRECT reads"
@@ -238,7 +255,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             "fadvise"
         }
     );
-    println!("\nreads");
+    table!("\nreads");
     io_table(&r.reads);
     for kib in &config.sizes_kib {
         let get = |p: &str| r.reads.iter().find(|x| x.size_kib == *kib && x.path == p);
@@ -247,7 +264,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 .into_iter()
                 .filter_map(get)
             {
-                println!(
+                table!(
                     "  {kib:>5} KiB: {} / store api: {:.0}% of the throughput, {:.0}% of the median speed",
                     m.path,
                     100.0 * m.mb_per_s / d.mb_per_s,
@@ -256,25 +273,34 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             }
         }
     }
-    println!("\nwrites (each chunk fsynced and renamed)");
+    table!("\nwrites (each chunk fsynced and renamed)");
     io_table(&r.writes);
     if !r.loads.is_empty() {
         load_tables(&r.loads, &r.load_writes);
     }
-    println!("\npage cache after the I/O (fincore)");
+    table!("\npage cache after the I/O (fincore)");
     for c in &r.cache {
-        println!(
+        table!(
             "  {:<34} {} of {} bytes resident",
-            c.after, c.resident_bytes, c.file_bytes
+            c.after,
+            c.resident_bytes,
+            c.file_bytes
         );
     }
-    println!("\nzstd (one core)");
-    println!(
+    table!("\nzstd (one core)");
+    table!(
         "  {:<12} {:<6} {:>6} {:>9} {:>5} {:>7} {:>11} {:>13}",
-        "source", "format", "chunks", "bytes", "level", "ratio", "comp MB/s", "decomp MB/s"
+        "source",
+        "format",
+        "chunks",
+        "bytes",
+        "level",
+        "ratio",
+        "comp MB/s",
+        "decomp MB/s"
     );
     for z in &r.zstd {
-        println!(
+        table!(
             "  {:<12} {:<6} {:>6} {:>9} {:>5} {:>7.3} {:>11.0} {:>13.0}",
             z.source,
             z.format,
@@ -295,7 +321,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .min_by_key(|x| x.size_kib.abs_diff(192))
         .map(|x| (x.size_kib, x.mb_per_s));
     if let Some((kib, disk)) = disk {
-        println!(
+        table!(
             "\nzstd pays for reads when ratio > 1 / (1 - disk / decompression); disk = {disk:.0} MB/s ({kib} KiB O_DIRECT)"
         );
         for z in &r.zstd {
@@ -310,9 +336,11 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 };
                 format!("needs {need:.2}, has {:.3}: {pays}", z.ratio)
             };
-            println!(
+            table!(
                 "  {:<12} {:<6} level {}: {verdict}",
-                z.source, z.format, z.level
+                z.source,
+                z.format,
+                z.level
             );
         }
     }
@@ -351,38 +379,58 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             "decompress_mb_per_s": z.decompress_mb_per_s,
         })).collect::<Vec<_>>(),
     });
-    let text = serde_json::to_string_pretty(&json).context("serialising the report")?;
-    std::fs::write(&args_json, text).with_context(|| format!("writing {}", args_json.display()))?;
-    println!("\nwrote {}", args_json.display());
+    report.write("kvfs", &json)?;
     Ok(())
 }
 
 fn io_table(rows: &[IoRow]) {
-    println!(
+    table!(
         "  {:>8} {:<20} {:>6} {:>10} {:>10} {:>9}",
-        "size KiB", "path", "chunks", "p50 us", "p99 us", "MB/s"
+        "size KiB",
+        "path",
+        "chunks",
+        "p50 us",
+        "p99 us",
+        "MB/s"
     );
     for x in rows {
-        println!(
+        table!(
             "  {:>8} {:<20} {:>6} {:>10.0} {:>10.0} {:>9.0}",
-            x.size_kib, x.path, x.chunks, x.p50_us, x.p99_us, x.mb_per_s
+            x.size_kib,
+            x.path,
+            x.chunks,
+            x.p50_us,
+            x.p99_us,
+            x.mb_per_s
         );
     }
 }
 
 /// Prints the chunk-load and write-out tables and the targets of issue 10 against them.
 fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
-    println!(
+    table!(
         "\nchunk loads at real sizes (O_DIRECT, raw payloads; MB/s is the aggregate of all readers)"
     );
-    println!(
+    table!(
         "  {:<13} {:<24} {:>7} {:>6} {:>8} {:>8} {:>8}",
-        "set", "path", "readers", "chunks", "p50 us", "p99 us", "MB/s"
+        "set",
+        "path",
+        "readers",
+        "chunks",
+        "p50 us",
+        "p99 us",
+        "MB/s"
     );
     for x in loads {
-        println!(
+        table!(
             "  {:<13} {:<24} {:>7} {:>6} {:>8.0} {:>8.0} {:>8.0}",
-            x.set, x.path, x.readers, x.chunks, x.p50_us, x.p99_us, x.mb_per_s
+            x.set,
+            x.path,
+            x.readers,
+            x.chunks,
+            x.p50_us,
+            x.p99_us,
+            x.mb_per_s
         );
     }
     let get = |set: &str, path: &str, n: usize| {
@@ -392,7 +440,7 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
     };
     let mut sets: Vec<&str> = loads.iter().map(|x| x.set.as_str()).collect();
     sets.dedup();
-    println!(
+    table!(
         "\n  targets: one reader, mount >= 80% of the store path; 2-4 readers, mount >= 70% of the disk limit"
     );
     for set in &sets {
@@ -400,7 +448,7 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
             get(set, "mount kv MountReader", 1),
             get(set, "store read_chunk_into", 1),
         ) {
-            println!(
+            table!(
                 "  {set:<13} 1 reader:  mount / store {:>4.0}% of the throughput, {:>4.0}% of the median speed",
                 100.0 * m.mb_per_s / d.mb_per_s,
                 100.0 * d.p50_us / m.p50_us
@@ -414,7 +462,7 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
             .fold(0.0, f64::max);
         for n in 2..=4 {
             if let Some(m) = get(set, "mount kv MountReader", n) {
-                println!(
+                table!(
                     "  {set:<13} {n} readers: mount {:>5.0} MB/s = {:>4.0}% of the disk limit {limit:.0} MB/s",
                     m.mb_per_s,
                     100.0 * m.mb_per_s / limit
@@ -422,21 +470,31 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
             }
         }
     }
-    println!("\nchunk write-out at real sizes (one writer, each chunk durable before the next)");
-    println!(
+    table!("\nchunk write-out at real sizes (one writer, each chunk durable before the next)");
+    table!(
         "  {:<13} {:<24} {:>6} {:>8} {:>8} {:>8}",
-        "set", "path", "chunks", "p50 us", "p99 us", "MB/s"
+        "set",
+        "path",
+        "chunks",
+        "p50 us",
+        "p99 us",
+        "MB/s"
     );
     for x in writes {
-        println!(
+        table!(
             "  {:<13} {:<24} {:>6} {:>8.0} {:>8.0} {:>8.0}",
-            x.set, x.path, x.chunks, x.p50_us, x.p99_us, x.mb_per_s
+            x.set,
+            x.path,
+            x.chunks,
+            x.p50_us,
+            x.p99_us,
+            x.mb_per_s
         );
     }
     for set in &sets {
         let w = |p: &str| writes.iter().find(|x| x.set == *set && x.path == p);
         if let (Some(m), Some(d)) = (w("mount kv pwrite"), w("store write_chunk")) {
-            println!(
+            table!(
                 "  {set:<13} write-out: mount kv / store {:>4.0}% of the throughput (target >= 70%)",
                 100.0 * m.mb_per_s / d.mb_per_s
             );

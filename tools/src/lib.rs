@@ -16,6 +16,7 @@ mod kv_mix_cmd;
 mod kvfs_cmd;
 mod model_cmd;
 mod profile_cmd;
+mod report;
 mod serve_cmd;
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.

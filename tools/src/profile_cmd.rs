@@ -3,8 +3,6 @@
 //!
 //! The I/O model T_IO(m) joins the profile once kvfs exists; until then the file says so.
 
-use std::path::PathBuf;
-
 use anyhow::Context;
 use clap::Args;
 use engine::kv::KvFormat;
@@ -13,23 +11,24 @@ use policy::LinearCost;
 use serde::Serialize;
 
 use crate::bench_kv::{ModelInput, median_secs, prefilled};
+use crate::report::table;
 
 #[derive(Args, Debug)]
 pub struct ProfileArgs {
     #[command(flatten)]
     pub input: ModelInput,
-    /// Context lengths in tokens (multiples of 16) at which recompute is timed.
-    #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+    #[command(flatten)]
+    pub report: crate::report::ReportArgs,
+    /// Context lengths in tokens (multiples of 16, at most the model's context) at which
+    /// recompute is timed.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024", value_parser = crate::report::positive)]
     pub contexts: Vec<usize>,
     /// Chunk counts to recompute at each length (capped at the context's chunks).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16", value_parser = crate::report::positive)]
     pub chunks: Vec<usize>,
     /// Repetitions per point (the median is kept).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = crate::report::positive)]
     pub reps: usize,
-    /// The profile file to write.
-    #[arg(long, value_name = "FILE", default_value = "llms-profile.json")]
-    pub out: PathBuf,
 }
 
 #[derive(Serialize)]
@@ -70,7 +69,17 @@ fn fit(points: &[(f64, f64)]) -> anyhow::Result<Linear> {
 }
 
 pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
+    if let Some(len) = args.contexts.iter().find(|&&n| !n.is_multiple_of(16)) {
+        anyhow::bail!("context length {len} is not a positive multiple of 16");
+    }
+    args.report.begin();
     let model = args.input.load()?;
+    if let Some(len) = args.contexts.iter().find(|&&n| n > model.cfg.max_ctx) {
+        anyhow::bail!(
+            "context length {len} is longer than the model's context of {} tokens",
+            model.cfg.max_ctx
+        );
+    }
     let mut points = Vec::new();
     let mut by_context = Vec::new();
     for &len in &args.contexts {
@@ -86,7 +95,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
             let x = x.clamp(1, sealed);
             // The last x chunks: the ones whose recompute attends to the most keys.
             let set: Vec<usize> = (sealed - x..sealed).collect();
-            let secs = median_secs(args.reps.max(1), || {
+            let secs = median_secs(args.reps, || {
                 for &i in &set {
                     cache.evict(i)?;
                 }
@@ -116,13 +125,12 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         io: None,
         points,
     };
-    println!(
+    table!(
         "T_re(x) = {:.5} s + {:.5} s * x (r^2 {:.3})",
-        profile.recompute.fixed_secs, profile.recompute.per_unit_secs, profile.recompute.r_squared
+        profile.recompute.fixed_secs,
+        profile.recompute.per_unit_secs,
+        profile.recompute.r_squared
     );
-    let body = serde_json::to_string_pretty(&profile)?;
-    std::fs::write(&args.out, body)
-        .with_context(|| format!("cannot write {}", args.out.display()))?;
-    println!("profile written to {}", args.out.display());
+    args.report.write("profile", &profile)?;
     Ok(())
 }

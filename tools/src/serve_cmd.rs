@@ -83,10 +83,15 @@ pub struct ServeArgs {
     /// [default: $XDG_RUNTIME_DIR/llms/llms.sock, /run/llms/llms.sock as root]
     #[arg(long, env = "LLMS_SOCKET", value_name = "PATH")]
     pub socket: Option<PathBuf>,
-    /// The kvfs store of the contexts (created if missing; `<store>.lock` keeps a second daemon
-    /// off it) [default: $XDG_DATA_HOME/llms/store, /var/lib/llms/store as root]
+    /// The kvfs store of the contexts (`<store>.lock` keeps a second daemon off it); the default
+    /// store is created when missing, a store named here must exist unless --create
+    /// [default: $XDG_DATA_HOME/llms/store, /var/lib/llms/store as root]
     #[arg(long, env = "LLMS_STORE", value_name = "DIR")]
     pub store: Option<PathBuf>,
+    /// Create the store named by --store (or LLMS_STORE, or the config file) if it does not
+    /// exist yet; without it a mistyped path is an error, not a new empty store
+    #[arg(long)]
+    pub create: bool,
     /// Where the store is mounted as the kvfs filesystem: every chunk the daemon swaps in or out
     /// goes through it, and `ls`, `cat` and `getfattr` show the contexts (each uid sees its own);
     /// a stale mount of a killed daemon is cleaned at start [default: `kv` beside the socket]
@@ -157,6 +162,7 @@ pub struct ServeArgs {
 struct ConfigFile {
     socket: Option<PathBuf>,
     store: Option<PathBuf>,
+    create: Option<bool>,
     mount: Option<PathBuf>,
     no_mount: Option<bool>,
     model: Option<PathBuf>,
@@ -209,6 +215,8 @@ pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
 struct Settings {
     socket: PathBuf,
     store: PathBuf,
+    /// Whether a missing store may be created: the default store, or --create.
+    create_store: bool,
     /// `None`: no mount.
     mount: Option<PathBuf>,
     model: Option<PathBuf>,
@@ -299,6 +307,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
     };
     Ok(Settings {
         socket,
+        create_store: a.create || f.create == Some(true) || a.store.is_none() && f.store.is_none(),
         store: match a.store.or(f.store) {
             Some(s) => s,
             None => default_store()?,
@@ -393,6 +402,16 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let s = resolve(a)?;
     crate::engine_cmd::init_threads(s.threads)?;
+    if !kvfs::Store::exists(&s.store) {
+        if !s.create_store {
+            bail!(
+                "{} is not a kvfs store: check --store (or LLMS_STORE, or the config file), or add \
+                 --create to make a new store there",
+                s.store.display()
+            );
+        }
+        tracing::info!(store = %s.store.display(), "creating a new store");
+    }
     mkdir_for(&s.store)?;
     let _lock = lock_store(&s.store)?;
     mkdir_for(&s.socket)?;

@@ -43,7 +43,7 @@ fn mount_serves_until_a_signal_then_unmounts() {
     let id = store_with_a_chunk(&store);
     for signal in ["-INT", "-TERM"] {
         let mut child = Command::new(LLMS)
-            .args(["kvfs", "mount", "--read-only", "--store"])
+            .args(["kvfs", "mount", "--store"])
             .arg(&store)
             .arg(&mnt)
             .stderr(Stdio::piped())

@@ -1,0 +1,147 @@
+//! Arguments a user can type that make no sense (zeros, empty lists, huge values, a mistyped
+//! store): `llms` exits non-zero with a message that names the problem, and never panics.
+//! Every case here is refused before a model is loaded or a store created.
+
+use std::path::Path;
+use std::process::Command;
+
+const LLMS: &str = env!("CARGO_BIN_EXE_llms");
+
+/// Runs `llms args` in `dir` (so nothing lands in the source tree) and returns its stderr,
+/// after checking that it failed with a message and without a panic.
+fn refused(dir: &Path, args: &[&str], says: &str) -> String {
+    let out = Command::new(LLMS)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("LLMS_MODEL")
+        .env_remove("LLMS_STORE")
+        .env_remove("LLMS_CONFIG")
+        .env("LLMS_MODELS_DIR", dir.join("no-models"))
+        .env("XDG_CONFIG_HOME", dir.join("no-config"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "llms {args:?} succeeded: {err}");
+    assert!(
+        !err.contains("panicked") && out.status.code().is_some(),
+        "llms {args:?} panicked: {err}"
+    );
+    assert!(
+        err.contains(says),
+        "llms {args:?}: expected {says:?} in {err}"
+    );
+    err
+}
+
+#[test]
+fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench", "kv", "--contexts", "0"], "at least 1"),
+        (&["bench", "kv", "--contexts", ""], "--contexts"),
+        (&["bench", "kv", "--reps", "0"], "at least 1"),
+        (&["bench", "kv", "--recompute", "0"], "at least 1"),
+        (&["bench", "kv", "--contexts", "99999999999"], "longer than"),
+        (&["bench", "kv", "--contexts", "-1"], "'-1'"),
+        (&["bench", "engine", "--runs", "0"], "at least 1"),
+        (&["bench", "engine", "--prefill", "0"], "at least 1"),
+        (&["bench", "engine", "--decode", "0"], "at least 1"),
+        (&["bench", "engine", "--threads", "0"], "--threads"),
+        (&["bench", "pager", "--sizes-kib", "0"], "at least 1"),
+        (
+            &["bench", "pager", "--sizes-kib", "99999999999999"],
+            "--sizes-kib",
+        ),
+        (&["bench", "pager", "--runs", "0"], "at least 1"),
+        (&["bench", "kvfs", "--mib", "0"], "at least 1"),
+        (
+            &["bench", "kvfs", "--mib", "18446744073709551615"],
+            "too large",
+        ),
+        (&["bench", "kvfs", "--readers", "0"], "at least 1"),
+        (&["bench", "kvfs", "--sizes", "0"], "at least 1"),
+        (&["bench", "kvfs", "--rounds", "0"], "at least 1"),
+        (&["bench", "load", "--lengths", "0"], "at least 16"),
+        (&["bench", "load", "--runs", "0"], "at least 1"),
+        (&["bench", "load", "--threads", "0"], "at least 1"),
+        (&["bench", "load", "--throttle-mib", "0"], "--throttle-mib"),
+        (
+            &["bench", "load", "--threads", "99999999"],
+            "--threads must be from 1",
+        ),
+        (&["profile", "--contexts", "0"], "at least 1"),
+        (&["profile", "--contexts", "17"], "multiple of 16"),
+        (&["profile", "--reps", "0"], "at least 1"),
+        (&["serve", "--kv-budget", "99999999999G"], "too large"),
+        (&["serve", "--kv-budget", "lots"], "not a size"),
+        (&["serve", "--queue", "0"], "at least 1"),
+        (&["serve", "--threads", "0"], "--threads"),
+        (
+            &["kvfs", "mount", "--store", "s", "--threads", "0", "m"],
+            "at least 1",
+        ),
+        (&["ctx", "show", "99999999999999999999999"], "invalid value"),
+        (
+            &["generate", "--chunk-tokens", "0", "--prompt", "x"],
+            "at least 1",
+        ),
+        (
+            &["generate", "--prefill-chunk", "0", "--prompt", "x"],
+            "at least 1",
+        ),
+        (&["eval", "ppl", "--ctx", "0", "--text", "x"], "at least"),
+    ];
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(|(args, says)| {
+            std::panic::catch_unwind(|| refused(d, args, says))
+                .err()
+                .map(|_| format!("{args:?}"))
+        })
+        .collect();
+    assert!(failures.is_empty(), "not refused cleanly: {failures:?}");
+}
+
+#[test]
+fn a_store_that_does_not_exist_is_never_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let typo = d.join("stroe");
+    let typo_s = typo.to_str().unwrap();
+    let mnt = d.join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mnt_s = mnt.to_str().unwrap();
+    let socket = d.join("llms.sock");
+    let socket_s = socket.to_str().unwrap();
+    let err = refused(
+        d,
+        &[
+            "serve",
+            "--socket",
+            socket_s,
+            "--store",
+            typo_s,
+            "--no-mount",
+        ],
+        "is not a kvfs store",
+    );
+    assert!(err.contains("--create"), "{err}");
+    refused(
+        d,
+        &["kvfs", "inspect", "--store", typo_s],
+        "is not a kvfs store",
+    );
+    refused(
+        d,
+        &["kvfs", "mount", "--store", typo_s, mnt_s],
+        "is not a kvfs store",
+    );
+    refused(
+        d,
+        &["kvfs", "mount", "--rw", "--store", typo_s, mnt_s],
+        "is not a kvfs store",
+    );
+    assert!(!typo.exists(), "a mistyped store was created");
+    assert!(!socket.exists(), "serve listened on a mistyped store");
+}
