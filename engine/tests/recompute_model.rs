@@ -139,8 +139,9 @@ fn f16_chunks_recompute_bit_exactly_and_the_next_logits_are_unchanged() {
 #[test]
 fn prefill_pieces_change_no_byte_and_batched_recompute_after_any_of_them_is_exact() {
     // Block-causal prefill: a chunk's bytes do not depend on the prefill's piece size. The
-    // model's hidden size (896) spans two GEMM depth blocks, whose split the gemm crate picks
-    // from the product's shape: fixed 16-row GEMMs keep every row's rounding alike.
+    // model's hidden (576) and FFN (1536) sizes span several GEMM depth blocks, whose split the
+    // gemm crate picks from the product's shape: slicing the depth at 512 keeps every row's
+    // rounding alike.
     let whole = prefill(KvFormat::Int8, 256);
     let original = snapshot(&whole);
     for piece in [16, 64, 100] {

@@ -8,10 +8,10 @@
 //! Attention is block-causal by chunk, the rule prefill follows too: a chunk's tokens attend to
 //! every earlier chunk as sealed (decoded from its format, whether resident, rebuilt by an
 //! earlier pass, or sealed a moment ago by this pass at the same layer) and to their own chunk
-//! in f32. Every GEMM has a shape fixed by the chunk alone (16 activation rows per call, one
-//! attention task per chunk and KV head), so a rebuilt chunk reproduces the bytes a batched
-//! prefill made of it exactly, whatever the prefill's piece sizes and whichever chunks are
-//! rebuilt together. Only chunks whose original rows came through a single-token or tiny
+//! in f32. Every GEMM rounds a row alike whatever the batch (weight products sliced at
+//! [`crate::model::kernels::GEMM_DEPTH`]; attention as one task per chunk and KV head, shaped
+//! by the chunk's index alone), so a rebuilt chunk reproduces the bytes a batched prefill made
+//! of it exactly, whatever the prefill's piece sizes and whichever chunks are rebuilt together. Only chunks whose original rows came through a single-token or tiny
 //! forward (decode, pieces under four tokens: matrix-vector products on quantized activations)
 //! or that were recompressed from a heavier format differ, within the format's quantization
 //! error. Resident chunks between and after the set are only read, and attention received is
