@@ -399,6 +399,34 @@ fn another_uid_finds_nothing() {
     let (ok, _, err) = as_nobody(&["chat", "--context", &id, "--prompt", "hi"]);
     assert!(!ok);
     assert!(err.contains("not_found"), "{err}");
+    // Nor through the daemon's kvfs mount: not listed, no file of it readable.
+    let mnt = w.mountpoint();
+    let nobody = |prog: &str, path: &std::path::Path| {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new(prog)
+            .arg(path)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap()
+    };
+    let ls = nobody("ls", &mnt);
+    assert!(ls.status.success(), "{ls:?}");
+    assert!(!String::from_utf8_lossy(&ls.stdout).lines().any(|l| l == id));
+    for f in ["info", "text", "kv", "chunks/0"] {
+        let out = nobody("cat", &mnt.join(&id).join(f));
+        assert!(
+            !out.status.success() && out.stdout.is_empty(),
+            "{f}: {out:?}"
+        );
+    }
+    // Its owner sees it there.
+    assert!(
+        std::fs::read_dir(&mnt)
+            .unwrap()
+            .any(|e| e.unwrap().file_name() == id.as_str())
+    );
+    assert!(std::fs::read_to_string(mnt.join(&id).join("info")).is_ok());
     // Still there for its owner.
     assert_eq!(c.info(ctx).unwrap().calls, 1);
 }
@@ -607,4 +635,29 @@ fn a_memory_cgroup_limit_lowers_the_kv_budget_and_its_removal_restores_it() {
     wait_for(&mut c, "no limit", &|b| b == max);
     drop(c);
     assert!(d.term().success());
+}
+
+#[test]
+fn bench_crash_kills_a_live_daemon_and_finds_nothing_lost() {
+    let w = world();
+    let json = w.dir.path().join("out/crash.json");
+    let out = w
+        .llms()
+        .args(["bench", "crash", "--kills", "3", "--seed", "7", "--model"])
+        .arg(&w.model)
+        .arg("--out")
+        .arg(w.dir.path().join("out"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(r["kills"], 3);
+    for k in ["diverged", "lost", "quarantined"] {
+        assert_eq!(r[k], 0, "{k}: {r}");
+    }
+    assert!(r["calls_interrupted"].as_u64().unwrap() + r["calls_completed"].as_u64().unwrap() >= 3);
 }

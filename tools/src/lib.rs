@@ -5,6 +5,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench_crash;
 mod bench_engine;
 mod bench_kv;
 mod bench_load;
@@ -73,6 +74,9 @@ enum BenchCommand {
     Kv(bench_kv::KvArgs),
     /// Switch latency: a context swapped out and brought back by reads, recompute and the plan.
     Load(bench_load::BenchLoadArgs),
+    /// Crash safety: kill -9 a live daemon at random moments of a replay of calls, many times,
+    /// and check that no completed call is lost and no context diverges.
+    Crash(bench_crash::BenchCrashArgs),
 }
 
 /// The whole `llms` command line: parses the arguments, runs the command, reports errors.
@@ -119,6 +123,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Kvfs(args)) => kvfs_cmd::bench(args),
         Command::Bench(BenchCommand::Kv(args)) => bench_kv::run(args),
         Command::Bench(BenchCommand::Load(args)) => bench_load::run_cmd(&args),
+        Command::Bench(BenchCommand::Crash(args)) => bench_crash::run(&args),
         Command::Profile(args) => profile_cmd::run(args),
     }
 }
