@@ -91,6 +91,7 @@ impl Daemon {
             .arg(dir.join("run/llms.sock"))
             .arg("--store")
             .arg(dir.join("store"))
+            .arg("--create")
             .arg("--model")
             .arg(model)
             .arg("--no-pressure")
@@ -293,7 +294,8 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
     );
     crate::report::table!(
         "restart (spawn to listening, store recovered, mount up): median {:.0} ms, max {:.0} ms",
-        report.restart_ms_median, report.restart_ms_max
+        report.restart_ms_median,
+        report.restart_ms_max
     );
     args.report.write("crash", &report)?;
     let _ = std::fs::remove_dir_all(&dir);
