@@ -20,6 +20,8 @@ use half::f16;
 use std::fmt;
 use std::str::FromStr;
 
+use crate::model::qmatrix::f16_bytes_to_f32;
+
 /// What went wrong encoding a chunk.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CodecError {
@@ -247,12 +249,6 @@ fn le_f32(b: &[u8], i: usize) -> f32 {
     f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
 }
 
-fn le_pair(b: &[u8], i: usize) -> (f32, f32) {
-    let min = f16::from_le_bytes([b[4 * i], b[4 * i + 1]]).to_f32();
-    let scale = f16::from_le_bytes([b[4 * i + 2], b[4 * i + 3]]).to_f32();
-    (min, scale)
-}
-
 fn put_pair(b: &mut [u8], i: usize, min: f16, scale: f16) {
     b[4 * i..4 * i + 2].copy_from_slice(&min.to_le_bytes());
     b[4 * i + 2..4 * i + 4].copy_from_slice(&scale.to_le_bytes());
@@ -378,9 +374,21 @@ pub fn encode_layer(
     Ok(())
 }
 
+/// f16 to f32 with F16C when the CPU has it (chosen at run time); exact either way.
 fn decode_f16(src: &[u8], out: &mut [f32]) {
-    for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
-        *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+    f16_bytes_to_f32(src, out);
+}
+
+/// The `(min, scale)` f16 pairs `first..first + mins.len()` of `params` to f32, converted in bulk.
+fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
+    let mut buf = [0f32; 512];
+    for (i, (m, s)) in mins.chunks_mut(256).zip(scales.chunks_mut(256)).enumerate() {
+        let p0 = first + i * 256;
+        let buf = &mut buf[..2 * m.len()];
+        decode_f16(&params[4 * p0..4 * (p0 + m.len())], buf);
+        for (j, (m, s)) in m.iter_mut().zip(s.iter_mut()).enumerate() {
+            (*m, *s) = (buf[2 * j], buf[2 * j + 1]);
+        }
     }
 }
 
@@ -422,9 +430,7 @@ pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &m
             let bits = f.bits() as usize;
             let params = &kb[vals..];
             let (mut mins, mut scales) = ([0f32; 256], [0f32; 256]);
-            for c in 0..hd {
-                (mins[c], scales[c]) = le_pair(params, h * hd + c);
-            }
+            le_pairs(params, h * hd, &mut mins[..hd], &mut scales[..hd]);
             for (i, o) in out.chunks_exact_mut(hd).enumerate() {
                 unpack_row(kb, h * blk + i * hd, bits, o);
                 for c in 0..hd {
@@ -456,11 +462,15 @@ pub fn decode_v(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &m
         KvFormat::Int4 | KvFormat::Int2 => {
             let bits = f.bits() as usize;
             let params = &vb[vals..];
-            for (i, o) in out.chunks_exact_mut(hd).enumerate() {
-                let (m, s) = le_pair(params, h * t + i);
-                unpack_row(vb, h * blk + i * hd, bits, o);
-                for o in o.iter_mut() {
-                    *o = m + *o * s;
+            let (mut mins, mut scales) = ([0f32; 256], [0f32; 256]);
+            for (r0, rows) in out.chunks_mut(256 * hd).enumerate() {
+                let n = rows.len() / hd;
+                le_pairs(params, h * t + r0 * 256, &mut mins[..n], &mut scales[..n]);
+                for (i, o) in rows.chunks_exact_mut(hd).enumerate() {
+                    unpack_row(vb, h * blk + (r0 * 256 + i) * hd, bits, o);
+                    for o in o.iter_mut() {
+                        *o = mins[i] + *o * scales[i];
+                    }
                 }
             }
         }
@@ -508,6 +518,12 @@ pub fn packed_value(values: &[u8], i: usize, bits: u32) -> u8 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn le_pair(b: &[u8], i: usize) -> (f32, f32) {
+        let min = f16::from_le_bytes([b[4 * i], b[4 * i + 1]]).to_f32();
+        let scale = f16::from_le_bytes([b[4 * i + 2], b[4 * i + 3]]).to_f32();
+        (min, scale)
+    }
 
     fn shape() -> ChunkShape {
         ChunkShape {

@@ -505,11 +505,21 @@ fn dot_q8_0_portable(d: &[f16], qs: &[u8], x: &[f32]) -> f32 {
 /// the CPU has it: for readers of f16 data such as KV chunks, since `half`'s per-value
 /// conversion is a call per value when the binary is not built for the CPU it runs on.
 pub fn f16_bytes_to_f32(src: &[u8], out: &mut [f32]) {
+    f16_bytes_to_f32_with(Isa::best(), src, out)
+}
+
+/// [`f16_bytes_to_f32`] through a given path (which must be [`Isa::available`]); every path
+/// gives the same bits, NaN payloads included.
+pub fn f16_bytes_to_f32_with(isa: Isa, src: &[u8], out: &mut [f32]) {
     assert!(src.len() >= out.len() * 2, "f16_bytes_to_f32: short source");
+    assert!(
+        isa.available(),
+        "f16_bytes_to_f32: {isa:?} is not available on this CPU"
+    );
     #[cfg(target_arch = "x86_64")]
-    if Isa::best() == Isa::Avx2 {
-        // SAFETY: Isa::best() is Avx2 only when the CPU has AVX2, FMA and F16C; the assert
-        // above covers the source.
+    if isa == Isa::Avx2 {
+        // SAFETY: the assert above checked that the CPU has AVX2, FMA and F16C (Isa::available)
+        // and that the source holds two bytes per output.
         return unsafe { simd::avx2::f16_to_f32(src, out) };
     }
     for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
@@ -677,6 +687,30 @@ mod tests {
         f16_bytes_to_f32(&bytes, &mut out);
         for (o, v) in out.iter().zip(&vals) {
             assert_eq!(*o, f16::from_f32(*v).to_f32());
+        }
+    }
+
+    #[test]
+    fn every_path_converts_every_f16_to_the_same_bits() {
+        let bytes: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
+        let mut want = vec![0.0; 1 << 16];
+        f16_bytes_to_f32_with(Isa::Portable, &bytes, &mut want);
+        for (b, w) in (0..=u16::MAX).zip(&want) {
+            assert_eq!(
+                w.to_bits(),
+                f16::from_bits(b).to_f32().to_bits(),
+                "{b:#06x}"
+            );
+        }
+        for isa in Isa::all_available() {
+            // Odd lengths and offsets exercise the vector body and the scalar tail.
+            for skip in [0, 1, 7] {
+                let mut got = vec![0.0; (1 << 16) - skip];
+                f16_bytes_to_f32_with(isa, &bytes[2 * skip..], &mut got);
+                for (i, (g, w)) in got.iter().zip(&want[skip..]).enumerate() {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{isa:?} {:#06x}", i + skip);
+                }
+            }
         }
     }
 
