@@ -22,7 +22,15 @@ mod serve_cmd;
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
 #[derive(Parser)]
-#[command(name = "llms", version, propagate_version = true)]
+#[command(
+    name = "llms",
+    version,
+    propagate_version = true,
+    after_help = "Start with `llms chat --prompt \"Hello\"`: it fetches the default model if \
+                  missing and starts `llms serve` in the background if none runs.\n\
+                  Commands that use a model take --model FILE (or LLMS_MODEL); reports take \
+                  --json; benchmarks write bench-out/<name>.json (--out DIR)."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -49,10 +57,11 @@ enum Command {
     /// Measure the model's quality.
     #[command(subcommand)]
     Eval(EvalCommand),
-    /// Benchmarks; each prints a table and writes JSON.
+    /// Benchmarks; each prints a table and writes its JSON to bench-out/<name>.json (--out DIR).
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Measure recompute cost on this machine and fit the planner's cost model (JSON profile).
+    /// Measure recompute cost on this machine and fit the planner's cost model
+    /// (bench-out/profile.json).
     Profile(profile_cmd::ProfileArgs),
 }
 

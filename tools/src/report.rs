@@ -14,7 +14,8 @@ pub const DEFAULT_OUT: &str = "bench-out";
 /// `--out` and `--json`.
 #[derive(Args, Debug, Clone)]
 pub struct ReportArgs {
-    /// Folder the JSON report is written to, as <DIR>/<name>.json (created if missing)
+    /// Folder the JSON report is written to, one file per command (bench engine:
+    /// <DIR>/engine.json, bench kv: kv.json, profile: profile.json, ...; created if missing)
     #[arg(long, value_name = "DIR", default_value = DEFAULT_OUT)]
     pub out: PathBuf,
     /// Print the JSON report on stdout (the table goes to stderr)
