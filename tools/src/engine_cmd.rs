@@ -30,8 +30,9 @@ pub struct EngineOpts {
     /// Format of sealed KV chunks
     #[arg(long, default_value = "f16", value_name = "FORMAT", value_parser = ["f16", "int8", "int4", "int2"])]
     pub kv_format: String,
-    /// Tokens per KV chunk
-    #[arg(long, default_value_t = 16, value_name = "N")]
+    /// Tokens per KV chunk (1 to 256)
+    #[arg(long, default_value_t = 16, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     pub chunk_tokens: usize,
     /// Tokens per prefill step (one set of shapes serves every prompt length)
     #[arg(long, default_value_t = 256, value_name = "N")]
@@ -86,8 +87,8 @@ pub fn model_path(opts: &EngineOpts) -> anyhow::Result<PathBuf> {
 /// Loads the model and its tokenizer as `opts` says.
 pub fn load(opts: &EngineOpts) -> anyhow::Result<Loaded> {
     init_threads(opts.threads)?;
-    if opts.chunk_tokens == 0 || opts.prefill_chunk == 0 {
-        bail!("--chunk-tokens and --prefill-chunk must be at least 1");
+    if !(1..=256).contains(&opts.chunk_tokens) || opts.prefill_chunk == 0 {
+        bail!("--chunk-tokens must be from 1 to 256 and --prefill-chunk at least 1");
     }
     let path = model_path(opts)?;
     load_path(&path, opts)

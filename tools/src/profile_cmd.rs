@@ -23,7 +23,8 @@ pub struct ProfileArgs {
     /// recompute is timed.
     #[arg(long, value_delimiter = ',', default_value = "256,512,1024", value_parser = crate::report::positive)]
     pub contexts: Vec<usize>,
-    /// Chunk counts to recompute at each length (capped at the context's chunks).
+    /// Chunk counts to recompute at each length (capped at the context's chunks; at least two
+    /// different counts, to fit a line).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16", value_parser = crate::report::positive)]
     pub chunks: Vec<usize>,
     /// Repetitions per point (the median is kept).
@@ -69,6 +70,13 @@ fn fit(points: &[(f64, f64)]) -> anyhow::Result<Linear> {
 }
 
 pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
+    let mut counts = args.chunks.clone();
+    counts.sort_unstable();
+    counts.dedup();
+    anyhow::ensure!(
+        counts.len() >= 2,
+        "--chunks needs at least two different chunk counts to fit a line (e.g. 1,4)"
+    );
     if let Some(len) = args.contexts.iter().find(|&&n| !n.is_multiple_of(16)) {
         anyhow::bail!("context length {len} is not a positive multiple of 16");
     }

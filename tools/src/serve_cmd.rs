@@ -510,7 +510,11 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 pub fn start_background(socket: &Path, model: Option<&Path>) -> anyhow::Result<(u32, PathBuf)> {
     mkdir_for(socket)?;
     let log = socket.with_file_name("serve.log");
-    let log_file = std::fs::File::create(&log)
+    // Appended to, so the log of an earlier daemon on this socket is kept.
+    let log_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
         .with_context(|| format!("cannot create the daemon's log {}", log.display()))?;
     let exe = std::env::current_exe().context("cannot find the llms executable")?;
     let mut cmd = Command::new(exe);

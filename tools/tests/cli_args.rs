@@ -73,6 +73,7 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         (&["profile", "--contexts", "0"], "at least 1"),
         (&["profile", "--contexts", "17"], "multiple of 16"),
         (&["profile", "--reps", "0"], "at least 1"),
+        (&["profile", "--chunks", "4"], "two different chunk counts"),
         (&["serve", "--kv-budget", "99999999999G"], "too large"),
         (&["serve", "--kv-budget", "lots"], "not a size"),
         (&["serve", "--queue", "0"], "at least 1"),
@@ -84,7 +85,11 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         (&["ctx", "show", "99999999999999999999999"], "invalid value"),
         (
             &["generate", "--chunk-tokens", "0", "--prompt", "x"],
-            "at least 1",
+            "not in 1..=256",
+        ),
+        (
+            &["generate", "--chunk-tokens", "100000", "--prompt", "x"],
+            "not in 1..=256",
         ),
         (
             &["generate", "--prefill-chunk", "0", "--prompt", "x"],
