@@ -86,9 +86,12 @@ pub fn connection_of(mountpoint: &Path) -> Option<u32> {
 /// Starts a guard for the mount at `mountpoint`, a child of the calling thread: call it from a
 /// thread that lives as long as the process (the kernel signals the guard when that thread exits).
 pub fn spawn(cmd: &GuardCommand, mountpoint: &Path) -> Result<Guard, GuardError> {
-    let connection = connection_of(mountpoint).ok_or_else(|| GuardError::NotMounted {
+    // mountinfo names mount points by their resolved absolute path (as fuser mounted it).
+    let not_mounted = || GuardError::NotMounted {
         path: mountpoint.to_owned(),
-    })?;
+    };
+    let mountpoint = &mountpoint.canonicalize().map_err(|_| not_mounted())?;
+    let connection = connection_of(mountpoint).ok_or_else(not_mounted)?;
     let child = Command::new(&cmd.program)
         .args(&cmd.args)
         .arg("--parent")
