@@ -584,3 +584,28 @@ fn kill_9_loop_loses_no_completed_call() {
         r["calls_interrupted"].as_u64().unwrap() + r["calls_completed"].as_u64().unwrap() >= 20
     );
 }
+
+#[test]
+fn deleting_a_context_right_after_its_call_fails_no_write() {
+    let w = world();
+    let d = w.serve(&[]);
+    let mut c = w.connect("delete");
+    for _ in 0..5 {
+        let ctx = c.new_context(None, Default::default()).unwrap();
+        ask(&mut c, ctx, PROMPTS[1], 8);
+        // Its chunks may still wait in the AoT queue.
+        c.delete(ctx).unwrap();
+    }
+    let t = std::time::Instant::now();
+    let s = loop {
+        let s = c.stats().unwrap();
+        if s.writes_queued == 0 {
+            break s;
+        }
+        assert!(t.elapsed().as_secs() < 60, "the AoT queue never drained");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(s.write_failures, 0, "{s:?}");
+    drop(c);
+    assert!(d.term().success());
+}

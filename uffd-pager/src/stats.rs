@@ -52,23 +52,26 @@ impl Histogram {
     /// Read the histogram.
     pub fn summary(&self) -> HistogramSummary {
         let count = self.count.load(Relaxed);
+        let max = self.max_ns.load(Relaxed);
+        // A percentile is the upper bound of its power-of-two bucket, never above the largest
+        // value seen (a bucket's bound can be).
         let pct = |p: f64| {
             let target = ((count as f64) * p).ceil().max(1.0) as u64;
             let mut seen = 0;
             for (i, b) in self.buckets.iter().enumerate() {
                 seen += b.load(Relaxed);
                 if seen >= target {
-                    return if i == 0 { 0 } else { 1u64 << i };
+                    return if i == 0 { 0 } else { (1u64 << i).min(max) };
                 }
             }
-            self.max_ns.load(Relaxed)
+            max
         };
         HistogramSummary {
             count,
             mean_ns: self.sum_ns.load(Relaxed).checked_div(count).unwrap_or(0),
             p50_ns: if count == 0 { 0 } else { pct(0.5) },
             p99_ns: if count == 0 { 0 } else { pct(0.99) },
-            max_ns: self.max_ns.load(Relaxed),
+            max_ns: max,
         }
     }
 }
@@ -152,5 +155,23 @@ impl Stats {
             populate_latency: self.populate_latency.summary(),
             reclaim_latency: self.reclaim_latency.summary(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_never_exceed_the_largest_value() {
+        let h = Histogram::default();
+        for us in [1100u64, 1130, 900] {
+            h.record(Duration::from_micros(us));
+        }
+        let s = h.summary();
+        assert_eq!(s.max_ns, 1_130_000);
+        assert!(s.p50_ns <= s.max_ns && s.p99_ns <= s.max_ns, "{s:?}");
+        // 1.1 ms falls in the bucket that ends at 2^21 ns (2.1 ms): the bound is clamped.
+        assert_eq!(s.p99_ns, s.max_ns);
     }
 }

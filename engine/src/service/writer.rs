@@ -179,7 +179,10 @@ fn write_one(ctx: &Ctx, job: &WriteJob) {
                 ctx.stats.stale.fetch_add(1, Relaxed);
             }
         }
+        // The context was deleted while its chunks waited in the queue: nothing to write. (Through
+        // the mount that shows as a failed write of a file that is gone, not as this error.)
         Err(StoreError::NoSuchContext { .. }) => {}
+        Err(_) if ctx.io.store().meta(kvfs::ContextId(key.ctx.0)).is_err() => {}
         Err(e) => {
             ctx.stats.failed.fetch_add(1, Relaxed);
             tracing::warn!(error = %e, chunk = %key, "AoT write failed; the chunk stays in memory");
