@@ -170,10 +170,20 @@ fn kill_9_a_writer_50_times() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let seed = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
+    // From the clock unless LLMS_TEST_SEED replays a run; printed, so a failure names it.
+    let seed = std::env::var("LLMS_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    #[allow(clippy::print_stderr)]
+    {
+        eprintln!("kill_9_a_writer_50_times: seed {seed} (replay with LLMS_TEST_SEED={seed})");
+    }
     let mut rng = Rng(seed | 1);
     for run in 1..=50u64 {
         let lines =
