@@ -2,7 +2,7 @@
 //! listens on the socket, it starts `llms serve` in the background and says so; the daemon keeps
 //! running for the next command. `--local` runs the model in this process instead.
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::Write;
 
 use anyhow::Context;
 use engine::service::client::{CallEvent, Client, ClientError};
@@ -83,7 +83,7 @@ fn chat(
     a: &ChatArgs,
     params: &engine::service::client::CallParams,
 ) -> anyhow::Result<()> {
-    let mut turn = |prompt: &str| -> anyhow::Result<()> {
+    let turn = |prompt: &str| -> anyhow::Result<()> {
         let mut out = std::io::stdout().lock();
         for ev in client.call(ctx, prompt, params)? {
             match ev? {
@@ -108,22 +108,5 @@ fn chat(
         }
         Ok(())
     };
-    if let Some(p) = &a.prompt {
-        return turn(p);
-    }
-    let stdin = std::io::stdin();
-    let interactive = stdin.is_terminal();
-    if interactive {
-        eprintln!("llms chat: one message per line; an empty line or Ctrl-D ends the chat.");
-    }
-    loop {
-        if interactive {
-            eprint!("> ");
-        }
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
-            return Ok(());
-        }
-        turn(line.trim_end())?;
-    }
+    crate::engine_cmd::converse(a.prompt.as_deref(), turn)
 }

@@ -310,24 +310,9 @@ pub fn run_chat(a: ChatArgs) -> anyhow::Result<()> {
             history.extend(tk.encode("\n"));
             Ok(())
         };
-    if let Some(p) = &a.prompt {
-        return turn(&mut history, p, &mut cache);
-    }
-    let stdin = std::io::stdin();
-    let interactive = stdin.is_terminal();
-    if interactive {
-        eprintln!("llms chat: one message per line; an empty line or Ctrl-D ends the chat.");
-    }
-    loop {
-        if interactive {
-            eprint!("> ");
-        }
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
-            return Ok(());
-        }
-        turn(&mut history, line.trim_end(), &mut cache)?;
-    }
+    converse(a.prompt.as_deref(), |user| {
+        turn(&mut history, user, &mut cache)
+    })
 }
 
 /// `llms eval ppl`.
@@ -454,4 +439,30 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
     };
     println!("{}", serde_json::to_string(&r)?);
     Ok(())
+}
+
+/// The conversation of `llms chat`, local or through the daemon: `prompt` alone, or one message
+/// per line of standard input (with a `> ` prompt on a terminal) until an empty line or EOF.
+pub fn converse(
+    prompt: Option<&str>,
+    mut turn: impl FnMut(&str) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    if let Some(p) = prompt {
+        return turn(p);
+    }
+    let stdin = std::io::stdin();
+    let interactive = stdin.is_terminal();
+    if interactive {
+        eprintln!("llms chat: one message per line; an empty line or Ctrl-D ends the chat.");
+    }
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 || line.trim().is_empty() {
+            return Ok(());
+        }
+        turn(line.trim_end())?;
+    }
 }
