@@ -263,6 +263,17 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
         match done {
             Some(n) => {
                 report.calls_completed += 1;
+                // A finished call holds what it was told plus what it streamed.
+                if n != completed {
+                    report.diverged += 1;
+                    tracing::error!(
+                        ctx,
+                        tokens = n,
+                        completed,
+                        round,
+                        "a call's length diverged"
+                    );
+                }
                 expected.insert(ctx, vec![n]);
             }
             None => {
