@@ -331,9 +331,16 @@ pub struct PplArgs {
     pub max_windows: usize,
     /// Compress each window's first half before scoring its second: `8:4:2=PCT:PCT:PCT`
     /// (shares of chunks at int8/int4/int2 by density rank), `ratio=R` (the policy's
-    /// assignment under global ratio R) or a format name
-    #[arg(long, value_name = "MIX")]
-    pub kv_mix: Option<String>,
+    /// assignment under global ratio R) or a format name; several, comma-separated, are scored
+    /// on the same windows
+    #[arg(long, value_name = "MIX", value_delimiter = ',')]
+    pub kv_mix: Vec<String>,
+    /// Also report each run's KL divergence from the f16 run's next-token distributions and the
+    /// share of tokens whose top prediction agrees (implies --kv-mix, by default --kv-format's)
+    #[arg(long)]
+    pub kl: bool,
+    #[command(flatten)]
+    pub report: crate::report::ReportArgs,
 }
 
 /// The perplexity of a text, with the protocol of llama.cpp's perplexity tool.
@@ -345,6 +352,8 @@ pub struct PplResult {
     pub windows: usize,
     pub scored_tokens: usize,
     pub ppl: f64,
+    /// All-in stored bits per K/V value of the format (kvfs header amortized).
+    pub stored_bits: f64,
     pub seconds: f64,
 }
 
@@ -408,13 +417,25 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
     if a.ctx < 4 {
         bail!("--ctx must be at least 4 tokens");
     }
+    a.report.begin();
     let l = load(&a.engine)?;
     let text = std::fs::read_to_string(&a.text)
         .with_context(|| format!("cannot read {} as UTF-8 text", a.text.display()))?;
     let tokens = l.tokenizer.encode(&text);
-    if let Some(mix) = &a.kv_mix {
+    if !a.kv_mix.is_empty() || a.kl {
+        let mixes = match a.kv_mix.is_empty() {
+            true => vec![l.format.to_string()],
+            false => a.kv_mix.clone(),
+        };
         let name = a.text.display().to_string();
-        return crate::kv_mix_cmd::run(&l, &name, &tokens, mix, a.ctx, a.max_windows);
+        let run = crate::kv_mix_cmd::MixRun {
+            text: &name,
+            tokens: &tokens,
+            ctx: a.ctx,
+            max_windows: a.max_windows,
+            kl: a.kl,
+        };
+        return crate::kv_mix_cmd::run(&l, &run, &mixes, &a.report);
     }
     let t = Instant::now();
     eprint!(
@@ -428,6 +449,7 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
         eprint!(" [{w}]{p:.4}");
     })?;
     eprintln!();
+    let stored_bits = l.model.chunk_shape(l.chunk_tokens).stored_bits(l.format);
     let r = PplResult {
         text: a.text.display().to_string(),
         kv_format: l.format.to_string(),
@@ -435,9 +457,15 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
         windows,
         scored_tokens: scored,
         ppl,
+        stored_bits,
         seconds: t.elapsed().as_secs_f64(),
     };
-    println!("{}", serde_json::to_string(&r)?);
+    crate::report::table!(
+        "kv {}: ppl {ppl:.4} at {stored_bits:.3} stored bits/value ({scored} tokens, {windows} windows of {})",
+        r.kv_format,
+        a.ctx
+    );
+    a.report.write("ppl", &r)?;
     Ok(())
 }
 

@@ -5,9 +5,10 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use engine::kv::KvFormat;
-use engine::kv::eval::{Compression, perplexity};
+use engine::kv::eval::{Compression, evaluate};
 
 use crate::engine_cmd::Loaded;
+use crate::report::table;
 
 /// Parses `8:4:2=PCT:PCT:PCT` (shares of chunks at int8, int4, int2, in percent),
 /// `ratio=R` (the policy's assignment under global ratio R to int8) or a format name.
@@ -35,46 +36,109 @@ pub fn parse_mix(s: &str) -> anyhow::Result<Compression> {
     }
 }
 
-#[derive(serde::Serialize)]
-struct MixResult<'a> {
-    text: &'a str,
-    kv_mix: &'a str,
-    ctx: usize,
-    scored_tokens: usize,
-    ppl: f64,
-    bits_per_value: f64,
-    bits_with_params: f64,
-    seconds: f64,
+/// What every mix of one `llms eval ppl --kv-mix` run is scored on.
+pub struct MixRun<'a> {
+    pub text: &'a str,
+    pub tokens: &'a [u32],
+    pub ctx: usize,
+    pub max_windows: usize,
+    pub kl: bool,
 }
 
-/// Scores `tokens` in windows of `ctx` whose first halves are compressed as `mix` says.
+/// One mix's scores.
+#[derive(serde::Serialize)]
+struct MixResult {
+    kv_mix: String,
+    ppl: f64,
+    /// Nominal bits per value (payload only).
+    bits_per_value: f64,
+    /// All-in stored bits per value: payload, parameters, kvfs header amortized.
+    stored_bits: f64,
+    kl: Option<f64>,
+    top1: Option<f64>,
+}
+
+#[derive(serde::Serialize)]
+struct MixReport<'a> {
+    text: &'a str,
+    ctx: usize,
+    windows: usize,
+    scored_tokens: usize,
+    seconds: f64,
+    runs: Vec<MixResult>,
+}
+
+/// Scores the text in windows of `ctx` whose first halves are compressed as each of `mixes`
+/// says, all on the same windows (and, with `kl`, against one f16 run per window).
 pub fn run(
     l: &Loaded,
-    text: &str,
-    tokens: &[u32],
-    mix: &str,
-    ctx: usize,
-    max_windows: usize,
+    r: &MixRun<'_>,
+    mixes: &[String],
+    report: &crate::report::ReportArgs,
 ) -> anyhow::Result<()> {
-    let compression = parse_mix(mix)?;
-    let mut n = tokens.len() / ctx.max(1) * ctx;
-    if max_windows > 0 {
-        n = n.min(max_windows * ctx);
+    let compressions: Vec<Compression> = mixes
+        .iter()
+        .map(|m| parse_mix(m))
+        .collect::<anyhow::Result<_>>()?;
+    let ctx = r.ctx;
+    let mut windows = r.tokens.len() / ctx.max(1);
+    if r.max_windows > 0 {
+        windows = windows.min(r.max_windows);
     }
     let t = Instant::now();
-    let r = perplexity(&l.model, &tokens[..n], compression, ctx)
-        .with_context(|| format!("perplexity under --kv-mix {mix}"))?;
-    let out = MixResult {
-        text,
-        kv_mix: mix,
+    let scores = evaluate(
+        &l.model,
+        &r.tokens[..windows * ctx],
+        &compressions,
         ctx,
-        scored_tokens: r.tokens,
-        ppl: r.ppl,
-        bits_per_value: r.bits_per_value,
-        bits_with_params: r.bits_with_params,
+        r.kl,
+    )
+    .with_context(|| format!("perplexity under --kv-mix {}", mixes.join(",")))?;
+    let runs: Vec<MixResult> = mixes
+        .iter()
+        .zip(&scores)
+        .map(|(m, s)| MixResult {
+            kv_mix: m.clone(),
+            ppl: s.ppl,
+            bits_per_value: s.bits_per_value,
+            stored_bits: s.stored_bits,
+            kl: s.kl,
+            top1: s.top1,
+        })
+        .collect();
+    let out = MixReport {
+        text: r.text,
+        ctx,
+        windows,
+        scored_tokens: scores.first().map_or(0, |s| s.tokens),
         seconds: t.elapsed().as_secs_f64(),
+        runs,
     };
-    println!("{}", serde_json::to_string(&out)?);
+    table!(
+        "{} at ctx {ctx}: {windows} windows, {} scored tokens",
+        out.text,
+        out.scored_tokens
+    );
+    table!(
+        "{:<24} {:>9} {:>12} {:>10} {:>10}",
+        "kv",
+        "ppl",
+        "stored b/v",
+        "KL",
+        "top-1"
+    );
+    let opt = |x: Option<f64>, digits: usize| x.map_or("-".into(), |x| format!("{x:.digits$}"));
+    for m in &out.runs {
+        table!(
+            "{:<24} {:>9.4} {:>12.3} {:>10} {:>10}",
+            m.kv_mix,
+            m.ppl,
+            m.stored_bits,
+            opt(m.kl, 5),
+            opt(m.top1.map(|t| t * 100.0), 2)
+        );
+    }
+    report.write("ppl", &out)?;
     Ok(())
 }
 

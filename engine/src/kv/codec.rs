@@ -186,6 +186,24 @@ impl ChunkShape {
     pub fn slot_bytes(&self, f: KvFormat) -> usize {
         self.chunk_bytes(f).div_ceil(PAGE) * PAGE
     }
+
+    /// K and V values of one chunk, all layers: `n_layers * 2 * section`.
+    pub fn chunk_values(&self) -> usize {
+        self.n_layers * 2 * self.section()
+    }
+
+    /// Bytes of a chunk's file in kvfs when its payload is stored raw: the header and the
+    /// chunk's bytes. A zstd payload is kept only when it is smaller, so this is the most a
+    /// chunk's file takes.
+    pub fn stored_bytes(&self, f: KvFormat) -> usize {
+        kvfs::format::HEADER_LEN + self.chunk_bytes(f)
+    }
+
+    /// All-in stored bits per K/V value of a chunk in `f`: payload, scales, minimums and the
+    /// kvfs header amortized over the chunk ([`ChunkShape::stored_bytes`]).
+    pub fn stored_bits(&self, f: KvFormat) -> f64 {
+        self.stored_bytes(f) as f64 * 8.0 / self.chunk_values() as f64
+    }
 }
 
 fn check_finite(section: &'static str, xs: &[f32]) -> Result<(), CodecError> {
@@ -735,6 +753,69 @@ mod tests {
             assert_eq!(s.slot_bytes(f) % PAGE, 0);
             assert!(s.slot_bytes(f) - s.chunk_bytes(f) < PAGE);
         }
+    }
+
+    #[test]
+    fn stored_bits_are_the_bytes_kvfs_stores() {
+        use kvfs::store::{NewContext, Store, StoreOptions};
+        let s = ChunkShape {
+            n_layers: 3,
+            n_kv_heads: 3,
+            head_dim: 64,
+            tokens: 16,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let mut x = 0x9e37_79b9u32;
+        let mut noise = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x % 2001) as f32 / 100.0 - 10.0
+        };
+        let (k, v): (Vec<f32>, Vec<f32>) = (0..s.section()).map(|_| (noise(), noise())).unzip();
+        // Raw payloads (compression off) take exactly the formula; zstd ones never more.
+        for (zstd, min_ratio) in [(false, f64::INFINITY), (true, 1.0)] {
+            let root = dir.path().join(format!("store-{zstd}"));
+            let store = Store::open(
+                &root,
+                StoreOptions {
+                    min_ratio,
+                    ..StoreOptions::default()
+                },
+            )
+            .unwrap();
+            let fp = kvfs::Fingerprint([7; kvfs::format::FINGERPRINT_LEN]);
+            let id = store
+                .create_context(NewContext {
+                    owner_uid: 0,
+                    app: "codec".into(),
+                    fingerprint: fp,
+                    chunk_tokens: s.tokens as u32,
+                })
+                .unwrap();
+            store.append_tokens(id, &[1; 16]).unwrap();
+            for f in KvFormat::ALL {
+                let lb = s.layer_bytes(f);
+                let mut chunk = vec![0u8; s.chunk_bytes(f)];
+                for l in 0..s.n_layers {
+                    encode_layer(&s, f, &k, &v, &mut chunk[l * lb..(l + 1) * lb]).unwrap();
+                }
+                let tag: kvfs::KvFormat = f.name().parse().unwrap();
+                store.write_chunk(id, 0, &fp, tag, 0.5, &chunk).unwrap();
+                let on_disk = std::fs::metadata(store.chunk_path(id, 0)).unwrap().len() as usize;
+                let bits = on_disk as f64 * 8.0 / s.chunk_values() as f64;
+                if zstd {
+                    assert!(on_disk <= s.stored_bytes(f), "{f}: {on_disk}");
+                } else {
+                    assert_eq!(on_disk, s.stored_bytes(f), "{f}");
+                    assert_eq!(bits, s.stored_bits(f), "{f}");
+                }
+            }
+        }
+        // The model's shape: int4 stores 5.25 bits of payload and parameters, plus the header.
+        let m = ChunkShape { n_layers: 30, ..s };
+        let header = kvfs::format::HEADER_LEN as f64 * 8.0 / m.chunk_values() as f64;
+        assert_eq!(m.stored_bits(KvFormat::Int4), 5.25 + header);
     }
 
     #[test]

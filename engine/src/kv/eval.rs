@@ -54,17 +54,23 @@ impl Compression {
     }
 }
 
-/// The outcome of [`perplexity`].
+/// The outcome of [`perplexity`] for one compression.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct PplReport {
     /// Tokens scored.
     pub tokens: usize,
     /// exp of the mean negative log-likelihood.
     pub ppl: f64,
-    /// Nominal bits per K/V value of the compressed context chunks.
+    /// Nominal bits per K/V value of the compressed context chunks (payload only).
     pub bits_per_value: f64,
-    /// Bits per K/V value including scales and minimums.
-    pub bits_with_params: f64,
+    /// All-in stored bits per K/V value of the compressed context chunks: payload, scales,
+    /// minimums and kvfs's chunk header amortized ([`crate::kv::codec::ChunkShape::stored_bits`]).
+    pub stored_bits: f64,
+    /// Mean KL divergence `KL(p_f16 || p)` in nats of each scored token's next-token
+    /// distribution from the f16 run's, when asked for.
+    pub kl: Option<f64>,
+    /// Share of scored tokens whose most likely next token is the f16 run's, when asked for.
+    pub top1: Option<f64>,
 }
 
 /// The level of each chunk when `fractions` (int8, int4, int2) of them go to each level by
@@ -97,6 +103,57 @@ pub fn perplexity(
     compression: Compression,
     window: usize,
 ) -> Result<PplReport, EvalMixError> {
+    let r = evaluate(model, tokens, &[compression], window, false)?;
+    Ok(r[0])
+}
+
+/// Running sums of one compression's scores.
+#[derive(Default)]
+struct Sums {
+    nll: f64,
+    kl: f64,
+    top1: usize,
+    scored: usize,
+    bits: f64,
+    bytes: usize,
+    chunks: usize,
+}
+
+/// `log_softmax(row)` into `out`; returns the log-sum-exp (summed in f64).
+fn log_softmax(row: &[f32], out: &mut [f32]) -> f64 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = row
+        .iter()
+        .map(|&x| f64::from(x - max).exp())
+        .sum::<f64>()
+        .ln()
+        + f64::from(max);
+    for (o, &x) in out.iter_mut().zip(row) {
+        *o = (f64::from(x) - lse) as f32;
+    }
+    lse
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv { (i, v) } else { (bi, bv) }
+        })
+        .0
+}
+
+/// Perplexity of `tokens` under each of `compressions` (see module doc), window by window; with
+/// `kl`, also each one's KL divergence from, and top-1 agreement with, the f16 run's next-token
+/// distributions (llama.cpp's `llama-perplexity --kl-divergence`), the f16 run made once per
+/// window.
+pub fn evaluate(
+    model: &Model,
+    tokens: &[u32],
+    compressions: &[Compression],
+    window: usize,
+    kl: bool,
+) -> Result<Vec<PplReport>, EvalMixError> {
     let chunk = 16;
     if window < 2 * chunk || !window.is_multiple_of(2 * chunk) {
         return Err(EvalMixError::BadWindow { window, chunk });
@@ -107,72 +164,119 @@ pub fn perplexity(
             window,
         });
     }
-    if let Compression::Fractions(f) = compression
-        && (f.iter().any(|x| !x.is_finite() || *x < 0.0)
-            || (f.iter().sum::<f64>() - 1.0).abs() > 1e-6)
-    {
-        return Err(EvalMixError::BadMix { fractions: f });
+    for c in compressions {
+        if let Compression::Fractions(f) = *c
+            && (f.iter().any(|x| !x.is_finite() || *x < 0.0)
+                || (f.iter().sum::<f64>() - 1.0).abs() > 1e-6)
+        {
+            return Err(EvalMixError::BadMix { fractions: f });
+        }
     }
     let shape = model.chunk_shape(chunk);
-    let heads_layers = (model.cfg.n_heads * model.cfg.n_layers) as u32;
-    let (mut nll, mut scored) = (0.0f64, 0usize);
-    let (mut bits, mut bytes, mut chunks) = (0.0f64, 0usize, 0usize);
+    let vocab = model.cfg.vocab;
+    let mut sums: Vec<Sums> = compressions.iter().map(|_| Sums::default()).collect();
+    let reference = Compression::Uniform(KvFormat::F16);
+    let mut lp = vec![0f32; vocab];
     for w in tokens.chunks_exact(window) {
         let (ctx, rest) = w.split_at(window / 2);
-        let mut cache = KvCache::new(
-            shape,
-            compression.base(),
-            window,
-            Box::new(HeapChunks::default()),
-        );
-        model.forward(&mut cache, ctx, Logits::Last)?;
-        let n = cache.chunk_formats().len();
-        let densities = || {
-            chunk_densities(&cache.token_attention(heads_layers), chunk, heads_layers)
-                .map(|d| d[..n].to_vec())
-                .map_err(|e| EvalMixError::Policy(e.to_string()))
-        };
-        let formats = |levels: &[Level]| -> Vec<KvFormat> {
-            levels.iter().map(|l| LEVEL_FORMATS[l.0 as usize]).collect()
-        };
-        let targets: Vec<KvFormat> = match compression {
-            Compression::Uniform(f) => vec![f; n],
-            Compression::Fractions(f) => formats(&levels_by_fractions(&densities()?, f)),
-            Compression::Ratio(r) => {
-                let a = assign_levels(&densities()?, None, &LevelSet::paper_default(), r)
-                    .map_err(|e| EvalMixError::Policy(e.to_string()))?;
-                formats(&a.levels)
+        // The f16 run's log-probabilities and top tokens, one row per scored token.
+        let mut ref_rows: Vec<f32> = Vec::new();
+        let mut ref_top: Vec<usize> = Vec::new();
+        if kl {
+            let (logits, _) = run_window(model, ctx, rest, reference, window)?;
+            ref_rows.resize(logits.len(), 0.0);
+            for (row, out) in logits
+                .chunks_exact(vocab)
+                .zip(ref_rows.chunks_exact_mut(vocab))
+            {
+                log_softmax(row, out);
+                ref_top.push(argmax(row));
             }
-        };
-        for (i, &f) in targets.iter().enumerate() {
-            if f != compression.base() {
-                cache.recompress(i, f)?;
-            }
-            bits += f64::from(f.bits());
-            bytes += shape.chunk_bytes(f);
-            chunks += 1;
         }
-        let logits = model.forward(&mut cache, &rest[..rest.len() - 1], Logits::All)?;
-        let vocab = model.cfg.vocab;
-        for (row, &next) in logits.chunks_exact(vocab).zip(&rest[1..]) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let lse = row
-                .iter()
-                .map(|&x| f64::from(x - max).exp())
-                .sum::<f64>()
-                .ln()
-                + f64::from(max);
-            nll += lse - f64::from(row[next as usize]);
-            scored += 1;
+        for (c, s) in compressions.iter().zip(&mut sums) {
+            let (logits, targets) = run_window(model, ctx, rest, *c, window)?;
+            for f in targets {
+                s.bits += f64::from(f.bits());
+                s.bytes += shape.stored_bytes(f);
+                s.chunks += 1;
+            }
+            for (i, (row, &next)) in logits.chunks_exact(vocab).zip(&rest[1..]).enumerate() {
+                let lse = log_softmax(row, &mut lp);
+                s.nll += lse - f64::from(row[next as usize]);
+                s.scored += 1;
+                if kl {
+                    let r = &ref_rows[i * vocab..(i + 1) * vocab];
+                    s.kl += r
+                        .iter()
+                        .zip(&lp)
+                        .map(|(&p, &q)| f64::from(p).exp() * f64::from(p - q))
+                        .sum::<f64>();
+                    s.top1 += usize::from(argmax(row) == ref_top[i]);
+                }
+            }
         }
     }
-    let values = (chunks * 2 * shape.section() * shape.n_layers).max(1) as f64;
-    Ok(PplReport {
-        tokens: scored,
-        ppl: (nll / scored.max(1) as f64).exp(),
-        bits_per_value: bits / chunks.max(1) as f64,
-        bits_with_params: bytes as f64 * 8.0 / values,
-    })
+    let values = shape.chunk_values() as f64;
+    Ok(sums
+        .iter()
+        .map(|s| {
+            let n = s.scored.max(1) as f64;
+            PplReport {
+                tokens: s.scored,
+                ppl: (s.nll / n).exp(),
+                bits_per_value: s.bits / s.chunks.max(1) as f64,
+                stored_bits: s.bytes as f64 * 8.0 / (values * s.chunks.max(1) as f64),
+                kl: kl.then(|| s.kl / n),
+                top1: kl.then(|| s.top1 as f64 / n),
+            }
+        })
+        .collect())
+}
+
+/// Prefills `ctx`, compresses its chunks as `compression` says, and returns the logits of every
+/// token of `rest` but the last (each predicting the next) and the formats the chunks got.
+fn run_window(
+    model: &Model,
+    ctx: &[u32],
+    rest: &[u32],
+    compression: Compression,
+    window: usize,
+) -> Result<(Vec<f32>, Vec<KvFormat>), EvalMixError> {
+    let chunk = 16;
+    let shape = model.chunk_shape(chunk);
+    let heads_layers = (model.cfg.n_heads * model.cfg.n_layers) as u32;
+    let mut cache = KvCache::new(
+        shape,
+        compression.base(),
+        window,
+        Box::new(HeapChunks::default()),
+    );
+    model.forward(&mut cache, ctx, Logits::Last)?;
+    let n = cache.chunk_formats().len();
+    let densities = || {
+        chunk_densities(&cache.token_attention(heads_layers), chunk, heads_layers)
+            .map(|d| d[..n].to_vec())
+            .map_err(|e| EvalMixError::Policy(e.to_string()))
+    };
+    let formats = |levels: &[Level]| -> Vec<KvFormat> {
+        levels.iter().map(|l| LEVEL_FORMATS[l.0 as usize]).collect()
+    };
+    let targets: Vec<KvFormat> = match compression {
+        Compression::Uniform(f) => vec![f; n],
+        Compression::Fractions(f) => formats(&levels_by_fractions(&densities()?, f)),
+        Compression::Ratio(r) => {
+            let a = assign_levels(&densities()?, None, &LevelSet::paper_default(), r)
+                .map_err(|e| EvalMixError::Policy(e.to_string()))?;
+            formats(&a.levels)
+        }
+    };
+    for (i, &f) in targets.iter().enumerate() {
+        if f != compression.base() {
+            cache.recompress(i, f)?;
+        }
+    }
+    let logits = model.forward(&mut cache, &rest[..rest.len() - 1], Logits::All)?;
+    Ok((logits, targets))
 }
 
 #[cfg(test)]
@@ -197,7 +301,32 @@ mod tests {
             (f16.bits_per_value, int8.bits_per_value, int2.bits_per_value),
             (16.0, 8.0, 2.0)
         );
-        assert!(int2.bits_with_params > 2.0 && int2.bits_with_params < int8.bits_with_params);
+        assert!(int2.stored_bits > 2.0 && int2.stored_bits < int8.stored_bits);
+        assert_eq!(
+            int8.stored_bits,
+            model.chunk_shape(16).stored_bits(KvFormat::Int8)
+        );
+        // Against the f16 run itself: no divergence, every top token the same.
+        let kl = evaluate(
+            &model,
+            &tokens,
+            &[
+                Compression::Uniform(KvFormat::F16),
+                Compression::Uniform(KvFormat::Int2),
+            ],
+            128,
+            true,
+        )
+        .unwrap();
+        assert_eq!((kl[0].kl, kl[0].top1), (Some(0.0), Some(1.0)));
+        assert_eq!(kl[0].ppl, f16.ppl);
+        let (d, t) = (kl[1].kl.unwrap(), kl[1].top1.unwrap());
+        assert!(
+            d > 0.0 && d.is_finite() && (0.0..=1.0).contains(&t),
+            "{:?}",
+            kl[1]
+        );
+        assert_eq!(kl[1].ppl, int2.ppl);
         // All chunks kept at int8, by fractions or by a ratio of 1, is the int8 run exactly.
         assert_eq!(ppl(Compression::Fractions([1.0, 0.0, 0.0])), int8);
         assert_eq!(ppl(Compression::Ratio(1.0)), int8);
