@@ -289,6 +289,22 @@ fn read_weight(
     Ok(q)
 }
 
+/// Runs `f` on one of the engine's pool threads (at once when already on one).
+///
+/// A decode step runs about five parallel loops per layer (the four products and attention),
+/// 150 on the default model. Started from a thread outside the pool (the daemon's engine thread,
+/// a tool's main thread), each loop is queued into the pool and its caller sleeps until a worker
+/// has finished it: two thread wake-ups per loop, and three threads on the engine's cores.
+/// Started from a pool thread, a loop runs its first part on that thread at once and the
+/// other workers take the rest, so the step pays one hand-over in all.
+fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
+    }
+}
+
 /// A norm's weights as f32.
 fn to_vector(w: QMatrix) -> Vec<f32> {
     let mut f = vec![0.0; w.rows() * w.cols()];
@@ -476,20 +492,22 @@ impl Model {
             }
             .into());
         }
-        let mut out = Vec::new();
-        let total = tokens.len();
-        let mut done = 0;
-        for piece in tokens.chunks(self.prefill_chunk.max(1)) {
-            done += piece.len();
-            // How many of this piece's last tokens need logits.
-            let rows = match logits {
-                Logits::All => piece.len(),
-                Logits::Last => usize::from(done == total),
-                Logits::Tail(k) => piece.len().min((k + done).saturating_sub(total)),
-            };
-            out.extend(self.forward_batch(cache, piece, rows)?);
-        }
-        Ok(out)
+        on_pool(|| {
+            let mut out = Vec::new();
+            let total = tokens.len();
+            let mut done = 0;
+            for piece in tokens.chunks(self.prefill_chunk.max(1)) {
+                done += piece.len();
+                // How many of this piece's last tokens need logits.
+                let rows = match logits {
+                    Logits::All => piece.len(),
+                    Logits::Last => usize::from(done == total),
+                    Logits::Tail(k) => piece.len().min((k + done).saturating_sub(total)),
+                };
+                out.extend(self.forward_batch(cache, piece, rows)?);
+            }
+            Ok(out)
+        })
     }
 
     fn embed_rows(&self, tokens: &[u32]) -> Vec<f32> {
@@ -591,8 +609,7 @@ impl Model {
         }
         cache.begin_recompute(chunks)?;
         let mut x = self.embed_rows(&tokens);
-        let run = self
-            .run_layers(cache, &mut x, &positions, chunks)
+        let run = on_pool(|| self.run_layers(cache, &mut x, &positions, chunks))
             .and_then(|()| cache.finish_recompute().map_err(ModelError::from));
         if run.is_err() {
             cache.abort_recompute();
