@@ -19,6 +19,7 @@ mod model_cmd;
 mod profile_cmd;
 mod report;
 mod serve_cmd;
+mod trace_cmd;
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
 #[derive(Parser)]
@@ -54,6 +55,10 @@ enum Command {
     /// Mount or inspect a kvfs chunk store.
     #[command(subcommand)]
     Kvfs(kvfs_cmd::KvfsCommand),
+    /// Context-switching traces: generate one (Poisson arrivals, Random/Markov/Gaussian
+    /// switching, real text) and sum one up.
+    #[command(subcommand)]
+    Trace(trace_cmd::TraceCommand),
     /// Measure the model's quality.
     #[command(subcommand)]
     Eval(EvalCommand),
@@ -125,6 +130,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Chat(args) => chat_cmd::run(args),
         Command::Ctx(cmd) => ctx_cmd::run(cmd),
         Command::Stats(args) => ctx_cmd::run_stats(args),
+        Command::Trace(cmd) => trace_cmd::run(cmd),
         Command::Eval(EvalCommand::Ppl(args)) => engine_cmd::run_ppl(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Bench(BenchCommand::Pager(args)) => bench_pager::bench_pager(&args),

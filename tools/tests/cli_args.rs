@@ -99,6 +99,98 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
             "at least 1",
         ),
         (&["eval", "ppl", "--ctx", "0", "--text", "x"], "at least"),
+        (
+            &["trace", "gen", "t.jsonl", "--rate", "0"],
+            "positive number of calls",
+        ),
+        (
+            &["trace", "gen", "t.jsonl", "--rate=-2"],
+            "positive number of calls",
+        ),
+        (
+            &["trace", "gen", "t.jsonl", "--rate", "1/0"],
+            "positive number of calls",
+        ),
+        (&["trace", "gen", "t.jsonl", "--rate", "fast"], "'fast'"),
+        (
+            &["trace", "gen", "t.jsonl", "--pattern", "zipf"],
+            "invalid value 'zipf'",
+        ),
+        (&["trace", "gen", "t.jsonl", "--stay", "1.5"], "probability"),
+        (
+            &[
+                "trace",
+                "gen",
+                "t.jsonl",
+                "--stay",
+                "0.7",
+                "--neighbour",
+                "0.5",
+            ],
+            "at most 1",
+        ),
+        (
+            &[
+                "trace",
+                "gen",
+                "t.jsonl",
+                "--pattern",
+                "random",
+                "--stay",
+                "0.5",
+            ],
+            "--stay is a parameter of --pattern markov",
+        ),
+        (
+            &[
+                "trace",
+                "gen",
+                "t.jsonl",
+                "--pattern",
+                "markov",
+                "--sigma",
+                "0.5",
+            ],
+            "--sigma is a parameter of --pattern gaussian",
+        ),
+        (
+            &[
+                "trace",
+                "gen",
+                "t.jsonl",
+                "--pattern",
+                "gaussian",
+                "--sigma",
+                "0",
+            ],
+            "positive number",
+        ),
+        (
+            &["trace", "gen", "t.jsonl", "--sources", "imdb"],
+            "unknown source 'imdb'",
+        ),
+        (&["trace", "gen", "t.jsonl", "--calls", "0"], "--calls"),
+        (
+            &["trace", "gen", "t.jsonl", "--contexts", "0"],
+            "--contexts",
+        ),
+        (
+            &["trace", "gen", "t.jsonl", "--max-tokens", "0"],
+            "--max-tokens",
+        ),
+        (
+            &["trace", "gen", "t.jsonl", "--max-context", "1024"],
+            "cannot hold one call of xsum",
+        ),
+        (
+            &["trace", "gen", "t.jsonl", "--text", "no-such-text"],
+            "cannot read the text file no-such-text",
+        ),
+        (&["trace", "gen"], "<FILE>"),
+        (
+            &["trace", "show", "no-such-trace.jsonl"],
+            "cannot read no-such-trace.jsonl",
+        ),
     ];
     let failures: Vec<String> = cases
         .iter()
@@ -109,6 +201,31 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         })
         .collect();
     assert!(failures.is_empty(), "not refused cleanly: {failures:?}");
+}
+
+#[test]
+fn a_malformed_trace_is_refused_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("empty.jsonl"), "").unwrap();
+    refused(
+        d,
+        &["trace", "show", "empty.jsonl"],
+        "empty.jsonl is empty, not a trace",
+    );
+    std::fs::write(d.join("other.jsonl"), "{\"a\":1}\n").unwrap();
+    refused(
+        d,
+        &["trace", "show", "other.jsonl"],
+        "other.jsonl:1: not an llms trace",
+    );
+    let header = r#"{"format":"llms-trace","version":1,"seed":0,"calls":1,"rate":1.0,"pattern":{"kind":"random"},"max_context":2048,"past_cap":"slide","max_tokens":32,"prompt_format":"raw","model":"m.gguf","vocab_size":10,"text":[],"text_sha256":"","contexts":[{"context":0,"app":"news","source":"ag_news"}]}"#;
+    std::fs::write(d.join("bad.jsonl"), format!("{header}\n{{\"time\":1}}\n")).unwrap();
+    refused(
+        d,
+        &["trace", "show", "bad.jsonl"],
+        "bad.jsonl:2: not a trace row",
+    );
 }
 
 #[test]
