@@ -286,35 +286,38 @@ fn malformed_files_are_refused_with_the_line() {
     assert_eq!(trace::read(&dir.path().join("ok.jsonl")).unwrap(), t);
 }
 
+/// A change to a good spec.
+type Edit = fn(&mut TraceSpec);
+
 #[test]
 fn specs_that_make_no_trace_are_refused() {
     let tok = tokenizer();
-    let cases: Vec<(Box<dyn Fn(&mut TraceSpec)>, &str)> = vec![
-        (Box::new(|s| s.rate = 0.0), "positive"),
-        (Box::new(|s| s.rate = -1.0), "positive"),
-        (Box::new(|s| s.calls = 0), "calls"),
-        (Box::new(|s| s.contexts = 0), "contexts"),
-        (Box::new(|s| s.sources.clear()), "no sources"),
+    let cases: &[(Edit, &str)] = &[
+        (|s| s.rate = 0.0, "positive"),
+        (|s| s.rate = -1.0, "positive"),
+        (|s| s.calls = 0, "calls"),
+        (|s| s.contexts = 0, "contexts"),
+        (|s| s.sources.clear(), "no sources"),
         (
-            Box::new(|s| s.max_context = 1024),
+            |s| s.max_context = 1024,
             "raise the maximum context to at least 2032",
         ),
         (
-            Box::new(|s| {
+            |s| {
                 s.pattern = Pattern::Markov {
                     stay: 0.8,
                     neighbour: 0.8,
                 }
-            }),
+            },
             "at most 1",
         ),
-        (Box::new(|s| s.text.clear()), "no text files"),
+        (|s| s.text.clear(), "no text files"),
         (
-            Box::new(|s| s.text = vec!["/nonexistent/text".into()]),
+            |s| s.text = vec!["/nonexistent/text".into()],
             "cannot read the text file",
         ),
         (
-            Box::new(|s| s.text = vec!["/usr/share/common-licenses/BSD".into()]),
+            |s| s.text = vec!["/usr/share/common-licenses/BSD".into()],
             "fewer than",
         ),
     ];

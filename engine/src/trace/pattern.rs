@@ -182,9 +182,9 @@ impl Switcher {
     /// The context of the next call. A Markov chain starts on a uniformly drawn context.
     pub fn next(&mut self, rng: &mut TraceRng) -> usize {
         let c = match (self.markov, self.current) {
-            (true, Some(cur)) => rng.from_cdf(&self.cdfs[cur]),
+            (true, Some(cur)) => rng.pick_cdf(&self.cdfs[cur]),
             (true, None) => rng.below(self.cdfs.len() as u64) as usize,
-            (false, _) => rng.from_cdf(&self.cdfs[0]),
+            (false, _) => rng.pick_cdf(&self.cdfs[0]),
         };
         self.current = Some(c);
         c
@@ -289,7 +289,7 @@ mod tests {
         let mut sw = Switcher::new(Pattern::Gaussian { sigma }, &workloads);
         let mut rng = TraceRng::new(9);
         let trials = 200_000u64;
-        let mut counts = vec![0u64; 8];
+        let mut counts = [0u64; 8];
         for _ in 0..trials {
             counts[sw.next(&mut rng)] += 1;
         }

@@ -45,7 +45,7 @@ impl TraceRng {
 
     /// An index drawn from a cumulative distribution (`cdf` non-decreasing, last entry the
     /// total weight).
-    pub fn from_cdf(&mut self, cdf: &[f64]) -> usize {
+    pub fn pick_cdf(&mut self, cdf: &[f64]) -> usize {
         let total = cdf[cdf.len() - 1];
         let x = self.unit() * total;
         cdf.partition_point(|&c| c <= x).min(cdf.len() - 1)
@@ -124,12 +124,12 @@ mod tests {
     }
 
     #[test]
-    fn from_cdf_follows_the_weights() {
+    fn pick_cdf_follows_the_weights() {
         let mut r = TraceRng::new(3);
         let cdf = [1.0, 1.0, 4.0]; // weights 1, 0, 3
         let mut counts = [0u32; 3];
         for _ in 0..40_000 {
-            counts[r.from_cdf(&cdf)] += 1;
+            counts[r.pick_cdf(&cdf)] += 1;
         }
         assert_eq!(counts[1], 0);
         // counts[0] is binomial(40000, 1/4): sd ≈ 87.
