@@ -74,6 +74,9 @@ enum Command {
 enum EvalCommand {
     /// Perplexity of a text (llama.cpp's protocol: windows of --ctx tokens, each scored on its second half).
     Ppl(engine_cmd::PplArgs),
+    /// Perplexity, KL and top-1 of many KV formats and mixes at several window lengths: a
+    /// table, bench-out/sweep.json and bench-out/sweep.png (ppl against stored bits per value).
+    Sweep(kv_mix_cmd::SweepArgs),
 }
 
 #[derive(Subcommand)]
@@ -132,6 +135,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Stats(args) => ctx_cmd::run_stats(args),
         Command::Trace(cmd) => trace_cmd::run(cmd),
         Command::Eval(EvalCommand::Ppl(args)) => engine_cmd::run_ppl(args),
+        Command::Eval(EvalCommand::Sweep(args)) => kv_mix_cmd::sweep(args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(args),
         Command::Bench(BenchCommand::Pager(args)) => bench_pager::bench_pager(&args),
         Command::Kvfs(cmd) => kvfs_cmd::run(cmd),

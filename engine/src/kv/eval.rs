@@ -7,6 +7,8 @@
 //! over those predictions. Chunks of a mix get their levels by density rank, from the attention
 //! the prefill recorded (paper Eq. 1), through the policy crate.
 
+use crate::kv::codec::{ChunkShape, decode_layer, encode_layer};
+use crate::kv::sim::{RopeSpec, SimFormat};
 use crate::kv::{HeapChunks, KvCache, KvError, KvFormat};
 use crate::model::{Logits, Model, ModelError};
 use policy::{Level, LevelSet, assign_levels, chunk_densities};
@@ -23,6 +25,14 @@ pub enum EvalMixError {
     /// Mix fractions that are negative or do not sum to 1.
     #[error("mix fractions {fractions:?} must be non-negative and sum to 1")]
     BadMix { fractions: [f64; 3] },
+    /// A bit budget below the lightest level's all-in bits, or levels not lightest last.
+    #[error(
+        "budget {budget} bits/value is below the lightest level's {lightest}, or levels are not heaviest first"
+    )]
+    BadBudget { budget: f64, lightest: f64 },
+    /// A simulated format that does not fit the model's heads.
+    #[error("simulated format {format} does not fit head dimension {head_dim}")]
+    BadSim { format: SimFormat, head_dim: usize },
     /// The policy refused the densities or the ratio.
     #[error("level assignment failed: {0}")]
     Policy(String),
@@ -34,15 +44,62 @@ pub enum EvalMixError {
     Kv(#[from] KvError),
 }
 
+/// How one chunk is stored: a real format, or a candidate simulated in f16 ([`crate::kv::sim`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Stored {
+    Real(KvFormat),
+    Sim(SimFormat),
+}
+
+impl Stored {
+    /// All-in stored bits per value of a chunk of `shape`.
+    pub fn stored_bits(self, shape: &ChunkShape) -> f64 {
+        match self {
+            Stored::Real(f) => shape.stored_bits(f),
+            Stored::Sim(f) => f.stored_bits(shape),
+        }
+    }
+
+    /// Nominal payload bits per value.
+    pub fn bits(self) -> f64 {
+        match self {
+            Stored::Real(f) => f64::from(f.bits()),
+            Stored::Sim(f) => f64::from(f.key_bits + f.value_bits) / 2.0,
+        }
+    }
+}
+
+impl std::fmt::Display for Stored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stored::Real(x) => write!(f, "{x}"),
+            Stored::Sim(x) => write!(f, "{x}"),
+        }
+    }
+}
+
+/// The most levels a [`Compression::Budget`] mix has.
+pub const MAX_MIX_LEVELS: usize = 4;
+
 /// How the context's chunks are compressed before the continuation is scored.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Compression {
     /// Every chunk in one format.
     Uniform(KvFormat),
+    /// Every chunk in one simulated candidate format.
+    Sim(SimFormat),
     /// Fractions of chunks at int8, int4 and int2, the densest chunks kept heaviest.
     Fractions([f64; 3]),
     /// The policy's assignment (Eq. 2-3) under this global ratio to int8 (0.5: half the bits).
     Ratio(f64),
+    /// The tolerance-aware mix under an all-in budget: levels (heaviest first, the first
+    /// `Some`s) assigned by density rank to keep the most information (Eq. 2-3, each level's
+    /// ratio being its all-in bits over the heaviest's) with the mean all-in stored bits per
+    /// value at most `bits` ([`levels_for_budget`]).
+    Budget {
+        levels: [Option<Stored>; MAX_MIX_LEVELS],
+        bits: f64,
+    },
 }
 
 impl Compression {
@@ -52,6 +109,95 @@ impl Compression {
             _ => KvFormat::Int8,
         }
     }
+}
+
+/// Each chunk's level (an index into `bits`, heaviest first) so that the chunks keep the most
+/// information `sum (bits_w / bits_0) D_i` while the mean of their levels' bits stays at most
+/// `budget`; levels follow density rank (densest heaviest, ties by chunk order), exactly over all
+/// rank thresholds.
+pub fn levels_for_budget(
+    densities: &[f64],
+    bits: &[f64],
+    budget: f64,
+) -> Result<Vec<usize>, EvalMixError> {
+    let lightest = bits.last().copied().unwrap_or(f64::INFINITY);
+    if bits.is_empty() || lightest > budget || bits.windows(2).any(|w| w[0] < w[1]) {
+        return Err(EvalMixError::BadBudget { budget, lightest });
+    }
+    let n = densities.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| densities[b].total_cmp(&densities[a]).then(a.cmp(&b)));
+    let mut prefix = vec![0.0; n + 1];
+    for (r, &i) in order.iter().enumerate() {
+        prefix[r + 1] = prefix[r] + densities[i];
+    }
+    let cap = budget * n as f64 + 1e-9;
+    // Thresholds t_0 <= .. <= t_{k-2}: ranks below t_0 at level 0, and so on; the last level
+    // takes the rest. Enumerated exactly (k <= 4, n a few hundred at most).
+    let mut best: Option<(f64, Vec<usize>)> = None;
+    let mut t = vec![0usize; bits.len() - 1];
+    fn walk(
+        w: usize,
+        from: usize,
+        t: &mut Vec<usize>,
+        bits: &[f64],
+        prefix: &[f64],
+        cap: f64,
+        best: &mut Option<(f64, Vec<usize>)>,
+    ) {
+        let n = prefix.len() - 1;
+        if w == t.len() {
+            let (mut cost, mut info, mut prev) = (0.0, 0.0, 0);
+            for (l, &b) in bits.iter().enumerate() {
+                let end = if l < t.len() { t[l] } else { n };
+                cost += b * (end - prev) as f64;
+                info += b / bits[0] * (prefix[end] - prefix[prev]);
+                prev = end;
+            }
+            if cost <= cap && best.as_ref().is_none_or(|(i, _)| info > *i) {
+                *best = Some((info, t.clone()));
+            }
+            return;
+        }
+        for x in from..=n {
+            t[w] = x;
+            walk(w + 1, x, t, bits, prefix, cap, best);
+        }
+    }
+    walk(0, 0, &mut t, bits, &prefix, cap, &mut best);
+    let t = best.map(|(_, t)| t).unwrap_or_default();
+    let mut levels = vec![bits.len() - 1; n];
+    for (r, &i) in order.iter().enumerate() {
+        levels[i] = t.iter().position(|&x| r < x).unwrap_or(bits.len() - 1);
+    }
+    Ok(levels)
+}
+
+/// Replaces sealed chunk `index` (in the cache's base format) by its values as `f` would store
+/// them, kept in f16.
+fn simulate(
+    cache: &mut KvCache,
+    index: usize,
+    f: SimFormat,
+    rope: RopeSpec,
+) -> Result<(), KvError> {
+    let s = *cache.shape();
+    let from = cache.chunk_formats()[index];
+    let bytes = cache
+        .chunk_bytes(index)
+        .ok_or(KvError::NotResident { index })?
+        .to_vec();
+    let (lf, lt) = (s.layer_bytes(from), s.layer_bytes(KvFormat::F16));
+    let mut out = vec![0u8; s.chunk_bytes(KvFormat::F16)];
+    let (mut k, mut v) = (vec![0.0; s.section()], vec![0.0; s.section()]);
+    for l in 0..s.n_layers {
+        decode_layer(&s, from, &bytes[l * lf..(l + 1) * lf], &mut k, &mut v);
+        f.apply(&s, rope, index * s.tokens, &mut k, &mut v);
+        encode_layer(&s, KvFormat::F16, &k, &v, &mut out[l * lt..(l + 1) * lt])
+            .map_err(|source| KvError::Codec { index, source })?;
+    }
+    cache.evict(index)?;
+    cache.restore(index, KvFormat::F16, &out)
 }
 
 /// The outcome of [`perplexity`] for one compression.
@@ -115,7 +261,7 @@ struct Sums {
     top1: usize,
     scored: usize,
     bits: f64,
-    bytes: usize,
+    stored: f64,
     chunks: usize,
 }
 
@@ -173,6 +319,25 @@ pub fn evaluate(
         }
     }
     let shape = model.chunk_shape(chunk);
+    for c in compressions {
+        let sims = match c {
+            Compression::Sim(f) => vec![*f],
+            Compression::Budget { levels, .. } => levels
+                .iter()
+                .filter_map(|l| match l {
+                    Some(Stored::Sim(f)) => Some(*f),
+                    _ => None,
+                })
+                .collect(),
+            _ => vec![],
+        };
+        if let Some(f) = sims.into_iter().find(|f| !f.fits(&shape)) {
+            return Err(EvalMixError::BadSim {
+                format: f,
+                head_dim: shape.head_dim,
+            });
+        }
+    }
     let vocab = model.cfg.vocab;
     let mut sums: Vec<Sums> = compressions.iter().map(|_| Sums::default()).collect();
     let reference = Compression::Uniform(KvFormat::F16);
@@ -196,8 +361,8 @@ pub fn evaluate(
         for (c, s) in compressions.iter().zip(&mut sums) {
             let (logits, targets) = run_window(model, ctx, rest, *c, window)?;
             for f in targets {
-                s.bits += f64::from(f.bits());
-                s.bytes += shape.stored_bytes(f);
+                s.bits += f.bits();
+                s.stored += f.stored_bits(&shape);
                 s.chunks += 1;
             }
             for (i, (row, &next)) in logits.chunks_exact(vocab).zip(&rest[1..]).enumerate() {
@@ -216,7 +381,6 @@ pub fn evaluate(
             }
         }
     }
-    let values = shape.chunk_values() as f64;
     Ok(sums
         .iter()
         .map(|s| {
@@ -225,7 +389,7 @@ pub fn evaluate(
                 tokens: s.scored,
                 ppl: (s.nll / n).exp(),
                 bits_per_value: s.bits / s.chunks.max(1) as f64,
-                stored_bits: s.bytes as f64 * 8.0 / (values * s.chunks.max(1) as f64),
+                stored_bits: s.stored / s.chunks.max(1) as f64,
                 kl: kl.then(|| s.kl / n),
                 top1: kl.then(|| s.top1 as f64 / n),
             }
@@ -241,7 +405,7 @@ fn run_window(
     rest: &[u32],
     compression: Compression,
     window: usize,
-) -> Result<(Vec<f32>, Vec<KvFormat>), EvalMixError> {
+) -> Result<(Vec<f32>, Vec<Stored>), EvalMixError> {
     let chunk = 16;
     let shape = model.chunk_shape(chunk);
     let heads_layers = (model.cfg.n_heads * model.cfg.n_layers) as u32;
@@ -258,11 +422,21 @@ fn run_window(
             .map(|d| d[..n].to_vec())
             .map_err(|e| EvalMixError::Policy(e.to_string()))
     };
-    let formats = |levels: &[Level]| -> Vec<KvFormat> {
-        levels.iter().map(|l| LEVEL_FORMATS[l.0 as usize]).collect()
+    let formats = |levels: &[Level]| -> Vec<Stored> {
+        levels
+            .iter()
+            .map(|l| Stored::Real(LEVEL_FORMATS[l.0 as usize]))
+            .collect()
     };
-    let targets: Vec<KvFormat> = match compression {
-        Compression::Uniform(f) => vec![f; n],
+    let targets: Vec<Stored> = match compression {
+        Compression::Uniform(f) => vec![Stored::Real(f); n],
+        Compression::Sim(f) => vec![Stored::Sim(f); n],
+        Compression::Budget { levels, bits } => {
+            let levels: Vec<Stored> = levels.iter().map_while(|l| *l).collect();
+            let b: Vec<f64> = levels.iter().map(|l| l.stored_bits(&shape)).collect();
+            let got = levels_for_budget(&densities()?, &b, bits)?;
+            got.iter().map(|&l| levels[l]).collect()
+        }
         Compression::Fractions(f) => formats(&levels_by_fractions(&densities()?, f)),
         Compression::Ratio(r) => {
             let a = assign_levels(&densities()?, None, &LevelSet::paper_default(), r)
@@ -270,9 +444,15 @@ fn run_window(
             formats(&a.levels)
         }
     };
+    let rope = RopeSpec {
+        rope_dim: model.cfg.rope_dim,
+        base: model.cfg.rope_base,
+    };
     for (i, &f) in targets.iter().enumerate() {
-        if f != compression.base() {
-            cache.recompress(i, f)?;
+        match f {
+            Stored::Real(f) if f != compression.base() => cache.recompress(i, f)?,
+            Stored::Real(_) => {}
+            Stored::Sim(f) => simulate(&mut cache, i, f, rope)?,
         }
     }
     let logits = model.forward(&mut cache, &rest[..rest.len() - 1], Logits::All)?;
@@ -327,6 +507,23 @@ mod tests {
             kl[1]
         );
         assert_eq!(kl[1].ppl, int2.ppl);
+        // A simulated candidate with int4's parameters costs int4's bytes; a budget mix stays
+        // within its budget and, given int8's bits, is the int8 run.
+        let sim: SimFormat = "k4+v4".parse().unwrap();
+        let int4 = ppl(Compression::Uniform(KvFormat::Int4));
+        let s4 = ppl(Compression::Sim(sim));
+        assert_eq!(s4.stored_bits, int4.stored_bits);
+        assert!((s4.ppl / int4.ppl - 1.0).abs() < 0.01, "{s4:?} {int4:?}");
+        let levels = [
+            Some(Stored::Real(KvFormat::Int8)),
+            Some(Stored::Sim(sim)),
+            Some(Stored::Real(KvFormat::Int2)),
+            None,
+        ];
+        let mix = ppl(Compression::Budget { levels, bits: 4.5 });
+        assert!(mix.stored_bits <= 4.5, "{mix:?}");
+        let all8 = ppl(Compression::Budget { levels, bits: 10.0 });
+        assert_eq!(all8, int8);
         // All chunks kept at int8, by fractions or by a ratio of 1, is the int8 run exactly.
         assert_eq!(ppl(Compression::Fractions([1.0, 0.0, 0.0])), int8);
         assert_eq!(ppl(Compression::Ratio(1.0)), int8);
@@ -351,6 +548,36 @@ mod tests {
             perplexity(&model, &tokens, Compression::Ratio(0.5), 40),
             Err(EvalMixError::BadWindow { .. })
         ));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_budget_mix_never_exceeds_its_budget(
+            densities in proptest::collection::vec(0.0f64..1.0, 0..40),
+            three in proptest::bool::ANY,
+            budget in 2.3f64..10.0,
+        ) {
+            let bits: &[f64] = if three { &[9.25, 5.25, 3.25] } else { &[8.6, 4.4, 3.4, 2.4] };
+            match levels_for_budget(&densities, bits, budget) {
+                Ok(levels) => {
+                    let n = densities.len().max(1) as f64;
+                    let mean = levels.iter().map(|&l| bits[l]).sum::<f64>() / n;
+                    proptest::prop_assert!(densities.is_empty() || mean <= budget + 1e-9, "{mean} > {budget}");
+                    // Denser chunks are never lighter.
+                    for i in 0..densities.len() {
+                        for j in 0..densities.len() {
+                            if densities[i] > densities[j] {
+                                proptest::prop_assert!(levels[i] <= levels[j]);
+                            }
+                        }
+                    }
+                    if budget >= bits[0] {
+                        proptest::prop_assert!(levels.iter().all(|&l| l == 0));
+                    }
+                }
+                Err(e) => proptest::prop_assert!(budget < bits[bits.len() - 1], "{e}"),
+            }
+        }
     }
 
     #[test]

@@ -3,12 +3,13 @@
 //! [`cache::KvCache`] holds a context's K/V in 16-token chunks over a [`ChunkMemory`], each
 //! chunk encoded by [`codec`]; [`attention`] reads packed chunks and records the attention every
 //! key receives; [`recompute`] rebuilds chunks from their tokens; [`eval`] scores perplexity
-//! under any KV format or mix.
+//! under any KV format or mix; [`sim`] simulates candidate formats for it.
 
 pub mod attention;
 pub mod cache;
 pub mod codec;
 pub mod eval;
 pub mod recompute;
+pub mod sim;
 
 pub use cache::*;
