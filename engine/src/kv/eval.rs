@@ -522,7 +522,7 @@ mod tests {
         ];
         let mix = ppl(Compression::Budget { levels, bits: 4.5 });
         assert!(mix.stored_bits <= 4.5, "{mix:?}");
-        let all8 = ppl(Compression::Budget { levels, bits: 10.0 });
+        let all8 = ppl(Compression::Budget { levels, bits: 11.0 });
         assert_eq!(all8, int8);
         // All chunks kept at int8, by fractions or by a ratio of 1, is the int8 run exactly.
         assert_eq!(ppl(Compression::Fractions([1.0, 0.0, 0.0])), int8);
