@@ -334,3 +334,97 @@ fn a_lower_budget_reclaims_at_once_and_calls_still_answer() {
         .unwrap();
     assert!(r.load.missing > 0);
 }
+
+/// Five contexts called in turn under a budget of two contexts' worth, for every manager: each
+/// answers as the same manager does with room for everything (swapping never changes content),
+/// and each moves chunks its own way (the counters say how).
+#[test]
+fn every_manager_answers_under_pressure_as_without_and_moves_chunks_its_own_way() {
+    use engine::service::{ManagerKind, ServiceStats};
+    let t = tiny();
+    let shape = t.model.chunk_shape(16);
+    let per_ctx = 10 * shape.slot_bytes(KvFormat::F16) as u64;
+    // Every manager's answers and counters, and whether each idle context was whole or absent.
+    let run = |kind: ManagerKind, budget: u64| -> (Vec<Vec<u32>>, ServiceStats, bool) {
+        let store = tempfile::tempdir().unwrap();
+        let mut cfg = config(store.path(), budget, KvFormat::Int8, LoadMode::Planned);
+        kind.apply(&mut cfg);
+        let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+        let o = owner();
+        let ids: Vec<u64> = (0..5)
+            .map(|i| m.create(&o, &prompt(i, 61)).unwrap())
+            .collect();
+        let (mut answers, mut whole) = (Vec::new(), true);
+        for round in 0..3u32 {
+            for (n, &id) in ids.iter().enumerate() {
+                let r = m
+                    .call(
+                        &o,
+                        id,
+                        &prompt(round * 10 + n as u32, 24),
+                        &opts(8),
+                        Instant::now(),
+                        |_| true,
+                    )
+                    .unwrap_or_else(|e| panic!("{kind}: {e}"));
+                assert!(m.pager().resident_bytes() <= budget, "{kind} over budget");
+                answers.push(r.tokens);
+                m.flush();
+                for c in m.list(&o).into_iter().filter(|c| c.id != id) {
+                    whole &= c.resident_chunks == 0 || c.resident_chunks == c.chunks;
+                }
+            }
+        }
+        let s = m.stats();
+        assert_eq!(s.manager, kind.name());
+        (answers, s, whole)
+    };
+    let mut f16_answers = None;
+    for kind in ManagerKind::ALL {
+        let (free, _, _) = run(kind, 1 << 30);
+        let (pressed, s, whole) = run(kind, 2 * per_ctx);
+        assert_eq!(free, pressed, "{kind}: pressure changed the answers");
+        assert!(s.reclaims > 10, "{kind}: only {} reclaims", s.reclaims);
+        match kind {
+            ManagerKind::Llms | ManagerKind::LlmsNoCompression | ManagerKind::LlmsNoPipeline => {
+                assert!(s.writes > 0, "{kind}: AoT wrote nothing: {s:?}");
+            }
+            ManagerKind::LlmsNoLifecycle
+            | ManagerKind::VllmSq
+            | ManagerKind::VllmS
+            | ManagerKind::Swapping => {
+                assert_eq!(s.writes, 0, "{kind} writes ahead of time: {s:?}");
+                assert!(s.sync_reclaims > 0, "{kind} never wrote a victim: {s:?}");
+                assert_eq!(s.unwritten_reclaims, 0, "{kind} gave chunks up: {s:?}");
+            }
+            ManagerKind::Lmk => {
+                assert_eq!(
+                    (s.writes, s.sync_reclaims, s.chunks_read),
+                    (0, 0, 0),
+                    "{s:?}"
+                );
+                assert!(s.chunks_recomputed > 0, "{s:?}");
+            }
+        }
+        if matches!(
+            kind,
+            ManagerKind::LlmsNoPipeline
+                | ManagerKind::VllmSq
+                | ManagerKind::VllmS
+                | ManagerKind::Swapping
+        ) {
+            assert_eq!(s.chunks_recomputed, 0, "{kind} recomputed: {s:?}");
+            assert!(s.chunks_read > 0, "{kind} read nothing: {s:?}");
+        }
+        if matches!(kind, ManagerKind::Swapping | ManagerKind::Lmk) {
+            assert!(whole, "{kind} left a context partly resident");
+        }
+        // The f16 baselines differ in how chunks move, never in what the model sees.
+        if kind.fixed_format() == Some(KvFormat::F16) {
+            match &f16_answers {
+                None => f16_answers = Some(pressed),
+                Some(a) => assert_eq!(a, &pressed, "{kind} differs from the other f16 managers"),
+            }
+        }
+    }
+}

@@ -147,6 +147,7 @@ pub fn run_stats(a: StatsArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let d = &s.daemon;
+    println!("manager        {}", s.manager);
     println!(
         "kv memory      {:.1} / {:.1} MiB resident",
         mib(s.resident_bytes),
@@ -163,8 +164,8 @@ pub fn run_stats(a: StatsArgs) -> anyhow::Result<()> {
         s.chunks_read, s.chunks_recomputed, s.faults
     );
     println!(
-        "reclaims       {} ({} before write-out)",
-        s.reclaims, s.unwritten_reclaims
+        "reclaims       {} ({} waited for a write, {} given up unwritten)",
+        s.reclaims, s.sync_reclaims, s.unwritten_reclaims
     );
     println!(
         "writes         {} done, {} failed, {} queued",

@@ -19,7 +19,7 @@ use engine::service::chunk_io::default_mountpoint;
 use engine::service::daemon::{Daemon, DaemonConfig};
 use engine::service::pressure::{PressureFiles, PressureWatch};
 use engine::service::protocol::DEFAULT_MAX_LINE;
-use engine::service::{Manager, ManagerConfig};
+use engine::service::{Manager, ManagerConfig, ManagerKind};
 use policy::BudgetConfig;
 
 use crate::model_cmd::ModelsDirArg;
@@ -115,8 +115,15 @@ pub struct ServeArgs {
     /// [default: 256M]
     #[arg(long, env = "LLMS_KV_BUDGET", value_name = "BYTES")]
     pub kv_budget: Option<String>,
+    /// The context manager: `llms` (every technique of the paper), its ablations
+    /// `llms-no-compression`, `llms-no-pipeline`, `llms-no-lifecycle`, or a baseline: `vllm-sq`
+    /// (int8 chunks written and read on demand), `vllm-s` (the same in f16), `swapping` (whole
+    /// f16 contexts swapped), `lmk` (whole contexts killed and re-prefilled). docs/service.md
+    /// describes each [default: llms]
+    #[arg(long, env = "LLMS_MANAGER", value_name = "NAME")]
+    pub manager: Option<String>,
     /// Format new KV chunks are sealed in: f16, int8 (then compressed to int4/int2 by
-    /// attention) [default: int8]
+    /// attention); the baselines fix their own [default: int8]
     #[arg(long, env = "LLMS_KV_FORMAT", value_name = "FORMAT")]
     pub kv_format: Option<String>,
     /// Most tokens one context holds [default: the model's context length, at most 2048]
@@ -172,6 +179,7 @@ struct ConfigFile {
     pressure_interval: Option<f64>,
     no_pressure: Option<bool>,
     kv_format: Option<String>,
+    manager: Option<String>,
     max_context: Option<usize>,
     max_contexts_per_app: Option<usize>,
     queue: Option<usize>,
@@ -225,6 +233,7 @@ struct Settings {
     /// `None`: no pressure watch.
     pressure: Option<(u64, std::time::Duration)>,
     kv_format: KvFormat,
+    manager: ManagerKind,
     max_context: Option<usize>,
     daemon: DaemonConfig,
     threads: Option<usize>,
@@ -266,11 +275,26 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         }
         Some((min, std::time::Duration::from_secs_f64(secs)))
     };
-    let kv_format: KvFormat = a
-        .kv_format
-        .or(f.kv_format)
-        .unwrap_or_else(|| "int8".into())
-        .parse()?;
+    let manager: ManagerKind = match a.manager.or(f.manager) {
+        Some(m) => m.parse()?,
+        None => ManagerKind::Llms,
+    };
+    let kv_format: KvFormat = match (a.kv_format.or(f.kv_format), manager.fixed_format()) {
+        (Some(k), Some(fixed)) => {
+            let k: KvFormat = k.parse()?;
+            if k != fixed {
+                bail!(
+                    "the {manager} manager keeps its chunks in {}; drop --kv-format {}",
+                    fixed.name(),
+                    k.name()
+                );
+            }
+            k
+        }
+        (Some(k), None) => k.parse()?,
+        (None, Some(fixed)) => fixed,
+        (None, None) => KvFormat::Int8,
+    };
     let d = DaemonConfig::default();
     let positive = |name: &str, v: usize| {
         if v == 0 {
@@ -320,6 +344,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         kv_budget: budget,
         pressure,
         kv_format,
+        manager,
         max_context: a.max_context.or(f.max_context),
         daemon,
         threads: a.threads.or(f.threads),
@@ -432,9 +457,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     mc.mount = s.mount.clone();
     mc.mount_guard = Some(crate::kvfs_cmd::guard_command()?);
     mc.kv_format = s.kv_format;
-    if s.kv_format == KvFormat::F16 {
-        mc.compress_ratio = None;
-    }
+    s.manager.apply(&mut mc);
+    tracing::info!(manager = %s.manager, "{}", s.manager.describe());
     mc.max_tokens = s.max_context.unwrap_or(model.cfg.max_ctx.min(2048));
     let max_tokens = mc.max_tokens;
     let manager = Manager::open(Arc::clone(&model), mc)

@@ -80,6 +80,14 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         (&["serve", "--kv-budget", "99999999999G"], "too large"),
         (&["serve", "--kv-budget", "lots"], "not a size"),
         (&["serve", "--queue", "0"], "at least 1"),
+        (
+            &["serve", "--manager", "vllm"],
+            "no manager \"vllm\"; the managers are llms,",
+        ),
+        (
+            &["serve", "--manager", "vllm-s", "--kv-format", "int8"],
+            "keeps its chunks in f16",
+        ),
         (&["serve", "--threads", "0"], "--threads"),
         (
             &["kvfs", "mount", "--store", "s", "--threads", "0", "m"],

@@ -404,10 +404,57 @@ impl State {
         Ok(freed)
     }
 
-    /// Make room for `need` more resident bytes, reclaiming victims the chooser names.
+    /// Reclaim a victim (state lock held). A resident chunk never written out is first handed
+    /// to the source's `write_back`, so it comes back by a read instead of being recomputed;
+    /// the reclaim waits for that write ("sync reclaim", counted).
+    pub(crate) fn evict(
+        &mut self,
+        stats: &Stats,
+        source: &dyn ChunkSource,
+        key: ChunkKey,
+    ) -> Result<u64, PagerError> {
+        let (c, s) = self.book.slot(key)?;
+        if s.state == ChunkState::Resident && !s.persisted && !s.needs_recompute {
+            // SAFETY: `index < max_chunks`, so the slot's `bytes` (at most its stride) lie inside
+            // the context's mapping, which the state lock keeps mapped; a resident slot was
+            // populated whole, so reading it faults on nothing (the fault thread, which needs this
+            // lock, is never waited for); victims belong to unlocked contexts and only a lock
+            // holder writes a slot, and locking takes the state lock we hold, so nobody writes
+            // the bytes while `write_back` reads them.
+            let data = unsafe {
+                std::slice::from_raw_parts(
+                    c.map.ptr().add(key.index as usize * c.stride).as_ptr(),
+                    s.bytes,
+                )
+            };
+            let t = Instant::now();
+            let written = catch_unwind(AssertUnwindSafe(|| source.write_back(key, data)));
+            match written {
+                Ok(Ok(true)) => {
+                    self.book.slot_mut(key)?.0.persisted = true;
+                    stats.sync_reclaims.fetch_add(1, Relaxed);
+                    debug!(chunk = %key, secs = t.elapsed().as_secs_f64(), "written back before reclaim");
+                }
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => {
+                    stats.source_errors.fetch_add(1, Relaxed);
+                    warn!(chunk = %key, error = %e, "writing a victim back failed; it is given up");
+                }
+                Err(_) => {
+                    stats.source_errors.fetch_add(1, Relaxed);
+                    warn!(chunk = %key, "the source panicked writing a victim back; it is given up");
+                }
+            }
+        }
+        self.drop_chunk(stats, key)
+    }
+
+    /// Make room for `need` more resident bytes, reclaiming the victims the chooser names (all
+    /// of them: a whole-context chooser names a whole context, which goes whole).
     pub(crate) fn make_room(
         &mut self,
         stats: &Stats,
+        source: &dyn ChunkSource,
         budget: u64,
         key: ChunkKey,
         need: u64,
@@ -424,11 +471,8 @@ impl State {
             let victims = self.chooser.choose_victims(short, &self.book);
             let mut freed = 0;
             for v in victims {
-                if self.book.resident + need <= budget {
-                    break;
-                }
                 if self.book.candidate(v).is_some() {
-                    freed += self.drop_chunk(stats, v)?;
+                    freed += self.evict(stats, source, v)?;
                 }
             }
             if freed == 0 {
@@ -479,7 +523,13 @@ impl Shared {
             ChunkState::Populating => return Err(PagerError::Busy { key }),
             ChunkState::Absent | ChunkState::Reclaimed | ChunkState::ZeroMapped => {}
         }
-        st.make_room(&self.stats, self.budget.load(Relaxed), key, bytes as u64)?;
+        st.make_room(
+            &self.stats,
+            &*self.source,
+            self.budget.load(Relaxed),
+            key,
+            bytes as u64,
+        )?;
         let c = st
             .book
             .ctxs
@@ -798,11 +848,8 @@ impl Pager {
             let victims = chooser.choose_victims(short, book);
             let mut round = 0;
             for v in victims {
-                if st.book.resident <= budget_bytes {
-                    break;
-                }
                 if st.book.candidate(v).is_some() {
-                    round += st.drop_chunk(&self.shared.stats, v)?;
+                    round += st.evict(&self.shared.stats, &*self.shared.source, v)?;
                 }
             }
             if round == 0 {
@@ -1038,8 +1085,28 @@ impl Pager {
         res.map_err(|source| PagerError::Populate { key: r.key, source })
     }
 
-    /// Reclaim: drop a resident chunk's pages (MADV_DONTNEED). Refused while its context is
-    /// locked. Returns the bytes freed.
+    /// Evict: reclaim a resident chunk as the budget does, writing it back through the source
+    /// first if it was never written out (see [`ChunkSource::write_back`]). Refused while its
+    /// context is locked. Returns the bytes freed.
+    pub fn evict(&self, key: ChunkKey) -> Result<u64, PagerError> {
+        let _span = tracing::debug_span!("evict", chunk = %key).entered();
+        let st = self.live()?;
+        let mut st = self.shared.wait_populated(st, key)?;
+        let (c, s) = st.book.slot(key)?;
+        if c.locks > 0 {
+            return Err(PagerError::Locked { ctx: key.ctx });
+        }
+        match s.state {
+            ChunkState::Resident | ChunkState::ZeroMapped => {
+                st.evict(&self.shared.stats, &*self.shared.source, key)
+            }
+            _ => Err(PagerError::NotResident { key }),
+        }
+    }
+
+    /// Reclaim: drop a resident chunk's pages (MADV_DONTNEED), never writing it anywhere (a chunk
+    /// not written out is lost and must be recomputed). Refused while its context is locked.
+    /// Returns the bytes freed.
     pub fn reclaim(&self, key: ChunkKey) -> Result<u64, PagerError> {
         let _span = tracing::debug_span!("reclaim", chunk = %key).entered();
         let st = self.live()?;

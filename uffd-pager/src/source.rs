@@ -29,4 +29,17 @@ pub trait ChunkSource: Send + Sync {
     /// Fill all of `dst` (the chunk's slot, `dst.len()` bytes, page-rounded) with `key`'s bytes,
     /// or fail with a classified error.
     fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError>;
+
+    /// Write a resident chunk that was never written out to where `fill` will find it, before
+    /// the pager reclaims it ("sync reclaim": the reclaim waits for this write). `data` is the
+    /// chunk's slot (page-rounded). Return `Ok(true)` when the chunk is now stored and can come
+    /// back by `fill`, `Ok(false)` when this source does not keep such chunks (the default: the
+    /// chunk is given up and must be recomputed), or an error (given up too).
+    ///
+    /// Called with the pager's state lock held, from the thread that needed room (an API call
+    /// or the fault thread): it must not call back into the pager.
+    fn write_back(&self, key: ChunkKey, data: &[u8]) -> Result<bool, SourceError> {
+        let _ = (key, data);
+        Ok(false)
+    }
 }

@@ -85,6 +85,7 @@ pub struct Stats {
     pub(crate) populates: AtomicU64,
     pub(crate) reclaims: AtomicU64,
     pub(crate) unpersisted_reclaims: AtomicU64,
+    pub(crate) sync_reclaims: AtomicU64,
     pub(crate) shrinks: AtomicU64,
     pub(crate) bytes_in: AtomicU64,
     pub(crate) bytes_out: AtomicU64,
@@ -112,6 +113,9 @@ pub struct StatsSnapshot {
     pub reclaims: u64,
     /// Reclaims of chunks not written out: their bytes are gone until recomputed.
     pub unpersisted_reclaims: u64,
+    /// Reclaims that waited for the source to write the victim out first
+    /// ([`crate::ChunkSource::write_back`]).
+    pub sync_reclaims: u64,
     /// Chunks shrunk in place.
     pub shrinks: u64,
     /// Bytes made resident.
@@ -144,6 +148,7 @@ impl Stats {
             populates: self.populates.load(Relaxed),
             reclaims: self.reclaims.load(Relaxed),
             unpersisted_reclaims: self.unpersisted_reclaims.load(Relaxed),
+            sync_reclaims: self.sync_reclaims.load(Relaxed),
             shrinks: self.shrinks.load(Relaxed),
             bytes_in: self.bytes_in.load(Relaxed),
             bytes_out: self.bytes_out.load(Relaxed),

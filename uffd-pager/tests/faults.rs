@@ -640,3 +640,71 @@ fn a_source_that_hangs_past_its_deadline_stops_the_pager_and_releases_the_fault(
     );
     assert!(matches!(p.check(k), Err(PagerError::ShutDown)));
 }
+
+/// A source that keeps what it is given to write back, and serves only that.
+#[derive(Default)]
+struct KeepingSource {
+    kept: std::sync::Mutex<std::collections::HashMap<ChunkKey, Vec<u8>>>,
+    writes: std::sync::atomic::AtomicU64,
+}
+
+impl ChunkSource for KeepingSource {
+    fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
+        let kept = self.kept.lock().unwrap();
+        let data = kept.get(&key).ok_or(SourceError::Missing { key })?;
+        dst[..data.len()].copy_from_slice(data);
+        dst[data.len()..].fill(0);
+        Ok(())
+    }
+
+    fn write_back(&self, key: ChunkKey, data: &[u8]) -> Result<bool, SourceError> {
+        self.writes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.kept.lock().unwrap().insert(key, data.to_vec());
+        Ok(true)
+    }
+}
+
+#[test]
+fn a_victim_never_written_out_is_written_back_before_it_goes_and_faults_back_whole() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let src = Arc::new(KeepingSource::default());
+    // Room for two chunks of three pages.
+    let p = pager(6, src.clone());
+    let (a, b, c) = (
+        ChunkKey::new(1, 0),
+        ChunkKey::new(1, 1),
+        ChunkKey::new(2, 0),
+    );
+    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
+    p.populate(b, SLOT, &pattern(b, SLOT)).unwrap();
+    // `a`, the oldest, is the victim and was never written: it is written back, then dropped.
+    p.populate(c, SLOT, &pattern(c, SLOT)).unwrap();
+    assert_eq!(p.chunk_info(a).unwrap().state, ChunkState::Reclaimed);
+    let s = p.stats();
+    assert_eq!((s.sync_reclaims, s.unpersisted_reclaims), (1, 0), "{s:?}");
+    // A touch faults it back from what was written (making room writes `b` back the same way);
+    // it counts as persisted, so reclaiming it again would write nothing.
+    assert_eq!(touch_read(&p, a, SLOT), pattern(a, SLOT));
+    assert!(p.chunk_info(a).unwrap().persisted);
+    assert_eq!(p.stats().sync_reclaims, 2);
+    // Plain `reclaim` never writes: `c` is given up.
+    p.reclaim(c).unwrap();
+    assert_eq!(p.stats().unpersisted_reclaims, 1);
+    // `evict` writes an unwritten chunk back on demand.
+    let d = ChunkKey::new(2, 1);
+    p.populate(d, SLOT, &pattern(d, SLOT)).unwrap();
+    assert_eq!(p.evict(d).unwrap(), SLOT as u64);
+    assert_eq!(p.stats().sync_reclaims, 3);
+    assert_eq!(touch_read(&p, d, SLOT), pattern(d, SLOT));
+    assert_eq!(src.writes.load(Relaxed), 3);
+    // `c` was never written: its fault finds nothing and asks for a recompute.
+    let _ = touch_read(&p, c, PAGE);
+    assert!(p.chunk_info(c).unwrap().needs_recompute);
+    assert_eq!(
+        src.writes.load(Relaxed),
+        3,
+        "a persisted victim is not written again"
+    );
+    p.shutdown();
+}

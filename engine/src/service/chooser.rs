@@ -13,12 +13,30 @@ pub struct PolicyChooser {
     inner: Box<dyn policy::VictimChooser + Send>,
     /// Page-rounded slot bytes of each level, heaviest first.
     sizes: Vec<(u64, Level)>,
+    /// Offer chunks already written out before the others (chunk choosers); a whole-context
+    /// chooser takes its context whole instead.
+    persisted_first: bool,
 }
 
 impl PolicyChooser {
     /// Wraps `inner`; `sizes` gives each level's slot bytes.
     pub fn new(inner: Box<dyn policy::VictimChooser + Send>, sizes: Vec<(u64, Level)>) -> Self {
-        Self { inner, sizes }
+        Self {
+            inner,
+            sizes,
+            persisted_first: true,
+        }
+    }
+
+    /// Wraps a chooser of whole contexts: the victims are what it names, written out or not.
+    pub fn whole_contexts(
+        inner: Box<dyn policy::VictimChooser + Send>,
+        sizes: Vec<(u64, Level)>,
+    ) -> Self {
+        Self {
+            persisted_first: false,
+            ..Self::new(inner, sizes)
+        }
     }
 
     fn level_of(&self, bytes: u64) -> Level {
@@ -44,13 +62,15 @@ impl uffd_pager::VictimChooser for PolicyChooser {
     fn choose_victims(&mut self, need_bytes: u64, view: &dyn ResidentView) -> Vec<ChunkKey> {
         // Chunks already written out first: reclaiming them costs no I/O now or later. Only when
         // they do not free enough are unwritten chunks given up (they will be recomputed).
-        let persisted = self.inner.peek_victims(need_bytes, &mut |c| {
-            view.candidate(key(c))
-                .filter(|c| c.persisted)
-                .map(|c| c.bytes)
-        });
-        if persisted.freed >= need_bytes {
-            return persisted.chunks.iter().map(|v| key(v.id)).collect();
+        if self.persisted_first {
+            let persisted = self.inner.peek_victims(need_bytes, &mut |c| {
+                view.candidate(key(c))
+                    .filter(|c| c.persisted)
+                    .map(|c| c.bytes)
+            });
+            if persisted.freed >= need_bytes {
+                return persisted.chunks.iter().map(|v| key(v.id)).collect();
+            }
         }
         let any = self
             .inner

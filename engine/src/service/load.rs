@@ -305,5 +305,9 @@ fn read_one(
         });
     }
     pager.populate(key, data.len(), data)?;
+    if have == want {
+        // The slot holds exactly what the store does: reclaiming it again needs no write.
+        pager.mark_persisted(key)?;
+    }
     Ok(n)
 }

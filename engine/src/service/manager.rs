@@ -30,6 +30,7 @@ use crate::service::ServiceError;
 use crate::service::chooser::PolicyChooser;
 use crate::service::chunk_io::ChunkIo;
 use crate::service::load::{self, LoadMode, LoadReport, StoredChunk};
+use crate::service::managers::ManagerKind;
 use crate::service::memory::{PagerChunks, Versions};
 use crate::service::source::{
     Expected, StoreSource, format_of, from_store, level_of, model_fingerprint,
@@ -45,6 +46,22 @@ pub enum VictimPolicy {
     Lctru,
     /// Least recently used chunk first.
     Lru,
+    /// The least recently used context, whole (the Swapping and LMK baselines).
+    Context,
+}
+
+/// When a chunk is written to kvfs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WriteOut {
+    /// Ahead of time, at the end of the call that made or changed it (LLMS); a victim reclaimed
+    /// before its write finished is written then ("sync reclaim").
+    #[default]
+    Aot,
+    /// Only when it is reclaimed, and the reclaim waits for the write (vLLM, Swapping).
+    OnReclaim,
+    /// Never: a reclaimed chunk is gone and its context recomputes it (LMK).
+    Never,
 }
 
 /// The manager's settings.
@@ -71,8 +88,12 @@ pub struct ManagerConfig {
     pub compress_ratio: Option<f64>,
     /// The levels chunks may take.
     pub levels: LevelSet,
+    /// Which manager this configuration is (set by [`ManagerKind::apply`]; reported in stats).
+    pub kind: ManagerKind,
     /// How the pager picks victims.
     pub victims: VictimPolicy,
+    /// When chunks are written to kvfs.
+    pub write_out: WriteOut,
     /// How missing chunks come back.
     pub load: LoadMode,
     /// The costs the planner starts from; refined with every Load's measurements.
@@ -97,7 +118,9 @@ impl ManagerConfig {
             max_tokens: 2048,
             compress_ratio: Some(0.5),
             levels: LevelSet::paper_default(),
+            kind: ManagerKind::Llms,
             victims: VictimPolicy::Lctru,
+            write_out: WriteOut::Aot,
             load: LoadMode::Planned,
             cost: default_cost(),
             writer_queue: 16,
@@ -180,6 +203,8 @@ pub struct ContextSummary {
 /// Service-wide counters.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ServiceStats {
+    /// The context manager (`llms serve --manager`).
+    pub manager: &'static str,
     pub budget_bytes: u64,
     pub resident_bytes: u64,
     pub contexts: usize,
@@ -190,6 +215,8 @@ pub struct ServiceStats {
     pub reclaims: u64,
     /// Victims given up before they were written out (they are recomputed when needed).
     pub unwritten_reclaims: u64,
+    /// Victims written out while the reclaim waited (never written ahead of time, or not yet).
+    pub sync_reclaims: u64,
     pub writes: u64,
     pub write_failures: u64,
     pub writes_queued: u64,
@@ -327,17 +354,24 @@ impl Manager {
         let shape = model.chunk_shape(cfg.chunk_tokens);
         let slot = shape.slot_bytes(cfg.kv_format);
         let expected = Arc::new(Expected::default());
-        let source = Arc::new(StoreSource::new(Arc::clone(&io), Arc::clone(&expected)));
+        let source = Arc::new(StoreSource::new(
+            Arc::clone(&io),
+            Arc::clone(&expected),
+            shape,
+            cfg.write_out != WriteOut::Never,
+        ));
         let sizes: Vec<(u64, Level)> = cfg
             .levels
             .levels()
             .filter_map(|l| format_of(&cfg.levels, l).map(|f| (shape.slot_bytes(f) as u64, l)))
             .collect();
-        let inner: Box<dyn policy::VictimChooser + Send> = match cfg.victims {
-            VictimPolicy::Lctru => Box::new(policy::LctruQueue::new()),
-            VictimPolicy::Lru => Box::new(policy::ChunkLru::new()),
-        };
-        let chooser = Box::new(PolicyChooser::new(inner, sizes));
+        let chooser = Box::new(match cfg.victims {
+            VictimPolicy::Lctru => PolicyChooser::new(Box::new(policy::LctruQueue::new()), sizes),
+            VictimPolicy::Lru => PolicyChooser::new(Box::new(policy::ChunkLru::new()), sizes),
+            VictimPolicy::Context => {
+                PolicyChooser::whole_contexts(Box::new(policy::WholeContextLru::swapping()), sizes)
+            }
+        });
         let pager = Arc::new(Pager::with_chooser(
             PagerConfig::new(cfg.kv_budget, slot),
             source,
@@ -447,7 +481,8 @@ impl Manager {
             tokens[..sealed * t].to_vec(),
             formats,
         )?;
-        self.expected.set(id, cache.chunk_formats());
+        self.expected
+            .set(id, cache.chunk_formats(), &density.chunk_densities());
         Ok(Context {
             owner,
             cache,
@@ -613,7 +648,18 @@ impl Manager {
         received: Instant,
         on_token: impl FnMut(u32) -> bool,
     ) -> Result<CallReport, ServiceError> {
-        // 1. Load.
+        // 1. Load. Chunks the pager wrote out when it reclaimed them are in the store now.
+        for i in expected.take_written(id) {
+            if let Some(slot) = ctx.stored.get_mut(i as usize)
+                && let Ok(kvfs::ChunkState::Stored(s)) =
+                    io.store().chunk_state(kvfs::ContextId(id), i)
+            {
+                *slot = Some(StoredChunk {
+                    format: from_store(s.format),
+                    bytes: u64::from(s.stored_len),
+                });
+            }
+        }
         let load = load::load(
             model,
             io,
@@ -686,7 +732,11 @@ impl Manager {
                 }
             }
         }
-        expected.set(id, ctx.cache.chunk_formats());
+        expected.set(
+            id,
+            ctx.cache.chunk_formats(),
+            &ctx.density.chunk_densities(),
+        );
 
         // 4. AoT write-out: the tokens first (a chunk is valid only with its tokens), then the
         // chunks, in the background.
@@ -708,9 +758,14 @@ impl Manager {
                 }
             })
             .collect();
-        let writes = policy::plan_writeout(&states).map_err(|e| ServiceError::Internal {
-            what: e.to_string(),
-        })?;
+        let writes = match cfg.write_out {
+            WriteOut::Aot => {
+                policy::plan_writeout(&states).map_err(|e| ServiceError::Internal {
+                    what: e.to_string(),
+                })?
+            }
+            WriteOut::OnReclaim | WriteOut::Never => Vec::new(),
+        };
         let densities = ctx.density.chunk_densities();
         for w in &writes {
             let i = w.index as usize;
@@ -814,6 +869,7 @@ impl Manager {
         let w = self.writer.stats();
         use std::sync::atomic::Ordering::Relaxed;
         ServiceStats {
+            manager: self.cfg.kind.name(),
             budget_bytes: self.pager.budget(),
             resident_bytes: self.pager.resident_bytes(),
             contexts: self.contexts.len(),
@@ -823,6 +879,7 @@ impl Manager {
             faults: p.faults,
             reclaims: p.reclaims,
             unwritten_reclaims: p.unpersisted_reclaims,
+            sync_reclaims: p.sync_reclaims,
             writes: w.written.load(Relaxed),
             write_failures: w.failed.load(Relaxed),
             writes_queued: self.writer.queued(),
@@ -841,13 +898,14 @@ impl Manager {
     }
 
     /// Drops every resident chunk of a context from memory (they come back on its next call):
-    /// what memory pressure does to an idle context, on demand.
+    /// what memory pressure does to an idle context, on demand. Chunks not written out are
+    /// written first unless the manager never writes (LMK).
     pub fn swap_out(&mut self, owner: &Owner, id: u64) -> Result<u64, ServiceError> {
         self.owned(owner, id)?;
         let max = self.pager.context_chunks(ContextId(id))?;
         let mut freed = 0;
         for i in 0..max {
-            match self.pager.reclaim(ChunkKey::new(id, i)) {
+            match self.pager.evict(ChunkKey::new(id, i)) {
                 Ok(b) => freed += b,
                 Err(uffd_pager::PagerError::NotResident { .. }) => {}
                 Err(e) => return Err(e.into()),

@@ -15,6 +15,7 @@ pub mod client;
 pub mod daemon;
 pub mod load;
 pub mod manager;
+pub mod managers;
 pub mod memory;
 pub mod pressure;
 pub mod protocol;
@@ -24,8 +25,9 @@ pub mod writer;
 pub use load::{LoadMode, LoadReport};
 pub use manager::{
     CallOptions, CallReport, ContextSummary, Manager, ManagerConfig, Owner, ServiceStats,
-    VictimPolicy,
+    VictimPolicy, WriteOut,
 };
+pub use managers::ManagerKind;
 
 /// What went wrong in the service; [`ServiceError::code`] is the stable name clients match on.
 #[derive(Debug, thiserror::Error)]

@@ -423,6 +423,9 @@ pub struct Latency {
 /// Service-wide counters.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Stats {
+    /// The context manager the daemon runs (`llms serve --manager`).
+    #[serde(default)]
+    pub manager: String,
     pub budget_bytes: u64,
     pub resident_bytes: u64,
     pub contexts: usize,
@@ -431,8 +434,11 @@ pub struct Stats {
     pub chunks_recomputed: u64,
     pub faults: u64,
     pub reclaims: u64,
-    /// Reclaims of chunks not yet written out (synchronous reclaims: recomputed when needed).
+    /// Reclaims of chunks given up unwritten (recomputed when needed).
     pub unwritten_reclaims: u64,
+    /// Reclaims that waited for their victim to be written out first.
+    #[serde(default)]
+    pub sync_reclaims: u64,
     pub writes: u64,
     pub write_failures: u64,
     pub writes_queued: u64,

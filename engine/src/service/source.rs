@@ -11,7 +11,7 @@ use policy::{Level, LevelSet};
 use sha2::Digest;
 use uffd_pager::{ChunkKey, ChunkSource, SourceError};
 
-use crate::kv::KvFormat;
+use crate::kv::{ChunkShape, KvFormat};
 use crate::service::chunk_io::ChunkIo;
 
 /// The engine's format as kvfs records it.
@@ -64,16 +64,28 @@ pub fn model_fingerprint(path: &Path) -> std::io::Result<Fingerprint> {
 }
 
 /// The format each chunk of each context is expected in (what the engine's cache records), so a
-/// stored copy in another format is never handed to the engine as if it were the right one.
+/// stored copy in another format is never handed to the engine as if it were the right one; with
+/// each chunk's density (for the header of a chunk written back on reclaim), and the chunks so
+/// written since the manager last asked.
 #[derive(Debug, Default)]
 pub struct Expected {
-    map: Mutex<HashMap<u64, Vec<KvFormat>>>,
+    map: Mutex<HashMap<u64, CtxExpected>>,
+}
+
+#[derive(Debug, Default)]
+struct CtxExpected {
+    formats: Vec<KvFormat>,
+    densities: Vec<f32>,
+    written: Vec<u32>,
 }
 
 impl Expected {
-    /// Records `ctx`'s chunk formats.
-    pub fn set(&self, ctx: u64, formats: &[KvFormat]) {
-        self.lock().insert(ctx, formats.to_vec());
+    /// Records `ctx`'s chunk formats and densities.
+    pub fn set(&self, ctx: u64, formats: &[KvFormat], densities: &[f64]) {
+        let mut m = self.lock();
+        let e = m.entry(ctx).or_default();
+        e.formats = formats.to_vec();
+        e.densities = densities.iter().map(|&d| d as f32).collect();
     }
 
     /// Forgets `ctx`.
@@ -85,25 +97,46 @@ impl Expected {
     pub fn get(&self, key: ChunkKey) -> Option<KvFormat> {
         self.lock()
             .get(&key.ctx.0)
-            .and_then(|v| v.get(key.index as usize).copied())
+            .and_then(|e| e.formats.get(key.index as usize).copied())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Vec<KvFormat>>> {
+    /// The chunks of `ctx` written back on reclaim since the last call of this.
+    pub fn take_written(&self, ctx: u64) -> Vec<u32> {
+        self.lock()
+            .get_mut(&ctx)
+            .map(|e| std::mem::take(&mut e.written))
+            .unwrap_or_default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CtxExpected>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 /// Reads chunks from kvfs (through the mount when there is one): the pager's source for faults.
-/// A chunk is read straight into the pager's buffer, with no allocation.
+/// A chunk is read straight into the pager's buffer, with no allocation. Unless built not to,
+/// it also writes a victim that was never written out before the pager reclaims it.
 pub struct StoreSource {
     io: Arc<ChunkIo>,
     expected: Arc<Expected>,
+    shape: ChunkShape,
+    write_back: bool,
 }
 
 impl StoreSource {
-    /// A source over `io`.
-    pub fn new(io: Arc<ChunkIo>, expected: Arc<Expected>) -> Self {
-        Self { io, expected }
+    /// A source over `io`; `write_back` lets it write victims out on reclaim.
+    pub fn new(
+        io: Arc<ChunkIo>,
+        expected: Arc<Expected>,
+        shape: ChunkShape,
+        write_back: bool,
+    ) -> Self {
+        Self {
+            io,
+            expected,
+            shape,
+            write_back,
+        }
     }
 }
 
@@ -151,5 +184,42 @@ impl ChunkSource for StoreSource {
         };
         dst[meta.raw_len as usize..].fill(0);
         Ok(())
+    }
+
+    fn write_back(&self, key: ChunkKey, data: &[u8]) -> Result<bool, SourceError> {
+        if !self.write_back {
+            return Ok(false);
+        }
+        let (format, density) = {
+            let m = self.expected.lock();
+            let Some(e) = m.get(&key.ctx.0) else {
+                return Ok(false);
+            };
+            let Some(&f) = e.formats.get(key.index as usize) else {
+                return Ok(false);
+            };
+            (
+                f,
+                e.densities.get(key.index as usize).copied().unwrap_or(0.0),
+            )
+        };
+        let len = self.shape.chunk_bytes(format);
+        let Some(bytes) = data.get(..len) else {
+            return Err(SourceError::Corrupt {
+                key,
+                detail: format!(
+                    "a {}-byte slot for a {len}-byte {} chunk",
+                    data.len(),
+                    format.name()
+                ),
+            });
+        };
+        self.io
+            .write(key.ctx.0, key.index, to_store(format), density, bytes)
+            .map_err(|e| classify(key, &e))?;
+        if let Some(e) = self.expected.lock().get_mut(&key.ctx.0) {
+            e.written.push(key.index);
+        }
+        Ok(true)
     }
 }

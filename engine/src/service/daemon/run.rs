@@ -295,6 +295,7 @@ fn stats(m: &Manager, shared: &Shared) -> Stats {
     let s = m.stats();
     let ms = |ns: u64| ns as f64 / 1e6;
     Stats {
+        manager: s.manager.to_string(),
         budget_bytes: s.budget_bytes,
         resident_bytes: s.resident_bytes,
         contexts: s.contexts,
@@ -304,6 +305,7 @@ fn stats(m: &Manager, shared: &Shared) -> Stats {
         faults: s.faults,
         reclaims: s.reclaims,
         unwritten_reclaims: s.unwritten_reclaims,
+        sync_reclaims: s.sync_reclaims,
         writes: s.writes,
         write_failures: s.write_failures,
         writes_queued: s.writes_queued,
