@@ -428,3 +428,65 @@ fn every_manager_answers_under_pressure_as_without_and_moves_chunks_its_own_way(
         }
     }
 }
+
+/// A call that would overflow its context slides the window: the first chunk and the most
+/// recent tokens stay (durably, in the store too), the answer is the one a fresh context holding
+/// just those tokens gives, and calls go on; with the window off the call is refused.
+#[test]
+fn a_full_context_slides_its_window_and_answers_as_a_fresh_one_with_the_kept_tokens() {
+    let t = tiny();
+    let store = tempfile::tempdir().unwrap();
+    let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
+    cfg.compress_ratio = None;
+    cfg.max_tokens = 256;
+    let mut m = Manager::open(Arc::clone(&t.model), cfg.clone()).unwrap();
+    let o = owner();
+    let id = m.create(&o, &prompt(1, 21)).unwrap();
+    let mut said = prompt(1, 21);
+    let mut slid = None;
+    for call in 0..8u32 {
+        let p = prompt(call + 2, 60);
+        let before = said.clone();
+        let r = m
+            .call(&o, id, &p, &opts(8), Instant::now(), |_| true)
+            .unwrap_or_else(|e| panic!("call {call}: {e}"));
+        if before.len() + p.len() + 1 > 256 {
+            assert!(r.window_dropped > 0, "call {call} did not slide");
+            let kept_len = before.len() - r.window_dropped;
+            assert!(kept_len <= 128, "kept {kept_len} tokens");
+            let mut kept = before[..16].to_vec();
+            kept.extend_from_slice(&before[before.len() - (kept_len - 16)..]);
+            said = kept.clone();
+            if slid.is_none() {
+                slid = Some((kept, p.clone(), r.tokens.clone()));
+            }
+        } else {
+            assert_eq!(r.window_dropped, 0);
+        }
+        said.extend_from_slice(&p);
+        said.extend_from_slice(&r.tokens);
+        assert!(said.len() <= 256);
+        m.flush();
+        assert_eq!(
+            m.store().tokens(kvfs::ContextId(id)).unwrap(),
+            said,
+            "call {call}"
+        );
+    }
+    assert!(m.stats().window_slides >= 1);
+    // The first slide's answer is what a context of just the kept tokens answers.
+    let (kept, p, answer) = slid.expect("the context never filled");
+    let fresh = m.create(&o, &kept).unwrap();
+    let r = m
+        .call(&o, fresh, &p, &opts(8), Instant::now(), |_| true)
+        .unwrap();
+    assert_eq!(r.tokens, answer);
+    // Without the window a full context refuses a call the window would have made room for.
+    drop(m);
+    cfg.window = false;
+    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+    let e = m
+        .call(&o, id, &prompt(99, 200), &opts(8), Instant::now(), |_| true)
+        .unwrap_err();
+    assert_eq!(e.code(), "context_full", "{e}");
+}

@@ -129,6 +129,11 @@ pub struct ServeArgs {
     /// Most tokens one context holds [default: the model's context length, at most 2048]
     #[arg(long, env = "LLMS_MAX_CONTEXT", value_name = "TOKENS")]
     pub max_context: Option<usize>,
+    /// Refuse a call that does not fit in its context (`context_full`) instead of sliding the
+    /// window: by default a full context keeps its first 16 tokens (the attention sink) and its
+    /// most recent ones, at most half its length, and prefills them again with the prompt
+    #[arg(long, env = "LLMS_NO_WINDOW")]
+    pub no_window: bool,
     /// Contexts one app may hold; the next `new` gets `too_many_contexts` [default: 8]
     #[arg(long, env = "LLMS_MAX_CONTEXTS_PER_APP", value_name = "N")]
     pub max_contexts_per_app: Option<usize>,
@@ -180,6 +185,7 @@ struct ConfigFile {
     no_pressure: Option<bool>,
     kv_format: Option<String>,
     manager: Option<String>,
+    no_window: Option<bool>,
     max_context: Option<usize>,
     max_contexts_per_app: Option<usize>,
     queue: Option<usize>,
@@ -234,6 +240,7 @@ struct Settings {
     pressure: Option<(u64, std::time::Duration)>,
     kv_format: KvFormat,
     manager: ManagerKind,
+    window: bool,
     max_context: Option<usize>,
     daemon: DaemonConfig,
     threads: Option<usize>,
@@ -345,6 +352,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         pressure,
         kv_format,
         manager,
+        window: !(a.no_window || f.no_window == Some(true)),
         max_context: a.max_context.or(f.max_context),
         daemon,
         threads: a.threads.or(f.threads),
@@ -458,6 +466,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     mc.mount_guard = Some(crate::kvfs_cmd::guard_command()?);
     mc.kv_format = s.kv_format;
     s.manager.apply(&mut mc);
+    mc.window = s.window;
     tracing::info!(manager = %s.manager, "{}", s.manager.describe());
     mc.max_tokens = s.max_context.unwrap_or(model.cfg.max_ctx.min(2048));
     let max_tokens = mc.max_tokens;

@@ -103,6 +103,11 @@ pub struct ManagerConfig {
     /// Threads that read chunks during a Load with nothing to recompute (one otherwise: the
     /// engine thread recomputes on the other core).
     pub io_threads: usize,
+    /// A call that would overflow `max_tokens` slides the context's window instead of failing:
+    /// the first chunk (the attention sink) and the most recent tokens are kept, the rest is
+    /// dropped, and the kept tokens are prefilled again with the prompt (StreamingLLM's sink and
+    /// window at chunk granularity). `false` refuses such a call with `context_full`.
+    pub window: bool,
 }
 
 impl ManagerConfig {
@@ -125,6 +130,7 @@ impl ManagerConfig {
             cost: default_cost(),
             writer_queue: 16,
             io_threads: 2,
+            window: true,
         }
     }
 }
@@ -184,6 +190,8 @@ pub struct CallReport {
     pub recompressed: usize,
     /// Chunks queued for write-out.
     pub queued_writes: usize,
+    /// Tokens the sliding window dropped before this call (0 when the context had room).
+    pub window_dropped: usize,
 }
 
 /// A context as `list` shows it.
@@ -217,6 +225,8 @@ pub struct ServiceStats {
     pub unwritten_reclaims: u64,
     /// Victims written out while the reclaim waited (never written ahead of time, or not yet).
     pub sync_reclaims: u64,
+    /// Calls that slid their context's window (it was full).
+    pub window_slides: u64,
     pub writes: u64,
     pub write_failures: u64,
     pub writes_queued: u64,
@@ -312,6 +322,7 @@ pub struct Manager {
     calls: u64,
     chunks_read: u64,
     chunks_recomputed: u64,
+    window_slides: u64,
     switch: Histogram,
 }
 
@@ -403,6 +414,7 @@ impl Manager {
             calls: 0,
             chunks_read: 0,
             chunks_recomputed: 0,
+            window_slides: 0,
             switch: Histogram::default(),
         };
         for id in m.store.list_contexts() {
@@ -511,6 +523,48 @@ impl Manager {
         Ok(())
     }
 
+    /// Makes room in a full context for a prompt of `prompt` tokens and an answer of up to
+    /// `answer`: keeps the first chunk (the attention sink) and the most recent tokens, at most
+    /// half the context so the next slide is many calls away, and drops the rest. The store's
+    /// tokens are replaced durably (its chunks past the sink go with them); the kept tokens after
+    /// the sink are left open, so the call prefills them again with its prompt. Returns the
+    /// tokens dropped.
+    fn slide(&mut self, id: u64, prompt: usize, answer: usize) -> Result<usize, ServiceError> {
+        let (t, max) = (self.cfg.chunk_tokens, self.cfg.max_tokens);
+        let ctx = self.contexts.get(&id).expect("the caller checked it");
+        let mut said = ctx.cache.tokens().to_vec();
+        said.extend_from_slice(&ctx.pending);
+        let sink = t.min(said.len());
+        let room = max.saturating_sub(prompt + 1 + answer.min(max / 4));
+        let keep = (max / 2).min(room).max(sink);
+        let recent = keep - sink;
+        let mut kept = said[..sink].to_vec();
+        kept.extend_from_slice(&said[said.len() - recent..]);
+        let dropped = said.len() - kept.len();
+        let (owner, calls) = (ctx.owner.clone(), ctx.calls);
+        tracing::info!(
+            ctx = id,
+            dropped,
+            kept = kept.len(),
+            "context full: window slides"
+        );
+        // A queued write of an old chunk must not land on the new tokens.
+        self.writer.flush();
+        self.store
+            .replace_tokens(kvfs::ContextId(id), kept.clone())?;
+        self.contexts.remove(&id);
+        self.pager.remove_context(ContextId(id))?;
+        self.versions.forget(ContextId(id));
+        self.expected.remove(id);
+        self.io.forget(id);
+        let mut ctx = self.new_context(id, owner, kept[..sink].to_vec())?;
+        ctx.pending = kept[sink..].to_vec();
+        ctx.calls = calls;
+        self.contexts.insert(id, ctx);
+        self.window_slides += 1;
+        Ok(dropped)
+    }
+
     /// Forgets a context's memory and takes it back from the store.
     fn reload(&mut self, id: u64) -> Result<(), ServiceError> {
         self.contexts.remove(&id);
@@ -570,12 +624,18 @@ impl Manager {
         let _span = tracing::info_span!("call", ctx = id, prompt = prompt.len()).entered();
         let ctx = self.owned(owner, id)?;
         let said = ctx.cache.len() + ctx.pending.len();
+        let mut window_dropped = 0;
         if said + prompt.len() + 1 > self.cfg.max_tokens {
-            return Err(ServiceError::Kv(crate::kv::KvError::Full {
-                len: said,
-                adding: prompt.len() + 1,
-                max: self.cfg.max_tokens,
-            }));
+            // The window keeps at least the sink chunk beside the prompt.
+            let sink = self.cfg.chunk_tokens.min(said);
+            if !self.cfg.window || sink + prompt.len() + 1 > self.cfg.max_tokens {
+                return Err(ServiceError::Kv(crate::kv::KvError::Full {
+                    len: said,
+                    adding: prompt.len() + 1,
+                    max: self.cfg.max_tokens,
+                }));
+            }
+            window_dropped = self.slide(id, prompt.len(), opts.max_tokens)?;
         }
         let ctx = self.contexts.get_mut(&id).expect("owned checked it");
         ctx.cache.pin()?;
@@ -598,7 +658,10 @@ impl Manager {
         let ctx = self.contexts.get_mut(&id).expect("still there");
         ctx.cache.unpin();
         let report = match r {
-            Ok(r) => r,
+            Ok(r) => CallReport {
+                window_dropped,
+                ..r
+            },
             Err(e) => {
                 // The context goes back to its last completed call, as the store holds it.
                 tracing::warn!(ctx = id, error = %e, "call failed; the context is reloaded");
@@ -805,6 +868,7 @@ impl Manager {
             decode_secs: run.decode_secs,
             recompressed,
             queued_writes: writes.len(),
+            window_dropped: 0,
         })
     }
 
@@ -880,6 +944,7 @@ impl Manager {
             reclaims: p.reclaims,
             unwritten_reclaims: p.unpersisted_reclaims,
             sync_reclaims: p.sync_reclaims,
+            window_slides: self.window_slides,
             writes: w.written.load(Relaxed),
             write_failures: w.failed.load(Relaxed),
             writes_queued: self.writer.queued(),

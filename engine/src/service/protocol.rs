@@ -350,6 +350,10 @@ pub struct Done {
     pub tokens: usize,
     /// Tokens the context holds after the call.
     pub context_tokens: usize,
+    /// Tokens the sliding window dropped from the full context before this call (the rest was
+    /// prefilled again with the prompt: see `timings.prefill_tokens`).
+    #[serde(default)]
+    pub window_dropped: usize,
     pub timings: Timings,
     pub chunks: ChunkCounts,
 }
@@ -439,6 +443,9 @@ pub struct Stats {
     /// Reclaims that waited for their victim to be written out first.
     #[serde(default)]
     pub sync_reclaims: u64,
+    /// Calls that slid a full context's window.
+    #[serde(default)]
+    pub window_slides: u64,
     pub writes: u64,
     pub write_failures: u64,
     pub writes_queued: u64,
@@ -610,6 +617,7 @@ mod tests {
                     stop: "max_tokens".into(),
                     tokens: 3,
                     context_tokens: 40,
+                    window_dropped: 0,
                     timings: Timings::default(),
                     chunks: ChunkCounts::default(),
                 })),

@@ -239,6 +239,7 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
         },
         tokens: generated,
         context_tokens,
+        window_dropped: report.window_dropped,
         timings: Timings {
             switch_ms: ms(report.switch_secs),
             queue_ms: ms(started.duration_since(job.received).as_secs_f64()),
@@ -306,6 +307,7 @@ fn stats(m: &Manager, shared: &Shared) -> Stats {
         reclaims: s.reclaims,
         unwritten_reclaims: s.unwritten_reclaims,
         sync_reclaims: s.sync_reclaims,
+        window_slides: s.window_slides,
         writes: s.writes,
         write_failures: s.write_failures,
         writes_queued: s.writes_queued,
