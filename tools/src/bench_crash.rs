@@ -5,10 +5,7 @@
 //! Reports restart times (spawn to listening, contexts recovered) and the checks' counts.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::Instant;
 
 use anyhow::{Context, bail, ensure};
 use engine::model::tokenizer::Tokenizer;
@@ -16,6 +13,7 @@ use engine::service::client::{CallEvent, CallParams, Client};
 use engine::service::protocol::PromptFormat;
 use rand::{Rng, SeedableRng};
 
+use crate::daemon_proc::{Daemon, DaemonSpec};
 use crate::model_cmd::ModelsDirArg;
 
 /// Options of `llms bench crash`.
@@ -76,73 +74,6 @@ fn median(v: &mut [f64]) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-struct Daemon {
-    child: Option<Child>,
-}
-
-impl Daemon {
-    fn start(model: &Path, dir: &Path) -> anyhow::Result<(Daemon, f64)> {
-        let t = Instant::now();
-        let exe =
-            std::env::current_exe().context("cannot find this program to start its daemon")?;
-        let mut child = Command::new(exe)
-            .arg("serve")
-            .arg("--socket")
-            .arg(dir.join("run/llms.sock"))
-            .arg("--store")
-            .arg(dir.join("store"))
-            .arg("--create")
-            .arg("--model")
-            .arg(model)
-            .arg("--no-pressure")
-            .env_remove("LLMS_CONFIG")
-            .env("RUST_LOG", "error")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("cannot start llms serve")?;
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().context("no stdout")?).read_line(&mut line)?;
-        if !line.starts_with("llms serve: listening") {
-            let status = child.wait()?;
-            bail!("the daemon did not start ({status}): {line:?}");
-        }
-        Ok((
-            Daemon { child: Some(child) },
-            t.elapsed().as_secs_f64() * 1e3,
-        ))
-    }
-
-    fn kill9(&mut self) -> anyhow::Result<()> {
-        if let Some(mut c) = self.child.take() {
-            c.kill()?;
-            c.wait()?;
-        }
-        Ok(())
-    }
-
-    fn term(&mut self) -> anyhow::Result<()> {
-        if let Some(mut c) = self.child.take() {
-            nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(c.id() as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            )?;
-            let status = c.wait()?;
-            ensure!(
-                status.success(),
-                "the daemon did not drain cleanly: {status}"
-            );
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.kill9();
-    }
-}
-
 /// The `quarantined` count of the mount's `/stats`.
 fn quarantined(mnt: &Path) -> anyhow::Result<u64> {
     let stats = std::fs::read_to_string(mnt.join("stats"))
@@ -180,8 +111,9 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
         .unwrap_or(&args.report.out)
         .join(format!("crash-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mnt = dir.join("run/kv");
-    let socket = dir.join("run/llms.sock");
+    let spec = DaemonSpec::new(&model, &dir);
+    let mnt = spec.mountpoint();
+    let socket = spec.socket();
     let params = |max_tokens| CallParams {
         format: PromptFormat::Raw,
         max_tokens,
@@ -195,7 +127,7 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
     // Context id -> the lengths it may have after a restart.
     let mut expected: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
     for round in 0..=args.kills {
-        let (mut d, ms) = Daemon::start(&model, &dir)?;
+        let (mut d, ms) = Daemon::start(&spec)?;
         restarts.push(ms);
         let mut c = Client::connect(&socket, "crash").context("connecting to the daemon")?;
         for (&ctx, may) in expected.iter_mut() {

@@ -10,8 +10,11 @@ mod bench_engine;
 mod bench_kv;
 mod bench_load;
 mod bench_pager;
+mod bench_switch;
+mod bench_switch_plot;
 mod chat_cmd;
 mod ctx_cmd;
+mod daemon_proc;
 mod engine_cmd;
 mod kv_mix_cmd;
 mod kvfs_cmd;
@@ -94,6 +97,10 @@ enum BenchCommand {
     /// Crash safety: kill -9 a live daemon at random moments of a replay of calls, many times,
     /// and check that no completed call is lost and no context diverges.
     Crash(bench_crash::BenchCrashArgs),
+    /// Context-switch latency under a KV budget: a trace replayed against a real daemon for
+    /// each context manager (llms and the paper's baselines), storage throttled and memory
+    /// measured with cgroup v1; a table, CSV, JSON and plots (docs/bench.md).
+    Switch(Box<bench_switch::BenchSwitchArgs>),
 }
 
 /// The whole `llms` command line: parses the arguments, runs the command, reports errors.
@@ -143,6 +150,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Kv(args)) => bench_kv::run(args),
         Command::Bench(BenchCommand::Load(args)) => bench_load::run_cmd(&args),
         Command::Bench(BenchCommand::Crash(args)) => bench_crash::run(&args),
+        Command::Bench(BenchCommand::Switch(args)) => bench_switch::run(&args),
         Command::Profile(args) => profile_cmd::run(args),
     }
 }

@@ -76,6 +76,63 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         (&["bench", "crash", "--kills", "0"], "at least 1"),
         (&["bench", "crash", "--contexts", "0"], "at least 1"),
         (&["bench", "crash", "--max-tokens", "0"], "at least 1"),
+        (
+            &["bench", "switch", "t.jsonl", "--budget-contexts", "0"],
+            "must be above 0",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--budget-contexts", "x"],
+            "'x'",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--kv-budget", "0"],
+            "at least 1 byte",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--kv-budget", "lots"],
+            "not a size",
+        ),
+        (
+            &[
+                "bench",
+                "switch",
+                "t.jsonl",
+                "--budget-contexts",
+                "2",
+                "--kv-budget",
+                "1M",
+            ],
+            "cannot be used with",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--contexts", "0"],
+            "at least 1",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--calls", "0"],
+            "at least 1",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--threads", "0"],
+            "at least 1",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--read-bps", "1"],
+            "at least 4K",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--write-bps", "fast"],
+            "not a size",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--managers", "llms,"],
+            "not a manager name",
+        ),
+        (
+            &["bench", "switch", "no-such.jsonl"],
+            "cannot read no-such.jsonl",
+        ),
+        (&["bench", "switch"], "<TRACE>"),
         (&["profile", "--chunks", "4"], "two different chunk counts"),
         (&["serve", "--kv-budget", "99999999999G"], "too large"),
         (&["serve", "--kv-budget", "lots"], "not a size"),

@@ -16,6 +16,12 @@ pub enum ConfigError {
     /// A key has a value of the wrong type or out of range.
     #[error("GGUF metadata key {key:?} is invalid: {reason}")]
     BadValue { key: String, reason: String },
+    /// The file is not a readable GGUF file.
+    #[error("cannot read the GGUF header of {path}: {source}")]
+    Read {
+        path: std::path::PathBuf,
+        source: Box<candle_core::Error>,
+    },
 }
 
 /// The dimensions and constants of a llama-family transformer.
@@ -48,6 +54,30 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// Reads the shape from the metadata of the GGUF file at `path` (its header only, not the
+    /// weights).
+    pub fn from_gguf_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let read = |source| ConfigError::Read {
+            path: path.to_owned(),
+            source: Box::new(source),
+        };
+        let mut file = std::io::BufReader::new(
+            std::fs::File::open(path).map_err(|e| read(candle_core::Error::from(e)))?,
+        );
+        let content = Content::read(&mut file).map_err(read)?;
+        Self::from_gguf(&content)
+    }
+
+    /// The chunk shape of this model's KV cache with `tokens` tokens per chunk.
+    pub fn chunk_shape(&self, tokens: usize) -> crate::kv::ChunkShape {
+        crate::kv::ChunkShape {
+            n_layers: self.n_layers,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            tokens,
+        }
+    }
+
     /// Reads the shape from GGUF metadata.
     pub fn from_gguf(content: &Content) -> Result<Self, ConfigError> {
         let md = &content.metadata;

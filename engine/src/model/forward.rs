@@ -458,12 +458,7 @@ impl Model {
 
     /// The chunk shape of this model's KV cache with `tokens` tokens per chunk.
     pub fn chunk_shape(&self, tokens: usize) -> ChunkShape {
-        ChunkShape {
-            n_layers: self.cfg.n_layers,
-            n_kv_heads: self.cfg.n_kv_heads,
-            head_dim: self.cfg.head_dim,
-            tokens,
-        }
+        self.cfg.chunk_shape(tokens)
     }
 
     fn embedding(&self) -> &QMatrix {

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use crate::kv::KvFormat;
 use crate::model::Model;
+use crate::service::cgroup;
 use crate::service::{CallOptions, LoadMode, Manager, ManagerConfig, Owner, ServiceError};
 
 /// What to measure.
@@ -218,49 +219,32 @@ pub fn run(
 /// moves the process back and removes the group.
 #[derive(Debug)]
 pub struct Throttle {
-    dir: PathBuf,
+    // Dropped after `drop` moved the process home, so the group is empty when removed.
+    _group: cgroup::Group,
+    home: PathBuf,
 }
-
-const BLKIO: &str = "/sys/fs/cgroup/blkio";
 
 impl Throttle {
     /// Limits reads from the disk holding `path` to `bps` bytes/s for this process.
     pub fn start(path: &Path, bps: u64) -> Result<Throttle, ServiceError> {
-        use std::os::unix::fs::MetadataExt;
-        let err = |what: String| ServiceError::Internal { what };
-        let dev = std::fs::metadata(path)
-            .map_err(|e| err(format!("{}: {e}", path.display())))?
-            .dev();
-        let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
-        let dir = Path::new(BLKIO).join(format!("llms-bench-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| {
-            err(format!(
-                "creating {} (needs root and the cgroup v1 blkio controller): {e}",
-                dir.display()
-            ))
-        })?;
-        let t = Throttle { dir };
-        std::fs::write(
-            t.dir.join("blkio.throttle.read_bps_device"),
-            format!("{major}:{minor} {bps}"),
-        )
-        .map_err(|e| {
-            err(format!(
-                "throttling device {major}:{minor} (a partition cannot be throttled, only its disk): {e}"
-            ))
-        })?;
-        std::fs::write(t.dir.join("cgroup.procs"), std::process::id().to_string())
-            .map_err(|e| err(format!("joining {}: {e}", t.dir.display())))?;
-        Ok(t)
+        let err = |e: cgroup::CgroupError| ServiceError::Internal {
+            what: e.to_string(),
+        };
+        let dev = cgroup::Device::of(path).map_err(err)?;
+        let home = cgroup::own_group("blkio").map_err(err)?;
+        let group = cgroup::Group::create("blkio", &format!("llms-bench-{}", std::process::id()))
+            .map_err(err)?;
+        group.throttle(dev, Some(bps), None).map_err(err)?;
+        group.add(std::process::id()).map_err(err)?;
+        Ok(Throttle {
+            _group: group,
+            home,
+        })
     }
 }
 
 impl Drop for Throttle {
     fn drop(&mut self) {
-        let _ = std::fs::write(
-            Path::new(BLKIO).join("cgroup.procs"),
-            std::process::id().to_string(),
-        );
-        let _ = std::fs::remove_dir(&self.dir);
+        let _ = cgroup::move_to(&self.home, std::process::id());
     }
 }

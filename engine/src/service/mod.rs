@@ -9,6 +9,7 @@
 //! (docs/protocol.md), and [`client`] is the typed client `llms` and apps use.
 
 pub mod bench;
+pub mod cgroup;
 pub mod chooser;
 pub mod chunk_io;
 pub mod client;
