@@ -1,26 +1,28 @@
-//! The PNG plots of `llms bench switch`, drawn with `plotters` as `llms eval sweep`'s are: the
-//! workspace builds plotters without a font backend, so a plot carries no text. Each manager has
-//! a fixed colour ([`colour_name`], also in the JSON report), latencies are on a log scale with a
-//! grid line at every 1-2-5 step and darker lines at 1, 10 and 100 ms, and docs/bench.md says
-//! what each axis holds.
+//! The PNG plots of `llms bench switch`, drawn with `plotters` (bitmap backend, no font
+//! backend: labels use the pixel font of `pixel_font.rs`): the CDF of switch latency per
+//! manager, average switch latency against the KV budget, and the most active contexts under
+//! 10 ms and 25 ms against the budget. Latencies are on a log scale; each manager keeps one
+//! colour in every plot ([`colour_name`], also in the JSON report).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::anyhow;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::bench_switch::{Active, Run};
+use crate::pixel_font::{Align, draw as text};
 
-/// Each manager's colour, by name: the paper's system in blues and greens, the baselines in
-/// warm colours and greys.
+/// Each manager's colour: the paper's system in blues, greens and purple, the baselines in
+/// warm colours and black.
 const COLOURS: [(&str, (u8, u8, u8), &str); 8] = [
     ("llms", (0, 90, 255), "blue"),
-    ("llms-no-compression", (0, 200, 220), "cyan"),
-    ("llms-no-pipeline", (0, 170, 0), "green"),
+    ("llms-no-compression", (0, 190, 210), "cyan"),
+    ("llms-no-pipeline", (0, 160, 0), "green"),
     ("llms-no-lifecycle", (150, 0, 200), "purple"),
     ("vllm-sq", (230, 0, 0), "red"),
     ("vllm-s", (255, 140, 0), "orange"),
-    ("swapping", (120, 70, 20), "brown"),
+    ("swapping", (140, 80, 20), "brown"),
     ("lmk", (0, 0, 0), "black"),
 ];
 
@@ -46,56 +48,199 @@ fn err<E: std::fmt::Debug>(path: &Path) -> impl Fn(E) -> anyhow::Error + '_ {
     move |e| anyhow!("cannot draw {}: {e:?}", path.display())
 }
 
-fn grid(alpha: f64) -> ShapeStyle {
-    ShapeStyle::from(&BLACK.mix(alpha)).stroke_width(1)
+/// A number as a tick label: no trailing zeros.
+fn num(v: f64) -> String {
+    let s = format!("{v:.3}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s == "-0" { "0".into() } else { s.into() }
 }
 
-/// A log10 range around the latencies `v` (ms): whole decades from 0.1 ms.
-fn decades(v: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = v
-        .filter(|x| *x > 0.0)
-        .fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
-    if lo > hi {
-        return (-1.0, 2.0);
-    }
-    let lo = lo.log10().floor().clamp(-2.0, 5.0);
-    let hi = (hi.log10().ceil()).max(lo + 1.0).min(6.0);
-    (lo, hi)
-}
-
-/// Vertical (or horizontal) lines at every 1-2-5 step of a log10 axis, darker at each decade
-/// and at the latency bounds (10 and 25 ms, when in range).
-fn log_grid(
-    chart: &mut Chart<'_>,
+/// One axis: its range (log10 of the value for a log axis), its ticks (position, label,
+/// whether the grid line is dark) and its title.
+struct Axis {
     lo: f64,
     hi: f64,
-    other: (f64, f64),
-    vertical: bool,
-    path: &Path,
-) -> anyhow::Result<()> {
-    let mut lines = Vec::new();
-    let mut d = lo;
-    while d <= hi + 1e-9 {
-        for (m, a) in [(1.0f64, 0.5), (2.0, 0.12), (5.0, 0.12)] {
-            let x = d + m.log10();
-            if x <= hi + 1e-9 {
-                lines.push((x, a));
+    ticks: Vec<(f64, String, bool)>,
+    title: String,
+}
+
+impl Axis {
+    /// A log10 axis over the positive values `v` (milliseconds): whole decades, a tick at every
+    /// 1-2-5 step when it spans at most three decades, and at the latency bounds 10 and 25.
+    fn log(v: impl Iterator<Item = f64>, title: &str) -> Axis {
+        let (lo, hi) = v
+            .filter(|x| *x > 0.0)
+            .fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
+        let (lo, hi) = if lo > hi {
+            (-1.0, 2.0)
+        } else {
+            let lo = lo.log10().floor().clamp(-3.0, 5.0);
+            (lo, hi.log10().ceil().max(lo + 1.0).min(6.0))
+        };
+        let steps: &[f64] = if hi - lo <= 3.0 {
+            &[1.0, 2.0, 5.0]
+        } else {
+            &[1.0]
+        };
+        let mut ticks = Vec::new();
+        let mut d = lo;
+        while d <= hi + 1e-9 {
+            for &m in steps {
+                let x = d + m.log10();
+                if x <= hi + 1e-9 {
+                    ticks.push((x, num(10f64.powf(x)), m == 1.0));
+                }
+            }
+            d += 1.0;
+        }
+        for b in [10.0f64, 25.0] {
+            let x = b.log10();
+            if (lo..=hi).contains(&x) && !ticks.iter().any(|t| (t.0 - x).abs() < 1e-9) {
+                ticks.push((x, num(b), true));
             }
         }
-        d += 1.0;
+        Axis {
+            lo,
+            hi,
+            ticks,
+            title: title.into(),
+        }
     }
-    lines.push((25f64.log10(), 0.5));
-    for (x, a) in lines {
-        let pts = if vertical {
-            [(x, other.0), (x, other.1)]
-        } else {
-            [(other.0, x), (other.1, x)]
-        };
+
+    /// A linear axis over `lo..hi` with ticks at `at`.
+    fn linear(lo: f64, hi: f64, at: &[f64], title: &str) -> Axis {
+        Axis {
+            lo,
+            hi,
+            ticks: at.iter().map(|&t| (t, num(t), false)).collect(),
+            title: title.into(),
+        }
+    }
+}
+
+const SIZE: (u32, u32) = (1000, 640);
+/// Plotting area margins: top, bottom, left, right (the legend is in the right one).
+const MARGIN: (i32, i32, i32, i32) = (44, 64, 80, 240);
+
+/// Draws one plot: the title, the axes with their grid, ticks and titles, the legend, and
+/// whatever `series` draws in data coordinates.
+fn plot(
+    path: &Path,
+    title: &str,
+    x: &Axis,
+    y: &Axis,
+    legend: &[(String, RGBColor)],
+    series: impl FnOnce(&mut Chart<'_>) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let root: DrawingArea<BitMapBackend<'_>, Shift> =
+        BitMapBackend::new(path, SIZE).into_drawing_area();
+    let e = err(path);
+    root.fill(&WHITE).map_err(&e)?;
+    let dark = RGBColor(40, 40, 40);
+    text(
+        &root,
+        title,
+        (SIZE.0 as i32 / 2, 6),
+        Align::Centre,
+        2,
+        &dark,
+    )
+    .map_err(&e)?;
+    let area = root.margin(MARGIN.0, MARGIN.1, MARGIN.2, MARGIN.3);
+    let mut chart = ChartBuilder::on(&area)
+        .build_cartesian_2d(x.lo..x.hi, y.lo..y.hi)
+        .map_err(&e)?;
+    let line =
+        |dark: bool| ShapeStyle::from(&BLACK.mix(if dark { 0.45 } else { 0.12 })).stroke_width(1);
+    for (t, _, d) in &x.ticks {
         chart
-            .draw_series(LineSeries::new(pts, grid(a)))
-            .map_err(err(path))?;
+            .draw_series(LineSeries::new([(*t, y.lo), (*t, y.hi)], line(*d)))
+            .map_err(&e)?;
     }
+    for (t, _, d) in &y.ticks {
+        chart
+            .draw_series(LineSeries::new([(x.lo, *t), (x.hi, *t)], line(*d)))
+            .map_err(&e)?;
+    }
+    chart
+        .draw_series(LineSeries::new(
+            [
+                (x.lo, y.lo),
+                (x.hi, y.lo),
+                (x.hi, y.hi),
+                (x.lo, y.hi),
+                (x.lo, y.lo),
+            ],
+            BLACK.mix(0.7).stroke_width(1),
+        ))
+        .map_err(&e)?;
+    series(&mut chart)?;
+    for (t, label, _) in &x.ticks {
+        let (px, py) = chart.backend_coord(&(*t, y.lo));
+        text(&root, label, (px, py + 12), Align::Centre, 2, &dark).map_err(&e)?;
+    }
+    for (t, label, _) in &y.ticks {
+        let (px, py) = chart.backend_coord(&(x.lo, *t));
+        text(&root, label, (px - 8, py - 7), Align::Right, 2, &dark).map_err(&e)?;
+    }
+    let (cx, bottom) = chart.backend_coord(&((x.lo + x.hi) / 2.0, y.lo));
+    text(&root, &x.title, (cx, bottom + 34), Align::Centre, 2, &dark).map_err(&e)?;
+    let (left, top) = chart.backend_coord(&(x.lo, y.hi));
+    text(
+        &root,
+        &y.title,
+        (left - 70, top - 18),
+        Align::Left,
+        2,
+        &dark,
+    )
+    .map_err(&e)?;
+    let lx = SIZE.0 as i32 - MARGIN.3 + 16;
+    for (i, (name, c)) in legend.iter().enumerate() {
+        let ly = MARGIN.0 + 8 + i as i32 * 24;
+        root.draw(&Rectangle::new(
+            [(lx, ly + 5), (lx + 24, ly + 8)],
+            c.filled(),
+        ))
+        .map_err(&e)?;
+        text(&root, name, (lx + 32, ly), Align::Left, 2, c).map_err(&e)?;
+    }
+    root.present().map_err(&e)?;
     Ok(())
+}
+
+/// The switch latencies of a run's switches, sorted, at least 1 µs (for the log axis).
+fn switch_samples(r: &Run) -> Vec<f64> {
+    let mut v: Vec<f64> = r
+        .call_log
+        .iter()
+        .filter(|c| c.switched && !c.start && c.error.is_none())
+        .map(|c| c.switch_ms.max(1e-3))
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// An x axis over the budgets measured, a tick at each, with room on both sides.
+fn budget_axis(xs: &[f64], in_contexts: bool) -> Axis {
+    let (lo, hi) = xs
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+    let (lo, hi) = if lo > hi { (0.0, 1.0) } else { (lo, hi) };
+    let pad = ((hi - lo) * 0.1).max(0.5);
+    let mut at = xs.to_vec();
+    at.sort_by(f64::total_cmp);
+    at.dedup();
+    Axis::linear(
+        (lo - pad).max(0.0),
+        hi + pad,
+        &at,
+        if in_contexts {
+            "kv budget, contexts' worth (int8 at the trace's cap)"
+        } else {
+            "kv budget, mib"
+        },
+    )
 }
 
 /// Draws the three plots into `out`; returns their paths.
@@ -105,82 +250,66 @@ pub fn draw(
     active: &[Active],
     managers: &[String],
 ) -> anyhow::Result<Vec<PathBuf>> {
-    let mut paths = Vec::new();
     let Some(first) = runs.first() else {
-        return Ok(paths);
+        return Ok(Vec::new());
     };
     let most = runs.iter().map(|r| r.contexts).max().unwrap_or(0);
-    // 1. The CDF of switch latency, the first budget with the most contexts.
+    let legend: Vec<(String, RGBColor)> = managers.iter().map(|m| (m.clone(), colour(m))).collect();
+    let in_contexts = first.budget.contexts.is_some();
+    let mut paths = Vec::new();
+
+    // 1. The CDF of switch latency: the first budget, the most contexts.
     let path = out.join("switch-cdf.png");
-    {
-        let sel: Vec<&Run> = runs
-            .iter()
-            .filter(|r| r.budget.bytes == first.budget.bytes && r.contexts == most)
-            .collect();
-        let samples = |r: &Run| {
-            let mut v: Vec<f64> = r
-                .call_log
-                .iter()
-                .filter(|c| c.switched && !c.start && c.error.is_none())
-                .map(|c| c.switch_ms.max(1e-3))
-                .collect();
-            v.sort_by(f64::total_cmp);
-            v
-        };
-        let (lo, hi) = decades(sel.iter().flat_map(|r| samples(r)));
-        let root = BitMapBackend::new(&path, (960, 640)).into_drawing_area();
-        root.fill(&WHITE).map_err(err(&path))?;
-        let area = root.margin(20, 20, 20, 20);
-        let mut chart = ChartBuilder::on(&area)
-            .build_cartesian_2d(lo..hi, 0.0f64..1.0)
-            .map_err(err(&path))?;
-        log_grid(&mut chart, lo, hi, (0.0, 1.0), true, &path)?;
-        for y in [0.0, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0] {
-            chart
-                .draw_series(LineSeries::new(
-                    [(lo, y), (hi, y)],
-                    grid(if y == 0.5 { 0.5 } else { 0.12 }),
-                ))
-                .map_err(err(&path))?;
-        }
+    let sel: Vec<&Run> = runs
+        .iter()
+        .filter(|r| r.budget.bytes == first.budget.bytes && r.contexts == most)
+        .collect();
+    let x = Axis::log(
+        sel.iter().flat_map(|r| switch_samples(r)),
+        "switch latency, ms (log scale)",
+    );
+    let mut y = Axis::linear(
+        0.0,
+        1.0,
+        &[0.0, 0.25, 0.5, 0.75, 0.9, 1.0],
+        "share of switches",
+    );
+    y.ticks.push((0.99, String::new(), false));
+    let title = format!(
+        "switch latency cdf: {}, {most} contexts",
+        first.budget.label()
+    );
+    plot(&path, &title, &x, &y, &legend, |chart| {
         for r in &sel {
-            let v = samples(r);
+            let v = switch_samples(r);
             let n = v.len() as f64;
             let pts: Vec<(f64, f64)> = v
                 .iter()
                 .enumerate()
-                .flat_map(|(i, &x)| {
-                    let x = x.log10().clamp(lo, hi);
-                    [(x, i as f64 / n), (x, (i + 1) as f64 / n)]
+                .flat_map(|(i, &ms)| {
+                    let lx = ms.log10().clamp(x.lo, x.hi);
+                    [(lx, i as f64 / n), (lx, (i + 1) as f64 / n)]
                 })
                 .collect();
             chart
                 .draw_series(LineSeries::new(pts, colour(&r.manager).stroke_width(3)))
                 .map_err(err(&path))?;
         }
-        root.present().map_err(err(&path))?;
-    }
+        Ok(())
+    })?;
     paths.push(path);
 
-    // 2. Average switch latency against the budget, with the most contexts.
+    // 2. Average switch latency against the budget, the most contexts.
     let path = out.join("switch-vs-budget.png");
-    {
-        let sel: Vec<&Run> = runs.iter().filter(|r| r.contexts == most).collect();
-        let (lo, hi) = decades(sel.iter().map(|r| r.switch_avg_ms.max(1e-3)));
-        let (x0, x1) = x_range(sel.iter().map(|r| r.budget.x()));
-        let root = BitMapBackend::new(&path, (960, 640)).into_drawing_area();
-        root.fill(&WHITE).map_err(err(&path))?;
-        let area = root.margin(20, 20, 20, 20);
-        let mut chart = ChartBuilder::on(&area)
-            .build_cartesian_2d(x0..x1, lo..hi)
-            .map_err(err(&path))?;
-        log_grid(&mut chart, lo, hi, (x0, x1), false, &path)?;
-        budget_grid(
-            &mut chart,
-            sel.iter().map(|r| r.budget.x()),
-            (lo, hi),
-            &path,
-        )?;
+    let sel: Vec<&Run> = runs.iter().filter(|r| r.contexts == most).collect();
+    let xs: Vec<f64> = sel.iter().map(|r| r.budget.x()).collect();
+    let x = budget_axis(&xs, in_contexts);
+    let y = Axis::log(
+        sel.iter().map(|r| r.switch_avg_ms.max(1e-3)),
+        "average switch latency, ms (log scale)",
+    );
+    let title = format!("average switch latency against the kv budget, {most} contexts");
+    plot(&path, &title, &x, &y, &legend, |chart| {
         for m in managers {
             let mut pts: Vec<(f64, f64)> = sel
                 .iter()
@@ -188,7 +317,7 @@ pub fn draw(
                 .map(|r| {
                     (
                         r.budget.x(),
-                        r.switch_avg_ms.max(1e-3).log10().clamp(lo, hi),
+                        r.switch_avg_ms.max(1e-3).log10().clamp(y.lo, y.hi),
                     )
                 })
                 .collect();
@@ -201,56 +330,33 @@ pub fn draw(
                 .draw_series(pts.iter().map(|&p| Circle::new(p, 6, c.filled())))
                 .map_err(err(&path))?;
         }
-        root.present().map_err(err(&path))?;
-    }
+        Ok(())
+    })?;
     paths.push(path);
 
-    // 3. The most active contexts under 10 ms (filled, solid) and 25 ms (hollow, thin) against
-    // the budget.
+    // 3. The most active contexts under 10 ms (filled, thick) and 25 ms (hollow, thin).
     let path = out.join("active-vs-budget.png");
-    {
-        let (x0, x1) = x_range(active.iter().map(|a| a.budget.x()));
-        let ymax = most.max(1) as f64 + 0.5;
-        let root = BitMapBackend::new(&path, (960, 640)).into_drawing_area();
-        root.fill(&WHITE).map_err(err(&path))?;
-        let area = root.margin(20, 20, 20, 20);
-        let mut chart = ChartBuilder::on(&area)
-            .build_cartesian_2d(x0..x1, -0.5f64..ymax)
-            .map_err(err(&path))?;
-        for n in 0..=most {
-            let y = n as f64;
-            chart
-                .draw_series(LineSeries::new(
-                    [(x0, y), (x1, y)],
-                    grid(if n == 0 { 0.5 } else { 0.12 }),
-                ))
-                .map_err(err(&path))?;
-        }
-        budget_grid(
-            &mut chart,
-            active.iter().map(|a| a.budget.x()),
-            (-0.5, ymax),
-            &path,
-        )?;
+    let xs: Vec<f64> = active.iter().map(|a| a.budget.x()).collect();
+    let x = budget_axis(&xs, in_contexts);
+    let at: Vec<f64> = (0..=most).map(|n| n as f64).collect();
+    let y = Axis::linear(-0.5, most.max(1) as f64 + 0.5, &at, "active contexts");
+    let title = "most active contexts: avg switch < 10 ms (filled), < 25 ms (hollow)";
+    plot(&path, title, &x, &y, &legend, |chart| {
         for (k, m) in managers.iter().enumerate() {
             // Managers tied at a point are nudged apart so each stays visible.
             let dy = (k as f64 - managers.len() as f64 / 2.0) * 0.04;
             let c = colour(m);
-            for (under, filled) in [(true, true), (false, false)] {
+            for filled in [true, false] {
                 let mut pts: Vec<(f64, f64)> = active
                     .iter()
                     .filter(|a| &a.manager == m)
                     .map(|a| {
-                        let n = if under { a.under_10ms } else { a.under_25ms };
+                        let n = if filled { a.under_10ms } else { a.under_25ms };
                         (a.budget.x(), n as f64 + dy)
                     })
                     .collect();
                 pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-                let style = if filled {
-                    c.stroke_width(2)
-                } else {
-                    c.stroke_width(1)
-                };
+                let style = c.stroke_width(if filled { 2 } else { 1 });
                 chart
                     .draw_series(LineSeries::new(pts.clone(), style))
                     .map_err(err(&path))?;
@@ -259,39 +365,47 @@ pub fn draw(
                         if filled {
                             Circle::new(p, 6, c.filled())
                         } else {
-                            Circle::new(p, 8, c.stroke_width(2))
+                            Circle::new(p, 9, c.stroke_width(2))
                         }
                     }))
                     .map_err(err(&path))?;
             }
         }
-        root.present().map_err(err(&path))?;
-    }
+        Ok(())
+    })?;
     paths.push(path);
     Ok(paths)
 }
 
-/// An x range around the budgets, with room on both sides (one budget: centred).
-fn x_range(xs: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = xs.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
-    if lo > hi {
-        return (0.0, 1.0);
-    }
-    let pad = ((hi - lo) * 0.1).max(0.5);
-    ((lo - pad).max(0.0), hi + pad)
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// A vertical line at every budget measured.
-fn budget_grid(
-    chart: &mut Chart<'_>,
-    xs: impl Iterator<Item = f64>,
-    (y0, y1): (f64, f64),
-    path: &Path,
-) -> anyhow::Result<()> {
-    for x in xs {
-        chart
-            .draw_series(LineSeries::new([(x, y0), (x, y1)], grid(0.12)))
-            .map_err(err(path))?;
+    #[test]
+    fn tick_labels() {
+        assert_eq!(num(10.0), "10");
+        assert_eq!(num(0.5), "0.5");
+        assert_eq!(num(0.25), "0.25");
+        assert_eq!(num(2.0), "2");
+        assert_eq!(num(0.0), "0");
+        let a = Axis::log([0.3, 40.0].into_iter(), "ms");
+        assert_eq!((a.lo, a.hi), (-1.0, 2.0));
+        let labels: Vec<&str> = a.ticks.iter().map(|t| t.1.as_str()).collect();
+        assert_eq!(
+            labels,
+            [
+                "0.1", "0.2", "0.5", "1", "2", "5", "10", "20", "50", "100", "25"
+            ]
+        );
+        // Over more than three decades, decades only (and the bounds).
+        let a = Axis::log([0.01, 5000.0].into_iter(), "ms");
+        let labels: Vec<&str> = a.ticks.iter().map(|t| t.1.as_str()).collect();
+        assert_eq!(
+            labels,
+            ["0.01", "0.1", "1", "10", "100", "1000", "10000", "25"]
+        );
+        // Nothing to show: a default range, not a panic.
+        let a = Axis::log(std::iter::empty(), "ms");
+        assert!(a.lo < a.hi);
     }
-    Ok(())
 }

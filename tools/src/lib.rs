@@ -19,6 +19,7 @@ mod engine_cmd;
 mod kv_mix_cmd;
 mod kvfs_cmd;
 mod model_cmd;
+mod pixel_font;
 mod profile_cmd;
 mod report;
 mod serve_cmd;
