@@ -66,14 +66,7 @@ fn a_short_replay_answers_every_call_and_its_counters_agree() {
     // contexts of a few hundred tokens each.
     let stdout = ok(
         llms(&w)
-            .args([
-                "bench",
-                "switch",
-                "--managers",
-                "llms",
-                "--budget-contexts",
-                "1",
-            ])
+            .args(["bench", "switch", "--budget-contexts", "1"])
             .args(["--contexts", "2,3", "--threads", "1", "--json"])
             .arg("--model")
             .arg(&w.model)
@@ -89,10 +82,20 @@ fn a_short_replay_answers_every_call_and_its_counters_agree() {
         serde_json::from_slice(&std::fs::read(out.join("switch.json")).unwrap()).unwrap();
     assert_eq!(r, file, "--json prints what switch.json holds");
     let runs = r["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 2, "one run per --contexts value");
+    // Every manager, by default, for each --contexts value.
+    assert_eq!(runs.len(), 2 * 8);
+    let managers: std::collections::BTreeSet<&str> = runs
+        .iter()
+        .map(|r| r["manager"].as_str().unwrap())
+        .collect();
+    assert_eq!(managers.len(), 8);
     let context_bytes = n(&r, "context_bytes");
     for run in runs {
         let calls = run["call_log"].as_array().unwrap();
+        assert_eq!(
+            run["daemon_manager"], run["manager"],
+            "the daemon ran what was asked"
+        );
         assert_eq!(n(run, "calls"), calls.len() as u64);
         assert_eq!(
             n(run, "answered"),
@@ -150,21 +153,24 @@ fn a_short_replay_answers_every_call_and_its_counters_agree() {
         );
         assert!(n(run, "peak_rss_bytes") > 0);
     }
-    // The run over all three contexts holds more than the budget: chunks came back.
-    let all = runs.iter().find(|r| n(r, "contexts") == 3).unwrap();
-    assert!(
-        n(all, "chunks_read") + n(all, "chunks_recomputed") > 0 && n(all, "reclaims") > 0,
-        "three contexts in one context's budget, and no chunk came back: {all}"
-    );
+    // The runs over all three contexts hold more than the budget: chunks came back.
+    for all in runs.iter().filter(|r| n(r, "contexts") == 3) {
+        assert!(
+            n(all, "chunks_read") + n(all, "chunks_recomputed") > 0 && n(all, "reclaims") > 0,
+            "three contexts in one context's budget, and no chunk came back: {all}"
+        );
+    }
     let active = r["active"].as_array().unwrap();
-    assert_eq!(active.len(), 1);
-    let (a10, a25) = (n(&active[0], "under_10ms"), n(&active[0], "under_25ms"));
-    assert!([0, 2, 3].contains(&a10) && [0, 2, 3].contains(&a25) && a10 <= a25);
+    assert_eq!(active.len(), 8, "one per manager and budget");
+    for a in active {
+        let (a10, a25) = (n(a, "under_10ms"), n(a, "under_25ms"));
+        assert!([0, 2, 3].contains(&a10) && [0, 2, 3].contains(&a25) && a10 <= a25);
+    }
     let csv = std::fs::read_to_string(out.join("switch.csv")).unwrap();
     assert_eq!(
         csv.lines().count(),
-        3,
-        "a header and one line per run: {csv}"
+        1 + runs.len(),
+        "a header and one line per run"
     );
     for png in [
         "switch-cdf.png",

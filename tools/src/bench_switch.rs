@@ -16,6 +16,7 @@ use engine::kv::KvFormat;
 use engine::model::config::ModelConfig;
 use engine::service::cgroup::{Device, Group};
 use engine::service::client::{CallParams, Client};
+use engine::service::managers::ManagerKind;
 use engine::service::protocol::PromptFormat;
 use engine::trace::{PastCap, TraceRow};
 
@@ -23,18 +24,6 @@ use crate::daemon_proc::{Daemon, DaemonSpec};
 use crate::model_cmd::ModelsDirArg;
 use crate::report::table;
 use crate::serve_cmd::parse_bytes;
-
-/// Every context manager of `llms serve --manager`, in the order the reports list them.
-pub const MANAGERS: [&str; 8] = [
-    "llms",
-    "llms-no-compression",
-    "llms-no-pipeline",
-    "llms-no-lifecycle",
-    "vllm-sq",
-    "vllm-s",
-    "swapping",
-    "lmk",
-];
 
 /// Tokens per KV chunk: the service's default, which the budget in contexts assumes.
 const CHUNK_TOKENS: usize = 16;
@@ -112,14 +101,9 @@ pub struct BenchSwitchArgs {
 }
 
 fn parse_manager(s: &str) -> Result<String, String> {
-    let s = s.trim();
-    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
-        return Err(format!(
-            "{s:?} is not a manager name ({})",
-            MANAGERS.join(", ")
-        ));
-    }
-    Ok(s.to_owned())
+    s.parse::<ManagerKind>()
+        .map(|k| k.name().to_owned())
+        .map_err(|e| e.to_string())
 }
 
 fn parse_contexts_worth(s: &str) -> Result<f64, String> {
@@ -201,8 +185,8 @@ pub struct CallRecord {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Run {
     pub manager: String,
-    /// The manager the daemon said it ran (its stats), when it says.
-    pub daemon_manager: Option<String>,
+    /// The manager the daemon said it ran (its stats).
+    pub daemon_manager: String,
     pub budget: Budget,
     pub contexts: usize,
     pub calls: usize,
@@ -231,8 +215,10 @@ pub struct Run {
     pub chunks_recomputed: u64,
     /// Chunks recomputed over chunks brought back.
     pub recompute_share: f64,
-    /// Reclaims of chunks not yet written out, done at once on the call's path.
+    /// Reclaims that waited for their victim to be written out first.
     pub sync_reclaims: u64,
+    /// Reclaims of chunks given up unwritten (recomputed when needed).
+    pub unwritten_reclaims: u64,
     pub reclaims: u64,
     pub faults: u64,
     pub writes: u64,
@@ -345,19 +331,16 @@ fn replay(
     let blkio = Group::create("blkio", &name)?;
     blkio.throttle(s.device, s.read_bps, s.write_bps)?;
     let mut spec = DaemonSpec::new(s.model, &dir);
-    spec.args = Vec::new();
-    // TEMPORARY until `llms serve --manager` lands: the one manager there is, is llms.
-    if manager != "llms" || serve_knows_manager() {
-        spec.args.extend(["--manager".into(), manager.into()]);
-    }
-    spec.args.extend([
+    spec.args = vec![
+        "--manager".into(),
+        manager.into(),
         "--kv-budget".into(),
         budget.bytes.to_string(),
         "--max-context".into(),
         s.max_context.to_string(),
         "--max-contexts-per-app".into(),
         s.apps_contexts.max(1).to_string(),
-    ]);
+    ];
     if let Some(t) = s.threads {
         spec.args.extend(["--threads".into(), t.to_string()]);
     }
@@ -448,7 +431,7 @@ fn replay(
         Some(c) => c.stats()?,
         None => Client::connect(&socket, "bench")?.stats()?,
     };
-    let daemon_manager = stats_manager(&stats);
+    let daemon_manager = stats.manager.clone();
     let (disk_read_bytes, disk_written_bytes) = blkio.io_bytes(s.device)?;
     let peak_rss_bytes = peak_rss(daemon.pid());
     drop(clients);
@@ -494,7 +477,8 @@ fn replay(
         } else {
             0.0
         },
-        sync_reclaims: stats.unwritten_reclaims,
+        sync_reclaims: stats.sync_reclaims,
+        unwritten_reclaims: stats.unwritten_reclaims,
         reclaims: stats.reclaims,
         faults: stats.faults,
         writes: stats.writes,
@@ -504,27 +488,6 @@ fn replay(
         secs,
         call_log: log,
     })
-}
-
-fn serve_knows_manager() -> bool {
-    std::env::current_exe()
-        .ok()
-        .and_then(|e| {
-            std::process::Command::new(e)
-                .args(["serve", "--help"])
-                .output()
-                .ok()
-        })
-        .is_some_and(|o| String::from_utf8_lossy(&o.stdout).contains("--manager"))
-}
-
-/// The manager the daemon reports running, if its stats say.
-fn stats_manager(stats: &engine::service::protocol::Stats) -> Option<String> {
-    serde_json::to_value(stats)
-        .ok()?
-        .get("manager")?
-        .as_str()
-        .map(str::to_owned)
 }
 
 /// The rows of the first `n` contexts, at most `calls` of them.
@@ -600,7 +563,10 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         bail!("--contexts {n}: the trace has {all} contexts");
     }
     let managers: Vec<String> = if args.managers.is_empty() {
-        MANAGERS.iter().map(|m| (*m).to_owned()).collect()
+        ManagerKind::ALL
+            .iter()
+            .map(|m| m.name().to_owned())
+            .collect()
     } else {
         args.managers.clone()
     };
@@ -674,11 +640,11 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         for m in &managers {
             progress.set_prefix(format!("{m}, {}, {n} contexts", budget.label()));
             let r = replay(&setup, m, *budget, *n, rows, &progress)?;
-            if let Some(d) = &r.daemon_manager
-                && d != m
-            {
-                bail!("asked the daemon for --manager {m}; its stats say it ran {d}");
-            }
+            ensure!(
+                &r.daemon_manager == m,
+                "asked the daemon for --manager {m}; its stats say it ran {}",
+                r.daemon_manager
+            );
             progress.println(format!(
                 "{m}, {}, {n} contexts: {} switches, avg {:.2} ms, p99 {:.2} ms, {} errors",
                 budget.label(),
@@ -809,13 +775,13 @@ fn write_csv(path: &Path, runs: &[Run]) -> anyhow::Result<()> {
         "manager,budget_bytes,budget_contexts,contexts,calls,answered,errors,starts,switches,\
          switch_avg_ms,switch_p50_ms,switch_p99_ms,switch_max_ms,e2e_avg_ms,e2e_p50_ms,e2e_p99_ms,\
          read_bytes,disk_read_bytes,disk_written_bytes,chunks_read,chunks_recomputed,\
-         recompute_share,sync_reclaims,reclaims,faults,writes,peak_memory_bytes,peak_rss_bytes,\
+         recompute_share,sync_reclaims,unwritten_reclaims,reclaims,faults,writes,peak_memory_bytes,peak_rss_bytes,\
          start_ms,secs"
     )?;
     for r in runs {
         writeln!(
             f,
-            "{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{},{},{},{},{:.4},{},{},{},{},{},{},{:.1},{:.1}",
+            "{},{},{},{},{},{},{},{},{},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{:.1},{:.1}",
             r.manager,
             r.budget.bytes,
             r.budget.contexts.map_or(String::new(), |c| c.to_string()),
@@ -839,6 +805,7 @@ fn write_csv(path: &Path, runs: &[Run]) -> anyhow::Result<()> {
             r.chunks_recomputed,
             r.recompute_share,
             r.sync_reclaims,
+            r.unwritten_reclaims,
             r.reclaims,
             r.faults,
             r.writes,
@@ -868,7 +835,7 @@ mod tests {
     fn run_of(contexts: usize, avg: f64, errors: usize) -> Run {
         Run {
             manager: "llms".into(),
-            daemon_manager: None,
+            daemon_manager: "llms".into(),
             budget: Budget {
                 bytes: 1,
                 contexts: None,
@@ -893,6 +860,7 @@ mod tests {
             chunks_recomputed: 0,
             recompute_share: 0.0,
             sync_reclaims: 0,
+            unwritten_reclaims: 0,
             reclaims: 0,
             faults: 0,
             writes: 0,

@@ -126,7 +126,11 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         ),
         (
             &["bench", "switch", "t.jsonl", "--managers", "llms,"],
-            "not a manager name",
+            "no manager \"\"",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--managers", "vllm"],
+            "the managers are llms",
         ),
         (
             &["bench", "switch", "no-such.jsonl"],
