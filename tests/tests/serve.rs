@@ -609,3 +609,61 @@ fn deleting_a_context_right_after_its_call_fails_no_write() {
     drop(c);
     assert!(d.term().success());
 }
+
+/// A baseline manager through the daemon and its mount: three contexts in turn under a budget
+/// of a little more than the largest, so calls bring their context back. `vllm-sq` writes
+/// nothing ahead of time: each victim is written through the mount while its reclaim waits
+/// (under the pager's lock, so a deadlock there would hang this test), and read back through the
+/// mount; the answers are those of the same manager with room for everything.
+#[test]
+fn a_baseline_manager_writes_victims_back_through_the_mount_and_answers_as_unpressured() {
+    let slot = engine::model::Model::load(&world().model)
+        .unwrap()
+        .chunk_shape(16)
+        .slot_bytes(engine::kv::KvFormat::Int8);
+    let run = |budget: &str| {
+        let w = world();
+        let d = w.serve(&[
+            "--manager",
+            "vllm-sq",
+            "--kv-budget",
+            budget,
+            "--no-pressure",
+        ]);
+        let mut c = w.connect("baseline");
+        let ctxs: Vec<u64> = (0..3)
+            .map(|_| c.new_context(None, Default::default()).unwrap())
+            .collect();
+        let mut answers = Vec::new();
+        for p in PROMPTS {
+            for &ctx in &ctxs {
+                answers.push(ask(&mut c, ctx, p, 12).tokens);
+            }
+        }
+        let s = c.stats().unwrap();
+        let largest = c.list().unwrap().iter().map(|i| i.chunks).max().unwrap();
+        let (kv_reads, kv_writes) = tests::kv_file_counts(&w.mountpoint());
+        drop(c);
+        assert!(d.term().success());
+        (answers, s, largest, kv_reads, kv_writes)
+    };
+    let (free, s, largest, _, kv_writes) = run("256M");
+    assert_eq!(
+        (s.manager.as_str(), s.sync_reclaims, kv_writes),
+        ("vllm-sq", 0, 0)
+    );
+    let budget = ((largest + 2) * slot).to_string();
+    let (pressed, s, _, kv_reads, kv_writes) = run(&budget);
+    assert_eq!(pressed, free);
+    assert!(s.sync_reclaims > 0 && s.chunks_read > 0, "{s:?}");
+    assert_eq!(
+        (s.writes, s.unwritten_reclaims, s.chunks_recomputed),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(
+        kv_writes, s.sync_reclaims,
+        "victims not written through the mount"
+    );
+    assert_eq!(kv_reads, s.chunks_read, "chunks not read through the mount");
+}
