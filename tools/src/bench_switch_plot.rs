@@ -118,9 +118,9 @@ impl Axis {
     }
 }
 
-const SIZE: (u32, u32) = (1000, 640);
+const SIZE: (u32, u32) = (1060, 640);
 /// Plotting area margins: top, bottom, left, right (the legend is in the right one).
-const MARGIN: (i32, i32, i32, i32) = (44, 64, 80, 240);
+const MARGIN: (i32, i32, i32, i32) = (44, 64, 80, 300);
 
 /// Draws one plot: the title, the axes with their grid, ticks and titles, the legend, and
 /// whatever `series` draws in data coordinates.
