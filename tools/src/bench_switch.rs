@@ -43,8 +43,12 @@ const BOUNDS_MS: [f64; 2] = [10.0, 25.0];
 pub struct BenchSwitchArgs {
     /// The trace to replay, made by `llms trace gen --past-cap restart` (the service refuses a
     /// call past its --max-context, so a trace whose contexts slide past the cap is refused)
-    #[arg(value_name = "TRACE")]
-    pub trace: PathBuf,
+    #[arg(value_name = "TRACE", required_unless_present = "replot")]
+    pub trace: Option<PathBuf>,
+    /// Replay nothing: redraw the table, CSV and plots of an earlier run from its switch.json
+    /// into --out (to restyle the plots of a long run)
+    #[arg(long, value_name = "JSON", conflicts_with = "trace")]
+    pub replot: Option<PathBuf>,
     /// A GGUF model file; the trace's token counts are this model's [default: the default
     /// model, fetched if missing]
     #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
@@ -131,7 +135,7 @@ fn parse_rate(s: &str) -> Result<u64, String> {
 }
 
 /// One KV budget of a run.
-#[derive(Clone, Copy, Debug, serde::Serialize)]
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Budget {
     pub bytes: u64,
     /// The budget in contexts' worth, when given so.
@@ -157,7 +161,7 @@ impl Budget {
 }
 
 /// One call of a replay.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct CallRecord {
     /// The trace's context number.
     pub context: u32,
@@ -187,7 +191,7 @@ pub struct CallRecord {
 }
 
 /// One replay: a manager, a budget, a number of contexts.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Run {
     pub manager: String,
     /// The manager the daemon said it ran (its stats).
@@ -245,7 +249,7 @@ pub struct Run {
 }
 
 /// The most active contexts under each latency bound, for one manager and budget.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Active {
     pub manager: String,
     pub budget: Budget,
@@ -255,7 +259,7 @@ pub struct Active {
 }
 
 /// The whole report.
-#[derive(Debug, serde::Serialize)]
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
 pub struct SwitchReport {
     pub trace: String,
     pub model: String,
@@ -549,7 +553,11 @@ fn max_active(runs: &[&Run], bound_ms: f64) -> usize {
 /// Runs the benchmark.
 pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
     args.report.begin();
-    let trace = engine::trace::read(&args.trace)?;
+    if let Some(json) = &args.replot {
+        return replot(args, json);
+    }
+    let trace_path = args.trace.as_deref().context("no trace to replay")?;
+    let trace = engine::trace::read(trace_path)?;
     let h = &trace.header;
     let model = match &args.model {
         Some(p) => p.clone(),
@@ -584,7 +592,7 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
             "{} slides contexts past its cap of {} tokens ({past} calls): the service refuses a \
              call past its --max-context (context_full), so replay a trace made with `llms trace \
              gen --past-cap restart` (docs/bench.md)",
-            args.trace.display(),
+            trace_path.display(),
             h.max_context
         );
     }
@@ -722,7 +730,7 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
     write_csv(&csv, &runs)?;
     let plots = crate::bench_switch_plot::draw(&args.report.out, &runs, &active, &managers)?;
     let report = SwitchReport {
-        trace: args.trace.display().to_string(),
+        trace: trace_path.display().to_string(),
         model: model_name,
         context_bytes,
         max_context: h.max_context,
@@ -765,6 +773,41 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
             r.errors,
             r.calls
         );
+    }
+    Ok(())
+}
+
+/// `--replot`: the table, CSV and plots of an earlier report, and the report again with its new
+/// plots' paths.
+fn replot(args: &BenchSwitchArgs, json: &Path) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(json).with_context(|| format!("cannot read {}", json.display()))?;
+    let mut report: SwitchReport = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a bench switch report", json.display()))?;
+    let mut managers: Vec<String> = Vec::new();
+    for r in &report.runs {
+        if !managers.contains(&r.manager) {
+            managers.push(r.manager.clone());
+        }
+    }
+    let several_n = report.runs.iter().any(|r| {
+        report
+            .runs
+            .first()
+            .is_some_and(|f| f.contexts != r.contexts)
+    });
+    print_tables(&report.runs, &report.active, several_n);
+    std::fs::create_dir_all(&args.report.out)
+        .with_context(|| format!("cannot create {}", args.report.out.display()))?;
+    let csv = args.report.out.join("switch.csv");
+    write_csv(&csv, &report.runs)?;
+    let plots =
+        crate::bench_switch_plot::draw(&args.report.out, &report.runs, &report.active, &managers)?;
+    report.plots = plots.iter().map(|p| p.display().to_string()).collect();
+    args.report.write("switch", &report)?;
+    eprintln!("wrote {}", csv.display());
+    for p in &plots {
+        eprintln!("wrote {}", p.display());
     }
     Ok(())
 }

@@ -137,6 +137,14 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
             "cannot read no-such.jsonl",
         ),
         (&["bench", "switch"], "<TRACE>"),
+        (
+            &["bench", "switch", "--replot", "no-such.json"],
+            "cannot read no-such.json",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--replot", "r.json"],
+            "cannot be used with",
+        ),
         (&["profile", "--chunks", "4"], "two different chunk counts"),
         (&["serve", "--kv-budget", "99999999999G"], "too large"),
         (&["serve", "--kv-budget", "lots"], "not a size"),
