@@ -1,4 +1,4 @@
-//! Pure policy decisions of llms: information density, bit-width assignment, the LCTRU queue, AoT write-out and the swapping-recompute planner. No I/O.
+//! Pure policy decisions of llms: information density, bit-width assignment, the LCTRU queue, AoT write-out, the swapping-recompute planner and the weight residency planner. No I/O.
 
 pub mod assign;
 pub mod cost;
@@ -9,6 +9,7 @@ pub mod level;
 pub mod planner;
 pub mod pressure;
 pub mod victim;
+pub mod weights;
 pub mod whole;
 pub mod writeout;
 
@@ -24,6 +25,10 @@ pub use pressure::{
     BudgetChange, BudgetConfig, BudgetController, PressureError, PressureSignals, ShrinkReason,
 };
 pub use victim::{ChunkId, Victim, VictimChooser, VictimError, Victims};
+pub use weights::{
+    PassPrediction, Residency, StreamModel, WeightPlan, WeightPlanError, WeightTensor, min_budget,
+    plan_bytes, plan_weights, predict,
+};
 pub use whole::{WholeContextKind, WholeContextLru};
 pub use writeout::{ChunkState, Write, WriteOutError, WriteReason, plan_writeout};
 
