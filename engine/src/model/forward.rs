@@ -20,8 +20,12 @@ use crate::kv::{ChunkShape, KvCache, KvError};
 use crate::model::config::{ConfigError, ModelConfig};
 use crate::model::kernels::{Rope, add_assign, matmul_nt_tiled, rms_norm, swiglu};
 use crate::model::qmatrix::{Activations, BLOCK, Kind, QMatrix};
+use crate::model::stream::{
+    Pass, StreamError, StreamUnit, WeightOptions, WeightSource, WeightStream,
+};
 use candle_core::Device;
 use candle_core::quantized::{GgmlDType, gguf_file};
+use policy::{StreamModel, WeightPlanError, WeightTensor};
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -78,11 +82,34 @@ pub enum ModelError {
     /// A candle kernel failed.
     #[error("kernel failed: {0}")]
     Kernel(String),
+    /// The weights do not fit the budget.
+    #[error(
+        "a weight budget of {budget} bytes is below this model's minimum working set of {minimum} bytes (norms and tables {fixed}, stream buffers for every matrix {stream}); give at least {minimum}"
+    )]
+    Budget {
+        budget: u64,
+        minimum: u64,
+        fixed: u64,
+        stream: u64,
+    },
+    /// The weight plan could not be made.
+    #[error("cannot plan the weights: {0}")]
+    Plan(WeightPlanError),
+    /// A streamed weight could not be read.
+    #[error(transparent)]
+    Stream(#[from] StreamError),
 }
 
-/// A weight matrix `[rows][cols]`, held once, in the file's own blocks ([`QMatrix`]).
+/// A weight matrix's bytes: held, or streamed per pass (its id in the [`WeightStream`]).
+enum Weight {
+    Resident(QMatrix),
+    Streamed(usize),
+}
+
+/// A weight matrix `[rows][cols]`, held once, in the file's own blocks ([`QMatrix`]), or
+/// streamed from the file for every pass that uses it.
 pub struct Linear {
-    w: QMatrix,
+    w: Weight,
     /// How single-row products take their activations.
     acts: Activations,
 }
@@ -101,7 +128,7 @@ impl Linear {
     fn stack(parts: Vec<QMatrix>) -> Self {
         if parts.windows(2).all(|w| w[0].kind() == w[1].kind()) {
             return Self {
-                w: QMatrix::stack(parts),
+                w: Weight::Resident(QMatrix::stack(parts)),
                 acts: Activations::default(),
             };
         }
@@ -114,39 +141,84 @@ impl Linear {
             r += p.rows();
         }
         Self {
-            w: requantize(rows, cols, f),
+            w: Weight::Resident(requantize(rows, cols, f)),
             acts: Activations::default(),
         }
     }
 
-    /// `out[n][rows] = x[n][cols] · selfᵀ`.
-    pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
-        let (rows, cols) = (self.w.rows(), self.w.cols());
-        if let Some(f) = self.w.as_f32() {
+    fn streamed(id: usize) -> Self {
+        Self {
+            w: Weight::Streamed(id),
+            acts: Activations::default(),
+        }
+    }
+
+    /// The held matrix (`None` when streamed).
+    fn resident(&self) -> Option<&QMatrix> {
+        match &self.w {
+            Weight::Resident(q) => Some(q),
+            Weight::Streamed(_) => None,
+        }
+    }
+
+    /// `out[n][rows] = x[n][cols] · selfᵀ`, a streamed matrix taken from `pass`.
+    fn forward(
+        &self,
+        pass: &mut Option<Pass<'_>>,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        match &self.w {
+            Weight::Resident(q) => product(q, self.acts, x, n, out),
+            Weight::Streamed(id) => {
+                let p = pass.as_mut().ok_or(StreamError::Order {
+                    expected: usize::MAX,
+                    got: *id,
+                })?;
+                let q = p.fetch(*id)?;
+                product(&q, self.acts, x, n, out);
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.resident().map_or(0, QMatrix::bytes)
+    }
+}
+
+/// `out[n][rows] = x[n][cols] · wᵀ`.
+fn product(w: &QMatrix, acts: Activations, x: &[f32], n: usize, out: &mut [f32]) {
+    {
+        let (rows, cols) = (w.rows(), w.cols());
+        if let Some(f) = w.as_f32() {
             let tile = (TILE_BYTES / 4 / cols.max(1) / 16 * 16).max(16);
             matmul_nt_tiled(out, x, n, rows, cols, tile, |r0, r1, buf| {
                 buf.copy_from_slice(&f[r0 * cols..r1 * cols])
             });
         } else if n < GEMM_MIN_ROWS {
             for i in 0..n {
-                self.w.matvec(
-                    self.acts,
+                w.matvec(
+                    acts,
                     &x[i * cols..(i + 1) * cols],
                     &mut out[i * rows..(i + 1) * rows],
                 );
             }
         } else {
-            let tile = (TILE_BYTES / 4 / cols.max(1) / 16 * 16).max(16);
+            let tile = tile_rows(cols);
             matmul_nt_tiled(out, x, n, rows, cols, tile, |r0, r1, buf| {
-                self.w.dequant_rows(r0, r1, buf)
+                w.dequant_rows(r0, r1, buf)
             });
         }
     }
+}
 
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.w.bytes()
-    }
+/// Rows of one GEMM tile for matrices of `cols` columns; a matrix cut into pieces of whole
+/// tiles gives the same products as the whole matrix.
+fn tile_rows(cols: usize) -> usize {
+    (TILE_BYTES / 4 / cols.max(1) / 16 * 16).max(16)
 }
 
 /// f32 weights from a type the kernels do not read directly: Q8_0 when rows split in blocks
@@ -195,17 +267,156 @@ pub struct Model {
     /// The model's shape.
     pub cfg: ModelConfig,
     path: PathBuf,
-    /// Token embeddings `[vocab][hidden]`, dequantized a row at a time on lookup; `None` when
-    /// tied to the output head.
-    embed: Option<QMatrix>,
+    /// Token embeddings `[vocab][hidden]`, dequantized a row at a time on lookup.
+    embed: Embed,
     layers: Vec<Layer>,
     out_norm: Vec<f32>,
-    lm_head: Linear,
+    /// The output head `[vocab][hidden]`: one matrix, or pieces of whole GEMM tiles of rows
+    /// (first row, matrix) when it is streamed in part.
+    head: Vec<(usize, Linear)>,
+    /// Where the head's rows lie in the file (offset, kind), when it can be read a row at a time.
+    head_file: Option<(u64, Kind)>,
     rope: Rope,
     /// Tokens per prefill chunk: every batched forward call is cut to this size.
     pub prefill_chunk: usize,
     /// Bytes of tensor data in the file (what the weights occupy on disk).
     file_tensor_bytes: usize,
+    /// The streamed matrices, when the weights are held under a budget.
+    stream: Option<WeightStream>,
+    /// The streamed matrices of the layers and of the head, in the order a pass uses them.
+    layer_ids: Vec<usize>,
+    head_ids: Vec<usize>,
+    holding: WeightHolding,
+}
+
+/// Where token embeddings come from.
+enum Embed {
+    /// The output head's rows.
+    Tied,
+    /// A matrix of their own.
+    Own(QMatrix),
+    /// A row read from the file per lookup (offset of the tensor, its kind).
+    File(u64, Kind),
+}
+
+/// How the weights are held: what [`Model::holding`] reports.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct WeightHolding {
+    /// The budget they are held under, if any.
+    pub budget: Option<u64>,
+    /// How the resident matrices were chosen (`all` without a budget).
+    pub residency: String,
+    /// Bytes of norms, tables and matrices that cannot be streamed.
+    pub fixed_bytes: u64,
+    /// Bytes of the weight matrices held (those the plan keeps, and any that cannot stream).
+    pub resident_bytes: u64,
+    /// Bytes of the stream's buffers (ring and staging).
+    pub buffer_bytes: u64,
+    /// Bytes of streamed matrices a decode pass reads (layers and head).
+    pub streamed_bytes_per_token: u64,
+    /// Matrices streamed.
+    pub streamed_matrices: usize,
+    /// Read bandwidth the plan assumed, bytes/s (measured at load unless given).
+    pub read_bps: f64,
+    /// The plan's predicted seconds per decode pass and stall within it.
+    pub predicted_pass_secs: f64,
+    pub predicted_stall_secs: f64,
+}
+
+/// Bytes/s a decode step's products run at, for the plan's compute time per matrix (decode
+/// streams the weights from memory at about this rate on this class of CPU: docs/bench-engine.md).
+const DECODE_COMPUTE_BPS: f64 = 10e9;
+
+/// Bytes read to measure the disk's read bandwidth at load.
+const PROBE_BYTES: usize = 32 << 20;
+
+/// A streamable matrix's kind and pieces of the file (offset, bytes).
+type Located = (Kind, Vec<(u64, usize)>);
+
+/// A matrix the loader may stream: the file tensors it is stacked from.
+struct Candidate {
+    /// (tensor name, expected dims) of each part, stacked in order.
+    parts: Vec<(String, Vec<usize>)>,
+}
+
+/// Where a tensor of `expected` dims lies and how it is stored, if the kernels read it as it is
+/// (Q4_1, Q8_0): (offset in the file, kind, bytes).
+fn locate(
+    ct: &gguf_file::Content,
+    path: &Path,
+    name: &str,
+    expected: &[usize],
+) -> Result<Option<(u64, Kind, usize)>, ModelError> {
+    let info = ct
+        .tensor_infos
+        .get(name)
+        .ok_or_else(|| ModelError::MissingTensor {
+            path: path.into(),
+            name: name.into(),
+        })?;
+    let dims = info.shape.dims().to_vec();
+    if dims != expected {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            found: dims,
+            expected: expected.to_vec(),
+        });
+    }
+    let kind = match info.ggml_dtype {
+        GgmlDType::Q4_1 => Kind::Q4_1,
+        GgmlDType::Q8_0 => Kind::Q8_0,
+        _ => return Ok(None),
+    };
+    let n = info.shape.elem_count();
+    if !n.is_multiple_of(BLOCK) || expected.len() != 2 || !expected[1].is_multiple_of(BLOCK) {
+        return Ok(None);
+    }
+    let bytes = n / BLOCK * QMatrix::raw_unit(kind);
+    Ok(Some((ct.tensor_data_offset + info.offset, kind, bytes)))
+}
+
+/// Measures the read bandwidth of `path` with `O_DIRECT` reads of 1 MiB from `start`.
+fn probe_read_bps(path: &Path, start: u64, len: usize) -> Result<f64, ModelError> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let io = |source| ModelError::Io {
+        path: path.into(),
+        source,
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
+        .open(path)
+        .map_err(io)?;
+    const STEP: usize = 1 << 20;
+    let align = crate::model::stream::DIRECT_ALIGN;
+    let mut raw = vec![0u8; STEP + align];
+    let at = raw.as_ptr().align_offset(align);
+    let buf = &mut raw[at..at + STEP];
+    let mut off = start / align as u64 * align as u64;
+    let t = Instant::now();
+    let mut done = 0;
+    while done < len.max(STEP) {
+        let n = f.read_at(buf, off).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+        off += n as u64;
+    }
+    let secs = t.elapsed().as_secs_f64().max(1e-6);
+    Ok(done as f64 / secs)
+}
+
+/// Drops the file's pages from the page cache (what loading the resident weights read).
+fn drop_cache(path: &Path) {
+    if let Ok(f) = File::open(path) {
+        let _ = nix::fcntl::posix_fadvise(
+            &f,
+            0,
+            0,
+            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+        );
+    }
 }
 
 /// Reads one tensor of `expected` dims (`[rows, cols]` or `[cols]`) straight from the file into
@@ -313,8 +524,14 @@ fn to_vector(w: QMatrix) -> Vec<f32> {
 }
 
 impl Model {
-    /// Loads a llama-family GGUF file, repacking its weights.
+    /// Loads a llama-family GGUF file, repacking its weights, all of them resident.
     pub fn load(path: &Path) -> Result<Self, ModelError> {
+        Self::load_with(path, &WeightOptions::default())
+    }
+
+    /// Loads a llama-family GGUF file with its weights held as `opts` says: all resident, or
+    /// under a budget with the rest streamed (the module docs of [`crate::model::stream`]).
+    pub fn load_with(path: &Path, opts: &WeightOptions) -> Result<Self, ModelError> {
         let io = |source| ModelError::Io {
             path: path.into(),
             source,
@@ -348,49 +565,363 @@ impl Model {
             source,
         })?;
         let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
-        let mut rd = |name: &str, dims: &[usize]| read_weight(&ct, &mut file, path, name, dims);
-        let embed = rd("token_embd.weight", &[cfg.vocab, h])?;
-        let mut layers = Vec::with_capacity(cfg.n_layers);
+        let tied = !ct.tensor_infos.contains_key("output.weight");
+        let head_name = if tied {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
+        // The matrices of a pass, in the order it uses them: four per layer, then the head.
+        let mut cands: Vec<Candidate> = Vec::new();
         for l in 0..cfg.n_layers {
             let p = |s: &str| format!("blk.{l}.{s}.weight");
-            let qkv = Linear::stack(vec![
-                rd(&p("attn_q"), &[cfg.n_heads * hd, h])?,
-                rd(&p("attn_k"), &[kvd, h])?,
-                rd(&p("attn_v"), &[kvd, h])?,
-            ]);
-            let gate_up = Linear::stack(vec![
-                rd(&p("ffn_gate"), &[cfg.ffn, h])?,
-                rd(&p("ffn_up"), &[cfg.ffn, h])?,
-            ]);
-            layers.push(Layer {
-                attn_norm: to_vector(rd(&p("attn_norm"), &[h])?),
-                qkv,
-                wo: Linear::stack(vec![rd(&p("attn_output"), &[h, cfg.n_heads * hd])?]),
-                ffn_norm: to_vector(rd(&p("ffn_norm"), &[h])?),
-                gate_up,
-                down: Linear::stack(vec![rd(&p("ffn_down"), &[h, cfg.ffn])?]),
+            cands.push(Candidate {
+                parts: vec![
+                    (p("attn_q"), vec![cfg.n_heads * hd, h]),
+                    (p("attn_k"), vec![kvd, h]),
+                    (p("attn_v"), vec![kvd, h]),
+                ],
+            });
+            cands.push(Candidate {
+                parts: vec![(p("attn_output"), vec![h, cfg.n_heads * hd])],
+            });
+            cands.push(Candidate {
+                parts: vec![
+                    (p("ffn_gate"), vec![cfg.ffn, h]),
+                    (p("ffn_up"), vec![cfg.ffn, h]),
+                ],
+            });
+            cands.push(Candidate {
+                parts: vec![(p("ffn_down"), vec![h, cfg.ffn])],
             });
         }
-        let out_norm = to_vector(rd("output_norm.weight", &[h])?);
-        let (embed, lm_head) = if ct.tensor_infos.contains_key("output.weight") {
-            let w = rd("output.weight", &[cfg.vocab, h])?;
-            (Some(embed), Linear::stack(vec![w]))
-        } else {
-            (None, Linear::stack(vec![embed]))
-        };
+        // Where each candidate lies, if every part can be streamed as it is, in one kind.
+        let mut located: Vec<Option<Located>> = Vec::new();
+        for c in &cands {
+            let mut pieces = Vec::new();
+            let mut kind = None;
+            for (name, dims) in &c.parts {
+                match locate(&ct, path, name, dims)? {
+                    Some((off, k, bytes)) if kind.is_none_or(|kk| kk == k) => {
+                        kind = Some(k);
+                        pieces.push((off, bytes));
+                    }
+                    _ => {
+                        kind = None;
+                        break;
+                    }
+                }
+            }
+            located.push(kind.map(|k| (k, pieces)));
+        }
+        let head_loc = locate(&ct, path, head_name, &[cfg.vocab, h])?;
+        let head_file = head_loc.map(|(off, kind, _)| (off, kind));
         let rope = Rope::new(cfg.rope_dim, cfg.rope_base, cfg.max_ctx);
+        let norm_bytes =
+            ((cfg.n_layers * 2 + 1) * h * 4 + rope.max_pos() * cfg.rope_dim * 4) as u64;
+
+        // Which candidates are streamed (by index; the head's pieces after the layers').
+        let mut streamed = vec![false; cands.len()];
+        let mut head_pieces: Vec<(usize, usize)> = vec![(0, cfg.vocab)];
+        let mut head_streamed = vec![false];
+        let mut holding = WeightHolding {
+            budget: opts.budget,
+            residency: "all".into(),
+            ..WeightHolding::default()
+        };
+        let mut own_embed_from_file = false;
+        if let Some(budget) = opts.budget {
+            let (mut fixed, mut total) = (norm_bytes, norm_bytes);
+            let mut sizes = Vec::new();
+            for (c, loc) in cands.iter().zip(&located) {
+                let bytes: u64 = match loc {
+                    Some((_, pieces)) => pieces.iter().map(|p| p.1 as u64).sum(),
+                    None => {
+                        // Held as read (or requantized): about its f32 size over 4 at most.
+                        let b: u64 = c
+                            .parts
+                            .iter()
+                            .map(|(n, _)| {
+                                ct.tensor_infos.get(n).map_or(0, |i| {
+                                    (i.shape.elem_count() / i.ggml_dtype.block_size()
+                                        * i.ggml_dtype.type_size())
+                                        as u64
+                                })
+                            })
+                            .sum();
+                        fixed += b;
+                        b
+                    }
+                };
+                total += bytes;
+                sizes.push(bytes);
+            }
+            let head_bytes = head_loc.map_or(0, |x| x.2 as u64);
+            total += head_bytes;
+            let embed_bytes = if tied {
+                0
+            } else {
+                ct.tensor_infos.get("token_embd.weight").map_or(0, |i| {
+                    (i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size())
+                        as u64
+                })
+            };
+            total += embed_bytes;
+            if head_loc.is_none() {
+                fixed += head_bytes;
+            }
+            if budget < total || opts.source == WeightSource::Mmap {
+                // A separate embedding is read a row at a time from the file when it can be.
+                own_embed_from_file =
+                    locate(&ct, path, "token_embd.weight", &[cfg.vocab, h])?.is_some();
+                if !own_embed_from_file {
+                    fixed += embed_bytes;
+                }
+                // The head in pieces of whole GEMM tiles no bigger than the largest layer
+                // matrix, so it streams like a layer's matrices and its buffers stay small.
+                if let Some((_, _, hb)) = head_loc {
+                    let row_bytes = hb / cfg.vocab;
+                    let biggest = sizes.iter().copied().max().unwrap_or(hb as u64) as usize;
+                    let tile = tile_rows(h);
+                    let rows = (biggest / row_bytes.max(1) / tile).max(1) * tile;
+                    head_pieces = (0..cfg.vocab)
+                        .step_by(rows)
+                        .map(|r| (r, (r + rows).min(cfg.vocab)))
+                        .collect();
+                }
+                // The planner's tensors: the streamable layer matrices, then the head pieces.
+                let mut tensors = Vec::new();
+                let mut which = Vec::new();
+                for (i, loc) in located.iter().enumerate() {
+                    if loc.is_some() {
+                        tensors.push(WeightTensor {
+                            kind: (i % 4) as u32,
+                            bytes: sizes[i],
+                            compute: sizes[i] as f64 / DECODE_COMPUTE_BPS,
+                            reuse: 1,
+                        });
+                        which.push(Some(i));
+                    }
+                }
+                if let Some((_, _, hb)) = head_loc {
+                    let row_bytes = (hb / cfg.vocab) as u64;
+                    for &(r0, r1) in &head_pieces {
+                        let b = (r1 - r0) as u64 * row_bytes;
+                        tensors.push(WeightTensor {
+                            kind: 4,
+                            bytes: b,
+                            compute: b as f64 / DECODE_COMPUTE_BPS,
+                            reuse: 1,
+                        });
+                        which.push(None);
+                    }
+                }
+                let read_bps = match opts.read_bps {
+                    Some(b) => b,
+                    None => probe_read_bps(
+                        path,
+                        ct.tensor_data_offset,
+                        PROBE_BYTES.min(file_tensor_bytes),
+                    )?,
+                };
+                let model = StreamModel {
+                    read_bps,
+                    latency: 50e-6,
+                    slots: opts.slots.max(1),
+                    staging: 2,
+                };
+                let resident: Vec<bool> = if opts.source == WeightSource::Mmap {
+                    vec![false; tensors.len()]
+                } else {
+                    let room = budget.checked_sub(fixed);
+                    let minimum = fixed + policy::min_budget(&tensors, &model);
+                    let plan = room
+                        .ok_or(WeightPlanError::BelowMinimum { budget, minimum })
+                        .and_then(|room| {
+                            policy::plan_weights(&tensors, room, &model, opts.residency)
+                        })
+                        .map_err(|e| match e {
+                            WeightPlanError::BelowMinimum { .. } => ModelError::Budget {
+                                budget,
+                                minimum,
+                                fixed,
+                                stream: minimum - fixed,
+                            },
+                            e => ModelError::Plan(e),
+                        })?;
+                    holding.predicted_pass_secs = plan.predicted.pass_secs;
+                    holding.predicted_stall_secs = plan.predicted.stall_secs;
+                    plan.resident
+                };
+                holding.residency = match opts.source {
+                    WeightSource::Mmap => "mmap".into(),
+                    WeightSource::Direct => format!("{:?}", opts.residency).to_lowercase(),
+                };
+                holding.read_bps = read_bps;
+                holding.fixed_bytes = fixed;
+                head_streamed.clear();
+                for (&r, w) in resident.iter().zip(&which) {
+                    match w {
+                        Some(i) => streamed[*i] = !r,
+                        None => head_streamed.push(!r),
+                    }
+                }
+                if head_loc.is_none() {
+                    head_streamed = vec![false];
+                }
+            }
+        }
+
+        // Read what stays resident; describe what is streamed.
+        let mut units: Vec<StreamUnit> = Vec::new();
+        let mut rd = |name: &str, dims: &[usize]| read_weight(&ct, &mut file, path, name, dims);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        let mut layer_ids = Vec::new();
+        let mut mats: Vec<Linear> = Vec::with_capacity(4);
+        for (i, c) in cands.iter().enumerate() {
+            if streamed[i] {
+                let (kind, pieces) = located[i].clone().expect("only located matrices stream");
+                let rows = c.parts.iter().map(|(_, d)| d[0]).sum();
+                layer_ids.push(units.len());
+                mats.push(Linear::streamed(units.len()));
+                units.push(StreamUnit {
+                    kind,
+                    rows,
+                    cols: c.parts[0].1[1],
+                    pieces,
+                });
+            } else {
+                let parts = c
+                    .parts
+                    .iter()
+                    .map(|(n, d)| rd(n, d))
+                    .collect::<Result<Vec<_>, _>>()?;
+                mats.push(Linear::stack(parts));
+            }
+            if mats.len() == 4 {
+                let l = i / 4;
+                let p = |s: &str| format!("blk.{l}.{s}.weight");
+                let mut m = mats.drain(..);
+                let (qkv, wo, gate_up, down) = (
+                    m.next().expect("4 matrices"),
+                    m.next().expect("4 matrices"),
+                    m.next().expect("4 matrices"),
+                    m.next().expect("4 matrices"),
+                );
+                drop(m);
+                layers.push(Layer {
+                    attn_norm: to_vector(rd(&p("attn_norm"), &[h])?),
+                    qkv,
+                    wo,
+                    ffn_norm: to_vector(rd(&p("ffn_norm"), &[h])?),
+                    gate_up,
+                    down,
+                });
+            }
+        }
+        let out_norm = to_vector(rd("output_norm.weight", &[h])?);
+        let mut head = Vec::new();
+        let mut head_ids = Vec::new();
+        if head_pieces.len() == 1 && !head_streamed[0] {
+            head.push((0, Linear::stack(vec![rd(head_name, &[cfg.vocab, h])?])));
+        } else {
+            let (off, kind, hb) = head_loc.expect("only a located head is cut in pieces");
+            let row_bytes = hb / cfg.vocab;
+            for (&(r0, r1), &s) in head_pieces.iter().zip(&head_streamed) {
+                let piece = (off + (r0 * row_bytes) as u64, (r1 - r0) * row_bytes);
+                if s {
+                    head_ids.push(units.len());
+                    head.push((r0, Linear::streamed(units.len())));
+                    units.push(StreamUnit {
+                        kind,
+                        rows: r1 - r0,
+                        cols: h,
+                        pieces: vec![piece],
+                    });
+                } else {
+                    use std::os::unix::fs::FileExt;
+                    let mut raw = vec![0u8; piece.1];
+                    File::open(path)
+                        .and_then(|f| f.read_exact_at(&mut raw, piece.0))
+                        .map_err(io)?;
+                    let q = QMatrix::from_raw(r1 - r0, h, kind, &raw);
+                    head.push((r0, Linear::stack(vec![q])));
+                }
+            }
+        }
+        let embed = if tied {
+            Embed::Tied
+        } else if own_embed_from_file {
+            let (off, kind, _) =
+                locate(&ct, path, "token_embd.weight", &[cfg.vocab, h])?.expect("checked above");
+            Embed::File(off, kind)
+        } else {
+            Embed::Own(rd("token_embd.weight", &[cfg.vocab, h])?)
+        };
+        let stream = if !units.is_empty() || own_embed_from_file {
+            // What loading read through the page cache leaves it; streamed bytes never enter.
+            drop_cache(path);
+            holding.streamed_matrices = units.len();
+            holding.streamed_bytes_per_token = units.iter().map(|u| u.bytes() as u64).sum();
+            Some(WeightStream::start(path, units, opts.source, opts.slots)?)
+        } else {
+            None
+        };
+        holding.buffer_bytes = stream.as_ref().map_or(0, |s| s.buffer_bytes() as u64);
         tracing::info!(path = %path.display(), layers = cfg.n_layers, hidden = h, "model loaded");
-        Ok(Self {
+        let mut model = Self {
             cfg,
             path: path.into(),
             embed,
             layers,
             out_norm,
-            lm_head,
+            head,
+            head_file,
             rope,
             prefill_chunk: 256,
             file_tensor_bytes,
-        })
+            stream,
+            layer_ids,
+            head_ids,
+            holding,
+        };
+        let matrices: usize = model.matrices().map(QMatrix::bytes).sum::<usize>()
+            + match &model.embed {
+                Embed::Own(q) => q.bytes(),
+                _ => 0,
+            };
+        model.holding.resident_bytes = matrices as u64;
+        if let Some(budget) = opts.budget {
+            let held = model.weight_bytes() as u64 + model.holding.buffer_bytes;
+            tracing::info!(
+                budget,
+                held,
+                resident = model.holding.resident_bytes,
+                buffers = model.holding.buffer_bytes,
+                streamed = model.holding.streamed_bytes_per_token,
+                residency = %model.holding.residency,
+                "weights under a budget"
+            );
+            if held > budget && opts.source == WeightSource::Direct {
+                return Err(ModelError::Budget {
+                    budget,
+                    minimum: held,
+                    fixed: model.holding.fixed_bytes,
+                    stream: model.holding.buffer_bytes,
+                });
+            }
+        }
+        Ok(model)
+    }
+
+    /// How the weights are held, and what the stream has read so far.
+    pub fn holding(&self) -> WeightHolding {
+        self.holding.clone()
+    }
+
+    /// The weight stream's counters (`None` with every weight resident).
+    pub fn stream_counters(&self) -> Option<&crate::model::stream::StreamCounters> {
+        self.stream.as_ref().map(WeightStream::counters)
     }
 
     /// The file the model was loaded from.
@@ -398,7 +929,7 @@ impl Model {
         &self.path
     }
 
-    /// Bytes of weights held in memory (all repacked forms).
+    /// Bytes of weights held in memory (all repacked forms; not the stream's buffers).
     pub fn weight_bytes(&self) -> usize {
         let norms = (self.layers.len() * 2 + 1) * self.cfg.hidden * 4;
         let layers: usize = self
@@ -406,10 +937,14 @@ impl Model {
             .iter()
             .map(|l| l.qkv.bytes() + l.wo.bytes() + l.gate_up.bytes() + l.down.bytes())
             .sum();
+        let own_embed = match &self.embed {
+            Embed::Own(q) => q.bytes(),
+            _ => 0,
+        };
         norms
             + layers
-            + self.lm_head.bytes()
-            + self.embed.as_ref().map_or(0, QMatrix::bytes)
+            + self.head.iter().map(|(_, l)| l.bytes()).sum::<usize>()
+            + own_embed
             + self.rope.max_pos() * self.cfg.rope_dim * 4
     }
 
@@ -420,12 +955,14 @@ impl Model {
                 lin.acts = acts;
             }
         }
-        self.lm_head.acts = acts;
+        for (_, lin) in &mut self.head {
+            lin.acts = acts;
+        }
     }
 
     /// How single-token products take their activations.
     pub fn activations(&self) -> Activations {
-        self.lm_head.acts
+        self.head[0].1.acts
     }
 
     /// Bytes of tensor data in the GGUF file the model was loaded from.
@@ -434,16 +971,22 @@ impl Model {
     }
 
     /// Weight bytes one decode step reads: every layer's matrices and the output head (the
-    /// norms and one embedding row are noise).
+    /// norms and one embedding row are noise), resident or streamed.
     pub fn decode_weight_bytes(&self) -> usize {
-        self.matrices().map(|m| m.bytes()).sum()
+        self.matrices().map(|m| m.bytes()).sum::<usize>()
+            + self
+                .stream
+                .as_ref()
+                .map_or(0, |s| s.units().iter().map(StreamUnit::bytes).sum())
     }
 
+    /// The resident matrices a decode step reads.
     fn matrices(&self) -> impl Iterator<Item = &QMatrix> {
         self.layers
             .iter()
-            .flat_map(|l| [&l.qkv.w, &l.wo.w, &l.gate_up.w, &l.down.w])
-            .chain([&self.lm_head.w])
+            .flat_map(|l| [&l.qkv, &l.wo, &l.gate_up, &l.down])
+            .chain(self.head.iter().map(|(_, l)| l))
+            .filter_map(Linear::resident)
     }
 
     /// Reads every byte of the decode weights once on the engine's threads and returns a
@@ -459,10 +1002,6 @@ impl Model {
     /// The chunk shape of this model's KV cache with `tokens` tokens per chunk.
     pub fn chunk_shape(&self, tokens: usize) -> ChunkShape {
         self.cfg.chunk_shape(tokens)
-    }
-
-    fn embedding(&self) -> &QMatrix {
-        self.embed.as_ref().unwrap_or(&self.lm_head.w)
     }
 
     /// Runs `tokens` through the model after the tokens already in `cache`, appending their K/V
@@ -505,13 +1044,77 @@ impl Model {
         })
     }
 
-    fn embed_rows(&self, tokens: &[u32]) -> Vec<f32> {
-        let (emb, h) = (self.embedding(), self.cfg.hidden);
+    fn embed_rows(&self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let h = self.cfg.hidden;
         let mut x = vec![0.0; tokens.len() * h];
+        let mut raw = Vec::new();
         for (&t, row) in tokens.iter().zip(x.chunks_exact_mut(h)) {
-            emb.dequant_rows(t as usize, t as usize + 1, row);
+            let t = t as usize;
+            let file = match &self.embed {
+                Embed::Own(q) => {
+                    q.dequant_rows(t, t + 1, row);
+                    continue;
+                }
+                Embed::File(off, kind) => (*off, *kind),
+                Embed::Tied => {
+                    // The head piece that holds row t, if resident.
+                    let i = self.head.partition_point(|(r0, _)| *r0 <= t) - 1;
+                    let (r0, lin) = &self.head[i];
+                    if let Some(q) = lin.resident() {
+                        q.dequant_rows(t - r0, t - r0 + 1, row);
+                        continue;
+                    }
+                    self.head_file
+                        .expect("a streamed head has its place in the file")
+                }
+            };
+            // One row from the file, past the page cache.
+            let stream = self
+                .stream
+                .as_ref()
+                .expect("rows are read from a stream's file");
+            let row_bytes = h / BLOCK * QMatrix::raw_unit(file.1);
+            stream.read_raw(file.0 + (t * row_bytes) as u64, row_bytes, &mut raw)?;
+            QMatrix::from_raw(1, h, file.1, &raw).dequant_rows(0, 1, row);
         }
-        x
+        Ok(x)
+    }
+
+    /// Starts a pass over the streamed matrices of the layers, and of the head if `head`.
+    fn begin_pass(&self, head: bool) -> Result<Option<Pass<'_>>, ModelError> {
+        let Some(stream) = &self.stream else {
+            return Ok(None);
+        };
+        let mut ids = self.layer_ids.clone();
+        if head {
+            ids.extend(&self.head_ids);
+        }
+        Ok(Some(stream.begin(ids)?))
+    }
+
+    /// The logits of the rows `xn` (`[rows][hidden]`, normed) into `out` (`[rows][vocab]`).
+    fn head_forward(
+        &self,
+        pass: &mut Option<Pass<'_>>,
+        xn: &[f32],
+        rows: usize,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        if let [(_, lin)] = &self.head[..] {
+            return lin.forward(pass, xn, rows, out);
+        }
+        let vocab = self.cfg.vocab;
+        let mut part = Vec::new();
+        for (i, (r0, lin)) in self.head.iter().enumerate() {
+            let r1 = self.head.get(i + 1).map_or(vocab, |p| p.0);
+            let w = r1 - r0;
+            part.resize(rows * w, 0.0);
+            lin.forward(pass, xn, rows, &mut part)?;
+            for (o, p) in out.chunks_exact_mut(vocab).zip(part.chunks_exact(w)) {
+                o[*r0..r1].copy_from_slice(p);
+            }
+        }
+        Ok(())
     }
 
     /// Runs every layer over the tokens at `positions` (ascending) whose embeddings are `x`
@@ -526,6 +1129,7 @@ impl Model {
         x: &mut [f32],
         positions: &[usize],
         seal: &[usize],
+        pass: &mut Option<Pass<'_>>,
     ) -> Result<(), ModelError> {
         let n = positions.len();
         let batched = n > PACKED_MAX_TOKENS;
@@ -547,7 +1151,7 @@ impl Model {
         };
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&mut xn, x, &layer.attn_norm, cfg.rms_eps);
-            layer.qkv.forward(&xn, n, &mut qkv);
+            layer.qkv.forward(pass, &xn, n, &mut qkv)?;
             for (i, row) in qkv.chunks_exact_mut(qd + 2 * kvd).enumerate() {
                 let pos = positions[i];
                 let (qr, kv) = row.split_at_mut(qd);
@@ -565,12 +1169,12 @@ impl Model {
             } else {
                 attend_packed(cache, li, shape, &q, positions[0], n, &mut att)?;
             }
-            layer.wo.forward(&att, n, &mut o);
+            layer.wo.forward(pass, &att, n, &mut o)?;
             add_assign(x, &o);
             rms_norm(&mut xn, x, &layer.ffn_norm, cfg.rms_eps);
-            layer.gate_up.forward(&xn, n, &mut gu);
+            layer.gate_up.forward(pass, &xn, n, &mut gu)?;
             swiglu(&mut act, &gu, cfg.ffn);
-            layer.down.forward(&act, n, &mut o);
+            layer.down.forward(pass, &act, n, &mut o)?;
             add_assign(x, &o);
         }
         Ok(())
@@ -602,10 +1206,13 @@ impl Model {
                 vocab: self.cfg.vocab,
             });
         }
+        let mut x = self.embed_rows(&tokens)?;
         cache.begin_recompute(chunks)?;
-        let mut x = self.embed_rows(&tokens);
-        let run = on_pool(|| self.run_layers(cache, &mut x, &positions, chunks))
-            .and_then(|()| cache.finish_recompute().map_err(ModelError::from));
+        let run = on_pool(|| {
+            let mut pass = self.begin_pass(false)?;
+            self.run_layers(cache, &mut x, &positions, chunks, &mut pass)
+        })
+        .and_then(|()| cache.finish_recompute().map_err(ModelError::from));
         if run.is_err() {
             cache.abort_recompute();
         }
@@ -623,19 +1230,20 @@ impl Model {
         let (n, h) = (tokens.len(), cfg.hidden);
         let p0 = cache.len();
         cache.reserve(n)?;
-        let mut x = self.embed_rows(tokens);
+        let mut x = self.embed_rows(tokens)?;
         let t = cache.shape().tokens;
         let positions: Vec<usize> = (p0..p0 + n).collect();
         // The chunks this batch completes are sealed layer by layer as it runs.
         let seal: Vec<usize> = (p0 / t..(p0 + n) / t).collect();
-        self.run_layers(cache, &mut x, &positions, &seal)?;
-        cache.commit(tokens)?;
         let rows = logit_rows.min(n);
+        let mut pass = self.begin_pass(rows > 0)?;
+        self.run_layers(cache, &mut x, &positions, &seal, &mut pass)?;
+        cache.commit(tokens)?;
         let mut out = vec![0.0; rows * cfg.vocab];
         if rows > 0 {
             let mut xn = vec![0.0; rows * h];
             rms_norm(&mut xn, &x[(n - rows) * h..], &self.out_norm, cfg.rms_eps);
-            self.lm_head.forward(&xn, rows, &mut out);
+            self.head_forward(&mut pass, &xn, rows, &mut out)?;
         }
         tracing::trace!(
             tokens = n,

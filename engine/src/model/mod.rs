@@ -11,7 +11,9 @@ pub mod generate;
 pub mod kernels;
 pub mod qmatrix;
 pub mod simd;
+pub mod stream;
 pub mod tiny;
 pub mod tokenizer;
 
-pub use forward::{ForwardStats, Linear, Logits, Model, ModelError};
+pub use forward::{ForwardStats, Linear, Logits, Model, ModelError, WeightHolding};
+pub use stream::{WeightOptions, WeightSource};

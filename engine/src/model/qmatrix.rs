@@ -187,6 +187,55 @@ impl QMatrix {
         }
     }
 
+    /// Makes this matrix `rows × cols` of `kind` from the file's units in `parts` (in order),
+    /// reusing its buffers: a streamed weight is repacked into a ring buffer this way, with no
+    /// allocation once the buffer has held its largest matrix.
+    pub fn refill(&mut self, rows: usize, cols: usize, kind: Kind, parts: &[&[u8]]) {
+        assert!(kind != Kind::F32, "f32 matrices are never streamed");
+        let unit = Self::raw_unit(kind);
+        let nb: usize = parts.iter().map(|p| p.len() / unit).sum();
+        assert_eq!(
+            nb * BLOCK,
+            rows * cols,
+            "refill: {kind:?} data of the wrong size"
+        );
+        (self.rows, self.cols, self.kind) = (rows, cols, kind);
+        self.f.clear();
+        let qb = if kind == Kind::Q4_1 { 16 } else { 32 };
+        self.d.resize(nb, f16::ZERO);
+        self.m
+            .resize(if kind == Kind::Q4_1 { nb } else { 0 }, f16::ZERO);
+        self.qs.resize(nb * qb, 0);
+        let mut b = 0;
+        for p in parts {
+            assert!(p.len().is_multiple_of(unit), "partial block");
+            for raw in p.chunks_exact(unit) {
+                self.d[b] = f16::from_le_bytes([raw[0], raw[1]]);
+                let q = if kind == Kind::Q4_1 {
+                    self.m[b] = f16::from_le_bytes([raw[2], raw[3]]);
+                    &raw[4..]
+                } else {
+                    &raw[2..]
+                };
+                self.qs[b * qb..(b + 1) * qb].copy_from_slice(q);
+                b += 1;
+            }
+        }
+    }
+
+    /// Reserves room for `blocks` scales, `mins` minimums and `quants` quant bytes, so
+    /// [`QMatrix::refill`] never allocates for matrices within them.
+    pub fn reserve_parts(&mut self, blocks: usize, mins: usize, quants: usize) {
+        self.d.reserve_exact(blocks.saturating_sub(self.d.len()));
+        self.m.reserve_exact(mins.saturating_sub(self.m.len()));
+        self.qs.reserve_exact(quants.saturating_sub(self.qs.len()));
+    }
+
+    /// Bytes allocated, whether used or not.
+    pub fn capacity_bytes(&self) -> usize {
+        self.d.capacity() * 2 + self.m.capacity() * 2 + self.qs.capacity() + self.f.capacity() * 4
+    }
+
     /// Whether every unit has been pushed.
     pub fn is_complete(&self) -> bool {
         match self.kind {
