@@ -12,7 +12,7 @@ use engine::model::fetch;
 use engine::model::generate::{Sampler, SamplingParams, generate};
 use engine::model::qmatrix::Activations;
 use engine::model::tokenizer::{Message, StreamDecoder, Tokenizer};
-use engine::model::{Logits, Model};
+use engine::model::{Logits, Model, WeightOptions};
 
 use crate::model_cmd::ModelsDirArg;
 
@@ -40,6 +40,26 @@ pub struct EngineOpts {
     /// Activations of single-token products: f32 (exact) or int8 (8 bits per 32 values)
     #[arg(long, default_value = "f32", value_name = "KIND", value_parser = ["f32", "int8"])]
     pub activations: String,
+    /// Bytes of weights held in memory (suffixes K, M, G): the matrices that do not fit are read
+    /// from the model file for every token, ahead of the compute [default: all resident]
+    #[arg(long, env = "LLMS_WEIGHT_BUDGET", value_name = "BYTES")]
+    pub weight_budget: Option<String>,
+}
+
+impl EngineOpts {
+    /// How to hold the weights: `--weight-budget`, else all resident.
+    pub fn weight_options(&self) -> anyhow::Result<WeightOptions> {
+        let budget = self
+            .weight_budget
+            .as_deref()
+            .map(crate::serve_cmd::parse_bytes)
+            .transpose()
+            .context("--weight-budget")?;
+        Ok(WeightOptions {
+            budget,
+            ..WeightOptions::default()
+        })
+    }
 }
 
 /// A loaded model with its tokenizer.
@@ -96,7 +116,8 @@ pub fn load(opts: &EngineOpts) -> anyhow::Result<Loaded> {
 
 fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
     let t = Instant::now();
-    let mut model = Model::load(path).with_context(|| format!("cannot load {}", path.display()))?;
+    let mut model = Model::load_with(path, &opts.weight_options()?)
+        .with_context(|| format!("cannot load {}", path.display()))?;
     model.prefill_chunk = opts.prefill_chunk;
     model.set_activations(match opts.activations.as_str() {
         "int8" => Activations::Int8,

@@ -12,6 +12,7 @@ mod bench_load;
 mod bench_pager;
 mod bench_switch;
 mod bench_switch_plot;
+mod bench_weights;
 mod chat_cmd;
 mod ctx_cmd;
 mod daemon_proc;
@@ -102,6 +103,9 @@ enum BenchCommand {
     /// each context manager (llms and the paper's baselines), storage throttled and memory
     /// measured with cgroup v1; a table, CSV, JSON and plots (docs/bench.md).
     Switch(Box<bench_switch::BenchSwitchArgs>),
+    /// Weights under a memory budget: decode and prefill speed against the budget for mmap in a
+    /// memory cgroup, prefetch only, + balanced locking and + tensor preservation.
+    Weights(bench_weights::BenchWeightsArgs),
 }
 
 /// The whole `llms` command line: parses the arguments, runs the command, reports errors.
@@ -152,6 +156,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Load(args)) => bench_load::run_cmd(&args),
         Command::Bench(BenchCommand::Crash(args)) => bench_crash::run(&args),
         Command::Bench(BenchCommand::Switch(args)) => bench_switch::run(&args),
+        Command::Bench(BenchCommand::Weights(args)) => bench_weights::run(args),
         Command::Profile(args) => profile_cmd::run(args),
     }
 }

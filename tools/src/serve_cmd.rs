@@ -122,6 +122,10 @@ pub struct ServeArgs {
     /// describes each [default: llms]
     #[arg(long, env = "LLMS_MANAGER", value_name = "NAME")]
     pub manager: Option<String>,
+    /// Bytes of weights held in memory (suffixes K, M, G): the matrices that do not fit are read
+    /// from the model file for every token, ahead of the compute [default: all resident]
+    #[arg(long, env = "LLMS_WEIGHT_BUDGET", value_name = "BYTES")]
+    pub weight_budget: Option<String>,
     /// Format new KV chunks are sealed in: f16, int8 (then compressed to int4/int2 by
     /// attention); the baselines fix their own [default: int8]
     #[arg(long, env = "LLMS_KV_FORMAT", value_name = "FORMAT")]
@@ -180,6 +184,7 @@ struct ConfigFile {
     model: Option<PathBuf>,
     models_dir: Option<PathBuf>,
     kv_budget: Option<toml::Value>,
+    weight_budget: Option<toml::Value>,
     min_kv_budget: Option<toml::Value>,
     pressure_interval: Option<f64>,
     no_pressure: Option<bool>,
@@ -236,6 +241,8 @@ struct Settings {
     model: Option<PathBuf>,
     dir: ModelsDirArg,
     kv_budget: u64,
+    /// `None`: every weight resident.
+    weight_budget: Option<u64>,
     /// `None`: no pressure watch.
     pressure: Option<(u64, std::time::Duration)>,
     kv_format: KvFormat,
@@ -269,6 +276,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         })
     };
     let budget = size("kv-budget", a.kv_budget, f.kv_budget)?.unwrap_or(256 << 20);
+    let weight_budget = size("weight-budget", a.weight_budget, f.weight_budget)?;
     let pressure = if a.no_pressure || f.no_pressure == Some(true) {
         None
     } else {
@@ -349,6 +357,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
             models_dir: a.dir.models_dir.or(f.models_dir),
         },
         kv_budget: budget,
+        weight_budget,
         pressure,
         kv_format,
         manager,
@@ -455,8 +464,14 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         None => engine::model::fetch::default_model_path(&s.dir.fetch_options())
             .context("cannot get the default model (try `llms model fetch`)")?,
     };
-    let model =
-        Arc::new(Model::load(&path).with_context(|| format!("cannot load {}", path.display()))?);
+    let weights = engine::model::WeightOptions {
+        budget: s.weight_budget,
+        ..Default::default()
+    };
+    let model = Arc::new(
+        Model::load_with(&path, &weights)
+            .with_context(|| format!("cannot load {}", path.display()))?,
+    );
     let tokenizer = Arc::new(
         Tokenizer::from_gguf_file(&path)
             .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?,
