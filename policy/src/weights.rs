@@ -529,7 +529,7 @@ mod tests {
             ..model(1.0, 2)
         };
         // Three buffers of the 30-byte tensor.
-        assert_eq!(min_budget(&ts, &m), 80.min(90));
+        assert_eq!(min_budget(&ts, &m), 80);
         assert_eq!(
             plan_weights(&ts, 79, &m, Residency::Preserve),
             Err(WeightPlanError::BelowMinimum {

@@ -110,6 +110,7 @@ pub fn load(opts: &EngineOpts) -> anyhow::Result<Loaded> {
     if !(1..=256).contains(&opts.chunk_tokens) || opts.prefill_chunk == 0 {
         bail!("--chunk-tokens must be from 1 to 256 and --prefill-chunk at least 1");
     }
+    opts.weight_options()?;
     let path = model_path(opts)?;
     load_path(&path, opts)
 }

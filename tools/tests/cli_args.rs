@@ -45,6 +45,22 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         (&["bench", "kv", "--contexts", "99999999999"], "longer than"),
         (&["bench", "kv", "--contexts", "-1"], "'-1'"),
         (&["bench", "engine", "--runs", "0"], "at least 1"),
+        (&["bench", "weights", "--budgets", "0"], "from 1 to 100"),
+        (
+            &["bench", "weights", "--budgets", "50,101"],
+            "from 1 to 100",
+        ),
+        (
+            &["bench", "weights", "--methods", "mmap,fast"],
+            "unknown method",
+        ),
+        (&["bench", "weights", "--read-bps", "12X"], "not a size"),
+        (&["bench", "weights", "--decode", "0"], "at least 1"),
+        (&["bench", "weights", "--weight-budget", "1M"], "--budgets"),
+        (
+            &["generate", "--prompt", "x", "--weight-budget", "lots"],
+            "not a size",
+        ),
         (&["bench", "engine", "--prefill", "0"], "at least 1"),
         (&["bench", "engine", "--decode", "0"], "at least 1"),
         (&["bench", "engine", "--threads", "0"], "--threads"),

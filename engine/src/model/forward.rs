@@ -300,7 +300,7 @@ enum Embed {
 }
 
 /// How the weights are held: what [`Model::holding`] reports.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct WeightHolding {
     /// The budget they are held under, if any.
     pub budget: Option<u64>,
