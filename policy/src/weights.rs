@@ -528,7 +528,8 @@ mod tests {
             staging: 1,
             ..model(1.0, 2)
         };
-        // Three buffers of the 30-byte tensor.
+        // Streaming all needs three buffers of the 30-byte tensor (90 bytes): holding all (80)
+        // is the least.
         assert_eq!(min_budget(&ts, &m), 80);
         assert_eq!(
             plan_weights(&ts, 79, &m, Residency::Preserve),
