@@ -42,6 +42,9 @@ pub struct BenchLoadArgs {
     /// Move chunks through the store's API instead of a kvfs mount of it (the service's path).
     #[arg(long)]
     pub no_mount: bool,
+    /// Threads reading chunks when the Load recomputes nothing (each keeps one read in flight)
+    #[arg(long, default_value_t = 4, value_parser = crate::report::positive)]
+    pub io_threads: usize,
 }
 
 /// Runs the benchmark, prints the table, writes the JSON.
@@ -83,6 +86,7 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         throttles,
         mount: !args.no_mount,
         mount_guard: Some(crate::kvfs_cmd::guard_command()?),
+        io_threads: args.io_threads,
     };
     #[allow(clippy::print_stderr)]
     let report = run(model, &opts, |what| eprintln!("bench load: {what}"))

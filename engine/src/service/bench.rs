@@ -31,6 +31,8 @@ pub struct LoadBenchOptions {
     pub mount: bool,
     /// The mount's guard (see `kvfs::guard`), so an interrupted benchmark cannot hang.
     pub mount_guard: Option<kvfs::guard::GuardCommand>,
+    /// Threads reading chunks when nothing is recomputed (`ManagerConfig::io_threads`).
+    pub io_threads: usize,
 }
 
 /// One row: a length, a storage speed and a load mode, medians over the runs.
@@ -127,6 +129,7 @@ pub fn run(
         cfg.mount = opts.mount.then(|| store.with_extension("mnt"));
         cfg.mount_guard = opts.mount_guard.clone();
         cfg.kv_format = opts.format;
+        cfg.io_threads = opts.io_threads;
         cfg.max_tokens = (max_len + 64).div_ceil(16) * 16;
         if !opts.compress {
             cfg.compress_ratio = None;
