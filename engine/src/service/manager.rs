@@ -138,11 +138,14 @@ impl ManagerConfig {
 }
 
 /// Starting costs, before any Load was measured on this machine: reads at 1 GB/s after 100 us,
-/// recompute at 20 ms per chunk after 5 ms (orders of magnitude measured here; every Load
-/// refines them).
+/// recompute at 50 ms per chunk after 10 ms; every Load refines them. The recompute figure is
+/// what chunks cost deep in a long context on a 2-core CPU (a whole 2048-token context: 47 ms a
+/// chunk; one chunk at 1500 tokens: 123 ms, docs/bench.md): a cheaper guess made a fresh daemon
+/// recompute where reading was several times faster, and a dearer one only reads a little more
+/// until the first Loads teach it the machine.
 pub fn default_cost() -> CostModel {
     CostModel::new(
-        LinearCost::new(5e-3, 20e-3).expect("valid constants"),
+        LinearCost::new(10e-3, 50e-3).expect("valid constants"),
         LinearCost::new(100e-6, 1e-9).expect("valid constants"),
     )
 }
