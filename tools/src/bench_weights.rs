@@ -93,7 +93,8 @@ struct Measured {
     /// Seconds per decoded token the compute waited for streamed weights.
     wait_secs_per_token: f64,
     holding: WeightHolding,
-    /// Anonymous memory other than weights (heap, KV cache) when the decode's limit was set.
+    /// Memory other than weights and page cache (heap, KV cache, kernel memory) when the
+    /// decode's limit was set.
     base_bytes: u64,
     /// The decode's memory limit: base + budget + 1 MiB.
     limit_bytes: Option<u64>,
@@ -261,7 +262,7 @@ pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
         rows[i].vs_mmap = mmap.map(|m| rows[i].m.decode_tokens_per_sec / m);
     }
     table!(
-        "| budget | method | prefill t/s | decode t/s | × mmap | streamed MiB/token | bound t/s | of bound | wait ms/token | peak MiB | same tokens |"
+        "| budget | method | prefill t/s | decode t/s | × mmap | streamed MiB/token | bound t/s | of bound | wait ms/token | peak − base MiB | same tokens |"
     );
     table!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     let f = |x: Option<f64>, p: usize| x.map_or("".to_string(), |v| format!("{v:.p$}"));
@@ -283,7 +284,7 @@ pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
             f(r.bound_tokens_per_sec, 1),
             f(r.of_bound, 2),
             r.m.wait_secs_per_token * 1e3,
-            r.m.peak_bytes as f64 / 1048576.0,
+            r.m.peak_bytes.saturating_sub(r.m.base_bytes) as f64 / 1048576.0,
             if r.same_tokens { "yes" } else { "NO" }
         );
     }
@@ -484,7 +485,12 @@ fn child(s: &Spec) -> anyhow::Result<Measured> {
         let Some(dir) = &s.memory_cgroup else {
             return Ok((0, None));
         };
-        let base = cg_stat(dir, "rss")?.saturating_sub(held);
+        // Usage counts anonymous memory, page cache and kernel memory (page tables, slabs);
+        // the page cache is what mmap's weights live in, so it is left out of the base.
+        let usage: u64 = cg_read(dir, "memory.usage_in_bytes")?.trim().parse()?;
+        let base = usage
+            .saturating_sub(cg_stat(dir, "cache")?)
+            .saturating_sub(held);
         let Some(budget) = s.budget else {
             return Ok((base, None));
         };
