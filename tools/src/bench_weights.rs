@@ -96,7 +96,7 @@ struct Measured {
     /// Memory other than weights and page cache (heap, KV cache, kernel memory) when the
     /// decode's limit was set.
     base_bytes: u64,
-    /// The decode's memory limit: base + budget + 1 MiB.
+    /// The decode's memory limit: base + budget + 4 MiB.
     limit_bytes: Option<u64>,
     /// The cgroup's peak usage during the decode (anonymous memory and page cache).
     peak_bytes: u64,
@@ -140,8 +140,9 @@ const BLKIO: &str = "/sys/fs/cgroup/blkio";
 /// which the base does not hold; the same for every method.
 const PREFILL_SLACK: u64 = 16 << 20;
 /// Room beyond the base measured after the prefill (which then holds the KV cache), for the
-/// decode's small and growing allocations: the same for every method.
-const DECODE_SLACK: u64 = 1 << 20;
+/// decode's small and growing allocations (new KV chunks, logits): the same for every method.
+/// 1 MiB was too little: an all-resident engine at a 100% budget was killed by the OOM killer.
+const DECODE_SLACK: u64 = 4 << 20;
 
 /// Runs `llms bench weights`.
 pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
