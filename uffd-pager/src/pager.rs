@@ -1090,18 +1090,7 @@ impl Pager {
     /// context is locked. Returns the bytes freed.
     pub fn evict(&self, key: ChunkKey) -> Result<u64, PagerError> {
         let _span = tracing::debug_span!("evict", chunk = %key).entered();
-        let st = self.live()?;
-        let mut st = self.shared.wait_populated(st, key)?;
-        let (c, s) = st.book.slot(key)?;
-        if c.locks > 0 {
-            return Err(PagerError::Locked { ctx: key.ctx });
-        }
-        match s.state {
-            ChunkState::Resident | ChunkState::ZeroMapped => {
-                st.evict(&self.shared.stats, &*self.shared.source, key)
-            }
-            _ => Err(PagerError::NotResident { key }),
-        }
+        self.drop_one(key, true)
     }
 
     /// Reclaim: drop a resident chunk's pages (MADV_DONTNEED), never writing it anywhere (a chunk
@@ -1109,6 +1098,10 @@ impl Pager {
     /// Returns the bytes freed.
     pub fn reclaim(&self, key: ChunkKey) -> Result<u64, PagerError> {
         let _span = tracing::debug_span!("reclaim", chunk = %key).entered();
+        self.drop_one(key, false)
+    }
+
+    fn drop_one(&self, key: ChunkKey, write_back: bool) -> Result<u64, PagerError> {
         let st = self.live()?;
         let mut st = self.shared.wait_populated(st, key)?;
         let (c, s) = st.book.slot(key)?;
@@ -1116,6 +1109,9 @@ impl Pager {
             return Err(PagerError::Locked { ctx: key.ctx });
         }
         match s.state {
+            ChunkState::Resident | ChunkState::ZeroMapped if write_back => {
+                st.evict(&self.shared.stats, &*self.shared.source, key)
+            }
             ChunkState::Resident | ChunkState::ZeroMapped => st.drop_chunk(&self.shared.stats, key),
             _ => Err(PagerError::NotResident { key }),
         }
