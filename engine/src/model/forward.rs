@@ -339,6 +339,31 @@ struct Candidate {
     parts: Vec<(String, Vec<usize>)>,
 }
 
+/// The file's record of tensor `name`, checked to have the `expected` dims.
+fn tensor_info<'a>(
+    ct: &'a gguf_file::Content,
+    path: &Path,
+    name: &str,
+    expected: &[usize],
+) -> Result<&'a gguf_file::TensorInfo, ModelError> {
+    let info = ct
+        .tensor_infos
+        .get(name)
+        .ok_or_else(|| ModelError::MissingTensor {
+            path: path.into(),
+            name: name.into(),
+        })?;
+    let dims = info.shape.dims();
+    if dims != expected {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            found: dims.to_vec(),
+            expected: expected.to_vec(),
+        });
+    }
+    Ok(info)
+}
+
 /// Where a tensor of `expected` dims lies and how it is stored, if the kernels read it as it is
 /// (Q4_1, Q8_0): (offset in the file, kind, bytes).
 fn locate(
@@ -347,21 +372,7 @@ fn locate(
     name: &str,
     expected: &[usize],
 ) -> Result<Option<(u64, Kind, usize)>, ModelError> {
-    let info = ct
-        .tensor_infos
-        .get(name)
-        .ok_or_else(|| ModelError::MissingTensor {
-            path: path.into(),
-            name: name.into(),
-        })?;
-    let dims = info.shape.dims().to_vec();
-    if dims != expected {
-        return Err(ModelError::Shape {
-            name: name.into(),
-            found: dims,
-            expected: expected.to_vec(),
-        });
-    }
+    let info = tensor_info(ct, path, name, expected)?;
     let kind = match info.ggml_dtype {
         GgmlDType::Q4_1 => Kind::Q4_1,
         GgmlDType::Q8_0 => Kind::Q8_0,
@@ -429,21 +440,7 @@ fn read_weight(
     name: &str,
     expected: &[usize],
 ) -> Result<QMatrix, ModelError> {
-    let info = ct
-        .tensor_infos
-        .get(name)
-        .ok_or_else(|| ModelError::MissingTensor {
-            path: path.into(),
-            name: name.into(),
-        })?;
-    let dims = info.shape.dims().to_vec();
-    if dims != expected {
-        return Err(ModelError::Shape {
-            name: name.into(),
-            found: dims,
-            expected: expected.to_vec(),
-        });
-    }
+    let info = tensor_info(ct, path, name, expected)?;
     let (rows, cols) = match *expected {
         [r, c] => (r, c),
         [c] => (1, c),
