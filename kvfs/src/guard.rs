@@ -18,8 +18,11 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+use std::os::fd::AsFd;
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigSet, Signal};
-use nix::unistd::Pid;
+use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 /// Where the fuse control filesystem lives.
 pub const FUSECTL: &str = "/sys/fs/fuse/connections";
@@ -28,6 +31,9 @@ pub const FUSECTL: &str = "/sys/fs/fuse/connections";
 /// service manager's stop (SIGINT, SIGTERM to the whole group) does not send, so a draining
 /// service keeps its mount.
 const PARENT_DIED: Signal = Signal::SIGUSR1;
+
+/// How often (milliseconds) the guard looks at its parent's state besides waiting for the signal.
+const PARENT_POLL_MS: u16 = 200;
 
 /// How to start a guard: a program and the arguments that make it call [`run`] with the arguments
 /// kvfs appends (`--parent PID --mountpoint DIR --connection N`).
@@ -126,12 +132,21 @@ pub fn run(parent: u32, mountpoint: &Path, connection: u32) -> Result<(), GuardE
     ignore.thread_block().map_err(sys("blocking signals"))?;
     nix::sys::prctl::set_pdeathsig(PARENT_DIED).map_err(sys("PR_SET_PDEATHSIG"))?;
     ensure_fusectl();
-    // The parent may have died before the signal was asked for.
-    if nix::unistd::getppid() == Pid::from_raw(parent as i32) {
-        loop {
-            if wait.wait().map_err(sys("waiting"))? == PARENT_DIED {
-                break;
-            }
+    let signals = SignalFd::with_flags(&wait, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(sys("signalfd"))?;
+    // The signal alone is not enough. If the parent is killed before the signal was asked for,
+    // the kernel hands the guard to a sibling thread of the dying parent without a signal, and
+    // getppid() still names the parent's process; when that thread is the one stuck on the
+    // mount, no second signal ever comes. So the guard also looks at the parent every
+    // `PARENT_POLL_MS`: a process whose main thread is a zombie is dying (or dead and unreaped).
+    while parent_alive(parent) {
+        let mut fds = [PollFd::new(signals.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::from(PARENT_POLL_MS)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(sys("waiting")(e)),
+        }
+        if matches!(signals.read_signal(), Ok(Some(s)) if s.ssi_signo == PARENT_DIED as u32) {
+            break;
         }
     }
     if connection_of(mountpoint) != Some(connection) {
@@ -150,6 +165,19 @@ pub fn run(parent: u32, mountpoint: &Path, connection: u32) -> Result<(), GuardE
     }
     let _ = nix::mount::umount2(mountpoint, nix::mount::MntFlags::MNT_DETACH);
     Ok(())
+}
+
+/// Whether process `pid` is alive: it exists and its main thread is not a zombie. A killed
+/// process whose other threads are still stuck in the kernel shows its main thread as `Z`.
+fn parent_alive(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // `pid (comm) state ...`: comm may hold spaces and parentheses, so split at the last ')'.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    !matches!(state, Some("Z" | "X" | "x") | None)
 }
 
 /// Mounts the fuse control filesystem if it is not (needs root; without it the guard can only
@@ -184,4 +212,26 @@ fn unescape(s: &str) -> String {
         .replace("\\011", "\t")
         .replace("\\012", "\n")
         .replace("\\134", "\\")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_zombie_or_vanished_parent_counts_as_dead() {
+        assert!(parent_alive(std::process::id()));
+        let mut child = Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        // Unreaped, the exited child stays a zombie until wait.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while parent_alive(pid) {
+            assert!(std::time::Instant::now() < deadline, "child never exited");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        assert!(stat.contains(") Z "), "{stat}");
+        child.wait().unwrap();
+        assert!(!parent_alive(pid));
+    }
 }
