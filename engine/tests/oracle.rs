@@ -11,6 +11,7 @@ use candle_transformers::models::quantized_llama::ModelWeights;
 use engine::kv::{HeapChunks, KvCache, KvFormat};
 use engine::model::fetch::{FetchOptions, default_model_path};
 use engine::model::generate::argmax;
+use engine::model::int8gemm::PrefillActs;
 use engine::model::tokenizer::{Message, Tokenizer};
 use engine::model::{Logits, Model};
 use std::io::Cursor;
@@ -69,7 +70,9 @@ const PROMPTS: [&str; 5] = [
 
 fn model() -> (std::path::PathBuf, Model, Tokenizer) {
     let path = default_model_path(&FetchOptions::default()).unwrap();
-    let m = Model::load(&path).unwrap();
+    let mut m = Model::load(&path).unwrap();
+    // The oracle checks hold the f32 reference path to f32 bounds; int8 prefill has its own.
+    m.set_prefill_activations(PrefillActs::F32);
     let t = Tokenizer::from_gguf_file(&path).unwrap();
     (path, m, t)
 }
@@ -150,4 +153,57 @@ fn chunked_prefill_and_token_by_token_agree() {
     let last_only = model.forward(&mut c, &tokens, Logits::Last).unwrap();
     let vocab = model.cfg.vocab;
     assert!(max_abs_diff(&whole[whole.len() - vocab..], &last_only) < 0.05);
+}
+
+/// int8 prefill (per-block int8 activations, on the best path this CPU has, else portable): the
+/// same top token as the f32 oracle on real text, logits about as close to it as candle's own
+/// quantized path (which also quantizes activations to 8 bits), and on chat prompts the f32
+/// path's first answer token unless the f32 path itself had a near-tie there.
+#[test]
+fn int8_prefill_stays_close_to_the_oracles() {
+    let (path, mut model, tok) = model();
+    model.set_prefill_activations(PrefillActs::Int8);
+    assert_eq!(model.prefill_activations(), PrefillActs::Int8);
+    let text = std::fs::read_to_string("/usr/share/common-licenses/GPL-3").unwrap();
+    let tokens: Vec<u32> = tok.encode(&text)[..300].to_vec();
+    let exact = oracle_step(&mut oracle(&path, true), &tokens, 0);
+    let shipped = oracle_step(&mut oracle(&path, false), &tokens, 0);
+    let mut c = cache(&model, KvFormat::F16);
+    let got = model.forward(&mut c, &tokens, Logits::Last).unwrap();
+    let d_exact = max_abs_diff(&got, &exact);
+    let d_shipped = max_abs_diff(&shipped, &exact);
+    assert!(
+        d_exact <= d_shipped.max(0.5) * 1.5,
+        "int8 prefill: max |dlogit| vs f32 oracle {d_exact}, candle's Q4_1 path {d_shipped}"
+    );
+    assert_eq!(argmax(&got), argmax(&exact));
+    let mut agree = 0;
+    for p in PROMPTS {
+        let prompt = tok.encode_chat(&[Message::user(p)], true).unwrap();
+        let mut last = |acts| {
+            model.set_prefill_activations(acts);
+            let mut c = cache(&model, KvFormat::F16);
+            model.forward(&mut c, &prompt, Logits::Last).unwrap()
+        };
+        let (want, got) = (last(PrefillActs::F32), last(PrefillActs::Int8));
+        let d = max_abs_diff(&want, &got);
+        let (a, b) = (argmax(&want), argmax(&got));
+        if a == b {
+            agree += 1;
+        } else {
+            let margin = want[a as usize] - want[b as usize];
+            assert!(
+                margin <= 2.0 * d,
+                "prompt {p:?}: int8 prefill picks {b} where f32 leads by {margin} (max |dlogit| {d})"
+            );
+        }
+        assert!(
+            d <= 1.0,
+            "prompt {p:?}: max |dlogit| int8 vs f32 prefill {d}"
+        );
+    }
+    eprintln!(
+        "int8 prefill: first answer token as f32 prefill's for {agree} of {} prompts",
+        PROMPTS.len()
+    );
 }

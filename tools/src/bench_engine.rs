@@ -152,7 +152,16 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         + 1;
     let tokens: Vec<u32> = base.iter().copied().cycle().take(need).collect();
     let threads = rayon::current_num_threads();
-    let kernels = format!("{:?}", engine::model::qmatrix::Isa::best());
+    let kernels = format!(
+        "{:?}, prefill {}",
+        engine::model::qmatrix::Isa::best(),
+        match l.model.prefill_activations() {
+            engine::model::int8gemm::PrefillActs::Int8 => {
+                format!("int8 ({:?})", engine::model::int8gemm::Path::best())
+            }
+            _ => "f32".to_owned(),
+        }
+    );
     eprintln!(
         "bench engine: {} threads, kernels {kernels}, kv {}, prefill chunk {}, {runs} runs each",
         threads, l.format, l.model.prefill_chunk

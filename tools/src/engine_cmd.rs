@@ -10,6 +10,7 @@ use clap::Args;
 use engine::kv::{HeapChunks, KvCache, KvFormat};
 use engine::model::fetch;
 use engine::model::generate::{Sampler, SamplingParams, generate};
+use engine::model::int8gemm::PrefillActs;
 use engine::model::qmatrix::Activations;
 use engine::model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use engine::model::{Logits, Model, WeightOptions};
@@ -40,6 +41,11 @@ pub struct EngineOpts {
     /// Activations of single-token products: f32 (exact) or int8 (8 bits per 32 values)
     #[arg(long, default_value = "f32", value_name = "KIND", value_parser = ["f32", "int8"])]
     pub activations: String,
+    /// Activations of batched products (prefill, recompute): int8 codes per 32 values
+    /// multiplied in integers (AVX-512 VNNI), or f32 GEMM over dequantized weight tiles (the
+    /// reference); auto is int8 where the CPU has VNNI, f32 elsewhere
+    #[arg(long, default_value = "auto", value_name = "KIND", value_parser = ["auto", "f32", "int8"])]
+    pub prefill_activations: String,
     /// Bytes of weights held in memory (suffixes K, M, G): the matrices that do not fit are read
     /// from the model file for every token, ahead of the compute [default: all resident]
     #[arg(long, env = "LLMS_WEIGHT_BUDGET", value_name = "BYTES")]
@@ -124,6 +130,7 @@ fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
         "int8" => Activations::Int8,
         _ => Activations::F32,
     });
+    model.set_prefill_activations(prefill_acts(&opts.prefill_activations));
     let tokenizer = Tokenizer::from_gguf_file(path)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
     tracing::info!(secs = t.elapsed().as_secs_f64(), "loaded");
@@ -133,6 +140,15 @@ fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
         format: opts.kv_format.parse()?,
         chunk_tokens: opts.chunk_tokens,
     })
+}
+
+/// `--prefill-activations` as the engine's setting.
+pub fn prefill_acts(kind: &str) -> PrefillActs {
+    match kind {
+        "int8" => PrefillActs::Int8,
+        "f32" => PrefillActs::F32,
+        _ => PrefillActs::Auto,
+    }
 }
 
 /// How to sample.

@@ -18,6 +18,7 @@
 use crate::kv::attention::{AttnShape, ChunkRows, PACKED_MAX_TOKENS, attend_chunks, attend_packed};
 use crate::kv::{ChunkShape, KvCache, KvError};
 use crate::model::config::{ConfigError, ModelConfig};
+use crate::model::int8gemm::{self, PrefillActs, QuantRows};
 use crate::model::kernels::{Rope, add_assign, matmul_nt_tiled, rms_norm, swiglu};
 use crate::model::qmatrix::{Activations, BLOCK, Kind, QMatrix};
 use crate::model::stream::{
@@ -112,6 +113,8 @@ pub struct Linear {
     w: Weight,
     /// How single-row products take their activations.
     acts: Activations,
+    /// How batched products take theirs (resolved: `F32` or `Int8`).
+    batch: PrefillActs,
 }
 
 /// Rows below which a product is a matrix-vector product per row (weights read once per row,
@@ -130,6 +133,7 @@ impl Linear {
             return Self {
                 w: Weight::Resident(QMatrix::stack(parts)),
                 acts: Activations::default(),
+                batch: PrefillActs::Auto.resolve(),
             };
         }
         let cols = parts[0].cols();
@@ -143,6 +147,7 @@ impl Linear {
         Self {
             w: Weight::Resident(requantize(rows, cols, f)),
             acts: Activations::default(),
+            batch: PrefillActs::Auto.resolve(),
         }
     }
 
@@ -150,6 +155,7 @@ impl Linear {
         Self {
             w: Weight::Streamed(id),
             acts: Activations::default(),
+            batch: PrefillActs::Auto.resolve(),
         }
     }
 
@@ -170,14 +176,14 @@ impl Linear {
         out: &mut [f32],
     ) -> Result<(), ModelError> {
         match &self.w {
-            Weight::Resident(q) => product(q, self.acts, x, n, out),
+            Weight::Resident(q) => product(q, self.acts, self.batch, x, n, out),
             Weight::Streamed(id) => {
                 let p = pass.as_mut().ok_or(StreamError::Order {
                     expected: usize::MAX,
                     got: *id,
                 })?;
                 let q = p.fetch(*id)?;
-                product(&q, self.acts, x, n, out);
+                product(&q, self.acts, self.batch, x, n, out);
             }
         }
         Ok(())
@@ -190,7 +196,17 @@ impl Linear {
 }
 
 /// `out[n][rows] = x[n][cols] · wᵀ`.
-fn product(w: &QMatrix, acts: Activations, x: &[f32], n: usize, out: &mut [f32]) {
+fn product(
+    w: &QMatrix,
+    acts: Activations,
+    batch: PrefillActs,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    thread_local! {
+        static QUANT: std::cell::RefCell<QuantRows> = std::cell::RefCell::new(QuantRows::default());
+    }
     {
         let (rows, cols) = (w.rows(), w.cols());
         if let Some(f) = w.as_f32() {
@@ -206,6 +222,11 @@ fn product(w: &QMatrix, acts: Activations, x: &[f32], n: usize, out: &mut [f32])
                     &mut out[i * rows..(i + 1) * rows],
                 );
             }
+        } else if batch == PrefillActs::Int8 {
+            QUANT.with_borrow_mut(|q| {
+                q.quantize(x, n, cols);
+                int8gemm::product(int8gemm::Path::best(), w, q, out);
+            });
         } else {
             let tile = tile_rows(cols);
             matmul_nt_tiled(out, x, n, rows, cols, tile, |r0, r1, buf| {
@@ -955,6 +976,25 @@ impl Model {
         for (_, lin) in &mut self.head {
             lin.acts = acts;
         }
+    }
+
+    /// How batched products (prefill, recompute, scoring) take their activations; `Auto` is
+    /// int8 where the CPU has 8-bit dot products (AVX-512 VNNI), f32 elsewhere.
+    pub fn set_prefill_activations(&mut self, batch: PrefillActs) {
+        let batch = batch.resolve();
+        for l in &mut self.layers {
+            for lin in [&mut l.qkv, &mut l.wo, &mut l.gate_up, &mut l.down] {
+                lin.batch = batch;
+            }
+        }
+        for (_, lin) in &mut self.head {
+            lin.batch = batch;
+        }
+    }
+
+    /// How batched products take their activations (`F32` or `Int8`).
+    pub fn prefill_activations(&self) -> PrefillActs {
+        self.head[0].1.batch
     }
 
     /// How single-token products take their activations.

@@ -8,6 +8,7 @@ pub mod config;
 pub mod fetch;
 pub mod forward;
 pub mod generate;
+pub mod int8gemm;
 pub mod kernels;
 pub mod qmatrix;
 pub mod simd;

@@ -323,6 +323,12 @@ impl QMatrix {
         out
     }
 
+    /// The blocks' scales, minimums (Q4_1) and codes, in the file's order (for kernels that
+    /// repack them, [`crate::model::int8gemm`]).
+    pub(crate) fn raw_parts(&self) -> (&[f16], &[f16], &[u8]) {
+        (&self.d, &self.m, &self.qs)
+    }
+
     /// How the values are stored.
     pub fn kind(&self) -> Kind {
         self.kind
