@@ -55,7 +55,7 @@ fn config(store: &std::path::Path, budget: u64, format: KvFormat, load: LoadMode
     c.max_tokens = 1024;
     c.load = load;
     if format == KvFormat::F16 {
-        c.compress_ratio = None;
+        c.compress_bits = None;
     }
     c
 }
@@ -194,7 +194,7 @@ fn many_contexts_under_a_budget_of_two_never_exceed_it_and_answer_as_unmanaged()
     let run = |budget: u64| -> (Vec<Vec<u32>>, u64, u64) {
         let store = tempfile::tempdir().unwrap();
         let mut cfg = config(store.path(), budget, KvFormat::Int8, LoadMode::Planned);
-        cfg.compress_ratio = None;
+        cfg.compress_bits = None;
         let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
         let o = owner();
         let ids: Vec<u64> = (0..5)
@@ -437,7 +437,7 @@ fn a_full_context_slides_its_window_and_answers_as_a_fresh_one_with_the_kept_tok
     let t = tiny();
     let store = tempfile::tempdir().unwrap();
     let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
-    cfg.compress_ratio = None;
+    cfg.compress_bits = None;
     cfg.max_tokens = 256;
     let mut m = Manager::open(Arc::clone(&t.model), cfg.clone()).unwrap();
     let o = owner();
