@@ -370,14 +370,16 @@ impl Manager {
                     what: e.to_string(),
                 }
             })?;
+        // A budget the levels cannot reach (a small model's chunks amortize kvfs's header over
+        // few values) puts every chunk at the lightest level.
         let ratio = match cfg.compress_bits {
-            Some(bits) if levels.floor(cfg.kv_format).is_some() => Some(
-                levels
-                    .ratio_for_bits(bits)
-                    .map_err(|e| ServiceError::BadRequest {
-                        what: e.to_string(),
-                    })?,
-            ),
+            Some(bits) if levels.floor(cfg.kv_format).is_some() => {
+                Some(levels.ratio_for_bits(bits).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "every chunk compressed to the lightest level");
+                    let set = levels.set();
+                    set.ratio(set.lightest()).unwrap_or(1.0)
+                }))
+            }
             _ => None,
         };
         let compression = Compression { levels, ratio };
