@@ -349,7 +349,7 @@ const SCALE_STEPS: [f32; 8] = [
     0.707_106_77,
     0.648_419_8,
     0.594_603_56,
-    0.545_253_87,
+    0.545_253_9,
 ];
 
 /// The scale of code `j` against `amax`: `amax 2^(-j/8)`, computed the same way by the encoder

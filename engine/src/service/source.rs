@@ -118,7 +118,7 @@ impl FormatLevels {
     pub fn ratio_for_bits(&self, bits: f64) -> Result<f64, LevelsError> {
         let lightest = self.formats[self.formats.len() - 1];
         let need = self.shape.stored_bits(lightest);
-        if !(bits >= need) {
+        if bits.is_nan() || bits < need {
             return Err(LevelsError::Budget {
                 bits,
                 lightest,
