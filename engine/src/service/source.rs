@@ -385,5 +385,26 @@ mod tests {
                 prop_assert!(total / densities.len() as f64 <= bits + 1e-9, "{total} > {bits}");
             }
         }
+
+        /// `llms eval ppl --kv-mix llms` picks the levels with `eval::levels_for_budget` over
+        /// all-in bits; the service with the policy over stored bytes: the same information kept.
+        #[test]
+        fn the_eval_and_the_service_keep_the_same_information(
+            densities in prop::collection::vec(0.0f64..10.0, 1..120),
+            bits in 4.15f64..9.0,
+        ) {
+            let s = smollm2();
+            let l = FormatLevels::new(&s, &KvFormat::CODED).unwrap();
+            let a = policy::assign_levels(&densities, None, l.set(), l.ratio_for_bits(bits).unwrap())
+                .unwrap();
+            let stored: Vec<f64> = KvFormat::CODED.iter().map(|&f| s.stored_bits(f)).collect();
+            let e = crate::kv::eval::levels_for_budget(&densities, &stored, bits).unwrap();
+            let info = |levels: &mut dyn Iterator<Item = usize>| -> f64 {
+                levels.zip(&densities).map(|(w, d)| stored[w] / stored[0] * d).sum()
+            };
+            let service = info(&mut a.levels.iter().map(|l| usize::from(l.0)));
+            let eval = info(&mut e.iter().copied());
+            prop_assert!((service - eval).abs() <= 1e-9 * (1.0 + eval), "{service} vs {eval}");
+        }
     }
 }
