@@ -560,7 +560,9 @@ fn cache_row_named(
 type Group = (String, String, Vec<Vec<u8>>);
 
 fn zstd_report(config: &BenchConfig) -> Result<Vec<ZstdRow>, BenchError> {
-    let mut groups: Vec<Group> = KvFormat::ALL
+    // Synthetic chunks of the four formats the synthesizer lays out (the coded ones only differ
+    // in their parameters' bytes); real chunks of any format come from `chunks_dir`.
+    let mut groups: Vec<Group> = KvFormat::ALL[..4]
         .iter()
         .map(|f| {
             let chunks = (0..24)
@@ -707,6 +709,12 @@ pub mod synth {
         let x: Vec<f32> = (0..tokens * channels)
             .map(|i| r.gauss() * scale[i % channels])
             .collect();
+        // The coded-parameter formats are laid out as their f32-parameter neighbours here.
+        let format = match format {
+            KvFormat::K8v8 => KvFormat::Int8,
+            KvFormat::K4v4 | KvFormat::K4v3 => KvFormat::Int4,
+            f => f,
+        };
         if format == KvFormat::F16 {
             return x.iter().flat_map(|v| f16_bits(*v).to_le_bytes()).collect();
         }

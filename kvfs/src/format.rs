@@ -70,21 +70,30 @@ impl fmt::Display for Fingerprint {
 }
 
 /// The quantization format of a KV chunk's bytes; kvfs only records it.
+///
+/// `K8v8`, `K4v4` and `K4v3` are the engine's formats with 8-bit coded parameters (key bits,
+/// value bits); the engine's `kv::codec` documents every layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum KvFormat {
     F16,
     Int8,
     Int4,
     Int2,
+    K8v8,
+    K4v4,
+    K4v3,
 }
 
 impl KvFormat {
     /// Every format, in tag order.
-    pub const ALL: [KvFormat; 4] = [
+    pub const ALL: [KvFormat; 7] = [
         KvFormat::F16,
         KvFormat::Int8,
         KvFormat::Int4,
         KvFormat::Int2,
+        KvFormat::K8v8,
+        KvFormat::K4v4,
+        KvFormat::K4v3,
     ];
 
     /// The on-disk tag.
@@ -94,6 +103,9 @@ impl KvFormat {
             KvFormat::Int8 => 1,
             KvFormat::Int4 => 2,
             KvFormat::Int2 => 3,
+            KvFormat::K8v8 => 4,
+            KvFormat::K4v4 => 5,
+            KvFormat::K4v3 => 6,
         }
     }
 
@@ -115,6 +127,9 @@ impl KvFormat {
             KvFormat::Int8 => "int8",
             KvFormat::Int4 => "int4",
             KvFormat::Int2 => "int2",
+            KvFormat::K8v8 => "k8v8",
+            KvFormat::K4v4 => "k4v4",
+            KvFormat::K4v3 => "k4v3",
         }
     }
 }
@@ -125,9 +140,9 @@ impl fmt::Display for KvFormat {
     }
 }
 
-/// The name is not one of `f16`, `int8`, `int4`, `int2`.
+/// The name is not one of `f16`, `int8`, `int4`, `int2`, `k8v8`, `k4v4`, `k4v3`.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown kv format {name:?}: expected f16, int8, int4 or int2")]
+#[error("unknown kv format {name:?}: expected f16, int8, int4, int2, k8v8, k4v4 or k4v3")]
 pub struct UnknownFormat {
     pub name: String,
 }
@@ -550,7 +565,9 @@ mod tests {
             assert_eq!(KvFormat::from_tag(f.tag()).unwrap(), f);
         }
         assert!("int3".parse::<KvFormat>().is_err());
-        assert!(KvFormat::from_tag(4).is_err());
+        assert!(KvFormat::from_tag(7).is_err());
+        let tags: Vec<u8> = KvFormat::ALL.iter().map(|f| f.tag()).collect();
+        assert_eq!(tags, [0, 1, 2, 3, 4, 5, 6]);
     }
 
     proptest! {

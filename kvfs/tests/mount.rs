@@ -127,7 +127,8 @@ fn get_xattr(path: &Path, name: &str) -> String {
 #[test]
 fn every_format_round_trips_through_the_mount() {
     let fx = Fixture::new(false);
-    let id = fx.context(0, 16 * 8);
+    // Chunks 0..7 through the mount, 4..11 through the API: 11 chunks of tokens.
+    let id = fx.context(0, 16 * 11);
     for (i, f) in KvFormat::ALL.into_iter().enumerate() {
         // Written through the mount, format set while the file is open, committed on close.
         let data = bytes(i as u64, 16384 << i);

@@ -46,7 +46,7 @@ fn open(dir: &Path) -> Store {
 fn every_format_round_trips_and_survives_reopen() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
-    let id = new_ctx(&store, 64);
+    let id = new_ctx(&store, 16 * KvFormat::ALL.len());
     for (i, f) in KvFormat::ALL.into_iter().enumerate() {
         let data = chunk_bytes(i as u32, 4096 << i);
         let meta = store.write_chunk(id, i as u32, &FP, f, 0.5, &data).unwrap();
@@ -70,7 +70,8 @@ fn every_format_round_trips_and_survives_reopen() {
             other => panic!("chunk {i} is {other:?}"),
         }
     }
-    assert_eq!(store.tokens(id).unwrap(), (0..64).collect::<Vec<u32>>());
+    let n = 16 * KvFormat::ALL.len() as u32;
+    assert_eq!(store.tokens(id).unwrap(), (0..n).collect::<Vec<u32>>());
 }
 
 #[test]
@@ -209,7 +210,7 @@ fn check_every_read_path(store: &Store, id: ContextId, index: u32, data: &[u8]) 
 fn reads_into_a_caller_buffer_equal_read_chunk_for_every_format_and_codec() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
-    let id = new_ctx(&store, 16 * 16);
+    let id = new_ctx(&store, 16 * 4 * KvFormat::ALL.len());
     let mut index = 0;
     for f in KvFormat::ALL {
         // Skewed bytes compress (zstd), noise does not (raw); sizes around the O_DIRECT alignment.

@@ -1,4 +1,5 @@
-//! Compression levels: the set of bit-widths a chunk may be stored at, relative to the base format.
+//! Compression levels: the set of bit-widths (or any costs, such as a chunk's stored bytes) a
+//! chunk may be stored at, relative to the base format.
 
 /// A compression level: an index into a [`LevelSet`], 0 being the heaviest (the base format).
 ///
@@ -26,18 +27,21 @@ pub enum LevelError {
     #[error("level {level} has {bits} bits, not fewer than the level before it ({previous} bits)")]
     NotDecreasing {
         level: usize,
-        bits: u8,
-        previous: u8,
+        bits: u32,
+        previous: u32,
     },
+    #[error("level {level} costs nothing; every level must cost at least 1")]
+    ZeroCost { level: usize },
 }
 
-/// The levels a chunk may be compressed to, heaviest first, as bit-widths relative to the base.
+/// The levels a chunk may be compressed to, heaviest first, each with its cost relative to the
+/// base: bit-widths, or any integer cost per chunk (its stored bytes, say).
 ///
 /// The paper's default is {8/8, 4/8, 2/8} on an int8 base; a 4-bit base would use {4/4, 2/4, 1/4}.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LevelSet {
-    base_bits: u8,
-    bits: Vec<u8>,
+    base: u32,
+    costs: Vec<u32>,
 }
 
 impl LevelSet {
@@ -69,54 +73,85 @@ impl LevelSet {
             if level > 0 && b >= bits[level - 1] {
                 return Err(LevelError::NotDecreasing {
                     level,
-                    bits: b,
-                    previous: bits[level - 1],
+                    bits: u32::from(b),
+                    previous: u32::from(bits[level - 1]),
                 });
             }
         }
         Ok(Self {
-            base_bits,
-            bits: bits.to_vec(),
+            base: u32::from(base_bits),
+            costs: bits.iter().map(|&b| u32::from(b)).collect(),
+        })
+    }
+
+    /// Builds a level set from each level's cost, heaviest first, the first being the base: any
+    /// positive integers that strictly decrease, such as each level's stored bytes per chunk.
+    pub fn weighted(costs: &[u32]) -> Result<Self, LevelError> {
+        if costs.is_empty() {
+            return Err(LevelError::Empty);
+        }
+        if costs.len() > Self::MAX_LEVELS {
+            return Err(LevelError::TooMany {
+                got: costs.len(),
+                max: Self::MAX_LEVELS,
+            });
+        }
+        for (level, &c) in costs.iter().enumerate() {
+            if c == 0 {
+                return Err(LevelError::ZeroCost { level });
+            }
+            if level > 0 && c >= costs[level - 1] {
+                return Err(LevelError::NotDecreasing {
+                    level,
+                    bits: c,
+                    previous: costs[level - 1],
+                });
+            }
+        }
+        Ok(Self {
+            base: costs[0],
+            costs: costs.to_vec(),
         })
     }
 
     /// The paper's set: int8 base, levels 8, 4 and 2 bits.
     pub fn paper_default() -> Self {
         Self {
-            base_bits: 8,
-            bits: vec![8, 4, 2],
+            base: 8,
+            costs: vec![8, 4, 2],
         }
     }
 
     /// How many levels the set holds.
     pub fn len(&self) -> usize {
-        self.bits.len()
+        self.costs.len()
     }
 
     /// Whether the set is empty (never: a set holds at least one level).
     pub fn is_empty(&self) -> bool {
-        self.bits.is_empty()
+        self.costs.is_empty()
     }
 
-    /// The base format's bit-width.
-    pub fn base_bits(&self) -> u8 {
-        self.base_bits
+    /// The base format's cost (its bit-width for a set of bit-widths).
+    pub fn base_cost(&self) -> u32 {
+        self.base
     }
 
     /// Whether `level` belongs to this set.
     pub fn contains(&self, level: Level) -> bool {
-        usize::from(level.0) < self.bits.len()
+        usize::from(level.0) < self.costs.len()
     }
 
-    /// The bit-width of `level`, or `None` when the set has no such level.
-    pub fn bits(&self, level: Level) -> Option<u8> {
-        self.bits.get(usize::from(level.0)).copied()
+    /// The cost of `level` (its bit-width for a set of bit-widths), or `None` when the set has
+    /// no such level.
+    pub fn cost(&self, level: Level) -> Option<u32> {
+        self.costs.get(usize::from(level.0)).copied()
     }
 
     /// The ratio of `level` to the base (1.0 for the base itself), or `None` when absent.
     pub fn ratio(&self, level: Level) -> Option<f64> {
-        self.bits(level)
-            .map(|b| f64::from(b) / f64::from(self.base_bits))
+        self.cost(level)
+            .map(|b| f64::from(b) / f64::from(self.base))
     }
 
     /// The heaviest level (the base format's).
@@ -127,17 +162,17 @@ impl LevelSet {
     /// The lightest level.
     pub fn lightest(&self) -> Level {
         // The set holds between 1 and MAX_LEVELS levels, so this fits a u8.
-        Level((self.bits.len() - 1) as u8)
+        Level((self.costs.len() - 1) as u8)
     }
 
     /// Every level, heaviest first.
     pub fn levels(&self) -> impl Iterator<Item = Level> + '_ {
-        (0..self.bits.len()).map(|i| Level(i as u8))
+        (0..self.costs.len()).map(|i| Level(i as u8))
     }
 
-    /// All bit-widths, heaviest first.
-    pub fn all_bits(&self) -> &[u8] {
-        &self.bits
+    /// Every level's cost, heaviest first.
+    pub fn costs(&self) -> &[u32] {
+        &self.costs
     }
 }
 
@@ -197,6 +232,26 @@ mod tests {
             16,
             &[16, 15, 14, 13, 12, 11, 10, 9, 8],
             Err(LevelError::TooMany { got: 9, max: 8 }),
+        );
+    }
+
+    #[test]
+    fn weighted_sets() {
+        let set = LevelSet::weighted(&[199_184, 107_024, 95_504]).unwrap();
+        assert_eq!(set.base_cost(), 199_184);
+        assert_eq!(set.ratio(Level(2)), Some(95_504.0 / 199_184.0));
+        assert_eq!(LevelSet::weighted(&[]), Err(LevelError::Empty));
+        assert_eq!(
+            LevelSet::weighted(&[5, 0]),
+            Err(LevelError::ZeroCost { level: 1 })
+        );
+        assert_eq!(
+            LevelSet::weighted(&[5, 5]),
+            Err(LevelError::NotDecreasing {
+                level: 1,
+                bits: 5,
+                previous: 5
+            })
         );
     }
 

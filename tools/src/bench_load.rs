@@ -26,7 +26,7 @@ pub struct BenchLoadArgs {
     /// Base format of the context's chunks (f16, int8, int4, int2).
     #[arg(long, default_value = "int8")]
     pub kv_format: String,
-    /// Compress chunks to the tolerance-aware mix at call end (50% global ratio).
+    /// Compress chunks to the tolerance-aware mix at call end (the service's default levels and bit budget).
     #[arg(long)]
     pub compress: bool,
     /// Also measure with reads throttled to these MiB/s (cgroup v1 blkio; needs root).

@@ -29,7 +29,7 @@ pub struct EngineOpts {
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
     /// Format of sealed KV chunks
-    #[arg(long, default_value = "f16", value_name = "FORMAT", value_parser = ["f16", "int8", "int4", "int2"])]
+    #[arg(long, default_value = "f16", value_name = "FORMAT", value_parser = ["f16", "int8", "int4", "int2", "k8v8", "k4v4", "k4v3"])]
     pub kv_format: String,
     /// Tokens per KV chunk (1 to 256)
     #[arg(long, default_value_t = 16, value_name = "N",
@@ -369,8 +369,10 @@ pub struct PplArgs {
     pub max_windows: usize,
     /// Compress each window's first half before scoring its second: `8:4:2=PCT:PCT:PCT`
     /// (shares of chunks at int8/int4/int2 by density rank), `ratio=R` (the policy's
-    /// assignment under global ratio R) or a format name; several, comma-separated, are scored
-    /// on the same windows
+    /// assignment under global ratio R), `sim:SPEC` (a simulated candidate), `mix:L/L/L@BITS`
+    /// (levels by density under a budget of stored bits per value), `llms` (the service's mix:
+    /// k8v8/k4v4/k4v3 at 4.5 bits) or a format name (f16, int8, int4, int2, k8v8, k4v4, k4v3);
+    /// several, comma-separated, are scored on the same windows
     #[arg(long, value_name = "MIX", value_delimiter = ',')]
     pub kv_mix: Vec<String>,
     /// Also report each run's KL divergence from the f16 run's next-token distributions and the

@@ -23,8 +23,16 @@ fn parse_level(s: &str) -> anyhow::Result<Stored> {
 /// Parses `8:4:2=PCT:PCT:PCT` (shares of chunks at int8, int4, int2, in percent),
 /// `ratio=R` (the policy's assignment under global ratio R to int8), `sim:SPEC` (a simulated
 /// candidate format, `engine::kv::sim`), `mix:L/L/L@BITS` (levels, heaviest first, assigned by
-/// density under a budget of all-in stored bits per value) or a format name.
+/// density under a budget of all-in stored bits per value), `llms` (the service's default mix:
+/// `mix:k8v8/k4v4/k4v3@4.5`) or a format name.
 pub fn parse_mix(s: &str) -> anyhow::Result<Compression> {
+    if s == "llms" {
+        let [a, b, c] = KvFormat::CODED.map(|f| Some(Stored::Real(f)));
+        return Ok(Compression::Budget {
+            levels: [a, b, c, None],
+            bits: engine::service::manager::DEFAULT_KV_BITS,
+        });
+    }
     if let Some(spec) = s.strip_prefix("sim:") {
         return Ok(Compression::Sim(spec.parse()?));
     }
@@ -68,7 +76,7 @@ pub fn parse_mix(s: &str) -> anyhow::Result<Compression> {
     match s.parse::<KvFormat>() {
         Ok(f) => Ok(Compression::Uniform(f)),
         Err(_) => bail!(
-            "--kv-mix {s:?}: expected 8:4:2=PCT:PCT:PCT, ratio=R, sim:SPEC, mix:L/L/L@BITS or a format name"
+            "--kv-mix {s:?}: expected 8:4:2=PCT:PCT:PCT, ratio=R, sim:SPEC, mix:L/L/L@BITS, llms or a format name"
         ),
     }
 }
@@ -375,6 +383,19 @@ mod tests {
         ok("8:4:2=50:25:25", Compression::Fractions([0.5, 0.25, 0.25]));
         ok("ratio=0.5", Compression::Ratio(0.5));
         ok("int4", Compression::Uniform(KvFormat::Int4));
+        ok("k4v3", Compression::Uniform(KvFormat::K4v3));
+        let coded = |f| Some(Stored::Real(f));
+        let service = Compression::Budget {
+            levels: [
+                coded(KvFormat::K8v8),
+                coded(KvFormat::K4v4),
+                coded(KvFormat::K4v3),
+                None,
+            ],
+            bits: 4.5,
+        };
+        ok("llms", service);
+        ok("mix:k8v8/k4v4/k4v3@4.5", service);
         let sim: SimFormat = "k4+v3+kc8".parse().unwrap();
         ok("sim:k4+v3+kc8", Compression::Sim(sim));
         ok(

@@ -126,8 +126,9 @@ pub struct ServeArgs {
     /// from the model file for every token, ahead of the compute [default: all resident]
     #[arg(long, env = "LLMS_WEIGHT_BUDGET", value_name = "BYTES")]
     pub weight_budget: Option<String>,
-    /// Format new KV chunks are sealed in: f16, int8 (then compressed to int4/int2 by
-    /// attention); the baselines fix their own [default: int8]
+    /// Format new KV chunks are sealed in: f16, int8 (then compressed by attention to k8v8,
+    /// k4v4 and k4v3 at 4.5 stored bits per value on average), or any other format; the
+    /// baselines fix their own [default: int8]
     #[arg(long, env = "LLMS_KV_FORMAT", value_name = "FORMAT")]
     pub kv_format: Option<String>,
     /// Most tokens one context holds [default: the model's context length, at most 2048]

@@ -528,7 +528,7 @@ impl KvCache {
     pub fn recompress(&mut self, index: usize, to: KvFormat) -> Result<(), KvError> {
         let from = self.check_sealed(index)?;
         let codec = |source| KvError::Codec { index, source };
-        if to.bits() >= from.bits() {
+        if !crate::kv::codec::moves_down(&self.shape, from, to) {
             return Err(codec(CodecError::NotDown { from, to }));
         }
         let bytes = self.mem.get(index).ok_or(KvError::NotResident { index })?;

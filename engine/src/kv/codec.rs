@@ -1,20 +1,28 @@
-//! KV chunk formats and their codecs: f16, int8, and the bit-packed int4 and int2, with the byte
-//! size of every part of a chunk as a pure function of its shape.
+//! KV chunk formats and their codecs: f16, int8, the bit-packed int4 and int2, and the formats
+//! with 8-bit coded parameters k8v8, k4v4 and k4v3, with the byte size of every part of a chunk
+//! as a pure function of its shape.
 //!
 //! One layer of a chunk is its K section then its V section. Each section is the quantized
-//! values `[kv_head][token][dim]` (sub-byte values packed low bits first along `dim`) followed
-//! by the section's parameters:
+//! values `[kv_head][token][dim]` (sub-byte values packed low bits first, as one bit stream along
+//! `dim`) followed by the section's parameters:
 //! - f16: no parameters.
 //! - int8: symmetric; keys one f32 scale per (head, channel) over the chunk's tokens, values one
 //!   f32 scale per (head, token) over the head's channels.
 //! - int4, int2: asymmetric (KIVI); keys one (min, scale) f16 pair per (head, channel), values
 //!   one pair per (head, token). `min` is rounded down and `scale` up to f16, so every input lies
 //!   in `[min, min + (2^bits - 1) scale]` and the error is at most `scale / 2`.
+//! - k8v8, k4v4, k4v3 (key bits, value bits): asymmetric, grouped as int4, but each group's
+//!   parameters are two bytes against one f16 `amax` per (head, section), the head's largest
+//!   magnitude rounded up: the minimum an i8 multiple of `step = amax / 127` (rounded down, so
+//!   `min <= lo`), the scale a u8 code `j` for `amax 2^(-j/8)` (the smallest code not below
+//!   `(hi - min) / (2^bits - 1)`). A section's parameters are the `[head][group]` (min, code)
+//!   pairs, then the heads' f16 `amax`.
 //!
 //! Error bounds, for a value `x` of a group (channel or token) with extremes `lo..=hi`:
 //! f16 `|x| / 1024`; int8 `max(|lo|, |hi|) / 254`; int4/int2 `scale / 2` with
-//! `scale <= (hi - lo) / (2^bits - 1) * (1 + 2^-10) + ulp_f16(lo)`. docs/kv-formats.md has the
-//! measured errors on the real model.
+//! `scale <= (hi - lo) / (2^bits - 1) * (1 + 2^-10) + ulp_f16(lo)`; coded formats `scale / 2`
+//! with `scale <= max((hi - lo + step) / (2^bits - 1) * 2^(1/8), amax 2^(-31.875))`.
+//! docs/kv-formats.md has the measured errors on the real model.
 
 use half::f16;
 use std::fmt;
@@ -26,7 +34,7 @@ use crate::model::qmatrix::f16_bytes_to_f32;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CodecError {
     /// An unknown format name.
-    #[error("unknown KV format {name:?}: expected one of f16, int8, int4, int2")]
+    #[error("unknown KV format {name:?}: expected one of f16, int8, int4, int2, k8v8, k4v4, k4v3")]
     UnknownFormat { name: String },
     /// A value is NaN or infinite.
     #[error("{section} value {index} of the layer is not finite ({value})")]
@@ -44,9 +52,13 @@ pub enum CodecError {
         hi: f32,
         format: KvFormat,
     },
-    /// The head dimension cannot be bit-packed.
-    #[error("head dimension {head_dim} is not a multiple of 4, which bit-packing needs")]
-    HeadDim { head_dim: usize },
+    /// The head dimension cannot be bit-packed in the format.
+    #[error("head dimension {head_dim} is not a multiple of {multiple}, which {format} needs")]
+    HeadDim {
+        head_dim: usize,
+        multiple: usize,
+        format: KvFormat,
+    },
     /// A chunk cannot move to a format of equal or more bits.
     #[error("a chunk in {from} cannot move to {to}: formats only move down")]
     NotDown { from: KvFormat, to: KvFormat },
@@ -64,16 +76,28 @@ pub enum KvFormat {
     Int4,
     /// 2-bit packed: as int4 with four levels.
     Int2,
+    /// 8-bit keys and values, asymmetric, with 8-bit coded parameters (see the module doc).
+    K8v8,
+    /// 4-bit keys and values with 8-bit coded parameters.
+    K4v4,
+    /// 4-bit keys and 3-bit values with 8-bit coded parameters.
+    K4v3,
 }
 
 impl KvFormat {
-    /// Every format, best fidelity first.
-    pub const ALL: [KvFormat; 4] = [
+    /// Every format: the four of the paper, best fidelity first, then the coded ones.
+    pub const ALL: [KvFormat; 7] = [
         KvFormat::F16,
         KvFormat::Int8,
         KvFormat::Int4,
         KvFormat::Int2,
+        KvFormat::K8v8,
+        KvFormat::K4v4,
+        KvFormat::K4v3,
     ];
+
+    /// The coded formats, the levels of the tolerance-aware mix, heaviest first.
+    pub const CODED: [KvFormat; 3] = [KvFormat::K8v8, KvFormat::K4v4, KvFormat::K4v3];
 
     /// The name used on the command line and in files.
     pub fn name(self) -> &'static str {
@@ -82,22 +106,46 @@ impl KvFormat {
             KvFormat::Int8 => "int8",
             KvFormat::Int4 => "int4",
             KvFormat::Int2 => "int2",
+            KvFormat::K8v8 => "k8v8",
+            KvFormat::K4v4 => "k4v4",
+            KvFormat::K4v3 => "k4v3",
         }
     }
 
-    /// Bits per stored value, not counting parameters.
-    pub fn bits(self) -> u32 {
+    /// Bits per stored key, not counting parameters.
+    pub fn key_bits(self) -> u32 {
         match self {
             KvFormat::F16 => 16,
-            KvFormat::Int8 => 8,
-            KvFormat::Int4 => 4,
+            KvFormat::Int8 | KvFormat::K8v8 => 8,
+            KvFormat::Int4 | KvFormat::K4v4 | KvFormat::K4v3 => 4,
             KvFormat::Int2 => 2,
         }
     }
 
-    /// The format of a policy level's bit width (16, 8, 4 or 2).
+    /// Bits per stored value, not counting parameters.
+    pub fn value_bits(self) -> u32 {
+        match self {
+            KvFormat::K4v3 => 3,
+            f => f.key_bits(),
+        }
+    }
+
+    /// Mean bits per stored K/V value, not counting parameters.
+    pub fn bits(self) -> f64 {
+        f64::from(self.key_bits() + self.value_bits()) / 2.0
+    }
+
+    /// The format of a policy level's bit width among f16, int8, int4 and int2.
     pub fn from_bits(bits: u32) -> Option<KvFormat> {
-        KvFormat::ALL.into_iter().find(|f| f.bits() == bits)
+        KvFormat::ALL[..4]
+            .iter()
+            .copied()
+            .find(|f| f.key_bits() == bits)
+    }
+
+    /// Whether the group parameters are 8-bit codes against a per-head `amax`.
+    pub fn coded(self) -> bool {
+        matches!(self, KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3)
     }
 
     /// Bytes of parameters per group (a channel of keys or a token of values).
@@ -105,7 +153,18 @@ impl KvFormat {
         match self {
             KvFormat::F16 => 0,
             KvFormat::Int8 | KvFormat::Int4 | KvFormat::Int2 => 4,
+            KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3 => 2,
         }
+    }
+
+    /// Bytes of parameters per head and section besides its groups' (the coded `amax`).
+    fn head_param_bytes(self) -> usize {
+        if self.coded() { 2 } else { 0 }
+    }
+
+    /// What the head dimension must be a multiple of, for packed rows to start on a byte.
+    fn head_dim_multiple(self) -> usize {
+        if self.value_bits() == 3 { 8 } else { 4 }
     }
 }
 
@@ -157,19 +216,26 @@ impl ChunkShape {
         self.n_layers * 2 * self.section()
     }
 
-    /// Bytes of the packed values of one section in `f`.
-    pub fn values_bytes(&self, f: KvFormat) -> usize {
-        self.section() * f.bits() as usize / 8
+    /// Bytes of the packed keys of one section in `f`.
+    pub fn k_values_bytes(&self, f: KvFormat) -> usize {
+        self.section() * f.key_bits() as usize / 8
+    }
+
+    /// Bytes of the packed values of one V section in `f`.
+    pub fn v_values_bytes(&self, f: KvFormat) -> usize {
+        self.section() * f.value_bits() as usize / 8
     }
 
     /// Bytes of the K section of one layer in `f` (values then parameters).
     pub fn k_bytes(&self, f: KvFormat) -> usize {
-        self.values_bytes(f) + self.n_kv_heads * self.head_dim * f.param_bytes()
+        self.k_values_bytes(f)
+            + self.n_kv_heads * (self.head_dim * f.param_bytes() + f.head_param_bytes())
     }
 
     /// Bytes of the V section of one layer in `f`.
     pub fn v_bytes(&self, f: KvFormat) -> usize {
-        self.values_bytes(f) + self.n_kv_heads * self.tokens * f.param_bytes()
+        self.v_values_bytes(f)
+            + self.n_kv_heads * (self.tokens * f.param_bytes() + f.head_param_bytes())
     }
 
     /// Bytes of one layer of a chunk in `f`.
@@ -252,15 +318,148 @@ fn quant_asym(x: f32, min: f32, inv: f32, levels: f32) -> u8 {
     ((x - min) * inv).round().clamp(0.0, levels) as u8
 }
 
-/// Writes value `q` (`bits` wide) as the `i`-th packed value of `out`.
+/// Writes value `q` (`bits` wide) as the `i`-th value of the bit stream `out` (low bits first;
+/// a 3-bit value may straddle two bytes).
 fn pack(out: &mut [u8], i: usize, bits: usize, q: u8) {
-    let per = 8 / bits;
-    out[i / per] |= q << ((i % per) * bits);
+    let (byte, shift) = (i * bits / 8, i * bits % 8);
+    let w = u16::from(q) << shift;
+    out[byte] |= w as u8;
+    if shift + bits > 8 {
+        out[byte + 1] |= (w >> 8) as u8;
+    }
 }
 
 fn unpack(b: &[u8], i: usize, bits: usize) -> u8 {
-    let per = 8 / bits;
-    (b[i / per] >> ((i % per) * bits)) & ((1u8 << bits) - 1)
+    let (byte, shift) = (i * bits / 8, i * bits % 8);
+    let lo = u16::from(b[byte]);
+    let hi = if shift + bits > 8 {
+        u16::from(b[byte + 1])
+    } else {
+        0
+    };
+    (((lo | hi << 8) >> shift) & ((1u16 << bits) - 1)) as u8
+}
+
+/// `2^(-k/8)` for `k` in `0..8`, the fractional steps of the coded scales.
+const SCALE_STEPS: [f32; 8] = [
+    1.0,
+    0.917_004_04,
+    0.840_896_4,
+    0.771_105_4,
+    0.707_106_77,
+    0.648_419_8,
+    0.594_603_56,
+    0.545_253_9,
+];
+
+/// The scale of code `j` against `amax`: `amax 2^(-j/8)`, computed the same way by the encoder
+/// and the decoder (a table step, then an exact power of two).
+fn coded_scale(amax: f32, j: u8) -> f32 {
+    amax * SCALE_STEPS[usize::from(j & 7)] * f32::from_bits((127 - u32::from(j >> 3)) << 23)
+}
+
+/// The step of the coded minimums against `amax`.
+fn coded_step(amax: f32) -> f32 {
+    amax / 127.0
+}
+
+/// The coded parameters of a group with extremes `lo..=hi` at `levels` steps under `amax`
+/// (`|lo|, |hi| <= amax`): the minimum code (`min = code * step <= lo`) and the scale code (the
+/// smallest scale not below `(hi - min) / levels`).
+fn coded_params(lo: f32, hi: f32, amax: f32, levels: f32) -> Option<(i8, u8)> {
+    if amax == 0.0 {
+        return Some((0, 255));
+    }
+    let step = coded_step(amax);
+    let mut m = (lo / step).floor().clamp(-128.0, 127.0) as i32;
+    while m > -128 && m as f32 * step > lo {
+        m -= 1;
+    }
+    let need = (hi - m as f32 * step) / levels;
+    if coded_scale(amax, 0) < need {
+        return None;
+    }
+    let mut j: u8 = if need > 0.0 {
+        (-8.0 * (need / amax).log2()).floor().clamp(0.0, 255.0) as u8
+    } else {
+        255
+    };
+    while j > 0 && coded_scale(amax, j) < need {
+        j -= 1;
+    }
+    while j < 255 && coded_scale(amax, j + 1) >= need {
+        j += 1;
+    }
+    Some((m as i8, j))
+}
+
+/// Encodes one section of a coded format: `xs` is `[head][token][dim]`, quantized in groups of
+/// one channel over the tokens (keys) or one token over the channels (values), into `q` (the
+/// packed values, zeroed here) and `params` (pairs, then the heads' `amax`).
+fn encode_coded(
+    shape: &ChunkShape,
+    f: KvFormat,
+    keys: bool,
+    xs: &[f32],
+    q: &mut [u8],
+    params: &mut [u8],
+) -> Result<(), CodecError> {
+    let (hd, t) = (shape.head_dim, shape.tokens);
+    let (section, per_channel) = if keys {
+        ("key", true)
+    } else {
+        ("value", false)
+    };
+    let bits = if keys { f.key_bits() } else { f.value_bits() } as usize;
+    let levels = ((1u32 << bits) - 1) as f32;
+    let groups = if per_channel { hd } else { t };
+    let (pairs, amaxes) = params.split_at_mut(shape.n_kv_heads * groups * 2);
+    q.fill(0);
+    for (h, blk) in xs.chunks_exact(t * hd).enumerate() {
+        let top = blk.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let amax = f16_ceil(top);
+        if !amax.is_finite() {
+            return Err(CodecError::OutOfRange {
+                section,
+                group: h * groups,
+                lo: -top,
+                hi: top,
+                format: f,
+            });
+        }
+        amaxes[2 * h..2 * h + 2].copy_from_slice(&amax.to_le_bytes());
+        let amax = amax.to_f32();
+        let step = coded_step(amax);
+        for g in 0..groups {
+            // Element i of the group sits at blk[at(i)].
+            let (n, stride, first) = if per_channel {
+                (t, hd, g)
+            } else {
+                (hd, 1, g * hd)
+            };
+            let at = |i: usize| first + i * stride;
+            let (lo, hi) = (0..n).fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), i| {
+                (lo.min(blk[at(i)]), hi.max(blk[at(i)]))
+            });
+            let group = h * groups + g;
+            let (m, j) = coded_params(lo, hi, amax, levels).ok_or(CodecError::OutOfRange {
+                section,
+                group,
+                lo,
+                hi,
+                format: f,
+            })?;
+            pairs[2 * group] = m as u8;
+            pairs[2 * group + 1] = j;
+            let (min, scale) = (f32::from(m) * step, coded_scale(amax, j));
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            for i in 0..n {
+                let qv = quant_asym(blk[at(i)], min, inv, levels);
+                pack(q, h * t * hd + at(i), bits, qv);
+            }
+        }
+    }
+    Ok(())
 }
 
 fn le_f32(b: &[u8], i: usize) -> f32 {
@@ -282,9 +481,11 @@ pub fn encode_layer(
     v: &[f32],
     out: &mut [u8],
 ) -> Result<(), CodecError> {
-    if !shape.head_dim.is_multiple_of(4) {
+    if !shape.head_dim.is_multiple_of(f.head_dim_multiple()) {
         return Err(CodecError::HeadDim {
             head_dim: shape.head_dim,
+            multiple: f.head_dim_multiple(),
+            format: f,
         });
     }
     let (k, v) = (&k[..shape.section()], &v[..shape.section()]);
@@ -292,7 +493,7 @@ pub fn encode_layer(
     check_finite("value", v)?;
     let (ko, vo) = out[..shape.layer_bytes(f)].split_at_mut(shape.k_bytes(f));
     let (d, hd, t) = (shape.section(), shape.head_dim, shape.tokens);
-    let vals = shape.values_bytes(f);
+    let (kvals, vvals) = (shape.k_values_bytes(f), shape.v_values_bytes(f));
     match f {
         KvFormat::F16 => {
             for (section, xs, o) in [("key", k, ko), ("value", v, vo)] {
@@ -340,9 +541,9 @@ pub fn encode_layer(
             }
         }
         KvFormat::Int4 | KvFormat::Int2 => {
-            let bits = f.bits() as usize;
+            let bits = f.key_bits() as usize;
             let levels = ((1u32 << bits) - 1) as f32;
-            let (kq, kp) = ko.split_at_mut(vals);
+            let (kq, kp) = ko.split_at_mut(kvals);
             kq.fill(0);
             for h in 0..shape.n_kv_heads {
                 let blk = &k[h * t * hd..(h + 1) * t * hd];
@@ -368,7 +569,7 @@ pub fn encode_layer(
                     put_pair(kp, group, min, scale);
                 }
             }
-            let (vq, vp) = vo.split_at_mut(vals);
+            let (vq, vp) = vo.split_at_mut(vvals);
             vq.fill(0);
             for (row, x) in v.chunks_exact(hd).enumerate() {
                 let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
@@ -387,6 +588,12 @@ pub fn encode_layer(
                 }
                 put_pair(vp, row, min, scale);
             }
+        }
+        KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3 => {
+            let (kq, kp) = ko.split_at_mut(kvals);
+            encode_coded(shape, f, true, k, kq, kp)?;
+            let (vq, vp) = vo.split_at_mut(vvals);
+            encode_coded(shape, f, false, v, vq, vp)?;
         }
     }
     Ok(())
@@ -412,6 +619,24 @@ fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
 
 /// Unpacks one row of `out.len()` sub-byte values starting at packed value `first`.
 fn unpack_row(q: &[u8], first: usize, bits: usize, out: &mut [f32]) {
+    if bits == 8 {
+        let n = out.len();
+        for (o, b) in out.iter_mut().zip(&q[first..first + n]) {
+            *o = f32::from(*b);
+        }
+        return;
+    }
+    if bits == 3 {
+        // Rows start on a byte (head_dim is a multiple of 8): 8 values in every 3 bytes.
+        let bytes = &q[first * 3 / 8..(first + out.len()) * 3 / 8];
+        for (o, b) in out.chunks_exact_mut(8).zip(bytes.chunks_exact(3)) {
+            let w = u32::from(b[0]) | u32::from(b[1]) << 8 | u32::from(b[2]) << 16;
+            for (j, o) in o.iter_mut().enumerate() {
+                *o = ((w >> (3 * j)) & 7) as f32;
+            }
+        }
+        return;
+    }
     let per = 8 / bits;
     let bytes = &q[first / per..(first + out.len()).div_ceil(per)];
     let mask = (1u8 << bits) - 1;
@@ -423,11 +648,32 @@ fn unpack_row(q: &[u8], first: usize, bits: usize, out: &mut [f32]) {
     }
 }
 
+/// Head `h`'s coded parameters `first..first + mins.len()` of a section (`groups` per head) as
+/// f32 minimums and scales.
+fn coded_pairs(
+    params: &[u8],
+    groups: usize,
+    n_heads: usize,
+    h: usize,
+    first: usize,
+    mins: &mut [f32],
+    scales: &mut [f32],
+) {
+    let at = n_heads * groups * 2 + 2 * h;
+    let amax = f16::from_le_bytes([params[at], params[at + 1]]).to_f32();
+    let step = coded_step(amax);
+    let pairs = &params[2 * (h * groups + first)..];
+    for (i, (m, s)) in mins.iter_mut().zip(scales.iter_mut()).enumerate() {
+        *m = f32::from(pairs[2 * i] as i8) * step;
+        *s = coded_scale(amax, pairs[2 * i + 1]);
+    }
+}
+
 /// Decodes head `h`'s keys from one encoded layer into `out` (`[token][dim]`).
 pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &mut [f32]) {
     let (blk, hd) = (shape.block(), shape.head_dim);
     let kb = &layer[..shape.k_bytes(f)];
-    let vals = shape.values_bytes(f);
+    let vals = shape.k_values_bytes(f);
     let out = &mut out[..blk];
     match f {
         KvFormat::F16 => decode_f16(&kb[h * blk * 2..(h + 1) * blk * 2], out),
@@ -444,11 +690,16 @@ pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &m
                 }
             }
         }
-        KvFormat::Int4 | KvFormat::Int2 => {
-            let bits = f.bits() as usize;
+        KvFormat::Int4 | KvFormat::Int2 | KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3 => {
+            let bits = f.key_bits() as usize;
             let params = &kb[vals..];
             let (mut mins, mut scales) = ([0f32; 256], [0f32; 256]);
-            le_pairs(params, h * hd, &mut mins[..hd], &mut scales[..hd]);
+            if f.coded() {
+                let (m, s) = (&mut mins[..hd], &mut scales[..hd]);
+                coded_pairs(params, hd, shape.n_kv_heads, h, 0, m, s);
+            } else {
+                le_pairs(params, h * hd, &mut mins[..hd], &mut scales[..hd]);
+            }
             for (i, o) in out.chunks_exact_mut(hd).enumerate() {
                 unpack_row(kb, h * blk + i * hd, bits, o);
                 for c in 0..hd {
@@ -463,7 +714,7 @@ pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &m
 pub fn decode_v(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &mut [f32]) {
     let (blk, hd, t) = (shape.block(), shape.head_dim, shape.tokens);
     let vb = &layer[shape.k_bytes(f)..shape.layer_bytes(f)];
-    let vals = shape.values_bytes(f);
+    let vals = shape.v_values_bytes(f);
     let out = &mut out[..blk];
     match f {
         KvFormat::F16 => decode_f16(&vb[h * blk * 2..(h + 1) * blk * 2], out),
@@ -477,13 +728,18 @@ pub fn decode_v(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &m
                 }
             }
         }
-        KvFormat::Int4 | KvFormat::Int2 => {
-            let bits = f.bits() as usize;
+        KvFormat::Int4 | KvFormat::Int2 | KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3 => {
+            let bits = f.value_bits() as usize;
             let params = &vb[vals..];
             let (mut mins, mut scales) = ([0f32; 256], [0f32; 256]);
             for (r0, rows) in out.chunks_mut(256 * hd).enumerate() {
                 let n = rows.len() / hd;
-                le_pairs(params, h * t + r0 * 256, &mut mins[..n], &mut scales[..n]);
+                let (m, s) = (&mut mins[..n], &mut scales[..n]);
+                if f.coded() {
+                    coded_pairs(params, t, shape.n_kv_heads, h, r0 * 256, m, s);
+                } else {
+                    le_pairs(params, h * t + r0 * 256, m, s);
+                }
                 for (i, o) in rows.chunks_exact_mut(hd).enumerate() {
                     unpack_row(vb, h * blk + (r0 * 256 + i) * hd, bits, o);
                     for o in o.iter_mut() {
@@ -504,6 +760,12 @@ pub fn decode_layer(shape: &ChunkShape, f: KvFormat, layer: &[u8], k: &mut [f32]
     }
 }
 
+/// Whether a chunk may move from `from` to `to`: only to a format of fewer bytes (int8 to k8v8,
+/// int4 or int2, say), never back up (lost bits come back only by recompute).
+pub fn moves_down(shape: &ChunkShape, from: KvFormat, to: KvFormat) -> bool {
+    shape.chunk_bytes(to) < shape.chunk_bytes(from)
+}
+
 /// Re-encodes a whole chunk from `from` into the lower format `to` (int8 to int4, say).
 /// `out` receives [`ChunkShape::chunk_bytes`]`(to)` bytes.
 pub fn recompress(
@@ -513,7 +775,7 @@ pub fn recompress(
     chunk: &[u8],
     out: &mut Vec<u8>,
 ) -> Result<(), CodecError> {
-    if to.bits() >= from.bits() {
+    if !moves_down(shape, from, to) {
         return Err(CodecError::NotDown { from, to });
     }
     let (lf, lt) = (shape.layer_bytes(from), shape.layer_bytes(to));
@@ -566,7 +828,6 @@ mod tests {
             (xs, h * hd + c)
         };
         let val_group = |i: usize| (v[i / hd * hd..(i / hd + 1) * hd].to_vec(), i / hd);
-        let levels = ((1u32 << f.bits().min(8)) - 1) as f32;
         for (section, xs, got, group) in [
             (
                 "key",
@@ -576,16 +837,42 @@ mod tests {
             ),
             ("value", v, &dv, &val_group),
         ] {
-            let params = match section {
-                "key" => &buf[s.values_bytes(f)..s.k_bytes(f)],
-                _ => &buf[s.k_bytes(f) + s.values_bytes(f)..],
+            let (params, bits, groups) = match section {
+                "key" => (&buf[s.k_values_bytes(f)..s.k_bytes(f)], f.key_bits(), hd),
+                _ => (
+                    &buf[s.k_bytes(f) + s.v_values_bytes(f)..],
+                    f.value_bits(),
+                    t,
+                ),
             };
+            let levels = ((1u32 << bits.min(8)) - 1) as f32;
             for (i, (&x, &y)) in xs.iter().zip(got.iter()).enumerate() {
                 let (g, gi) = group(i);
                 let lo = g.iter().copied().fold(f32::INFINITY, f32::min);
                 let hi = g.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let amax = lo.abs().max(hi.abs());
+                let head = i / (t * hd);
                 let bound = match f {
+                    KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3 => {
+                        // The head's amax, stored rounded up to f16.
+                        let top = xs[head * t * hd..(head + 1) * t * hd]
+                            .iter()
+                            .fold(0f32, |m, x| m.max(x.abs()));
+                        let at = s.n_kv_heads * groups * 2 + 2 * head;
+                        let a = f16::from_le_bytes([params[at], params[at + 1]]).to_f32();
+                        assert!(a >= top && a <= top * (1.0 + 1.0 / 1024.0) + 6e-8, "{f}");
+                        let step = a / 127.0;
+                        let (m, j) = (params[2 * gi] as i8, params[2 * gi + 1]);
+                        let (min, scale) = (f32::from(m) * step, coded_scale(a, j));
+                        assert!(min <= lo && min >= lo - step * (1.0 + 1e-5) - 1e-30, "{f}");
+                        let max_scale = ((hi - lo + step) / levels * 1.090_51 * (1.0 + 1e-5))
+                            .max(a * (-31.875f32).exp2() * (1.0 + 1e-5));
+                        assert!(
+                            scale <= max_scale,
+                            "{f} {section}: scale {scale} > {max_scale}"
+                        );
+                        scale / 2.0 * (1.0 + 1e-5) + a * 1e-6
+                    }
                     KvFormat::F16 => x.abs() / 1024.0 + 6e-8,
                     KvFormat::Int8 => amax / 254.0 * (1.0 + 1e-5) + 1e-30,
                     KvFormat::Int4 | KvFormat::Int2 => {
@@ -649,7 +936,7 @@ mod tests {
             encode_layer(&s, KvFormat::Int8, &k, &v, &mut base).unwrap();
             let (mut k8, mut v8) = (vec![0.0; 64], vec![0.0; 64]);
             decode_layer(&s, KvFormat::Int8, &base, &mut k8, &mut v8);
-            for to in [KvFormat::Int4, KvFormat::Int2] {
+            for to in [KvFormat::Int4, KvFormat::Int2, KvFormat::K8v8, KvFormat::K4v4, KvFormat::K4v3] {
                 let mut out = Vec::new();
                 recompress(&s, KvFormat::Int8, to, &base, &mut out).unwrap();
                 let mut direct = vec![0u8; s.chunk_bytes(to)];
@@ -658,7 +945,69 @@ mod tests {
                 prop_assert_eq!(&out, &direct);
                 check_round_trip(&s, to, &k8, &v8);
             }
+            // Down the mix's levels: k8v8 to k4v4 or k4v3 is encoding the k8v8 chunk's values.
+            let mut top = Vec::new();
+            recompress(&s, KvFormat::Int8, KvFormat::K8v8, &base, &mut top).unwrap();
+            let (mut kt, mut vt) = (vec![0.0; 64], vec![0.0; 64]);
+            decode_layer(&s, KvFormat::K8v8, &top, &mut kt, &mut vt);
+            for to in [KvFormat::K4v4, KvFormat::K4v3] {
+                let mut out = Vec::new();
+                recompress(&s, KvFormat::K8v8, to, &top, &mut out).unwrap();
+                let mut direct = vec![0u8; s.chunk_bytes(to)];
+                encode_layer(&s, to, &kt, &vt, &mut direct).unwrap();
+                prop_assert_eq!(&out, &direct);
+                check_round_trip(&s, to, &kt, &vt);
+            }
         }
+
+        #[test]
+        fn coded_formats_round_trip_on_the_model_shape(
+            k in prop::collection::vec(-8.0f32..8.0, 3 * 16 * 64),
+            v in prop::collection::vec(-0.5f32..0.5, 3 * 16 * 64),
+            spike in 0usize..3 * 16 * 64,
+            big in prop::sample::select(vec![1.0f32, 40.0, -300.0]),
+        ) {
+            let s = ChunkShape { n_layers: 1, n_kv_heads: 3, head_dim: 64, tokens: 16 };
+            let (mut k, v) = (k, v);
+            k[spike] = big;
+            for f in KvFormat::CODED {
+                check_round_trip(&s, f, &k, &v);
+            }
+        }
+
+        #[test]
+        fn the_bit_stream_packs_any_width(qs in prop::collection::vec(0u8..=255, 1..64), bits in prop::sample::select(vec![2usize, 3, 4, 8])) {
+            let qs: Vec<u8> = qs.iter().map(|q| q & ((1u16 << bits) - 1) as u8).collect();
+            let mut out = vec![0u8; (qs.len() * bits).div_ceil(8)];
+            for (i, &q) in qs.iter().enumerate() {
+                pack(&mut out, i, bits, q);
+            }
+            for (i, &q) in qs.iter().enumerate() {
+                prop_assert_eq!(packed_value(&out, i, bits as u32), q);
+            }
+        }
+    }
+
+    #[test]
+    fn coded_scales_are_powers_of_two_to_the_eighth() {
+        for j in 0..=255u8 {
+            let want = (-(f64::from(j)) / 8.0).exp2();
+            let got = f64::from(coded_scale(1.0, j));
+            assert!((got / want - 1.0).abs() < 1e-6, "{j}: {got} vs {want}");
+        }
+        // The smallest code not below what a group needs, whatever the group.
+        let check = |lo: f32, hi: f32, amax: f32, levels: f32, want: Option<(i8, u8)>| {
+            assert_eq!(
+                coded_params(lo, hi, amax, levels),
+                want,
+                "{lo}..{hi} / {amax}"
+            );
+        };
+        check(0.0, 0.0, 0.0, 15.0, Some((0, 255)));
+        // -1..1 under amax 1: min -127 steps, scale 2/15 = 2^(-2.907) -> j = 23.
+        check(-1.0, 1.0, 1.0, 15.0, Some((-127, 23)));
+        check(0.5, 0.5, 1.0, 15.0, Some((63, 95)));
+        check(-1.0, 1.0, 1.0, 255.0, Some((-127, 55)));
     }
 
     #[test]
@@ -706,7 +1055,14 @@ mod tests {
         let v = vec![0.5; 64];
         let mut buf = vec![0u8; s.layer_bytes(KvFormat::Int8)];
         encode_layer(&s, KvFormat::Int8, &k, &v, &mut buf).unwrap();
-        for f in [KvFormat::F16, KvFormat::Int4, KvFormat::Int2] {
+        for f in [
+            KvFormat::F16,
+            KvFormat::Int4,
+            KvFormat::Int2,
+            KvFormat::K8v8,
+            KvFormat::K4v4,
+            KvFormat::K4v3,
+        ] {
             let mut buf = vec![0u8; s.layer_bytes(f)];
             let err = encode_layer(&s, f, &k, &v, &mut buf).unwrap_err();
             assert!(
@@ -724,6 +1080,9 @@ mod tests {
         for (from, to) in [
             (KvFormat::Int4, KvFormat::Int8),
             (KvFormat::Int4, KvFormat::Int4),
+            (KvFormat::K4v4, KvFormat::Int4),
+            (KvFormat::K4v3, KvFormat::K4v4),
+            (KvFormat::K8v8, KvFormat::Int8),
         ] {
             let err = recompress(&s, from, to, &chunk, &mut out).unwrap_err();
             assert_eq!(err, CodecError::NotDown { from, to });
@@ -749,6 +1108,31 @@ mod tests {
             KvFormat::Int2,
             30 * (3 * 16 * 64 / 2 + 3 * 64 * 4 + 3 * 16 * 4),
         );
+        // Coded: a 2-byte pair per group and a 2-byte amax per head, in each section.
+        check(
+            KvFormat::K8v8,
+            30 * (2 * 3 * 16 * 64 + 3 * 64 * 2 + 3 * 16 * 2 + 2 * 3 * 2),
+        );
+        check(
+            KvFormat::K4v4,
+            30 * (3 * 16 * 64 + 3 * 64 * 2 + 3 * 16 * 2 + 2 * 3 * 2),
+        );
+        check(
+            KvFormat::K4v3,
+            30 * (3 * 16 * 64 * 7 / 8 + 3 * 64 * 2 + 3 * 16 * 2 + 2 * 3 * 2),
+        );
+        // The simulation's all-in bits (docs/kv-formats.md): 8.645, 4.645 and 4.145.
+        for (f, bits) in [
+            (KvFormat::K8v8, 8.645),
+            (KvFormat::K4v4, 4.645),
+            (KvFormat::K4v3, 4.145),
+        ] {
+            assert!(
+                (s.stored_bits(f) - bits).abs() < 5e-4,
+                "{f}: {}",
+                s.stored_bits(f)
+            );
+        }
         for f in KvFormat::ALL {
             assert_eq!(s.slot_bytes(f) % PAGE, 0);
             assert!(s.slot_bytes(f) - s.chunk_bytes(f) < PAGE);

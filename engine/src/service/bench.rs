@@ -132,7 +132,7 @@ pub fn run(
         cfg.io_threads = opts.io_threads;
         cfg.max_tokens = (max_len + 64).div_ceil(16) * 16;
         if !opts.compress {
-            cfg.compress_ratio = None;
+            cfg.compress_bits = None;
         }
         let mut m = Manager::open(Arc::clone(&model), cfg)?;
         let mut x = 0x2545_f491_4f6c_dd1du64 ^ n as u64;

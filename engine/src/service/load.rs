@@ -279,7 +279,7 @@ fn read_one(
     let n = bytes.len() as u64;
     let data: &[u8] = if have == want {
         bytes
-    } else if have.bits() > want.bits() && have != KvFormat::F16 {
+    } else if crate::kv::codec::moves_down(shape, have, want) && have != KvFormat::F16 {
         crate::kv::codec::recompress(shape, have, want, bytes, scratch).map_err(|e| {
             ServiceError::Internal {
                 what: format!("{key}: {e}"),

@@ -7,7 +7,8 @@
 //! 2. Run: the tokens left open at the end of the last call, then the prompt, are prefilled and
 //!    the answer generated; new chunks are Claimed in the pager under the budget.
 //! 3. Compress: the call's attention is merged into the context's densities (Eq. 1) and
-//!    `policy::assign_levels` (Eq. 2-3) moves chunks down a level; their slots shrink.
+//!    `policy::assign_levels` (Eq. 2-3) moves chunks down a level (by default from int8 to
+//!    k8v8, k4v4 or k4v3, at most 4.5 stored bits per value on average); their slots shrink.
 //! 4. AoT: the tokens are made durable, then `policy::plan_writeout` lists the chunks to write
 //!    and the background writer writes them; the call returns without waiting for it.
 //! 5. The context is unpinned; its chunks are now candidates for Reclaim (LCTRU order).
@@ -18,7 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvfs::{Fingerprint, NewContext, Store, StoreOptions};
-use policy::{CostModel, DensityTracker, Level, LevelSet, LinearCost};
+use policy::{CostModel, DensityTracker, Level, LinearCost};
 use uffd_pager::{
     ChunkKey, ContextId, ContextSpec, Histogram, HistogramSummary, Pager, PagerConfig,
 };
@@ -32,9 +33,7 @@ use crate::service::chunk_io::ChunkIo;
 use crate::service::load::{self, LoadMode, LoadReport, StoredChunk};
 use crate::service::managers::ManagerKind;
 use crate::service::memory::{PagerChunks, Versions};
-use crate::service::source::{
-    Expected, StoreSource, format_of, from_store, level_of, model_fingerprint,
-};
+use crate::service::source::{Expected, FormatLevels, StoreSource, from_store, model_fingerprint};
 use crate::service::writer::{WriteJob, Writer};
 
 /// Which chunks the pager gives up when it needs room.
@@ -64,6 +63,17 @@ pub enum WriteOut {
     Never,
 }
 
+/// The default budget of the tolerance-aware compression, in all-in stored bits per value
+/// (issue 14: int8's fidelity within 1% at about half its memory; docs/kv-formats.md).
+pub const DEFAULT_KV_BITS: f64 = 4.5;
+
+/// The compression levels and the policy's global ratio the bit budget comes to, fixed at open.
+#[derive(Clone, Debug)]
+struct Compression {
+    levels: FormatLevels,
+    ratio: Option<f64>,
+}
+
 /// The manager's settings.
 #[derive(Clone, Debug)]
 pub struct ManagerConfig {
@@ -83,11 +93,13 @@ pub struct ManagerConfig {
     pub chunk_tokens: usize,
     /// The most tokens one context holds.
     pub max_tokens: usize,
-    /// The global compression ratio (paper Eq. 3) applied at the end of every call, or `None` to
-    /// keep every chunk in `kv_format`.
-    pub compress_ratio: Option<f64>,
-    /// The levels chunks may take.
-    pub levels: LevelSet,
+    /// The budget of the tolerance-aware compression at the end of every call, in all-in stored
+    /// bits per K/V value (payload, parameters and kvfs's header; the mean over the context's
+    /// chunks, paper Eq. 3), or `None` to keep every chunk in `kv_format`.
+    pub compress_bits: Option<f64>,
+    /// The formats chunks may be compressed to, heaviest first (`policy::LevelSet` over their
+    /// stored bytes). A chunk sealed in a heavier format (int8) moves at least to the first.
+    pub levels: Vec<KvFormat>,
     /// Which manager this configuration is (set by [`ManagerKind::apply`]; reported in stats).
     pub kind: ManagerKind,
     /// How the pager picks victims.
@@ -123,8 +135,8 @@ impl ManagerConfig {
             kv_format: KvFormat::Int8,
             chunk_tokens: 16,
             max_tokens: 2048,
-            compress_ratio: Some(0.5),
-            levels: LevelSet::paper_default(),
+            compress_bits: Some(DEFAULT_KV_BITS),
+            levels: KvFormat::CODED.to_vec(),
             kind: ManagerKind::Llms,
             victims: VictimPolicy::Lctru,
             write_out: WriteOut::Aot,
@@ -320,6 +332,7 @@ pub struct Manager {
     versions: Arc<Versions>,
     expected: Arc<Expected>,
     writer: Writer,
+    compression: Compression,
     fingerprint: Fingerprint,
     contexts: BTreeMap<u64, Context>,
     cost: CostModel,
@@ -351,6 +364,25 @@ impl Manager {
                 ),
             });
         }
+        let levels =
+            FormatLevels::new(&model.chunk_shape(cfg.chunk_tokens), &cfg.levels).map_err(|e| {
+                ServiceError::BadRequest {
+                    what: e.to_string(),
+                }
+            })?;
+        // A budget the levels cannot reach (a small model's chunks amortize kvfs's header over
+        // few values) puts every chunk at the lightest level.
+        let ratio = match cfg.compress_bits {
+            Some(bits) if levels.floor(cfg.kv_format).is_some() => {
+                Some(levels.ratio_for_bits(bits).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "every chunk compressed to the lightest level");
+                    let set = levels.set();
+                    set.ratio(set.lightest()).unwrap_or(1.0)
+                }))
+            }
+            _ => None,
+        };
+        let compression = Compression { levels, ratio };
         let fingerprint = model_fingerprint(model.path()).map_err(|e| ServiceError::Internal {
             what: format!("reading {} to fingerprint it: {e}", model.path().display()),
         })?;
@@ -378,8 +410,9 @@ impl Manager {
         ));
         let sizes: Vec<(u64, Level)> = cfg
             .levels
-            .levels()
-            .filter_map(|l| format_of(&cfg.levels, l).map(|f| (shape.slot_bytes(f) as u64, l)))
+            .iter()
+            .enumerate()
+            .map(|(l, &f)| (shape.slot_bytes(f) as u64, Level(l as u8)))
             .collect();
         let chooser = Box::new(match cfg.victims {
             VictimPolicy::Lctru => PolicyChooser::new(Box::new(policy::LctruQueue::new()), sizes),
@@ -413,6 +446,7 @@ impl Manager {
             versions,
             expected,
             writer,
+            compression,
             fingerprint,
             contexts: BTreeMap::new(),
             profile: Profile::default(),
@@ -653,6 +687,7 @@ impl Manager {
             &self.versions,
             &self.writer,
             &self.expected,
+            &self.compression,
             id,
             ctx,
             prompt,
@@ -709,6 +744,7 @@ impl Manager {
         versions: &Versions,
         writer: &Writer,
         expected: &Expected,
+        compression: &Compression,
         id: u64,
         ctx: &mut Context,
         prompt: &[u32],
@@ -776,24 +812,27 @@ impl Manager {
         let sealed = ctx.cache.chunk_formats().len();
         ctx.stored.resize(sealed, None);
         let mut recompressed = 0;
-        if let Some(ratio) = cfg.compress_ratio
+        let levels = &compression.levels;
+        if let Some(ratio) = compression.ratio
             && sealed > 0
-            && level_of(&cfg.levels, cfg.kv_format).is_some()
         {
             let densities = ctx.density.chunk_densities();
             let floors: Vec<Level> = ctx
                 .cache
                 .chunk_formats()
                 .iter()
-                .map(|&f| level_of(&cfg.levels, f).unwrap_or(Level(0)))
+                .map(|&f| levels.floor(f).unwrap_or(Level(0)))
                 .collect();
-            let a = policy::assign_levels(&densities[..sealed], Some(&floors), &cfg.levels, ratio)
+            let a = policy::assign_levels(&densities[..sealed], Some(&floors), levels.set(), ratio)
                 .map_err(|e| ServiceError::Internal {
                     what: e.to_string(),
                 })?;
-            for (i, (&to, &from)) in a.levels.iter().zip(&floors).enumerate() {
-                if to.0 > from.0
-                    && let Some(f) = format_of(&cfg.levels, to)
+            let shape = *ctx.cache.shape();
+            for (i, &to) in a.levels.iter().enumerate() {
+                // A chunk above the levels (sealed in int8) moves to its level even at level 0.
+                let from = ctx.cache.chunk_formats()[i];
+                if let Some(f) = levels.format(to)
+                    && crate::kv::codec::moves_down(&shape, from, f)
                 {
                     ctx.cache.recompress(i, f)?;
                     recompressed += 1;
@@ -819,8 +858,8 @@ impl Manager {
                 let f = ctx.cache.chunk_formats()[i];
                 policy::ChunkState {
                     index: i as u32,
-                    level: level_of(&cfg.levels, f).unwrap_or(Level(0)),
-                    stored: ctx.stored[i].and_then(|s| level_of(&cfg.levels, s.format)),
+                    level: levels.floor(f).unwrap_or(Level(0)),
+                    stored: ctx.stored[i].and_then(|s| levels.floor(s.format)),
                     modified: false,
                     bytes: shape.chunk_bytes(f) as u64,
                 }

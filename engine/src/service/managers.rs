@@ -150,8 +150,11 @@ impl ManagerKind {
                 LoadMode::RecomputeOnly,
             ),
         };
-        cfg.compress_ratio = if ratio {
-            Some(cfg.compress_ratio.unwrap_or(0.5))
+        cfg.compress_bits = if ratio {
+            Some(
+                cfg.compress_bits
+                    .unwrap_or(crate::service::manager::DEFAULT_KV_BITS),
+            )
         } else {
             None
         };
@@ -221,27 +224,27 @@ mod tests {
         assert_eq!(
             (
                 llms.kv_format,
-                llms.compress_ratio,
+                llms.compress_bits,
                 llms.victims,
                 llms.write_out,
                 llms.load
             ),
             (
                 KvFormat::Int8,
-                Some(0.5),
+                Some(4.5),
                 VictimPolicy::Lctru,
                 WriteOut::Aot,
                 LoadMode::Planned
             )
         );
-        assert_eq!(of(ManagerKind::LlmsNoCompression).compress_ratio, None);
+        assert_eq!(of(ManagerKind::LlmsNoCompression).compress_bits, None);
         assert_eq!(of(ManagerKind::LlmsNoPipeline).load, LoadMode::ReadOnly);
         assert_eq!(
             of(ManagerKind::LlmsNoLifecycle).write_out,
             WriteOut::OnReclaim
         );
         let sq = of(ManagerKind::VllmSq);
-        assert_eq!((sq.kv_format, sq.compress_ratio), (KvFormat::Int8, None));
+        assert_eq!((sq.kv_format, sq.compress_bits), (KvFormat::Int8, None));
         assert_eq!(of(ManagerKind::VllmS).kv_format, KvFormat::F16);
         assert_eq!(of(ManagerKind::Swapping).victims, VictimPolicy::Context);
         let lmk = of(ManagerKind::Lmk);
@@ -253,6 +256,8 @@ mod tests {
         let mut f16 = base.clone();
         f16.kv_format = KvFormat::F16;
         ManagerKind::Llms.apply(&mut f16);
-        assert_eq!(f16.compress_ratio, None);
+        assert_eq!(f16.compress_bits, None);
+        // LLMS compresses int8 chunks to the coded formats.
+        assert_eq!(llms.levels, KvFormat::CODED);
     }
 }

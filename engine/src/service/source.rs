@@ -21,6 +21,9 @@ pub fn to_store(f: KvFormat) -> kvfs::KvFormat {
         KvFormat::Int8 => kvfs::KvFormat::Int8,
         KvFormat::Int4 => kvfs::KvFormat::Int4,
         KvFormat::Int2 => kvfs::KvFormat::Int2,
+        KvFormat::K8v8 => kvfs::KvFormat::K8v8,
+        KvFormat::K4v4 => kvfs::KvFormat::K4v4,
+        KvFormat::K4v3 => kvfs::KvFormat::K4v3,
     }
 }
 
@@ -31,21 +34,100 @@ pub fn from_store(f: kvfs::KvFormat) -> KvFormat {
         kvfs::KvFormat::Int8 => KvFormat::Int8,
         kvfs::KvFormat::Int4 => KvFormat::Int4,
         kvfs::KvFormat::Int2 => KvFormat::Int2,
+        kvfs::KvFormat::K8v8 => KvFormat::K8v8,
+        kvfs::KvFormat::K4v4 => KvFormat::K4v4,
+        kvfs::KvFormat::K4v3 => KvFormat::K4v3,
     }
 }
 
-/// The format of a policy level (its bits), if the engine has one.
-pub fn format_of(set: &LevelSet, level: Level) -> Option<KvFormat> {
-    let bits = set.bits(level)?;
-    KvFormat::ALL
-        .into_iter()
-        .find(|f| f.bits() == u32::from(bits))
+/// Why compression levels were refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LevelsError {
+    /// The formats do not shrink strictly from one level to the next (or are too many).
+    #[error("compression levels {formats:?} must get strictly smaller, heaviest first: {source}")]
+    Order {
+        formats: Vec<KvFormat>,
+        source: policy::LevelError,
+    },
+    /// The bit budget is below what the lightest level stores.
+    #[error(
+        "a budget of {bits} stored bits per value is below the lightest level {lightest}'s {need:.3}"
+    )]
+    Budget {
+        bits: f64,
+        lightest: KvFormat,
+        need: f64,
+    },
 }
 
-/// The policy level of a format, if the set has one with its bits.
-pub fn level_of(set: &LevelSet, f: KvFormat) -> Option<Level> {
-    set.levels()
-        .find(|&l| set.bits(l) == u8::try_from(f.bits()).ok())
+/// The compression levels as engine formats, heaviest first, and the policy's level set over
+/// their stored bytes per chunk (each level's cost is what kvfs stores for a chunk in it, so a
+/// budget in all-in stored bits per value is a global ratio of the policy, Eq. 3).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FormatLevels {
+    formats: Vec<KvFormat>,
+    set: LevelSet,
+    shape: ChunkShape,
+}
+
+impl FormatLevels {
+    /// The levels `formats` (heaviest first) for chunks of `shape`.
+    pub fn new(shape: &ChunkShape, formats: &[KvFormat]) -> Result<Self, LevelsError> {
+        let costs: Vec<u32> = formats
+            .iter()
+            .map(|&f| u32::try_from(shape.stored_bytes(f)).unwrap_or(u32::MAX))
+            .collect();
+        let set = LevelSet::weighted(&costs).map_err(|source| LevelsError::Order {
+            formats: formats.to_vec(),
+            source,
+        })?;
+        Ok(Self {
+            formats: formats.to_vec(),
+            set,
+            shape: *shape,
+        })
+    }
+
+    /// The policy's level set.
+    pub fn set(&self) -> &LevelSet {
+        &self.set
+    }
+
+    /// The format of a policy level.
+    pub fn format(&self, level: Level) -> Option<KvFormat> {
+        self.formats.get(usize::from(level.0)).copied()
+    }
+
+    /// The policy level of a format, if it is one of the levels.
+    pub fn level(&self, f: KvFormat) -> Option<Level> {
+        self.formats
+            .iter()
+            .position(|&x| x == f)
+            .map(|i| Level(i as u8))
+    }
+
+    /// The level a chunk in `f` starts from: its own, or the heaviest when `f` is no level but
+    /// moves down to it (int8 to k8v8); `None` when chunks in `f` cannot take these levels.
+    pub fn floor(&self, f: KvFormat) -> Option<Level> {
+        self.level(f).or_else(|| {
+            crate::kv::codec::moves_down(&self.shape, f, self.formats[0]).then_some(Level(0))
+        })
+    }
+
+    /// The policy's global ratio (Eq. 3) for a mean of `bits` all-in stored bits per value.
+    pub fn ratio_for_bits(&self, bits: f64) -> Result<f64, LevelsError> {
+        let lightest = self.formats[self.formats.len() - 1];
+        let need = self.shape.stored_bits(lightest);
+        if bits.is_nan() || bits < need {
+            return Err(LevelsError::Budget {
+                bits,
+                lightest,
+                need,
+            });
+        }
+        let bytes = bits * self.shape.chunk_values() as f64 / 8.0;
+        Ok((bytes / f64::from(self.set.base_cost())).min(1.0))
+    }
 }
 
 /// The model's fingerprint as kvfs checks it: sha256 of the GGUF file, read in 1 MiB pieces.
@@ -221,5 +303,108 @@ impl ChunkSource for StoreSource {
             e.written.push(key.index);
         }
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn smollm2() -> ChunkShape {
+        ChunkShape {
+            n_layers: 30,
+            n_kv_heads: 3,
+            head_dim: 64,
+            tokens: 16,
+        }
+    }
+
+    #[test]
+    fn the_coded_levels_map_both_ways() {
+        let s = smollm2();
+        let l = FormatLevels::new(&s, &KvFormat::CODED).unwrap();
+        for (i, f) in KvFormat::CODED.into_iter().enumerate() {
+            assert_eq!(l.level(f), Some(Level(i as u8)));
+            assert_eq!(l.format(Level(i as u8)), Some(f));
+            assert_eq!(l.set().cost(Level(i as u8)), Some(s.stored_bytes(f) as u32));
+        }
+        // int8 and f16 chunks start from the heaviest level; int4 cannot take these levels.
+        assert_eq!(l.floor(KvFormat::Int8), Some(Level(0)));
+        assert_eq!(l.floor(KvFormat::F16), Some(Level(0)));
+        assert_eq!(l.floor(KvFormat::Int4), None);
+        // 4.5 bits is a ratio of about 0.52 of k8v8's bytes; below k4v3's bits is refused.
+        let r = l.ratio_for_bits(4.5).unwrap();
+        assert!(
+            (r - 4.5 / s.stored_bits(KvFormat::K8v8)).abs() < 1e-12,
+            "{r}"
+        );
+        assert!(matches!(
+            l.ratio_for_bits(4.0),
+            Err(LevelsError::Budget {
+                lightest: KvFormat::K4v3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            FormatLevels::new(&s, &[KvFormat::K4v4, KvFormat::K8v8]),
+            Err(LevelsError::Order { .. })
+        ));
+        // The paper's levels still map, by their stored bytes.
+        let paper = [KvFormat::Int8, KvFormat::Int4, KvFormat::Int2];
+        let l = FormatLevels::new(&s, &paper).unwrap();
+        assert_eq!(l.format(Level(2)), Some(KvFormat::Int2));
+        for f in KvFormat::ALL {
+            assert_eq!(from_store(to_store(f)), f);
+            assert_eq!(to_store(f).name(), f.name());
+        }
+    }
+
+    proptest! {
+        /// The service's assignment (the policy over the levels' stored bytes) keeps the mean
+        /// all-in stored bits of a context's chunks within the budget, for any densities and
+        /// any levels the chunks already hold.
+        #[test]
+        fn the_mix_keeps_its_bit_budget_for_any_densities(
+            densities in prop::collection::vec(0.0f64..10.0, 0..200),
+            floors in prop::collection::vec(0u8..3, 200),
+            bits in 4.15f64..9.0,
+        ) {
+            let s = smollm2();
+            let l = FormatLevels::new(&s, &KvFormat::CODED).unwrap();
+            let ratio = l.ratio_for_bits(bits).unwrap();
+            let floors: Vec<Level> = floors[..densities.len()].iter().map(|&f| Level(f)).collect();
+            let a = policy::assign_levels(&densities, Some(&floors), l.set(), ratio).unwrap();
+            let mut total = 0.0;
+            for (i, lv) in a.levels.iter().enumerate() {
+                prop_assert!(*lv >= floors[i]);
+                total += s.stored_bits(l.format(*lv).unwrap());
+            }
+            // Floors only make chunks lighter, so the budget is always met.
+            if !densities.is_empty() {
+                prop_assert!(total / densities.len() as f64 <= bits + 1e-9, "{total} > {bits}");
+            }
+        }
+
+        /// `llms eval ppl --kv-mix llms` picks the levels with `eval::levels_for_budget` over
+        /// all-in bits; the service with the policy over stored bytes: the same information kept.
+        #[test]
+        fn the_eval_and_the_service_keep_the_same_information(
+            densities in prop::collection::vec(0.0f64..10.0, 1..120),
+            bits in 4.15f64..9.0,
+        ) {
+            let s = smollm2();
+            let l = FormatLevels::new(&s, &KvFormat::CODED).unwrap();
+            let a = policy::assign_levels(&densities, None, l.set(), l.ratio_for_bits(bits).unwrap())
+                .unwrap();
+            let stored: Vec<f64> = KvFormat::CODED.iter().map(|&f| s.stored_bits(f)).collect();
+            let e = crate::kv::eval::levels_for_budget(&densities, &stored, bits).unwrap();
+            let info = |levels: &mut dyn Iterator<Item = usize>| -> f64 {
+                levels.zip(&densities).map(|(w, d)| stored[w] / stored[0] * d).sum()
+            };
+            let service = info(&mut a.levels.iter().map(|l| usize::from(l.0)));
+            let eval = info(&mut e.iter().copied());
+            prop_assert!((service - eval).abs() <= 1e-9 * (1.0 + eval), "{service} vs {eval}");
+        }
     }
 }
