@@ -39,10 +39,13 @@ pub struct PassthroughCounters {
     pub daemon_reads: AtomicU64,
 }
 
+/// An open file: its backing id (the kernel's reference goes with the last handle that holds it)
+/// and the daemon's own descriptor of the backing file, for reads that reach the daemon.
+type Open = (Arc<BackingId>, Arc<File>);
+
 struct PassthroughFs {
     files: Vec<(String, PathBuf, u64)>,
-    /// One backing id per open file handle; the kernel's reference goes with the last one.
-    handles: Mutex<HashMap<u64, (Arc<BackingId>, Arc<File>)>>,
+    handles: Mutex<HashMap<u64, Open>>,
     next_fh: AtomicU64,
     counters: Arc<PassthroughCounters>,
 }
@@ -78,7 +81,7 @@ impl PassthroughFs {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, (Arc<BackingId>, Arc<File>)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Open>> {
         self.handles.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
