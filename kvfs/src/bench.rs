@@ -3,16 +3,20 @@
 //!
 //! The figures are measured here and returned as rows; the `tools` binary prints them.
 
+use std::fs::File;
 use std::io::Read;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::client::MountReader;
 use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
-use crate::fs::{MountConfig, MountError, mount};
-use crate::io::{IoError, read_file, read_into_scratch};
+use crate::fs::{Mount, MountConfig, MountError, mount};
+use crate::io::{IoError, drop_cache, read_file, read_into_scratch};
+use crate::passthrough::mount_passthrough;
 use crate::store::{ContextId, NewContext, Store, StoreError, StoreOptions};
 
 /// What went wrong running the benchmark.
@@ -117,6 +121,23 @@ pub struct Report {
     pub loads: Vec<LoadRow>,
     /// Chunk write-out at real sizes, by path.
     pub load_writes: Vec<LoadRow>,
+    /// What zstd made of each load set's chunks (the `mount kv zstd` rows read them).
+    pub load_zstd: Vec<LoadZstd>,
+    /// `READ` requests the passthrough daemon saw, and its passthrough opens: the reads of the
+    /// `passthrough` rows never reach a daemon when the first is 0.
+    pub passthrough_daemon_reads: u64,
+    pub passthrough_opens: u64,
+}
+
+/// A load set stored with zstd: chunk bytes and what the store holds for them.
+#[derive(Clone, Debug)]
+pub struct LoadZstd {
+    pub set: String,
+    pub chunks: usize,
+    /// Chunks the store kept compressed (zstd shrank them at all).
+    pub zstd_chunks: usize,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
 }
 
 const FP: Fingerprint = Fingerprint(*b"kvfs-bench-fingerprint-000000000");
@@ -260,30 +281,54 @@ fn row(kib: usize, path: &'static str, lat: &[Duration]) -> IoRow {
     }
 }
 
-/// A set of chunks to load: a name and each chunk's length (chunk `i` has `lens[i % lens.len()]`).
+/// A set of chunks to load: a name and each chunk's length and KV format (chunk `i` has
+/// `lens[i % lens.len()]` bytes of KV-shaped data in `formats[i % lens.len()]`, for zstd).
 #[derive(Clone, Debug)]
 pub struct LoadSet {
     pub name: String,
     pub lens: Vec<usize>,
+    pub formats: Vec<KvFormat>,
 }
 
 impl LoadSet {
     /// SmolLM2-135M's chunk sizes (16 tokens, page-rounded) and the 25:50:25 mix of them.
     pub fn defaults() -> Vec<LoadSet> {
-        let set = |name: &str, lens: &[usize]| LoadSet {
+        use KvFormat::{Int2, Int4, Int8};
+        let set = |name: &str, chunks: &[(usize, KvFormat)]| LoadSet {
             name: name.to_owned(),
-            lens: lens.to_vec(),
+            lens: chunks.iter().map(|c| c.0).collect(),
+            formats: chunks.iter().map(|c| c.1).collect(),
         };
         vec![
-            set("int8 212 KiB", &[212 << 10]),
-            set("int4 120 KiB", &[120 << 10]),
-            set("int2 76 KiB", &[76 << 10]),
-            set("mix 25:50:25", &[212 << 10, 120 << 10, 120 << 10, 76 << 10]),
+            set("int8 212 KiB", &[(212 << 10, Int8)]),
+            set("int4 120 KiB", &[(120 << 10, Int4)]),
+            set("int2 76 KiB", &[(76 << 10, Int2)]),
+            set(
+                "mix 25:50:25",
+                &[
+                    (212 << 10, Int8),
+                    (120 << 10, Int4),
+                    (120 << 10, Int4),
+                    (76 << 10, Int2),
+                ],
+            ),
         ]
     }
 
     fn len(&self, i: u32) -> usize {
         self.lens[i as usize % self.lens.len()]
+    }
+
+    /// KV-shaped bytes for each position of the pattern (chunk `i` is `data[i % len]`).
+    fn data(&self) -> Vec<Vec<u8>> {
+        self.lens
+            .iter()
+            .enumerate()
+            .map(|(k, &len)| {
+                let f = self.formats.get(k).copied().unwrap_or(KvFormat::Int8);
+                synth::kv_bytes(f, len, 100 * k as u64)
+            })
+            .collect()
     }
 }
 
@@ -300,13 +345,40 @@ pub struct LoadRow {
     pub mb_per_s: f64,
 }
 
-/// The ways of loading a chunk that `llms bench kvfs` compares.
-pub const LOAD_PATHS: [&str; 4] = [
+/// The ways of loading a chunk that `llms bench kvfs` compares: a bare O_DIRECT read of the
+/// chunk file; the store API; the mount's `kv` file (`MountReader`) over raw and over zstd payloads,
+/// through the daemon; a FUSE file passed through to a backing file of raw payloads, opened with
+/// and without O_DIRECT; the per-chunk view.
+pub const LOAD_PATHS: [&str; 7] = [
     "disk O_DIRECT",
     "store read_chunk_into",
-    "mount kv MountReader",
+    "mount kv raw",
+    "mount kv zstd",
+    "passthrough O_DIRECT",
+    "passthrough buffered",
     "mount chunks/ open+read",
 ];
+
+/// Page alignment of O_DIRECT reads and of the passthrough backing file's chunk slots.
+const ALIGN: usize = 4096;
+
+/// A buffer of `len` bytes that starts on a 4 KiB boundary: `v[start..start + len]`.
+struct AlignedBuf {
+    v: Vec<u8>,
+    start: usize,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> AlignedBuf {
+        let v = vec![0u8; len + ALIGN];
+        let start = v.as_ptr().align_offset(ALIGN);
+        AlignedBuf { v, start }
+    }
+
+    fn get(&mut self, len: usize) -> &mut [u8] {
+        &mut self.v[self.start..self.start + len]
+    }
+}
 
 /// The ways of writing a chunk that `llms bench kvfs` compares.
 pub const WRITE_PATHS: [&str; 3] = [
@@ -393,39 +465,85 @@ fn load_row(
 
 /// Chunk loads and writes at real chunk sizes through every path, with 1 to 4 readers.
 fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError> {
-    let store_dir = config.dir.join("load-store");
-    let mnt = config.dir.join("load-mnt");
-    let options = StoreOptions {
-        min_ratio: f64::INFINITY,
-        ..StoreOptions::default()
-    };
-    let store = Arc::new(Store::open(&store_dir, options)?);
-    std::fs::create_dir_all(&mnt).map_err(|e| IoError::new("mkdir", &mnt, e))?;
     let max_readers = config.readers.iter().copied().max().unwrap_or(1).max(1);
     let mcfg = MountConfig {
         threads: max_readers.max(MountConfig::default().threads),
         ..MountConfig::default()
     };
-    let m = mount(store.clone(), &mnt, &mcfg)?;
+    let open_store = |name: &str, min_ratio: f64| -> Result<(Arc<Store>, Mount), BenchError> {
+        let store = Arc::new(Store::open(
+            &config.dir.join(format!("{name}-store")),
+            StoreOptions {
+                min_ratio,
+                ..StoreOptions::default()
+            },
+        )?);
+        let mnt = config.dir.join(format!("{name}-mnt"));
+        std::fs::create_dir_all(&mnt).map_err(|e| IoError::new("mkdir", &mnt, e))?;
+        let m = mount(store.clone(), &mnt, &mcfg)?;
+        Ok((store, m))
+    };
+    // Raw payloads, and zstd payloads whenever zstd shrinks a chunk at all.
+    let (store, m) = open_store("load", f64::INFINITY)?;
+    let (zstore, zm) = open_store("load-zstd", 1.0)?;
+    let mnt = m.path().to_owned();
     let n = config.load_chunks.max(8) as u32;
-    for set in &config.load_sets {
-        let id = store.create_context(NewContext {
-            owner_uid: 0,
-            app: "bench".into(),
-            fingerprint: FP,
-            chunk_tokens: 16,
-        })?;
-        store.append_tokens(id, &vec![1; 16 * n as usize])?;
+    for (k, set) in config.load_sets.iter().enumerate() {
+        let new_context = |store: &Store| -> Result<ContextId, BenchError> {
+            let id = store.create_context(NewContext {
+                owner_uid: 0,
+                app: "bench".into(),
+                fingerprint: FP,
+                chunk_tokens: 16,
+            })?;
+            store.append_tokens(id, &vec![1; 16 * n as usize])?;
+            Ok(id)
+        };
+        let id = new_context(&store)?;
+        let zid = new_context(&zstore)?;
         let max_len = set.lens.iter().copied().max().unwrap_or(0);
-        let data = synth::noise(max_len, 17);
+        let datas = set.data();
+        let data = |i: u32| &datas[i as usize % datas.len()][..];
+        let mut z = LoadZstd {
+            set: set.name.clone(),
+            chunks: n as usize,
+            zstd_chunks: 0,
+            raw_bytes: 0,
+            stored_bytes: 0,
+        };
         for i in 0..n {
-            store.write_chunk(id, i, &FP, KvFormat::Int8, 0.0, &data[..set.len(i)])?;
+            store.write_chunk(id, i, &FP, KvFormat::Int8, 0.0, data(i))?;
+            let s = zstore.write_chunk(zid, i, &FP, KvFormat::Int8, 0.0, data(i))?;
+            z.zstd_chunks += usize::from(s.codec == Codec::Zstd);
+            z.raw_bytes += u64::from(s.raw_len);
+            z.stored_bytes += u64::from(s.stored_len);
         }
+        report.load_zstd.push(z);
+        // The passthrough backing file: chunk i's raw payload at a 4 KiB-aligned slot of its own.
+        let slot = max_len.next_multiple_of(ALIGN);
+        let backing = config.dir.join(format!("passthrough-{k}"));
+        write_backing(&backing, n, slot, data)?;
+        let pt_mnt = config.dir.join("passthrough-mnt");
+        std::fs::create_dir_all(&pt_mnt).map_err(|e| IoError::new("mkdir", &pt_mnt, e))?;
+        let (pm, counters) =
+            mount_passthrough(&[("kv".to_owned(), backing.clone())], &pt_mnt, mcfg.threads)?;
+        let pt_path = pt_mnt.join("kv");
+        let pt_file = &pt_path;
+        let open_pt = |direct: bool| -> Result<File, BenchError> {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            o.open(pt_file)
+                .map_err(|e| BenchError::Io(IoError::new("open", pt_file, e)))
+        };
         let kv = MountReader::open_rw(&mnt, id, FP)?;
+        let zkv = MountReader::open(zm.path(), zid, FP)?;
         let chunk_file =
             |root: &Path, i: u32| root.join(id.to_string()).join("chunks").join(i.to_string());
         for &readers in &config.readers {
-            let mut runs: [Vec<_>; 4] = Default::default();
+            let mut runs: [Vec<_>; 7] = Default::default();
             for _round in 0..config.rounds.max(1) {
                 drop_caches();
                 runs[0].push(parallel_pass(n, readers, Vec::new, |buf, i| {
@@ -452,6 +570,24 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
                     n,
                     readers,
                     || vec![0u8; max_len],
+                    |buf, i| Ok(zkv.read_chunk_into(i, buf)?.raw_len as usize),
+                )?);
+                for (r, direct) in [(4, true), (5, false)] {
+                    // The file is opened once, as the service keeps its `kv` files open.
+                    let f = open_pt(direct)?;
+                    drop_caches();
+                    runs[r].push(parallel_pass(
+                        n,
+                        readers,
+                        || AlignedBuf::new(slot),
+                        passthrough_reader(&f, direct, set, slot, pt_file),
+                    )?);
+                }
+                drop_caches();
+                runs[6].push(parallel_pass(
+                    n,
+                    readers,
+                    || vec![0u8; max_len],
                     |buf, i| {
                         let p = chunk_file(&mnt, i);
                         let mut f =
@@ -467,6 +603,29 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
                 report.loads.push(load_row(&set.name, path, readers, runs));
             }
         }
+        // What each passthrough read leaves in the backing file's page cache: one cold pass each.
+        for direct in [true, false] {
+            let f = open_pt(direct)?;
+            drop_caches();
+            parallel_pass(
+                n,
+                1,
+                || AlignedBuf::new(slot),
+                passthrough_reader(&f, direct, set, slot, pt_file),
+            )?;
+            report.cache.push(cache_row_files(
+                std::slice::from_ref(&backing),
+                format!(
+                    "{} passthrough {}",
+                    set.name,
+                    if direct { "O_DIRECT" } else { "buffered" }
+                ),
+            )?);
+        }
+        report.passthrough_daemon_reads += counters.daemon_reads.load(Ordering::Relaxed);
+        report.passthrough_opens += counters.passthrough_opens.load(Ordering::Relaxed);
+        pm.unmount()?;
+        let _ = std::fs::remove_file(&backing);
         // Write-out: one writer, each chunk durable before the next.
         let w = (config.write_chunks as u32).clamp(1, n);
         let mut runs: [Vec<_>; 3] = Default::default();
@@ -475,7 +634,7 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
             1,
             || (),
             |_, i| {
-                store.write_chunk(id, i, &FP, KvFormat::Int8, 0.0, &data[..set.len(i)])?;
+                store.write_chunk(id, i, &FP, KvFormat::Int8, 0.0, data(i))?;
                 Ok(set.len(i))
             },
         )?);
@@ -484,7 +643,7 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
             1,
             || (),
             |_, i| {
-                kv.write_chunk(i, KvFormat::Int8, 0.0, &data[..set.len(i)])?;
+                kv.write_chunk(i, KvFormat::Int8, 0.0, data(i))?;
                 Ok(set.len(i))
             },
         )?);
@@ -494,8 +653,7 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
             || (),
             |_, i| {
                 let p = chunk_file(&mnt, i);
-                std::fs::write(&p, &data[..set.len(i)])
-                    .map_err(|e| IoError::new("write", &p, e))?;
+                std::fs::write(&p, data(i)).map_err(|e| IoError::new("write", &p, e))?;
                 Ok(set.len(i))
             },
         )?);
@@ -503,15 +661,65 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
             report.load_writes.push(load_row(&set.name, path, 1, runs));
         }
         drop(kv);
+        drop(zkv);
         report.cache.push(cache_row_named(
             &store,
             id,
             n as usize,
             format!("{} written and loaded", set.name),
         )?);
+        report.cache.push(cache_row_named(
+            &zstore,
+            zid,
+            n as usize,
+            format!("{} zstd, loaded", set.name),
+        )?);
         store.delete_context(id)?;
+        zstore.delete_context(zid)?;
     }
+    zm.unmount()?;
     m.unmount()?;
+    Ok(())
+}
+
+/// Reads chunk i of `set` from an open passthrough file whose chunk slots are `slot` bytes.
+fn passthrough_reader<'a>(
+    f: &'a File,
+    direct: bool,
+    set: &'a LoadSet,
+    slot: usize,
+    path: &'a Path,
+) -> impl Fn(&mut AlignedBuf, u32) -> Result<usize, BenchError> + Sync + 'a {
+    move |buf, i| {
+        let len = set.len(i);
+        // O_DIRECT reads whole blocks; the slot has room for the rounding.
+        let want = if direct {
+            len.next_multiple_of(ALIGN)
+        } else {
+            len
+        };
+        f.read_exact_at(buf.get(want), u64::from(i) * slot as u64)
+            .map_err(|e| IoError::new("read", path, e))?;
+        Ok(len)
+    }
+}
+
+/// Writes `n` chunks' bytes into `path`, chunk i at `i × slot`, durably, and drops its pages.
+fn write_backing<'a>(
+    path: &Path,
+    n: u32,
+    slot: usize,
+    data: impl Fn(u32) -> &'a [u8],
+) -> Result<(), BenchError> {
+    let f = File::create(path).map_err(|e| IoError::new("create", path, e))?;
+    for i in 0..n {
+        f.write_all_at(data(i), i as u64 * slot as u64)
+            .map_err(|e| IoError::new("write", path, e))?;
+    }
+    f.set_len(n as u64 * slot as u64)
+        .and_then(|()| f.sync_all())
+        .map_err(|e| IoError::new("write", path, e))?;
+    drop_cache(&f);
     Ok(())
 }
 
@@ -532,15 +740,20 @@ fn cache_row_named(
     after: String,
 ) -> Result<CacheRow, BenchError> {
     let paths: Vec<PathBuf> = (0..n as u32).map(|i| store.chunk_path(id, i)).collect();
+    cache_row_files(&paths, after)
+}
+
+/// Page-cache residency of `paths`, by `fincore`.
+fn cache_row_files(paths: &[PathBuf], after: String) -> Result<CacheRow, BenchError> {
     let mut file_bytes = 0;
-    for p in &paths {
+    for p in paths {
         file_bytes += std::fs::metadata(p)
             .map_err(|e| IoError::new("stat", p, e))?
             .len();
     }
     let out = Command::new("fincore")
         .args(["--bytes", "--noheadings", "--output", "RES"])
-        .args(&paths)
+        .args(paths)
         .output();
     let resident_bytes = match out {
         Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
@@ -685,6 +898,19 @@ pub mod synth {
             let (u, v) = (self.uniform(), self.uniform());
             ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
         }
+    }
+
+    /// `len` bytes of KV-shaped chunks in `format` (SmolLM2-135M's channels, 16 tokens each),
+    /// one after another from `seed` on, cut at `len`: what a real chunk's payload compresses like.
+    pub fn kv_bytes(format: KvFormat, len: usize, seed: u64) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len);
+        let mut s = seed;
+        while out.len() < len {
+            out.extend(kv_chunk(format, 16, SMOLLM2_CHANNELS, s));
+            s += 1;
+        }
+        out.truncate(len);
+        out
     }
 
     /// Incompressible bytes.
@@ -874,6 +1100,7 @@ mod tests {
             load_sets: vec![LoadSet {
                 name: "mix".into(),
                 lens: vec![8192, 100, 20000],
+                formats: vec![KvFormat::Int8, KvFormat::Int2, KvFormat::Int4],
             }],
             load_chunks: 8,
             readers: vec![1, 2],
@@ -912,11 +1139,28 @@ mod tests {
         );
         let writes: Vec<(&str, usize)> = r.load_writes.iter().map(|x| (x.path, x.chunks)).collect();
         assert_eq!(writes, WRITE_PATHS.map(|p| (p, 4)));
-        assert!(
-            r.cache.iter().all(|c| c.resident_bytes == 0),
-            "{:?}",
+        // Every path leaves the page cache empty but a passthrough file read without O_DIRECT:
+        // the kernel reads its backing file through the backing file's page cache.
+        for c in &r.cache {
+            if c.after.ends_with("passthrough buffered") {
+                assert!(c.resident_bytes > 0, "{c:?}");
+            } else {
+                assert_eq!(c.resident_bytes, 0, "{c:?}");
+            }
+        }
+        assert_eq!(
             r.cache
+                .iter()
+                .filter(|c| c.after.contains("passthrough"))
+                .count(),
+            2
         );
+        // The passthrough rows' reads never reached a daemon.
+        assert_eq!(r.passthrough_daemon_reads, 0);
+        assert!(r.passthrough_opens > 0);
+        let z = &r.load_zstd[0];
+        assert_eq!((z.chunks, z.raw_bytes), (8, 3 * 8192 + 3 * 100 + 2 * 20000));
+        assert!(z.zstd_chunks > 0 && z.stored_bytes < z.raw_bytes, "{z:?}");
         assert!(!config.dir.exists(), "scratch directory left behind");
         // A directory with something in it is not taken over.
         std::fs::create_dir(&config.dir).unwrap();

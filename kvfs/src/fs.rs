@@ -1177,6 +1177,15 @@ impl std::fmt::Debug for Mount {
 }
 
 impl Mount {
+    /// A mount of another filesystem of this crate ([`crate::passthrough`]), unmounted the same way.
+    pub(crate) fn from_session(session: BackgroundSession, path: &Path) -> Mount {
+        Mount {
+            session: Some(session),
+            path: path.to_owned(),
+            guard: None,
+        }
+    }
+
     /// Where the store is mounted.
     pub fn path(&self) -> &Path {
         &self.path

@@ -10,6 +10,7 @@ pub mod format;
 pub mod fs;
 pub mod guard;
 pub mod io;
+pub mod passthrough;
 pub mod store;
 
 pub use client::MountReader;

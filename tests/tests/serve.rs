@@ -667,3 +667,89 @@ fn a_baseline_manager_writes_victims_back_through_the_mount_and_answers_as_unpre
     );
     assert_eq!(kv_reads, s.chunks_read, "chunks not read through the mount");
 }
+
+#[test]
+fn stats_show_weights_resident_and_read_per_token() {
+    use engine::model::tiny::{TinySpec, write_tiny_gguf};
+    use engine::model::{Model, ModelError, WeightOptions};
+    let mut w = world();
+    // Wider than the default tiny model, so its matrices outweigh the stream's buffers.
+    let wide = w.dir.path().join("wide.gguf");
+    let spec = TinySpec {
+        hidden: 256,
+        n_layers: 6,
+        max_ctx: tests::MAX_CONTEXT,
+        ..TinySpec::default()
+    };
+    write_tiny_gguf(&wide, &spec).unwrap();
+    w.model = wide;
+    let full = Model::load(&w.model).unwrap();
+    let total = full.weight_bytes() as u64;
+    let minimum = match Model::load_with(
+        &w.model,
+        &WeightOptions {
+            budget: Some(1),
+            ..WeightOptions::default()
+        },
+    ) {
+        Err(ModelError::Budget { minimum, .. }) => minimum,
+        other => panic!("a 1-byte budget must be refused, got {:?}", other.err()),
+    };
+    assert!(minimum < total, "minimum {minimum} of {total}");
+    // Room for some matrices beside the stream's buffers, not for all of them.
+    let budget = minimum + (total - minimum) / 3;
+    let local = local_answers(&w, &PROMPTS[..2], 10);
+
+    let d = w.serve(&["--weight-budget", &budget.to_string()]);
+    let mut c = w.connect("weights");
+    let s = c.stats().unwrap().weights;
+    assert_eq!(s.budget_bytes, Some(budget), "{s:?}");
+    assert!(s.resident_bytes <= budget, "{s:?}");
+    assert!(
+        s.buffer_bytes > 0 && s.buffer_bytes < s.resident_bytes,
+        "{s:?}"
+    );
+    assert!(s.streamed_bytes > 0, "{s:?}");
+    assert_eq!((s.decode_tokens, s.read_bytes_per_token), (0, 0.0), "{s:?}");
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    let got: Vec<Vec<u32>> = PROMPTS[..2]
+        .iter()
+        .map(|p| ask(&mut c, ctx, p, 10).tokens)
+        .collect();
+    assert_eq!(got, local, "a budget changes no token");
+    let decoded: u64 = got.iter().map(|t| t.len().saturating_sub(1) as u64).sum();
+    assert!(decoded > 0, "{got:?}");
+    let s = c.stats().unwrap().weights;
+    assert!(s.resident_bytes <= budget, "{s:?}");
+    assert_eq!(s.decode_tokens, decoded, "{s:?}");
+    // Every decode token reads exactly the matrices that are not resident.
+    assert_eq!(s.read_bytes_per_token, s.streamed_bytes as f64, "{s:?}");
+    // The prefills read them too: at least one pass a call besides the decode tokens.
+    assert!(
+        s.bytes_read >= (decoded + 2) * s.streamed_bytes,
+        "{s:?} after {decoded} decode tokens"
+    );
+    drop(c);
+    assert!(d.term().success());
+
+    let _d = w.serve(&[]);
+    let mut c = w.connect("weights");
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    let tokens = ask(&mut c, ctx, PROMPTS[0], 10).tokens;
+    assert_eq!(tokens, local[0]);
+    let s = c.stats().unwrap().weights;
+    assert_eq!(s.budget_bytes, None, "{s:?}");
+    assert_eq!(s.residency, "all");
+    assert_eq!(s.resident_bytes, total, "{s:?}");
+    assert_eq!(
+        (s.buffer_bytes, s.streamed_bytes, s.bytes_read),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(
+        s.decode_tokens,
+        tokens.len().saturating_sub(1) as u64,
+        "{s:?}"
+    );
+    assert_eq!(s.read_bytes_per_token, 0.0, "{s:?}");
+}

@@ -171,6 +171,24 @@ pub fn run_stats(a: StatsArgs) -> anyhow::Result<()> {
         "writes         {} done, {} failed, {} queued",
         s.writes, s.write_failures, s.writes_queued
     );
+    let wt = &s.weights;
+    let budget = wt.budget_bytes.map_or_else(
+        || "no budget".to_owned(),
+        |b| format!("{:.1} MiB budget", mib(b)),
+    );
+    println!(
+        "weights        {:.1} MiB resident ({:.1} MiB stream buffers), {budget}, residency {}",
+        mib(wt.resident_bytes),
+        mib(wt.buffer_bytes),
+        wt.residency
+    );
+    println!(
+        "weight reads   {:.1} MiB streamed per token by plan, {:.1} MiB per token measured over {} decode tokens, {:.1} MiB read in all",
+        mib(wt.streamed_bytes),
+        wt.read_bytes_per_token / (1u64 << 20) as f64,
+        wt.decode_tokens,
+        mib(wt.bytes_read)
+    );
     println!(
         "daemon         up {:.0} s, {} connections, {} queued, {} requests, {} errors ({} busy)",
         d.uptime_secs, d.connections, d.queued, d.requests, d.errors, d.busy

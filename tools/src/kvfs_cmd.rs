@@ -277,6 +277,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     io_table(&r.writes);
     if !r.loads.is_empty() {
         load_tables(&r.loads, &r.load_writes);
+        passthrough_tables(&r);
     }
     table!("\npage cache after the I/O (fincore)");
     for c in &r.cache {
@@ -373,6 +374,12 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         })).collect::<Vec<_>>(),
         "loads": loads(&r.loads),
         "load_writes": loads(&r.load_writes),
+        "load_zstd": r.load_zstd.iter().map(|z| serde_json::json!({
+            "set": z.set, "chunks": z.chunks, "zstd_chunks": z.zstd_chunks,
+            "raw_bytes": z.raw_bytes, "stored_bytes": z.stored_bytes,
+        })).collect::<Vec<_>>(),
+        "passthrough_daemon_reads": r.passthrough_daemon_reads,
+        "passthrough_opens": r.passthrough_opens,
         "zstd": r.zstd.iter().map(|z| serde_json::json!({
             "source": z.source, "format": z.format, "chunks": z.chunks, "chunk_bytes": z.chunk_bytes,
             "level": z.level, "ratio": z.ratio, "compress_mb_per_s": z.compress_mb_per_s,
@@ -409,7 +416,7 @@ fn io_table(rows: &[IoRow]) {
 /// Prints the chunk-load and write-out tables and the targets of issue 10 against them.
 fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
     table!(
-        "\nchunk loads at real sizes (O_DIRECT, raw payloads; MB/s is the aggregate of all readers)"
+        "\nchunk loads at real sizes (cold page cache; KV-shaped payloads, raw unless the path says zstd; MB/s is chunk bytes delivered, the aggregate of all readers)"
     );
     table!(
         "  {:<13} {:<24} {:>7} {:>6} {:>8} {:>8} {:>8}",
@@ -445,7 +452,7 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
     );
     for set in &sets {
         if let (Some(m), Some(d)) = (
-            get(set, "mount kv MountReader", 1),
+            get(set, "mount kv raw", 1),
             get(set, "store read_chunk_into", 1),
         ) {
             table!(
@@ -461,7 +468,7 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
             .map(|x| x.mb_per_s)
             .fold(0.0, f64::max);
         for n in 2..=4 {
-            if let Some(m) = get(set, "mount kv MountReader", n) {
+            if let Some(m) = get(set, "mount kv raw", n) {
                 table!(
                     "  {set:<13} {n} readers: mount {:>5.0} MB/s = {:>4.0}% of the disk limit {limit:.0} MB/s",
                     m.mb_per_s,
@@ -499,5 +506,62 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
                 100.0 * m.mb_per_s / d.mb_per_s
             );
         }
+    }
+}
+
+/// Raw payloads through FUSE passthrough against raw and zstd payloads through the daemon: the
+/// question of issue 10, read off the load rows, and what zstd made of the chunks.
+fn passthrough_tables(r: &kvfs::bench::Report) {
+    table!("\nzstd payloads of the `mount kv zstd` rows (level 1, kept whenever smaller)");
+    for z in &r.load_zstd {
+        table!(
+            "  {:<13} {}/{} chunks zstd, ratio {:.3} ({} of {} bytes)",
+            z.set,
+            z.zstd_chunks,
+            z.chunks,
+            z.raw_bytes as f64 / z.stored_bytes.max(1) as f64,
+            z.stored_bytes,
+            z.raw_bytes
+        );
+    }
+    table!(
+        "\nraw + passthrough against zstd through the daemon (MB/s of chunk bytes; p50 us), passthrough READs seen by its daemon: {} in {} opens",
+        r.passthrough_daemon_reads,
+        r.passthrough_opens
+    );
+    table!(
+        "  {:<13} {:>7} {:>16} {:>16} {:>16} {:>16} {:>16}",
+        "set",
+        "readers",
+        "disk O_DIRECT",
+        "passthrough O_D",
+        "passthrough buf",
+        "mount kv raw",
+        "mount kv zstd"
+    );
+    let mut keys: Vec<(&str, usize)> = r
+        .loads
+        .iter()
+        .map(|x| (x.set.as_str(), x.readers))
+        .collect();
+    keys.dedup();
+    for (set, n) in keys {
+        let cell = |path: &str| {
+            r.loads
+                .iter()
+                .find(|x| x.set == set && x.readers == n && x.path == path)
+                .map_or_else(
+                    || "-".to_owned(),
+                    |x| format!("{:.0} ({:.0})", x.mb_per_s, x.p50_us),
+                )
+        };
+        table!(
+            "  {set:<13} {n:>7} {:>16} {:>16} {:>16} {:>16} {:>16}",
+            cell("disk O_DIRECT"),
+            cell("passthrough O_DIRECT"),
+            cell("passthrough buffered"),
+            cell("mount kv raw"),
+            cell("mount kv zstd")
+        );
     }
 }

@@ -248,6 +248,31 @@ pub struct ServiceStats {
     pub write_failures: u64,
     pub writes_queued: u64,
     pub switch: HistogramSummary,
+    /// The model's weights: what they hold and what they read (`--weight-budget`).
+    pub weights: ServiceWeights,
+}
+
+/// The model's weights under their budget: the same accounting as the KV side's.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ServiceWeights {
+    /// The weight budget (`--weight-budget`); `None`: every weight resident.
+    pub budget_bytes: Option<u64>,
+    /// How the resident matrices were chosen (`all` without a budget).
+    pub residency: String,
+    /// Bytes held in memory for the weights, what the budget counts: resident matrices, norms,
+    /// tables and the stream's buffers.
+    pub resident_bytes: u64,
+    /// Of `resident_bytes`, the stream's buffers (ring and staging).
+    pub buffer_bytes: u64,
+    /// Bytes of the matrices that are not resident: what every decode token reads.
+    pub streamed_bytes: u64,
+    /// Bytes read from the model file for streamed matrices since start (every pass: prefill,
+    /// decode and recompute).
+    pub bytes_read: u64,
+    /// Decode tokens measured: each one a forward pass of one token between two streamed tokens.
+    pub decode_tokens: u64,
+    /// Bytes those decode tokens read, over their count (0 with nothing streamed or measured).
+    pub read_bytes_per_token: f64,
 }
 
 struct Context {
@@ -342,6 +367,9 @@ pub struct Manager {
     chunks_recomputed: u64,
     window_slides: u64,
     switch: Histogram,
+    /// Decode tokens measured for weight reads, and the bytes they read.
+    decode_tokens: u64,
+    decode_read_bytes: u64,
 }
 
 impl std::fmt::Debug for Manager {
@@ -455,6 +483,8 @@ impl Manager {
             chunks_recomputed: 0,
             window_slides: 0,
             switch: Histogram::default(),
+            decode_tokens: 0,
+            decode_read_bytes: 0,
         };
         for id in m.store.list_contexts() {
             if let Err(e) = m.resume(id.0) {
@@ -678,6 +708,26 @@ impl Manager {
         }
         let ctx = self.contexts.get_mut(&id).expect("owned checked it");
         ctx.cache.pin()?;
+        // Weight reads per decode token: between two streamed tokens the engine runs exactly one
+        // one-token pass, and when a token is handed over that pass's reads are all done (the
+        // next pass has not asked for any yet), so the counter is read at each token.
+        let model = Arc::clone(&self.model);
+        let read = || {
+            model.stream_counters().map_or(0, |c| {
+                c.bytes_read.load(std::sync::atomic::Ordering::Relaxed)
+            })
+        };
+        let (mut first, mut last, mut streamed) = (0, 0, 0u64);
+        let mut on_token = on_token;
+        let on_token = |t: u32| {
+            let now = read();
+            if streamed == 0 {
+                first = now;
+            }
+            last = now;
+            streamed += 1;
+            on_token(t)
+        };
         let r = Self::run_call(
             &self.model,
             &self.cfg,
@@ -695,6 +745,10 @@ impl Manager {
             received,
             on_token,
         );
+        if streamed > 1 {
+            self.decode_tokens += streamed - 1;
+            self.decode_read_bytes += last - first;
+        }
         let ctx = self.contexts.get_mut(&id).expect("still there");
         ctx.cache.unpin();
         let report = match r {
@@ -993,6 +1047,31 @@ impl Manager {
             write_failures: w.failed.load(Relaxed),
             writes_queued: self.writer.queued(),
             switch: self.switch.summary(),
+            weights: self.weight_stats(),
+        }
+    }
+
+    /// The weights' holding and reads.
+    fn weight_stats(&self) -> ServiceWeights {
+        use std::sync::atomic::Ordering::Relaxed;
+        let h = self.model.holding();
+        let held = self.model.weight_bytes() as u64;
+        ServiceWeights {
+            budget_bytes: h.budget,
+            residency: h.residency,
+            resident_bytes: held + h.buffer_bytes,
+            buffer_bytes: h.buffer_bytes,
+            streamed_bytes: h.streamed_bytes_per_token,
+            bytes_read: self
+                .model
+                .stream_counters()
+                .map_or(0, |c| c.bytes_read.load(Relaxed)),
+            decode_tokens: self.decode_tokens,
+            read_bytes_per_token: if self.decode_tokens == 0 {
+                0.0
+            } else {
+                self.decode_read_bytes as f64 / self.decode_tokens as f64
+            },
         }
     }
 

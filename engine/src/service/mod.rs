@@ -26,7 +26,7 @@ pub mod writer;
 pub use load::{LoadMode, LoadReport};
 pub use manager::{
     CallOptions, CallReport, ContextSummary, Manager, ManagerConfig, Owner, ServiceStats,
-    VictimPolicy, WriteOut,
+    ServiceWeights, VictimPolicy, WriteOut,
 };
 pub use managers::ManagerKind;
 

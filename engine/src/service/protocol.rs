@@ -451,7 +451,34 @@ pub struct Stats {
     pub writes_queued: u64,
     /// Switch latency (request received to chunks resident), all calls.
     pub switch: Latency,
+    /// The model's weights under their budget.
+    #[serde(default)]
+    pub weights: WeightStats,
     pub daemon: DaemonStats,
+}
+
+/// The model's weights: bytes held and bytes read from the model file (`--weight-budget`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WeightStats {
+    /// The weight budget; absent with every weight resident.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_bytes: Option<u64>,
+    /// How the resident matrices were chosen: `all` without a budget, else the planner's
+    /// residency (`stream`, `inorder`, `balanced`, `preserve`).
+    pub residency: String,
+    /// Bytes held for the weights, what the budget counts (matrices, norms, tables, the stream's
+    /// buffers).
+    pub resident_bytes: u64,
+    /// Of `resident_bytes`, the stream's buffers.
+    pub buffer_bytes: u64,
+    /// Bytes of the matrices not resident: what each decode token streams by plan.
+    pub streamed_bytes: u64,
+    /// Bytes read from the model file for streamed matrices since start (all passes).
+    pub bytes_read: u64,
+    /// Decode tokens measured.
+    pub decode_tokens: u64,
+    /// Bytes read per decode token, measured (0 when nothing streams).
+    pub read_bytes_per_token: f64,
 }
 
 /// The daemon's own counters.

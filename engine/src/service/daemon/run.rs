@@ -12,7 +12,7 @@ use crate::model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use crate::service::daemon::{Job, Shared, lock};
 use crate::service::protocol::{
     ChunkCounts, ContextInfo, Done, ErrorBody, Event, Latency, PromptFormat, Reply, Request, Stats,
-    Timings, codes,
+    Timings, WeightStats, codes,
 };
 use crate::service::{CallOptions, ContextSummary, Manager, Owner, ServiceError};
 
@@ -317,6 +317,16 @@ fn stats(m: &Manager, shared: &Shared) -> Stats {
             p50_ms: ms(s.switch.p50_ns),
             p99_ms: ms(s.switch.p99_ns),
             max_ms: ms(s.switch.max_ns),
+        },
+        weights: WeightStats {
+            budget_bytes: s.weights.budget_bytes,
+            residency: s.weights.residency,
+            resident_bytes: s.weights.resident_bytes,
+            buffer_bytes: s.weights.buffer_bytes,
+            streamed_bytes: s.weights.streamed_bytes,
+            bytes_read: s.weights.bytes_read,
+            decode_tokens: s.weights.decode_tokens,
+            read_bytes_per_token: s.weights.read_bytes_per_token,
         },
         daemon: shared.daemon_stats(),
     }
