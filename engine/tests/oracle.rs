@@ -177,7 +177,6 @@ fn int8_prefill_stays_close_to_the_oracles() {
         "int8 prefill: max |dlogit| vs f32 oracle {d_exact}, candle's Q4_1 path {d_shipped}"
     );
     assert_eq!(argmax(&got), argmax(&exact));
-    let mut agree = 0;
     for p in PROMPTS {
         let prompt = tok.encode_chat(&[Message::user(p)], true).unwrap();
         let mut last = |acts| {
@@ -188,9 +187,7 @@ fn int8_prefill_stays_close_to_the_oracles() {
         let (want, got) = (last(PrefillActs::F32), last(PrefillActs::Int8));
         let d = max_abs_diff(&want, &got);
         let (a, b) = (argmax(&want), argmax(&got));
-        if a == b {
-            agree += 1;
-        } else {
+        if a != b {
             let margin = want[a as usize] - want[b as usize];
             assert!(
                 margin <= 2.0 * d,
@@ -202,8 +199,4 @@ fn int8_prefill_stays_close_to_the_oracles() {
             "prompt {p:?}: max |dlogit| int8 vs f32 prefill {d}"
         );
     }
-    eprintln!(
-        "int8 prefill: first answer token as f32 prefill's for {agree} of {} prompts",
-        PROMPTS.len()
-    );
 }

@@ -2,8 +2,10 @@
 //! forward pass.
 //!
 //! No weight matrix is ever held as f32: single-token products read the blocks directly
-//! ([`QMatrix::matvec`]); batched products (prefill, recompute, scoring) dequantize the weights a
-//! small tile at a time and multiply each tile with f32 GEMM; embeddings are dequantized on lookup.
+//! ([`QMatrix::matvec`]); batched products (prefill, recompute, scoring) multiply int8
+//! activations with the weights' own codes where the CPU has 8-bit dot products
+//! ([`crate::model::int8gemm`]), or dequantize the weights a small tile at a time and multiply
+//! each tile with f32 GEMM (the reference); embeddings are dequantized on lookup.
 //! The prompt is prefilled in fixed-size steps, so one set of shapes serves every length.
 //!
 //! Prefill and recompute are one batched pass ([`Model::forward`], [`Model::forward_chunks`]),

@@ -353,14 +353,14 @@ pub mod vnni {
         macro_rules! go {
             ($($t:literal)*) => {
                 match (x.tokens, q4) {
-                    // SAFETY: the caller's guarantees, passed on; T equals x.tokens.
-                    $(($t, true) => unsafe { tile::<$t, true>(panel, x, out, ld, lanes) },
-                    ($t, false) => unsafe { tile::<$t, false>(panel, x, out, ld, lanes) },)*
+                    $(($t, true) => tile::<$t, true>(panel, x, out, ld, lanes),
+                    ($t, false) => tile::<$t, false>(panel, x, out, ld, lanes),)*
                     _ => panic!("vnni::panel: {} tokens", x.tokens),
                 }
             };
         }
-        go!(1 2 3 4 5 6 7 8)
+        // SAFETY: the caller's guarantees, passed on; each arm's T equals x.tokens.
+        unsafe { go!(1 2 3 4 5 6 7 8) }
     }
 
     /// Quantizes 32-value blocks exactly as `int8gemm::quantize_portable` does (same codes,
