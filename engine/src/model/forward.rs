@@ -225,10 +225,12 @@ fn product(
                 );
             }
         } else if batch == PrefillActs::Int8 {
-            QUANT.with_borrow_mut(|q| {
-                q.quantize(x, n, cols);
-                int8gemm::product(int8gemm::Path::best(), w, q, out);
-            });
+            // Taken out, not borrowed, across the parallel product: a pool thread that waits
+            // in it may run another product (another context's pass) meanwhile.
+            let mut q = QUANT.take();
+            q.quantize(x, n, cols);
+            int8gemm::product(int8gemm::Path::best(), w, &q, out);
+            QUANT.set(q);
         } else {
             let tile = tile_rows(cols);
             matmul_nt_tiled(out, x, n, rows, cols, tile, |r0, r1, buf| {
