@@ -634,8 +634,16 @@ mod tests {
                     oracle = oracle.min(predict(&ts, &r, &m).pass_secs);
                 }
             }
-            // The balanced family may miss the best subset, by at most one tensor's read.
-            let slack = ts.iter().map(|t| m.read_secs(t)).fold(0.0, f64::max);
+            // The balanced family chooses how many tensors of each kind stay, not which layers
+            // hold them, so it may miss the best subset: by up to one read of each kind (one
+            // read in all was claimed before and is false: a two-layer case with two kinds and
+            // a head missed it by 13%).
+            let mut worst = std::collections::BTreeMap::new();
+            for t in &ts {
+                let w = worst.entry(t.kind).or_insert(0.0f64);
+                *w = w.max(m.read_secs(t));
+            }
+            let slack: f64 = worst.values().sum();
             prop_assert!(best.predicted.pass_secs >= oracle - 1e-9);
             prop_assert!(
                 best.predicted.pass_secs <= oracle + slack + 1e-9,
