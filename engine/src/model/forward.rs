@@ -135,7 +135,7 @@ impl Linear {
             return Self {
                 w: Weight::Resident(QMatrix::stack(parts)),
                 acts: Activations::default(),
-                batch: PrefillActs::Auto.resolve(),
+                batch: PrefillActs::F32,
             };
         }
         let cols = parts[0].cols();
@@ -149,7 +149,7 @@ impl Linear {
         Self {
             w: Weight::Resident(requantize(rows, cols, f)),
             acts: Activations::default(),
-            batch: PrefillActs::Auto.resolve(),
+            batch: PrefillActs::F32,
         }
     }
 
@@ -157,7 +157,7 @@ impl Linear {
         Self {
             w: Weight::Streamed(id),
             acts: Activations::default(),
-            batch: PrefillActs::Auto.resolve(),
+            batch: PrefillActs::F32,
         }
     }
 

@@ -43,10 +43,11 @@ const TILE_PANELS: usize = 2;
 /// How batched products take their activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrefillActs {
-    /// The best this CPU does: int8 with VNNI, else f32.
-    #[default]
+    /// The fastest this CPU does: int8 with VNNI, else f32.
     Auto,
-    /// f32 GEMM over dequantized weight tiles (the reference).
+    /// f32 GEMM over dequantized weight tiles (the reference, and the default until int8's
+    /// perplexity is within 0.5% of it: +0.65% measured, docs/bench-engine.md).
+    #[default]
     F32,
     /// int8 codes per 32-value block, multiplied in integers.
     Int8,
