@@ -4,6 +4,7 @@
 use engine::kv::recompute::{RecomputeError, recompute_chunks};
 use engine::kv::{HeapChunks, KvCache, KvFormat, decode_k, decode_v};
 use engine::model::fetch::{self, FetchOptions};
+use engine::model::int8gemm::{Path, PrefillActs};
 use engine::model::tokenizer::Tokenizer;
 use engine::model::{Logits, Model};
 use std::sync::OnceLock;
@@ -26,6 +27,9 @@ const TAIL: usize = 5;
 
 struct Fixture {
     model: Model,
+    /// The same weights with int8 prefill activations, where the CPU multiplies int8 fast
+    /// (AVX-512 VNNI; the portable int8 path would take minutes here).
+    int8: Option<Model>,
     tokens: Vec<u32>,
 }
 
@@ -35,38 +39,47 @@ fn fixture() -> &'static Fixture {
         let path = fetch::default_model_path(&FetchOptions::default())
             .unwrap_or_else(|e| panic!("cannot fetch the default model: {e}"));
         let model = Model::load(&path).unwrap_or_else(|e| panic!("cannot load the model: {e}"));
+        let int8 = Path::Vnni.available().then(|| {
+            let mut m = Model::load(&path).unwrap();
+            m.set_prefill_activations(PrefillActs::Int8);
+            m
+        });
         let tok = Tokenizer::from_gguf_file(&path).unwrap();
         let mut tokens = tok.encode(TEXT);
         while tokens.len() < CHUNKS * 16 + TAIL + 1 {
             tokens.extend(tok.encode(TEXT));
         }
         tokens.truncate(CHUNKS * 16 + TAIL + 1);
-        Fixture { model, tokens }
+        Fixture {
+            model,
+            int8,
+            tokens,
+        }
     })
 }
 
 /// The context (all but the last token) prefilled in pieces of `piece` tokens.
-fn prefill(format: KvFormat, piece: usize) -> KvCache {
+fn prefill(model: &Model, format: KvFormat, piece: usize) -> KvCache {
     let f = fixture();
     let mut c = KvCache::new(
-        f.model.chunk_shape(16),
+        model.chunk_shape(16),
         format,
         1024,
         Box::new(HeapChunks::default()),
     );
     let ctx = &f.tokens[..f.tokens.len() - 1];
     for p in ctx.chunks(piece) {
-        f.model.forward(&mut c, p, Logits::Last).unwrap();
+        model.forward(&mut c, p, Logits::Last).unwrap();
     }
     assert_eq!(c.chunk_formats().len(), CHUNKS);
     c
 }
 
 /// The logits of the context's last token, run after the cache.
-fn next_logits(c: &mut KvCache) -> Vec<f32> {
+fn next_logits(model: &Model, c: &mut KvCache) -> Vec<f32> {
     let f = fixture();
     let last = *f.tokens.last().unwrap();
-    f.model.forward(c, &[last], Logits::Last).unwrap()
+    model.forward(c, &[last], Logits::Last).unwrap()
 }
 
 fn snapshot(c: &KvCache) -> Vec<Vec<u8>> {
@@ -105,23 +118,24 @@ fn subsets() -> Vec<(&'static str, Vec<usize>)> {
     ]
 }
 
-fn evict_and_recompute(c: &mut KvCache, set: &[usize]) {
+fn evict_and_recompute(model: &Model, c: &mut KvCache, set: &[usize]) {
     for &i in set {
         c.evict(i).unwrap();
     }
     assert_eq!(c.missing_chunks().len(), set.len());
-    let stats = recompute_chunks(&fixture().model, c, set).unwrap();
+    let stats = recompute_chunks(model, c, set).unwrap();
     assert_eq!(stats.chunks, set.len());
     assert!(c.missing_chunks().is_empty());
 }
 
 #[test]
 fn f16_chunks_recompute_bit_exactly_and_the_next_logits_are_unchanged() {
-    let mut c = prefill(KvFormat::F16, 16);
+    let m = &fixture().model;
+    let mut c = prefill(m, KvFormat::F16, 16);
     let original = snapshot(&c);
     let attention = c.attention_received().0.to_vec();
     for (name, set) in subsets() {
-        evict_and_recompute(&mut c, &set);
+        evict_and_recompute(m, &mut c, &set);
         for (i, want) in original.iter().enumerate() {
             assert!(
                 c.chunk_bytes(i).unwrap() == &want[..],
@@ -131,8 +145,8 @@ fn f16_chunks_recompute_bit_exactly_and_the_next_logits_are_unchanged() {
     }
     // Recompute records no attention: densities stay those of the original pass.
     assert_eq!(c.attention_received().0, &attention[..]);
-    let got = next_logits(&mut c);
-    let want = next_logits(&mut prefill(KvFormat::F16, 16));
+    let got = next_logits(m, &mut c);
+    let want = next_logits(m, &mut prefill(m, KvFormat::F16, 16));
     assert_eq!(got, want);
 }
 
@@ -141,11 +155,20 @@ fn prefill_pieces_change_no_byte_and_batched_recompute_after_any_of_them_is_exac
     // Block-causal prefill: a chunk's bytes do not depend on the prefill's piece size. The
     // model's hidden (576) and FFN (1536) sizes span several GEMM depth blocks, whose split the
     // gemm crate picks from the product's shape: slicing the depth at 512 keeps every row's
-    // rounding alike.
-    let whole = prefill(KvFormat::Int8, 256);
+    // rounding alike. int8 prefill is batch-independent by construction (its shadow outliers
+    // too: each row's own); checked here where the CPU runs it fast (the portable int8 path
+    // agrees with the VNNI one bit for bit, and the kernel tests check that on any CPU).
+    let f = fixture();
+    for m in std::iter::once(&f.model).chain(&f.int8) {
+        pieces_and_recompute_are_exact(m);
+    }
+}
+
+fn pieces_and_recompute_are_exact(m: &Model) {
+    let whole = prefill(m, KvFormat::Int8, 256);
     let original = snapshot(&whole);
     for piece in [16, 64, 100] {
-        let c = prefill(KvFormat::Int8, piece);
+        let c = prefill(m, KvFormat::Int8, piece);
         for (i, want) in original.iter().enumerate() {
             assert!(
                 c.chunk_bytes(i).unwrap() == &want[..],
@@ -155,7 +178,7 @@ fn prefill_pieces_change_no_byte_and_batched_recompute_after_any_of_them_is_exac
     }
     let mut c = whole;
     for (name, set) in subsets() {
-        evict_and_recompute(&mut c, &set);
+        evict_and_recompute(m, &mut c, &set);
         for (i, want) in original.iter().enumerate() {
             assert!(
                 c.chunk_bytes(i).unwrap() == &want[..],
@@ -163,8 +186,8 @@ fn prefill_pieces_change_no_byte_and_batched_recompute_after_any_of_them_is_exac
             );
         }
     }
-    let got = next_logits(&mut c);
-    let want = next_logits(&mut prefill(KvFormat::Int8, 256));
+    let got = next_logits(m, &mut c);
+    let want = next_logits(m, &mut prefill(m, KvFormat::Int8, 256));
     assert_eq!(got, want);
 }
 
@@ -185,24 +208,25 @@ fn relative_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 #[test]
 fn quantized_and_mixed_chunks_recompute_within_quantization_error() {
+    let m = &fixture().model;
     // Chunks recompressed after the prefill: the original pass saw them in int8, recompute sees
     // them in int4 or int2, so the chunks after them differ by quantization noise.
-    let mut c = prefill(KvFormat::Int8, 64);
+    let mut c = prefill(m, KvFormat::Int8, 64);
     for i in [2, 3, 8] {
         c.recompress(i, KvFormat::Int4).unwrap();
     }
     c.recompress(6, KvFormat::Int2).unwrap();
     let formats = c.chunk_formats().to_vec();
     let original: Vec<_> = (0..CHUNKS).map(|i| decoded(&c, i)).collect();
-    let mut uninterrupted = prefill(KvFormat::Int8, 64);
+    let mut uninterrupted = prefill(m, KvFormat::Int8, 64);
     for i in [2, 3, 8] {
         uninterrupted.recompress(i, KvFormat::Int4).unwrap();
     }
     uninterrupted.recompress(6, KvFormat::Int2).unwrap();
-    let want = next_logits(&mut uninterrupted);
+    let want = next_logits(m, &mut uninterrupted);
 
     let set = [0, 1, 3, 6, 9];
-    evict_and_recompute(&mut c, &set);
+    evict_and_recompute(m, &mut c, &set);
     assert_eq!(c.chunk_formats(), &formats[..]);
     for i in 0..CHUNKS {
         let d = relative_diff(&original[i], &decoded(&c, i));
@@ -219,7 +243,7 @@ fn quantized_and_mixed_chunks_recompute_within_quantization_error() {
             assert_eq!(d, 0.0, "resident chunk {i} was touched");
         }
     }
-    let got = next_logits(&mut c);
+    let got = next_logits(m, &mut c);
     let max = got
         .iter()
         .zip(&want)
@@ -232,8 +256,8 @@ fn quantized_and_mixed_chunks_recompute_within_quantization_error() {
 
 #[test]
 fn recompute_refuses_what_it_cannot_do() {
-    let mut c = prefill(KvFormat::Int8, 64);
     let model = &fixture().model;
+    let mut c = prefill(model, KvFormat::Int8, 64);
     let err = recompute_chunks(model, &mut c, &[CHUNKS]).unwrap_err();
     assert!(matches!(
         err,

@@ -43,7 +43,7 @@ pub struct EngineOpts {
     pub activations: String,
     /// Activations of batched products (prefill, recompute): f32 GEMM over dequantized weight
     /// tiles (the reference), or int8 codes per 32 values multiplied in integers (1.7x faster
-    /// prefill with AVX-512 VNNI, portable and slow without; perplexity +0.65%); auto is int8
+    /// prefill with AVX-512 VNNI, portable and slow without; perplexity +0.2-0.4%); auto is int8
     /// where the CPU has VNNI, f32 elsewhere
     #[arg(long, default_value = "f32", value_name = "KIND", value_parser = ["auto", "f32", "int8"])]
     pub prefill_activations: String,
@@ -380,6 +380,11 @@ pub struct PplArgs {
     /// share of tokens whose top prediction agrees (implies --kv-mix, by default --kv-format's)
     #[arg(long)]
     pub kl: bool,
+    /// Prefill activations of the KL reference run (implies --kl): `--prefill-activations int8
+    /// --kl-prefill f32` measures what int8 activations cost, as KL divergence and the share of
+    /// tokens whose greedy choice stays the same [default: --prefill-activations']
+    #[arg(long, value_name = "KIND", value_parser = ["auto", "f32", "int8"])]
+    pub kl_prefill: Option<String>,
     #[command(flatten)]
     pub report: crate::report::ReportArgs,
 }
@@ -463,7 +468,17 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&a.text)
         .with_context(|| format!("cannot read {} as UTF-8 text", a.text.display()))?;
     let tokens = l.tokenizer.encode(&text);
-    if !a.kv_mix.is_empty() || a.kl {
+    let reference = match &a.kl_prefill {
+        Some(kind) => {
+            let opts = EngineOpts {
+                prefill_activations: kind.clone(),
+                ..a.engine.clone()
+            };
+            Some(load_path(&model_path(&opts)?, &opts)?.model)
+        }
+        None => None,
+    };
+    if !a.kv_mix.is_empty() || a.kl || reference.is_some() {
         let mixes = match a.kv_mix.is_empty() {
             true => vec![l.format.to_string()],
             false => a.kv_mix.clone(),
@@ -474,7 +489,7 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
             tokens: &tokens,
             ctx: a.ctx,
             max_windows: a.max_windows,
-            kl: a.kl,
+            kl: reference.as_ref().or(a.kl.then_some(&l.model)),
         };
         return crate::kv_mix_cmd::run(&l, &run, &mixes, &a.report);
     }

@@ -87,7 +87,9 @@ pub struct MixRun<'a> {
     pub tokens: &'a [u32],
     pub ctx: usize,
     pub max_windows: usize,
-    pub kl: bool,
+    /// Score KL and top-1 against this model's f16 run (the evaluated model, or the same
+    /// weights with other prefill activations).
+    pub kl: Option<&'a engine::model::Model>,
 }
 
 /// One mix's scores.
@@ -114,7 +116,7 @@ struct MixReport<'a> {
 }
 
 /// Scores the text in windows of `ctx` whose first halves are compressed as each of `mixes`
-/// says, all on the same windows (and, with `kl`, against one f16 run per window).
+/// says, all on the same windows (and, with `kl`, against one f16 run per window of that model).
 pub fn run(
     l: &Loaded,
     r: &MixRun<'_>,
@@ -267,8 +269,14 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
         }
         anyhow::ensure!(n > 0, "{text} has fewer than {ctx} tokens");
         let t = Instant::now();
-        let r: Vec<PplReport> = evaluate(&l.model, &tokens[..n * ctx], &compressions, ctx, true)
-            .with_context(|| format!("sweep at ctx {ctx}"))?;
+        let r: Vec<PplReport> = evaluate(
+            &l.model,
+            &tokens[..n * ctx],
+            &compressions,
+            ctx,
+            Some(&l.model),
+        )
+        .with_context(|| format!("sweep at ctx {ctx}"))?;
         let at = |name: &str| r[mixes.iter().position(|m| m == name).unwrap_or(0)].ppl;
         let (f16, int8) = (at("f16"), at("int8"));
         eprintln!(

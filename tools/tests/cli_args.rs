@@ -193,6 +193,10 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         ),
         (&["eval", "ppl", "--ctx", "0", "--text", "x"], "at least"),
         (
+            &["eval", "ppl", "--kl-prefill", "int4", "--text", "x"],
+            "--kl-prefill",
+        ),
+        (
             &["trace", "gen", "t.jsonl", "--rate", "0"],
             "positive number of calls",
         ),

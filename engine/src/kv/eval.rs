@@ -249,7 +249,7 @@ pub fn perplexity(
     compression: Compression,
     window: usize,
 ) -> Result<PplReport, EvalMixError> {
-    let r = evaluate(model, tokens, &[compression], window, false)?;
+    let r = evaluate(model, tokens, &[compression], window, None)?;
     Ok(r[0])
 }
 
@@ -290,15 +290,16 @@ fn argmax(row: &[f32]) -> usize {
 }
 
 /// Perplexity of `tokens` under each of `compressions` (see module doc), window by window; with
-/// `kl`, also each one's KL divergence from, and top-1 agreement with, the f16 run's next-token
-/// distributions (llama.cpp's `llama-perplexity --kl-divergence`), the f16 run made once per
-/// window.
+/// `kl`, also each one's KL divergence from, and top-1 agreement with, the next-token
+/// distributions of that model's f16 run (llama.cpp's `llama-perplexity --kl-divergence`),
+/// made once per window. The reference model is `model` itself, or the same weights run
+/// another way (f32 prefill activations, to measure what int8 ones cost).
 pub fn evaluate(
     model: &Model,
     tokens: &[u32],
     compressions: &[Compression],
     window: usize,
-    kl: bool,
+    kl: Option<&Model>,
 ) -> Result<Vec<PplReport>, EvalMixError> {
     let chunk = 16;
     if window < 2 * chunk || !window.is_multiple_of(2 * chunk) {
@@ -347,8 +348,8 @@ pub fn evaluate(
         // The f16 run's log-probabilities and top tokens, one row per scored token.
         let mut ref_rows: Vec<f32> = Vec::new();
         let mut ref_top: Vec<usize> = Vec::new();
-        if kl {
-            let (logits, _) = run_window(model, ctx, rest, reference, window)?;
+        if let Some(reference_model) = kl {
+            let (logits, _) = run_window(reference_model, ctx, rest, reference, window)?;
             ref_rows.resize(logits.len(), 0.0);
             for (row, out) in logits
                 .chunks_exact(vocab)
@@ -369,7 +370,7 @@ pub fn evaluate(
                 let lse = log_softmax(row, &mut lp);
                 s.nll += lse - f64::from(row[next as usize]);
                 s.scored += 1;
-                if kl {
+                if kl.is_some() {
                     let r = &ref_rows[i * vocab..(i + 1) * vocab];
                     s.kl += r
                         .iter()
@@ -390,8 +391,8 @@ pub fn evaluate(
                 ppl: (s.nll / n).exp(),
                 bits_per_value: s.bits / s.chunks.max(1) as f64,
                 stored_bits: s.stored / s.chunks.max(1) as f64,
-                kl: kl.then(|| s.kl / n),
-                top1: kl.then(|| s.top1 as f64 / n),
+                kl: kl.map(|_| s.kl / n),
+                top1: kl.map(|_| s.top1 as f64 / n),
             }
         })
         .collect())
@@ -495,7 +496,7 @@ mod tests {
                 Compression::Uniform(KvFormat::Int2),
             ],
             128,
-            true,
+            Some(&model),
         )
         .unwrap();
         assert_eq!((kl[0].kl, kl[0].top1), (Some(0.0), Some(1.0)));

@@ -5,9 +5,14 @@
 //! 4- or 8-bit codes are multiplied with the activations' 8-bit codes in integers (AVX-512
 //! VNNI `vpdpbusd`, 64 multiply-adds per instruction, four times the f32 FMA's per-instruction
 //! work at the same vector width), and only each block's sum is scaled in f32.
-//! Per-block activation scales play the part of mllm-NPU's shadow outlier execution: a
-//! channel hundreds of times larger than its neighbours coarsens only the 32 values of its own
-//! block, not the row (docs/bench-engine.md measures what that costs in perplexity).
+//! Two things keep the activations' rounding small. Scales are per 32-value block, so a channel
+//! hundreds of times larger than its neighbours coarsens only its own block, not the row. And
+//! each row's largest value is mllm-NPU's *shadow outlier*: it is taken out of its block before
+//! the block is quantized (the block's scale then follows its other 31 values) and multiplied
+//! in f32 on the side, `out[t][r] += x[t][c] · w[r][c]`, with the matrix's column `c` decoded
+//! once per task for every token that shares it (a transformer's massive activations sit in a
+//! few fixed channels). On the default model this one value per row takes int8 prefill's
+//! perplexity cost from +0.65% to +0.2-0.4% over f32 activations (docs/bench-engine.md).
 //!
 //! Layout: a weight tile is repacked, per thread and per product, into panels of 16 rows in
 //! which one 64-byte vector holds four consecutive codes of each of the 16 rows, the shape
@@ -45,8 +50,8 @@ const TILE_PANELS: usize = 2;
 pub enum PrefillActs {
     /// The fastest this CPU does: int8 with VNNI, else f32.
     Auto,
-    /// f32 GEMM over dequantized weight tiles (the reference, and the default until int8's
-    /// perplexity is within 0.5% of it: +0.65% measured, docs/bench-engine.md).
+    /// f32 GEMM over dequantized weight tiles: the reference, and the default (int8 is within
+    /// 0.5% of its perplexity but flips near-tied first tokens; docs/bench-engine.md).
     #[default]
     F32,
     /// int8 codes per 32-value block, multiplied in integers.
@@ -123,6 +128,13 @@ pub struct QuantRows {
     sum: Vec<f32>,
     /// Sum of the block's codes (Q8_0's offset correction).
     qsum: Vec<i32>,
+    /// Each row's shadow outlier: its largest-magnitude value's column and value, left out of
+    /// the codes (its code is 0) and multiplied in f32.
+    shadow: Vec<(u32, f32)>,
+    /// The shadows' distinct columns, ascending.
+    shadow_cols: Vec<u32>,
+    /// Each row's shadow column as an index into `shadow_cols`.
+    shadow_idx: Vec<u32>,
 }
 
 impl QuantRows {
@@ -145,6 +157,7 @@ impl QuantRows {
         self.d.resize(rows * nb, 0.0);
         self.sum.resize(rows * nb, 0.0);
         self.qsum.resize(rows * nb, 0);
+        self.shadow.resize(rows, (NO_SHADOW, 0.0));
         // Rows per task: a few thousand values each, so small batches stay on one thread.
         let per = (16384 / cols).max(1);
         x[..rows * cols]
@@ -153,17 +166,83 @@ impl QuantRows {
             .zip(self.d.par_chunks_mut(per * nb))
             .zip(self.sum.par_chunks_mut(per * nb))
             .zip(self.qsum.par_chunks_mut(per * nb))
-            .for_each(|((((x, q), d), sum), qsum)| match path {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: the CPU has the path's features (asserted above); the slices hold
-                // the same number of blocks (32 values and codes, one of each parameter).
-                Path::Vnni => unsafe { simd::vnni::quantize(x, q, d, sum, qsum) },
-                _ => quantize_portable(x, q, d, sum, qsum),
+            .zip(self.shadow.par_chunks_mut(per))
+            .for_each(|(((((x, q), d), sum), qsum), shadow)| {
+                match path {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: the CPU has the path's features (asserted above); the slices
+                    // hold the same number of blocks (32 values and codes, one of each
+                    // parameter).
+                    Path::Vnni => unsafe { simd::vnni::quantize(x, q, d, sum, qsum) },
+                    _ => quantize_portable(x, q, d, sum, qsum),
+                }
+                // Each row's shadow leaves its block, which is quantized again without it
+                // (portably: every path gives the same bits).
+                for (i, sh) in shadow.iter_mut().enumerate() {
+                    *sh = shadow_of(&x[i * cols..(i + 1) * cols], &d[i * nb..(i + 1) * nb]);
+                    if sh.0 == NO_SHADOW {
+                        continue;
+                    }
+                    let b = i * nb + sh.0 as usize / BLOCK;
+                    let mut blk = [0.0f32; BLOCK];
+                    blk.copy_from_slice(&x[b * BLOCK..(b + 1) * BLOCK]);
+                    blk[sh.0 as usize % BLOCK] = 0.0;
+                    quantize_portable(
+                        &blk,
+                        &mut q[b * BLOCK..(b + 1) * BLOCK],
+                        &mut d[b..b + 1],
+                        &mut sum[b..b + 1],
+                        &mut qsum[b..b + 1],
+                    );
+                }
             });
+        self.shadow_cols.clear();
+        self.shadow_cols
+            .extend(self.shadow.iter().map(|s| s.0).filter(|&c| c != NO_SHADOW));
+        self.shadow_cols.sort_unstable();
+        self.shadow_cols.dedup();
+        self.shadow_idx.clear();
+        let cols_of = &self.shadow_cols;
+        self.shadow_idx
+            .extend(self.shadow.iter().map(|s| match s.0 {
+                NO_SHADOW => NO_SHADOW,
+                c => cols_of.partition_point(|&k| k < c) as u32,
+            }));
     }
 
     pub fn rows(&self) -> usize {
         self.rows
+    }
+}
+
+/// A row without a shadow outlier (its `shadow` column and `shadow_idx`).
+const NO_SHADOW: u32 = u32::MAX;
+
+/// A row's shadow outlier, `(column, value)`, from its values and its blocks' scales: the
+/// largest value (the first of equals) of the block with the largest scale (the first of
+/// equals), so the row's largest up to rounding; `(NO_SHADOW, 0)` for a row of zeros.
+///
+/// Measured against taking a shadow only where it is at least 2× or 4× the rest of its block
+/// (perplexity +0.31% and +0.26% over f32 on seeds/002 instead of +0.19%), always taking one
+/// costs no measurable speed: most of a transformer's rows share their largest channel.
+fn shadow_of(row: &[f32], d: &[f32]) -> (u32, f32) {
+    let mut b = 0;
+    for (i, &v) in d.iter().enumerate() {
+        if v > d[b] {
+            b = i;
+        }
+    }
+    let blk = &row[b * BLOCK..(b + 1) * BLOCK];
+    let mut j = 0;
+    for (k, &v) in blk.iter().enumerate() {
+        if v.abs() > blk[j].abs() {
+            j = k;
+        }
+    }
+    if blk[j] != 0.0 {
+        ((b * BLOCK + j) as u32, blk[j])
+    } else {
+        (NO_SHADOW, 0.0)
     }
 }
 
@@ -294,6 +373,7 @@ fn panel_portable(
 pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
     thread_local! {
         static PANELS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+        static COLUMNS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
     assert!(path.available(), "{path:?} path on a CPU without it");
     assert!(
@@ -364,6 +444,32 @@ pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
                                 panel_portable(w.kind(), panel, x, (t0, t1), out, n, c0, lanes)
                             }
                         }
+                    }
+                }
+            });
+            // The shadows: this task's rows of each shadow column, decoded once, then one
+            // f32 multiply-add per token and row.
+            COLUMNS.with_borrow_mut(|cols| {
+                let width = r1 - r0;
+                cols.clear();
+                for &c in &x.shadow_cols {
+                    cols.extend((r0..r1).map(|r| w.value(r, c as usize)));
+                }
+                for t in 0..m {
+                    let (_, v) = x.shadow[t];
+                    let u = x.shadow_idx[t];
+                    if u == NO_SHADOW {
+                        continue;
+                    }
+                    let u = u as usize;
+                    let col = &cols[u * width..(u + 1) * width];
+                    // SAFETY: row t's columns r0..r1 are this task's alone (as above), inside
+                    // `out`'s m rows of n values; nothing else reads them meanwhile.
+                    let o = unsafe {
+                        std::slice::from_raw_parts_mut((addr as *mut f32).add(t * n + r0), width)
+                    };
+                    for (o, &wv) in o.iter_mut().zip(col) {
+                        *o += v * wv;
                     }
                 }
             });
@@ -511,13 +617,59 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got.d), bits(&want.d), "{path:?}");
             assert_eq!(bits(&got.sum), bits(&want.sum), "{path:?}");
+            assert_eq!(got.shadow, want.shadow, "{path:?}");
         }
-        // Codes within ±127, each value within half a step of its code.
+        // Codes within ±127, each value within half a step of its code, but for each row's
+        // largest, which is its shadow, exact, with code 0.
+        assert_eq!(want.shadow[2], (8, -3.5e4));
         for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
+            let (row, nb) = (b / 3, 3);
             for (j, &v) in xb.iter().enumerate() {
                 let q = want.q[b * BLOCK + j];
                 assert!((-127..=127).contains(&q));
-                assert!((v - f32::from(q) * want.d[b]).abs() <= want.d[b] * 0.5001 + 1e-6);
+                let col = ((b % nb) * BLOCK + j) as u32;
+                if want.shadow[row].0 == col {
+                    assert_eq!((q, want.shadow[row].1), (0, v));
+                    assert!(xb.iter().all(|o| o.abs() <= v.abs()));
+                } else {
+                    assert!((v - f32::from(q) * want.d[b]).abs() <= want.d[b] * 0.5001 + 1e-6);
+                }
+            }
+        }
+        assert!(want.shadow_cols.windows(2).all(|p| p[0] < p[1]));
+    }
+
+    /// A row whose largest value dwarfs its block: the shadow keeps it exact and the rest of
+    /// the block keeps its resolution (without it, the 31 small values would all round to 0).
+    #[test]
+    fn a_shadow_outlier_keeps_its_block_fine() {
+        let cols = 64;
+        let w = matrix(Kind::Q8_0, 16, cols, 3);
+        let mut x: Vec<f32> = (0..3 * cols)
+            .map(|i| ((i * 37 % 17) as f32 - 8.0) / 8.0)
+            .collect();
+        x[5] = 3000.0;
+        x[cols + 40] = -2500.0;
+        x[2 * cols..].fill(0.0);
+        let mut q = QuantRows::default();
+        q.quantize(&x, 3, cols);
+        assert_eq!(q.shadow, vec![(5, 3000.0), (40, -2500.0), (NO_SHADOW, 0.0)]);
+        assert_eq!(q.shadow_cols, vec![5, 40]);
+        let mut out = vec![f32::NAN; 3 * 16];
+        product(Path::best(), &w, &q, &mut out);
+        assert!(out[32..].iter().all(|&v| v == 0.0));
+        let f = dense(&w);
+        for t in 0..2 {
+            for r in 0..16 {
+                let exact: f64 = (0..cols)
+                    .map(|c| f64::from(f[r * cols + c]) * f64::from(x[t * cols + c]))
+                    .sum();
+                let wabs: f64 = (0..cols).map(|c| f64::from(f[r * cols + c].abs())).sum();
+                // Every value quantized with a step of about 1/127 (the small ones' amax is 1),
+                // the outlier's product rounded once in f32.
+                let bound = wabs * (1.0 / 127.0) / 2.0 * 1.01 + exact.abs() * 1e-6 + 1e-3;
+                let got = f64::from(out[t * 16 + r]);
+                assert!((got - exact).abs() <= bound, "t{t} r{r}: {got} vs {exact}");
             }
         }
     }

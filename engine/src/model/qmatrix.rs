@@ -329,6 +329,21 @@ impl QMatrix {
         (&self.d, &self.m, &self.qs)
     }
 
+    /// The value at row `r`, column `c`, dequantized as the portable path does (`d · q + m`).
+    pub fn value(&self, r: usize, c: usize) -> f32 {
+        assert!(r < self.rows && c < self.cols, "value: out of range");
+        let (blk, j) = ((r * self.cols + c) / BLOCK, c % BLOCK);
+        match self.kind {
+            Kind::F32 => self.f[r * self.cols + c],
+            Kind::Q4_1 => {
+                let byte = self.qs[blk * 16 + j % 16];
+                let q = if j < 16 { byte & 0xF } else { byte >> 4 };
+                self.d[blk].to_f32() * q as f32 + self.m[blk].to_f32()
+            }
+            Kind::Q8_0 => self.d[blk].to_f32() * self.qs[blk * 32 + j] as i8 as f32,
+        }
+    }
+
     /// How the values are stored.
     pub fn kind(&self) -> Kind {
         self.kind
