@@ -195,10 +195,7 @@ pub fn attend_chunks(
                         continue;
                     }
                     let (seen, masked) = srow.split_at_mut(base + tok + 1);
-                    for v in seen.iter_mut() {
-                        *v *= scale;
-                    }
-                    softmax(seen);
+                    softmax(seen, scale);
                     masked.fill(0.0);
                     for (c, p) in col.iter_mut().zip(seen.iter()) {
                         *c += p;
@@ -297,10 +294,7 @@ pub fn attend_packed(
                 for (r, srow) in s.chunks_exact_mut(total).enumerate() {
                     let visible = p0 + r / group + 1;
                     let (live, masked) = srow.split_at_mut(visible);
-                    for v in live.iter_mut() {
-                        *v *= scale;
-                    }
-                    softmax(live);
+                    softmax(live, scale);
                     masked.fill(0.0);
                     for (c, p) in col.iter_mut().zip(live.iter()) {
                         *c += p;
@@ -418,10 +412,7 @@ pub fn attend_gathered(
             for (i, srow) in s.chunks_exact_mut(width).enumerate() {
                 let visible = p0 + (r0 + i) / group + 1;
                 let (live, masked) = srow.split_at_mut(visible);
-                for v in live.iter_mut() {
-                    *v *= scale;
-                }
-                softmax(live);
+                softmax(live, scale);
                 masked.fill(0.0);
                 for (c, p) in col.iter_mut().zip(live.iter()) {
                     *c += p;

@@ -3,6 +3,8 @@
 //! Matrix products go to the `gemm` crate (the one candle-core uses on CPU), called directly so
 //! that no tensor is allocated per call; everything else is simple loops the compiler vectorises.
 
+use crate::model::qmatrix::Isa;
+use crate::model::simd;
 use gemm::Parallelism;
 
 /// Threads the engine's parallel kernels use (the rayon pool's size).
@@ -320,25 +322,51 @@ impl Rope {
 
 /// SwiGLU on rows of `[gate | up]` (each `ffn` wide): `out = silu(gate) * up`.
 pub fn swiglu(out: &mut [f32], gate_up: &[f32], ffn: usize) {
+    swiglu_with(Isa::best(), out, gate_up, ffn);
+}
+
+/// [`swiglu`] on a given path (the AVX2 one's `e^x` is a polynomial within a few ulp of libm's).
+pub fn swiglu_with(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
     for (o, gu) in out.chunks_exact_mut(ffn).zip(gate_up.chunks_exact(2 * ffn)) {
         let (g, u) = gu.split_at(ffn);
-        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-            *o = g / (1.0 + (-g).exp()) * u;
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); g and u are ffn long.
+            Isa::Avx2 => unsafe { simd::avx2::swiglu(o, g, u) },
+            _ => {
+                for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                    *o = g / (1.0 + (-g).exp()) * u;
+                }
+            }
         }
     }
 }
 
-/// Softmax of `row` in place; returns nothing, the row sums to 1.
-pub fn softmax(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
-    for v in row.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    for v in row.iter_mut() {
-        *v *= inv;
+/// `row = softmax(scale · row)` in place (`scale > 0`): the row then sums to 1.
+pub fn softmax(row: &mut [f32], scale: f32) {
+    softmax_with(Isa::best(), row, scale);
+}
+
+/// [`softmax`] on a given path.
+pub fn softmax_with(isa: Isa, row: &mut [f32], scale: f32) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
+        Isa::Avx2 => unsafe { simd::avx2::softmax(row, scale) },
+        _ => {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
+            let mut sum = 0.0;
+            for v in row.iter_mut() {
+                *v = (*v * scale - max).exp();
+                sum += *v;
+            }
+            let inv = 1.0 / sum;
+            for v in row.iter_mut() {
+                *v *= inv;
+            }
+        }
     }
 }
 
@@ -352,6 +380,84 @@ pub fn add_assign(a: &mut [f32], b: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every path's softmax is within a few ulp of an f64 softmax, whatever the row's length
+    /// (tails of 1 to 7 past the vectors) and range (scores far below the row's largest give
+    /// 0 or nearly), and sums to 1.
+    #[test]
+    fn softmax_paths_agree_with_f64() {
+        let mut s = 7u32;
+        let mut next = || {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            (s >> 8) as f32 / (1u32 << 24) as f32
+        };
+        for len in [1, 2, 7, 8, 9, 16, 31, 100, 513] {
+            for spread in [0.1f32, 10.0, 400.0] {
+                let row: Vec<f32> = (0..len).map(|_| (next() - 0.5) * spread).collect();
+                let scale = 0.125;
+                let m = row
+                    .iter()
+                    .fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+                let e: Vec<f64> = row
+                    .iter()
+                    .map(|&v| ((f64::from(v) - m) * f64::from(scale)).exp())
+                    .collect();
+                let sum: f64 = e.iter().sum();
+                for isa in Isa::all_available() {
+                    let mut got = row.clone();
+                    softmax_with(isa, &mut got, scale);
+                    let total: f64 = got.iter().map(|&v| f64::from(v)).sum();
+                    assert!(
+                        (total - 1.0).abs() < 1e-5,
+                        "{isa:?} len {len}: sums to {total}"
+                    );
+                    for ((g, w), &v) in got.iter().zip(&e).zip(&row) {
+                        let want = w / sum;
+                        // The scaled score is rounded to f32 before e^x, an error that grows
+                        // with its size; e^x and the sum add a few ulp.
+                        let arg = (f64::from(v) - m).abs() * f64::from(scale);
+                        assert!(
+                            (f64::from(*g) - want).abs() <= want * 3e-7 * (4.0 + arg) + 1e-30,
+                            "{isa:?} len {len} spread {spread}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// SwiGLU's paths agree within a few ulp, from large negative gates (silu → -0) to large
+    /// positive ones (silu → the gate).
+    #[test]
+    fn swiglu_paths_agree() {
+        let ffn = 37;
+        let gate_up: Vec<f32> = (0..2 * ffn * 3)
+            .map(|i| ((i * 7919 % 211) as f32 - 105.0) * if i % 5 == 0 { 1.5 } else { 0.05 })
+            .collect();
+        let want: Vec<f64> = gate_up
+            .chunks_exact(2 * ffn)
+            .flat_map(|gu| {
+                let (g, u) = gu.split_at(ffn);
+                g.iter()
+                    .zip(u)
+                    .map(|(&g, &u)| {
+                        let g = f64::from(g);
+                        g / (1.0 + (-g).exp()) * f64::from(u)
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        for isa in Isa::all_available() {
+            let mut out = vec![f32::NAN; ffn * 3];
+            swiglu_with(isa, &mut out, &gate_up, ffn);
+            for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (f64::from(*g) - w).abs() <= w.abs() * 3e-6 + 1e-30,
+                    "{isa:?} {i}: {g} vs {w}"
+                );
+            }
+        }
+    }
 
     fn naive(a: &[f32], b: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
         let mut d = vec![0.0; m * n];

@@ -323,6 +323,146 @@ pub mod avx2 {
             out[j] = h2f(f16::from_le_bytes([src[2 * j], src[2 * j + 1]]));
         }
     }
+
+    /// `e^x` in each lane, Cephes' single-precision method: `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`
+    /// (ln 2 split in two parts so `r` is exact), a degree-7 polynomial for `e^r`, and `2^n`
+    /// built in the exponent bits. Within a few ulp of `e^x` for `x` in `[-87, 88.7]`; `x` is
+    /// clamped to `[-87.3, 88.7]`, so a very negative `x` gives 0 or about 1e-38 and a very
+    /// large one about 3.4e38, never infinity.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
+            _mm256_set1_ps(88.7),
+        );
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        // ln 2 = 0.693359375 (710 / 1024, exact) - 2.12194440e-4.
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            0.166_666_65,
+            0.5,
+        ] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_fmadd_ps(
+            y,
+            _mm256_mul_ps(r, r),
+            _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+        );
+        // 2^n for n in [-126, 128]: the biased exponent, shifted into place. n = 128 (x near
+        // 88.7) would overflow the exponent; take 2^(n-1) and double instead.
+        let n1 = _mm256_sub_ps(n, _mm256_set1_ps(1.0));
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n1),
+            _mm256_set1_epi32(127),
+        ));
+        _mm256_mul_ps(
+            _mm256_mul_ps(y, _mm256_castsi256_ps(e)),
+            _mm256_set1_ps(2.0),
+        )
+    }
+
+    /// Eight values at `i` of `v`, or what is left of `v` padded with `pad`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn load_or_pad(v: &[f32], i: usize, pad: f32) -> __m256 {
+        if v.len() - i >= 8 {
+            // SAFETY: v[i..i + 8] is inside v (checked just above).
+            return unsafe { _mm256_loadu_ps(v.as_ptr().add(i)) };
+        }
+        let mut b = [pad; 8];
+        let n = (v.len() - i).min(8);
+        b[..n].copy_from_slice(&v[i..i + n]);
+        // SAFETY: b holds eight f32; unaligned loads accept any address.
+        unsafe { _mm256_loadu_ps(b.as_ptr()) }
+    }
+
+    /// Stores the first `n` lanes of `x` at `v[i..i + n]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn store_part(v: &mut [f32], i: usize, n: usize, x: __m256) {
+        if n == 8 {
+            assert!(i + 8 <= v.len());
+            // SAFETY: v[i..i + 8] is inside v (asserted just above).
+            return unsafe { _mm256_storeu_ps(v.as_mut_ptr().add(i), x) };
+        }
+        let mut b = [0.0f32; 8];
+        // SAFETY: b holds eight f32; unaligned stores accept any address.
+        unsafe { _mm256_storeu_ps(b.as_mut_ptr(), x) };
+        v[i..i + n].copy_from_slice(&b[..n]);
+    }
+
+    /// `row = softmax(scale · row)` in place (`scale > 0`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn softmax(row: &mut [f32], scale: f32) {
+        let len = row.len();
+        if len == 0 {
+            return;
+        }
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for i in (0..len).step_by(8) {
+            m = _mm256_max_ps(m, load_or_pad(row, i, f32::NEG_INFINITY));
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        // scale > 0, so the scaled row's largest is the largest scaled.
+        let max = _mm256_set1_ps(_mm_cvtss_f32(m) * scale);
+        let sc = _mm256_set1_ps(scale);
+        let mut sum = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < len {
+            let n = (len - i).min(8);
+            let e = exp8(_mm256_fmsub_ps(load_or_pad(row, i, 0.0), sc, max));
+            // Padding lanes are left out of the sum.
+            let keep = _mm256_cmpgt_epi32(
+                _mm256_set1_epi32(n as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            );
+            sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(keep)));
+            store_part(row, i, n, e);
+            i += 8;
+        }
+        let inv = _mm256_set1_ps(1.0 / hsum(sum));
+        let mut i = 0;
+        while i < len {
+            let n = (len - i).min(8);
+            store_part(row, i, n, _mm256_mul_ps(load_or_pad(row, i, 0.0), inv));
+            i += 8;
+        }
+    }
+
+    /// SwiGLU of one row: `out = silu(gate) · up = gate / (1 + e^-gate) · up`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `gate` and `up` at least as long as `out`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn swiglu(out: &mut [f32], gate: &[f32], up: &[f32]) {
+        let len = out.len();
+        assert!(gate.len() >= len && up.len() >= len);
+        let one = _mm256_set1_ps(1.0);
+        let neg = _mm256_set1_ps(-0.0);
+        let mut i = 0;
+        while i < len {
+            let n = (len - i).min(8);
+            let g = load_or_pad(gate, i, 0.0);
+            let e = exp8(_mm256_xor_ps(g, neg));
+            let s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+            store_part(out, i, n, _mm256_mul_ps(s, load_or_pad(up, i, 0.0)));
+            i += 8;
+        }
+    }
 }
 
 /// AVX-512 kernels with VNNI (8-bit dot products): the int8 products of
