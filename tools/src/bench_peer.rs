@@ -552,6 +552,12 @@ pub(crate) fn replay(
                 continue;
             }
         };
+        tracing::debug!(
+            context = row.context,
+            slot = place.slot,
+            timings = %v.get("timings").unwrap_or(&serde_json::Value::Null),
+            "completion"
+        );
         let content = v.get("content").and_then(|c| c.as_str()).unwrap_or("");
         texts[k].push_str(content);
         let tokens = v
