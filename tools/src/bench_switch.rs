@@ -37,7 +37,8 @@ const BOUNDS_MS: [f64; 2] = [10.0, 25.0];
     llms trace gen --past-cap restart --calls 60 trace.jsonl\n  \
     llms bench switch trace.jsonl                                  # every manager, 2 contexts' worth\n  \
     llms bench switch --managers llms,vllm-sq,lmk --budget-contexts 1,2,3 trace.jsonl\n  \
-    llms bench switch --contexts 2,4,6,8 --read-bps 200M trace.jsonl\n\
+    llms bench switch --contexts 2,4,6,8 --read-bps 200M trace.jsonl\n  \
+    llms bench switch --managers llms --llama-server LLAMA/build/bin/llama-server trace.jsonl\n\
     Writes <out>/switch.json, switch.csv, switch-cdf.png, switch-vs-budget.png and \
     active-vs-budget.png (docs/bench.md).")]
 pub struct BenchSwitchArgs {
@@ -102,8 +103,8 @@ pub struct BenchSwitchArgs {
     /// the run), on the disk to measure [default: <out>]
     #[arg(long, value_name = "DIR")]
     pub scratch: Option<PathBuf>,
-    /// Add the llama.cpp peer row: this llama-server (a llama.cpp build's `build/bin/
-    /// llama-server`, e.g. from ../shared/tools/build-llamacpp.sh) replays the same trace with
+    /// Add the llama.cpp peer row: this llama-server (`build/bin/llama-server` of a llama.cpp
+    /// build, e.g. by ../shared/tools/build-llamacpp.sh) replays the same trace with
     /// as many slots of the trace's cap as fit the budget, each context saved to
     /// --slot-save-path at its call's end and restored, from a cold page cache, when called
     /// [default: no llama.cpp row]
