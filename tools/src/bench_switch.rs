@@ -37,7 +37,8 @@ const BOUNDS_MS: [f64; 2] = [10.0, 25.0];
     llms trace gen --past-cap restart --calls 60 trace.jsonl\n  \
     llms bench switch trace.jsonl                                  # every manager, 2 contexts' worth\n  \
     llms bench switch --managers llms,vllm-sq,lmk --budget-contexts 1,2,3 trace.jsonl\n  \
-    llms bench switch --contexts 2,4,6,8 --read-bps 200M trace.jsonl\n\
+    llms bench switch --contexts 2,4,6,8 --read-bps 200M trace.jsonl\n  \
+    llms bench switch --managers llms --llama-server LLAMA/build/bin/llama-server trace.jsonl\n\
     Writes <out>/switch.json, switch.csv, switch-cdf.png, switch-vs-budget.png and \
     active-vs-budget.png (docs/bench.md).")]
 pub struct BenchSwitchArgs {
@@ -102,6 +103,17 @@ pub struct BenchSwitchArgs {
     /// the run), on the disk to measure [default: <out>]
     #[arg(long, value_name = "DIR")]
     pub scratch: Option<PathBuf>,
+    /// Add the llama.cpp peer row: this llama-server (`build/bin/llama-server` of a llama.cpp
+    /// build, e.g. by ../shared/tools/build-llamacpp.sh) replays the same trace with
+    /// as many slots of the trace's cap as fit the budget, each context saved to
+    /// --slot-save-path at its call's end and restored, from a cold page cache, when called
+    /// [default: no llama.cpp row]
+    #[arg(long, value_name = "PATH", value_parser = crate::bench_peer::parse_exe)]
+    pub llama_server: Option<PathBuf>,
+    /// llama.cpp's KV cache types, one row each: q8_0 (row llama.cpp), f16 (row llama.cpp-f16)
+    #[arg(long, value_delimiter = ',', value_name = "TYPES", default_value = "q8_0",
+          value_parser = crate::bench_peer::parse_kv_type, requires = "llama_server")]
+    pub llama_kv: Vec<crate::bench_peer::KvType>,
 }
 
 fn parse_manager(s: &str) -> Result<String, String> {
@@ -188,6 +200,10 @@ pub struct CallRecord {
     /// The call failed: the daemon's error code.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The llama.cpp row's restores: the harness's clock around the restore request (HTTP on
+    /// loopback included); `switch_ms` is llama-server's own `restore_ms`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_wall_ms: Option<f64>,
 }
 
 /// One replay: a manager, a budget, a number of contexts.
@@ -245,6 +261,9 @@ pub struct Run {
     pub start_ms: f64,
     /// The replay's wall time, s.
     pub secs: f64,
+    /// The llama.cpp row: llama-server's slots (contexts it holds at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<usize>,
     pub call_log: Vec<CallRecord>,
 }
 
@@ -278,16 +297,16 @@ pub struct SwitchReport {
 }
 
 /// What one replay needs besides its manager, budget and rows.
-struct Setup<'a> {
-    model: &'a Path,
-    scratch: &'a Path,
-    device: Device,
-    read_bps: Option<u64>,
-    write_bps: Option<u64>,
-    max_context: u32,
-    apps_contexts: usize,
-    threads: Option<usize>,
-    drain: bool,
+pub(crate) struct Setup<'a> {
+    pub(crate) model: &'a Path,
+    pub(crate) scratch: &'a Path,
+    pub(crate) device: Device,
+    pub(crate) read_bps: Option<u64>,
+    pub(crate) write_bps: Option<u64>,
+    pub(crate) max_context: u32,
+    pub(crate) apps_contexts: usize,
+    pub(crate) threads: Option<usize>,
+    pub(crate) drain: bool,
 }
 
 /// The `n`-th percentile (nearest rank) of sorted `v`.
@@ -308,7 +327,7 @@ fn mean(v: &[f64]) -> f64 {
 }
 
 /// The daemon's peak resident set, from /proc/PID/status.
-fn peak_rss(pid: u32) -> u64 {
+pub(crate) fn peak_rss(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
@@ -418,6 +437,7 @@ fn replay(
                 tokens: a.done.tokens,
                 context_tokens: a.done.context_tokens,
                 error: None,
+                restore_wall_ms: None,
             },
             Err(e) => {
                 let code = e.code().map_or_else(|| e.to_string(), str::to_owned);
@@ -443,6 +463,7 @@ fn replay(
                     tokens: 0,
                     context_tokens: 0,
                     error: Some(code),
+                    restore_wall_ms: None,
                 }
             }
         };
@@ -466,6 +487,40 @@ fn replay(
     drop((memory, blkio));
     let _ = std::fs::remove_dir_all(&dir);
 
+    let mut run = summarize(manager, budget, contexts, log, s.read_bps);
+    let brought = stats.chunks_read + stats.chunks_recomputed;
+    run.daemon_manager = daemon_manager;
+    run.disk_read_bytes = disk_read_bytes;
+    run.disk_written_bytes = disk_written_bytes;
+    run.chunks_read = stats.chunks_read;
+    run.chunks_recomputed = stats.chunks_recomputed;
+    run.recompute_share = if brought > 0 {
+        stats.chunks_recomputed as f64 / brought as f64
+    } else {
+        0.0
+    };
+    run.sync_reclaims = stats.sync_reclaims;
+    run.unwritten_reclaims = stats.unwritten_reclaims;
+    run.reclaims = stats.reclaims;
+    run.faults = stats.faults;
+    run.writes = stats.writes;
+    run.peak_memory_bytes = peak_memory_bytes;
+    run.peak_rss_bytes = peak_rss_bytes;
+    run.start_ms = start_ms;
+    run.secs = secs;
+    Ok(run)
+}
+
+/// A replay's figures from its calls: switches (calls to another context than the previous
+/// call's, not starts) and their latency, every answered call's end-to-end latency, bytes read
+/// and the I/O bound; the daemon's and the cgroups' figures are left at zero for the caller.
+pub(crate) fn summarize(
+    manager: &str,
+    budget: Budget,
+    contexts: usize,
+    log: Vec<CallRecord>,
+    read_limit: Option<u64>,
+) -> Run {
     let ok: Vec<&CallRecord> = log.iter().filter(|r| r.error.is_none()).collect();
     let mut sw: Vec<f64> = ok
         .iter()
@@ -475,12 +530,11 @@ fn replay(
     sw.sort_by(f64::total_cmp);
     let mut e2e: Vec<f64> = ok.iter().map(|r| r.e2e_ms).collect();
     e2e.sort_by(f64::total_cmp);
-    let brought = stats.chunks_read + stats.chunks_recomputed;
     let (bytes, io_s) = ok.iter().fold((0u64, 0.0f64), |(b, t), r| {
         (b + r.read_bytes, t + r.io_ms / 1e3)
     });
     let read_bps = if io_s > 0.0 { bytes as f64 / io_s } else { 0.0 };
-    let bound_bps = match s.read_bps {
+    let bound_bps = match read_limit {
         Some(limit) if read_bps > 0.0 => read_bps.min(limit as f64),
         _ => read_bps,
     };
@@ -489,9 +543,9 @@ fn replay(
         .filter(|r| r.switched && !r.start && r.read_bytes > 0 && bound_bps > 0.0)
         .map(|r| r.switch_ms / (r.read_bytes as f64 / bound_bps * 1e3))
         .collect();
-    Ok(Run {
+    Run {
         manager: manager.to_owned(),
-        daemon_manager,
+        daemon_manager: String::new(),
         budget,
         contexts,
         calls: log.len(),
@@ -507,28 +561,52 @@ fn replay(
         e2e_p50_ms: percentile(&e2e, 0.5),
         e2e_p99_ms: percentile(&e2e, 0.99),
         read_bytes: ok.iter().map(|r| r.read_bytes).sum(),
-        disk_read_bytes,
-        disk_written_bytes,
-        chunks_read: stats.chunks_read,
-        chunks_recomputed: stats.chunks_recomputed,
-        recompute_share: if brought > 0 {
-            stats.chunks_recomputed as f64 / brought as f64
-        } else {
-            0.0
-        },
+        disk_read_bytes: 0,
+        disk_written_bytes: 0,
+        chunks_read: 0,
+        chunks_recomputed: 0,
+        recompute_share: 0.0,
         read_mib_s: read_bps / f64::from(1 << 20),
         io_bound_ratio: mean(&ratios),
-        sync_reclaims: stats.sync_reclaims,
-        unwritten_reclaims: stats.unwritten_reclaims,
-        reclaims: stats.reclaims,
-        faults: stats.faults,
-        writes: stats.writes,
-        peak_memory_bytes,
-        peak_rss_bytes,
-        start_ms,
-        secs,
+        sync_reclaims: 0,
+        unwritten_reclaims: 0,
+        reclaims: 0,
+        faults: 0,
+        writes: 0,
+        peak_memory_bytes: 0,
+        peak_rss_bytes: 0,
+        start_ms: 0.0,
+        secs: 0.0,
+        slots: None,
         call_log: log,
-    })
+    }
+}
+
+/// A replay's line above the progress bar.
+fn report_line(progress: &indicatif::ProgressBar, r: &Run) {
+    let slots = r.slots.map_or(String::new(), |n| format!(" ({n} slots)"));
+    print_line(
+        progress,
+        format!(
+            "{}{slots}, {}, {} contexts: {} switches, avg {:.2} ms, p99 {:.2} ms, {} errors",
+            r.manager,
+            r.budget.label(),
+            r.contexts,
+            r.switches,
+            r.switch_avg_ms,
+            r.switch_p99_ms,
+            r.errors
+        ),
+    );
+}
+
+fn print_line(progress: &indicatif::ProgressBar, line: String) {
+    // A hidden bar (stderr is not a terminal) prints nothing, not even its lines.
+    if progress.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        progress.println(line);
+    }
 }
 
 /// The rows of the first `n` contexts, at most `calls` of them.
@@ -672,7 +750,20 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         .flat_map(|&b| ns.iter().map(move |&n| (b, n)).collect::<Vec<_>>())
         .map(|(b, n)| (b, n, cut(&trace.rows, n, args.calls)))
         .collect();
-    let total: u64 = plan.iter().map(|p| p.2.len() as u64).sum::<u64>() * managers.len() as u64;
+    let peers: Vec<crate::bench_peer::KvType> = if args.llama_server.is_some() {
+        let mut v = args.llama_kv.clone();
+        v.dedup();
+        v
+    } else {
+        Vec::new()
+    };
+    // Every row's name: the managers, then the llama.cpp rows.
+    let names: Vec<String> = managers
+        .iter()
+        .cloned()
+        .chain(peers.iter().map(|k| k.row().to_owned()))
+        .collect();
+    let total: u64 = plan.iter().map(|p| p.2.len() as u64).sum::<u64>() * names.len() as u64;
     let progress = indicatif::ProgressBar::new(total).with_style(
         indicatif::ProgressStyle::with_template(
             "{prefix} [{bar:30}] {pos}/{len} calls {elapsed_precise} (eta {eta})",
@@ -690,25 +781,41 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
                 "asked the daemon for --manager {m}; its stats say it ran {}",
                 r.daemon_manager
             );
-            let line = format!(
-                "{m}, {}, {n} contexts: {} switches, avg {:.2} ms, p99 {:.2} ms, {} errors",
-                budget.label(),
-                r.switches,
-                r.switch_avg_ms,
-                r.switch_p99_ms,
-                r.errors
-            );
-            // A hidden bar (stderr is not a terminal) prints nothing, not even its lines.
-            if progress.is_hidden() {
-                eprintln!("{line}");
-            } else {
-                progress.println(line);
+            report_line(&progress, &r);
+            runs.push(r);
+        }
+        let Some(exe) = &args.llama_server else {
+            continue;
+        };
+        for kv in &peers {
+            let m = kv.row();
+            let slots =
+                crate::bench_peer::slots_for(budget.bytes, h.max_context, kv.token_bytes(&cfg));
+            if slots == 0 {
+                progress.inc(rows.len() as u64);
+                print_line(
+                    &progress,
+                    format!(
+                        "{m}, {}, {n} contexts: skipped, not one slot of {} tokens of {} KV fits \
+                         the budget",
+                        budget.label(),
+                        h.max_context,
+                        kv.name()
+                    ),
+                );
+                continue;
             }
+            progress.set_prefix(format!("{m}, {}, {n} contexts", budget.label()));
+            let r = crate::bench_peer::replay(&setup, exe, &cfg, *kv, *budget, *n, rows, &progress)
+                .with_context(|| format!("the {m} row"))?;
+            report_line(&progress, &r);
             runs.push(r);
         }
     }
     progress.finish_and_clear();
+    let managers = names;
     let mut active = Vec::new();
+
     for b in &budgets {
         for m in &managers {
             let rs: Vec<&Run> = runs
@@ -969,6 +1076,7 @@ mod tests {
             peak_rss_bytes: 0,
             start_ms: 0.0,
             secs: 0.0,
+            slots: None,
             call_log: Vec::new(),
         }
     }

@@ -14,8 +14,8 @@ use crate::bench_switch::{Active, Run};
 use crate::pixel_font::{Align, draw as text};
 
 /// Each manager's colour: the paper's system in blues, greens and purple, the baselines in
-/// warm colours and black.
-const COLOURS: [(&str, (u8, u8, u8), &str); 8] = [
+/// warm colours and black, the llama.cpp peer rows in olive and pink.
+const COLOURS: [(&str, (u8, u8, u8), &str); 10] = [
     ("llms", (0, 90, 255), "blue"),
     ("llms-no-compression", (0, 190, 210), "cyan"),
     ("llms-no-pipeline", (0, 160, 0), "green"),
@@ -24,6 +24,8 @@ const COLOURS: [(&str, (u8, u8, u8), &str); 8] = [
     ("vllm-s", (255, 140, 0), "orange"),
     ("swapping", (140, 80, 20), "brown"),
     ("lmk", (0, 0, 0), "black"),
+    ("llama.cpp", (128, 128, 0), "olive"),
+    ("llama.cpp-f16", (230, 80, 160), "pink"),
 ];
 
 fn colour(m: &str) -> RGBColor {

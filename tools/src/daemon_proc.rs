@@ -136,7 +136,7 @@ impl Drop for Daemon {
 /// Spawns `cmd` as a member of `cgroups` from its first instruction: this process joins them,
 /// forks the child (which inherits them) and goes back to its own groups at once. Only the
 /// moment of the fork is charged to the groups, and no `pre_exec` (unsafe) is needed.
-fn spawn_in(cmd: &mut Command, cgroups: &[PathBuf]) -> anyhow::Result<Child> {
+pub(crate) fn spawn_in(cmd: &mut Command, cgroups: &[PathBuf]) -> anyhow::Result<Child> {
     let me = std::process::id();
     let mut homes = Vec::new();
     for g in cgroups {
@@ -152,7 +152,7 @@ fn spawn_in(cmd: &mut Command, cgroups: &[PathBuf]) -> anyhow::Result<Child> {
     let joined: anyhow::Result<()> = cgroups
         .iter()
         .try_for_each(|g| Ok(engine::service::cgroup::move_to(g, me)?));
-    let child = joined.and_then(|()| cmd.spawn().context("cannot start llms serve"));
+    let child = joined.and_then(|()| cmd.spawn().context("cannot start the process"));
     for h in &homes {
         engine::service::cgroup::move_to(h, me)?;
     }

@@ -10,6 +10,7 @@ mod bench_engine;
 mod bench_kv;
 mod bench_load;
 mod bench_pager;
+mod bench_peer;
 mod bench_switch;
 mod bench_switch_plot;
 mod bench_weights;

@@ -149,6 +149,36 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
             "the managers are llms",
         ),
         (
+            &[
+                "bench",
+                "switch",
+                "t.jsonl",
+                "--llama-server",
+                "no/llama-server",
+            ],
+            "build-llamacpp.sh",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--llama-server", "/"],
+            "not an executable file",
+        ),
+        (
+            &[
+                "bench",
+                "switch",
+                "t.jsonl",
+                "--llama-server",
+                "/bin/sh",
+                "--llama-kv",
+                "q4_0",
+            ],
+            "the types compared are q8_0, f16",
+        ),
+        (
+            &["bench", "switch", "t.jsonl", "--llama-kv", "f16"],
+            "--llama-server",
+        ),
+        (
             &["bench", "switch", "no-such.jsonl"],
             "cannot read no-such.jsonl",
         ),
