@@ -19,7 +19,7 @@
 
 use crate::kv::codec::{decode_k, decode_v};
 use crate::kv::{KvCache, KvError, LayerView};
-use crate::model::kernels::{matmul_nn, matmul_nt, matmul_serial, softmax};
+use crate::model::kernels::{axpy, dot, matmul_nn, matmul_nt, matmul_serial, softmax};
 use rayon::prelude::*;
 
 /// The shape of one attention call.
@@ -455,29 +455,6 @@ fn add_seen(cache: &mut KvCache, n_heads: usize, p0: usize, n: usize) {
         .map(|p| (n - p.saturating_sub(p0)) as u32 * n_heads as u32)
         .collect();
     cache.add_rows(&seen);
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight accumulators let the compiler keep independent vector FMAs in flight.
-    let mut acc = [0.0f32; 8];
-    let (ac, ar) = a.split_at(a.len() / 8 * 8);
-    let (bc, br) = b.split_at(ac.len());
-    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ar.iter().zip(br) {
-        s += x * y;
-    }
-    s
-}
-
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
 }
 
 #[cfg(test)]

@@ -343,6 +343,45 @@ pub fn swiglu_with(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
     }
 }
 
+/// `Σ a b` over two rows of equal length (the AVX2 path sums in another order).
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    match Isa::best() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: best() is a path this CPU has.
+        Isa::Avx2 => unsafe { simd::avx2::dot_f32(a, b) },
+        _ => {
+            // Eight accumulators let the compiler keep independent vector FMAs in flight.
+            let mut acc = [0.0f32; 8];
+            let (ac, ar) = a.split_at(a.len() / 8 * 8);
+            let (bc, br) = b.split_at(ac.len());
+            for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
+                for i in 0..8 {
+                    acc[i] += x[i] * y[i];
+                }
+            }
+            let mut s: f32 = acc.iter().sum();
+            for (x, y) in ar.iter().zip(br) {
+                s += x * y;
+            }
+            s
+        }
+    }
+}
+
+/// `y += a x` over rows of equal length.
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    match Isa::best() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: best() is a path this CPU has.
+        Isa::Avx2 => unsafe { simd::avx2::axpy_f32(y, a, x) },
+        _ => {
+            for (y, x) in y.iter_mut().zip(x) {
+                *y += a * x;
+            }
+        }
+    }
+}
+
 /// `row = softmax(scale · row)` in place (`scale > 0`): the row then sums to 1.
 pub fn softmax(row: &mut [f32], scale: f32) {
     softmax_with(Isa::best(), row, scale);
@@ -422,6 +461,40 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// The attention's row kernels on this CPU's path, at lengths around their vector widths.
+    #[test]
+    fn dot_and_axpy_match_f64() {
+        for n in [0, 1, 7, 8, 9, 31, 32, 33, 64, 100] {
+            let a: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+                .collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 53 % 19) as f32 - 9.0) / 5.0).collect();
+            let want: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                .sum();
+            let mag: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(&x, &y)| f64::from((x * y).abs()))
+                .sum();
+            assert!(
+                (f64::from(dot(&a, &b)) - want).abs() <= mag * 1e-6,
+                "dot at {n}"
+            );
+            let mut y = b.clone();
+            axpy(&mut y, 0.75, &a);
+            for (i, (&g, (&x, &y0))) in y.iter().zip(a.iter().zip(&b)).enumerate() {
+                let w = f64::from(y0) + 0.75 * f64::from(x);
+                assert!(
+                    (f64::from(g) - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                    "axpy {n} at {i}"
+                );
             }
         }
     }

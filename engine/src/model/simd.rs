@@ -324,6 +324,67 @@ pub mod avx2 {
         }
     }
 
+    /// `Σ a b` over two f32 rows of equal length, in four vector accumulators.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (j, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 8 j + 8 <= i + 32 <= n, inside both slices.
+                unsafe {
+                    let x = _mm256_loadu_ps(a.as_ptr().add(i + 8 * j));
+                    let y = _mm256_loadu_ps(b.as_ptr().add(i + 8 * j));
+                    *acc = _mm256_fmadd_ps(x, y, *acc);
+                }
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n, inside both slices.
+            unsafe {
+                let x = _mm256_loadu_ps(a.as_ptr().add(i));
+                let y = _mm256_loadu_ps(b.as_ptr().add(i));
+                acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
+            }
+            i += 8;
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut s = hsum(v);
+        for j in i..n {
+            s = a[j].mul_add(b[j], s);
+        }
+        s
+    }
+
+    /// `y += a x` over f32 rows of equal length.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_f32(y: &mut [f32], a: f32, x: &[f32]) {
+        let n = y.len().min(x.len());
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 <= n, inside both slices; y is not aliased by x (&mut borrow).
+            unsafe {
+                let yp = y.as_mut_ptr().add(i);
+                let v =
+                    _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(yp));
+                _mm256_storeu_ps(yp, v);
+            }
+            i += 8;
+        }
+        for j in i..n {
+            y[j] = a.mul_add(x[j], y[j]);
+        }
+    }
+
     /// `e^x` in each lane, Cephes' single-precision method: `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`
     /// (ln 2 split in two parts so `r` is exact), a degree-7 polynomial for `e^r`, and `2^n`
     /// built in the exponent bits. Within a few ulp of `e^x` for `x` in `[-87, 88.7]`; `x` is
