@@ -130,9 +130,17 @@ fn a_context_recomputed_or_planned_back_answers_as_one_never_swapped() {
 fn a_deleted_or_corrupt_chunk_file_is_recomputed_and_the_answer_is_the_same() {
     let t = tiny();
     let kept = conversation(&t, KvFormat::Int8, LoadMode::ReadOnly, false);
-    for damage in ["delete", "corrupt"] {
+    // Through the store's API and through a kvfs mount (the service's data path).
+    for (damage, mount) in [
+        ("delete", false),
+        ("corrupt", false),
+        ("delete", true),
+        ("corrupt", true),
+    ] {
         let store = tempfile::tempdir().unwrap();
-        let cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::ReadOnly);
+        let mnt = tempfile::tempdir().unwrap();
+        let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::ReadOnly);
+        cfg.mount = mount.then(|| mnt.path().join("kv"));
         let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
         let o = owner();
         let id = m.create(&o, &prompt(1, 21)).unwrap();
