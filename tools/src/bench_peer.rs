@@ -387,29 +387,6 @@ impl Drop for Server {
     }
 }
 
-/// A failed call's record.
-fn failed(row: &TraceRow, switched: bool, e2e_ms: f64, error: String) -> CallRecord {
-    CallRecord {
-        context: row.context,
-        start: row.start,
-        switched,
-        switch_ms: 0.0,
-        queue_ms: 0.0,
-        load_ms: 0.0,
-        io_ms: 0.0,
-        recompute_ms: 0.0,
-        e2e_ms,
-        chunks_missing: 0,
-        chunks_read: 0,
-        chunks_recomputed: 0,
-        read_bytes: 0,
-        tokens: 0,
-        context_tokens: 0,
-        error: Some(error),
-        restore_wall_ms: None,
-    }
-}
-
 /// Replays `rows` against a fresh llama-server with KV type `kv`, as many slots of the trace's
 /// cap as fit `budget`.
 #[allow(clippy::too_many_arguments)]
@@ -531,7 +508,12 @@ pub(crate) fn replay(
                     lru.forget(row.context);
                     let e2e = t.elapsed().as_secs_f64() * 1e3;
                     tracing::warn!(context = row.context, error = %e, "a slot {action} failed");
-                    log.push(failed(row, switched, e2e, format!("{action}: {e}")));
+                    log.push(CallRecord::failed(
+                        row,
+                        switched,
+                        e2e,
+                        format!("{action}: {e}"),
+                    ));
                     progress.inc(1);
                     continue;
                 }
@@ -547,7 +529,7 @@ pub(crate) fn replay(
                 lru.forget(row.context);
                 saved[k] = false;
                 tracing::warn!(context = row.context, error = %e, "a completion failed");
-                log.push(failed(row, switched, e2e_ms, e));
+                log.push(CallRecord::failed(row, switched, e2e_ms, e));
                 progress.inc(1);
                 continue;
             }

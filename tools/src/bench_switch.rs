@@ -206,6 +206,31 @@ pub struct CallRecord {
     pub restore_wall_ms: Option<f64>,
 }
 
+impl CallRecord {
+    /// A failed call's record.
+    pub(crate) fn failed(row: &TraceRow, switched: bool, e2e_ms: f64, error: String) -> CallRecord {
+        CallRecord {
+            context: row.context,
+            start: row.start,
+            switched,
+            switch_ms: 0.0,
+            queue_ms: 0.0,
+            load_ms: 0.0,
+            io_ms: 0.0,
+            recompute_ms: 0.0,
+            e2e_ms,
+            chunks_missing: 0,
+            chunks_read: 0,
+            chunks_recomputed: 0,
+            read_bytes: 0,
+            tokens: 0,
+            context_tokens: 0,
+            error: Some(error),
+            restore_wall_ms: None,
+        }
+    }
+}
+
 /// One replay: a manager, a budget, a number of contexts.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Run {
@@ -446,25 +471,7 @@ fn replay(
                     return Err(e).with_context(|| format!("{manager}: a call failed"));
                 }
                 tracing::warn!(manager, context = row.context, error = %e, "a call failed");
-                CallRecord {
-                    context: row.context,
-                    start: row.start,
-                    switched,
-                    switch_ms: 0.0,
-                    queue_ms: 0.0,
-                    load_ms: 0.0,
-                    io_ms: 0.0,
-                    recompute_ms: 0.0,
-                    e2e_ms,
-                    chunks_missing: 0,
-                    chunks_read: 0,
-                    chunks_recomputed: 0,
-                    read_bytes: 0,
-                    tokens: 0,
-                    context_tokens: 0,
-                    error: Some(code),
-                    restore_wall_ms: None,
-                }
+                CallRecord::failed(row, switched, e2e_ms, code)
             }
         };
         log.push(record);
