@@ -45,7 +45,7 @@ fn several_clients_at_once_answer_as_a_local_manager() {
     let mut c = w.connect("check");
     let list = c.list().unwrap();
     assert_eq!(list.len(), 4);
-    let s = c.stats().unwrap();
+    let s = c.stats().unwrap().service;
     assert_eq!((s.contexts, s.calls), (4, 12));
     assert_eq!(s.switch.count, 12);
 }
@@ -451,7 +451,7 @@ fn contexts_go_out_and_come_back_through_the_daemons_kvfs_mount() {
         for (i, &ctx) in ctxs.iter().enumerate() {
             answers[i].push(ask(&mut c, ctx, prompt, 12).tokens);
         }
-        let read = c.stats().unwrap().chunks_read;
+        let read = c.stats().unwrap().service.chunks_read;
         let (kv_reads, _) = tests::kv_file_counts(&mnt);
         if round > 0 {
             assert!(read > 0, "round {round}: nothing read back");
@@ -531,7 +531,7 @@ fn a_memory_cgroup_limit_lowers_the_kv_budget_and_its_removal_restores_it() {
         |c: &mut engine::service::client::Client, what: &str, ok: &dyn Fn(u64) -> bool| {
             let t = std::time::Instant::now();
             loop {
-                let b = c.stats().unwrap().budget_bytes;
+                let b = c.stats().unwrap().service.budget_bytes;
                 if ok(b) {
                     return b;
                 }
@@ -598,7 +598,7 @@ fn deleting_a_context_right_after_its_call_fails_no_write() {
     }
     let t = std::time::Instant::now();
     let s = loop {
-        let s = c.stats().unwrap();
+        let s = c.stats().unwrap().service;
         if s.writes_queued == 0 {
             break s;
         }
@@ -640,7 +640,7 @@ fn a_baseline_manager_writes_victims_back_through_the_mount_and_answers_as_unpre
                 answers.push(ask(&mut c, ctx, p, 12).tokens);
             }
         }
-        let s = c.stats().unwrap();
+        let s = c.stats().unwrap().service;
         let largest = c.list().unwrap().iter().map(|i| i.chunks).max().unwrap();
         let (kv_reads, kv_writes) = tests::kv_file_counts(&w.mountpoint());
         drop(c);
@@ -702,7 +702,7 @@ fn stats_show_weights_resident_and_read_per_token() {
 
     let d = w.serve(&["--weight-budget", &budget.to_string()]);
     let mut c = w.connect("weights");
-    let s = c.stats().unwrap().weights;
+    let s = c.stats().unwrap().service.weights;
     assert_eq!(s.budget_bytes, Some(budget), "{s:?}");
     assert!(s.resident_bytes <= budget, "{s:?}");
     assert!(
@@ -719,7 +719,7 @@ fn stats_show_weights_resident_and_read_per_token() {
     assert_eq!(got, local, "a budget changes no token");
     let decoded: u64 = got.iter().map(|t| t.len().saturating_sub(1) as u64).sum();
     assert!(decoded > 0, "{got:?}");
-    let s = c.stats().unwrap().weights;
+    let s = c.stats().unwrap().service.weights;
     assert!(s.resident_bytes <= budget, "{s:?}");
     assert_eq!(s.decode_tokens, decoded, "{s:?}");
     // Every decode token reads exactly the matrices that are not resident.
@@ -737,7 +737,7 @@ fn stats_show_weights_resident_and_read_per_token() {
     let ctx = c.new_context(None, Default::default()).unwrap();
     let tokens = ask(&mut c, ctx, PROMPTS[0], 10).tokens;
     assert_eq!(tokens, local[0]);
-    let s = c.stats().unwrap().weights;
+    let s = c.stats().unwrap().service.weights;
     assert_eq!(s.budget_bytes, None, "{s:?}");
     assert_eq!(s.residency, "all");
     assert_eq!(s.resident_bytes, total, "{s:?}");
