@@ -753,3 +753,99 @@ fn stats_show_weights_resident_and_read_per_token() {
     );
     assert_eq!(s.read_bytes_per_token, 0.0, "{s:?}");
 }
+
+/// The daemon `llms chat` starts in the background outlives it: it must not keep what the
+/// chat's own parent leaked to it (`flock LOCK llms chat` once kept a build lock held for as
+/// long as such a daemon ran). And `llms stats --json` prints its counters as the protocol
+/// does.
+#[test]
+fn a_daemon_that_chat_starts_keeps_no_descriptor_of_its_parent() {
+    use nix::fcntl::{Flock, FlockArg, OFlag, open};
+    use nix::sys::stat::Mode;
+    let w = world();
+    let d = w.dir.path();
+    // A descriptor this test leaks to its children: opened without O_CLOEXEC, as `flock FILE
+    // CMD` passes its lock.
+    let leaked_path = d.join("leaked");
+    let leaked = open(
+        &leaked_path,
+        OFlag::O_CREAT | OFlag::O_RDWR,
+        Mode::from_bits_truncate(0o600),
+    )
+    .unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&leaked);
+    let fdinfo = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).unwrap();
+    assert!(
+        fdinfo.contains("flags:\t0") && !fdinfo.contains("flags:\t02"),
+        "the descriptor is not inheritable: {fdinfo}"
+    );
+    let store = d.join("store");
+    let config = d.join("serve.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "store = {:?}\ncreate = true\nthreads = 1\nmax-context = {}\n",
+            store.to_str().unwrap(),
+            tests::MAX_CONTEXT
+        ),
+    )
+    .unwrap();
+    let out = w
+        .llms()
+        .args(["chat", "--prompt", "Hello", "--max-tokens", "3", "--socket"])
+        .arg(w.socket())
+        .arg("--model")
+        .arg(&w.model)
+        .env("LLMS_CONFIG", &config)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    // The tiny model has no chat template, so the chat itself is refused, by the daemon it
+    // started.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no_chat_template"),
+        "{err}"
+    );
+    let pid: i32 = err
+        .split("llms serve is pid ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("chat did not start a daemon: {err}"));
+    let held: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+        .collect();
+    let stats = w
+        .llms()
+        .args(["stats", "--json", "--socket"])
+        .arg(w.socket())
+        .output()
+        .unwrap();
+    // SIGTERM drains the daemon; it holds the store's lock until it exits.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let lock = std::fs::File::open(d.join("store.lock")).unwrap();
+    let _exited = Flock::lock(lock, FlockArg::LockExclusive).unwrap();
+    assert!(
+        !held.contains(&leaked_path),
+        "the daemon holds the descriptor its parent leaked: {held:?}"
+    );
+    assert!(held.contains(&d.join("store.lock")), "{held:?}");
+    assert!(stats.status.success(), "{stats:?}");
+    let s: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(
+        (s["calls"].as_u64(), s["contexts"].as_u64()),
+        (Some(0), Some(0)),
+        "{s}"
+    );
+    assert_eq!(s["switch"]["count"].as_u64(), Some(0), "{s}");
+    assert_eq!(s["manager"], "llms", "{s}");
+    // The chat's hello, new, call and delete, and this hello and stats.
+    assert!(s["daemon"]["requests"].as_u64().unwrap() >= 5, "{s}");
+    assert!(s.get("service").is_none(), "{s}");
+}
