@@ -45,7 +45,7 @@ fn several_clients_at_once_answer_as_a_local_manager() {
     let mut c = w.connect("check");
     let list = c.list().unwrap();
     assert_eq!(list.len(), 4);
-    let s = c.stats().unwrap();
+    let s = c.stats().unwrap().service;
     assert_eq!((s.contexts, s.calls), (4, 12));
     assert_eq!(s.switch.count, 12);
 }
@@ -451,7 +451,7 @@ fn contexts_go_out_and_come_back_through_the_daemons_kvfs_mount() {
         for (i, &ctx) in ctxs.iter().enumerate() {
             answers[i].push(ask(&mut c, ctx, prompt, 12).tokens);
         }
-        let read = c.stats().unwrap().chunks_read;
+        let read = c.stats().unwrap().service.chunks_read;
         let (kv_reads, _) = tests::kv_file_counts(&mnt);
         if round > 0 {
             assert!(read > 0, "round {round}: nothing read back");
@@ -531,7 +531,7 @@ fn a_memory_cgroup_limit_lowers_the_kv_budget_and_its_removal_restores_it() {
         |c: &mut engine::service::client::Client, what: &str, ok: &dyn Fn(u64) -> bool| {
             let t = std::time::Instant::now();
             loop {
-                let b = c.stats().unwrap().budget_bytes;
+                let b = c.stats().unwrap().service.budget_bytes;
                 if ok(b) {
                     return b;
                 }
@@ -598,7 +598,7 @@ fn deleting_a_context_right_after_its_call_fails_no_write() {
     }
     let t = std::time::Instant::now();
     let s = loop {
-        let s = c.stats().unwrap();
+        let s = c.stats().unwrap().service;
         if s.writes_queued == 0 {
             break s;
         }
@@ -640,7 +640,7 @@ fn a_baseline_manager_writes_victims_back_through_the_mount_and_answers_as_unpre
                 answers.push(ask(&mut c, ctx, p, 12).tokens);
             }
         }
-        let s = c.stats().unwrap();
+        let s = c.stats().unwrap().service;
         let largest = c.list().unwrap().iter().map(|i| i.chunks).max().unwrap();
         let (kv_reads, kv_writes) = tests::kv_file_counts(&w.mountpoint());
         drop(c);
@@ -702,7 +702,7 @@ fn stats_show_weights_resident_and_read_per_token() {
 
     let d = w.serve(&["--weight-budget", &budget.to_string()]);
     let mut c = w.connect("weights");
-    let s = c.stats().unwrap().weights;
+    let s = c.stats().unwrap().service.weights;
     assert_eq!(s.budget_bytes, Some(budget), "{s:?}");
     assert!(s.resident_bytes <= budget, "{s:?}");
     assert!(
@@ -719,7 +719,7 @@ fn stats_show_weights_resident_and_read_per_token() {
     assert_eq!(got, local, "a budget changes no token");
     let decoded: u64 = got.iter().map(|t| t.len().saturating_sub(1) as u64).sum();
     assert!(decoded > 0, "{got:?}");
-    let s = c.stats().unwrap().weights;
+    let s = c.stats().unwrap().service.weights;
     assert!(s.resident_bytes <= budget, "{s:?}");
     assert_eq!(s.decode_tokens, decoded, "{s:?}");
     // Every decode token reads exactly the matrices that are not resident.
@@ -737,7 +737,7 @@ fn stats_show_weights_resident_and_read_per_token() {
     let ctx = c.new_context(None, Default::default()).unwrap();
     let tokens = ask(&mut c, ctx, PROMPTS[0], 10).tokens;
     assert_eq!(tokens, local[0]);
-    let s = c.stats().unwrap().weights;
+    let s = c.stats().unwrap().service.weights;
     assert_eq!(s.budget_bytes, None, "{s:?}");
     assert_eq!(s.residency, "all");
     assert_eq!(s.resident_bytes, total, "{s:?}");
@@ -752,4 +752,100 @@ fn stats_show_weights_resident_and_read_per_token() {
         "{s:?}"
     );
     assert_eq!(s.read_bytes_per_token, 0.0, "{s:?}");
+}
+
+/// The daemon `llms chat` starts in the background outlives it: it must not keep what the
+/// chat's own parent leaked to it (`flock LOCK llms chat` once kept a build lock held for as
+/// long as such a daemon ran). And `llms stats --json` prints its counters as the protocol
+/// does.
+#[test]
+fn a_daemon_that_chat_starts_keeps_no_descriptor_of_its_parent() {
+    use nix::fcntl::{Flock, FlockArg, OFlag, open};
+    use nix::sys::stat::Mode;
+    let w = world();
+    let d = w.dir.path();
+    // A descriptor this test leaks to its children: opened without O_CLOEXEC, as `flock FILE
+    // CMD` passes its lock.
+    let leaked_path = d.join("leaked");
+    let leaked = open(
+        &leaked_path,
+        OFlag::O_CREAT | OFlag::O_RDWR,
+        Mode::from_bits_truncate(0o600),
+    )
+    .unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&leaked);
+    let fdinfo = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).unwrap();
+    assert!(
+        fdinfo.contains("flags:\t0") && !fdinfo.contains("flags:\t02"),
+        "the descriptor is not inheritable: {fdinfo}"
+    );
+    let store = d.join("store");
+    let config = d.join("serve.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "store = {:?}\ncreate = true\nthreads = 1\nmax-context = {}\n",
+            store.to_str().unwrap(),
+            tests::MAX_CONTEXT
+        ),
+    )
+    .unwrap();
+    let out = w
+        .llms()
+        .args(["chat", "--prompt", "Hello", "--max-tokens", "3", "--socket"])
+        .arg(w.socket())
+        .arg("--model")
+        .arg(&w.model)
+        .env("LLMS_CONFIG", &config)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    // The tiny model has no chat template, so the chat itself is refused, by the daemon it
+    // started.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no_chat_template"),
+        "{err}"
+    );
+    let pid: i32 = err
+        .split("llms serve is pid ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("chat did not start a daemon: {err}"));
+    let held: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+        .collect();
+    let stats = w
+        .llms()
+        .args(["stats", "--json", "--socket"])
+        .arg(w.socket())
+        .output()
+        .unwrap();
+    // SIGTERM drains the daemon; it holds the store's lock until it exits.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let lock = std::fs::File::open(d.join("store.lock")).unwrap();
+    let _exited = Flock::lock(lock, FlockArg::LockExclusive).unwrap();
+    assert!(
+        !held.contains(&leaked_path),
+        "the daemon holds the descriptor its parent leaked: {held:?}"
+    );
+    assert!(held.contains(&d.join("store.lock")), "{held:?}");
+    assert!(stats.status.success(), "{stats:?}");
+    let s: serde_json::Value = serde_json::from_slice(&stats.stdout).unwrap();
+    assert_eq!(
+        (s["calls"].as_u64(), s["contexts"].as_u64()),
+        (Some(0), Some(0)),
+        "{s}"
+    );
+    assert_eq!(s["switch"]["count"].as_u64(), Some(0), "{s}");
+    assert_eq!(s["manager"], "llms", "{s}");
+    // The chat's hello, new, call and delete, and this hello and stats.
+    assert!(s["daemon"]["requests"].as_u64().unwrap() >= 5, "{s}");
+    assert!(s.get("service").is_none(), "{s}");
 }

@@ -366,7 +366,7 @@ pub(crate) fn peak_rss(pid: u32) -> u64 {
 /// Waits until the daemon has written out every chunk queued ahead of time (at most a minute).
 fn drain(c: &mut Client) -> anyhow::Result<()> {
     let t = Instant::now();
-    while c.stats()?.writes_queued > 0 && t.elapsed() < Duration::from_secs(60) {
+    while c.stats()?.service.writes_queued > 0 && t.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_millis(1));
     }
     Ok(())
@@ -482,8 +482,8 @@ fn replay(
     }
     let secs = t0.elapsed().as_secs_f64();
     let stats = match clients.values_mut().next() {
-        Some(c) => c.stats()?,
-        None => Client::connect(&socket, "bench")?.stats()?,
+        Some(c) => c.stats()?.service,
+        None => Client::connect(&socket, "bench")?.stats()?.service,
     };
     let daemon_manager = stats.manager.clone();
     let (disk_read_bytes, disk_written_bytes) = blkio.io_bytes(s.device)?;

@@ -147,6 +147,7 @@ pub fn run_stats(a: StatsArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let d = &s.daemon;
+    let s = &s.service;
     println!("manager        {}", s.manager);
     println!(
         "kv memory      {:.1} / {:.1} MiB resident",

@@ -44,6 +44,10 @@ pub enum KvfsCommand {
         /// Read and check every chunk's payload
         #[arg(long)]
         verify: bool,
+        /// JSON on stdout instead of text: the store, what recovery found, each context with its
+        /// chunk table, and with --verify the chunks that failed
+        #[arg(long)]
+        json: bool,
     },
     /// (internal) The guard `llms serve` starts beside its mount: aborts the mount's FUSE
     /// connection if the daemon dies, so a kill -9 during chunk I/O cannot hang it
@@ -116,7 +120,14 @@ pub fn run(cmd: KvfsCommand) -> anyhow::Result<()> {
             store,
             context,
             verify,
-        } => inspect(store, context, verify),
+            json,
+        } => {
+            if json {
+                inspect_json(store, context, verify)
+            } else {
+                inspect(store, context, verify)
+            }
+        }
         KvfsCommand::Guard {
             parent,
             mountpoint,
@@ -219,6 +230,86 @@ fn inspect(path: PathBuf, context: Option<u64>, verify: bool) -> anyhow::Result<
         println!("verify: every stored chunk checks out");
     }
     Ok(())
+}
+
+/// `llms kvfs inspect --json`: the same inspection as one JSON object on stdout.
+fn inspect_json(path: PathBuf, context: Option<u64>, verify: bool) -> anyhow::Result<()> {
+    let store = open(&path, true)?;
+    let ids = match context {
+        Some(id) => vec![ContextId(id)],
+        None => store.list_contexts(),
+    };
+    let contexts = ids
+        .into_iter()
+        .map(|id| {
+            let info = store
+                .context(id)
+                .with_context(|| format!("in {}", path.display()))?;
+            Ok(context_json(&info))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let bad = if verify { store.verify() } else { Vec::new() };
+    let report = serde_json::json!({
+        "store": path,
+        "problems": store.recovered().iter().map(|r| serde_json::json!({
+            "action": r.action, "path": r.path, "reason": r.reason,
+        })).collect::<Vec<_>>(),
+        "contexts": contexts,
+        "verify": verify.then(|| serde_json::json!({
+            "corrupt": bad.iter().map(|(id, index, e)| serde_json::json!({
+                "context": id.0, "chunk": index, "error": e.to_string(),
+            })).collect::<Vec<_>>(),
+        })),
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if !bad.is_empty() {
+        bail!(
+            "{} chunks failed verification; they will be recomputed",
+            bad.len()
+        );
+    }
+    Ok(())
+}
+
+/// One context of `llms kvfs inspect --json`: its metadata, chunk counts and chunk table.
+fn context_json(info: &kvfs::ContextInfo) -> serde_json::Value {
+    let count = |f: fn(&ChunkState) -> bool| info.chunks.iter().filter(|c| f(&c.state)).count();
+    let chunks: Vec<serde_json::Value> = info
+        .chunks
+        .iter()
+        .map(|c| {
+            let mut v = serde_json::json!({
+                "index": c.index,
+                "tokens": [c.span.start, c.span.end],
+                "state": c.state.name(),
+            });
+            match &c.state {
+                ChunkState::Stored(s) => {
+                    v["format"] = s.format.name().into();
+                    v["codec"] = s.codec.name().into();
+                    v["density"] = s.density.into();
+                    v["raw_bytes"] = s.raw_len.into();
+                    v["stored_bytes"] = s.stored_len.into();
+                }
+                ChunkState::Quarantined { reason } => v["reason"] = reason.as_str().into(),
+                ChunkState::Missing => {}
+            }
+            v
+        })
+        .collect();
+    serde_json::json!({
+        "id": info.id.0,
+        "owner_uid": info.meta.owner_uid,
+        "app": info.meta.app,
+        "model": info.meta.fingerprint.to_string(),
+        "created": info.meta.created,
+        "tokens": info.tokens,
+        "chunk_tokens": info.meta.chunk_tokens,
+        "stored": count(|s| matches!(s, ChunkState::Stored(_))),
+        "missing": count(|s| matches!(s, ChunkState::Missing)),
+        "quarantined": count(|s| matches!(s, ChunkState::Quarantined { .. })),
+        "chunks": chunks,
+    })
 }
 
 /// Runs `llms bench kvfs`.

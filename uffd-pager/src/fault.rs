@@ -325,6 +325,9 @@ impl Runtime {
                 return false;
             }
             self.move_warm += n;
+            if self.move_warm == len {
+                self.shared.stats.move_warmups.fetch_add(1, Relaxed);
+            }
             match poll2(self.shared.uffd.raw_fd(), self.shared.wake.raw_fd(), 0) {
                 Ok((false, false)) => {}
                 Ok((fault, _)) => return fault,

@@ -82,6 +82,7 @@ pub struct Stats {
     pub(crate) faults: AtomicU64,
     pub(crate) faults_woken: AtomicU64,
     pub(crate) faults_moved: AtomicU64,
+    pub(crate) move_warmups: AtomicU64,
     pub(crate) populates: AtomicU64,
     pub(crate) reclaims: AtomicU64,
     pub(crate) unpersisted_reclaims: AtomicU64,
@@ -107,6 +108,9 @@ pub struct StatsSnapshot {
     pub faults_woken: u64,
     /// Faults resolved by UFFDIO_MOVE from the fault thread's warm buffer.
     pub faults_moved: u64,
+    /// Times the fault thread finished faulting its move buffer in again (`PopulateVia::Move`):
+    /// the next fault after one is resolved by UFFDIO_MOVE, unless another came first.
+    pub move_warmups: u64,
     /// Chunks populated (claim, load or fault).
     pub populates: u64,
     /// Chunks reclaimed (explicitly or for room).
@@ -145,6 +149,7 @@ impl Stats {
             faults: self.faults.load(Relaxed),
             faults_woken: self.faults_woken.load(Relaxed),
             faults_moved: self.faults_moved.load(Relaxed),
+            move_warmups: self.move_warmups.load(Relaxed),
             populates: self.populates.load(Relaxed),
             reclaims: self.reclaims.load(Relaxed),
             unpersisted_reclaims: self.unpersisted_reclaims.load(Relaxed),

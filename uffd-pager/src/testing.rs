@@ -1,12 +1,14 @@
-//! Chunk sources for tests and benchmarks: a deterministic pattern, and a deliberately faulty one.
+//! Chunk sources for tests and benchmarks: a deterministic pattern, a deliberately faulty one, and
+//! one that holds its fills until the test releases them.
 //!
 //! `FaultySource` plays the part firecracker's `malicious_handler.rs` plays for its page-fault
 //! handler: it fails on purpose (missing, corrupt, I/O error, timeout, panic, slowness) so the
-//! tests can show the pager neither hangs nor hands out wrong bytes.
+//! tests can show the pager neither hangs nor hands out wrong bytes. `GatedSource` lets a test
+//! keep the fault thread inside a fill for exactly as long as it needs, with no timing involved.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
 use crate::{ChunkKey, ChunkSource, SourceError};
@@ -150,5 +152,78 @@ impl ChunkSource for FaultySource {
                 Ok(())
             }
         }
+    }
+}
+
+/// Serves the pattern, but while it is held every fill waits at its gate until `release`: a test
+/// keeps the fault thread inside a fill, and every thread that faults meanwhile blocked, for as
+/// long as it needs, and knows when a fill has reached the gate.
+#[derive(Debug, Default)]
+pub struct GatedSource {
+    gate: Mutex<Gate>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Gate {
+    held: bool,
+    /// The chunks whose fills wait at the gate.
+    waiting: Vec<ChunkKey>,
+    reads: u64,
+}
+
+impl GatedSource {
+    /// A source that serves at once until [`GatedSource::hold`].
+    pub fn new() -> GatedSource {
+        GatedSource::default()
+    }
+
+    fn gate(&self) -> std::sync::MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Make every later fill wait at the gate.
+    pub fn hold(&self) {
+        self.gate().held = true;
+    }
+
+    /// Let every waiting and later fill through.
+    pub fn release(&self) {
+        self.gate().held = false;
+        self.changed.notify_all();
+    }
+
+    /// Wait until a fill waits at the gate, and return its chunk.
+    pub fn wait_for_held_fill(&self) -> ChunkKey {
+        let mut g = self.gate();
+        loop {
+            if let Some(k) = g.waiting.first() {
+                return *k;
+            }
+            g = self.changed.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// How many fills were asked for.
+    pub fn reads(&self) -> u64 {
+        self.gate().reads
+    }
+}
+
+impl ChunkSource for GatedSource {
+    fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
+        let mut g = self.gate();
+        g.reads += 1;
+        if g.held {
+            g.waiting.push(key);
+            self.changed.notify_all();
+            while g.held {
+                g = self.changed.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+            g.waiting.retain(|k| *k != key);
+        }
+        drop(g);
+        fill_pattern(key, dst);
+        Ok(())
     }
 }

@@ -1,9 +1,9 @@
 //! Real userfaultfd faults: populate, reclaim, touch, concurrent faults, a faulty source, the budget, shutdown.
 
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, mpsc};
 use std::time::Duration;
 
-use uffd_pager::testing::{FaultySource, Misbehavior, PatternSource, fill_pattern, pattern_byte};
+use uffd_pager::testing::{FaultySource, GatedSource, Misbehavior, PatternSource, fill_pattern};
 use uffd_pager::{
     ChunkKey, ChunkSource, ChunkState, ContextId, ContextSpec, Pager, PagerConfig, PagerError,
     PopulateVia, RecomputeReason, ResidentView, SourceError, Staging, VictimChooser,
@@ -45,6 +45,22 @@ fn touch_read(p: &Pager, key: ChunkKey, len: usize) -> Vec<u8> {
         *b = unsafe { std::ptr::read_volatile(ptr.as_ptr().add(i)) };
     }
     out
+}
+
+/// This thread's id, as the kernel and /proc/self/task name it.
+fn thread_id() -> u32 {
+    // /proc/thread-self links to `<pid>/task/<tid>`.
+    let link = std::fs::read_link("/proc/thread-self").unwrap();
+    link.file_name().unwrap().to_str().unwrap().parse().unwrap()
+}
+
+/// Wait until thread `tid` sleeps in the kernel's userfaultfd handler: it touched a page that is
+/// not there and waits for the fault thread (or for the range to be unregistered).
+fn wait_blocked_in_fault(tid: u32) {
+    let wchan = format!("/proc/self/task/{tid}/wchan");
+    while std::fs::read_to_string(&wchan).unwrap() != "handle_userfault" {
+        std::thread::yield_now();
+    }
 }
 
 #[test]
@@ -382,44 +398,56 @@ fn the_budget_reclaims_victims_and_refuses_when_everything_is_locked() {
 
 #[test]
 fn shutdown_releases_threads_blocked_on_faults() {
-    let src = Arc::new(FaultySource::new());
+    // The source holds its fills: the fault thread stays inside the first fault's fill, and the
+    // other threads' faults wait in the kernel behind it, until the test says otherwise.
+    let src = Arc::new(GatedSource::new());
+    src.hold();
     let p = Arc::new(pager(64, src.clone()));
-    for i in 0..4 {
-        src.break_chunk(
-            ChunkKey::new(1, i),
-            Misbehavior::Slow(Duration::from_millis(300)),
-        );
-    }
-    let barrier = Arc::new(Barrier::new(5));
+    let (tids, tid) = mpsc::channel();
     let threads: Vec<_> = (0..4u32)
         .map(|t| {
             let p = Arc::clone(&p);
-            let barrier = Arc::clone(&barrier);
+            let tids = tids.clone();
             std::thread::spawn(move || {
                 let k = ChunkKey::new(1, t);
-                barrier.wait();
-                let got = touch_read(&p, k, PAGE);
+                let (ptr, _) = p.slot_ptr(k).unwrap();
+                tids.send(thread_id()).unwrap();
+                // SAFETY: the slot lies inside the context's mapping, which lives as long as the
+                // pager; the read faults and waits for the fault thread.
+                let got = unsafe { std::ptr::read_volatile(ptr.as_ptr()) };
                 // Engine-like code checks before it uses the bytes.
-                (
-                    p.check(k),
-                    got == pattern(k, PAGE) || got.iter().all(|b| *b == 0),
-                )
+                (got, p.check(k))
             })
         })
         .collect();
-    barrier.wait();
-    std::thread::sleep(Duration::from_millis(50));
-    p.shutdown();
-    for t in threads {
-        let (check, bytes_ok) = t.join().unwrap();
-        assert!(matches!(check, Err(PagerError::ShutDown)), "{check:?}");
-        assert!(bytes_ok);
+    let held = src.wait_for_held_fill();
+    assert_eq!(held.ctx, ContextId(1));
+    for _ in 0..4 {
+        wait_blocked_in_fault(tid.recv().unwrap());
     }
+    // Every thread sleeps in a fault now: one whose chunk is being filled, three queued.
+    let stopper = {
+        let p = Arc::clone(&p);
+        std::thread::spawn(move || p.shutdown())
+    };
+    // Unregistering the regions wakes them all before the fill ends: the retried read finds an
+    // ordinary mapping and gets a zero page, and `check` says why those zeros are no data.
+    for t in threads {
+        let (got, check) = t.join().unwrap();
+        assert_eq!(got, 0);
+        assert!(matches!(check, Err(PagerError::ShutDown)), "{check:?}");
+    }
+    // Only now does the held fill return: its copy finds no registered range, the chunk goes
+    // back to non-resident, and the fault thread stops; the queued faults were never served.
+    src.release();
+    stopper.join().unwrap();
+    assert_eq!(src.reads(), 1);
+    assert_eq!(p.resident_bytes(), 0);
     assert!(matches!(
         p.populate(ChunkKey::new(1, 5), PAGE, &[]),
         Err(PagerError::ShutDown)
     ));
-    let _ = pattern_byte(ChunkKey::new(1, 0), 0);
+    assert!(matches!(p.check(held), Err(PagerError::ShutDown)));
 }
 
 #[test]
@@ -490,13 +518,13 @@ fn a_fault_on_a_chunk_being_loaded_waits_for_that_load() {
 
 #[test]
 fn faults_in_move_mode_serve_the_right_bytes() {
-    let src = Arc::new(PatternSource::new());
+    let src = Arc::new(GatedSource::new());
     let p = Pager::new(
         PagerConfig {
             fault_via: PopulateVia::Move,
             ..PagerConfig::new(64 * PAGE as u64, SLOT)
         },
-        src,
+        src.clone(),
     )
     .unwrap();
     p.add_context(
@@ -507,29 +535,50 @@ fn faults_in_move_mode_serve_the_right_bytes() {
         },
     )
     .unwrap();
-    // Back-to-back faults (some by copy while the move buffer warms), then faults after a pause
-    // (the buffer is warm by then, so they move), until at least one moved.
-    for round in 0..100 {
-        for i in 0..4 {
-            let k = ChunkKey::new(1, i);
-            assert_eq!(touch_read(&p, k, SLOT), pattern(k, SLOT), "round {round}");
-            p.check(k).unwrap();
-        }
-        for i in 0..4 {
-            p.reclaim(ChunkKey::new(1, i)).unwrap();
-        }
-        if round > 2 && p.stats().faults_moved > 0 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    assert!(p.move_supported(), "the kernel here has UFFDIO_MOVE");
+    let k = |i| ChunkKey::new(1, i);
+    let touch = |i| {
+        assert_eq!(touch_read(&p, k(i), SLOT), pattern(k(i), SLOT), "chunk {i}");
+        p.check(k(i)).unwrap();
+    };
+    // The fault thread warms its move buffer only once idle after a fault: the first fault
+    // finds it cold and copies.
+    touch(0);
+    assert_eq!(p.stats().faults_moved, 0);
+    // Idle, the buffer warms; the next fault moves its pages, and leaves it cold.
+    wait_for_move_warmups(&p, 1);
+    touch(1);
+    assert_eq!(p.stats().faults_moved, 1);
+    // A burst: a fault arrives while the fault thread is busy with a move; it finds the buffer
+    // cold (no idle moment to warm it between the two) and falls back to copy.
+    wait_for_move_warmups(&p, 2);
+    src.hold();
+    std::thread::scope(|s| {
+        let first = s.spawn(|| touch(2));
+        assert_eq!(src.wait_for_held_fill(), k(2));
+        let (tid_tx, tid_rx) = mpsc::channel();
+        let second = s.spawn(move || {
+            tid_tx.send(thread_id()).unwrap();
+            touch(3)
+        });
+        wait_blocked_in_fault(tid_rx.recv().unwrap());
+        src.release();
+        first.join().unwrap();
+        second.join().unwrap();
+    });
     let s = p.stats();
-    assert!(s.faults_moved > 0, "{s:?}");
-    assert!(
-        s.populates > s.faults_moved,
-        "bursts fell back to copy: {s:?}"
-    );
+    assert_eq!((s.populates, s.faults_moved), (4, 2), "{s:?}");
+    for i in 0..4 {
+        p.reclaim(k(i)).unwrap();
+    }
     assert_eq!(p.region_rss(ContextId(1)).unwrap(), 0);
+}
+
+/// Wait until the fault thread has warmed its move buffer `n` times.
+fn wait_for_move_warmups(p: &Pager, n: u64) {
+    while p.stats().move_warmups < n {
+        std::thread::yield_now();
+    }
 }
 
 /// A chooser that panics: it runs on the fault thread when a fault needs room.

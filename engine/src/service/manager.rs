@@ -225,11 +225,15 @@ pub struct ContextSummary {
     pub calls: u64,
 }
 
-/// Service-wide counters.
-#[derive(Clone, Debug, serde::Serialize)]
+/// Service-wide counters. The protocol's `stats` reply carries them field by field as they are
+/// here, beside the daemon's own counters (`protocol::Stats`), so these names and units are
+/// the wire contract of docs/protocol.md; the `serde(default)`s let a client read a daemon
+/// that predates a field.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ServiceStats {
     /// The context manager (`llms serve --manager`).
-    pub manager: &'static str,
+    #[serde(default)]
+    pub manager: String,
     pub budget_bytes: u64,
     pub resident_bytes: u64,
     pub contexts: usize,
@@ -241,23 +245,52 @@ pub struct ServiceStats {
     /// Victims given up before they were written out (they are recomputed when needed).
     pub unwritten_reclaims: u64,
     /// Victims written out while the reclaim waited (never written ahead of time, or not yet).
+    #[serde(default)]
     pub sync_reclaims: u64,
     /// Calls that slid their context's window (it was full).
+    #[serde(default)]
     pub window_slides: u64,
     pub writes: u64,
     pub write_failures: u64,
     pub writes_queued: u64,
-    pub switch: HistogramSummary,
+    /// Switch latency (request received to chunks resident), all calls.
+    pub switch: Latency,
     /// The model's weights: what they hold and what they read (`--weight-budget`).
+    #[serde(default)]
     pub weights: ServiceWeights,
 }
 
+/// Latencies, milliseconds.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Latency {
+    pub count: u64,
+    pub mean_ms: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+impl From<HistogramSummary> for Latency {
+    fn from(h: HistogramSummary) -> Latency {
+        let ms = |ns: u64| ns as f64 / 1e6;
+        Latency {
+            count: h.count,
+            mean_ms: ms(h.mean_ns),
+            p50_ms: ms(h.p50_ns),
+            p99_ms: ms(h.p99_ns),
+            max_ms: ms(h.max_ns),
+        }
+    }
+}
+
 /// The model's weights under their budget: the same accounting as the KV side's.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ServiceWeights {
-    /// The weight budget (`--weight-budget`); `None`: every weight resident.
+    /// The weight budget (`--weight-budget`); `None` (absent on the wire): every weight resident.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_bytes: Option<u64>,
-    /// How the resident matrices were chosen (`all` without a budget).
+    /// How the resident matrices were chosen: `all` without a budget, else the planner's
+    /// residency (`stream`, `inorder`, `balanced`, `preserve`).
     pub residency: String,
     /// Bytes held in memory for the weights, what the budget counts: resident matrices, norms,
     /// tables and the stream's buffers.
@@ -1031,7 +1064,7 @@ impl Manager {
         let w = self.writer.stats();
         use std::sync::atomic::Ordering::Relaxed;
         ServiceStats {
-            manager: self.cfg.kind.name(),
+            manager: self.cfg.kind.name().to_owned(),
             budget_bytes: self.pager.budget(),
             resident_bytes: self.pager.resident_bytes(),
             contexts: self.contexts.len(),
@@ -1046,7 +1079,7 @@ impl Manager {
             writes: w.written.load(Relaxed),
             write_failures: w.failed.load(Relaxed),
             writes_queued: self.writer.queued(),
-            switch: self.switch.summary(),
+            switch: self.switch.summary().into(),
             weights: self.weight_stats(),
         }
     }

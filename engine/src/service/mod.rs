@@ -25,7 +25,7 @@ pub mod writer;
 
 pub use load::{LoadMode, LoadReport};
 pub use manager::{
-    CallOptions, CallReport, ContextSummary, Manager, ManagerConfig, Owner, ServiceStats,
+    CallOptions, CallReport, ContextSummary, Latency, Manager, ManagerConfig, Owner, ServiceStats,
     ServiceWeights, VictimPolicy, WriteOut,
 };
 pub use managers::ManagerKind;

@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::service::ServiceStats;
+
 /// The protocol version this crate speaks.
 pub const VERSION: u32 = 1;
 
@@ -414,71 +416,13 @@ pub struct ContextInfo {
     pub calls: u64,
 }
 
-/// Latencies, milliseconds.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Latency {
-    pub count: u64,
-    pub mean_ms: f64,
-    pub p50_ms: f64,
-    pub p99_ms: f64,
-    pub max_ms: f64,
-}
-
-/// Service-wide counters.
+/// The answer to `stats`: the context manager's counters ([`ServiceStats`], its fields at the
+/// top level of the reply, as docs/protocol.md lists them) and the daemon's own.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Stats {
-    /// The context manager the daemon runs (`llms serve --manager`).
-    #[serde(default)]
-    pub manager: String,
-    pub budget_bytes: u64,
-    pub resident_bytes: u64,
-    pub contexts: usize,
-    pub calls: u64,
-    pub chunks_read: u64,
-    pub chunks_recomputed: u64,
-    pub faults: u64,
-    pub reclaims: u64,
-    /// Reclaims of chunks given up unwritten (recomputed when needed).
-    pub unwritten_reclaims: u64,
-    /// Reclaims that waited for their victim to be written out first.
-    #[serde(default)]
-    pub sync_reclaims: u64,
-    /// Calls that slid a full context's window.
-    #[serde(default)]
-    pub window_slides: u64,
-    pub writes: u64,
-    pub write_failures: u64,
-    pub writes_queued: u64,
-    /// Switch latency (request received to chunks resident), all calls.
-    pub switch: Latency,
-    /// The model's weights under their budget.
-    #[serde(default)]
-    pub weights: WeightStats,
+    #[serde(flatten)]
+    pub service: ServiceStats,
     pub daemon: DaemonStats,
-}
-
-/// The model's weights: bytes held and bytes read from the model file (`--weight-budget`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct WeightStats {
-    /// The weight budget; absent with every weight resident.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub budget_bytes: Option<u64>,
-    /// How the resident matrices were chosen: `all` without a budget, else the planner's
-    /// residency (`stream`, `inorder`, `balanced`, `preserve`).
-    pub residency: String,
-    /// Bytes held for the weights, what the budget counts (matrices, norms, tables, the stream's
-    /// buffers).
-    pub resident_bytes: u64,
-    /// Of `resident_bytes`, the stream's buffers.
-    pub buffer_bytes: u64,
-    /// Bytes of the matrices not resident: what each decode token streams by plan.
-    pub streamed_bytes: u64,
-    /// Bytes read from the model file for streamed matrices since start (all passes).
-    pub bytes_read: u64,
-    /// Decode tokens measured.
-    pub decode_tokens: u64,
-    /// Bytes read per decode token, measured (0 when nothing streams).
-    pub read_bytes_per_token: f64,
 }
 
 /// The daemon's own counters.
@@ -680,5 +624,110 @@ mod tests {
             Reply::event(3, Event::Created { context: 9 }).to_line(),
             "{\"id\":3,\"event\":\"created\",\"context\":9}\n"
         );
+    }
+
+    /// The `stats` reply exactly as docs/protocol.md lists it: the manager's counters at the top
+    /// level beside `daemon`, `weights.budget_bytes` absent without a budget, and a reply of a
+    /// daemon that predates `manager`, `sync_reclaims`, `window_slides` and `weights` still read.
+    #[test]
+    fn a_stats_reply_keeps_the_documented_fields() {
+        use crate::service::{Latency, ServiceStats, ServiceWeights};
+        let stats = Stats {
+            service: ServiceStats {
+                manager: "llms".into(),
+                budget_bytes: 1,
+                resident_bytes: 2,
+                contexts: 3,
+                calls: 4,
+                chunks_read: 5,
+                chunks_recomputed: 6,
+                faults: 7,
+                reclaims: 8,
+                unwritten_reclaims: 9,
+                sync_reclaims: 10,
+                window_slides: 11,
+                writes: 12,
+                write_failures: 13,
+                writes_queued: 14,
+                switch: Latency {
+                    count: 15,
+                    mean_ms: 1.5,
+                    p50_ms: 1.25,
+                    p99_ms: 2.5,
+                    max_ms: 3.0,
+                },
+                weights: ServiceWeights {
+                    budget_bytes: Some(16),
+                    residency: "balanced".into(),
+                    resident_bytes: 17,
+                    buffer_bytes: 18,
+                    streamed_bytes: 19,
+                    bytes_read: 20,
+                    decode_tokens: 21,
+                    read_bytes_per_token: 22.5,
+                },
+            },
+            daemon: DaemonStats {
+                uptime_secs: 23.5,
+                connections: 24,
+                queued: 25,
+                requests: 26,
+                errors: 27,
+                busy: 28,
+            },
+        };
+        let reply = Reply::event(7, Event::Stats(Box::new(stats.clone())));
+        let line = reply.to_line();
+        assert_eq!(
+            line,
+            concat!(
+                r#"{"id":7,"event":"stats","manager":"llms","budget_bytes":1,"resident_bytes":2,"#,
+                r#""contexts":3,"calls":4,"chunks_read":5,"chunks_recomputed":6,"faults":7,"#,
+                r#""reclaims":8,"unwritten_reclaims":9,"sync_reclaims":10,"window_slides":11,"#,
+                r#""writes":12,"write_failures":13,"writes_queued":14,"#,
+                r#""switch":{"count":15,"mean_ms":1.5,"p50_ms":1.25,"p99_ms":2.5,"max_ms":3.0},"#,
+                r#""weights":{"budget_bytes":16,"residency":"balanced","resident_bytes":17,"#,
+                r#""buffer_bytes":18,"streamed_bytes":19,"bytes_read":20,"decode_tokens":21,"#,
+                r#""read_bytes_per_token":22.5},"#,
+                r#""daemon":{"uptime_secs":23.5,"connections":24,"queued":25,"requests":26,"#,
+                r#""errors":27,"busy":28}}"#,
+                "\n"
+            )
+        );
+        let back: Reply = serde_json::from_str(&line).unwrap();
+        assert_eq!(back, reply);
+
+        let mut unbudgeted = stats.clone();
+        unbudgeted.service.weights.budget_bytes = None;
+        let line = Reply::event(8, Event::Stats(Box::new(unbudgeted.clone()))).to_line();
+        assert!(!line.contains("budget_bytes\":16"), "{line}");
+        assert!(
+            line.contains(r#""weights":{"residency":"balanced","#),
+            "{line}"
+        );
+        let back: Reply = serde_json::from_str(&line).unwrap();
+        assert_eq!(back, Reply::event(8, Event::Stats(Box::new(unbudgeted))));
+
+        let old = concat!(
+            r#"{"id":9,"event":"stats","budget_bytes":1,"resident_bytes":2,"contexts":3,"#,
+            r#""calls":4,"chunks_read":5,"chunks_recomputed":6,"faults":7,"reclaims":8,"#,
+            r#""unwritten_reclaims":9,"writes":12,"write_failures":13,"writes_queued":14,"#,
+            r#""switch":{"count":15,"mean_ms":1.5,"p50_ms":1.25,"p99_ms":2.5,"max_ms":3.0},"#,
+            r#""daemon":{"uptime_secs":23.5,"connections":24,"queued":25,"requests":26,"#,
+            r#""errors":27,"busy":28}}"#
+        );
+        let Reply {
+            body: ReplyBody::Event(Event::Stats(old)),
+            ..
+        } = serde_json::from_str(old).unwrap()
+        else {
+            panic!("not a stats reply: {old}")
+        };
+        let mut expected = stats;
+        expected.service.manager = String::new();
+        expected.service.sync_reclaims = 0;
+        expected.service.window_slides = 0;
+        expected.service.weights = ServiceWeights::default();
+        assert_eq!(*old, expected);
     }
 }

@@ -11,8 +11,8 @@ use crate::model::generate::SamplingParams;
 use crate::model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use crate::service::daemon::{Job, Shared, lock};
 use crate::service::protocol::{
-    ChunkCounts, ContextInfo, Done, ErrorBody, Event, Latency, PromptFormat, Reply, Request, Stats,
-    Timings, WeightStats, codes,
+    ChunkCounts, ContextInfo, Done, ErrorBody, Event, PromptFormat, Reply, Request, Stats, Timings,
+    codes,
 };
 use crate::service::{CallOptions, ContextSummary, Manager, Owner, ServiceError};
 
@@ -293,41 +293,8 @@ fn context_info(c: ContextSummary) -> ContextInfo {
 }
 
 fn stats(m: &Manager, shared: &Shared) -> Stats {
-    let s = m.stats();
-    let ms = |ns: u64| ns as f64 / 1e6;
     Stats {
-        manager: s.manager.to_string(),
-        budget_bytes: s.budget_bytes,
-        resident_bytes: s.resident_bytes,
-        contexts: s.contexts,
-        calls: s.calls,
-        chunks_read: s.chunks_read,
-        chunks_recomputed: s.chunks_recomputed,
-        faults: s.faults,
-        reclaims: s.reclaims,
-        unwritten_reclaims: s.unwritten_reclaims,
-        sync_reclaims: s.sync_reclaims,
-        window_slides: s.window_slides,
-        writes: s.writes,
-        write_failures: s.write_failures,
-        writes_queued: s.writes_queued,
-        switch: Latency {
-            count: s.switch.count,
-            mean_ms: ms(s.switch.mean_ns),
-            p50_ms: ms(s.switch.p50_ns),
-            p99_ms: ms(s.switch.p99_ns),
-            max_ms: ms(s.switch.max_ns),
-        },
-        weights: WeightStats {
-            budget_bytes: s.weights.budget_bytes,
-            residency: s.weights.residency,
-            resident_bytes: s.weights.resident_bytes,
-            buffer_bytes: s.weights.buffer_bytes,
-            streamed_bytes: s.weights.streamed_bytes,
-            bytes_read: s.weights.bytes_read,
-            decode_tokens: s.weights.decode_tokens,
-            read_bytes_per_token: s.weights.read_bytes_per_token,
-        },
+        service: m.stats(),
         daemon: shared.daemon_stats(),
     }
 }
