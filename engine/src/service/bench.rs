@@ -10,6 +10,7 @@ use crate::kv::KvFormat;
 use crate::model::Model;
 use crate::service::cgroup;
 use crate::service::{CallOptions, LoadMode, Manager, ManagerConfig, Owner, ServiceError};
+use uffd_pager::median;
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -63,11 +64,6 @@ pub struct LoadBenchReport {
     pub rows: Vec<LoadRow>,
     /// Prefill throughput of each context's first call (tokens/s), for comparison with recompute.
     pub prefill_tps: Vec<(usize, f64)>,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
 impl LoadBenchReport {
@@ -180,9 +176,8 @@ pub fn run(
                     let r = m.call(&owner, id, &[], &opts0, Instant::now(), |_| true)?;
                     samples.push(r.load);
                 }
-                let med = |f: &dyn Fn(&crate::service::LoadReport) -> f64| {
-                    median(&mut samples.iter().map(f).collect::<Vec<_>>())
-                };
+                let med =
+                    |f: &dyn Fn(&crate::service::LoadReport) -> f64| median(samples.iter().map(f));
                 let last = samples.last().cloned().unwrap_or_default();
                 let re_tokens = last.recomputed.len() * 16;
                 let re_ms = med(&|l| l.recompute_secs * 1e3);
