@@ -1,5 +1,6 @@
 //! `llms bench load`: a context swapped out completely and brought back by reading, by
-//! recomputing, and by the planned pipeline, against the plan's prediction; a table and JSON.
+//! recomputing, and by the planned pipeline, against the plan's prediction, inside a cgroup v1
+//! memory group whose peak it reports; a table and JSON.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -7,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use engine::kv::KvFormat;
 use engine::service::bench::{LoadBenchOptions, run};
+use engine::service::cgroup::Joined;
 
 use crate::bench_kv::ModelInput;
 
@@ -45,6 +47,10 @@ pub struct BenchLoadArgs {
     /// Threads reading chunks when the Load recomputes nothing (each keeps one read in flight)
     #[arg(long, default_value_t = 4, value_parser = crate::report::positive)]
     pub io_threads: usize,
+    /// Do not run inside a cgroup v1 memory group (no peak memory is reported); without the
+    /// controller or the right to use it the benchmark runs outside one and says so
+    #[arg(long)]
+    pub no_memory_cgroup: bool,
 }
 
 /// Runs the benchmark, prints the table, writes the JSON.
@@ -60,6 +66,18 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         "--throttle-mib takes MiB/s from 1 to 2^40"
     );
     args.report.begin();
+    // Entered before the model loads, so the peak counts everything the benchmark holds.
+    let memory = if args.no_memory_cgroup {
+        None
+    } else {
+        match Joined::enter("memory", &format!("llms-bench-load-{}", std::process::id())) {
+            Ok(j) => Some(j),
+            Err(e) => {
+                eprintln!("bench load: running outside a memory cgroup, no peak reported: {e}");
+                None
+            }
+        }
+    };
     let model = Arc::new(args.input.load()?);
     if let Some(n) = args.lengths.iter().find(|&&n| n > model.cfg.max_ctx) {
         anyhow::bail!(
@@ -89,8 +107,10 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         io_threads: args.io_threads,
     };
     #[allow(clippy::print_stderr)]
-    let report = run(model, &opts, |what| eprintln!("bench load: {what}"))
-        .context("running the load benchmark (needs root and /dev/userfaultfd)")?;
+    let report = run(model, &opts, memory.as_ref().map(Joined::group), |what| {
+        eprintln!("bench load: {what}")
+    })
+    .context("running the load benchmark (needs root and /dev/userfaultfd)")?;
     crate::report::table_str!("{}", report.table());
     args.report.write("load", &report)?;
     Ok(())

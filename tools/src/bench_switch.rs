@@ -490,7 +490,7 @@ fn replay(
     let peak_rss_bytes = peak_rss(daemon.pid());
     drop(clients);
     daemon.term()?;
-    let peak_memory_bytes = memory.read_u64("memory.max_usage_in_bytes")?;
+    let peak_memory_bytes = memory.peak_memory()?;
     drop((memory, blkio));
     let _ = std::fs::remove_dir_all(&dir);
 
