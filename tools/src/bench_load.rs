@@ -47,6 +47,10 @@ pub struct BenchLoadArgs {
     /// Threads reading chunks when the Load recomputes nothing (each keeps one read in flight)
     #[arg(long, default_value_t = 4, value_parser = crate::report::positive)]
     pub io_threads: usize,
+    /// Start the planner from this cost profile (`llms profile`'s profile.json), as
+    /// `llms serve --profile` does [default: the built-in starting costs]
+    #[arg(long, env = "LLMS_PROFILE", value_name = "FILE")]
+    pub profile: Option<PathBuf>,
     /// Do not run inside a cgroup v1 memory group (no peak memory is reported); without the
     /// controller or the right to use it the benchmark runs outside one and says so
     #[arg(long)]
@@ -65,6 +69,11 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         args.throttle_mib.iter().all(|&m| (1..1 << 40).contains(&m)),
         "--throttle-mib takes MiB/s from 1 to 2^40"
     );
+    let cost = args
+        .profile
+        .as_deref()
+        .map(crate::serve_cmd::read_profile)
+        .transpose()?;
     args.report.begin();
     // Entered before the model loads, so the peak counts everything the benchmark holds.
     let memory = if args.no_memory_cgroup {
@@ -105,6 +114,7 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         mount: !args.no_mount,
         mount_guard: Some(crate::kvfs_cmd::guard_command()?),
         io_threads: args.io_threads,
+        cost,
     };
     #[allow(clippy::print_stderr)]
     let report = run(model, &opts, memory.as_ref().map(Joined::group), |what| {

@@ -35,6 +35,8 @@ pub struct LoadBenchOptions {
     pub mount_guard: Option<kvfs::guard::GuardCommand>,
     /// Threads reading chunks when nothing is recomputed (`ManagerConfig::io_threads`).
     pub io_threads: usize,
+    /// The planner's starting costs (a profile of this machine); `None`: the built-in ones.
+    pub cost: Option<policy::CostModel>,
 }
 
 /// One row: a length, a storage speed and a load mode, medians over the runs.
@@ -172,6 +174,9 @@ pub fn run(
         cfg.max_tokens = (max_len + 64).div_ceil(16) * 16;
         if !opts.compress {
             cfg.compress_bits = None;
+        }
+        if let Some(cost) = opts.cost {
+            cfg.cost = cost;
         }
         let mut m = Manager::open(Arc::clone(&model), cfg)?;
         let mut x = 0x2545_f491_4f6c_dd1du64 ^ n as u64;
