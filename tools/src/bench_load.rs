@@ -94,14 +94,7 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
             model.cfg.max_ctx
         );
     }
-    let dir = args
-        .scratch
-        .clone()
-        .unwrap_or_else(|| args.report.out.clone());
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    // The store's mount is checked against /proc/self/mountinfo, which holds absolute paths.
-    let dir = std::path::absolute(&dir)
-        .with_context(|| format!("cannot make {} absolute", dir.display()))?;
+    let dir = args.report.scratch_dir(args.scratch.as_deref())?;
     let mut throttles = vec![None];
     throttles.extend(args.throttle_mib.iter().map(|&m| Some(m << 20)));
     let opts = LoadBenchOptions {

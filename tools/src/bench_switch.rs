@@ -725,11 +725,7 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
             })
             .collect()
     };
-    let scratch = args.scratch.as_ref().unwrap_or(&args.report.out);
-    std::fs::create_dir_all(scratch)
-        .with_context(|| format!("cannot create {}", scratch.display()))?;
-    // The kvfs mount is checked against /proc/self/mountinfo, which holds absolute paths.
-    let scratch = std::path::absolute(scratch)?;
+    let scratch = args.report.scratch_dir(args.scratch.as_deref())?;
     let device = Device::of(&scratch)?;
     let per_app = h
         .contexts

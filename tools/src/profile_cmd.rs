@@ -50,21 +50,21 @@ fn fit(points: &[(f64, f64)]) -> anyhow::Result<LinearFit> {
         .into())
 }
 
+/// The different counts of `flag`, in order: at least two, to fit a line.
+fn line_counts(counts: &[usize], flag: &str, example: &str) -> anyhow::Result<Vec<usize>> {
+    let mut v = counts.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    anyhow::ensure!(
+        v.len() >= 2,
+        "{flag} needs at least two different chunk counts to fit a line (e.g. {example})"
+    );
+    Ok(v)
+}
+
 pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
-    let mut counts = args.chunks.clone();
-    counts.sort_unstable();
-    counts.dedup();
-    anyhow::ensure!(
-        counts.len() >= 2,
-        "--chunks needs at least two different chunk counts to fit a line (e.g. 1,4)"
-    );
-    let mut io_counts = args.io_chunks.clone();
-    io_counts.sort_unstable();
-    io_counts.dedup();
-    anyhow::ensure!(
-        io_counts.len() >= 2,
-        "--io-chunks needs at least two different chunk counts to fit a line (e.g. 1,16)"
-    );
+    line_counts(&args.chunks, "--chunks", "1,4")?;
+    let io_counts = line_counts(&args.io_chunks, "--io-chunks", "1,16")?;
     if let Some(len) = args.contexts.iter().find(|&&n| !n.is_multiple_of(16)) {
         anyhow::bail!("context length {len} is not a positive multiple of 16");
     }
@@ -118,16 +118,8 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
         .map(|p| (p.chunks as f64, p.seconds))
         .collect();
     let cache = longest.context("no context length to measure")?;
-    let dir = args
-        .scratch
-        .clone()
-        .unwrap_or_else(|| args.report.out.clone());
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    // The mount is checked against /proc/self/mountinfo, which holds absolute paths.
-    let dir = std::path::absolute(&dir)
-        .with_context(|| format!("cannot make {} absolute", dir.display()))?;
     let io_opts = IoOptions {
-        dir,
+        dir: args.report.scratch_dir(args.scratch.as_deref())?,
         formats: std::iter::once(KvFormat::Int8)
             .chain(KvFormat::CODED)
             .collect(),
