@@ -12,6 +12,7 @@ use engine::model::tokenizer::Tokenizer;
 use engine::service::client::{CallEvent, CallParams, Client};
 use engine::service::protocol::PromptFormat;
 use rand::{Rng, SeedableRng};
+use uffd_pager::median;
 
 use crate::daemon_proc::{Daemon, DaemonSpec};
 use crate::model_cmd::ModelsDirArg;
@@ -67,11 +68,6 @@ pub struct CrashReport {
     /// Spawn to listening, milliseconds: median and max.
     pub restart_ms_median: f64,
     pub restart_ms_max: f64,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// The `quarantined` count of the mount's `/stats`.
@@ -225,7 +221,7 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
         }
     }
     report.restart_ms_max = restarts.iter().copied().fold(0.0, f64::max);
-    report.restart_ms_median = median(&mut restarts);
+    report.restart_ms_median = median(restarts.iter().copied());
     crate::report::table!(
         "kills {}  calls completed {}  interrupted {}  contexts diverged {}  lost {}  chunks quarantined {}",
         report.kills,

@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::Args;
 use engine::model::Logits;
 use engine::model::generate::argmax;
+use uffd_pager::median;
 
 use crate::engine_cmd::{EngineOpts, load};
 use crate::report::table;
@@ -80,11 +81,6 @@ struct Row {
     all_secs: Vec<f64>,
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Resident set size of this process, from /proc/self/status.
 pub fn rss_bytes() -> usize {
     status_kb("VmRSS:")
@@ -109,14 +105,14 @@ fn status_kb(key: &str) -> usize {
 /// Read bandwidth of the decode weights: the median of `runs` passes over them.
 fn read_bandwidth(model: &engine::model::Model, runs: usize) -> f64 {
     let bytes = model.decode_weight_bytes() as f64;
-    let mut secs: Vec<f64> = (0..runs.max(3))
+    let secs: Vec<f64> = (0..runs.max(3))
         .map(|_| {
             let t = Instant::now();
             std::hint::black_box(model.stream_weights());
             t.elapsed().as_secs_f64()
         })
         .collect();
-    bytes / median(&mut secs)
+    bytes / median(secs)
 }
 
 /// Runs `llms bench engine`.
@@ -175,7 +171,7 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
             l.model.forward(&mut cache, &tokens[..n], Logits::Last)?;
             secs.push(t.elapsed().as_secs_f64());
         }
-        let m = median(&mut secs);
+        let m = median(secs.iter().copied());
         eprintln!("  prefill {n:>5} tokens: {:>8.1} t/s", n as f64 / m);
         prefill.push(Row {
             tokens: n,
@@ -210,7 +206,7 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
             secs.push(t.elapsed().as_secs_f64());
             kv_bytes = cache.resident_bytes();
         }
-        let m = median(&mut secs);
+        let m = median(secs.iter().copied());
         let tps = a.decode as f64 / m;
         // The KV read per token grows from the depth to the end; take its middle.
         let kv_per_token = kv_bytes as f64 / (depth.max(1) + a.decode) as f64;

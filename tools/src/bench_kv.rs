@@ -88,8 +88,7 @@ pub fn median_secs(reps: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> an
         f()?;
         t.push(s.elapsed().as_secs_f64());
     }
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+    Ok(uffd_pager::median(t))
 }
 
 #[derive(Args, Debug)]

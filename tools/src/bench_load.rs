@@ -1,5 +1,6 @@
 //! `llms bench load`: a context swapped out completely and brought back by reading, by
-//! recomputing, and by the planned pipeline, against the plan's prediction; a table and JSON.
+//! recomputing, and by the planned pipeline, against the plan's prediction, inside a cgroup v1
+//! memory group whose peak it reports; a table and JSON.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -7,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use engine::kv::KvFormat;
 use engine::service::bench::{LoadBenchOptions, run};
+use engine::service::cgroup::Joined;
 
 use crate::bench_kv::ModelInput;
 
@@ -45,6 +47,14 @@ pub struct BenchLoadArgs {
     /// Threads reading chunks when the Load recomputes nothing (each keeps one read in flight)
     #[arg(long, default_value_t = 4, value_parser = crate::report::positive)]
     pub io_threads: usize,
+    /// Start the planner from this cost profile (`llms profile`'s profile.json), as
+    /// `llms serve --profile` does [default: the built-in starting costs]
+    #[arg(long, env = "LLMS_PROFILE", value_name = "FILE")]
+    pub profile: Option<PathBuf>,
+    /// Do not run inside a cgroup v1 memory group (no peak memory is reported); without the
+    /// controller or the right to use it the benchmark runs outside one and says so
+    #[arg(long)]
+    pub no_memory_cgroup: bool,
 }
 
 /// Runs the benchmark, prints the table, writes the JSON.
@@ -59,7 +69,24 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         args.throttle_mib.iter().all(|&m| (1..1 << 40).contains(&m)),
         "--throttle-mib takes MiB/s from 1 to 2^40"
     );
+    let cost = args
+        .profile
+        .as_deref()
+        .map(crate::serve_cmd::read_profile)
+        .transpose()?;
     args.report.begin();
+    // Entered before the model loads, so the peak counts everything the benchmark holds.
+    let memory = if args.no_memory_cgroup {
+        None
+    } else {
+        match Joined::enter("memory", &format!("llms-bench-load-{}", std::process::id())) {
+            Ok(j) => Some(j),
+            Err(e) => {
+                eprintln!("bench load: running outside a memory cgroup, no peak reported: {e}");
+                None
+            }
+        }
+    };
     let model = Arc::new(args.input.load()?);
     if let Some(n) = args.lengths.iter().find(|&&n| n > model.cfg.max_ctx) {
         anyhow::bail!(
@@ -67,14 +94,7 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
             model.cfg.max_ctx
         );
     }
-    let dir = args
-        .scratch
-        .clone()
-        .unwrap_or_else(|| args.report.out.clone());
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    // The store's mount is checked against /proc/self/mountinfo, which holds absolute paths.
-    let dir = std::path::absolute(&dir)
-        .with_context(|| format!("cannot make {} absolute", dir.display()))?;
+    let dir = args.report.scratch_dir(args.scratch.as_deref())?;
     let mut throttles = vec![None];
     throttles.extend(args.throttle_mib.iter().map(|&m| Some(m << 20)));
     let opts = LoadBenchOptions {
@@ -87,10 +107,13 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         mount: !args.no_mount,
         mount_guard: Some(crate::kvfs_cmd::guard_command()?),
         io_threads: args.io_threads,
+        cost,
     };
     #[allow(clippy::print_stderr)]
-    let report = run(model, &opts, |what| eprintln!("bench load: {what}"))
-        .context("running the load benchmark (needs root and /dev/userfaultfd)")?;
+    let report = run(model, &opts, memory.as_ref().map(Joined::group), |what| {
+        eprintln!("bench load: {what}")
+    })
+    .context("running the load benchmark (needs root and /dev/userfaultfd)")?;
     crate::report::table_str!("{}", report.table());
     args.report.write("load", &report)?;
     Ok(())

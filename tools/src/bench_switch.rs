@@ -490,7 +490,7 @@ fn replay(
     let peak_rss_bytes = peak_rss(daemon.pid());
     drop(clients);
     daemon.term()?;
-    let peak_memory_bytes = memory.read_u64("memory.max_usage_in_bytes")?;
+    let peak_memory_bytes = memory.peak_memory()?;
     drop((memory, blkio));
     let _ = std::fs::remove_dir_all(&dir);
 
@@ -725,11 +725,7 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
             })
             .collect()
     };
-    let scratch = args.scratch.as_ref().unwrap_or(&args.report.out);
-    std::fs::create_dir_all(scratch)
-        .with_context(|| format!("cannot create {}", scratch.display()))?;
-    // The kvfs mount is checked against /proc/self/mountinfo, which holds absolute paths.
-    let scratch = std::path::absolute(scratch)?;
+    let scratch = args.report.scratch_dir(args.scratch.as_deref())?;
     let device = Device::of(&scratch)?;
     let per_app = h
         .contexts

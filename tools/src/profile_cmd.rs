@@ -1,14 +1,18 @@
-//! `llms profile`: measures the recompute time of x chunks at several context lengths on this
-//! machine and fits the linear model T_re(x) of paper §3.3, saved as a JSON profile file.
-//!
-//! The I/O model T_IO(m) joins the profile once kvfs exists; until then the file says so.
+//! `llms profile`: measures on this machine the recompute time of x chunks at several context
+//! lengths and the time to read m bytes of chunks through a kvfs mount, and fits the linear models
+//! T_re(x) and T_IO(m) of paper §3.3, saved as the JSON profile file `llms serve --profile`
+//! starts its planner from (`engine::service::profile`).
+
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use engine::kv::KvFormat;
 use engine::kv::recompute::recompute_chunks;
+use engine::kv::{KvCache, KvFormat};
+use engine::service::profile::{
+    CostProfile, IoOptions, LinearFit, RecomputePoint, fit_io, measure_io,
+};
 use policy::LinearCost;
-use serde::Serialize;
 
 use crate::bench_kv::{ModelInput, median_secs, prefilled};
 use crate::report::table;
@@ -30,53 +34,37 @@ pub struct ProfileArgs {
     /// Repetitions per point (the median is kept).
     #[arg(long, default_value_t = 3, value_parser = crate::report::positive)]
     pub reps: usize,
+    /// Chunk counts read one after another through the kvfs mount, for T_IO (capped at the
+    /// longest context's chunks), in each format chunks are stored in: int8, k8v8, k4v4, k4v3.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64", value_parser = crate::report::positive)]
+    pub io_chunks: Vec<usize>,
+    /// Directory for the scratch store the reads are timed on, on the disk the service's store
+    /// lives on (a fresh store is made inside, mounted, and removed) [default: <out>]
+    #[arg(long, value_name = "DIR")]
+    pub scratch: Option<PathBuf>,
 }
 
-#[derive(Serialize)]
-struct Point {
-    context: usize,
-    chunks: usize,
-    seconds: f64,
+fn fit(points: &[(f64, f64)]) -> anyhow::Result<LinearFit> {
+    Ok(LinearCost::fit(points)
+        .context("the recompute timings do not fit a line")?
+        .into())
 }
 
-#[derive(Serialize)]
-struct Linear {
-    fixed_secs: f64,
-    per_unit_secs: f64,
-    r_squared: f64,
-}
-
-#[derive(Serialize)]
-struct Profile {
-    model: String,
-    chunk_tokens: usize,
-    threads: usize,
-    /// T_re(x): seconds to recompute x chunks, over every context length measured.
-    recompute: Linear,
-    /// The same fit at each context length (later chunks attend to more keys).
-    recompute_by_context: Vec<(usize, Linear)>,
-    /// T_IO(m): not measured yet (it needs the kvfs store).
-    io: Option<Linear>,
-    points: Vec<Point>,
-}
-
-fn fit(points: &[(f64, f64)]) -> anyhow::Result<Linear> {
-    let f = LinearCost::fit(points).context("the recompute timings do not fit a line")?;
-    Ok(Linear {
-        fixed_secs: f.cost.fixed(),
-        per_unit_secs: f.cost.per_unit(),
-        r_squared: f.r_squared,
-    })
+/// The different counts of `flag`, in order: at least two, to fit a line.
+fn line_counts(counts: &[usize], flag: &str, example: &str) -> anyhow::Result<Vec<usize>> {
+    let mut v = counts.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    anyhow::ensure!(
+        v.len() >= 2,
+        "{flag} needs at least two different chunk counts to fit a line (e.g. {example})"
+    );
+    Ok(v)
 }
 
 pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
-    let mut counts = args.chunks.clone();
-    counts.sort_unstable();
-    counts.dedup();
-    anyhow::ensure!(
-        counts.len() >= 2,
-        "--chunks needs at least two different chunk counts to fit a line (e.g. 1,4)"
-    );
+    line_counts(&args.chunks, "--chunks", "1,4")?;
+    let io_counts = line_counts(&args.io_chunks, "--io-chunks", "1,16")?;
     if let Some(len) = args.contexts.iter().find(|&&n| !n.is_multiple_of(16)) {
         anyhow::bail!("context length {len} is not a positive multiple of 16");
     }
@@ -90,6 +78,8 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     }
     let mut points = Vec::new();
     let mut by_context = Vec::new();
+    // The longest context's cache: its chunks are the ones stored and read for T_IO.
+    let mut longest: Option<KvCache> = None;
     for &len in &args.contexts {
         anyhow::ensure!(
             len >= 16 && len.is_multiple_of(16),
@@ -112,32 +102,60 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
             })?;
             eprintln!("context {len}: {x} chunks in {secs:.4} s");
             here.push((x as f64, secs));
-            points.push(Point {
+            points.push(RecomputePoint {
                 context: len,
                 chunks: x,
                 seconds: secs,
             });
         }
         by_context.push((len, fit(&here)?));
+        if longest.as_ref().is_none_or(|c| c.len() < cache.len()) {
+            longest = Some(cache);
+        }
     }
     let all: Vec<(f64, f64)> = points
         .iter()
         .map(|p| (p.chunks as f64, p.seconds))
         .collect();
-    let profile = Profile {
+    let cache = longest.context("no context length to measure")?;
+    let io_opts = IoOptions {
+        dir: args.report.scratch_dir(args.scratch.as_deref())?,
+        formats: std::iter::once(KvFormat::Int8)
+            .chain(KvFormat::CODED)
+            .collect(),
+        counts: io_counts,
+        reps: args.reps,
+        mount_guard: Some(crate::kvfs_cmd::guard_command()?),
+    };
+    let io_points = measure_io(&model, &cache, &io_opts, |p| {
+        eprintln!(
+            "read {} chunks of {} ({} bytes) in {:.5} s",
+            p.chunks, p.format, p.bytes, p.seconds
+        );
+    })
+    .context("timing chunk reads through a kvfs mount (needs root and /dev/fuse)")?;
+    let io = fit_io(&io_points).context("the read timings do not fit a line")?;
+    let profile = CostProfile {
         model: model.path().display().to_string(),
         chunk_tokens: 16,
         threads: engine::model::kernels::threads(),
         recompute: fit(&all)?,
         recompute_by_context: by_context,
-        io: None,
+        io: Some(io),
         points,
+        io_points,
     };
     table!(
-        "T_re(x) = {:.5} s + {:.5} s * x (r^2 {:.3})",
+        "T_re(x) = {:.5} s + {:.5} s * x chunks (r^2 {:.3})",
         profile.recompute.fixed_secs,
         profile.recompute.per_unit_secs,
         profile.recompute.r_squared
+    );
+    table!(
+        "T_IO(m) = {:.6} s + m bytes / {:.0} MB/s (r^2 {:.3})",
+        io.fixed_secs,
+        1e-6 / io.per_unit_secs.max(f64::MIN_POSITIVE),
+        io.r_squared
     );
     args.report.write("profile", &profile)?;
     Ok(())

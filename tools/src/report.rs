@@ -2,7 +2,7 @@
 //! `bench-out/`) receives `DIR/<name>.json`, and `--json` prints that same JSON on stdout, the
 //! human table then going to stderr.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
@@ -40,6 +40,15 @@ impl ReportArgs {
     /// `<out>/<name>`: a scratch path beside the report, for benchmarks that measure a disk.
     pub fn scratch(&self, name: &str) -> PathBuf {
         self.out.join(name)
+    }
+
+    /// The scratch directory of a command that measures a disk: `--scratch DIR` if given, else
+    /// `--out`; created, and absolute (a kvfs mount inside it is checked against
+    /// /proc/self/mountinfo, which holds absolute paths).
+    pub fn scratch_dir(&self, scratch: Option<&Path>) -> anyhow::Result<PathBuf> {
+        let dir = scratch.unwrap_or(&self.out);
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        std::path::absolute(dir).with_context(|| format!("cannot make {} absolute", dir.display()))
     }
 
     /// Writes `report` to `<out>/<name>.json`, prints it on stdout with `--json`, and says where

@@ -20,7 +20,7 @@ use engine::service::daemon::{Daemon, DaemonConfig};
 use engine::service::pressure::{PressureFiles, PressureWatch};
 use engine::service::protocol::DEFAULT_MAX_LINE;
 use engine::service::{Manager, ManagerConfig, ManagerKind};
-use policy::BudgetConfig;
+use policy::{BudgetConfig, CostModel};
 
 use crate::model_cmd::ModelsDirArg;
 
@@ -166,6 +166,11 @@ pub struct ServeArgs {
     /// Threads for the engine's kernels [default: the number of CPUs]
     #[arg(long, env = "LLMS_THREADS", value_name = "N")]
     pub threads: Option<usize>,
+    /// A cost profile of this machine written by `llms profile` (its profile.json): the Load
+    /// planner starts from its recompute and read costs instead of built-in guesses, and refines
+    /// them with every Load as before
+    #[arg(long, env = "LLMS_PROFILE", value_name = "FILE")]
+    pub profile: Option<PathBuf>,
     /// A TOML file with any of the settings above, keys as the long flags (`kv-budget = "1G"`);
     /// flags and variables win over it [default: $XDG_CONFIG_HOME/llms/serve.toml, or
     /// /etc/llms/serve.toml as root, when the file exists]
@@ -198,6 +203,7 @@ struct ConfigFile {
     max_line: Option<usize>,
     max_connections: Option<usize>,
     threads: Option<usize>,
+    profile: Option<PathBuf>,
 }
 
 fn default_config_file() -> Option<PathBuf> {
@@ -252,6 +258,8 @@ struct Settings {
     max_context: Option<usize>,
     daemon: DaemonConfig,
     threads: Option<usize>,
+    /// The planner's starting costs from `--profile`; `None`: the built-in ones.
+    cost: Option<CostModel>,
 }
 
 fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
@@ -338,6 +346,11 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         )?,
         ..d
     };
+    let cost = a
+        .profile
+        .or(f.profile)
+        .map(|p| read_profile(&p))
+        .transpose()?;
     let socket = a.socket.or(f.socket).unwrap_or_else(default_socket);
     let no_mount = a.no_mount || (a.mount.is_none() && f.no_mount == Some(true));
     let mount = match (no_mount, a.mount.or(f.mount)) {
@@ -366,7 +379,15 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         max_context: a.max_context.or(f.max_context),
         daemon,
         threads: a.threads.or(f.threads),
+        cost,
     })
+}
+
+/// The cost model in the profile file `path` (`--profile`), with an error that says what to do.
+pub fn read_profile(path: &Path) -> anyhow::Result<CostModel> {
+    let cost = engine::service::profile::read_cost_model(path).context("--profile")?;
+    tracing::info!(profile = %path.display(), ?cost, "the Load planner starts from the profile");
+    Ok(cost)
 }
 
 /// Takes `<store>.lock`; a second daemon on the same store is refused with the first one's pid.
@@ -489,6 +510,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     mc.window = s.window;
     tracing::info!(manager = %s.manager, "{}", s.manager.describe());
     mc.max_tokens = s.max_context.unwrap_or(model.cfg.max_ctx.min(2048));
+    if let Some(cost) = s.cost {
+        mc.cost = cost;
+    }
     let max_tokens = mc.max_tokens;
     let manager = Manager::open(Arc::clone(&model), mc)
         .with_context(|| format!("cannot open the contexts in {}", s.store.display()))?;

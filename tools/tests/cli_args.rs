@@ -16,6 +16,7 @@ fn refused(dir: &Path, args: &[&str], says: &str) -> String {
         .env_remove("LLMS_MODEL")
         .env_remove("LLMS_STORE")
         .env_remove("LLMS_CONFIG")
+        .env_remove("LLMS_PROFILE")
         .env("LLMS_MODELS_DIR", dir.join("no-models"))
         .env("XDG_CONFIG_HOME", dir.join("no-config"))
         .output()
@@ -37,6 +38,7 @@ fn refused(dir: &Path, args: &[&str], says: &str) -> String {
 fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
+    std::fs::write(d.join("bad-profile.json"), "{\"recompute\": 1}").unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["bench", "kv", "--contexts", "0"], "at least 1"),
         (&["bench", "kv", "--contexts", ""], "--contexts"),
@@ -192,6 +194,22 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
             "cannot be used with",
         ),
         (&["profile", "--chunks", "4"], "two different chunk counts"),
+        (
+            &["profile", "--io-chunks", "8,8"],
+            "--io-chunks needs at least two different chunk counts",
+        ),
+        (
+            &["serve", "--profile", "no-such-profile.json"],
+            "--profile: cannot read the profile no-such-profile.json",
+        ),
+        (
+            &["serve", "--profile", "bad-profile.json"],
+            "bad-profile.json is not a profile written by `llms profile`",
+        ),
+        (
+            &["bench", "load", "--profile", "bad-profile.json"],
+            "is not a profile written by `llms profile`",
+        ),
         (&["serve", "--kv-budget", "99999999999G"], "too large"),
         (&["serve", "--kv-budget", "lots"], "not a size"),
         (&["serve", "--queue", "0"], "at least 1"),

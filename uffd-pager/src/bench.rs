@@ -7,7 +7,7 @@ use std::time::Instant;
 use crate::sys::{EventFd, Fault, Mapping, PAGE_SIZE, SysError, Uffd, poll2};
 use crate::{
     ChunkKey, ChunkSource, ContextId, ContextSpec, Pager, PagerConfig, PagerError, PopulateVia,
-    SourceError, Staging,
+    SourceError, Staging, median,
 };
 
 /// What to measure.
@@ -192,14 +192,6 @@ impl ChunkSource for RamSource {
     }
 }
 
-fn median(mut v: Vec<u64>) -> u64 {
-    if v.is_empty() {
-        return 0;
-    }
-    v.sort_unstable();
-    v[v.len() / 2]
-}
-
 fn ns(t: Instant) -> u64 {
     u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
@@ -247,7 +239,7 @@ pub fn run(opts: &BenchOptions) -> Result<BenchReport, PagerError> {
             pager.remove_context(ctx)?;
             move_pager.remove_context(ctx)?;
         }
-        let pick = |i: usize| median(runs.iter().map(|r| r[i]).collect());
+        let pick = |i: usize| median(runs.iter().map(|r| r[i]));
         sizes.push(SizeReport {
             bytes: size,
             memcpy_ns: pick(0),

@@ -23,7 +23,7 @@ pub use pager::{
     RecomputeReason, RecomputeRequest, Staging,
 };
 pub use source::{ChunkSource, SourceError};
-pub use stats::{Histogram, HistogramSummary, Stats, StatsSnapshot};
+pub use stats::{Histogram, HistogramSummary, Sample, Stats, StatsSnapshot, median};
 pub use victim::{Candidate, LruChooser, ResidentView, VictimChooser};
 
 /// A context's id, as the engine numbers them.

@@ -1,5 +1,7 @@
-//! Counters and latency histograms of the pager's primitives.
+//! Counters and latency histograms of the pager's primitives, and the median every benchmark of
+//! the workspace reports its samples by.
 
+use std::cmp::Ordering;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
@@ -74,6 +76,35 @@ impl Histogram {
             max_ns: max,
         }
     }
+}
+
+/// A benchmark sample: a value with a total order ([`median`] sorts them).
+pub trait Sample: Copy + Default {
+    /// The total order of two samples (floats by `total_cmp`).
+    fn total_cmp(&self, other: &Self) -> Ordering;
+}
+
+impl Sample for u64 {
+    fn total_cmp(&self, other: &Self) -> Ordering {
+        self.cmp(other)
+    }
+}
+
+impl Sample for f64 {
+    fn total_cmp(&self, other: &Self) -> Ordering {
+        f64::total_cmp(self, other)
+    }
+}
+
+/// The median of benchmark samples: the middle one, the upper of the two middle ones for an even
+/// count, and zero for none. Every benchmark in the workspace reports its runs by it.
+pub fn median<T: Sample>(samples: impl IntoIterator<Item = T>) -> T {
+    let mut v: Vec<T> = samples.into_iter().collect();
+    if v.is_empty() {
+        return T::default();
+    }
+    let mid = v.len() / 2;
+    *v.select_nth_unstable_by(mid, Sample::total_cmp).1
 }
 
 /// The pager's counters; shared by the API and the fault thread.
@@ -183,5 +214,21 @@ mod tests {
         assert!(s.p50_ns <= s.max_ns && s.p99_ns <= s.max_ns, "{s:?}");
         // 1.1 ms falls in the bucket that ends at 2^21 ns (2.1 ms): the bound is clamped.
         assert_eq!(s.p99_ns, s.max_ns);
+    }
+
+    #[test]
+    fn the_median_is_the_middle_sample_or_the_upper_middle_one() {
+        fn check<T: Sample + PartialEq + std::fmt::Debug>(samples: &[T], expected: T) {
+            assert_eq!(median(samples.iter().copied()), expected, "{samples:?}");
+        }
+        check::<u64>(&[], 0);
+        check(&[7u64], 7);
+        check(&[3u64, 1, 2], 2);
+        check(&[4u64, 1, 3, 2], 3);
+        check::<f64>(&[], 0.0);
+        check(&[0.5, -1.0, 2.0], 0.5);
+        check(&[2.0, 1.0], 2.0);
+        // A NaN sorts last instead of breaking the order.
+        check(&[f64::NAN, 1.0, 3.0], 3.0);
     }
 }

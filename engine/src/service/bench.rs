@@ -1,6 +1,7 @@
 //! `llms bench load`: one context swapped out completely and brought back by the Load pipeline,
 //! (a) reading every chunk, (b) recomputing every chunk, (c) as the planner splits them, with
-//! (d) the delay the plan predicted; optionally under a cgroup v1 blkio read throttle.
+//! (d) the delay the plan predicted; optionally under a cgroup v1 blkio read throttle, and with
+//! the peak of the cgroup v1 memory group the process runs in.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use crate::kv::KvFormat;
 use crate::model::Model;
 use crate::service::cgroup;
 use crate::service::{CallOptions, LoadMode, Manager, ManagerConfig, Owner, ServiceError};
+use uffd_pager::median;
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -33,6 +35,8 @@ pub struct LoadBenchOptions {
     pub mount_guard: Option<kvfs::guard::GuardCommand>,
     /// Threads reading chunks when nothing is recomputed (`ManagerConfig::io_threads`).
     pub io_threads: usize,
+    /// The planner's starting costs (a profile of this machine); `None`: the built-in ones.
+    pub cost: Option<policy::CostModel>,
 }
 
 /// One row: a length, a storage speed and a load mode, medians over the runs.
@@ -53,6 +57,9 @@ pub struct LoadRow {
     pub predicted_ms: f64,
     /// Recompute throughput during the Load, tokens/s.
     pub recompute_tps: f64,
+    /// The memory group's peak over the row's rounds (model, store and mount included), bytes;
+    /// `None` without a group.
+    pub peak_memory_bytes: Option<u64>,
 }
 
 /// The report.
@@ -63,11 +70,10 @@ pub struct LoadBenchReport {
     pub rows: Vec<LoadRow>,
     /// Prefill throughput of each context's first call (tokens/s), for comparison with recompute.
     pub prefill_tps: Vec<(usize, f64)>,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+    /// The cgroup v1 memory group the benchmark ran in, if any.
+    pub memory_cgroup: Option<PathBuf>,
+    /// Its peak over the whole run, the model's loading included, bytes.
+    pub peak_memory_bytes: Option<u64>,
 }
 
 impl LoadBenchReport {
@@ -81,13 +87,16 @@ impl LoadBenchReport {
                 "the store's API (no mount)"
             }
         );
-        s += "tokens  disk        mode        chunks  read  recomp  load ms   io ms  recomp ms  predicted ms  recomp t/s\n";
+        s += "tokens  disk        mode        chunks  read  recomp  load ms   io ms  recomp ms  predicted ms  recomp t/s  peak MiB\n";
         for r in &self.rows {
             let disk = r
                 .throttle_mib_s
                 .map_or("full".to_string(), |m| format!("{m:.0} MiB/s"));
+            let peak = r
+                .peak_memory_bytes
+                .map_or("-".to_string(), |b| format!("{:.1}", mib(b)));
             s += &format!(
-                "{:>6}  {:<10}  {:<10}  {:>6}  {:>4}  {:>6}  {:>7.2}  {:>6.2}  {:>9.2}  {:>12.2}  {:>10.0}\n",
+                "{:>6}  {:<10}  {:<10}  {:>6}  {:>4}  {:>6}  {:>7.2}  {:>6.2}  {:>9.2}  {:>12.2}  {:>10.0}  {:>8}\n",
                 r.tokens,
                 disk,
                 r.mode,
@@ -98,22 +107,54 @@ impl LoadBenchReport {
                 r.io_ms,
                 r.recompute_ms,
                 r.predicted_ms,
-                r.recompute_tps
+                r.recompute_tps,
+                peak
             );
         }
         for (n, tps) in &self.prefill_tps {
             s += &format!("prefill of {n} tokens: {tps:.0} tokens/s\n");
         }
+        match (&self.memory_cgroup, self.peak_memory_bytes) {
+            (Some(g), Some(b)) => {
+                s += &format!(
+                    "peak of the memory cgroup {}: {:.1} MiB over the run (a row's peak: over its rounds)\n",
+                    g.display(),
+                    mib(b)
+                );
+            }
+            _ => s += "peak memory: not measured (no cgroup v1 memory group)\n",
+        }
         s
     }
 }
 
-/// Runs the benchmark on `model`; `progress` is told what runs.
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1 << 20)
+}
+
+/// Runs the benchmark on `model`; `progress` is told what runs. With `memory`, the cgroup v1
+/// memory group this process runs in (entered before the model was loaded,
+/// [`cgroup::Joined`]), every row reports the group's peak over its rounds and the report the
+/// peak over the whole run.
 pub fn run(
     model: Arc<Model>,
     opts: &LoadBenchOptions,
+    memory: Option<&cgroup::Group>,
     mut progress: impl FnMut(&str),
 ) -> Result<LoadBenchReport, ServiceError> {
+    let cgroup_err = |e: cgroup::CgroupError| ServiceError::Internal {
+        what: e.to_string(),
+    };
+    let mut overall: Option<u64> = None;
+    // The peak since the last reset, kept in the run's peak, and a fresh start.
+    let mut peak_and_reset = || -> Result<Option<u64>, ServiceError> {
+        let Some(g) = memory else { return Ok(None) };
+        let peak = g.peak_memory().map_err(cgroup_err)?;
+        g.reset_peak().map_err(cgroup_err)?;
+        overall = Some(overall.unwrap_or(0).max(peak));
+        Ok(Some(peak))
+    };
+    peak_and_reset()?;
     let mut rows = Vec::new();
     let mut prefill_tps = Vec::new();
     let owner = Owner {
@@ -133,6 +174,9 @@ pub fn run(
         cfg.max_tokens = (max_len + 64).div_ceil(16) * 16;
         if !opts.compress {
             cfg.compress_bits = None;
+        }
+        if let Some(cost) = opts.cost {
+            cfg.cost = cost;
         }
         let mut m = Manager::open(Arc::clone(&model), cfg)?;
         let mut x = 0x2545_f491_4f6c_dd1du64 ^ n as u64;
@@ -168,6 +212,7 @@ pub fn run(
                     throttle.map_or("full".into(), |b| format!("{} MiB/s", b >> 20))
                 ));
                 m.set_load_mode(mode);
+                peak_and_reset()?;
                 let mut samples: Vec<crate::service::LoadReport> = Vec::new();
                 for _ in 0..opts.runs.max(1) {
                     m.flush();
@@ -180,9 +225,8 @@ pub fn run(
                     let r = m.call(&owner, id, &[], &opts0, Instant::now(), |_| true)?;
                     samples.push(r.load);
                 }
-                let med = |f: &dyn Fn(&crate::service::LoadReport) -> f64| {
-                    median(&mut samples.iter().map(f).collect::<Vec<_>>())
-                };
+                let med =
+                    |f: &dyn Fn(&crate::service::LoadReport) -> f64| median(samples.iter().map(f));
                 let last = samples.last().cloned().unwrap_or_default();
                 let re_tokens = last.recomputed.len() * 16;
                 let re_ms = med(&|l| l.recompute_secs * 1e3);
@@ -203,6 +247,7 @@ pub fn run(
                     } else {
                         0.0
                     },
+                    peak_memory_bytes: peak_and_reset()?,
                 });
             }
             drop(guard);
@@ -211,10 +256,13 @@ pub fn run(
         let _ = std::fs::remove_dir_all(&store);
         let _ = std::fs::remove_dir(store.with_extension("mnt"));
     }
+    peak_and_reset()?;
     Ok(LoadBenchReport {
         mount: opts.mount,
         rows,
         prefill_tps,
+        memory_cgroup: memory.map(|g| g.path().to_owned()),
+        peak_memory_bytes: overall,
     })
 }
 
@@ -222,9 +270,7 @@ pub fn run(
 /// moves the process back and removes the group.
 #[derive(Debug)]
 pub struct Throttle {
-    // Dropped after `drop` moved the process home, so the group is empty when removed.
-    _group: cgroup::Group,
-    home: PathBuf,
+    _joined: cgroup::Joined,
 }
 
 impl Throttle {
@@ -234,20 +280,9 @@ impl Throttle {
             what: e.to_string(),
         };
         let dev = cgroup::Device::of(path).map_err(err)?;
-        let home = cgroup::own_group("blkio").map_err(err)?;
-        let group = cgroup::Group::create("blkio", &format!("llms-bench-{}", std::process::id()))
+        let joined = cgroup::Joined::enter("blkio", &format!("llms-bench-{}", std::process::id()))
             .map_err(err)?;
-        group.throttle(dev, Some(bps), None).map_err(err)?;
-        group.add(std::process::id()).map_err(err)?;
-        Ok(Throttle {
-            _group: group,
-            home,
-        })
-    }
-}
-
-impl Drop for Throttle {
-    fn drop(&mut self) {
-        let _ = cgroup::move_to(&self.home, std::process::id());
+        joined.group().throttle(dev, Some(bps), None).map_err(err)?;
+        Ok(Throttle { _joined: joined })
     }
 }

@@ -1,8 +1,9 @@
 //! cgroup v1 groups for the benchmarks: a fresh group under this process's own group of a
-//! controller (`memory`, `blkio`), processes moved into it, blkio throttles on the disk that
-//! holds a path, and the group's counters (peak memory, bytes read and written). The group is
-//! removed when dropped. docs/bench.md shows how `llms bench switch` uses them; the service's own
-//! reading of its memory cgroup is `pressure`.
+//! controller (`memory`, `blkio`), processes moved into it (or this process, for as long as a
+//! [`Joined`] lives), blkio throttles on the disk that holds a path, and the group's counters
+//! (peak memory, bytes read and written). The group is removed when dropped. docs/bench.md shows
+//! how `llms bench switch` uses them, docs/service.md `llms bench load`; the service's own reading
+//! of its memory cgroup is `pressure`.
 
 use std::path::{Path, PathBuf};
 
@@ -161,6 +162,18 @@ impl Group {
         Ok(())
     }
 
+    /// The most memory the group's processes used at once since it was made or
+    /// [`reset_peak`](Self::reset_peak) (`memory.max_usage_in_bytes`: resident memory and the page
+    /// cache they charged; memory groups only).
+    pub fn peak_memory(&self) -> Result<u64, CgroupError> {
+        self.read_u64("memory.max_usage_in_bytes")
+    }
+
+    /// Starts the peak over from the group's present usage (memory groups only).
+    pub fn reset_peak(&self) -> Result<(), CgroupError> {
+        write(&self.dir.join("memory.max_usage_in_bytes"), "0")
+    }
+
     /// One number in a file of the group (`memory.max_usage_in_bytes`).
     pub fn read_u64(&self, file: &str) -> Result<u64, CgroupError> {
         let path = self.dir.join(file);
@@ -210,6 +223,38 @@ pub fn parse_io_bytes(text: &str, dev: Device) -> (u64, u64) {
 impl Drop for Group {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// This process in a group of its own while the value lives: dropping it moves the process back
+/// to the group it came from and removes the group. Memory charged inside stays charged to the
+/// group (cgroup v1 moves no charges), so enter a memory group before what it should count.
+#[derive(Debug)]
+pub struct Joined {
+    // Dropped after `drop` moved the process home, so the group is empty when removed.
+    group: Group,
+    home: PathBuf,
+}
+
+impl Joined {
+    /// Makes the group `name` under this process's own group of `controller` and moves this
+    /// process (all its threads, and the children it starts from now on) into it.
+    pub fn enter(controller: &str, name: &str) -> Result<Joined, CgroupError> {
+        let home = own_group(controller)?;
+        let group = Group::create(controller, name)?;
+        group.add(std::process::id())?;
+        Ok(Joined { group, home })
+    }
+
+    /// The group this process is in.
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+}
+
+impl Drop for Joined {
+    fn drop(&mut self) {
+        let _ = move_to(&self.home, std::process::id());
     }
 }
 

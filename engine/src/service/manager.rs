@@ -108,7 +108,8 @@ pub struct ManagerConfig {
     pub write_out: WriteOut,
     /// How missing chunks come back.
     pub load: LoadMode,
-    /// The costs the planner starts from; refined with every Load's measurements.
+    /// The costs the planner starts from ([`default_cost`], or a profile of this machine:
+    /// [`crate::service::profile::read_cost_model`]); refined with every Load's measurements.
     pub cost: CostModel,
     /// Chunks the AoT writer may hold queued (bounds its memory).
     pub writer_queue: usize,

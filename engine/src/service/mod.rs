@@ -19,6 +19,7 @@ pub mod manager;
 pub mod managers;
 pub mod memory;
 pub mod pressure;
+pub mod profile;
 pub mod protocol;
 pub mod source;
 pub mod writer;
