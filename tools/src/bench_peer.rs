@@ -592,7 +592,8 @@ pub(crate) fn replay(
     let peak_memory_bytes = memory.read_u64("memory.max_usage_in_bytes")?;
     drop((memory, blkio));
     let _ = std::fs::remove_dir_all(&dir);
-    let mut run = crate::bench_switch::summarize(kv.row(), budget, contexts, log, s.read_bps);
+    let mut run =
+        crate::bench_switch::summarize(kv.row(), budget, contexts, log, s.read_bps, s.disk_bps);
     run.daemon_manager = kv.row().to_owned();
     run.disk_read_bytes = disk_read_bytes;
     run.disk_written_bytes = disk_written_bytes;

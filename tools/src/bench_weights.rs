@@ -188,7 +188,9 @@ pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
         }
         (model.weight_bytes() as u64, toks[..a.prefill].to_vec())
     };
-    let disk_read_bps = disk_bps(&path)?;
+    // The model's disk: 64 MiB of the file in 1 MiB `O_DIRECT` reads, one at a time (as the
+    // stream reads).
+    let disk_read_bps = crate::disk::direct_read_bps(&path, 64 << 20, 1)?;
     let threads = rayon::current_num_threads();
     eprintln!(
         "bench weights: {:.1} MiB of weights, {threads} threads, disk {:.2} GB/s with O_DIRECT{}",
@@ -333,31 +335,6 @@ fn method(name: &str, budget: Option<u64>, slots: usize) -> anyhow::Result<Weigh
         slots,
         read_bps: None,
     })
-}
-
-/// The read bandwidth of the model's disk: 64 MiB of the file in 1 MiB `O_DIRECT` reads.
-fn disk_bps(path: &Path) -> anyhow::Result<f64> {
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
-        .open(path)
-        .with_context(|| format!("cannot open {} with O_DIRECT", path.display()))?;
-    let mut raw = vec![0u8; (1 << 20) + 4096];
-    let at = raw.as_ptr().align_offset(4096);
-    let buf = &mut raw[at..at + (1 << 20)];
-    let (mut off, mut done) = (0u64, 0usize);
-    let t = Instant::now();
-    while done < 64 << 20 {
-        let n = f.read_at(buf, off)?;
-        if n < buf.len() {
-            off = 0;
-        } else {
-            off += n as u64;
-        }
-        done += n.max(1);
-    }
-    Ok(done as f64 / t.elapsed().as_secs_f64())
 }
 
 /// Creates the run's cgroups, runs the child in them, removes them.

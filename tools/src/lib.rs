@@ -17,6 +17,7 @@ mod bench_weights;
 mod chat_cmd;
 mod ctx_cmd;
 mod daemon_proc;
+mod disk;
 mod engine_cmd;
 mod kv_mix_cmd;
 mod kvfs_cmd;
