@@ -669,6 +669,19 @@ fn coded_pairs(
     }
 }
 
+/// Head `h`'s keys in one f16 layer as stored (`[token][dim]`, two little-endian bytes per
+/// value), for kernels that convert them in registers.
+pub fn f16_keys<'a>(shape: &ChunkShape, layer: &'a [u8], h: usize) -> &'a [u8] {
+    let blk = shape.block();
+    &layer[h * blk * 2..(h + 1) * blk * 2]
+}
+
+/// Head `h`'s values in one f16 layer as stored, as [`f16_keys`].
+pub fn f16_values<'a>(shape: &ChunkShape, layer: &'a [u8], h: usize) -> &'a [u8] {
+    let blk = shape.block();
+    &layer[shape.k_bytes(KvFormat::F16)..][h * blk * 2..(h + 1) * blk * 2]
+}
+
 /// Decodes head `h`'s keys from one encoded layer into `out` (`[token][dim]`).
 pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &mut [f32]) {
     let (blk, hd) = (shape.block(), shape.head_dim);
