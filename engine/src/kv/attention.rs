@@ -17,12 +17,13 @@
 //! receives is summed into the cache, so each chunk's information density is known with no
 //! second pass.
 
-use crate::kv::codec::{decode_k, decode_v, f16_keys, f16_values};
+use crate::kv::codec::{decode_k, decode_v, f16_keys, f16_values, int8_keys, int8_values};
 use crate::kv::{KvCache, KvError, KvFormat, LayerView};
 use crate::model::kernels::{
-    axpy, axpy_rows, axpy_rows_f16, dot, dot_rows, dot_rows_f16, matmul_nn, matmul_nt,
-    matmul_serial, softmax, softmax_exp,
+    axpy, axpy_rows, axpy_rows_f16, axpy_rows_i8, dot, dot_rows, dot_rows_f16, dot_rows_i8,
+    matmul_nn, matmul_nt, matmul_serial, softmax, softmax_exp,
 };
+use crate::model::simd::prefetch_l2;
 use rayon::prelude::*;
 
 /// The shape of one attention call.
@@ -243,6 +244,9 @@ pub fn attend_chunks(
     Ok(())
 }
 
+/// How many chunks ahead of the one in work decode attention asks for a chunk's layer.
+const PREFETCH_CHUNKS: usize = 2;
+
 /// Chunks per decode task below which a KV head's chunks are not split further.
 const DECODE_TASK_CHUNKS: usize = 8;
 
@@ -340,7 +344,24 @@ fn attend_packed_split(
         let width = end - start;
         let mut e = vec![0.0f32; rows * width];
         let mut buf = vec![0.0f32; t * hd];
+        // Scales of an int8 chunk (per channel for keys, per token for values), and a query
+        // row or a row of weights with them folded in.
+        let mut scales = vec![0.0f32; hd.max(t)];
+        let (mut qs, mut ws) = (vec![0.0f32; hd], vec![0.0f32; t]);
+        // Chunks are separate slots of memory, each read in pieces of a few KiB: ask for a
+        // chunk's layer a few chunks before its keys are read (its values follow from cache).
+        let ahead = |c: usize| {
+            if c < c1
+                && let Ok(LayerView::Sealed(_, bytes)) = view.layer_view(layer, c)
+            {
+                prefetch_l2(bytes);
+            }
+        };
+        for c in c0..c0 + PREFETCH_CHUNKS {
+            ahead(c);
+        }
         for c in c0..c1 {
+            ahead(c + PREFETCH_CHUNKS);
             let live = t.min(total - c * t);
             let off = c * t - start;
             let keys = match view.layer_view(layer, c)? {
@@ -349,6 +370,17 @@ fn attend_packed_split(
                     let k = &f16_keys(&cs, bytes, g)[..live * hd * 2];
                     for (r, srow) in e.chunks_exact_mut(width).enumerate() {
                         dot_rows_f16(qrow(r), k, &mut srow[off..off + live], &mut buf);
+                    }
+                    continue;
+                }
+                // int8 keys too, each row's query scaled by the channels' scales instead.
+                LayerView::Sealed(KvFormat::Int8, bytes) => {
+                    let k = &int8_keys(&cs, bytes, g, &mut scales)[..live * hd];
+                    for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+                        for ((s, &q), &sc) in qs.iter_mut().zip(qrow(r)).zip(&scales) {
+                            *s = q * sc;
+                        }
+                        dot_rows_i8(&qs, k, &mut srow[off..off + live], &mut buf);
                     }
                     continue;
                 }
@@ -379,6 +411,18 @@ fn attend_packed_split(
                     let v = &f16_values(&cs, bytes, g)[..live * hd * 2];
                     for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
                         axpy_rows_f16(orow, &erow[off..off + live], v, &mut buf);
+                    }
+                    continue;
+                }
+                // int8 values, each weight scaled by its token's scale instead.
+                LayerView::Sealed(KvFormat::Int8, bytes) => {
+                    let v = &int8_values(&cs, bytes, g, &mut scales)[..live * hd];
+                    for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
+                        for ((w, &e), &sc) in ws.iter_mut().zip(&erow[off..off + live]).zip(&scales)
+                        {
+                            *w = e * sc;
+                        }
+                        axpy_rows_i8(orow, &ws[..live], v, &mut buf);
                     }
                     continue;
                 }

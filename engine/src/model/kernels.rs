@@ -528,6 +528,55 @@ pub fn axpy_rows_f16_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[u8], buf: 
     axpy_rows_with(isa, o, w, &buf[..n]);
 }
 
+/// [`dot_rows`] over keys stored as signed bytes (their scales folded into `q`): converted in
+/// registers on the AVX-512 path, through `buf` (at least `out.len() · q.len()` values) on the
+/// others. Every path gives [`dot_rows_with`] of the converted keys up to summation order.
+pub fn dot_rows_i8(q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
+    dot_rows_i8_with(Isa::best(), q, keys, out, buf);
+}
+
+/// [`dot_rows_i8`] on a given path.
+pub fn dot_rows_i8_with(isa: Isa, q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    let hd = q.len();
+    let n = out.len() * hd;
+    assert!(keys.len() >= n, "dot_rows_i8: short keys");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and q's
+        // length is a multiple of 16.
+        return unsafe { simd::avx512::dot_rows_i8(q, keys, out) };
+    }
+    for (b, &k) in buf[..n].iter_mut().zip(&keys[..n]) {
+        *b = f32::from(k as i8);
+    }
+    dot_rows_with(isa, q, &buf[..n], out);
+}
+
+/// [`axpy_rows`] over value rows stored as signed bytes (their scales folded into `w`); `buf`
+/// as in [`dot_rows_i8`], at least `w.len() · o.len()` values.
+pub fn axpy_rows_i8(o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
+    axpy_rows_i8_with(Isa::best(), o, w, vals, buf);
+}
+
+/// [`axpy_rows_i8`] on a given path.
+pub fn axpy_rows_i8_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    let hd = o.len();
+    let n = w.len() * hd;
+    assert!(vals.len() >= n, "axpy_rows_i8: short values");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and o's
+        // length is a multiple of 16.
+        return unsafe { simd::avx512::axpy_rows_i8(o, w, vals) };
+    }
+    for (b, &v) in buf[..n].iter_mut().zip(&vals[..n]) {
+        *b = f32::from(v as i8);
+    }
+    axpy_rows_with(isa, o, w, &buf[..n]);
+}
+
 /// Adds `b` to `a` elementwise.
 pub fn add_assign(a: &mut [f32], b: &[f32]) {
     for (a, b) in a.iter_mut().zip(b) {
@@ -680,6 +729,30 @@ mod tests {
                         assert!(
                             (a - b).abs() <= mag * (n + 1) as f32 * f32::EPSILON,
                             "{isa:?} f16 hd {hd} n {n} dim {d}: {a} vs {b}"
+                        );
+                    }
+                    // Keys that are whole numbers give the same sums read from bytes.
+                    let k8: Vec<u8> = keys.iter().map(|&k| (k * 4.0) as i8 as u8).collect();
+                    let q4: Vec<f32> = q.iter().map(|&v| v / 4.0).collect();
+                    let w4: Vec<f32> = w.iter().map(|&v| v / 4.0).collect();
+                    let mut got8 = vec![f32::NAN; n];
+                    dot_rows_i8_with(isa, &q4, &k8, &mut got8, &mut buf);
+                    let (mut o8, mut o) = (o0.clone(), o0.clone());
+                    axpy_rows_i8_with(isa, &mut o8, &w4, &k8, &mut buf);
+                    axpy_rows_with(isa, &mut o, &w, &keys);
+                    for (i, (a, b)) in got8.iter().zip(&got[..n]).enumerate() {
+                        let mag: f32 = (0..hd).map(|d| (q[d] * keys[i * hd + d]).abs()).sum();
+                        assert!(
+                            (a - b).abs() <= mag * hd as f32 * f32::EPSILON,
+                            "{isa:?} i8 hd {hd} n {n} key {i}: {a} vs {b}"
+                        );
+                    }
+                    for (d, (a, b)) in o8.iter().zip(&o).enumerate() {
+                        let mag: f32 = o0[d].abs()
+                            + (0..n).map(|i| (w[i] * keys[i * hd + d]).abs()).sum::<f32>();
+                        assert!(
+                            (a - b).abs() <= mag * (n + 1) as f32 * f32::EPSILON,
+                            "{isa:?} i8 hd {hd} n {n} dim {d}: {a} vs {b}"
                         );
                     }
                     let mut o = o0.clone();

@@ -1,6 +1,18 @@
 //! The engine's SIMD kernels over quantized blocks, one module per instruction set; callers check
 //! the CPU at run time ([`crate::model::qmatrix::Isa`]) before calling into them.
 
+/// Asks for the cache lines of `bytes` into L2 (a hint: no effect on results, and none on
+/// CPUs other than x86-64).
+pub fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for o in (0..bytes.len()).step_by(64) {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: SSE is part of every x86-64 CPU; a prefetch reads nothing architecturally,
+        // and the address is inside `bytes` anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes[o..].as_ptr() as *const i8) };
+    }
+}
+
 /// AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1).
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
@@ -1154,6 +1166,93 @@ pub mod avx512 {
                         _mm512_cvtph_ps(_mm256_loadu_si256(
                             vp.add((i * hd + d0 + 16 * v) * 2) as *const __m256i
                         ))
+                    };
+                    acc[i & 1][v] = _mm512_fmadd_ps(wb, x, acc[i & 1][v]);
+                }
+            }
+            for v in 0..nv {
+                let sum = _mm512_add_ps(acc[0][v], acc[1][v]);
+                // SAFETY: as the loads above.
+                unsafe { _mm512_storeu_ps(op.add(d0 + 16 * v), sum) };
+            }
+        }
+    }
+
+    /// [`dot_rows`] over keys stored as signed bytes (`keys`: one byte per value, their scales
+    /// already folded into `q`), converted in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn dot_rows_i8(q: &[f32], keys: &[u8], out: &mut [f32]) {
+        let hd = q.len();
+        let n = out.len();
+        assert!(
+            hd.is_multiple_of(16) && keys.len() >= n * hd,
+            "avx512::dot_rows_i8: bad sizes"
+        );
+        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+        // SAFETY: key j < n holds hd bytes inside `keys` (asserted above); d + 16 <= hd.
+        let key = |j: usize, d: usize| unsafe {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                kp.add(j * hd + d) as *const __m128i
+            )))
+        };
+        let mut i = 0;
+        while i + 16 <= n {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for d in (0..hd).step_by(16) {
+                // SAFETY: d + 16 <= hd: inside q.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(key(i + j, d), qv, *a);
+                }
+            }
+            // SAFETY: i + 16 <= n: inside out.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), reduce16(&acc)) };
+            i += 16;
+        }
+        for (j, o) in out.iter_mut().enumerate().skip(i) {
+            let mut a = _mm512_setzero_ps();
+            for d in (0..hd).step_by(16) {
+                // SAFETY: d + 16 <= hd: inside q.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+                a = _mm512_fmadd_ps(key(j, d), qv, a);
+            }
+            *o = _mm512_reduce_add_ps(a);
+        }
+    }
+
+    /// [`axpy_rows`] over value rows stored as signed bytes (`vals`: one byte per value, their
+    /// scales already folded into `w`), converted in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
+    // One index runs over several register arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn axpy_rows_i8(o: &mut [f32], w: &[f32], vals: &[u8]) {
+        let hd = o.len();
+        assert!(
+            hd.is_multiple_of(16) && vals.len() >= w.len() * hd,
+            "avx512::axpy_rows_i8: bad sizes"
+        );
+        let (op, vp) = (o.as_mut_ptr(), vals.as_ptr());
+        for d0 in (0..hd).step_by(64) {
+            let nv = ((hd - d0) / 16).min(4);
+            let mut acc = [[_mm512_setzero_ps(); 4]; 2];
+            for v in 0..nv {
+                // SAFETY: d0 + 16 v + 16 <= hd: inside o.
+                acc[0][v] = unsafe { _mm512_loadu_ps(op.add(d0 + 16 * v)) };
+            }
+            for (i, &wi) in w.iter().enumerate() {
+                let wb = _mm512_set1_ps(wi);
+                for v in 0..nv {
+                    // SAFETY: row i < w.len() holds hd bytes inside `vals` (asserted above).
+                    let x = unsafe {
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            vp.add(i * hd + d0 + 16 * v) as *const __m128i,
+                        )))
                     };
                     acc[i & 1][v] = _mm512_fmadd_ps(wb, x, acc[i & 1][v]);
                 }
