@@ -17,9 +17,13 @@
 //! receives is summed into the cache, so each chunk's information density is known with no
 //! second pass.
 
-use crate::kv::codec::{decode_k, decode_v};
-use crate::kv::{KvCache, KvError, LayerView};
-use crate::model::kernels::{axpy, dot, matmul_nn, matmul_nt, matmul_serial, softmax};
+use crate::kv::codec::{decode_k, decode_v, f16_keys, f16_values, int8_keys, int8_values};
+use crate::kv::{KvCache, KvError, KvFormat, LayerView};
+use crate::model::kernels::{
+    axpy, axpy_rows, axpy_rows_f16, axpy_rows_i8, dot, dot_rows, dot_rows_f16, dot_rows_i8,
+    matmul_nn, matmul_nt, matmul_serial, softmax, softmax_exp,
+};
+use crate::model::simd::prefetch_l2;
 use rayon::prelude::*;
 
 /// The shape of one attention call.
@@ -240,7 +244,48 @@ pub fn attend_chunks(
     Ok(())
 }
 
+/// How many chunks ahead of the one in work decode attention asks for a chunk's layer.
+const PREFETCH_CHUNKS: usize = 2;
+
+/// Chunks per decode task below which a KV head's chunks are not split further.
+const DECODE_TASK_CHUNKS: usize = 8;
+
+/// How many ranges to cut each KV head's `chunks` into, so the `n_kv_heads × splits` tasks of
+/// a decode step fall evenly on `threads` (3 KV heads on 2 threads would leave one thread
+/// doing two heads while the other waits): the fewest splits that make the tasks a multiple of
+/// the threads, with at least [`DECODE_TASK_CHUNKS`] chunks a task, else as many as that allows.
+fn decode_splits(n_kv_heads: usize, chunks: usize, threads: usize) -> usize {
+    let most = (chunks / DECODE_TASK_CHUNKS).max(1);
+    (1..=most)
+        .find(|s| (n_kv_heads * s).is_multiple_of(threads.max(1)))
+        .unwrap_or(most)
+}
+
+/// One task of [`attend_packed`]: KV head `g`'s chunks from `c0`, for every query row of the
+/// head, softmax not yet normalized (pieces of one head are put together at the end).
+struct Piece {
+    g: usize,
+    /// The first position of the piece.
+    start: usize,
+    /// Positions in the piece.
+    width: usize,
+    /// `[rows][width]`: `e^(scale · s - max)` per row and position; 0 where masked.
+    e: Vec<f32>,
+    /// Per row, `scale` times its largest score in the piece (−∞ if it sees none of it).
+    max: Vec<f32>,
+    /// Per row, Σ e.
+    sum: Vec<f32>,
+    /// `[rows][head_dim]`: Σ e v.
+    o: Vec<f32>,
+}
+
 /// Attention of a few query rows straight from chunk memory (see the module comment).
+///
+/// Each KV head's chunks are cut into ranges ([`decode_splits`]), one task each; a task reads
+/// its chunks' keys (scores of each query row against 16 keys at a time), takes its rows'
+/// exponentials against its own largest score and sums its values weighted by them; the
+/// pieces of a head are then scaled to the head's largest score and normalized (as in
+/// flash-decoding), which equals one softmax over the whole row up to f32 rounding.
 pub fn attend_packed(
     cache: &mut KvCache,
     layer: usize,
@@ -248,6 +293,24 @@ pub fn attend_packed(
     q: &[f32],
     p0: usize,
     n: usize,
+    out: &mut [f32],
+) -> Result<(), KvError> {
+    let chunks = cache.chunks_upto(p0 + n);
+    let threads = rayon::current_num_threads();
+    let splits = decode_splits(shape.n_kv_heads, chunks, threads);
+    attend_packed_split(cache, layer, shape, q, p0, n, splits, out)
+}
+
+/// [`attend_packed`] with each KV head's chunks cut into `splits` ranges.
+#[allow(clippy::too_many_arguments)]
+fn attend_packed_split(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    p0: usize,
+    n: usize,
+    splits: usize,
     out: &mut [f32],
 ) -> Result<(), KvError> {
     let AttnShape {
@@ -262,75 +325,166 @@ pub fn attend_packed(
     let t = cs.tokens;
     let chunks = cache.chunks_upto(total);
     let rows = n * group;
-    let results: Vec<(Vec<f32>, Vec<f32>)> = {
-        let cache = &*cache;
-        (0..n_kv_heads)
-            .into_par_iter()
-            .map(|g| -> Result<_, KvError> {
-                // Row r is query token r / group, head g * group + r % group.
-                let qrow = |r: usize| {
-                    let src = (r / group) * n_heads * hd + (g * group + r % group) * hd;
-                    &q[src..src + hd]
-                };
-                let mut s = vec![0.0f32; rows * total];
-                let mut buf = vec![0.0f32; t * hd];
-                for c in 0..chunks {
-                    let keys = match cache.layer_view(layer, c)? {
-                        LayerView::Sealed(f, bytes) => {
-                            decode_k(&cs, f, bytes, g, &mut buf);
-                            &buf[..]
-                        }
-                        LayerView::Open(b) => &b[g * t * hd..(g + 1) * t * hd],
-                    };
-                    let live = t.min(total - c * t);
-                    for (i, k) in keys.chunks_exact(hd).take(live).enumerate() {
-                        let p = c * t + i;
-                        for r in 0..rows {
-                            s[r * total + p] = dot(qrow(r), k);
-                        }
-                    }
-                }
-                let mut col = vec![0.0f32; total];
-                for (r, srow) in s.chunks_exact_mut(total).enumerate() {
-                    let visible = p0 + r / group + 1;
-                    let (live, masked) = srow.split_at_mut(visible);
-                    softmax(live, scale);
-                    masked.fill(0.0);
-                    for (c, p) in col.iter_mut().zip(live.iter()) {
-                        *c += p;
-                    }
-                }
-                let mut o = vec![0.0f32; rows * hd];
-                for c in 0..chunks {
-                    let values = match cache.layer_view(layer, c)? {
-                        LayerView::Sealed(f, bytes) => {
-                            decode_v(&cs, f, bytes, g, &mut buf);
-                            &buf[..]
-                        }
-                        LayerView::Open(b) => &b[(n_kv_heads + g) * t * hd..][..t * hd],
-                    };
-                    let live = t.min(total - c * t);
-                    for (i, v) in values.chunks_exact(hd).take(live).enumerate() {
-                        let p = c * t + i;
-                        for (r, orow) in o.chunks_exact_mut(hd).enumerate() {
-                            let w = s[r * total + p];
-                            if w != 0.0 {
-                                axpy(orow, w, v);
-                            }
-                        }
-                    }
-                }
-                Ok((o, col))
-            })
-            .collect::<Result<_, _>>()?
-    };
-    for (g, (o, col)) in results.into_iter().enumerate() {
-        for (r, orow) in o.chunks_exact(hd).enumerate() {
-            let dst = (r / group) * n_heads * hd + (g * group + r % group) * hd;
-            out[dst..dst + hd].copy_from_slice(orow);
+    let per = chunks.div_ceil(splits).max(1);
+    let tasks: Vec<(usize, usize, usize)> = (0..n_kv_heads)
+        .flat_map(|g| {
+            (0..chunks)
+                .step_by(per)
+                .map(move |c0| (g, c0, (c0 + per).min(chunks)))
+        })
+        .collect();
+    let view = &*cache;
+    let piece = |&(g, c0, c1): &(usize, usize, usize)| -> Result<Piece, KvError> {
+        // Row r is query token r / group, head g * group + r % group.
+        let qrow = |r: usize| {
+            let src = (r / group) * n_heads * hd + (g * group + r % group) * hd;
+            &q[src..src + hd]
+        };
+        let (start, end) = (c0 * t, (c1 * t).min(total));
+        let width = end - start;
+        let mut e = vec![0.0f32; rows * width];
+        let mut buf = vec![0.0f32; t * hd];
+        // Scales of an int8 chunk (per channel for keys, per token for values), and a query
+        // row or a row of weights with them folded in.
+        let mut scales = vec![0.0f32; hd.max(t)];
+        let (mut qs, mut ws) = (vec![0.0f32; hd], vec![0.0f32; t]);
+        // Chunks are separate slots of memory, each read in pieces of a few KiB: ask for a
+        // chunk's layer a few chunks before its keys are read (its values follow from cache).
+        let ahead = |c: usize| {
+            if c < c1
+                && let Ok(LayerView::Sealed(_, bytes)) = view.layer_view(layer, c)
+            {
+                prefetch_l2(bytes);
+            }
+        };
+        for c in c0..c0 + PREFETCH_CHUNKS {
+            ahead(c);
         }
-        cache.add_attention(&col);
+        for c in c0..c1 {
+            ahead(c + PREFETCH_CHUNKS);
+            let live = t.min(total - c * t);
+            let off = c * t - start;
+            let keys = match view.layer_view(layer, c)? {
+                // f16 keys are read as stored, converted in registers where the CPU can.
+                LayerView::Sealed(KvFormat::F16, bytes) => {
+                    let k = &f16_keys(&cs, bytes, g)[..live * hd * 2];
+                    for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+                        dot_rows_f16(qrow(r), k, &mut srow[off..off + live], &mut buf);
+                    }
+                    continue;
+                }
+                // int8 keys too, each row's query scaled by the channels' scales instead.
+                LayerView::Sealed(KvFormat::Int8, bytes) => {
+                    let k = &int8_keys(&cs, bytes, g, &mut scales)[..live * hd];
+                    for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+                        for ((s, &q), &sc) in qs.iter_mut().zip(qrow(r)).zip(&scales) {
+                            *s = q * sc;
+                        }
+                        dot_rows_i8(&qs, k, &mut srow[off..off + live], &mut buf);
+                    }
+                    continue;
+                }
+                LayerView::Sealed(f, bytes) => {
+                    decode_k(&cs, f, bytes, g, &mut buf);
+                    &buf[..]
+                }
+                LayerView::Open(b) => &b[g * t * hd..(g + 1) * t * hd],
+            };
+            for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+                dot_rows(qrow(r), &keys[..live * hd], &mut srow[off..off + live]);
+            }
+        }
+        let mut max = vec![f32::NEG_INFINITY; rows];
+        let mut sum = vec![0.0f32; rows];
+        for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+            let visible = (p0 + r / group + 1).min(end).saturating_sub(start);
+            let (live, masked) = srow.split_at_mut(visible);
+            masked.fill(0.0);
+            (max[r], sum[r]) = softmax_exp(live, scale);
+        }
+        let mut o = vec![0.0f32; rows * hd];
+        for c in c0..c1 {
+            let live = t.min(total - c * t);
+            let off = c * t - start;
+            let values = match view.layer_view(layer, c)? {
+                LayerView::Sealed(KvFormat::F16, bytes) => {
+                    let v = &f16_values(&cs, bytes, g)[..live * hd * 2];
+                    for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
+                        axpy_rows_f16(orow, &erow[off..off + live], v, &mut buf);
+                    }
+                    continue;
+                }
+                // int8 values, each weight scaled by its token's scale instead.
+                LayerView::Sealed(KvFormat::Int8, bytes) => {
+                    let v = &int8_values(&cs, bytes, g, &mut scales)[..live * hd];
+                    for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
+                        for ((w, &e), &sc) in ws.iter_mut().zip(&erow[off..off + live]).zip(&scales)
+                        {
+                            *w = e * sc;
+                        }
+                        axpy_rows_i8(orow, &ws[..live], v, &mut buf);
+                    }
+                    continue;
+                }
+                LayerView::Sealed(f, bytes) => {
+                    decode_v(&cs, f, bytes, g, &mut buf);
+                    &buf[..]
+                }
+                LayerView::Open(b) => &b[(n_kv_heads + g) * t * hd..][..t * hd],
+            };
+            for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
+                axpy_rows(orow, &erow[off..off + live], &values[..live * hd]);
+            }
+        }
+        Ok(Piece {
+            g,
+            start,
+            width,
+            e,
+            max,
+            sum,
+            o,
+        })
+    };
+    let pieces: Vec<Piece> = if tasks.len() > 1 {
+        tasks.par_iter().map(piece).collect::<Result<_, _>>()?
+    } else {
+        tasks.iter().map(piece).collect::<Result<_, _>>()?
+    };
+    let mut col = vec![0.0f32; total];
+    let mut f = Vec::new();
+    for g in 0..n_kv_heads {
+        let head: Vec<&Piece> = pieces.iter().filter(|p| p.g == g).collect();
+        for r in 0..rows {
+            // The row's largest over its pieces; a piece it sees none of weighs 0.
+            let m = head
+                .iter()
+                .map(|p| p.max[r])
+                .fold(f32::NEG_INFINITY, f32::max);
+            f.clear();
+            f.extend(head.iter().map(|p| {
+                if p.sum[r] > 0.0 {
+                    (p.max[r] - m).exp()
+                } else {
+                    0.0
+                }
+            }));
+            let l: f32 = head.iter().zip(&f).map(|(p, f)| f * p.sum[r]).sum();
+            let inv = 1.0 / l;
+            let dst = (r / group) * n_heads * hd + (g * group + r % group) * hd;
+            let orow = &mut out[dst..dst + hd];
+            orow.fill(0.0);
+            for (p, &f) in head.iter().zip(&f) {
+                let a = f * inv;
+                axpy(orow, a, &p.o[r * hd..(r + 1) * hd]);
+                let erow = &p.e[r * p.width..(r + 1) * p.width];
+                for (c, e) in col[p.start..p.start + p.width].iter_mut().zip(erow) {
+                    *c += e * a;
+                }
+            }
+        }
     }
+    cache.add_attention(&col);
     add_seen(cache, n_heads, p0, n);
     Ok(())
 }
@@ -545,13 +699,21 @@ mod tests {
     }
 
     fn check(len: usize, n: usize, formats: &[KvFormat], seed: u64) {
+        check_split(len, n, formats, seed, None);
+    }
+
+    /// [`check`] with decode's chunks cut into `splits` ranges per KV head (`None`: as chosen).
+    fn check_split(len: usize, n: usize, formats: &[KvFormat], seed: u64, splits: Option<usize>) {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut c = cache(len, formats, &mut rng);
         let p0 = len - n;
         let q: Vec<f32> = (0..n * 64).map(|_| rng.random_range(-2.0..2.0)).collect();
         let (want, want_col) = direct(&c, 1, &q, p0, n);
         let mut got = vec![0.0; n * 64];
-        attend(&mut c, 1, SHAPE, &q, p0, n, &mut got).unwrap();
+        match splits {
+            Some(s) => attend_packed_split(&mut c, 1, SHAPE, &q, p0, n, s, &mut got).unwrap(),
+            None => attend(&mut c, 1, SHAPE, &q, p0, n, &mut got).unwrap(),
+        }
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             assert!(
                 (a - b).abs() < 1e-4,
@@ -584,5 +746,44 @@ mod tests {
         check(70, 20, &mixed, 6);
         check(40, 40, &[F16], 7);
         check(100, 3, &[Int4, F16], 8);
+    }
+
+    #[test]
+    fn decode_attention_in_pieces_equals_the_full_matrix() {
+        use KvFormat::*;
+        // Pieces of unequal length, a last chunk still open, a piece the first of two query
+        // rows sees none of (len 257: the second row's last key alone in chunk 16).
+        for (len, n) in [(300, 1), (300, 2), (257, 2), (33, 1)] {
+            for splits in [1, 2, 3, 5, 40] {
+                check_split(
+                    len,
+                    n,
+                    &[Int8, F16, K4v4, Int4],
+                    len as u64 + splits as u64,
+                    Some(splits),
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn decode_splits_balance_the_threads() {
+        let check = |heads, chunks, threads, want| {
+            assert_eq!(
+                decode_splits(heads, chunks, threads),
+                want,
+                "{heads} heads, {chunks} chunks, {threads} threads"
+            );
+        };
+        check(3, 32, 2, 2);
+        check(3, 128, 2, 2);
+        check(3, 15, 2, 1);
+        check(3, 16, 2, 2);
+        check(3, 1, 2, 1);
+        check(2, 100, 2, 1);
+        check(3, 100, 4, 4);
+        check(3, 16, 4, 2);
+        check(8, 200, 2, 1);
+        check(3, 40, 1, 1);
     }
 }

@@ -669,6 +669,54 @@ fn coded_pairs(
     }
 }
 
+/// Head `h`'s keys in one f16 layer as stored (`[token][dim]`, two little-endian bytes per
+/// value), for kernels that convert them in registers.
+pub fn f16_keys<'a>(shape: &ChunkShape, layer: &'a [u8], h: usize) -> &'a [u8] {
+    let blk = shape.block();
+    &layer[h * blk * 2..(h + 1) * blk * 2]
+}
+
+/// Head `h`'s values in one f16 layer as stored, as [`f16_keys`].
+pub fn f16_values<'a>(shape: &ChunkShape, layer: &'a [u8], h: usize) -> &'a [u8] {
+    let blk = shape.block();
+    &layer[shape.k_bytes(KvFormat::F16)..][h * blk * 2..(h + 1) * blk * 2]
+}
+
+/// Head `h`'s keys in one int8 layer as stored (`[token][dim]` signed bytes), with their
+/// per-channel scales written to `scales` (`head_dim` values): key `[i][c]` is
+/// `codes[i][c] · scales[c]`, as [`decode_k`] computes it.
+pub fn int8_keys<'a>(
+    shape: &ChunkShape,
+    layer: &'a [u8],
+    h: usize,
+    scales: &mut [f32],
+) -> &'a [u8] {
+    let (blk, hd) = (shape.block(), shape.head_dim);
+    let vals = shape.k_values_bytes(KvFormat::Int8);
+    let sb = &layer[vals + h * hd * 4..vals + (h + 1) * hd * 4];
+    for (c, s) in scales[..hd].iter_mut().enumerate() {
+        *s = le_f32(sb, c);
+    }
+    &layer[h * blk..(h + 1) * blk]
+}
+
+/// Head `h`'s values in one int8 layer as stored, with their per-token scales written to
+/// `scales` (`tokens` values): value `[i][c]` is `codes[i][c] · scales[i]`, as [`decode_v`].
+pub fn int8_values<'a>(
+    shape: &ChunkShape,
+    layer: &'a [u8],
+    h: usize,
+    scales: &mut [f32],
+) -> &'a [u8] {
+    let (blk, t) = (shape.block(), shape.tokens);
+    let vb = &layer[shape.k_bytes(KvFormat::Int8)..shape.layer_bytes(KvFormat::Int8)];
+    let sb = &vb[shape.v_values_bytes(KvFormat::Int8)..];
+    for (i, s) in scales[..t].iter_mut().enumerate() {
+        *s = le_f32(sb, h * t + i);
+    }
+    &vb[h * blk..(h + 1) * blk]
+}
+
 /// Decodes head `h`'s keys from one encoded layer into `out` (`[token][dim]`).
 pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &mut [f32]) {
     let (blk, hd) = (shape.block(), shape.head_dim);

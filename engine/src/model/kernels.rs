@@ -3,7 +3,7 @@
 //! Matrix products go to the `gemm` crate (the one candle-core uses on CPU), called directly so
 //! that no tensor is allocated per call; everything else is simple loops the compiler vectorises.
 
-use crate::model::qmatrix::Isa;
+use crate::model::qmatrix::{Isa, f16_bytes_to_f32_with};
 use crate::model::simd;
 use gemm::Parallelism;
 
@@ -333,7 +333,7 @@ pub fn swiglu_with(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); g and u are ffn long.
-            Isa::Avx2 => unsafe { simd::avx2::swiglu(o, g, u) },
+            Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::swiglu(o, g, u) },
             _ => {
                 for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
                     *o = g / (1.0 + (-g).exp()) * u;
@@ -345,10 +345,15 @@ pub fn swiglu_with(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
 
 /// `Σ a b` over two rows of equal length (the AVX2 path sums in another order).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    match Isa::best() {
+    dot_with(Isa::best(), a, b)
+}
+
+/// [`dot`] on a given path (which must be [`Isa::available`]).
+fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: best() is a path this CPU has.
-        Isa::Avx2 => unsafe { simd::avx2::dot_f32(a, b) },
+        // SAFETY: callers pass a path this CPU has.
+        Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::dot_f32(a, b) },
         _ => {
             // Eight accumulators let the compiler keep independent vector FMAs in flight.
             let mut acc = [0.0f32; 8];
@@ -370,10 +375,15 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// `y += a x` over rows of equal length.
 pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    match Isa::best() {
+    axpy_with(Isa::best(), y, a, x)
+}
+
+/// [`axpy`] on a given path (which must be [`Isa::available`]).
+fn axpy_with(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
+    match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: best() is a path this CPU has.
-        Isa::Avx2 => unsafe { simd::avx2::axpy_f32(y, a, x) },
+        // SAFETY: callers pass a path this CPU has.
+        Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::axpy_f32(y, a, x) },
         _ => {
             for (y, x) in y.iter_mut().zip(x) {
                 *y += a * x;
@@ -393,7 +403,32 @@ pub fn softmax_with(isa: Isa, row: &mut [f32], scale: f32) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
-        Isa::Avx2 => unsafe { simd::avx2::softmax(row, scale) },
+        Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::softmax(row, scale) },
+        _ => {
+            let (_, sum) = softmax_exp_with(isa, row, scale);
+            let inv = 1.0 / sum;
+            for v in row.iter_mut() {
+                *v *= inv;
+            }
+        }
+    }
+}
+
+/// `row = e^(scale · row - max)` in place, `max` being `scale` times the row's largest value
+/// (`scale > 0`); returns `(max, Σ row)`. A softmax before its normalization: pieces of one row
+/// done apart are put together by scaling each by `e^(max_piece - max_row)`. An empty row gives
+/// `(-∞, 0)`.
+pub fn softmax_exp(row: &mut [f32], scale: f32) -> (f32, f32) {
+    softmax_exp_with(Isa::best(), row, scale)
+}
+
+/// [`softmax_exp`] on a given path.
+pub fn softmax_exp_with(isa: Isa, row: &mut [f32], scale: f32) -> (f32, f32) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
+        Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::softmax_exp(row, scale) },
         _ => {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
             let mut sum = 0.0;
@@ -401,12 +436,145 @@ pub fn softmax_with(isa: Isa, row: &mut [f32], scale: f32) {
                 *v = (*v * scale - max).exp();
                 sum += *v;
             }
-            let inv = 1.0 / sum;
-            for v in row.iter_mut() {
-                *v *= inv;
-            }
+            (max, sum)
         }
     }
+}
+
+/// `out[i] = q · keys[i q.len()..(i + 1) q.len()]`: one query row against consecutive keys.
+pub fn dot_rows(q: &[f32], keys: &[f32], out: &mut [f32]) {
+    dot_rows_with(Isa::best(), q, keys, out);
+}
+
+/// [`dot_rows`] on a given path (each path sums in its own order).
+pub fn dot_rows_with(isa: Isa, q: &[f32], keys: &[f32], out: &mut [f32]) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    let hd = q.len();
+    assert!(keys.len() >= out.len() * hd, "dot_rows: short keys");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and q's
+        // length is a multiple of 16.
+        return unsafe { simd::avx512::dot_rows(q, keys, out) };
+    }
+    for (o, k) in out.iter_mut().zip(keys.chunks_exact(hd.max(1))) {
+        *o = dot_with(isa, q, k);
+    }
+}
+
+/// `o += Σ_i w[i] vals[i o.len()..(i + 1) o.len()]`: a weighted sum of consecutive value rows.
+pub fn axpy_rows(o: &mut [f32], w: &[f32], vals: &[f32]) {
+    axpy_rows_with(Isa::best(), o, w, vals);
+}
+
+/// [`axpy_rows`] on a given path (each path sums in its own order).
+pub fn axpy_rows_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[f32]) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    let hd = o.len();
+    assert!(vals.len() >= w.len() * hd, "axpy_rows: short values");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and o's
+        // length is a multiple of 16.
+        return unsafe { simd::avx512::axpy_rows(o, w, vals) };
+    }
+    for (&a, v) in w.iter().zip(vals.chunks_exact(hd.max(1))) {
+        axpy_with(isa, o, a, v);
+    }
+}
+
+/// [`dot_rows`] over keys stored as little-endian f16 (two bytes per value): converted in
+/// registers on the AVX-512 path, through `buf` (at least `out.len() · q.len()` values) on the
+/// others. Every path gives [`dot_rows_with`] of the converted keys up to summation order.
+pub fn dot_rows_f16(q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
+    dot_rows_f16_with(Isa::best(), q, keys, out, buf);
+}
+
+/// [`dot_rows_f16`] on a given path.
+pub fn dot_rows_f16_with(isa: Isa, q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    let hd = q.len();
+    let n = out.len() * hd;
+    assert!(keys.len() >= n * 2, "dot_rows_f16: short keys");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and q's
+        // length is a multiple of 16.
+        return unsafe { simd::avx512::dot_rows_f16(q, keys, out) };
+    }
+    f16_bytes_to_f32_with(isa, &keys[..n * 2], &mut buf[..n]);
+    dot_rows_with(isa, q, &buf[..n], out);
+}
+
+/// [`axpy_rows`] over value rows stored as little-endian f16 (two bytes per value); `buf` as
+/// in [`dot_rows_f16`], at least `w.len() · o.len()` values.
+pub fn axpy_rows_f16(o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
+    axpy_rows_f16_with(Isa::best(), o, w, vals, buf);
+}
+
+/// [`axpy_rows_f16`] on a given path.
+pub fn axpy_rows_f16_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    let hd = o.len();
+    let n = w.len() * hd;
+    assert!(vals.len() >= n * 2, "axpy_rows_f16: short values");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and o's
+        // length is a multiple of 16.
+        return unsafe { simd::avx512::axpy_rows_f16(o, w, vals) };
+    }
+    f16_bytes_to_f32_with(isa, &vals[..n * 2], &mut buf[..n]);
+    axpy_rows_with(isa, o, w, &buf[..n]);
+}
+
+/// [`dot_rows`] over keys stored as signed bytes (their scales folded into `q`): converted in
+/// registers on the AVX-512 path, through `buf` (at least `out.len() · q.len()` values) on the
+/// others. Every path gives [`dot_rows_with`] of the converted keys up to summation order.
+pub fn dot_rows_i8(q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
+    dot_rows_i8_with(Isa::best(), q, keys, out, buf);
+}
+
+/// [`dot_rows_i8`] on a given path.
+pub fn dot_rows_i8_with(isa: Isa, q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    let hd = q.len();
+    let n = out.len() * hd;
+    assert!(keys.len() >= n, "dot_rows_i8: short keys");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and q's
+        // length is a multiple of 16.
+        return unsafe { simd::avx512::dot_rows_i8(q, keys, out) };
+    }
+    for (b, &k) in buf[..n].iter_mut().zip(&keys[..n]) {
+        *b = f32::from(k as i8);
+    }
+    dot_rows_with(isa, q, &buf[..n], out);
+}
+
+/// [`axpy_rows`] over value rows stored as signed bytes (their scales folded into `w`); `buf`
+/// as in [`dot_rows_i8`], at least `w.len() · o.len()` values.
+pub fn axpy_rows_i8(o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
+    axpy_rows_i8_with(Isa::best(), o, w, vals, buf);
+}
+
+/// [`axpy_rows_i8`] on a given path.
+pub fn axpy_rows_i8_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    let hd = o.len();
+    let n = w.len() * hd;
+    assert!(vals.len() >= n, "axpy_rows_i8: short values");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and o's
+        // length is a multiple of 16.
+        return unsafe { simd::avx512::axpy_rows_i8(o, w, vals) };
+    }
+    for (b, &v) in buf[..n].iter_mut().zip(&vals[..n]) {
+        *b = f32::from(v as i8);
+    }
+    axpy_rows_with(isa, o, w, &buf[..n]);
 }
 
 /// Adds `b` to `a` elementwise.
@@ -496,6 +664,140 @@ mod tests {
                     "axpy {n} at {i}"
                 );
             }
+        }
+    }
+
+    /// The attention's rows of dot products and weighted sums on every path, against f64, at
+    /// key counts around the 16 keys of a pass, and head dimensions the AVX-512 path takes (16,
+    /// 64, 80, 128) and ones it leaves to the AVX2 path (8, 24).
+    #[test]
+    fn dot_rows_and_axpy_rows_match_f64_on_every_path() {
+        for hd in [8, 16, 24, 64, 80, 128] {
+            for n in [0, 1, 15, 16, 17, 33] {
+                let q: Vec<f32> = (0..hd)
+                    .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+                    .collect();
+                let keys: Vec<f32> = (0..n * hd)
+                    .map(|i| ((i * 53 % 19) as f32 - 9.0) / 4.0)
+                    .collect();
+                let w: Vec<f32> = (0..n).map(|i| ((i * 11 % 13) as f32) / 13.0).collect();
+                let o0: Vec<f32> = (0..hd).map(|i| (i % 5) as f32 - 2.0).collect();
+                for isa in Isa::all_available() {
+                    let mut got = vec![f32::NAN; n + 1];
+                    dot_rows_with(isa, &q, &keys, &mut got[..n]);
+                    assert!(got[n].is_nan(), "{isa:?} wrote past the keys");
+                    for (i, g) in got[..n].iter().enumerate() {
+                        let k = &keys[i * hd..(i + 1) * hd];
+                        let want: f64 = q
+                            .iter()
+                            .zip(k)
+                            .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                            .sum();
+                        let mag: f64 = q
+                            .iter()
+                            .zip(k)
+                            .map(|(&a, &b)| f64::from((a * b).abs()))
+                            .sum();
+                        // At most hd roundings in a row, each within u = 2^-24 of the sum.
+                        let bound = mag * hd as f64 * f64::from(f32::EPSILON) / 2.0;
+                        assert!(
+                            (f64::from(*g) - want).abs() <= bound,
+                            "{isa:?} hd {hd} n {n} key {i}: {g} vs {want}"
+                        );
+                    }
+                    // Keys that are exact in f16 give the same sums read from f16 bytes.
+                    let k16: Vec<u8> = keys
+                        .iter()
+                        .flat_map(|&k| half::f16::from_f32(k).to_le_bytes())
+                        .collect();
+                    let mut buf = vec![0.0; n * hd];
+                    let mut got16 = vec![f32::NAN; n];
+                    dot_rows_f16_with(isa, &q, &k16, &mut got16, &mut buf);
+                    for (i, (a, b)) in got16.iter().zip(&got[..n]).enumerate() {
+                        let mag: f32 = (0..hd).map(|d| (q[d] * keys[i * hd + d]).abs()).sum();
+                        assert!(
+                            (a - b).abs() <= mag * hd as f32 * f32::EPSILON,
+                            "{isa:?} f16 hd {hd} n {n} key {i}: {a} vs {b}"
+                        );
+                    }
+                    let (mut o16, mut o) = (o0.clone(), o0.clone());
+                    axpy_rows_f16_with(isa, &mut o16, &w, &k16, &mut buf);
+                    axpy_rows_with(isa, &mut o, &w, &keys);
+                    for (d, (a, b)) in o16.iter().zip(&o).enumerate() {
+                        let mag: f32 = o0[d].abs()
+                            + (0..n).map(|i| (w[i] * keys[i * hd + d]).abs()).sum::<f32>();
+                        assert!(
+                            (a - b).abs() <= mag * (n + 1) as f32 * f32::EPSILON,
+                            "{isa:?} f16 hd {hd} n {n} dim {d}: {a} vs {b}"
+                        );
+                    }
+                    // Keys that are whole numbers give the same sums read from bytes.
+                    let k8: Vec<u8> = keys.iter().map(|&k| (k * 4.0) as i8 as u8).collect();
+                    let q4: Vec<f32> = q.iter().map(|&v| v / 4.0).collect();
+                    let w4: Vec<f32> = w.iter().map(|&v| v / 4.0).collect();
+                    let mut got8 = vec![f32::NAN; n];
+                    dot_rows_i8_with(isa, &q4, &k8, &mut got8, &mut buf);
+                    let (mut o8, mut o) = (o0.clone(), o0.clone());
+                    axpy_rows_i8_with(isa, &mut o8, &w4, &k8, &mut buf);
+                    axpy_rows_with(isa, &mut o, &w, &keys);
+                    for (i, (a, b)) in got8.iter().zip(&got[..n]).enumerate() {
+                        let mag: f32 = (0..hd).map(|d| (q[d] * keys[i * hd + d]).abs()).sum();
+                        assert!(
+                            (a - b).abs() <= mag * hd as f32 * f32::EPSILON,
+                            "{isa:?} i8 hd {hd} n {n} key {i}: {a} vs {b}"
+                        );
+                    }
+                    for (d, (a, b)) in o8.iter().zip(&o).enumerate() {
+                        let mag: f32 = o0[d].abs()
+                            + (0..n).map(|i| (w[i] * keys[i * hd + d]).abs()).sum::<f32>();
+                        assert!(
+                            (a - b).abs() <= mag * (n + 1) as f32 * f32::EPSILON,
+                            "{isa:?} i8 hd {hd} n {n} dim {d}: {a} vs {b}"
+                        );
+                    }
+                    let mut o = o0.clone();
+                    axpy_rows_with(isa, &mut o, &w, &keys);
+                    for (d, g) in o.iter().enumerate() {
+                        let terms = (0..n).map(|i| f64::from(w[i]) * f64::from(keys[i * hd + d]));
+                        let want = f64::from(o0[d]) + terms.clone().sum::<f64>();
+                        let mag = f64::from(o0[d].abs()) + terms.map(f64::abs).sum::<f64>();
+                        let bound = mag * (n + 1) as f64 * f64::from(f32::EPSILON) / 2.0;
+                        assert!(
+                            (f64::from(*g) - want).abs() <= bound,
+                            "{isa:?} hd {hd} n {n} dim {d}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A softmax split in pieces and put together by `softmax_exp`'s maxima equals the softmax
+    /// of the whole row within a few ulp, on every path.
+    #[test]
+    fn softmax_in_pieces_equals_the_whole() {
+        let row: Vec<f32> = (0..100)
+            .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 9.0)
+            .collect();
+        for isa in Isa::all_available() {
+            let mut whole = row.clone();
+            softmax_with(isa, &mut whole, 0.125);
+            let mut pieces = row.clone();
+            let (a, b) = pieces.split_at_mut(37);
+            let (ma, sa) = softmax_exp_with(isa, a, 0.125);
+            let (mb, sb) = softmax_exp_with(isa, b, 0.125);
+            let m = ma.max(mb);
+            let (fa, fb) = ((ma - m).exp(), (mb - m).exp());
+            let inv = 1.0 / (fa * sa + fb * sb);
+            for (i, (p, w)) in pieces.iter().zip(&whole).enumerate() {
+                let f = if i < 37 { fa } else { fb };
+                let g = p * f * inv;
+                assert!((g - w).abs() <= w * 1e-5, "{isa:?} {i}: {g} vs {w}");
+            }
+            assert_eq!(
+                softmax_exp_with(isa, &mut [], 1.0),
+                (f32::NEG_INFINITY, 0.0)
+            );
         }
     }
 

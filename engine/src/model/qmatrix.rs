@@ -22,6 +22,9 @@ pub enum Isa {
     Portable,
     /// x86-64 AVX2, FMA and F16C.
     Avx2,
+    /// x86-64 AVX-512 F, BW and VL on top of [`Isa::Avx2`]: the single-token products run
+    /// several rows per pass in 512-bit registers; every other kernel takes the AVX2 path.
+    Avx512,
 }
 
 impl Isa {
@@ -29,7 +32,9 @@ impl Isa {
     pub fn best() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| {
-            if Isa::Avx2.available() {
+            if Isa::Avx512.available() {
+                Isa::Avx512
+            } else if Isa::Avx2.available() {
                 Isa::Avx2
             } else {
                 Isa::Portable
@@ -47,14 +52,26 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("fma")
                     && std::arch::is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                Isa::Avx2.available()
+                    && std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => false,
+            Isa::Avx2 | Isa::Avx512 => false,
         }
+    }
+
+    /// Whether the path may run the AVX2 kernels (every path but the portable one).
+    pub fn has_avx2(self) -> bool {
+        self != Isa::Portable
     }
 
     /// Every path this CPU can run, portable first.
     pub fn all_available() -> Vec<Isa> {
-        [Isa::Portable, Isa::Avx2]
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
             .into_iter()
             .filter(|i| i.available())
             .collect()
@@ -409,8 +426,8 @@ impl QMatrix {
                 let (d, m, qs) = (&self.d[b0..b1], &self.m[b0..b1], &self.qs[b0 * 16..b1 * 16]);
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => {
-                        assert!(isa.available(), "AVX2 path on a CPU without it");
+                    Isa::Avx2 | Isa::Avx512 => {
+                        assert!(isa.available(), "{isa:?} path on a CPU without it");
                         // SAFETY: the CPU has AVX2, FMA and F16C (checked just above); the
                         // slices hold b1 - b0 blocks and `out` their 32 values each.
                         unsafe { simd::avx2::dequant_q4_1(d, m, qs, out) }
@@ -422,8 +439,8 @@ impl QMatrix {
                 let (d, qs) = (&self.d[b0..b1], &self.qs[b0 * 32..b1 * 32]);
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => {
-                        assert!(isa.available(), "AVX2 path on a CPU without it");
+                    Isa::Avx2 | Isa::Avx512 => {
+                        assert!(isa.available(), "{isa:?} path on a CPU without it");
                         // SAFETY: as above.
                         unsafe { simd::avx2::dequant_q8_0(d, qs, out) }
                     }
@@ -454,16 +471,54 @@ impl QMatrix {
         // and pays for one task. Measured on 2 threads (docs/bench-engine.md), decode at depth 0
         // ran 10-15% faster than with four tasks per thread; if the other thread has not
         // started the second task when the first is done, the calling thread runs it too.
-        let per_task = self.rows.div_ceil(rayon::current_num_threads()).max(8);
+        let per_task = self
+            .rows
+            .div_ceil(rayon::current_num_threads())
+            .next_multiple_of(8)
+            .max(8);
         out.par_chunks_mut(per_task).enumerate().for_each(|(t, o)| {
-            for (i, o) in o.iter_mut().enumerate() {
-                let r = t * per_task + i;
-                *o = match &xq {
-                    Some(xq) => self.row_dot_q8(isa, r, xq, &xsum),
-                    None => self.row_dot(isa, r, x, &xsum),
-                };
+            let r0 = t * per_task;
+            match &xq {
+                Some(xq) => {
+                    for (i, o) in o.iter_mut().enumerate() {
+                        *o = self.row_dot_q8(isa, r0 + i, xq, &xsum);
+                    }
+                }
+                None => self.rows_dot(isa, r0, x, &xsum, o),
             }
         });
+    }
+
+    /// `out[i]` = row `r0 + i` · `x` (f32 activations) for every `i`.
+    fn rows_dot(&self, isa: Isa, r0: usize, x: &[f32], xsum: &[f32], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 && self.kind != Kind::F32 {
+            let nb = self.cols / BLOCK;
+            let (b0, b1) = (r0 * nb, (r0 + out.len()) * nb);
+            match self.kind {
+                // SAFETY: `matvec_with` checked that the CPU has the path's features; the slices
+                // hold nb blocks for each of the out.len() rows and x is cols = 32 nb long.
+                Kind::Q4_1 => unsafe {
+                    simd::avx512::matvec_q4_1(
+                        &self.d[b0..b1],
+                        &self.m[b0..b1],
+                        &self.qs[b0 * 16..b1 * 16],
+                        x,
+                        xsum,
+                        out,
+                    )
+                },
+                // SAFETY: as above.
+                Kind::Q8_0 => unsafe {
+                    simd::avx512::matvec_q8_0(&self.d[b0..b1], &self.qs[b0 * 32..b1 * 32], x, out)
+                },
+                Kind::F32 => unreachable!("f32 matrices take the row loop"),
+            }
+            return;
+        }
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = self.row_dot(isa, r0 + i, x, xsum);
+        }
     }
 
     fn row_dot_q8(&self, isa: Isa, r: usize, x: &QuantizedActs, xsum: &[f32]) -> f32 {
@@ -478,7 +533,9 @@ impl QMatrix {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `matvec_with` checked that the CPU has the path's features; the
                     // slices hold nb blocks and the activations cover them.
-                    Isa::Avx2 => unsafe { simd::avx2::dot_q4_1_q8(d, m, qs, &x.q, &x.d, xsum) },
+                    Isa::Avx2 | Isa::Avx512 => unsafe {
+                        simd::avx2::dot_q4_1_q8(d, m, qs, &x.q, &x.d, xsum)
+                    },
                     _ => {
                         let mut acc = 0.0;
                         for b in 0..nb {
@@ -500,7 +557,9 @@ impl QMatrix {
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
-                    Isa::Avx2 => unsafe { simd::avx2::dot_q8_0_q8(d, qs, &x.q, &x.d) },
+                    Isa::Avx2 | Isa::Avx512 => unsafe {
+                        simd::avx2::dot_q8_0_q8(d, qs, &x.q, &x.d)
+                    },
                     _ => {
                         let mut acc = 0.0;
                         for b in 0..nb {
@@ -532,7 +591,7 @@ impl QMatrix {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `matvec_with` checked that the CPU has the path's features; the
                     // slices hold nb blocks and `x`, `xsum` cover them.
-                    Isa::Avx2 => unsafe { simd::avx2::dot_q4_1(d, m, qs, x, xsum) },
+                    Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::dot_q4_1(d, m, qs, x, xsum) },
                     _ => dot_q4_1_portable(d, m, qs, x, xsum),
                 }
             }
@@ -542,7 +601,7 @@ impl QMatrix {
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
-                    Isa::Avx2 => unsafe { simd::avx2::dot_q8_0(d, qs, x) },
+                    Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::dot_q8_0(d, qs, x) },
                     _ => dot_q8_0_portable(d, qs, x),
                 }
             }
@@ -614,7 +673,7 @@ pub fn f16_bytes_to_f32_with(isa: Isa, src: &[u8], out: &mut [f32]) {
         "f16_bytes_to_f32: {isa:?} is not available on this CPU"
     );
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.has_avx2() {
         // SAFETY: the assert above checked that the CPU has AVX2, FMA and F16C (Isa::available)
         // and that the source holds two bytes per output.
         return unsafe { simd::avx2::f16_to_f32(src, out) };
@@ -739,6 +798,47 @@ mod tests {
                         (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
                         "{isa:?} {a} vs {b}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_path_agrees_with_the_portable_one_on_odd_shapes() {
+        // Row counts around the kernels' passes of several rows and the threads' split; block
+        // counts around the 16 scales converted at once (1, 15, 16, 17, 33, and the default
+        // model's 18 and 48).
+        for rows in [1, 3, 4, 5, 7, 13, 29] {
+            for nb in [1, 15, 16, 17, 18, 33, 48] {
+                let cols = nb * BLOCK;
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| ((i * 37 % 41) as f32 - 20.0) / 7.0)
+                    .collect();
+                let (_, ms) = matrices(rows, cols);
+                for m in &ms[..2] {
+                    let mut want = vec![0.0; rows];
+                    m.matvec_with(Isa::Portable, Activations::F32, &x, &mut want);
+                    let w = dequant(m);
+                    for isa in Isa::all_available() {
+                        let mut got = vec![f32::NAN; rows + 1];
+                        m.matvec_with(isa, Activations::F32, &x, &mut got);
+                        assert!(got[rows].is_nan(), "{isa:?} wrote past the rows");
+                        for r in 0..rows {
+                            // Both sum the same products in different orders, each with at
+                            // most about 16 + nb + 8 roundings in a row (within a block, across
+                            // blocks, the final reduction): each is within that many units of
+                            // f32 rounding (u = EPSILON / 2) of Σ |w x| from the exact sum.
+                            let mag: f32 = (0..cols).map(|c| (w[r * cols + c] * x[c]).abs()).sum();
+                            let bound = (24 + nb) as f32 * f32::EPSILON * mag;
+                            assert!(
+                                (got[r] - want[r]).abs() <= bound + 1e-6,
+                                "{isa:?} {:?} {rows}x{nb} blocks, row {r}: {} vs {}",
+                                m.kind,
+                                got[r],
+                                want[r]
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -1,6 +1,18 @@
 //! The engine's SIMD kernels over quantized blocks, one module per instruction set; callers check
 //! the CPU at run time ([`crate::model::qmatrix::Isa`]) before calling into them.
 
+/// Asks for the cache lines of `bytes` into L2 (a hint: no effect on results, and none on
+/// CPUs other than x86-64).
+pub fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for o in (0..bytes.len()).step_by(64) {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: SSE is part of every x86-64 CPU; a prefetch reads nothing architecturally,
+        // and the address is inside `bytes` anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes[o..].as_ptr() as *const i8) };
+    }
+}
+
 /// AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1).
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
@@ -471,6 +483,29 @@ pub mod avx2 {
         if len == 0 {
             return;
         }
+        // SAFETY: the caller's guarantee, passed on.
+        let (_, sum) = unsafe { softmax_exp(row, scale) };
+        let inv = _mm256_set1_ps(1.0 / sum);
+        let mut i = 0;
+        while i < len {
+            let n = (len - i).min(8);
+            store_part(row, i, n, _mm256_mul_ps(load_or_pad(row, i, 0.0), inv));
+            i += 8;
+        }
+    }
+
+    /// `row = e^(scale · row - max)` in place, where `max` is `scale` times the row's largest
+    /// value (`scale > 0`); returns `(max, Σ row)`: a softmax before its normalization.
+    /// An empty row gives `(-∞, 0)`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn softmax_exp(row: &mut [f32], scale: f32) -> (f32, f32) {
+        let len = row.len();
+        if len == 0 {
+            return (f32::NEG_INFINITY, 0.0);
+        }
         let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
         for i in (0..len).step_by(8) {
             m = _mm256_max_ps(m, load_or_pad(row, i, f32::NEG_INFINITY));
@@ -479,7 +514,8 @@ pub mod avx2 {
         let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         let m = _mm_max_ss(m, _mm_movehdup_ps(m));
         // scale > 0, so the scaled row's largest is the largest scaled.
-        let max = _mm256_set1_ps(_mm_cvtss_f32(m) * scale);
+        let max_s = _mm_cvtss_f32(m) * scale;
+        let max = _mm256_set1_ps(max_s);
         let sc = _mm256_set1_ps(scale);
         let mut sum = _mm256_setzero_ps();
         let mut i = 0;
@@ -495,13 +531,7 @@ pub mod avx2 {
             store_part(row, i, n, e);
             i += 8;
         }
-        let inv = _mm256_set1_ps(1.0 / hsum(sum));
-        let mut i = 0;
-        while i < len {
-            let n = (len - i).min(8);
-            store_part(row, i, n, _mm256_mul_ps(load_or_pad(row, i, 0.0), inv));
-            i += 8;
-        }
+        (max_s, hsum(sum))
     }
 
     /// SwiGLU of one row: `out = silu(gate) · up = gate / (1 + e^-gate) · up`.
@@ -691,6 +721,547 @@ pub mod vnni {
             // SAFETY: the caller guarantees `lanes` writable values at out + t * ld for t < T;
             // the mask writes only those.
             unsafe { _mm512_mask_storeu_ps(out.add(t * ld), mask, f) };
+        }
+    }
+}
+
+/// AVX-512 (F, BW, VL) + FMA + F16C kernels for single-token products: several rows per pass,
+/// so each activation load and the f16 conversion of a group's scales serve all of them.
+#[cfg(target_arch = "x86_64")]
+pub mod avx512 {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// Rows per pass of the matrix-vector kernels.
+    pub const ROWS: usize = 4;
+
+    /// How far ahead of the rows in work the matrix-vector kernels ask for the weights' cache
+    /// lines, in bytes of quants (their scales and minimums follow at the same pace). Without it
+    /// one core read a Q4_1 matrix at 14-16 GB/s, as if the reads and the arithmetic took turns;
+    /// 8 to 32 KiB ahead, 24-27 GB/s, near a plain streaming read's 28-35 (docs/bench-engine.md).
+    pub const PREFETCH_BYTES: usize = 16 << 10;
+
+    /// Asks for the cache lines of the `len` bytes from `p` into L1. A prefetch never faults, so
+    /// `p` may point past the data (near the end of a matrix it does); the address is computed
+    /// with wrapping arithmetic and never dereferenced.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    fn prefetch(p: *const u8, len: usize) {
+        let mut o = 0;
+        while o < len {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
+            o += 64;
+        }
+    }
+
+    /// The first `n` lanes (`n <= 16`).
+    #[inline]
+    fn lanes(n: usize) -> __mmask16 {
+        if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 }
+    }
+
+    /// `out[r] = Σ_b d[r][b] Σ_j q[r][b][j] x[32b + j] + Σ_b m[r][b] xsum[b]` for the
+    /// `out.len()` Q4_1 rows held in `d`, `m` (`nb = x.len() / 32` values per row) and `qs`
+    /// (16 bytes per block); `xsum` holds Σ x per block.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `x.len()` must be a multiple of 32;
+    /// `d` and `m` must hold `nb` values, `qs` `16 nb` bytes for each row of `out`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn matvec_q4_1(
+        d: &[f16],
+        m: &[f16],
+        qs: &[u8],
+        x: &[f32],
+        xsum: &[f32],
+        out: &mut [f32],
+    ) {
+        let nb = x.len() / 32;
+        let rows = out.len();
+        assert!(
+            x.len() == nb * 32
+                && xsum.len() >= nb
+                && d.len() >= rows * nb
+                && m.len() >= rows * nb
+                && qs.len() >= rows * nb * 16,
+            "avx512::matvec_q4_1: bad sizes"
+        );
+        // The first rows' lines, then each pass asks for the lines PREFETCH_BYTES ahead of it.
+        prefetch(qs.as_ptr(), PREFETCH_BYTES);
+        prefetch(d.as_ptr() as *const u8, PREFETCH_BYTES / 8);
+        prefetch(m.as_ptr() as *const u8, PREFETCH_BYTES / 8);
+        let mut r = 0;
+        while r + ROWS <= rows {
+            let (q0, s0) = (
+                r * nb * 16 + PREFETCH_BYTES,
+                r * nb * 2 + PREFETCH_BYTES / 8,
+            );
+            prefetch(qs.as_ptr().wrapping_add(q0), ROWS * nb * 16);
+            prefetch((d.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
+            prefetch((m.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
+            // SAFETY: rows r..r + ROWS are inside the slices (asserted above).
+            unsafe { rows_q4_1::<ROWS>(d, m, qs, x, xsum, r, &mut out[r..r + ROWS]) };
+            r += ROWS;
+        }
+        while r < rows {
+            // SAFETY: row r is inside the slices (asserted above).
+            unsafe { rows_q4_1::<1>(d, m, qs, x, xsum, r, &mut out[r..r + 1]) };
+            r += 1;
+        }
+    }
+
+    /// [`matvec_q4_1`] for the `R` rows from `r0`.
+    ///
+    /// # Safety
+    /// As [`matvec_q4_1`], for rows `r0..r0 + R`; `out` holds `R` values.
+    #[inline]
+    // One index runs over several register arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn rows_q4_1<const R: usize>(
+        d: &[f16],
+        m: &[f16],
+        qs: &[u8],
+        x: &[f32],
+        xsum: &[f32],
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        let nb = x.len() / 32;
+        let nibble = _mm512_set1_epi32(0x0F);
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut mins = [_mm512_setzero_ps(); R];
+        let mut ds = [[0.0f32; 16]; R];
+        let (dp, mp) = (d.as_ptr(), m.as_ptr());
+        let (qp, xp) = (qs.as_ptr(), x.as_ptr());
+        let mut g = 0;
+        while g < nb {
+            let n = (nb - g).min(16);
+            let k = lanes(n);
+            // SAFETY: blocks g..g + n of rows r0..r0 + R are inside d, m (caller) and g + n <= nb
+            // inside xsum; masked loads read only those lanes.
+            unsafe {
+                let xs = _mm512_maskz_loadu_ps(k, xsum.as_ptr().add(g));
+                for r in 0..R {
+                    let o = (r0 + r) * nb + g;
+                    let dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dp.add(o) as *const i16));
+                    _mm512_storeu_ps(ds[r].as_mut_ptr(), dv);
+                    let mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mp.add(o) as *const i16));
+                    mins[r] = _mm512_fmadd_ps(mv, xs, mins[r]);
+                }
+            }
+            for i in 0..n {
+                let b = g + i;
+                // SAFETY: block b < nb: its 32 activations are inside x, and its 16 bytes of
+                // each row r0 + r inside qs (caller); unaligned loads accept any address.
+                unsafe {
+                    let xl = _mm512_loadu_ps(xp.add(b * 32));
+                    let xh = _mm512_loadu_ps(xp.add(b * 32 + 16));
+                    for r in 0..R {
+                        let q = _mm_loadu_si128(qp.add(((r0 + r) * nb + b) * 16) as *const __m128i);
+                        let v = _mm512_cvtepu8_epi32(q);
+                        let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble));
+                        let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                        let t = _mm512_fmadd_ps(hi, xh, _mm512_mul_ps(lo, xl));
+                        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(ds[r][i]), acc[r]);
+                    }
+                }
+            }
+            g += 16;
+        }
+        for r in 0..R {
+            out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], mins[r]));
+        }
+    }
+
+    /// `out[r] = Σ_b d[r][b] Σ_j q[r][b][j] x[32b + j]` for the `out.len()` Q8_0 rows held in
+    /// `d` (`nb = x.len() / 32` values per row) and `qs` (32 signed bytes per block).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `x.len()` must be a multiple of 32;
+    /// `d` must hold `nb` values and `qs` `32 nb` bytes for each row of `out`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], x: &[f32], out: &mut [f32]) {
+        let nb = x.len() / 32;
+        let rows = out.len();
+        assert!(
+            x.len() == nb * 32 && d.len() >= rows * nb && qs.len() >= rows * nb * 32,
+            "avx512::matvec_q8_0: bad sizes"
+        );
+        prefetch(qs.as_ptr(), PREFETCH_BYTES);
+        prefetch(d.as_ptr() as *const u8, PREFETCH_BYTES / 16);
+        let mut r = 0;
+        while r + ROWS <= rows {
+            let (q0, s0) = (
+                r * nb * 32 + PREFETCH_BYTES,
+                r * nb * 2 + PREFETCH_BYTES / 16,
+            );
+            prefetch(qs.as_ptr().wrapping_add(q0), ROWS * nb * 32);
+            prefetch((d.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
+            // SAFETY: rows r..r + ROWS are inside the slices (asserted above).
+            unsafe { rows_q8_0::<ROWS>(d, qs, x, r, &mut out[r..r + ROWS]) };
+            r += ROWS;
+        }
+        while r < rows {
+            // SAFETY: row r is inside the slices (asserted above).
+            unsafe { rows_q8_0::<1>(d, qs, x, r, &mut out[r..r + 1]) };
+            r += 1;
+        }
+    }
+
+    /// [`matvec_q8_0`] for the `R` rows from `r0`.
+    ///
+    /// # Safety
+    /// As [`matvec_q8_0`], for rows `r0..r0 + R`; `out` holds `R` values.
+    #[inline]
+    // One index runs over several register arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn rows_q8_0<const R: usize>(
+        d: &[f16],
+        qs: &[u8],
+        x: &[f32],
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        let nb = x.len() / 32;
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut ds = [[0.0f32; 16]; R];
+        let (dp, qp, xp) = (d.as_ptr(), qs.as_ptr(), x.as_ptr());
+        let mut g = 0;
+        while g < nb {
+            let n = (nb - g).min(16);
+            let k = lanes(n);
+            for (r, ds) in ds.iter_mut().enumerate() {
+                // SAFETY: scales g..g + n of row r0 + r are inside d (caller); the masked load
+                // reads only those lanes.
+                unsafe {
+                    let o = (r0 + r) * nb + g;
+                    let dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dp.add(o) as *const i16));
+                    _mm512_storeu_ps(ds.as_mut_ptr(), dv);
+                }
+            }
+            for i in 0..n {
+                let b = g + i;
+                // SAFETY: block b < nb: its 32 activations are inside x, and its 32 bytes of
+                // each row r0 + r inside qs (caller); unaligned loads accept any address.
+                unsafe {
+                    let xl = _mm512_loadu_ps(xp.add(b * 32));
+                    let xh = _mm512_loadu_ps(xp.add(b * 32 + 16));
+                    for r in 0..R {
+                        let q = qp.add(((r0 + r) * nb + b) * 32);
+                        let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            q as *const __m128i,
+                        )));
+                        let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            q.add(16) as *const __m128i,
+                        )));
+                        let t = _mm512_fmadd_ps(hi, xh, _mm512_mul_ps(lo, xl));
+                        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(ds[r][i]), acc[r]);
+                    }
+                }
+            }
+            g += 16;
+        }
+        for r in 0..R {
+            out[r] = _mm512_reduce_add_ps(acc[r]);
+        }
+    }
+
+    /// Sixteen vectors' horizontal sums, lane `i` of the result being `Σ v[i]`: three rounds of
+    /// pairwise interleaving, 45 instructions in all instead of 16 full reductions.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    fn reduce16(v: &[__m512; 16]) -> __m512 {
+        // Per 128-bit lane, [a0 + a2, b0 + b2, a1 + a3, b1 + b3] for the pair (a, b).
+        let mut s1 = [_mm512_setzero_ps(); 8];
+        for (i, s) in s1.iter_mut().enumerate() {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            *s = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        // Per 128-bit lane, the lane's partial sums of vectors 4i..4i + 4.
+        let mut s2 = [_mm512_setzero_ps(); 4];
+        for (i, s) in s2.iter_mut().enumerate() {
+            let (a, b) = (_mm512_castps_pd(s1[2 * i]), _mm512_castps_pd(s1[2 * i + 1]));
+            // Interleaved as pairs of f32 (64-bit lanes), added as f32.
+            *s = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            );
+        }
+        // Across the four 128-bit lanes: lane m of the result gathers s2[m]'s four.
+        let z01 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(s2[0], s2[1]),
+            _mm512_shuffle_f32x4::<0xDD>(s2[0], s2[1]),
+        );
+        let z23 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(s2[2], s2[3]),
+            _mm512_shuffle_f32x4::<0xDD>(s2[2], s2[3]),
+        );
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(z01, z23),
+            _mm512_shuffle_f32x4::<0xDD>(z01, z23),
+        )
+    }
+
+    /// `out[i] = q · keys[i q.len()..(i + 1) q.len()]` for every `i`: one query row against
+    /// consecutive keys, sixteen keys per pass.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn dot_rows(q: &[f32], keys: &[f32], out: &mut [f32]) {
+        let hd = q.len();
+        let n = out.len();
+        assert!(
+            hd.is_multiple_of(16) && keys.len() >= n * hd,
+            "avx512::dot_rows: bad sizes"
+        );
+        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+        let mut i = 0;
+        while i + 16 <= n {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for d in (0..hd).step_by(16) {
+                // SAFETY: d + 16 <= hd: inside q, and keys i..i + 16 hold hd values each
+                // inside `keys` (asserted above); unaligned loads accept any address.
+                unsafe {
+                    let qv = _mm512_loadu_ps(qp.add(d));
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(_mm512_loadu_ps(kp.add((i + j) * hd + d)), qv, *a);
+                    }
+                }
+            }
+            // SAFETY: i + 16 <= n: inside out.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), reduce16(&acc)) };
+            i += 16;
+        }
+        for (j, o) in out.iter_mut().enumerate().skip(i) {
+            let mut a = _mm512_setzero_ps();
+            for d in (0..hd).step_by(16) {
+                // SAFETY: as above, for key j < n.
+                unsafe {
+                    a = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(kp.add(j * hd + d)),
+                        _mm512_loadu_ps(qp.add(d)),
+                        a,
+                    );
+                }
+            }
+            *o = _mm512_reduce_add_ps(a);
+        }
+    }
+
+    /// `o += Σ_i w[i] vals[i o.len()..(i + 1) o.len()]`: the weighted sum of consecutive value
+    /// rows into one output row, kept in registers 64 dimensions at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
+    // One index runs over several register arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn axpy_rows(o: &mut [f32], w: &[f32], vals: &[f32]) {
+        let hd = o.len();
+        assert!(
+            hd.is_multiple_of(16) && vals.len() >= w.len() * hd,
+            "avx512::axpy_rows: bad sizes"
+        );
+        let (op, vp) = (o.as_mut_ptr(), vals.as_ptr());
+        for d0 in (0..hd).step_by(64) {
+            let nv = ((hd - d0) / 16).min(4);
+            // Two sets of accumulators, even and odd rows, for twice the FMAs in flight.
+            let mut acc = [[_mm512_setzero_ps(); 4]; 2];
+            for v in 0..nv {
+                // SAFETY: d0 + 16 v + 16 <= hd: inside o.
+                acc[0][v] = unsafe { _mm512_loadu_ps(op.add(d0 + 16 * v)) };
+            }
+            for (i, &wi) in w.iter().enumerate() {
+                let wb = _mm512_set1_ps(wi);
+                for v in 0..nv {
+                    // SAFETY: row i < w.len() holds hd values inside `vals` (asserted above).
+                    let x = unsafe { _mm512_loadu_ps(vp.add(i * hd + d0 + 16 * v)) };
+                    acc[i & 1][v] = _mm512_fmadd_ps(wb, x, acc[i & 1][v]);
+                }
+            }
+            for v in 0..nv {
+                // SAFETY: as the loads above.
+                unsafe {
+                    _mm512_storeu_ps(op.add(d0 + 16 * v), _mm512_add_ps(acc[0][v], acc[1][v]))
+                };
+            }
+        }
+    }
+
+    /// [`dot_rows`] over keys stored as little-endian f16 (`keys`: two bytes per value),
+    /// converted in registers: no f32 copy of the keys is made.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn dot_rows_f16(q: &[f32], keys: &[u8], out: &mut [f32]) {
+        let hd = q.len();
+        let n = out.len();
+        assert!(
+            hd.is_multiple_of(16) && keys.len() >= n * hd * 2,
+            "avx512::dot_rows_f16: bad sizes"
+        );
+        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+        // SAFETY: key j < n holds hd f16 (2 hd bytes) inside `keys` (asserted above); d + 16 <= hd.
+        let key = |j: usize, d: usize| unsafe {
+            _mm512_cvtph_ps(_mm256_loadu_si256(
+                kp.add((j * hd + d) * 2) as *const __m256i
+            ))
+        };
+        let mut i = 0;
+        while i + 16 <= n {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for d in (0..hd).step_by(16) {
+                // SAFETY: d + 16 <= hd: inside q.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(key(i + j, d), qv, *a);
+                }
+            }
+            // SAFETY: i + 16 <= n: inside out.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), reduce16(&acc)) };
+            i += 16;
+        }
+        for (j, o) in out.iter_mut().enumerate().skip(i) {
+            let mut a = _mm512_setzero_ps();
+            for d in (0..hd).step_by(16) {
+                // SAFETY: d + 16 <= hd: inside q.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+                a = _mm512_fmadd_ps(key(j, d), qv, a);
+            }
+            *o = _mm512_reduce_add_ps(a);
+        }
+    }
+
+    /// [`axpy_rows`] over value rows stored as little-endian f16 (`vals`: two bytes per value),
+    /// converted in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
+    // One index runs over several register arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn axpy_rows_f16(o: &mut [f32], w: &[f32], vals: &[u8]) {
+        let hd = o.len();
+        assert!(
+            hd.is_multiple_of(16) && vals.len() >= w.len() * hd * 2,
+            "avx512::axpy_rows_f16: bad sizes"
+        );
+        let (op, vp) = (o.as_mut_ptr(), vals.as_ptr());
+        for d0 in (0..hd).step_by(64) {
+            let nv = ((hd - d0) / 16).min(4);
+            let mut acc = [[_mm512_setzero_ps(); 4]; 2];
+            for v in 0..nv {
+                // SAFETY: d0 + 16 v + 16 <= hd: inside o.
+                acc[0][v] = unsafe { _mm512_loadu_ps(op.add(d0 + 16 * v)) };
+            }
+            for (i, &wi) in w.iter().enumerate() {
+                let wb = _mm512_set1_ps(wi);
+                for v in 0..nv {
+                    // SAFETY: row i < w.len() holds hd f16 inside `vals` (asserted above).
+                    let x = unsafe {
+                        _mm512_cvtph_ps(_mm256_loadu_si256(
+                            vp.add((i * hd + d0 + 16 * v) * 2) as *const __m256i
+                        ))
+                    };
+                    acc[i & 1][v] = _mm512_fmadd_ps(wb, x, acc[i & 1][v]);
+                }
+            }
+            for v in 0..nv {
+                let sum = _mm512_add_ps(acc[0][v], acc[1][v]);
+                // SAFETY: as the loads above.
+                unsafe { _mm512_storeu_ps(op.add(d0 + 16 * v), sum) };
+            }
+        }
+    }
+
+    /// [`dot_rows`] over keys stored as signed bytes (`keys`: one byte per value, their scales
+    /// already folded into `q`), converted in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn dot_rows_i8(q: &[f32], keys: &[u8], out: &mut [f32]) {
+        let hd = q.len();
+        let n = out.len();
+        assert!(
+            hd.is_multiple_of(16) && keys.len() >= n * hd,
+            "avx512::dot_rows_i8: bad sizes"
+        );
+        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+        // SAFETY: key j < n holds hd bytes inside `keys` (asserted above); d + 16 <= hd.
+        let key = |j: usize, d: usize| unsafe {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                kp.add(j * hd + d) as *const __m128i
+            )))
+        };
+        let mut i = 0;
+        while i + 16 <= n {
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for d in (0..hd).step_by(16) {
+                // SAFETY: d + 16 <= hd: inside q.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(key(i + j, d), qv, *a);
+                }
+            }
+            // SAFETY: i + 16 <= n: inside out.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), reduce16(&acc)) };
+            i += 16;
+        }
+        for (j, o) in out.iter_mut().enumerate().skip(i) {
+            let mut a = _mm512_setzero_ps();
+            for d in (0..hd).step_by(16) {
+                // SAFETY: d + 16 <= hd: inside q.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+                a = _mm512_fmadd_ps(key(j, d), qv, a);
+            }
+            *o = _mm512_reduce_add_ps(a);
+        }
+    }
+
+    /// [`axpy_rows`] over value rows stored as signed bytes (`vals`: one byte per value, their
+    /// scales already folded into `w`), converted in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
+    // One index runs over several register arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn axpy_rows_i8(o: &mut [f32], w: &[f32], vals: &[u8]) {
+        let hd = o.len();
+        assert!(
+            hd.is_multiple_of(16) && vals.len() >= w.len() * hd,
+            "avx512::axpy_rows_i8: bad sizes"
+        );
+        let (op, vp) = (o.as_mut_ptr(), vals.as_ptr());
+        for d0 in (0..hd).step_by(64) {
+            let nv = ((hd - d0) / 16).min(4);
+            let mut acc = [[_mm512_setzero_ps(); 4]; 2];
+            for v in 0..nv {
+                // SAFETY: d0 + 16 v + 16 <= hd: inside o.
+                acc[0][v] = unsafe { _mm512_loadu_ps(op.add(d0 + 16 * v)) };
+            }
+            for (i, &wi) in w.iter().enumerate() {
+                let wb = _mm512_set1_ps(wi);
+                for v in 0..nv {
+                    // SAFETY: row i < w.len() holds hd bytes inside `vals` (asserted above).
+                    let x = unsafe {
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                            vp.add(i * hd + d0 + 16 * v) as *const __m128i,
+                        )))
+                    };
+                    acc[i & 1][v] = _mm512_fmadd_ps(wb, x, acc[i & 1][v]);
+                }
+            }
+            for v in 0..nv {
+                let sum = _mm512_add_ps(acc[0][v], acc[1][v]);
+                // SAFETY: as the loads above.
+                unsafe { _mm512_storeu_ps(op.add(d0 + 16 * v), sum) };
+            }
         }
     }
 }
