@@ -761,12 +761,14 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         .unwrap_or(1);
     // The I/O lower bound's bandwidth: what the disk gives O_DIRECT reads, 4 at a time (the
     // Load's I/O threads), measured now, before the replays. The model file is read when it is
-    // on that disk: a file written just before reads back faster than the disk (3.3 GB/s against
-    // 1.2 here: the virtual disk's host keeps what was just written).
-    let disk_bps = if Device::of(&model)? == device {
-        crate::disk::direct_read_bps(&model, 64 << 20, 4)?
+    // on that disk and large enough: a file written just before reads back faster than the disk
+    // (3.3 GB/s against 1.2 here: the virtual disk's host keeps what was just written).
+    let probe_bytes = 64 << 20;
+    let model_bytes = std::fs::metadata(&model).map_or(0, |m| m.len());
+    let disk_bps = if Device::of(&model)? == device && model_bytes >= probe_bytes as u64 {
+        crate::disk::direct_read_bps(&model, probe_bytes, 4)?
     } else {
-        crate::disk::probe_dir(&scratch, 64 << 20, 4)?
+        crate::disk::probe_dir(&scratch, probe_bytes, 4)?
     };
     print_line(
         &indicatif::ProgressBar::hidden(),
