@@ -553,24 +553,20 @@ pub(crate) fn summarize(
         (b + r.read_bytes, t + r.io_ms / 1e3)
     });
     let read_bps = if io_s > 0.0 { bytes as f64 / io_s } else { 0.0 };
-    let bound_bps = match read_limit {
-        Some(limit) if read_bps > 0.0 => read_bps.min(limit as f64),
-        _ => read_bps,
+    // The mean of each reading switch's latency over its bytes at `bps`, the throttle capping it
+    // (0 when nothing was read, or no speed is known).
+    let bound_ratio = |bps: f64| {
+        let bps = match read_limit {
+            Some(limit) if bps > 0.0 => bps.min(limit as f64),
+            _ => bps,
+        };
+        let ratios: Vec<f64> = ok
+            .iter()
+            .filter(|r| r.switched && !r.start && r.read_bytes > 0 && bps > 0.0)
+            .map(|r| r.switch_ms / (r.read_bytes as f64 / bps * 1e3))
+            .collect();
+        mean(&ratios)
     };
-    let ratios: Vec<f64> = ok
-        .iter()
-        .filter(|r| r.switched && !r.start && r.read_bytes > 0 && bound_bps > 0.0)
-        .map(|r| r.switch_ms / (r.read_bytes as f64 / bound_bps * 1e3))
-        .collect();
-    let disk_bound_bps = match read_limit {
-        Some(limit) => disk_bps.min(limit as f64),
-        None => disk_bps,
-    };
-    let disk_ratios: Vec<f64> = ok
-        .iter()
-        .filter(|r| r.switched && !r.start && r.read_bytes > 0 && disk_bound_bps > 0.0)
-        .map(|r| r.switch_ms / (r.read_bytes as f64 / disk_bound_bps * 1e3))
-        .collect();
     Run {
         manager: manager.to_owned(),
         daemon_manager: String::new(),
@@ -595,8 +591,8 @@ pub(crate) fn summarize(
         chunks_recomputed: 0,
         recompute_share: 0.0,
         read_mib_s: read_bps / f64::from(1 << 20),
-        io_bound_ratio: mean(&ratios),
-        disk_bound_ratio: mean(&disk_ratios),
+        io_bound_ratio: bound_ratio(read_bps),
+        disk_bound_ratio: bound_ratio(disk_bps),
         sync_reclaims: 0,
         unwritten_reclaims: 0,
         reclaims: 0,
