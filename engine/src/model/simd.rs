@@ -1004,31 +1004,23 @@ pub mod avx512 {
         )
     }
 
-    /// `out[i] = q · keys[i q.len()..(i + 1) q.len()]` for every `i`: one query row against
-    /// consecutive keys, sixteen keys per pass.
+    /// The body of the `dot_rows` kernels: `key(j, d)` gives key j's values d..d + 16 as f32.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16.
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16,
+    /// and `key(j, d)` must be valid for every j < out.len() and d + 16 <= q.len().
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn dot_rows(q: &[f32], keys: &[f32], out: &mut [f32]) {
-        let hd = q.len();
-        let n = out.len();
-        assert!(
-            hd.is_multiple_of(16) && keys.len() >= n * hd,
-            "avx512::dot_rows: bad sizes"
-        );
-        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
+    unsafe fn dot_rows_by(q: &[f32], out: &mut [f32], key: impl Fn(usize, usize) -> __m512) {
+        let (hd, n, qp) = (q.len(), out.len(), q.as_ptr());
         let mut i = 0;
         while i + 16 <= n {
             let mut acc = [_mm512_setzero_ps(); 16];
             for d in (0..hd).step_by(16) {
-                // SAFETY: d + 16 <= hd: inside q, and keys i..i + 16 hold hd values each
-                // inside `keys` (asserted above); unaligned loads accept any address.
-                unsafe {
-                    let qv = _mm512_loadu_ps(qp.add(d));
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        *a = _mm512_fmadd_ps(_mm512_loadu_ps(kp.add((i + j) * hd + d)), qv, *a);
-                    }
+                // SAFETY: d + 16 <= hd: inside q.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(key(i + j, d), qv, *a);
                 }
             }
             // SAFETY: i + 16 <= n: inside out.
@@ -1038,37 +1030,29 @@ pub mod avx512 {
         for (j, o) in out.iter_mut().enumerate().skip(i) {
             let mut a = _mm512_setzero_ps();
             for d in (0..hd).step_by(16) {
-                // SAFETY: as above, for key j < n.
-                unsafe {
-                    a = _mm512_fmadd_ps(
-                        _mm512_loadu_ps(kp.add(j * hd + d)),
-                        _mm512_loadu_ps(qp.add(d)),
-                        a,
-                    );
-                }
+                // SAFETY: d + 16 <= hd: inside q.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+                a = _mm512_fmadd_ps(key(j, d), qv, a);
             }
             *o = _mm512_reduce_add_ps(a);
         }
     }
 
-    /// `o += Σ_i w[i] vals[i o.len()..(i + 1) o.len()]`: the weighted sum of consecutive value
-    /// rows into one output row, kept in registers 64 dimensions at a time.
+    /// The body of the `axpy_rows` kernels: `val(i, d)` gives value row i's values d..d + 16 as
+    /// f32; rows are summed 64 dimensions at a time, even and odd rows in two sets of
+    /// accumulators for twice the FMAs in flight.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16,
+    /// and `val(i, d)` must be valid for every i < w.len() and d + 16 <= o.len().
     // One index runs over several register arrays at once.
     #[allow(clippy::needless_range_loop)]
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn axpy_rows(o: &mut [f32], w: &[f32], vals: &[f32]) {
-        let hd = o.len();
-        assert!(
-            hd.is_multiple_of(16) && vals.len() >= w.len() * hd,
-            "avx512::axpy_rows: bad sizes"
-        );
-        let (op, vp) = (o.as_mut_ptr(), vals.as_ptr());
+    unsafe fn axpy_rows_by(o: &mut [f32], w: &[f32], val: impl Fn(usize, usize) -> __m512) {
+        let (hd, op) = (o.len(), o.as_mut_ptr());
         for d0 in (0..hd).step_by(64) {
             let nv = ((hd - d0) / 16).min(4);
-            // Two sets of accumulators, even and odd rows, for twice the FMAs in flight.
             let mut acc = [[_mm512_setzero_ps(); 4]; 2];
             for v in 0..nv {
                 // SAFETY: d0 + 16 v + 16 <= hd: inside o.
@@ -1077,18 +1061,53 @@ pub mod avx512 {
             for (i, &wi) in w.iter().enumerate() {
                 let wb = _mm512_set1_ps(wi);
                 for v in 0..nv {
-                    // SAFETY: row i < w.len() holds hd values inside `vals` (asserted above).
-                    let x = unsafe { _mm512_loadu_ps(vp.add(i * hd + d0 + 16 * v)) };
-                    acc[i & 1][v] = _mm512_fmadd_ps(wb, x, acc[i & 1][v]);
+                    acc[i & 1][v] = _mm512_fmadd_ps(wb, val(i, d0 + 16 * v), acc[i & 1][v]);
                 }
             }
             for v in 0..nv {
+                let sum = _mm512_add_ps(acc[0][v], acc[1][v]);
                 // SAFETY: as the loads above.
-                unsafe {
-                    _mm512_storeu_ps(op.add(d0 + 16 * v), _mm512_add_ps(acc[0][v], acc[1][v]))
-                };
+                unsafe { _mm512_storeu_ps(op.add(d0 + 16 * v), sum) };
             }
         }
+    }
+
+    /// `out[i] = q · keys[i q.len()..(i + 1) q.len()]` for every `i`: one query row against
+    /// consecutive keys, sixteen keys per pass.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn dot_rows(q: &[f32], keys: &[f32], out: &mut [f32]) {
+        let hd = q.len();
+        assert!(
+            hd.is_multiple_of(16) && keys.len() >= out.len() * hd,
+            "avx512::dot_rows: bad sizes"
+        );
+        let kp = keys.as_ptr();
+        // SAFETY: key j < out.len() holds hd values inside `keys` (asserted above); d + 16 <= hd.
+        let key = |j: usize, d: usize| unsafe { _mm512_loadu_ps(kp.add(j * hd + d)) };
+        // SAFETY: the CPU has the features (this function's contract); `key` as above.
+        unsafe { dot_rows_by(q, out, key) }
+    }
+
+    /// `o += Σ_i w[i] vals[i o.len()..(i + 1) o.len()]`: the weighted sum of consecutive value
+    /// rows into one output row, kept in registers 64 dimensions at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn axpy_rows(o: &mut [f32], w: &[f32], vals: &[f32]) {
+        let hd = o.len();
+        assert!(
+            hd.is_multiple_of(16) && vals.len() >= w.len() * hd,
+            "avx512::axpy_rows: bad sizes"
+        );
+        let vp = vals.as_ptr();
+        // SAFETY: row i < w.len() holds hd values inside `vals` (asserted above); d + 16 <= hd.
+        let val = |i: usize, d: usize| unsafe { _mm512_loadu_ps(vp.add(i * hd + d)) };
+        // SAFETY: the CPU has the features (this function's contract); `val` as above.
+        unsafe { axpy_rows_by(o, w, val) }
     }
 
     /// [`dot_rows`] over keys stored as little-endian f16 (`keys`: two bytes per value),
@@ -1099,41 +1118,20 @@ pub mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
     pub unsafe fn dot_rows_f16(q: &[f32], keys: &[u8], out: &mut [f32]) {
         let hd = q.len();
-        let n = out.len();
         assert!(
-            hd.is_multiple_of(16) && keys.len() >= n * hd * 2,
+            hd.is_multiple_of(16) && keys.len() >= out.len() * hd * 2,
             "avx512::dot_rows_f16: bad sizes"
         );
-        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
-        // SAFETY: key j < n holds hd f16 (2 hd bytes) inside `keys` (asserted above); d + 16 <= hd.
+        let kp = keys.as_ptr();
+        // SAFETY: key j < out.len() holds hd f16 (2 hd bytes) inside `keys` (asserted above);
+        // d + 16 <= hd.
         let key = |j: usize, d: usize| unsafe {
             _mm512_cvtph_ps(_mm256_loadu_si256(
                 kp.add((j * hd + d) * 2) as *const __m256i
             ))
         };
-        let mut i = 0;
-        while i + 16 <= n {
-            let mut acc = [_mm512_setzero_ps(); 16];
-            for d in (0..hd).step_by(16) {
-                // SAFETY: d + 16 <= hd: inside q.
-                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(key(i + j, d), qv, *a);
-                }
-            }
-            // SAFETY: i + 16 <= n: inside out.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), reduce16(&acc)) };
-            i += 16;
-        }
-        for (j, o) in out.iter_mut().enumerate().skip(i) {
-            let mut a = _mm512_setzero_ps();
-            for d in (0..hd).step_by(16) {
-                // SAFETY: d + 16 <= hd: inside q.
-                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
-                a = _mm512_fmadd_ps(key(j, d), qv, a);
-            }
-            *o = _mm512_reduce_add_ps(a);
-        }
+        // SAFETY: the CPU has the features (this function's contract); `key` as above.
+        unsafe { dot_rows_by(q, out, key) }
     }
 
     /// [`axpy_rows`] over value rows stored as little-endian f16 (`vals`: two bytes per value),
@@ -1141,8 +1139,6 @@ pub mod avx512 {
     ///
     /// # Safety
     /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
-    // One index runs over several register arrays at once.
-    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
     pub unsafe fn axpy_rows_f16(o: &mut [f32], w: &[f32], vals: &[u8]) {
         let hd = o.len();
@@ -1150,32 +1146,15 @@ pub mod avx512 {
             hd.is_multiple_of(16) && vals.len() >= w.len() * hd * 2,
             "avx512::axpy_rows_f16: bad sizes"
         );
-        let (op, vp) = (o.as_mut_ptr(), vals.as_ptr());
-        for d0 in (0..hd).step_by(64) {
-            let nv = ((hd - d0) / 16).min(4);
-            let mut acc = [[_mm512_setzero_ps(); 4]; 2];
-            for v in 0..nv {
-                // SAFETY: d0 + 16 v + 16 <= hd: inside o.
-                acc[0][v] = unsafe { _mm512_loadu_ps(op.add(d0 + 16 * v)) };
-            }
-            for (i, &wi) in w.iter().enumerate() {
-                let wb = _mm512_set1_ps(wi);
-                for v in 0..nv {
-                    // SAFETY: row i < w.len() holds hd f16 inside `vals` (asserted above).
-                    let x = unsafe {
-                        _mm512_cvtph_ps(_mm256_loadu_si256(
-                            vp.add((i * hd + d0 + 16 * v) * 2) as *const __m256i
-                        ))
-                    };
-                    acc[i & 1][v] = _mm512_fmadd_ps(wb, x, acc[i & 1][v]);
-                }
-            }
-            for v in 0..nv {
-                let sum = _mm512_add_ps(acc[0][v], acc[1][v]);
-                // SAFETY: as the loads above.
-                unsafe { _mm512_storeu_ps(op.add(d0 + 16 * v), sum) };
-            }
-        }
+        let vp = vals.as_ptr();
+        // SAFETY: row i < w.len() holds hd f16 inside `vals` (asserted above); d + 16 <= hd.
+        let val = |i: usize, d: usize| unsafe {
+            _mm512_cvtph_ps(_mm256_loadu_si256(
+                vp.add((i * hd + d) * 2) as *const __m256i
+            ))
+        };
+        // SAFETY: the CPU has the features (this function's contract); `val` as above.
+        unsafe { axpy_rows_by(o, w, val) }
     }
 
     /// [`dot_rows`] over keys stored as signed bytes (`keys`: one byte per value, their scales
@@ -1186,41 +1165,19 @@ pub mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
     pub unsafe fn dot_rows_i8(q: &[f32], keys: &[u8], out: &mut [f32]) {
         let hd = q.len();
-        let n = out.len();
         assert!(
-            hd.is_multiple_of(16) && keys.len() >= n * hd,
+            hd.is_multiple_of(16) && keys.len() >= out.len() * hd,
             "avx512::dot_rows_i8: bad sizes"
         );
-        let (qp, kp) = (q.as_ptr(), keys.as_ptr());
-        // SAFETY: key j < n holds hd bytes inside `keys` (asserted above); d + 16 <= hd.
+        let kp = keys.as_ptr();
+        // SAFETY: key j < out.len() holds hd bytes inside `keys` (asserted above); d + 16 <= hd.
         let key = |j: usize, d: usize| unsafe {
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                 kp.add(j * hd + d) as *const __m128i
             )))
         };
-        let mut i = 0;
-        while i + 16 <= n {
-            let mut acc = [_mm512_setzero_ps(); 16];
-            for d in (0..hd).step_by(16) {
-                // SAFETY: d + 16 <= hd: inside q.
-                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(key(i + j, d), qv, *a);
-                }
-            }
-            // SAFETY: i + 16 <= n: inside out.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), reduce16(&acc)) };
-            i += 16;
-        }
-        for (j, o) in out.iter_mut().enumerate().skip(i) {
-            let mut a = _mm512_setzero_ps();
-            for d in (0..hd).step_by(16) {
-                // SAFETY: d + 16 <= hd: inside q.
-                let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
-                a = _mm512_fmadd_ps(key(j, d), qv, a);
-            }
-            *o = _mm512_reduce_add_ps(a);
-        }
+        // SAFETY: the CPU has the features (this function's contract); `key` as above.
+        unsafe { dot_rows_by(q, out, key) }
     }
 
     /// [`axpy_rows`] over value rows stored as signed bytes (`vals`: one byte per value, their
@@ -1228,8 +1185,6 @@ pub mod avx512 {
     ///
     /// # Safety
     /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
-    // One index runs over several register arrays at once.
-    #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
     pub unsafe fn axpy_rows_i8(o: &mut [f32], w: &[f32], vals: &[u8]) {
         let hd = o.len();
@@ -1237,31 +1192,14 @@ pub mod avx512 {
             hd.is_multiple_of(16) && vals.len() >= w.len() * hd,
             "avx512::axpy_rows_i8: bad sizes"
         );
-        let (op, vp) = (o.as_mut_ptr(), vals.as_ptr());
-        for d0 in (0..hd).step_by(64) {
-            let nv = ((hd - d0) / 16).min(4);
-            let mut acc = [[_mm512_setzero_ps(); 4]; 2];
-            for v in 0..nv {
-                // SAFETY: d0 + 16 v + 16 <= hd: inside o.
-                acc[0][v] = unsafe { _mm512_loadu_ps(op.add(d0 + 16 * v)) };
-            }
-            for (i, &wi) in w.iter().enumerate() {
-                let wb = _mm512_set1_ps(wi);
-                for v in 0..nv {
-                    // SAFETY: row i < w.len() holds hd bytes inside `vals` (asserted above).
-                    let x = unsafe {
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                            vp.add(i * hd + d0 + 16 * v) as *const __m128i,
-                        )))
-                    };
-                    acc[i & 1][v] = _mm512_fmadd_ps(wb, x, acc[i & 1][v]);
-                }
-            }
-            for v in 0..nv {
-                let sum = _mm512_add_ps(acc[0][v], acc[1][v]);
-                // SAFETY: as the loads above.
-                unsafe { _mm512_storeu_ps(op.add(d0 + 16 * v), sum) };
-            }
-        }
+        let vp = vals.as_ptr();
+        // SAFETY: row i < w.len() holds hd bytes inside `vals` (asserted above); d + 16 <= hd.
+        let val = |i: usize, d: usize| unsafe {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                vp.add(i * hd + d) as *const __m128i
+            )))
+        };
+        // SAFETY: the CPU has the features (this function's contract); `val` as above.
+        unsafe { axpy_rows_by(o, w, val) }
     }
 }
