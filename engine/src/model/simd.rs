@@ -950,12 +950,7 @@ pub mod avx512 {
                     let xh = _mm512_loadu_ps(xp.add(b * 32 + 16));
                     for r in 0..R {
                         let q = qp.add(((r0 + r) * nb + b) * 32);
-                        let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                            q as *const __m128i,
-                        )));
-                        let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                            q.add(16) as *const __m128i,
-                        )));
+                        let (lo, hi) = (load_i8x16(q), load_i8x16(q.add(16)));
                         let t = _mm512_fmadd_ps(hi, xh, _mm512_mul_ps(lo, xl));
                         acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(ds[r][i]), acc[r]);
                     }
@@ -1002,6 +997,30 @@ pub mod avx512 {
             _mm512_shuffle_f32x4::<0x88>(z01, z23),
             _mm512_shuffle_f32x4::<0xDD>(z01, z23),
         )
+    }
+
+    /// Sixteen little-endian f16 at `p`, as f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F and F16C; `p` must point at 32 readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn load_f16x16(p: *const u8) -> __m512 {
+        // SAFETY: 32 readable bytes at `p` (the contract); unaligned loads accept any address.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p as *const __m256i) })
+    }
+
+    /// Sixteen signed bytes at `p`, as f32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F; `p` must point at 16 readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn load_i8x16(p: *const u8) -> __m512 {
+        // SAFETY: 16 readable bytes at `p` (the contract); unaligned loads accept any address.
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(unsafe {
+            _mm_loadu_si128(p as *const __m128i)
+        }))
     }
 
     /// The body of the `dot_rows` kernels: `key(j, d)` gives key j's values d..d + 16 as f32.
@@ -1125,11 +1144,7 @@ pub mod avx512 {
         let kp = keys.as_ptr();
         // SAFETY: key j < out.len() holds hd f16 (2 hd bytes) inside `keys` (asserted above);
         // d + 16 <= hd.
-        let key = |j: usize, d: usize| unsafe {
-            _mm512_cvtph_ps(_mm256_loadu_si256(
-                kp.add((j * hd + d) * 2) as *const __m256i
-            ))
-        };
+        let key = |j: usize, d: usize| unsafe { load_f16x16(kp.add((j * hd + d) * 2)) };
         // SAFETY: the CPU has the features (this function's contract); `key` as above.
         unsafe { dot_rows_by(q, out, key) }
     }
@@ -1148,11 +1163,7 @@ pub mod avx512 {
         );
         let vp = vals.as_ptr();
         // SAFETY: row i < w.len() holds hd f16 inside `vals` (asserted above); d + 16 <= hd.
-        let val = |i: usize, d: usize| unsafe {
-            _mm512_cvtph_ps(_mm256_loadu_si256(
-                vp.add((i * hd + d) * 2) as *const __m256i
-            ))
-        };
+        let val = |i: usize, d: usize| unsafe { load_f16x16(vp.add((i * hd + d) * 2)) };
         // SAFETY: the CPU has the features (this function's contract); `val` as above.
         unsafe { axpy_rows_by(o, w, val) }
     }
@@ -1171,11 +1182,7 @@ pub mod avx512 {
         );
         let kp = keys.as_ptr();
         // SAFETY: key j < out.len() holds hd bytes inside `keys` (asserted above); d + 16 <= hd.
-        let key = |j: usize, d: usize| unsafe {
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                kp.add(j * hd + d) as *const __m128i
-            )))
-        };
+        let key = |j: usize, d: usize| unsafe { load_i8x16(kp.add(j * hd + d)) };
         // SAFETY: the CPU has the features (this function's contract); `key` as above.
         unsafe { dot_rows_by(q, out, key) }
     }
@@ -1194,11 +1201,7 @@ pub mod avx512 {
         );
         let vp = vals.as_ptr();
         // SAFETY: row i < w.len() holds hd bytes inside `vals` (asserted above); d + 16 <= hd.
-        let val = |i: usize, d: usize| unsafe {
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                vp.add(i * hd + d) as *const __m128i
-            )))
-        };
+        let val = |i: usize, d: usize| unsafe { load_i8x16(vp.add(i * hd + d)) };
         // SAFETY: the CPU has the features (this function's contract); `val` as above.
         unsafe { axpy_rows_by(o, w, val) }
     }
