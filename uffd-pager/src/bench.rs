@@ -302,7 +302,7 @@ fn one_run(
     let mut staging = Staging::new(size)?;
     for _ in 0..iters {
         let t = Instant::now();
-        uffd.copy(region.addr(), data).map_err(setup)?;
+        uffd.copy(region.addr(), data, true).map_err(setup)?;
         copy.push(ns(t));
         let t = Instant::now();
         region.dontneed(0, size).map_err(setup)?;
@@ -312,8 +312,15 @@ fn one_run(
             let t = Instant::now();
             // SAFETY: the staging buffer is private anonymous, ours, fully written, and its
             // contents are given up.
-            unsafe { uffd.move_pages(region.addr(), staging.as_slice().as_ptr() as usize, size) }
-                .map_err(setup)?;
+            unsafe {
+                uffd.move_pages(
+                    region.addr(),
+                    staging.as_slice().as_ptr() as usize,
+                    size,
+                    true,
+                )
+            }
+            .map_err(setup)?;
             mv.push(ns(t));
             region.dontneed(0, size).map_err(setup)?;
         }
@@ -428,7 +435,7 @@ fn raw_fault(size: usize, data: &[u8], iters: usize) -> Result<u64, PagerError> 
                     return Ok(());
                 }
                 for _ in 0..uffd.read_faults(&mut faults)? {
-                    match uffd.copy(region.addr(), &data) {
+                    match uffd.copy(region.addr(), &data, true) {
                         Ok(()) => {}
                         Err(SysError::Partial { source, .. })
                             if source.raw_os_error() == Some(libc::EEXIST) =>

@@ -363,7 +363,11 @@ impl Book {
         Ok((c, s))
     }
 
-    fn slot_mut(&mut self, key: ChunkKey) -> Result<(&mut Slot, &Mapping, usize), PagerError> {
+    /// The slot, its context's mapping, the slot's offset in it and the stride.
+    fn slot_mut(
+        &mut self,
+        key: ChunkKey,
+    ) -> Result<(&mut Slot, &Mapping, usize, usize), PagerError> {
         let c = self
             .ctxs
             .get_mut(&key.ctx)
@@ -374,7 +378,7 @@ impl Book {
             .slots
             .get_mut(key.index as usize)
             .ok_or(PagerError::NoChunk { key, max_chunks })?;
-        Ok((s, &c.map, key.index as usize * stride))
+        Ok((s, &c.map, key.index as usize * stride, stride))
     }
 }
 
@@ -383,9 +387,9 @@ impl State {
     /// zero pages mapped past its end go too.
     pub(crate) fn drop_chunk(&mut self, stats: &Stats, key: ChunkKey) -> Result<u64, PagerError> {
         let t = Instant::now();
-        let (slot, map, offset) = self.book.slot_mut(key)?;
+        let (slot, map, offset, stride) = self.book.slot_mut(key)?;
         let bytes = slot.bytes;
-        map.dontneed(offset, bytes)
+        map.dontneed(offset, stride)
             .map_err(|source| PagerError::Reclaim { key, source })?;
         let freed = if slot.state == ChunkState::Resident {
             bytes as u64
@@ -611,6 +615,13 @@ impl Shared {
             // Pages copied before the failure must not linger uncounted.
             let _ = c.map.dontneed(r.offset, r.stride);
         }
+        // The copy or move woke no one: threads that faulted on the slot resume only now, so the
+        // chunk's state they may ask for next is already the one their bytes reflect (a failed
+        // fill, for instance, is marked for recompute before anyone reads its zeros). Where
+        // nothing was mapped, they fault again and are served afresh.
+        if let Err(e) = self.uffd.wake(r.map.addr() + r.offset, r.stride) {
+            warn!(chunk = %r.key, error = %e, "waking faulting threads failed");
+        }
         self.populated.notify_all();
         if st.book.deferred > 0 {
             self.wake.signal();
@@ -618,14 +629,14 @@ impl Shared {
     }
 
     /// Copy `src` (exactly `r.bytes`, whole pages) into the reserved slot, retrying EAGAIN and
-    /// clearing stray pages on EEXIST once.
+    /// clearing stray pages on EEXIST once. Wakes no one: [`Shared::finish`] does.
     pub(crate) fn copy_in(&self, r: &Reservation, src: &[u8]) -> Result<(), SysError> {
         let base = r.map.addr() + r.offset;
         let mut done = 0;
         let mut cleared = false;
         let mut retries = 0;
         while done < src.len() {
-            match self.uffd.copy(base + done, &src[done..]) {
+            match self.uffd.copy(base + done, &src[done..], false) {
                 Ok(()) => done = src.len(),
                 Err(SysError::Partial {
                     done: d, source, ..
@@ -654,13 +665,14 @@ impl Shared {
     }
 
     /// Move whole pages from `staging` into the reserved slot; falls back to copying what the
-    /// kernel would not move (holes in the staging buffer, or no MOVE support).
+    /// kernel would not move (holes in the staging buffer, or no MOVE support). Wakes no one:
+    /// [`Shared::finish`] does.
     pub(crate) fn move_in(&self, r: &Reservation, staging: &mut Staging) -> Result<(), SysError> {
         let base = r.map.addr() + r.offset;
         let src = staging.map.addr();
         // SAFETY: the staging mapping is private anonymous and ours; `&mut Staging` keeps every
         // other user away during the call, and its owner gives up the moved contents.
-        match unsafe { self.uffd.move_pages(base, src, r.bytes) } {
+        match unsafe { self.uffd.move_pages(base, src, r.bytes, false) } {
             Ok(()) => Ok(()),
             Err(SysError::Partial { done, .. }) => {
                 let rest = Reservation {
@@ -1123,7 +1135,7 @@ impl Pager {
         let _span = tracing::debug_span!("shrink", chunk = %key).entered();
         let mut st = self.live()?;
         let new = page_round(new_bytes.max(1));
-        let (slot, map, offset) = st.book.slot_mut(key)?;
+        let (slot, map, offset, _) = st.book.slot_mut(key)?;
         if slot.state != ChunkState::Resident {
             return Err(PagerError::NotResident { key });
         }
@@ -1198,7 +1210,7 @@ impl Pager {
     /// The engine wrote the chunk out (to kvfs): reclaiming it costs no I/O from now on.
     pub fn mark_persisted(&self, key: ChunkKey) -> Result<(), PagerError> {
         let mut st = self.live()?;
-        let (slot, _, _) = st.book.slot_mut(key)?;
+        let (slot, _, _, _) = st.book.slot_mut(key)?;
         slot.persisted = true;
         Ok(())
     }
@@ -1206,7 +1218,7 @@ impl Pager {
     /// The engine recomputed the chunk's bytes in place: it may be used again.
     pub fn mark_recomputed(&self, key: ChunkKey) -> Result<(), PagerError> {
         let mut st = self.live()?;
-        let (slot, _, _) = st.book.slot_mut(key)?;
+        let (slot, _, _, _) = st.book.slot_mut(key)?;
         if slot.state != ChunkState::Resident {
             return Err(PagerError::NotResident { key });
         }

@@ -111,6 +111,8 @@ const UFFDIO_ZEROPAGE: u64 = ioc(IOC_READ | IOC_WRITE, 0x04, size_of::<UffdioZer
 const UFFDIO_MOVE: u64 = ioc(IOC_READ | IOC_WRITE, 0x05, size_of::<UffdioMove>());
 const UFFD_FEATURE_MOVE: u64 = 1 << 16;
 const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+/// `UFFDIO_COPY_MODE_DONTWAKE` and `UFFDIO_MOVE_MODE_DONTWAKE`: map the pages, wake no one.
+const MODE_DONTWAKE: u64 = 1;
 const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
 const UFFD_PAGEFAULT_FLAG_WRITE: u64 = 1;
 
@@ -252,15 +254,17 @@ impl Uffd {
         Ok(())
     }
 
-    /// Atomically copy `src` into the missing pages at `dst` and wake the waiters.
+    /// Atomically copy `src` into the missing pages at `dst`, and wake the waiters if `wake`
+    /// (otherwise they sleep until [`Uffd::wake`]: the pager wakes them once its books say the
+    /// chunk is there).
     /// Returns the errno classification: `EEXIST` (a page is already mapped) and `EAGAIN`
     /// (the address space is changing; retry) come back as `Partial` with `done` bytes copied.
-    pub fn copy(&self, dst: usize, src: &[u8]) -> Result<(), SysError> {
+    pub fn copy(&self, dst: usize, src: &[u8], wake: bool) -> Result<(), SysError> {
         let mut copy = UffdioCopy {
             dst: dst as u64,
             src: src.as_ptr() as u64,
             len: src.len() as u64,
-            mode: 0,
+            mode: if wake { 0 } else { MODE_DONTWAKE },
             copy: 0,
         };
         // SAFETY: UFFDIO_COPY reads `len` bytes from `src`, a live slice, and writes them only into
@@ -303,12 +307,19 @@ impl Uffd {
     }
 
     /// Move the pages of `[src, src+len)` (present, private anonymous, exclusive) to the missing
-    /// pages at `dst` without copying, and wake the waiters; the source range is left unmapped.
+    /// pages at `dst` without copying, and wake the waiters if `wake`; the source range is left
+    /// unmapped.
     ///
     /// # Safety
     /// `src..src+len` must be a private anonymous mapping that nothing reads or writes during the
     /// call, and whose contents the caller gives up (it reads as zeros afterwards).
-    pub unsafe fn move_pages(&self, dst: usize, src: usize, len: usize) -> Result<(), SysError> {
+    pub unsafe fn move_pages(
+        &self,
+        dst: usize,
+        src: usize,
+        len: usize,
+        wake: bool,
+    ) -> Result<(), SysError> {
         if !self.move_supported {
             return Err(SysError::Unsupported {
                 what: "UFFDIO_MOVE",
@@ -318,7 +329,7 @@ impl Uffd {
             dst: dst as u64,
             src: src as u64,
             len: len as u64,
-            mode: 0,
+            mode: if wake { 0 } else { MODE_DONTWAKE },
             moved: 0,
         };
         // SAFETY: UFFDIO_MOVE reads and writes one `uffdio_move`; the caller guarantees the source
