@@ -28,6 +28,7 @@ use half::f16;
 use std::fmt;
 use std::str::FromStr;
 
+use crate::model::kernels::decode_codes;
 use crate::model::qmatrix::f16_bytes_to_f32;
 
 /// What went wrong encoding a chunk.
@@ -617,37 +618,6 @@ fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
     }
 }
 
-/// Unpacks one row of `out.len()` sub-byte values starting at packed value `first`.
-fn unpack_row(q: &[u8], first: usize, bits: usize, out: &mut [f32]) {
-    if bits == 8 {
-        let n = out.len();
-        for (o, b) in out.iter_mut().zip(&q[first..first + n]) {
-            *o = f32::from(*b);
-        }
-        return;
-    }
-    if bits == 3 {
-        // Rows start on a byte (head_dim is a multiple of 8): 8 values in every 3 bytes.
-        let bytes = &q[first * 3 / 8..(first + out.len()) * 3 / 8];
-        for (o, b) in out.chunks_exact_mut(8).zip(bytes.chunks_exact(3)) {
-            let w = u32::from(b[0]) | u32::from(b[1]) << 8 | u32::from(b[2]) << 16;
-            for (j, o) in o.iter_mut().enumerate() {
-                *o = ((w >> (3 * j)) & 7) as f32;
-            }
-        }
-        return;
-    }
-    let per = 8 / bits;
-    let bytes = &q[first / per..(first + out.len()).div_ceil(per)];
-    let mask = (1u8 << bits) - 1;
-    // Rows start on a byte (head_dim is a multiple of 4), so each byte fills `per` outputs.
-    for (o, b) in out.chunks_exact_mut(per).zip(bytes) {
-        for (j, o) in o.iter_mut().enumerate() {
-            *o = ((b >> (j * bits)) & mask) as f32;
-        }
-    }
-}
-
 /// Head `h`'s coded parameters `first..first + mins.len()` of a section (`groups` per head) as
 /// f32 minimums and scales.
 fn coded_pairs(
@@ -748,12 +718,8 @@ pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &m
             } else {
                 le_pairs(params, h * hd, &mut mins[..hd], &mut scales[..hd]);
             }
-            for (i, o) in out.chunks_exact_mut(hd).enumerate() {
-                unpack_row(kb, h * blk + i * hd, bits, o);
-                for c in 0..hd {
-                    o[c] = mins[c] + o[c] * scales[c];
-                }
-            }
+            let (m, s) = (&mins[..hd], &scales[..hd]);
+            decode_codes(kb, h * blk, bits, hd, m, s, false, out);
         }
     }
 }
@@ -788,12 +754,8 @@ pub fn decode_v(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &m
                 } else {
                     le_pairs(params, h * t + r0 * 256, m, s);
                 }
-                for (i, o) in rows.chunks_exact_mut(hd).enumerate() {
-                    unpack_row(vb, h * blk + (r0 * 256 + i) * hd, bits, o);
-                    for o in o.iter_mut() {
-                        *o = mins[i] + *o * scales[i];
-                    }
-                }
+                let first = h * blk + r0 * 256 * hd;
+                decode_codes(vb, first, bits, hd, m, s, true, rows);
             }
         }
     }

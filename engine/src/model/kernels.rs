@@ -577,6 +577,111 @@ pub fn axpy_rows_i8_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[u8], buf: &
     axpy_rows_with(isa, o, w, &buf[..n]);
 }
 
+/// Decodes rows of packed unsigned codes: `out[r][c] = mins[i] + code(r, c) · scales[i]` for
+/// every row `r` of `out` (`hd` values a row), where row r's codes start at packed value
+/// `first + r · hd` of `codes` (`bits` = 2, 3, 4 or 8 bits each, little end first; rows start
+/// on a byte) and `i` is `c` (parameters per channel, the keys of a chunk) or `r` (per row, its
+/// values).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_codes(
+    codes: &[u8],
+    first: usize,
+    bits: usize,
+    hd: usize,
+    mins: &[f32],
+    scales: &[f32],
+    per_row: bool,
+    out: &mut [f32],
+) {
+    decode_codes_with(
+        Isa::best(),
+        codes,
+        first,
+        bits,
+        hd,
+        mins,
+        scales,
+        per_row,
+        out,
+    );
+}
+
+/// [`decode_codes`] on a given path (every path gives the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_codes_with(
+    isa: Isa,
+    codes: &[u8],
+    first: usize,
+    bits: usize,
+    hd: usize,
+    mins: &[f32],
+    scales: &[f32],
+    per_row: bool,
+    out: &mut [f32],
+) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    assert!(
+        matches!(bits, 2 | 3 | 4 | 8),
+        "decode_codes: {bits}-bit codes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above); the kernel
+        // checks the sizes itself.
+        unsafe {
+            let f = match bits {
+                2 => simd::avx512::decode_codes::<2>,
+                3 => simd::avx512::decode_codes::<3>,
+                4 => simd::avx512::decode_codes::<4>,
+                _ => simd::avx512::decode_codes::<8>,
+            };
+            return f(codes, first, hd, mins, scales, per_row, out);
+        }
+    }
+    for (r, o) in out.chunks_exact_mut(hd).enumerate() {
+        unpack_codes(codes, first + r * hd, bits, o);
+        if per_row {
+            for o in o.iter_mut() {
+                *o = mins[r] + *o * scales[r];
+            }
+        } else {
+            for ((o, m), s) in o.iter_mut().zip(mins).zip(scales) {
+                *o = m + *o * s;
+            }
+        }
+    }
+}
+
+/// Unpacks `out.len()` unsigned `bits`-bit codes starting at packed value `first` (on a byte).
+pub fn unpack_codes(q: &[u8], first: usize, bits: usize, out: &mut [f32]) {
+    if bits == 8 {
+        let n = out.len();
+        for (o, b) in out.iter_mut().zip(&q[first..first + n]) {
+            *o = f32::from(*b);
+        }
+        return;
+    }
+    if bits == 3 {
+        // 8 values in every 3 bytes.
+        let bytes = &q[first * 3 / 8..(first + out.len()) * 3 / 8];
+        for (o, b) in out.chunks_exact_mut(8).zip(bytes.chunks_exact(3)) {
+            let w = u32::from(b[0]) | u32::from(b[1]) << 8 | u32::from(b[2]) << 16;
+            for (j, o) in o.iter_mut().enumerate() {
+                *o = ((w >> (3 * j)) & 7) as f32;
+            }
+        }
+        return;
+    }
+    let per = 8 / bits;
+    let bytes = &q[first / per..(first + out.len()).div_ceil(per)];
+    let mask = (1u8 << bits) - 1;
+    for (o, b) in out.chunks_exact_mut(per).zip(bytes) {
+        for (j, o) in o.iter_mut().enumerate() {
+            *o = ((b >> (j * bits)) & mask) as f32;
+        }
+    }
+}
+
 /// Adds `b` to `a` elementwise.
 pub fn add_assign(a: &mut [f32], b: &[f32]) {
     for (a, b) in a.iter_mut().zip(b) {
@@ -830,6 +935,53 @@ mod tests {
                     (f64::from(*g) - w).abs() <= w.abs() * 3e-6 + 1e-30,
                     "{isa:?} {i}: {g} vs {w}"
                 );
+            }
+        }
+    }
+
+    /// Every path decodes packed codes to the same bits as a plain reading of the packing
+    /// (code j of a row in bits `bits·j..` from its first byte), for every width, rows that start
+    /// past the buffer's start, and parameters per channel and per row.
+    #[test]
+    fn decode_codes_paths_agree_with_the_packing() {
+        let mut s = 11u32;
+        let mut next = || {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            s >> 8
+        };
+        let (hd, rows) = (64, 5);
+        for bits in [2usize, 3, 4, 8] {
+            for first in [0, 64, 128] {
+                let codes: Vec<u8> = (0..(first + rows * hd) * bits / 8 + 3)
+                    .map(|_| next() as u8)
+                    .collect();
+                for per_row in [false, true] {
+                    let n = if per_row { rows } else { hd };
+                    let mins: Vec<f32> = (0..n).map(|_| next() as f32 / 1e6 - 5.0).collect();
+                    let scales: Vec<f32> = (0..n).map(|_| next() as f32 / 1e7).collect();
+                    let code = |r: usize, c: usize| {
+                        let bit = (first + r * hd + c) * bits;
+                        let w = u32::from(codes[bit / 8]) | u32::from(codes[bit / 8 + 1]) << 8;
+                        ((w >> (bit % 8)) & ((1 << bits) - 1)) as f32
+                    };
+                    let want: Vec<f32> = (0..rows * hd)
+                        .map(|i| {
+                            let (r, c) = (i / hd, i % hd);
+                            let p = if per_row { r } else { c };
+                            mins[p] + code(r, c) * scales[p]
+                        })
+                        .collect();
+                    for isa in Isa::all_available() {
+                        let mut out = vec![f32::NAN; rows * hd];
+                        decode_codes_with(
+                            isa, &codes, first, bits, hd, &mins, &scales, per_row, &mut out,
+                        );
+                        assert_eq!(
+                            out, want,
+                            "{isa:?}, {bits} bits from {first}, per row {per_row}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -1091,6 +1091,113 @@ pub mod avx512 {
         }
     }
 
+    /// Sixteen packed unsigned `BITS`-bit codes (2, 3, 4 or 8; code j in bits `BITS·j..` of the
+    /// little-endian bytes from `p`) as f32. Sub-byte codes are read as two words of `BITS`
+    /// bytes, eight codes each, spread over the lanes and shifted into place.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F; `p` must point at `2 · BITS` readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn load_codes16<const BITS: usize>(p: *const u8) -> __m512 {
+        if BITS == 8 {
+            // SAFETY: 16 readable bytes at `p` (the contract).
+            return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(unsafe {
+                _mm_loadu_si128(p as *const __m128i)
+            }));
+        }
+        let word = |q: *const u8| {
+            let mut w = 0u32;
+            for k in 0..BITS {
+                // SAFETY: k < BITS, and both words lie in the 2 · BITS readable bytes.
+                w |= u32::from(unsafe { *q.add(k) }) << (8 * k);
+            }
+            w as i32
+        };
+        // SAFETY: the second word starts BITS bytes in, inside the readable bytes.
+        let (w0, w1) = (word(p), word(unsafe { p.add(BITS) }));
+        let v = _mm512_inserti64x4::<1>(_mm512_set1_epi32(w0), _mm256_set1_epi32(w1));
+        let b = BITS as i32;
+        let shifts = _mm512_setr_epi32(
+            0,
+            b,
+            2 * b,
+            3 * b,
+            4 * b,
+            5 * b,
+            6 * b,
+            7 * b,
+            0,
+            b,
+            2 * b,
+            3 * b,
+            4 * b,
+            5 * b,
+            6 * b,
+            7 * b,
+        );
+        let mask = _mm512_set1_epi32((1 << BITS) - 1);
+        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, shifts), mask))
+    }
+
+    /// The AVX-512 body of [`crate::model::kernels::decode_codes`] for one code width.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn decode_codes<const BITS: usize>(
+        codes: &[u8],
+        first: usize,
+        hd: usize,
+        mins: &[f32],
+        scales: &[f32],
+        per_row: bool,
+        out: &mut [f32],
+    ) {
+        let rows = out.len() / hd.max(1);
+        let params = if per_row { rows } else { hd };
+        assert!(
+            hd.is_multiple_of(16)
+                && out.len() == rows * hd
+                && (first * BITS).is_multiple_of(8)
+                && codes.len() * 8 >= (first + rows * hd) * BITS
+                && mins.len() >= params
+                && scales.len() >= params,
+            "avx512::decode_codes: bad sizes"
+        );
+        let (cp, op) = (codes.as_ptr(), out.as_mut_ptr());
+        for r in 0..rows {
+            // Rows start on a byte: hd is a multiple of 16 and `first` of 8 / BITS.
+            let row = (first + r * hd) * BITS / 8;
+            let (mr, sr) = if per_row {
+                (_mm512_set1_ps(mins[r]), _mm512_set1_ps(scales[r]))
+            } else {
+                (_mm512_setzero_ps(), _mm512_setzero_ps())
+            };
+            for d in (0..hd).step_by(16) {
+                // SAFETY: codes d..d + 16 of row r are 2 · BITS bytes inside `codes` (asserted).
+                let c = unsafe { load_codes16::<BITS>(cp.add(row + d * BITS / 8)) };
+                let (m, s) = if per_row {
+                    (mr, sr)
+                } else {
+                    // SAFETY: d + 16 <= hd <= mins.len(), scales.len() (asserted).
+                    unsafe {
+                        (
+                            _mm512_loadu_ps(mins.as_ptr().add(d)),
+                            _mm512_loadu_ps(scales.as_ptr().add(d)),
+                        )
+                    }
+                };
+                // Multiply, then add: the same rounding as the portable path.
+                // SAFETY: r · hd + d + 16 <= out.len() (asserted).
+                unsafe {
+                    _mm512_storeu_ps(op.add(r * hd + d), _mm512_add_ps(m, _mm512_mul_ps(c, s)))
+                };
+            }
+        }
+    }
+
     /// `out[i] = q · keys[i q.len()..(i + 1) q.len()]` for every `i`: one query row against
     /// consecutive keys, sixteen keys per pass.
     ///
