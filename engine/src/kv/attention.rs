@@ -17,11 +17,14 @@
 //! receives is summed into the cache, so each chunk's information density is known with no
 //! second pass.
 
-use crate::kv::codec::{decode_k, decode_v, f16_keys, f16_values, int8_keys, int8_values};
+use crate::kv::codec::{
+    affine_codes, decode_k, decode_v, f16_keys, f16_values, int8_keys, int8_values, packed_keys,
+    packed_values,
+};
 use crate::kv::{KvCache, KvError, KvFormat, LayerView};
 use crate::model::kernels::{
-    axpy, axpy_rows, axpy_rows_f16, axpy_rows_i8, dot, dot_rows, dot_rows_f16, dot_rows_i8,
-    matmul_nn, matmul_nt, matmul_serial, softmax, softmax_exp,
+    Codes, axpy, axpy_rows, axpy_rows_codes, axpy_rows_f16, dot, dot_rows, dot_rows_codes,
+    dot_rows_f16, matmul_nn, matmul_nt, matmul_serial, softmax, softmax_exp,
 };
 use crate::model::simd::prefetch_l2;
 use rayon::prelude::*;
@@ -344,10 +347,16 @@ fn attend_packed_split(
         let width = end - start;
         let mut e = vec![0.0f32; rows * width];
         let mut buf = vec![0.0f32; t * hd];
-        // Scales of an int8 chunk (per channel for keys, per token for values), and a query
-        // row or a row of weights with them folded in.
-        let mut scales = vec![0.0f32; hd.max(t)];
-        let (mut qs, mut ws) = (vec![0.0f32; hd], vec![0.0f32; t]);
+        // Chunks of codes (int8, and the formats of unsigned codes with a minimum and a scale
+        // per group: per channel for keys, per token for values) are read for every row of the
+        // head at once, never decoded to f32: each row's query times the keys' scales (or its
+        // weights times the values' scales), and its dot product with their minimums as a bias.
+        let (mut mins, mut scales) = (vec![0.0f32; hd.max(t)], vec![0.0f32; hd.max(t)]);
+        let (mut qsr, mut wsr, mut bias) = (
+            vec![0.0f32; rows * hd],
+            vec![0.0f32; rows * t],
+            vec![0.0f32; rows],
+        );
         // Chunks are separate slots of memory, each read in pieces of a few KiB: ask for a
         // chunk's layer a few chunks before its keys are read (its values follow from cache).
         let ahead = |c: usize| {
@@ -376,12 +385,28 @@ fn attend_packed_split(
                 // int8 keys too, each row's query scaled by the channels' scales instead.
                 LayerView::Sealed(KvFormat::Int8, bytes) => {
                     let k = &int8_keys(&cs, bytes, g, &mut scales)[..live * hd];
-                    for (r, srow) in e.chunks_exact_mut(width).enumerate() {
-                        for ((s, &q), &sc) in qs.iter_mut().zip(qrow(r)).zip(&scales) {
+                    for (r, qr) in qsr.chunks_exact_mut(hd).enumerate() {
+                        for ((s, &q), &sc) in qr.iter_mut().zip(qrow(r)).zip(&scales) {
                             *s = q * sc;
                         }
-                        dot_rows_i8(&qs, k, &mut srow[off..off + live], &mut buf);
                     }
+                    bias.fill(0.0);
+                    let out = &mut e[off..];
+                    dot_rows_codes(&qsr, &bias, k, 0, Codes::Signed8, hd, out, width, live);
+                    continue;
+                }
+                LayerView::Sealed(f, bytes) if affine_codes(f) => {
+                    let (codes, first) = packed_keys(&cs, f, bytes, g, &mut mins, &mut scales);
+                    for (r, (qr, b)) in qsr.chunks_exact_mut(hd).zip(&mut bias).enumerate() {
+                        let q = qrow(r);
+                        *b = q.iter().zip(&mins).map(|(q, m)| q * m).sum();
+                        for ((s, &q), &sc) in qr.iter_mut().zip(q).zip(&scales) {
+                            *s = q * sc;
+                        }
+                    }
+                    let kind = Codes::Unsigned(f.key_bits() as usize);
+                    let out = &mut e[off..];
+                    dot_rows_codes(&qsr, &bias, codes, first, kind, hd, out, width, live);
                     continue;
                 }
                 LayerView::Sealed(f, bytes) => {
@@ -417,13 +442,28 @@ fn attend_packed_split(
                 // int8 values, each weight scaled by its token's scale instead.
                 LayerView::Sealed(KvFormat::Int8, bytes) => {
                     let v = &int8_values(&cs, bytes, g, &mut scales)[..live * hd];
-                    for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
-                        for ((w, &e), &sc) in ws.iter_mut().zip(&erow[off..off + live]).zip(&scales)
+                    for (erow, wr) in e.chunks_exact(width).zip(wsr.chunks_exact_mut(t)) {
+                        for ((x, &w), &sc) in wr.iter_mut().zip(&erow[off..off + live]).zip(&scales)
                         {
-                            *w = e * sc;
+                            *x = w * sc;
                         }
-                        axpy_rows_i8(orow, &ws[..live], v, &mut buf);
                     }
+                    bias.fill(0.0);
+                    axpy_rows_codes(&mut o, &bias, &wsr, t, live, v, 0, Codes::Signed8, hd);
+                    continue;
+                }
+                LayerView::Sealed(f, bytes) if affine_codes(f) => {
+                    let (codes, first) = packed_values(&cs, f, bytes, g, &mut mins, &mut scales);
+                    let weights = e.chunks_exact(width).zip(wsr.chunks_exact_mut(t));
+                    for ((erow, wr), b) in weights.zip(&mut bias) {
+                        let w = &erow[off..off + live];
+                        *b = w.iter().zip(&mins).map(|(w, m)| w * m).sum();
+                        for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&scales) {
+                            *x = w * sc;
+                        }
+                    }
+                    let kind = Codes::Unsigned(f.value_bits() as usize);
+                    axpy_rows_codes(&mut o, &bias, &wsr, t, live, codes, first, kind, hd);
                     continue;
                 }
                 LayerView::Sealed(f, bytes) => {

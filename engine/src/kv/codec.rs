@@ -687,6 +687,61 @@ pub fn int8_values<'a>(
     &vb[h * blk..(h + 1) * blk]
 }
 
+/// Whether a format stores unsigned codes with a minimum and a scale per group (int4, int2 and
+/// the coded formats): the ones [`packed_keys`] and [`packed_values`] read.
+pub fn affine_codes(f: KvFormat) -> bool {
+    !matches!(f, KvFormat::F16 | KvFormat::Int8)
+}
+
+/// Head `h`'s keys in one layer of an [`affine_codes`] format, as stored: returns the layer's
+/// key codes and the packed index of head `h`'s first (`[token][dim]`, `key_bits` each), with
+/// the per-channel minimums and scales written to `mins` and `scales` (`head_dim` each): key
+/// `[i][c]` is `mins[c] + code[i][c] · scales[c]`, as [`decode_k`] computes it.
+pub fn packed_keys<'a>(
+    shape: &ChunkShape,
+    f: KvFormat,
+    layer: &'a [u8],
+    h: usize,
+    mins: &mut [f32],
+    scales: &mut [f32],
+) -> (&'a [u8], usize) {
+    debug_assert!(affine_codes(f));
+    let (blk, hd) = (shape.block(), shape.head_dim);
+    let kb = &layer[..shape.k_bytes(f)];
+    let params = &kb[shape.k_values_bytes(f)..];
+    let (m, s) = (&mut mins[..hd], &mut scales[..hd]);
+    if f.coded() {
+        coded_pairs(params, hd, shape.n_kv_heads, h, 0, m, s);
+    } else {
+        le_pairs(params, h * hd, m, s);
+    }
+    (kb, h * blk)
+}
+
+/// Head `h`'s values in one layer of an [`affine_codes`] format, as [`packed_keys`]; the
+/// parameters are per token (`tokens` each, at most 256): value `[i][c]` is
+/// `mins[i] + code[i][c] · scales[i]`.
+pub fn packed_values<'a>(
+    shape: &ChunkShape,
+    f: KvFormat,
+    layer: &'a [u8],
+    h: usize,
+    mins: &mut [f32],
+    scales: &mut [f32],
+) -> (&'a [u8], usize) {
+    debug_assert!(affine_codes(f) && shape.tokens <= 256);
+    let (blk, t) = (shape.block(), shape.tokens);
+    let vb = &layer[shape.k_bytes(f)..shape.layer_bytes(f)];
+    let params = &vb[shape.v_values_bytes(f)..];
+    let (m, s) = (&mut mins[..t], &mut scales[..t]);
+    if f.coded() {
+        coded_pairs(params, t, shape.n_kv_heads, h, 0, m, s);
+    } else {
+        le_pairs(params, h * t, m, s);
+    }
+    (vb, h * blk)
+}
+
 /// Decodes head `h`'s keys from one encoded layer into `out` (`[token][dim]`).
 pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &mut [f32]) {
     let (blk, hd) = (shape.block(), shape.head_dim);
@@ -709,17 +764,10 @@ pub fn decode_k(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &m
             }
         }
         KvFormat::Int4 | KvFormat::Int2 | KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3 => {
-            let bits = f.key_bits() as usize;
-            let params = &kb[vals..];
             let (mut mins, mut scales) = ([0f32; 256], [0f32; 256]);
-            if f.coded() {
-                let (m, s) = (&mut mins[..hd], &mut scales[..hd]);
-                coded_pairs(params, hd, shape.n_kv_heads, h, 0, m, s);
-            } else {
-                le_pairs(params, h * hd, &mut mins[..hd], &mut scales[..hd]);
-            }
+            let (codes, first) = packed_keys(shape, f, layer, h, &mut mins, &mut scales);
             let (m, s) = (&mins[..hd], &scales[..hd]);
-            decode_codes(kb, h * blk, bits, hd, m, s, false, out);
+            decode_codes(codes, first, f.key_bits() as usize, hd, m, s, false, out);
         }
     }
 }

@@ -528,55 +528,6 @@ pub fn axpy_rows_f16_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[u8], buf: 
     axpy_rows_with(isa, o, w, &buf[..n]);
 }
 
-/// [`dot_rows`] over keys stored as signed bytes (their scales folded into `q`): converted in
-/// registers on the AVX-512 path, through `buf` (at least `out.len() · q.len()` values) on the
-/// others. Every path gives [`dot_rows_with`] of the converted keys up to summation order.
-pub fn dot_rows_i8(q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
-    dot_rows_i8_with(Isa::best(), q, keys, out, buf);
-}
-
-/// [`dot_rows_i8`] on a given path.
-pub fn dot_rows_i8_with(isa: Isa, q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
-    assert!(isa.available(), "{isa:?} path on a CPU without it");
-    let hd = q.len();
-    let n = out.len() * hd;
-    assert!(keys.len() >= n, "dot_rows_i8: short keys");
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
-        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and q's
-        // length is a multiple of 16.
-        return unsafe { simd::avx512::dot_rows_i8(q, keys, out) };
-    }
-    for (b, &k) in buf[..n].iter_mut().zip(&keys[..n]) {
-        *b = f32::from(k as i8);
-    }
-    dot_rows_with(isa, q, &buf[..n], out);
-}
-
-/// [`axpy_rows`] over value rows stored as signed bytes (their scales folded into `w`); `buf`
-/// as in [`dot_rows_i8`], at least `w.len() · o.len()` values.
-pub fn axpy_rows_i8(o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
-    axpy_rows_i8_with(Isa::best(), o, w, vals, buf);
-}
-
-/// [`axpy_rows_i8`] on a given path.
-pub fn axpy_rows_i8_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
-    assert!(isa.available(), "{isa:?} path on a CPU without it");
-    let hd = o.len();
-    let n = w.len() * hd;
-    assert!(vals.len() >= n, "axpy_rows_i8: short values");
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
-        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and o's
-        // length is a multiple of 16.
-        return unsafe { simd::avx512::axpy_rows_i8(o, w, vals) };
-    }
-    for (b, &v) in buf[..n].iter_mut().zip(&vals[..n]) {
-        *b = f32::from(v as i8);
-    }
-    axpy_rows_with(isa, o, w, &buf[..n]);
-}
-
 /// Decodes rows of packed unsigned codes: `out[r][c] = mins[i] + code(r, c) · scales[i]` for
 /// every row `r` of `out` (`hd` values a row), where row r's codes start at packed value
 /// `first + r · hd` of `codes` (`bits` = 2, 3, 4 or 8 bits each, little end first; rows start
@@ -647,6 +598,224 @@ pub fn decode_codes_with(
         } else {
             for ((o, m), s) in o.iter_mut().zip(mins).zip(scales) {
                 *o = m + *o * s;
+            }
+        }
+    }
+}
+
+/// How KV codes are stored: packed unsigned codes of 2, 3, 4 or 8 bits (int4, int2 and the
+/// coded formats), or signed bytes (int8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Codes {
+    Unsigned(usize),
+    Signed8,
+}
+
+impl Codes {
+    /// Bits per code.
+    pub fn bits(self) -> usize {
+        match self {
+            Codes::Unsigned(b) => b,
+            Codes::Signed8 => 8,
+        }
+    }
+}
+
+/// Scores of `rows` query rows against `n` keys stored as codes, without decoding the keys:
+/// `out[r · stride + j] = bias[r] + Σ_d q[r · hd + d] · code(j, d)` for every row r of `bias`,
+/// where key j's codes start at packed value `first + j · hd` of `codes`. With keys
+/// `min_c + code · scale_c`, `q` holds the query rows times the scales and `bias` their dot
+/// products with the minimums. Each key is converted once for all the rows (three at a time on
+/// the AVX-512 path).
+#[allow(clippy::too_many_arguments)]
+pub fn dot_rows_codes(
+    q: &[f32],
+    bias: &[f32],
+    codes: &[u8],
+    first: usize,
+    kind: Codes,
+    hd: usize,
+    out: &mut [f32],
+    stride: usize,
+    n: usize,
+) {
+    dot_rows_codes_with(Isa::best(), q, bias, codes, first, kind, hd, out, stride, n);
+}
+
+/// [`dot_rows_codes`] on a given path (each path sums in its own order).
+#[allow(clippy::too_many_arguments)]
+pub fn dot_rows_codes_with(
+    isa: Isa,
+    q: &[f32],
+    bias: &[f32],
+    codes: &[u8],
+    first: usize,
+    kind: Codes,
+    hd: usize,
+    out: &mut [f32],
+    stride: usize,
+    n: usize,
+) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    assert!(
+        matches!(kind, Codes::Unsigned(2 | 3 | 4 | 8) | Codes::Signed8),
+        "dot_rows_codes: {kind:?}"
+    );
+    let rows = bias.len();
+    assert!(
+        hd > 0 && hd <= 256 && q.len() >= rows * hd,
+        "dot_rows_codes: bad sizes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        let mut r = 0;
+        while r < rows {
+            let k = (rows - r).min(3);
+            let (q, out) = (&q[r * hd..], &mut out[r * stride..]);
+            let b = &bias[r..r + k];
+            macro_rules! run {
+                ($f:ident $(, $bits:literal)?) => {
+                    // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above);
+                    // the kernel checks the sizes itself.
+                    unsafe {
+                        match k {
+                            3 => simd::avx512::$f::<$($bits,)? 3>(
+                                q, hd, [b[0], b[1], b[2]], codes, first, out, stride, n,
+                            ),
+                            2 => simd::avx512::$f::<$($bits,)? 2>(
+                                q, hd, [b[0], b[1]], codes, first, out, stride, n,
+                            ),
+                            _ => simd::avx512::$f::<$($bits,)? 1>(
+                                q, hd, [b[0]], codes, first, out, stride, n,
+                            ),
+                        }
+                    }
+                };
+            }
+            match kind {
+                Codes::Unsigned(2) => run!(dot_rows_codes, 2),
+                Codes::Unsigned(3) => run!(dot_rows_codes, 3),
+                Codes::Unsigned(4) => run!(dot_rows_codes, 4),
+                Codes::Unsigned(_) => run!(dot_rows_codes, 8),
+                Codes::Signed8 => run!(dot_rows_s8),
+            }
+            r += k;
+        }
+        return;
+    }
+    let mut key = [0f32; 256];
+    for j in 0..n {
+        let key = &mut key[..hd];
+        unpack_kind(codes, first + j * hd, kind, key);
+        for (r, b) in bias.iter().enumerate() {
+            out[r * stride + j] = b + dot_with(isa, &q[r * hd..(r + 1) * hd], key);
+        }
+    }
+}
+
+/// Output rows summed from `n` value rows stored as codes, without decoding them:
+/// `o[r · hd + d] += bias[r] + Σ_i w[r · wstride + i] · code(i, d)` for every row r of `bias`,
+/// where value row i's codes start at packed value `first + i · hd`. With values
+/// `min_i + code · scale_i`, `w` holds the attention weights times the scales and `bias` their
+/// dot products with the minimums. Each value row is converted once for all the rows.
+#[allow(clippy::too_many_arguments)]
+pub fn axpy_rows_codes(
+    o: &mut [f32],
+    bias: &[f32],
+    w: &[f32],
+    wstride: usize,
+    n: usize,
+    codes: &[u8],
+    first: usize,
+    kind: Codes,
+    hd: usize,
+) {
+    axpy_rows_codes_with(Isa::best(), o, bias, w, wstride, n, codes, first, kind, hd);
+}
+
+/// [`axpy_rows_codes`] on a given path (each path sums in its own order).
+#[allow(clippy::too_many_arguments)]
+pub fn axpy_rows_codes_with(
+    isa: Isa,
+    o: &mut [f32],
+    bias: &[f32],
+    w: &[f32],
+    wstride: usize,
+    n: usize,
+    codes: &[u8],
+    first: usize,
+    kind: Codes,
+    hd: usize,
+) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    assert!(
+        matches!(kind, Codes::Unsigned(2 | 3 | 4 | 8) | Codes::Signed8),
+        "axpy_rows_codes: {kind:?}"
+    );
+    let rows = bias.len();
+    assert!(
+        hd > 0 && hd <= 256 && o.len() >= rows * hd,
+        "axpy_rows_codes: bad sizes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+        let mut r = 0;
+        while r < rows {
+            let k = (rows - r).min(3);
+            let (o, w) = (&mut o[r * hd..], &w[r * wstride..]);
+            let b = &bias[r..r + k];
+            macro_rules! run {
+                ($f:ident $(, $bits:literal)?) => {
+                    // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above);
+                    // the kernel checks the sizes itself.
+                    unsafe {
+                        match k {
+                            3 => simd::avx512::$f::<$($bits,)? 3>(
+                                o, hd, [b[0], b[1], b[2]], w, wstride, n, codes, first,
+                            ),
+                            2 => simd::avx512::$f::<$($bits,)? 2>(
+                                o, hd, [b[0], b[1]], w, wstride, n, codes, first,
+                            ),
+                            _ => simd::avx512::$f::<$($bits,)? 1>(
+                                o, hd, [b[0]], w, wstride, n, codes, first,
+                            ),
+                        }
+                    }
+                };
+            }
+            match kind {
+                Codes::Unsigned(2) => run!(axpy_rows_codes, 2),
+                Codes::Unsigned(3) => run!(axpy_rows_codes, 3),
+                Codes::Unsigned(4) => run!(axpy_rows_codes, 4),
+                Codes::Unsigned(_) => run!(axpy_rows_codes, 8),
+                Codes::Signed8 => run!(axpy_rows_s8),
+            }
+            r += k;
+        }
+        return;
+    }
+    for (r, b) in bias.iter().enumerate() {
+        for x in &mut o[r * hd..(r + 1) * hd] {
+            *x += b;
+        }
+    }
+    let mut val = [0f32; 256];
+    for i in 0..n {
+        let val = &mut val[..hd];
+        unpack_kind(codes, first + i * hd, kind, val);
+        for r in 0..rows {
+            axpy_with(isa, &mut o[r * hd..(r + 1) * hd], w[r * wstride + i], val);
+        }
+    }
+}
+
+/// Unpacks `out.len()` codes of `kind` starting at packed value `first` (on a byte).
+fn unpack_kind(q: &[u8], first: usize, kind: Codes, out: &mut [f32]) {
+    match kind {
+        Codes::Unsigned(bits) => unpack_codes(q, first, bits, out),
+        Codes::Signed8 => {
+            for (o, b) in out.iter_mut().zip(&q[first..]) {
+                *o = f32::from(*b as i8);
             }
         }
     }
@@ -841,9 +1010,10 @@ mod tests {
                     let q4: Vec<f32> = q.iter().map(|&v| v / 4.0).collect();
                     let w4: Vec<f32> = w.iter().map(|&v| v / 4.0).collect();
                     let mut got8 = vec![f32::NAN; n];
-                    dot_rows_i8_with(isa, &q4, &k8, &mut got8, &mut buf);
+                    let i8 = Codes::Signed8;
+                    dot_rows_codes_with(isa, &q4, &[0.0], &k8, 0, i8, hd, &mut got8, n, n);
                     let (mut o8, mut o) = (o0.clone(), o0.clone());
-                    axpy_rows_i8_with(isa, &mut o8, &w4, &k8, &mut buf);
+                    axpy_rows_codes_with(isa, &mut o8, &[0.0], &w4, n, n, &k8, 0, i8, hd);
                     axpy_rows_with(isa, &mut o, &w, &keys);
                     for (i, (a, b)) in got8.iter().zip(&got[..n]).enumerate() {
                         let mag: f32 = (0..hd).map(|d| (q[d] * keys[i * hd + d]).abs()).sum();
@@ -980,6 +1150,79 @@ mod tests {
                             out, want,
                             "{isa:?}, {bits} bits from {first}, per row {per_row}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Scores and weighted sums over packed codes match f64 sums of the unpacked codes on every
+    /// path, for every width, 1 to 7 rows (groups of three and what is left), 0 to 33 keys (eight
+    /// per pass and the tail), rows at a stride, and keys that start past the buffer's start.
+    #[test]
+    fn dot_and_axpy_over_codes_match_f64() {
+        let mut s = 5u32;
+        let mut next = || {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            s >> 8
+        };
+        let hd = 64;
+        let kinds = [2, 3, 4, 8].map(Codes::Unsigned);
+        for kind in kinds.into_iter().chain([Codes::Signed8]) {
+            let bits = kind.bits();
+            for rows in 1..=7 {
+                for n in [0usize, 1, 7, 8, 9, 16, 33] {
+                    let first = 2 * hd;
+                    let codes: Vec<u8> = (0..(first + n * hd) * bits / 8)
+                        .map(|_| next() as u8)
+                        .collect();
+                    let mut u = vec![0f32; n * hd];
+                    for (j, row) in u.chunks_exact_mut(hd).enumerate() {
+                        unpack_kind(&codes, first + j * hd, kind, row);
+                    }
+                    let q: Vec<f32> = (0..rows * hd).map(|_| next() as f32 / 8e6 - 1.0).collect();
+                    let bias: Vec<f32> = (0..rows).map(|_| next() as f32 / 1e6).collect();
+                    let stride = n + 3;
+                    let w: Vec<f32> = (0..rows * stride).map(|_| next() as f32 / 1.6e7).collect();
+                    let o0: Vec<f32> = (0..rows * hd).map(|_| next() as f32 / 1e7).collect();
+                    for isa in Isa::all_available() {
+                        let mut out = vec![f32::NAN; rows * stride];
+                        dot_rows_codes_with(
+                            isa, &q, &bias, &codes, first, kind, hd, &mut out, stride, n,
+                        );
+                        let mut o = o0.clone();
+                        axpy_rows_codes_with(
+                            isa, &mut o, &bias, &w, stride, n, &codes, first, kind, hd,
+                        );
+                        for r in 0..rows {
+                            for j in 0..n {
+                                let want: f64 = f64::from(bias[r])
+                                    + (0..hd)
+                                        .map(|d| {
+                                            f64::from(q[r * hd + d]) * f64::from(u[j * hd + d])
+                                        })
+                                        .sum::<f64>();
+                                let got = f64::from(out[r * stride + j]);
+                                assert!(
+                                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                    "{isa:?} dot, {kind:?}, {rows} rows, {n} keys, [{r}][{j}]: {got} vs {want}"
+                                );
+                            }
+                            for d in 0..hd {
+                                let want: f64 = f64::from(o0[r * hd + d])
+                                    + f64::from(bias[r])
+                                    + (0..n)
+                                        .map(|i| {
+                                            f64::from(w[r * stride + i]) * f64::from(u[i * hd + d])
+                                        })
+                                        .sum::<f64>();
+                                let got = f64::from(o[r * hd + d]);
+                                assert!(
+                                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                    "{isa:?} axpy, {kind:?}, {rows} rows, {n} values, [{r}][{d}]: {got} vs {want}"
+                                );
+                            }
+                        }
                     }
                 }
             }

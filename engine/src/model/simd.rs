@@ -1140,6 +1140,288 @@ pub mod avx512 {
         _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, shifts), mask))
     }
 
+    /// Eight vectors' horizontal sums, lane `i` of the result being `Σ v[i]`: the first rounds
+    /// of [`reduce16`] on eight vectors, then the two halves of the 512-bit result added.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    fn reduce8(v: &[__m512; 8]) -> __m256 {
+        let mut s1 = [_mm512_setzero_ps(); 4];
+        for (i, s) in s1.iter_mut().enumerate() {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            *s = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        }
+        let mut s2 = [_mm512_setzero_ps(); 2];
+        for (i, s) in s2.iter_mut().enumerate() {
+            let (a, b) = (_mm512_castps_pd(s1[2 * i]), _mm512_castps_pd(s1[2 * i + 1]));
+            *s = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            );
+        }
+        // 128-bit lanes [A0 + A1, A2 + A3, B0 + B1, B2 + B3] of s2[0] = A and s2[1] = B.
+        let z = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(s2[0], s2[1]),
+            _mm512_shuffle_f32x4::<0xDD>(s2[0], s2[1]),
+        );
+        let t = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(z, z),
+            _mm512_shuffle_f32x4::<0xDD>(z, z),
+        );
+        _mm512_castps512_ps256(t)
+    }
+
+    /// `R` query rows against the same keys, each key's values loaded and converted once for
+    /// all rows: `out[r · stride + j] = bias[r] + Σ_d q[r · hd + d] · key(j, d)` for j < n.
+    /// Eight keys per pass (`8 R` accumulators).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `hd` a multiple of 16, `q` at least
+    /// `R · hd` long, `out` at least `(R - 1) · stride + n`, and `key(j, d)` valid for every
+    /// j < n and d + 16 <= hd.
+    // One index runs over several register arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn dot_rows_multi_by<const R: usize>(
+        q: &[f32],
+        hd: usize,
+        bias: [f32; R],
+        out: &mut [f32],
+        stride: usize,
+        n: usize,
+        key: impl Fn(usize, usize) -> __m512,
+    ) {
+        let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+        let mut j = 0;
+        while j + 8 <= n {
+            let mut acc = [[_mm512_setzero_ps(); 8]; R];
+            for d in (0..hd).step_by(16) {
+                // SAFETY: r · hd + d + 16 <= R · hd <= q.len() (the contract).
+                let qv: [__m512; R] =
+                    std::array::from_fn(|r| unsafe { _mm512_loadu_ps(qp.add(r * hd + d)) });
+                for k in 0..8 {
+                    let kv = key(j + k, d);
+                    for r in 0..R {
+                        acc[r][k] = _mm512_fmadd_ps(kv, qv[r], acc[r][k]);
+                    }
+                }
+            }
+            for r in 0..R {
+                let sums = _mm256_add_ps(reduce8(&acc[r]), _mm256_set1_ps(bias[r]));
+                // SAFETY: r · stride + j + 8 <= (R - 1) · stride + n <= out.len().
+                unsafe { _mm256_storeu_ps(op.add(r * stride + j), sums) };
+            }
+            j += 8;
+        }
+        while j < n {
+            let mut acc = [_mm512_setzero_ps(); R];
+            for d in (0..hd).step_by(16) {
+                let kv = key(j, d);
+                for r in 0..R {
+                    // SAFETY: as above.
+                    let qv = unsafe { _mm512_loadu_ps(qp.add(r * hd + d)) };
+                    acc[r] = _mm512_fmadd_ps(kv, qv, acc[r]);
+                }
+            }
+            for r in 0..R {
+                // SAFETY: r · stride + j < out.len(), as above.
+                unsafe { *op.add(r * stride + j) = bias[r] + _mm512_reduce_add_ps(acc[r]) };
+            }
+            j += 1;
+        }
+    }
+
+    /// `R` output rows summed from the same value rows, each value row loaded and converted once
+    /// for all rows: `o[r · hd + d] += bias[r] + Σ_i w[r · wstride + i] · val(i, d)` for i < n,
+    /// 64 dimensions at a time in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `hd` a multiple of 16, `o` at least
+    /// `R · hd` long, `w` at least `(R - 1) · wstride + n`, and `val(i, d)` valid for every
+    /// i < n and d + 16 <= hd.
+    // One index runs over several register arrays at once.
+    #[allow(clippy::needless_range_loop)]
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn axpy_rows_multi_by<const R: usize>(
+        o: &mut [f32],
+        hd: usize,
+        bias: [f32; R],
+        w: &[f32],
+        wstride: usize,
+        n: usize,
+        val: impl Fn(usize, usize) -> __m512,
+    ) {
+        let (op, wp) = (o.as_mut_ptr(), w.as_ptr());
+        for d0 in (0..hd).step_by(64) {
+            let nv = ((hd - d0) / 16).min(4);
+            let mut acc = [[_mm512_setzero_ps(); 4]; R];
+            for r in 0..R {
+                for v in 0..nv {
+                    // SAFETY: r · hd + d0 + 16 v + 16 <= R · hd <= o.len() (the contract).
+                    acc[r][v] = _mm512_add_ps(
+                        unsafe { _mm512_loadu_ps(op.add(r * hd + d0 + 16 * v)) },
+                        _mm512_set1_ps(bias[r]),
+                    );
+                }
+            }
+            for i in 0..n {
+                let vals: [__m512; 4] = std::array::from_fn(|v| {
+                    if v < nv {
+                        val(i, d0 + 16 * v)
+                    } else {
+                        _mm512_setzero_ps()
+                    }
+                });
+                for r in 0..R {
+                    // SAFETY: r · wstride + i < (R - 1) · wstride + n <= w.len().
+                    let wb = _mm512_set1_ps(unsafe { *wp.add(r * wstride + i) });
+                    for v in 0..nv {
+                        acc[r][v] = _mm512_fmadd_ps(wb, vals[v], acc[r][v]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for v in 0..nv {
+                    // SAFETY: as the loads above.
+                    unsafe { _mm512_storeu_ps(op.add(r * hd + d0 + 16 * v), acc[r][v]) };
+                }
+            }
+        }
+    }
+
+    /// [`dot_rows_multi_by`] over keys stored as packed unsigned `BITS`-bit codes: key j's codes
+    /// start at packed value `first + j · hd` of `codes`; their per-channel scales are folded
+    /// into `q` and the minimums into `bias` by the caller.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn dot_rows_codes<const BITS: usize, const R: usize>(
+        q: &[f32],
+        hd: usize,
+        bias: [f32; R],
+        codes: &[u8],
+        first: usize,
+        out: &mut [f32],
+        stride: usize,
+        n: usize,
+    ) {
+        assert!(
+            hd.is_multiple_of(16)
+                && (first * BITS).is_multiple_of(8)
+                && q.len() >= R * hd
+                && out.len() >= (R - 1) * stride + n
+                && codes.len() * 8 >= (first + n * hd) * BITS,
+            "avx512::dot_rows_codes: bad sizes"
+        );
+        let cp = codes.as_ptr();
+        // SAFETY: codes d..d + 16 of key j < n are 2 · BITS bytes inside `codes` (asserted).
+        let key = |j: usize, d: usize| unsafe {
+            load_codes16::<BITS>(cp.add((first + j * hd + d) * BITS / 8))
+        };
+        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+        unsafe { dot_rows_multi_by::<R>(q, hd, bias, out, stride, n, key) }
+    }
+
+    /// [`axpy_rows_multi_by`] over value rows stored as packed unsigned `BITS`-bit codes (row i
+    /// from packed value `first + i · hd`); their per-row scales are folded into `w` and the
+    /// minimums into `bias` by the caller.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn axpy_rows_codes<const BITS: usize, const R: usize>(
+        o: &mut [f32],
+        hd: usize,
+        bias: [f32; R],
+        w: &[f32],
+        wstride: usize,
+        n: usize,
+        codes: &[u8],
+        first: usize,
+    ) {
+        assert!(
+            hd.is_multiple_of(16)
+                && (first * BITS).is_multiple_of(8)
+                && o.len() >= R * hd
+                && w.len() >= (R - 1) * wstride + n
+                && codes.len() * 8 >= (first + n * hd) * BITS,
+            "avx512::axpy_rows_codes: bad sizes"
+        );
+        let cp = codes.as_ptr();
+        // SAFETY: codes d..d + 16 of row i < n are 2 · BITS bytes inside `codes` (asserted).
+        let val = |i: usize, d: usize| unsafe {
+            load_codes16::<BITS>(cp.add((first + i * hd + d) * BITS / 8))
+        };
+        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+        unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
+    }
+
+    /// [`dot_rows_codes`] over signed bytes (int8 keys, key j from byte `first + j · hd`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn dot_rows_s8<const R: usize>(
+        q: &[f32],
+        hd: usize,
+        bias: [f32; R],
+        codes: &[u8],
+        first: usize,
+        out: &mut [f32],
+        stride: usize,
+        n: usize,
+    ) {
+        assert!(
+            hd.is_multiple_of(16)
+                && q.len() >= R * hd
+                && out.len() >= (R - 1) * stride + n
+                && codes.len() >= first + n * hd,
+            "avx512::dot_rows_s8: bad sizes"
+        );
+        let cp = codes.as_ptr();
+        // SAFETY: bytes d..d + 16 of key j < n lie inside `codes` (asserted).
+        let key = |j: usize, d: usize| unsafe { load_i8x16(cp.add(first + j * hd + d)) };
+        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+        unsafe { dot_rows_multi_by::<R>(q, hd, bias, out, stride, n, key) }
+    }
+
+    /// [`axpy_rows_codes`] over signed bytes (int8 values, row i from byte `first + i · hd`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn axpy_rows_s8<const R: usize>(
+        o: &mut [f32],
+        hd: usize,
+        bias: [f32; R],
+        w: &[f32],
+        wstride: usize,
+        n: usize,
+        codes: &[u8],
+        first: usize,
+    ) {
+        assert!(
+            hd.is_multiple_of(16)
+                && o.len() >= R * hd
+                && w.len() >= (R - 1) * wstride + n
+                && codes.len() >= first + n * hd,
+            "avx512::axpy_rows_s8: bad sizes"
+        );
+        let cp = codes.as_ptr();
+        // SAFETY: bytes d..d + 16 of row i < n lie inside `codes` (asserted).
+        let val = |i: usize, d: usize| unsafe { load_i8x16(cp.add(first + i * hd + d)) };
+        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+        unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
+    }
+
     /// The AVX-512 body of [`crate::model::kernels::decode_codes`] for one code width.
     ///
     /// # Safety
@@ -1271,44 +1553,6 @@ pub mod avx512 {
         let vp = vals.as_ptr();
         // SAFETY: row i < w.len() holds hd f16 inside `vals` (asserted above); d + 16 <= hd.
         let val = |i: usize, d: usize| unsafe { load_f16x16(vp.add((i * hd + d) * 2)) };
-        // SAFETY: the CPU has the features (this function's contract); `val` as above.
-        unsafe { axpy_rows_by(o, w, val) }
-    }
-
-    /// [`dot_rows`] over keys stored as signed bytes (`keys`: one byte per value, their scales
-    /// already folded into `q`), converted in registers.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn dot_rows_i8(q: &[f32], keys: &[u8], out: &mut [f32]) {
-        let hd = q.len();
-        assert!(
-            hd.is_multiple_of(16) && keys.len() >= out.len() * hd,
-            "avx512::dot_rows_i8: bad sizes"
-        );
-        let kp = keys.as_ptr();
-        // SAFETY: key j < out.len() holds hd bytes inside `keys` (asserted above); d + 16 <= hd.
-        let key = |j: usize, d: usize| unsafe { load_i8x16(kp.add(j * hd + d)) };
-        // SAFETY: the CPU has the features (this function's contract); `key` as above.
-        unsafe { dot_rows_by(q, out, key) }
-    }
-
-    /// [`axpy_rows`] over value rows stored as signed bytes (`vals`: one byte per value, their
-    /// scales already folded into `w`), converted in registers.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn axpy_rows_i8(o: &mut [f32], w: &[f32], vals: &[u8]) {
-        let hd = o.len();
-        assert!(
-            hd.is_multiple_of(16) && vals.len() >= w.len() * hd,
-            "avx512::axpy_rows_i8: bad sizes"
-        );
-        let vp = vals.as_ptr();
-        // SAFETY: row i < w.len() holds hd bytes inside `vals` (asserted above); d + 16 <= hd.
-        let val = |i: usize, d: usize| unsafe { load_i8x16(vp.add(i * hd + d)) };
         // SAFETY: the CPU has the features (this function's contract); `val` as above.
         unsafe { axpy_rows_by(o, w, val) }
     }
