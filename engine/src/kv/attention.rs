@@ -399,7 +399,7 @@ fn attend_packed_split(
                     let (codes, first) = packed_keys(&cs, f, bytes, g, &mut mins, &mut scales);
                     for (r, (qr, b)) in qsr.chunks_exact_mut(hd).zip(&mut bias).enumerate() {
                         let q = qrow(r);
-                        *b = q.iter().zip(&mins).map(|(q, m)| q * m).sum();
+                        *b = dot(q, &mins[..hd]);
                         for ((s, &q), &sc) in qr.iter_mut().zip(q).zip(&scales) {
                             *s = q * sc;
                         }
@@ -457,7 +457,7 @@ fn attend_packed_split(
                     let weights = e.chunks_exact(width).zip(wsr.chunks_exact_mut(t));
                     for ((erow, wr), b) in weights.zip(&mut bias) {
                         let w = &erow[off..off + live];
-                        *b = w.iter().zip(&mins).map(|(w, m)| w * m).sum();
+                        *b = dot(w, &mins[..live]);
                         for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&scales) {
                             *x = w * sc;
                         }

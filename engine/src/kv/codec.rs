@@ -353,10 +353,23 @@ const SCALE_STEPS: [f32; 8] = [
     0.545_253_9,
 ];
 
+/// `2^(-j/8)` for every scale code `j`: a step of [`SCALE_STEPS`] times an exact power of two.
+const CODED_SCALES: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut j = 0;
+    while j < 256 {
+        t[j] = SCALE_STEPS[j & 7] * f32::from_bits((127 - (j as u32 >> 3)) << 23);
+        j += 1;
+    }
+    t
+};
+
 /// The scale of code `j` against `amax`: `amax 2^(-j/8)`, computed the same way by the encoder
-/// and the decoder (a table step, then an exact power of two).
+/// and the decoder. One product: `amax` times the table's exact `step · 2^-k` rounds as
+/// `(amax · step) · 2^-k` did, since a power of two scales without rounding in f32's normal
+/// range, where every scale of an f16 `amax` lies.
 fn coded_scale(amax: f32, j: u8) -> f32 {
-    amax * SCALE_STEPS[usize::from(j & 7)] * f32::from_bits((127 - u32::from(j >> 3)) << 23)
+    amax * CODED_SCALES[usize::from(j)]
 }
 
 /// The step of the coded minimums against `amax`.
@@ -932,7 +945,10 @@ mod tests {
                         scale / 2.0 * (1.0 + 1e-5) + a * 1e-6
                     }
                     KvFormat::F16 => x.abs() / 1024.0 + 6e-8,
-                    KvFormat::Int8 => amax / 254.0 * (1.0 + 1e-5) + 1e-30,
+                    // Half a step, and the f32 rounding of `x / scale` (at most 127 codes times
+                    // 2^-24, about amax · 6e-8: a value a hair from a half step, -56.21573 of a
+                    // row whose amax is 56.887634, can round to the far code).
+                    KvFormat::Int8 => amax / 254.0 * (1.0 + 1e-5) + amax * 1e-6,
                     KvFormat::Int4 | KvFormat::Int2 => {
                         let (_, scale) = le_pair(params, gi);
                         let ulp = lo.abs() / 1024.0 + 6e-8;
@@ -1042,6 +1058,24 @@ mod tests {
             }
             for (i, &q) in qs.iter().enumerate() {
                 prop_assert_eq!(packed_value(&out, i, bits as u32), q);
+            }
+        }
+    }
+
+    #[test]
+    fn coded_scales_from_the_table_equal_the_two_step_product() {
+        // Every positive finite f16 `amax` (some 31,000) against every code, bit for bit.
+        for bits in (1u16..0x7C00).step_by(3) {
+            let amax = f16::from_bits(bits).to_f32();
+            for j in 0..=255u8 {
+                let two_steps = amax
+                    * SCALE_STEPS[usize::from(j & 7)]
+                    * f32::from_bits((127 - u32::from(j >> 3)) << 23);
+                assert_eq!(
+                    coded_scale(amax, j).to_bits(),
+                    two_steps.to_bits(),
+                    "{amax} {j}"
+                );
             }
         }
     }
