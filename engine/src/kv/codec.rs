@@ -28,7 +28,7 @@ use half::f16;
 use std::fmt;
 use std::str::FromStr;
 
-use crate::model::kernels::decode_codes;
+use crate::model::kernels::{decode_coded_params, decode_codes};
 use crate::model::qmatrix::f16_bytes_to_f32;
 
 /// What went wrong encoding a chunk.
@@ -646,10 +646,7 @@ fn coded_pairs(
     let amax = f16::from_le_bytes([params[at], params[at + 1]]).to_f32();
     let step = coded_step(amax);
     let pairs = &params[2 * (h * groups + first)..];
-    for (i, (m, s)) in mins.iter_mut().zip(scales.iter_mut()).enumerate() {
-        *m = f32::from(pairs[2 * i] as i8) * step;
-        *s = coded_scale(amax, pairs[2 * i + 1]);
-    }
+    decode_coded_params(pairs, amax, step, &SCALE_STEPS, mins, scales);
 }
 
 /// Head `h`'s keys in one f16 layer as stored (`[token][dim]`, two little-endian bytes per
@@ -1058,6 +1055,46 @@ mod tests {
             }
             for (i, &q) in qs.iter().enumerate() {
                 prop_assert_eq!(packed_value(&out, i, bits as u32), q);
+            }
+        }
+    }
+
+    #[test]
+    fn every_path_decodes_coded_parameters_as_the_encoder_scales_them() {
+        use crate::model::kernels::decode_coded_params_with;
+        use crate::model::qmatrix::Isa;
+        // Every (minimum code, scale code) pair, 65,536 of them, plus a tail past the vectors.
+        let pairs: Vec<u8> = (0..65_536 + 7)
+            .flat_map(|p: u32| [p as u8, (p >> 8) as u8])
+            .collect();
+        let n = pairs.len() / 2;
+        for bits in [0x3C00u16, 0x0001, 0x1234, 0x7BFF] {
+            let amax = f16::from_bits(bits).to_f32();
+            let step = coded_step(amax);
+            for isa in Isa::all_available() {
+                let (mut mins, mut scales) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+                decode_coded_params_with(
+                    isa,
+                    &pairs,
+                    amax,
+                    step,
+                    &SCALE_STEPS,
+                    &mut mins,
+                    &mut scales,
+                );
+                for i in 0..n {
+                    let (m, j) = (pairs[2 * i], pairs[2 * i + 1]);
+                    assert_eq!(
+                        mins[i].to_bits(),
+                        (f32::from(m as i8) * step).to_bits(),
+                        "{isa:?} {amax} min {m}"
+                    );
+                    assert_eq!(
+                        scales[i].to_bits(),
+                        coded_scale(amax, j).to_bits(),
+                        "{isa:?} {amax} scale {j}"
+                    );
+                }
             }
         }
     }

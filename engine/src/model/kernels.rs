@@ -603,6 +603,52 @@ pub fn decode_codes_with(
     }
 }
 
+/// Decodes the coded parameters of KV groups: for each `(m, j)` byte pair of `pairs`,
+/// `mins[i] = m as i8 · step` and `scales[i] = (amax · steps[j & 7]) · 2^-(j >> 3)`, the
+/// products in that order on every path (so every path gives the same bits as the codec's
+/// `coded_scale`).
+pub fn decode_coded_params(
+    pairs: &[u8],
+    amax: f32,
+    step: f32,
+    steps: &[f32; 8],
+    mins: &mut [f32],
+    scales: &mut [f32],
+) {
+    decode_coded_params_with(Isa::best(), pairs, amax, step, steps, mins, scales);
+}
+
+/// [`decode_coded_params`] on a given path.
+pub fn decode_coded_params_with(
+    isa: Isa,
+    pairs: &[u8],
+    amax: f32,
+    step: f32,
+    steps: &[f32; 8],
+    mins: &mut [f32],
+    scales: &mut [f32],
+) {
+    assert!(isa.available(), "{isa:?} path on a CPU without it");
+    let n = mins.len();
+    assert!(
+        scales.len() == n && pairs.len() >= 2 * n,
+        "decode_coded_params: bad sizes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above); the kernel
+        // checks the sizes itself.
+        return unsafe {
+            simd::avx512::decode_coded_params(pairs, amax, step, steps, mins, scales)
+        };
+    }
+    for (i, (m, s)) in mins.iter_mut().zip(scales.iter_mut()).enumerate() {
+        *m = f32::from(pairs[2 * i] as i8) * step;
+        let j = pairs[2 * i + 1];
+        *s = amax * steps[usize::from(j & 7)] * f32::from_bits((127 - u32::from(j >> 3)) << 23);
+    }
+}
+
 /// How KV codes are stored: packed unsigned codes of 2, 3, 4 or 8 bits (int4, int2 and the
 /// coded formats), or signed bytes (int8).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1422,6 +1422,61 @@ pub mod avx512 {
         unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
     }
 
+    /// The AVX-512 body of [`crate::model::kernels::decode_coded_params`]: sixteen (minimum code,
+    /// scale code) byte pairs at a time, the rest one by one as the portable path does.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn decode_coded_params(
+        pairs: &[u8],
+        amax: f32,
+        step: f32,
+        steps: &[f32; 8],
+        mins: &mut [f32],
+        scales: &mut [f32],
+    ) {
+        let n = mins.len();
+        assert!(
+            scales.len() == n && pairs.len() >= 2 * n,
+            "avx512::decode_coded_params: bad sizes"
+        );
+        let (pp, mp, sp) = (pairs.as_ptr(), mins.as_mut_ptr(), scales.as_mut_ptr());
+        let (va, vstep) = (_mm512_set1_ps(amax), _mm512_set1_ps(step));
+        // SAFETY: `steps` holds eight f32; the upper half of the register is never indexed.
+        let table = _mm512_castps256_ps512(unsafe { _mm256_loadu_ps(steps.as_ptr()) });
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: pairs i..i + 16 are 32 bytes inside `pairs` (asserted).
+            let x = _mm512_cvtepu16_epi32(unsafe {
+                _mm256_loadu_si256(pp.add(2 * i) as *const __m256i)
+            });
+            // Each lane holds one pair, little end first: the minimum code (signed) in bits
+            // 0..8, the scale code in bits 8..16.
+            let m = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(x));
+            let j = _mm512_srli_epi32::<8>(x);
+            let frac = _mm512_permutexvar_ps(_mm512_and_si512(j, _mm512_set1_epi32(7)), table);
+            let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_sub_epi32(
+                _mm512_set1_epi32(127),
+                _mm512_srli_epi32::<3>(j),
+            )));
+            // (amax · step) · 2^-k, in that order: the portable path's rounding.
+            let scale = _mm512_mul_ps(_mm512_mul_ps(va, frac), pow2);
+            // SAFETY: i + 16 <= n = mins.len() = scales.len().
+            unsafe {
+                _mm512_storeu_ps(mp.add(i), _mm512_mul_ps(_mm512_cvtepi32_ps(m), vstep));
+                _mm512_storeu_ps(sp.add(i), scale);
+            }
+            i += 16;
+        }
+        for k in i..n {
+            mins[k] = f32::from(pairs[2 * k] as i8) * step;
+            let j = pairs[2 * k + 1];
+            scales[k] =
+                amax * steps[usize::from(j & 7)] * f32::from_bits((127 - u32::from(j >> 3)) << 23);
+        }
+    }
+
     /// The AVX-512 body of [`crate::model::kernels::decode_codes`] for one code width.
     ///
     /// # Safety
