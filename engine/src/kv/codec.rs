@@ -715,17 +715,7 @@ pub fn packed_keys<'a>(
     mins: &mut [f32],
     scales: &mut [f32],
 ) -> (&'a [u8], usize) {
-    debug_assert!(affine_codes(f));
-    let (blk, hd) = (shape.block(), shape.head_dim);
-    let kb = &layer[..shape.k_bytes(f)];
-    let params = &kb[shape.k_values_bytes(f)..];
-    let (m, s) = (&mut mins[..hd], &mut scales[..hd]);
-    if f.coded() {
-        coded_pairs(params, hd, shape.n_kv_heads, h, 0, m, s);
-    } else {
-        le_pairs(params, h * hd, m, s);
-    }
-    (kb, h * blk)
+    packed_section(shape, f, layer, h, true, mins, scales)
 }
 
 /// Head `h`'s values in one layer of an [`affine_codes`] format, as [`packed_keys`]; the
@@ -739,17 +729,35 @@ pub fn packed_values<'a>(
     mins: &mut [f32],
     scales: &mut [f32],
 ) -> (&'a [u8], usize) {
+    packed_section(shape, f, layer, h, false, mins, scales)
+}
+
+/// [`packed_keys`] (`keys`, a group per channel) or [`packed_values`] (a group per token).
+fn packed_section<'a>(
+    shape: &ChunkShape,
+    f: KvFormat,
+    layer: &'a [u8],
+    h: usize,
+    keys: bool,
+    mins: &mut [f32],
+    scales: &mut [f32],
+) -> (&'a [u8], usize) {
     debug_assert!(affine_codes(f) && shape.tokens <= 256);
-    let (blk, t) = (shape.block(), shape.tokens);
-    let vb = &layer[shape.k_bytes(f)..shape.layer_bytes(f)];
-    let params = &vb[shape.v_values_bytes(f)..];
-    let (m, s) = (&mut mins[..t], &mut scales[..t]);
-    if f.coded() {
-        coded_pairs(params, t, shape.n_kv_heads, h, 0, m, s);
+    let (section, codes, groups) = if keys {
+        let k = shape.k_bytes(f);
+        (&layer[..k], shape.k_values_bytes(f), shape.head_dim)
     } else {
-        le_pairs(params, h * t, m, s);
+        let v = shape.k_bytes(f)..shape.layer_bytes(f);
+        (&layer[v], shape.v_values_bytes(f), shape.tokens)
+    };
+    let params = &section[codes..];
+    let (m, s) = (&mut mins[..groups], &mut scales[..groups]);
+    if f.coded() {
+        coded_pairs(params, groups, shape.n_kv_heads, h, 0, m, s);
+    } else {
+        le_pairs(params, h * groups, m, s);
     }
-    (vb, h * blk)
+    (section, h * shape.block())
 }
 
 /// Decodes head `h`'s keys from one encoded layer into `out` (`[token][dim]`).

@@ -634,14 +634,16 @@ pub fn decode_coded_params_with(
         scales.len() == n && pairs.len() >= 2 * n,
         "decode_coded_params: bad sizes"
     );
+    // The AVX-512 path decodes whole vectors of sixteen pairs; the rest is decoded here.
+    #[allow(unused_mut)]
+    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
         // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above); the kernel
         // checks the sizes itself.
-        return unsafe {
-            simd::avx512::decode_coded_params(pairs, amax, step, steps, mins, scales)
-        };
+        done = unsafe { simd::avx512::decode_coded_params(pairs, amax, step, steps, mins, scales) };
     }
+    let (mins, scales, pairs) = (&mut mins[done..], &mut scales[done..], &pairs[2 * done..]);
     for (i, (m, s)) in mins.iter_mut().zip(scales.iter_mut()).enumerate() {
         *m = f32::from(pairs[2 * i] as i8) * step;
         let j = pairs[2 * i + 1];
@@ -665,6 +667,28 @@ impl Codes {
             Codes::Signed8 => 8,
         }
     }
+}
+
+/// Calls the AVX-512 kernel for `$kind` (`$unsigned::<BITS, K>` or `$signed::<K>`) on `$k`
+/// rows (1 to 3), with the arguments `$pre`, the rows' biases from `$b`, then `$post`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! rows_kernel {
+    ($kind:expr, $k:expr, $b:expr, $unsigned:ident, $signed:ident, [$($pre:expr),*], [$($post:expr),*]) => {
+        match $kind {
+            Codes::Unsigned(2) => rows_kernel!(@k $k, $b, $unsigned, [2], [$($pre),*], [$($post),*]),
+            Codes::Unsigned(3) => rows_kernel!(@k $k, $b, $unsigned, [3], [$($pre),*], [$($post),*]),
+            Codes::Unsigned(4) => rows_kernel!(@k $k, $b, $unsigned, [4], [$($pre),*], [$($post),*]),
+            Codes::Unsigned(_) => rows_kernel!(@k $k, $b, $unsigned, [8], [$($pre),*], [$($post),*]),
+            Codes::Signed8 => rows_kernel!(@k $k, $b, $signed, [], [$($pre),*], [$($post),*]),
+        }
+    };
+    (@k $k:expr, $b:expr, $f:ident, [$($bits:literal)?], [$($pre:expr),*], [$($post:expr),*]) => {
+        match $k {
+            3 => simd::avx512::$f::<$($bits,)? 3>($($pre,)* [$b[0], $b[1], $b[2]], $($post),*),
+            2 => simd::avx512::$f::<$($bits,)? 2>($($pre,)* [$b[0], $b[1]], $($post),*),
+            _ => simd::avx512::$f::<$($bits,)? 1>($($pre,)* [$b[0]], $($post),*),
+        }
+    };
 }
 
 /// Scores of `rows` query rows against `n` keys stored as codes, without decoding the keys:
@@ -719,32 +743,19 @@ pub fn dot_rows_codes_with(
             let k = (rows - r).min(3);
             let (q, out) = (&q[r * hd..], &mut out[r * stride..]);
             let b = &bias[r..r + k];
-            macro_rules! run {
-                ($f:ident $(, $bits:literal)?) => {
-                    // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above);
-                    // the kernel checks the sizes itself.
-                    unsafe {
-                        match k {
-                            3 => simd::avx512::$f::<$($bits,)? 3>(
-                                q, hd, [b[0], b[1], b[2]], codes, first, out, stride, n,
-                            ),
-                            2 => simd::avx512::$f::<$($bits,)? 2>(
-                                q, hd, [b[0], b[1]], codes, first, out, stride, n,
-                            ),
-                            _ => simd::avx512::$f::<$($bits,)? 1>(
-                                q, hd, [b[0]], codes, first, out, stride, n,
-                            ),
-                        }
-                    }
-                };
-            }
-            match kind {
-                Codes::Unsigned(2) => run!(dot_rows_codes, 2),
-                Codes::Unsigned(3) => run!(dot_rows_codes, 3),
-                Codes::Unsigned(4) => run!(dot_rows_codes, 4),
-                Codes::Unsigned(_) => run!(dot_rows_codes, 8),
-                Codes::Signed8 => run!(dot_rows_s8),
-            }
+            // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above); the
+            // kernel checks the sizes itself.
+            unsafe {
+                rows_kernel!(
+                    kind,
+                    k,
+                    b,
+                    dot_rows_codes,
+                    dot_rows_s8,
+                    [q, hd],
+                    [codes, first, out, stride, n]
+                )
+            };
             r += k;
         }
         return;
@@ -810,32 +821,18 @@ pub fn axpy_rows_codes_with(
             let k = (rows - r).min(3);
             let (o, w) = (&mut o[r * hd..], &w[r * wstride..]);
             let b = &bias[r..r + k];
-            macro_rules! run {
-                ($f:ident $(, $bits:literal)?) => {
-                    // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above);
-                    // the kernel checks the sizes itself.
-                    unsafe {
-                        match k {
-                            3 => simd::avx512::$f::<$($bits,)? 3>(
-                                o, hd, [b[0], b[1], b[2]], w, wstride, n, codes, first,
-                            ),
-                            2 => simd::avx512::$f::<$($bits,)? 2>(
-                                o, hd, [b[0], b[1]], w, wstride, n, codes, first,
-                            ),
-                            _ => simd::avx512::$f::<$($bits,)? 1>(
-                                o, hd, [b[0]], w, wstride, n, codes, first,
-                            ),
-                        }
-                    }
-                };
-            }
-            match kind {
-                Codes::Unsigned(2) => run!(axpy_rows_codes, 2),
-                Codes::Unsigned(3) => run!(axpy_rows_codes, 3),
-                Codes::Unsigned(4) => run!(axpy_rows_codes, 4),
-                Codes::Unsigned(_) => run!(axpy_rows_codes, 8),
-                Codes::Signed8 => run!(axpy_rows_s8),
-            }
+            // SAFETY: as in `dot_rows_codes_with`.
+            unsafe {
+                rows_kernel!(
+                    kind,
+                    k,
+                    b,
+                    axpy_rows_codes,
+                    axpy_rows_s8,
+                    [o, hd],
+                    [w, wstride, n, codes, first]
+                )
+            };
             r += k;
         }
         return;

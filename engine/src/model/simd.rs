@@ -1423,7 +1423,8 @@ pub mod avx512 {
     }
 
     /// The AVX-512 body of [`crate::model::kernels::decode_coded_params`]: sixteen (minimum code,
-    /// scale code) byte pairs at a time, the rest one by one as the portable path does.
+    /// scale code) byte pairs at a time; returns how many pairs it decoded (the whole vectors'),
+    /// and the caller decodes the rest.
     ///
     /// # Safety
     /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
@@ -1435,7 +1436,7 @@ pub mod avx512 {
         steps: &[f32; 8],
         mins: &mut [f32],
         scales: &mut [f32],
-    ) {
+    ) -> usize {
         let n = mins.len();
         assert!(
             scales.len() == n && pairs.len() >= 2 * n,
@@ -1469,12 +1470,7 @@ pub mod avx512 {
             }
             i += 16;
         }
-        for k in i..n {
-            mins[k] = f32::from(pairs[2 * k] as i8) * step;
-            let j = pairs[2 * k + 1];
-            scales[k] =
-                amax * steps[usize::from(j & 7)] * f32::from_bits((127 - u32::from(j >> 3)) << 23);
-        }
+        i
     }
 
     /// The AVX-512 body of [`crate::model::kernels::decode_codes`] for one code width.
