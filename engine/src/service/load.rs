@@ -70,7 +70,8 @@ pub struct StoredChunk {
 }
 
 /// Brings every missing chunk of `cache` back. `stored[i]` is what the store holds of chunk `i`.
-/// The cache must be pinned.
+/// The cache must be pinned. The reads run on `io_pool` (all its threads when nothing is
+/// recomputed, one otherwise).
 #[allow(clippy::too_many_arguments)]
 pub fn load(
     model: &Model,
@@ -81,7 +82,7 @@ pub fn load(
     stored: &[Option<StoredChunk>],
     mode: LoadMode,
     cost: &CostModel,
-    io_threads: usize,
+    io_pool: &rayon::ThreadPool,
 ) -> Result<LoadReport, ServiceError> {
     let t0 = Instant::now();
     let missing = cache.missing_chunks();
@@ -179,13 +180,26 @@ pub fn load(
         .collect::<Vec<_>>();
     // With nothing to recompute the engine thread is idle: every core reads.
     let threads = if recompute.is_empty() {
-        io_threads.max(1)
+        io_pool.current_num_threads().max(1)
     } else {
         1
     }
     .min(order.len().max(1));
-    let (io_out, re_out) = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..threads).map(|_| s.spawn(io)).collect();
+    // The reads run on the manager's I/O pool: its threads wait parked between Loads, so a
+    // switch does not pay for starting threads (a thread started late finds the chunks taken by
+    // the first one, and the reads run one after another).
+    let done = std::sync::Mutex::new(Vec::with_capacity(threads));
+    let (io_out, re_out) = io_pool.in_place_scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|_| {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(io));
+                if r.is_err() {
+                    // Never leave the recompute waiting for a signal that will not come.
+                    let _ = first_done.send(());
+                }
+                done.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+            });
+        }
         let _ = wait_first.recv();
         let t_re = Instant::now();
         let re = if recompute.is_empty() {
@@ -193,28 +207,22 @@ pub fn load(
         } else {
             recompute_chunks(model, cache, &recompute).map(|_| t_re.elapsed().as_secs_f64())
         };
+        (Ok::<_, ServiceError>(()), re)
+    });
+    let io_out = io_out.and_then(|()| {
         let mut out = (Vec::new(), Vec::new(), 0, 0.0);
-        for h in hs {
-            match h.join() {
-                Ok((ok, failed, bytes, secs)) => {
-                    out.0.extend(ok);
-                    out.1.extend(failed);
-                    out.2 += bytes;
-                    out.3 = f64::max(out.3, secs);
-                }
-                Err(_) => {
-                    return (
-                        Err(ServiceError::Internal {
-                            what: "a load I/O thread panicked".into(),
-                        }),
-                        re,
-                    );
-                }
-            }
+        for r in done.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            let (ok, failed, bytes, secs) = r.map_err(|_| ServiceError::Internal {
+                what: "a load I/O thread panicked".into(),
+            })?;
+            out.0.extend(ok);
+            out.1.extend(failed);
+            out.2 += bytes;
+            out.3 = f64::max(out.3, secs);
         }
         out.0.sort_unstable();
         out.1.sort_unstable();
-        (Ok(out), re)
+        Ok(out)
     });
     let (read, failed, read_bytes, io_secs) = io_out?;
     // A blocking read that failed leaves the planned recompute short of a chunk it attends to:

@@ -394,6 +394,8 @@ pub struct Manager {
     compression: Compression,
     fingerprint: Fingerprint,
     contexts: BTreeMap<u64, Context>,
+    /// The Load's I/O threads (`ManagerConfig::io_threads`), parked between Loads.
+    io_pool: rayon::ThreadPool,
     cost: CostModel,
     profile: Profile,
     calls: u64,
@@ -498,6 +500,13 @@ impl Manager {
         .map_err(|e| ServiceError::Internal {
             what: format!("starting the writer thread: {e}"),
         })?;
+        let io_pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.io_threads.max(1))
+            .thread_name(|i| format!("llms-load-{i}"))
+            .build()
+            .map_err(|e| ServiceError::Internal {
+                what: format!("starting the Load's I/O threads: {e}"),
+            })?;
         let mut m = Manager {
             cost: cfg.cost,
             model,
@@ -511,6 +520,7 @@ impl Manager {
             compression,
             fingerprint,
             contexts: BTreeMap::new(),
+            io_pool,
             profile: Profile::default(),
             calls: 0,
             chunks_read: 0,
@@ -772,6 +782,7 @@ impl Manager {
             &self.writer,
             &self.expected,
             &self.compression,
+            &self.io_pool,
             id,
             ctx,
             prompt,
@@ -833,6 +844,7 @@ impl Manager {
         writer: &Writer,
         expected: &Expected,
         compression: &Compression,
+        io_pool: &rayon::ThreadPool,
         id: u64,
         ctx: &mut Context,
         prompt: &[u32],
@@ -861,7 +873,7 @@ impl Manager {
             &ctx.stored,
             cfg.load,
             cost,
-            cfg.io_threads,
+            io_pool,
         )?;
         for &i in &load.failed_reads {
             ctx.stored[i as usize] = None;
