@@ -23,8 +23,8 @@ use crate::kv::codec::{
 };
 use crate::kv::{KvCache, KvError, KvFormat, LayerView};
 use crate::model::kernels::{
-    Codes, axpy, axpy_rows, axpy_rows_codes, axpy_rows_f16, dot, dot_rows, dot_rows_codes,
-    dot_rows_f16, matmul_nn, matmul_nt, matmul_serial, softmax, softmax_exp,
+    Codes, axpy, axpy_rows, axpy_rows_codes, dot, dot_rows, dot_rows_codes, matmul_nn, matmul_nt,
+    matmul_serial, softmax, softmax_exp,
 };
 use crate::model::simd::prefetch_l2;
 use rayon::prelude::*;
@@ -377,9 +377,12 @@ fn attend_packed_split(
                 // f16 keys are read as stored, converted in registers where the CPU can.
                 LayerView::Sealed(KvFormat::F16, bytes) => {
                     let k = &f16_keys(&cs, bytes, g)[..live * hd * 2];
-                    for (r, srow) in e.chunks_exact_mut(width).enumerate() {
-                        dot_rows_f16(qrow(r), k, &mut srow[off..off + live], &mut buf);
+                    for (r, qr) in qsr.chunks_exact_mut(hd).enumerate() {
+                        qr.copy_from_slice(qrow(r));
                     }
+                    bias.fill(0.0);
+                    let out = &mut e[off..];
+                    dot_rows_codes(&qsr, &bias, k, 0, Codes::F16, hd, out, width, live);
                     continue;
                 }
                 // int8 keys too, each row's query scaled by the channels' scales instead.
@@ -434,9 +437,9 @@ fn attend_packed_split(
             let values = match view.layer_view(layer, c)? {
                 LayerView::Sealed(KvFormat::F16, bytes) => {
                     let v = &f16_values(&cs, bytes, g)[..live * hd * 2];
-                    for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
-                        axpy_rows_f16(orow, &erow[off..off + live], v, &mut buf);
-                    }
+                    bias.fill(0.0);
+                    let w = &e[off..];
+                    axpy_rows_codes(&mut o, &bias, w, width, live, v, 0, Codes::F16, hd);
                     continue;
                 }
                 // int8 values, each weight scaled by its token's scale instead.

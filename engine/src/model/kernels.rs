@@ -483,51 +483,6 @@ pub fn axpy_rows_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[f32]) {
     }
 }
 
-/// [`dot_rows`] over keys stored as little-endian f16 (two bytes per value): converted in
-/// registers on the AVX-512 path, through `buf` (at least `out.len() · q.len()` values) on the
-/// others. Every path gives [`dot_rows_with`] of the converted keys up to summation order.
-pub fn dot_rows_f16(q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
-    dot_rows_f16_with(Isa::best(), q, keys, out, buf);
-}
-
-/// [`dot_rows_f16`] on a given path.
-pub fn dot_rows_f16_with(isa: Isa, q: &[f32], keys: &[u8], out: &mut [f32], buf: &mut [f32]) {
-    assert!(isa.available(), "{isa:?} path on a CPU without it");
-    let hd = q.len();
-    let n = out.len() * hd;
-    assert!(keys.len() >= n * 2, "dot_rows_f16: short keys");
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
-        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and q's
-        // length is a multiple of 16.
-        return unsafe { simd::avx512::dot_rows_f16(q, keys, out) };
-    }
-    f16_bytes_to_f32_with(isa, &keys[..n * 2], &mut buf[..n]);
-    dot_rows_with(isa, q, &buf[..n], out);
-}
-
-/// [`axpy_rows`] over value rows stored as little-endian f16 (two bytes per value); `buf` as
-/// in [`dot_rows_f16`], at least `w.len() · o.len()` values.
-pub fn axpy_rows_f16(o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
-    axpy_rows_f16_with(Isa::best(), o, w, vals, buf);
-}
-
-/// [`axpy_rows_f16`] on a given path.
-pub fn axpy_rows_f16_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[u8], buf: &mut [f32]) {
-    assert!(isa.available(), "{isa:?} path on a CPU without it");
-    let hd = o.len();
-    let n = w.len() * hd;
-    assert!(vals.len() >= n * 2, "axpy_rows_f16: short values");
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
-        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and o's
-        // length is a multiple of 16.
-        return unsafe { simd::avx512::axpy_rows_f16(o, w, vals) };
-    }
-    f16_bytes_to_f32_with(isa, &vals[..n * 2], &mut buf[..n]);
-    axpy_rows_with(isa, o, w, &buf[..n]);
-}
-
 /// Decodes rows of packed unsigned codes: `out[r][c] = mins[i] + code(r, c) · scales[i]` for
 /// every row `r` of `out` (`hd` values a row), where row r's codes start at packed value
 /// `first + r · hd` of `codes` (`bits` = 2, 3, 4 or 8 bits each, little end first; rows start
@@ -651,35 +606,38 @@ pub fn decode_coded_params_with(
     }
 }
 
-/// How KV codes are stored: packed unsigned codes of 2, 3, 4 or 8 bits (int4, int2 and the
-/// coded formats), or signed bytes (int8).
+/// How KV values are stored: packed unsigned codes of 2, 3, 4 or 8 bits (int4, int2 and the
+/// coded formats), signed bytes (int8), or little-endian f16.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Codes {
     Unsigned(usize),
     Signed8,
+    F16,
 }
 
 impl Codes {
-    /// Bits per code.
+    /// Bits per value.
     pub fn bits(self) -> usize {
         match self {
             Codes::Unsigned(b) => b,
             Codes::Signed8 => 8,
+            Codes::F16 => 16,
         }
     }
 }
 
-/// Calls the AVX-512 kernel for `$kind` (`$unsigned::<BITS, K>` or `$signed::<K>`) on `$k`
+/// Calls the AVX-512 kernel for `$kind` (`$unsigned::<BITS, K>`, `$signed::<K>` or `$half::<K>`) on `$k`
 /// rows (1 to 3), with the arguments `$pre`, the rows' biases from `$b`, then `$post`.
 #[cfg(target_arch = "x86_64")]
 macro_rules! rows_kernel {
-    ($kind:expr, $k:expr, $b:expr, $unsigned:ident, $signed:ident, [$($pre:expr),*], [$($post:expr),*]) => {
+    ($kind:expr, $k:expr, $b:expr, $unsigned:ident, $signed:ident, $half:ident, [$($pre:expr),*], [$($post:expr),*]) => {
         match $kind {
             Codes::Unsigned(2) => rows_kernel!(@k $k, $b, $unsigned, [2], [$($pre),*], [$($post),*]),
             Codes::Unsigned(3) => rows_kernel!(@k $k, $b, $unsigned, [3], [$($pre),*], [$($post),*]),
             Codes::Unsigned(4) => rows_kernel!(@k $k, $b, $unsigned, [4], [$($pre),*], [$($post),*]),
             Codes::Unsigned(_) => rows_kernel!(@k $k, $b, $unsigned, [8], [$($pre),*], [$($post),*]),
             Codes::Signed8 => rows_kernel!(@k $k, $b, $signed, [], [$($pre),*], [$($post),*]),
+            Codes::F16 => rows_kernel!(@k $k, $b, $half, [], [$($pre),*], [$($post),*]),
         }
     };
     (@k $k:expr, $b:expr, $f:ident, [$($bits:literal)?], [$($pre:expr),*], [$($post:expr),*]) => {
@@ -728,7 +686,10 @@ pub fn dot_rows_codes_with(
 ) {
     assert!(isa.available(), "{isa:?} path on a CPU without it");
     assert!(
-        matches!(kind, Codes::Unsigned(2 | 3 | 4 | 8) | Codes::Signed8),
+        matches!(
+            kind,
+            Codes::Unsigned(2 | 3 | 4 | 8) | Codes::Signed8 | Codes::F16
+        ),
         "dot_rows_codes: {kind:?}"
     );
     let rows = bias.len();
@@ -752,6 +713,7 @@ pub fn dot_rows_codes_with(
                     b,
                     dot_rows_codes,
                     dot_rows_s8,
+                    dot_rows_h16,
                     [q, hd],
                     [codes, first, out, stride, n]
                 )
@@ -806,7 +768,10 @@ pub fn axpy_rows_codes_with(
 ) {
     assert!(isa.available(), "{isa:?} path on a CPU without it");
     assert!(
-        matches!(kind, Codes::Unsigned(2 | 3 | 4 | 8) | Codes::Signed8),
+        matches!(
+            kind,
+            Codes::Unsigned(2 | 3 | 4 | 8) | Codes::Signed8 | Codes::F16
+        ),
         "axpy_rows_codes: {kind:?}"
     );
     let rows = bias.len();
@@ -829,6 +794,7 @@ pub fn axpy_rows_codes_with(
                     b,
                     axpy_rows_codes,
                     axpy_rows_s8,
+                    axpy_rows_h16,
                     [o, hd],
                     [w, wstride, n, codes, first]
                 )
@@ -860,6 +826,9 @@ fn unpack_kind(q: &[u8], first: usize, kind: Codes, out: &mut [f32]) {
             for (o, b) in out.iter_mut().zip(&q[first..]) {
                 *o = f32::from(*b as i8);
             }
+        }
+        Codes::F16 => {
+            f16_bytes_to_f32_with(Isa::Portable, &q[2 * first..2 * (first + out.len())], out)
         }
     }
 }
@@ -1027,9 +996,9 @@ mod tests {
                         .iter()
                         .flat_map(|&k| half::f16::from_f32(k).to_le_bytes())
                         .collect();
-                    let mut buf = vec![0.0; n * hd];
                     let mut got16 = vec![f32::NAN; n];
-                    dot_rows_f16_with(isa, &q, &k16, &mut got16, &mut buf);
+                    let h = Codes::F16;
+                    dot_rows_codes_with(isa, &q, &[0.0], &k16, 0, h, hd, &mut got16, n, n);
                     for (i, (a, b)) in got16.iter().zip(&got[..n]).enumerate() {
                         let mag: f32 = (0..hd).map(|d| (q[d] * keys[i * hd + d]).abs()).sum();
                         assert!(
@@ -1038,7 +1007,7 @@ mod tests {
                         );
                     }
                     let (mut o16, mut o) = (o0.clone(), o0.clone());
-                    axpy_rows_f16_with(isa, &mut o16, &w, &k16, &mut buf);
+                    axpy_rows_codes_with(isa, &mut o16, &[0.0], &w, n, n, &k16, 0, h, hd);
                     axpy_rows_with(isa, &mut o, &w, &keys);
                     for (d, (a, b)) in o16.iter().zip(&o).enumerate() {
                         let mag: f32 = o0[d].abs()
@@ -1211,14 +1180,23 @@ mod tests {
         };
         let hd = 64;
         let kinds = [2, 3, 4, 8].map(Codes::Unsigned);
-        for kind in kinds.into_iter().chain([Codes::Signed8]) {
+        for kind in kinds.into_iter().chain([Codes::Signed8, Codes::F16]) {
             let bits = kind.bits();
             for rows in 1..=7 {
                 for n in [0usize, 1, 7, 8, 9, 16, 33] {
                     let first = 2 * hd;
-                    let codes: Vec<u8> = (0..(first + n * hd) * bits / 8)
-                        .map(|_| next() as u8)
-                        .collect();
+                    let codes: Vec<u8> = if kind == Codes::F16 {
+                        // Finite values: f16 of -4..4.
+                        (0..first + n * hd)
+                            .flat_map(|_| {
+                                half::f16::from_f32(next() as f32 / 2e6 - 4.0).to_le_bytes()
+                            })
+                            .collect()
+                    } else {
+                        (0..(first + n * hd) * bits / 8)
+                            .map(|_| next() as u8)
+                            .collect()
+                    };
                     let mut u = vec![0f32; n * hd];
                     for (j, row) in u.chunks_exact_mut(hd).enumerate() {
                         unpack_kind(&codes, first + j * hd, kind, row);

@@ -1422,6 +1422,66 @@ pub mod avx512 {
         unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
     }
 
+    /// [`dot_rows_codes`] over little-endian f16 keys (key j from value `first + j · hd`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn dot_rows_h16<const R: usize>(
+        q: &[f32],
+        hd: usize,
+        bias: [f32; R],
+        codes: &[u8],
+        first: usize,
+        out: &mut [f32],
+        stride: usize,
+        n: usize,
+    ) {
+        assert!(
+            hd.is_multiple_of(16)
+                && q.len() >= R * hd
+                && out.len() >= (R - 1) * stride + n
+                && codes.len() >= 2 * (first + n * hd),
+            "avx512::dot_rows_h16: bad sizes"
+        );
+        let cp = codes.as_ptr();
+        // SAFETY: values d..d + 16 of key j < n are 32 bytes inside `codes` (asserted).
+        let key = |j: usize, d: usize| unsafe { load_f16x16(cp.add(2 * (first + j * hd + d))) };
+        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+        unsafe { dot_rows_multi_by::<R>(q, hd, bias, out, stride, n, key) }
+    }
+
+    /// [`axpy_rows_codes`] over little-endian f16 value rows (row i from value `first + i · hd`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub unsafe fn axpy_rows_h16<const R: usize>(
+        o: &mut [f32],
+        hd: usize,
+        bias: [f32; R],
+        w: &[f32],
+        wstride: usize,
+        n: usize,
+        codes: &[u8],
+        first: usize,
+    ) {
+        assert!(
+            hd.is_multiple_of(16)
+                && o.len() >= R * hd
+                && w.len() >= (R - 1) * wstride + n
+                && codes.len() >= 2 * (first + n * hd),
+            "avx512::axpy_rows_h16: bad sizes"
+        );
+        let cp = codes.as_ptr();
+        // SAFETY: values d..d + 16 of row i < n are 32 bytes inside `codes` (asserted).
+        let val = |i: usize, d: usize| unsafe { load_f16x16(cp.add(2 * (first + i * hd + d))) };
+        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+        unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
+    }
+
     /// The AVX-512 body of [`crate::model::kernels::decode_coded_params`]: sixteen (minimum code,
     /// scale code) byte pairs at a time; returns how many pairs it decoded (the whole vectors'),
     /// and the caller decodes the rest.
@@ -1565,45 +1625,6 @@ pub mod avx512 {
         let vp = vals.as_ptr();
         // SAFETY: row i < w.len() holds hd values inside `vals` (asserted above); d + 16 <= hd.
         let val = |i: usize, d: usize| unsafe { _mm512_loadu_ps(vp.add(i * hd + d)) };
-        // SAFETY: the CPU has the features (this function's contract); `val` as above.
-        unsafe { axpy_rows_by(o, w, val) }
-    }
-
-    /// [`dot_rows`] over keys stored as little-endian f16 (`keys`: two bytes per value),
-    /// converted in registers: no f32 copy of the keys is made.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn dot_rows_f16(q: &[f32], keys: &[u8], out: &mut [f32]) {
-        let hd = q.len();
-        assert!(
-            hd.is_multiple_of(16) && keys.len() >= out.len() * hd * 2,
-            "avx512::dot_rows_f16: bad sizes"
-        );
-        let kp = keys.as_ptr();
-        // SAFETY: key j < out.len() holds hd f16 (2 hd bytes) inside `keys` (asserted above);
-        // d + 16 <= hd.
-        let key = |j: usize, d: usize| unsafe { load_f16x16(kp.add((j * hd + d) * 2)) };
-        // SAFETY: the CPU has the features (this function's contract); `key` as above.
-        unsafe { dot_rows_by(q, out, key) }
-    }
-
-    /// [`axpy_rows`] over value rows stored as little-endian f16 (`vals`: two bytes per value),
-    /// converted in registers.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn axpy_rows_f16(o: &mut [f32], w: &[f32], vals: &[u8]) {
-        let hd = o.len();
-        assert!(
-            hd.is_multiple_of(16) && vals.len() >= w.len() * hd * 2,
-            "avx512::axpy_rows_f16: bad sizes"
-        );
-        let vp = vals.as_ptr();
-        // SAFETY: row i < w.len() holds hd f16 inside `vals` (asserted above); d + 16 <= hd.
-        let val = |i: usize, d: usize| unsafe { load_f16x16(vp.add((i * hd + d) * 2)) };
         // SAFETY: the CPU has the features (this function's contract); `val` as above.
         unsafe { axpy_rows_by(o, w, val) }
     }
