@@ -626,25 +626,30 @@ impl Codes {
     }
 }
 
-/// Calls the AVX-512 kernel for `$kind` (`$unsigned::<BITS, K>`, `$signed::<K>` or `$half::<K>`) on `$k`
-/// rows (1 to 3), with the arguments `$pre`, the rows' biases from `$b`, then `$post`.
+/// Calls the AVX-512 kernel `$f::<K, R>` for `$kind` (its `K`, see `simd::avx512::SIGNED8`)
+/// on `$k` rows (`R`, 1 to 3), with the arguments `$pre`, the rows' biases from `$b`, then
+/// `$post`.
 #[cfg(target_arch = "x86_64")]
 macro_rules! rows_kernel {
-    ($kind:expr, $k:expr, $b:expr, $unsigned:ident, $signed:ident, $half:ident, [$($pre:expr),*], [$($post:expr),*]) => {
+    ($kind:expr, $k:expr, $b:expr, $f:ident, [$($pre:expr),*], [$($post:expr),*]) => {
         match $kind {
-            Codes::Unsigned(2) => rows_kernel!(@k $k, $b, $unsigned, [2], [$($pre),*], [$($post),*]),
-            Codes::Unsigned(3) => rows_kernel!(@k $k, $b, $unsigned, [3], [$($pre),*], [$($post),*]),
-            Codes::Unsigned(4) => rows_kernel!(@k $k, $b, $unsigned, [4], [$($pre),*], [$($post),*]),
-            Codes::Unsigned(_) => rows_kernel!(@k $k, $b, $unsigned, [8], [$($pre),*], [$($post),*]),
-            Codes::Signed8 => rows_kernel!(@k $k, $b, $signed, [], [$($pre),*], [$($post),*]),
-            Codes::F16 => rows_kernel!(@k $k, $b, $half, [], [$($pre),*], [$($post),*]),
+            Codes::Unsigned(2) => rows_kernel!(@k $k, $b, $f, 2, [$($pre),*], [$($post),*]),
+            Codes::Unsigned(3) => rows_kernel!(@k $k, $b, $f, 3, [$($pre),*], [$($post),*]),
+            Codes::Unsigned(4) => rows_kernel!(@k $k, $b, $f, 4, [$($pre),*], [$($post),*]),
+            Codes::Unsigned(_) => rows_kernel!(@k $k, $b, $f, 8, [$($pre),*], [$($post),*]),
+            Codes::Signed8 => {
+                rows_kernel!(@k $k, $b, $f, { simd::avx512::SIGNED8 }, [$($pre),*], [$($post),*])
+            }
+            Codes::F16 => {
+                rows_kernel!(@k $k, $b, $f, { simd::avx512::HALF }, [$($pre),*], [$($post),*])
+            }
         }
     };
-    (@k $k:expr, $b:expr, $f:ident, [$($bits:literal)?], [$($pre:expr),*], [$($post:expr),*]) => {
+    (@k $k:expr, $b:expr, $f:ident, $kind:tt, [$($pre:expr),*], [$($post:expr),*]) => {
         match $k {
-            3 => simd::avx512::$f::<$($bits,)? 3>($($pre,)* [$b[0], $b[1], $b[2]], $($post),*),
-            2 => simd::avx512::$f::<$($bits,)? 2>($($pre,)* [$b[0], $b[1]], $($post),*),
-            _ => simd::avx512::$f::<$($bits,)? 1>($($pre,)* [$b[0]], $($post),*),
+            3 => simd::avx512::$f::<$kind, 3>($($pre,)* [$b[0], $b[1], $b[2]], $($post),*),
+            2 => simd::avx512::$f::<$kind, 2>($($pre,)* [$b[0], $b[1]], $($post),*),
+            _ => simd::avx512::$f::<$kind, 1>($($pre,)* [$b[0]], $($post),*),
         }
     };
 }
@@ -711,9 +716,7 @@ pub fn dot_rows_codes_with(
                     kind,
                     k,
                     b,
-                    dot_rows_codes,
-                    dot_rows_s8,
-                    dot_rows_h16,
+                    dot_rows_stored,
                     [q, hd],
                     [codes, first, out, stride, n]
                 )
@@ -792,9 +795,7 @@ pub fn axpy_rows_codes_with(
                     kind,
                     k,
                     b,
-                    axpy_rows_codes,
-                    axpy_rows_s8,
-                    axpy_rows_h16,
+                    axpy_rows_stored,
                     [o, hd],
                     [w, wstride, n, codes, first]
                 )

@@ -1108,7 +1108,8 @@ pub mod avx512 {
         }
         let word = |q: *const u8| {
             let mut w = 0u32;
-            for k in 0..BITS {
+            // At most four bytes: BITS is 2, 3 or 4 here (8 returned above).
+            for k in 0..BITS.min(4) {
                 // SAFETY: k < BITS, and both words lie in the 2 · BITS readable bytes.
                 w |= u32::from(unsafe { *q.add(k) }) << (8 * k);
             }
@@ -1292,83 +1293,49 @@ pub mod avx512 {
         }
     }
 
-    /// [`dot_rows_multi_by`] over keys stored as packed unsigned `BITS`-bit codes: key j's codes
-    /// start at packed value `first + j · hd` of `codes`; their per-channel scales are folded
-    /// into `q` and the minimums into `bias` by the caller.
+    /// Kinds of stored values for [`dot_rows_stored`] and [`axpy_rows_stored`]: 2, 3, 4 and 8 are
+    /// packed unsigned codes of that many bits, [`SIGNED8`] signed bytes, [`HALF`] little-endian
+    /// f16.
+    pub const SIGNED8: usize = 9;
+    /// See [`SIGNED8`].
+    pub const HALF: usize = 16;
+
+    /// Sixteen stored values of kind `K` from value index `at` of `p` (on a byte), as f32.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
-    #[allow(clippy::too_many_arguments)]
+    /// The CPU must have AVX-512 F, BW and VL and F16C; the sixteen values must be readable.
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn dot_rows_codes<const BITS: usize, const R: usize>(
-        q: &[f32],
-        hd: usize,
-        bias: [f32; R],
-        codes: &[u8],
-        first: usize,
-        out: &mut [f32],
-        stride: usize,
-        n: usize,
-    ) {
-        assert!(
-            hd.is_multiple_of(16)
-                && (first * BITS).is_multiple_of(8)
-                && q.len() >= R * hd
-                && out.len() >= (R - 1) * stride + n
-                && codes.len() * 8 >= (first + n * hd) * BITS,
-            "avx512::dot_rows_codes: bad sizes"
-        );
-        let cp = codes.as_ptr();
-        // SAFETY: codes d..d + 16 of key j < n are 2 · BITS bytes inside `codes` (asserted).
-        let key = |j: usize, d: usize| unsafe {
-            load_codes16::<BITS>(cp.add((first + j * hd + d) * BITS / 8))
-        };
-        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
-        unsafe { dot_rows_multi_by::<R>(q, hd, bias, out, stride, n, key) }
+    unsafe fn load_stored16<const K: usize>(p: *const u8, at: usize) -> __m512 {
+        // SAFETY: in each branch the sixteen values from `at` are readable (the contract).
+        unsafe {
+            match K {
+                SIGNED8 => load_i8x16(p.add(at)),
+                HALF => load_f16x16(p.add(2 * at)),
+                _ => load_codes16::<K>(p.add(at * K / 8)),
+            }
+        }
     }
 
-    /// [`axpy_rows_multi_by`] over value rows stored as packed unsigned `BITS`-bit codes (row i
-    /// from packed value `first + i · hd`); their per-row scales are folded into `w` and the
+    /// Whether `n` rows of `hd` values of kind `K` from value index `first` lie in `len` bytes,
+    /// each row starting on a byte.
+    fn stored_fits<const K: usize>(len: usize, first: usize, n: usize, hd: usize) -> bool {
+        let bits = match K {
+            SIGNED8 => 8,
+            k => k,
+        };
+        (first * bits).is_multiple_of(8) && len * 8 >= (first + n * hd) * bits
+    }
+
+    /// [`dot_rows_multi_by`] over keys stored as values of kind `K` (see [`SIGNED8`]): key j's
+    /// start at value `first + j · hd` of `codes`. Scales per channel are folded into `q` and
     /// minimums into `bias` by the caller.
     ///
     /// # Safety
     /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn axpy_rows_codes<const BITS: usize, const R: usize>(
-        o: &mut [f32],
-        hd: usize,
-        bias: [f32; R],
-        w: &[f32],
-        wstride: usize,
-        n: usize,
-        codes: &[u8],
-        first: usize,
-    ) {
-        assert!(
-            hd.is_multiple_of(16)
-                && (first * BITS).is_multiple_of(8)
-                && o.len() >= R * hd
-                && w.len() >= (R - 1) * wstride + n
-                && codes.len() * 8 >= (first + n * hd) * BITS,
-            "avx512::axpy_rows_codes: bad sizes"
-        );
-        let cp = codes.as_ptr();
-        // SAFETY: codes d..d + 16 of row i < n are 2 · BITS bytes inside `codes` (asserted).
-        let val = |i: usize, d: usize| unsafe {
-            load_codes16::<BITS>(cp.add((first + i * hd + d) * BITS / 8))
-        };
-        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
-        unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
-    }
-
-    /// [`dot_rows_codes`] over signed bytes (int8 keys, key j from byte `first + j · hd`).
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn dot_rows_s8<const R: usize>(
+    pub unsafe fn dot_rows_stored<const K: usize, const R: usize>(
         q: &[f32],
         hd: usize,
         bias: [f32; R],
@@ -1380,25 +1347,27 @@ pub mod avx512 {
     ) {
         assert!(
             hd.is_multiple_of(16)
+                && stored_fits::<K>(codes.len(), first, n, hd)
                 && q.len() >= R * hd
-                && out.len() >= (R - 1) * stride + n
-                && codes.len() >= first + n * hd,
-            "avx512::dot_rows_s8: bad sizes"
+                && out.len() >= (R - 1) * stride + n,
+            "avx512::dot_rows_stored: bad sizes"
         );
         let cp = codes.as_ptr();
-        // SAFETY: bytes d..d + 16 of key j < n lie inside `codes` (asserted).
-        let key = |j: usize, d: usize| unsafe { load_i8x16(cp.add(first + j * hd + d)) };
+        // SAFETY: values d..d + 16 of key j < n lie inside `codes` (asserted).
+        let key = |j: usize, d: usize| unsafe { load_stored16::<K>(cp, first + j * hd + d) };
         // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
         unsafe { dot_rows_multi_by::<R>(q, hd, bias, out, stride, n, key) }
     }
 
-    /// [`axpy_rows_codes`] over signed bytes (int8 values, row i from byte `first + i · hd`).
+    /// [`axpy_rows_multi_by`] over value rows stored as values of kind `K` (row i from value
+    /// `first + i · hd`). Scales per row are folded into `w` and minimums into `bias` by the
+    /// caller.
     ///
     /// # Safety
     /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn axpy_rows_s8<const R: usize>(
+    pub unsafe fn axpy_rows_stored<const K: usize, const R: usize>(
         o: &mut [f32],
         hd: usize,
         bias: [f32; R],
@@ -1410,74 +1379,14 @@ pub mod avx512 {
     ) {
         assert!(
             hd.is_multiple_of(16)
+                && stored_fits::<K>(codes.len(), first, n, hd)
                 && o.len() >= R * hd
-                && w.len() >= (R - 1) * wstride + n
-                && codes.len() >= first + n * hd,
-            "avx512::axpy_rows_s8: bad sizes"
+                && w.len() >= (R - 1) * wstride + n,
+            "avx512::axpy_rows_stored: bad sizes"
         );
         let cp = codes.as_ptr();
-        // SAFETY: bytes d..d + 16 of row i < n lie inside `codes` (asserted).
-        let val = |i: usize, d: usize| unsafe { load_i8x16(cp.add(first + i * hd + d)) };
-        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
-        unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
-    }
-
-    /// [`dot_rows_codes`] over little-endian f16 keys (key j from value `first + j · hd`).
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn dot_rows_h16<const R: usize>(
-        q: &[f32],
-        hd: usize,
-        bias: [f32; R],
-        codes: &[u8],
-        first: usize,
-        out: &mut [f32],
-        stride: usize,
-        n: usize,
-    ) {
-        assert!(
-            hd.is_multiple_of(16)
-                && q.len() >= R * hd
-                && out.len() >= (R - 1) * stride + n
-                && codes.len() >= 2 * (first + n * hd),
-            "avx512::dot_rows_h16: bad sizes"
-        );
-        let cp = codes.as_ptr();
-        // SAFETY: values d..d + 16 of key j < n are 32 bytes inside `codes` (asserted).
-        let key = |j: usize, d: usize| unsafe { load_f16x16(cp.add(2 * (first + j * hd + d))) };
-        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
-        unsafe { dot_rows_multi_by::<R>(q, hd, bias, out, stride, n, key) }
-    }
-
-    /// [`axpy_rows_codes`] over little-endian f16 value rows (row i from value `first + i · hd`).
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-    pub unsafe fn axpy_rows_h16<const R: usize>(
-        o: &mut [f32],
-        hd: usize,
-        bias: [f32; R],
-        w: &[f32],
-        wstride: usize,
-        n: usize,
-        codes: &[u8],
-        first: usize,
-    ) {
-        assert!(
-            hd.is_multiple_of(16)
-                && o.len() >= R * hd
-                && w.len() >= (R - 1) * wstride + n
-                && codes.len() >= 2 * (first + n * hd),
-            "avx512::axpy_rows_h16: bad sizes"
-        );
-        let cp = codes.as_ptr();
-        // SAFETY: values d..d + 16 of row i < n are 32 bytes inside `codes` (asserted).
-        let val = |i: usize, d: usize| unsafe { load_f16x16(cp.add(2 * (first + i * hd + d))) };
+        // SAFETY: values d..d + 16 of row i < n lie inside `codes` (asserted).
+        let val = |i: usize, d: usize| unsafe { load_stored16::<K>(cp, first + i * hd + d) };
         // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
         unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
     }
