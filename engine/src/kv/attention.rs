@@ -18,8 +18,7 @@
 //! second pass.
 
 use crate::kv::codec::{
-    affine_codes, decode_k, decode_v, f16_keys, f16_values, int8_keys, int8_values, packed_keys,
-    packed_values,
+    decode_k, decode_v, f16_keys, f16_values, int8_keys, int8_values, packed_keys, packed_values,
 };
 use crate::kv::{KvCache, KvError, KvFormat, LayerView};
 use crate::model::kernels::{
@@ -346,7 +345,6 @@ fn attend_packed_split(
         let (start, end) = (c0 * t, (c1 * t).min(total));
         let width = end - start;
         let mut e = vec![0.0f32; rows * width];
-        let mut buf = vec![0.0f32; t * hd];
         // Chunks of codes (int8, and the formats of unsigned codes with a minimum and a scale
         // per group: per channel for keys, per token for values) are read for every row of the
         // head at once, never decoded to f32: each row's query times the keys' scales (or its
@@ -398,7 +396,8 @@ fn attend_packed_split(
                     dot_rows_codes(&qsr, &bias, k, 0, Codes::Signed8, hd, out, width, live);
                     continue;
                 }
-                LayerView::Sealed(f, bytes) if affine_codes(f) => {
+                // Every other format: unsigned codes with a minimum and a scale per channel.
+                LayerView::Sealed(f, bytes) => {
                     let (codes, first) = packed_keys(&cs, f, bytes, g, &mut mins, &mut scales);
                     for (r, (qr, b)) in qsr.chunks_exact_mut(hd).zip(&mut bias).enumerate() {
                         let q = qrow(r);
@@ -411,10 +410,6 @@ fn attend_packed_split(
                     let out = &mut e[off..];
                     dot_rows_codes(&qsr, &bias, codes, first, kind, hd, out, width, live);
                     continue;
-                }
-                LayerView::Sealed(f, bytes) => {
-                    decode_k(&cs, f, bytes, g, &mut buf);
-                    &buf[..]
                 }
                 LayerView::Open(b) => &b[g * t * hd..(g + 1) * t * hd],
             };
@@ -455,7 +450,8 @@ fn attend_packed_split(
                     axpy_rows_codes(&mut o, &bias, &wsr, t, live, v, 0, Codes::Signed8, hd);
                     continue;
                 }
-                LayerView::Sealed(f, bytes) if affine_codes(f) => {
+                // Every other format: unsigned codes with a minimum and a scale per token.
+                LayerView::Sealed(f, bytes) => {
                     let (codes, first) = packed_values(&cs, f, bytes, g, &mut mins, &mut scales);
                     let weights = e.chunks_exact(width).zip(wsr.chunks_exact_mut(t));
                     for ((erow, wr), b) in weights.zip(&mut bias) {
@@ -468,10 +464,6 @@ fn attend_packed_split(
                     let kind = Codes::Unsigned(f.value_bits() as usize);
                     axpy_rows_codes(&mut o, &bias, &wsr, t, live, codes, first, kind, hd);
                     continue;
-                }
-                LayerView::Sealed(f, bytes) => {
-                    decode_v(&cs, f, bytes, g, &mut buf);
-                    &buf[..]
                 }
                 LayerView::Open(b) => &b[(n_kv_heads + g) * t * hd..][..t * hd],
             };

@@ -699,7 +699,7 @@ pub fn int8_values<'a>(
 
 /// Whether a format stores unsigned codes with a minimum and a scale per group (int4, int2 and
 /// the coded formats): the ones [`packed_keys`] and [`packed_values`] read.
-pub fn affine_codes(f: KvFormat) -> bool {
+fn affine_codes(f: KvFormat) -> bool {
     !matches!(f, KvFormat::F16 | KvFormat::Int8)
 }
 
