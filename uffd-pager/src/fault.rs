@@ -256,10 +256,9 @@ impl Runtime {
                         if copied.is_ok() {
                             shared.stats.fault_latency.record(t.elapsed());
                         }
-                        let mut st = shared.lock();
                         let reason = filled.as_ref().err().cloned().map(RecomputeReason::Source);
-                        shared.finish(&mut st, &r, copied.is_ok(), filled.is_ok(), reason);
-                        drop(st);
+                        let (ok, persisted) = (copied.is_ok(), filled.is_ok());
+                        shared.finish(shared.lock(), &r, ok, persisted, reason);
                         if let Err(e) = &filled {
                             self.warn(
                                 Some(key),

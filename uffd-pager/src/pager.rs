@@ -560,15 +560,17 @@ impl Shared {
         })
     }
 
-    /// Finish a populate (state lock held): the slot becomes resident, or goes back on failure.
+    /// Finish a populate (taking the state lock's guard, released before the waiting threads are
+    /// woken): the slot becomes resident, or goes back on failure.
     pub(crate) fn finish(
         &self,
-        st: &mut State,
+        mut guard: MutexGuard<'_, State>,
         r: &Reservation,
         ok: bool,
         persisted: bool,
         recompute: Option<RecomputeReason>,
     ) {
+        let st = &mut *guard;
         let alive = st
             .book
             .ctxs
@@ -615,16 +617,17 @@ impl Shared {
             // Pages copied before the failure must not linger uncounted.
             let _ = c.map.dontneed(r.offset, r.stride);
         }
-        // The copy or move woke no one: threads that faulted on the slot resume only now, so the
-        // chunk's state they may ask for next is already the one their bytes reflect (a failed
-        // fill, for instance, is marked for recompute before anyone reads its zeros). Where
-        // nothing was mapped, they fault again and are served afresh.
-        if let Err(e) = self.uffd.wake(r.map.addr() + r.offset, r.stride) {
-            warn!(chunk = %r.key, error = %e, "waking faulting threads failed");
-        }
         self.populated.notify_all();
         if st.book.deferred > 0 {
             self.wake.signal();
+        }
+        drop(guard);
+        // The copy or move woke no one: threads that faulted on the slot resume only now, once
+        // the books say what their bytes are (a failed fill, for instance, is marked for
+        // recompute before anyone reads its zeros), and outside the lock. Where nothing is
+        // mapped (a failure, or a reclaim since), they fault again and are served afresh.
+        if let Err(e) = self.uffd.wake(r.map.addr() + r.offset, r.stride) {
+            warn!(chunk = %r.key, error = %e, "waking faulting threads failed");
         }
     }
 
@@ -1074,8 +1077,8 @@ impl Pager {
         drop(st);
         let buf = &mut staging.as_mut_slice()[..r.bytes];
         if let Err(source) = self.shared.fill(key, buf) {
-            let mut st = self.shared.lock();
-            self.shared.finish(&mut st, &r, false, false, None);
+            self.shared
+                .finish(self.shared.lock(), &r, false, false, None);
             return Err(PagerError::Source { key, source });
         }
         let res = self.shared.copy_in(&r, buf);
@@ -1089,10 +1092,8 @@ impl Pager {
         persisted: bool,
         t: Instant,
     ) -> Result<(), PagerError> {
-        let mut st = self.shared.lock();
         self.shared
-            .finish(&mut st, &r, res.is_ok(), persisted, None);
-        drop(st);
+            .finish(self.shared.lock(), &r, res.is_ok(), persisted, None);
         self.shared.stats.populate_latency.record(t.elapsed());
         res.map_err(|source| PagerError::Populate { key: r.key, source })
     }

@@ -835,7 +835,7 @@ fn unpack_kind(q: &[u8], first: usize, kind: Codes, out: &mut [f32]) {
 }
 
 /// Unpacks `out.len()` unsigned `bits`-bit codes starting at packed value `first` (on a byte).
-pub fn unpack_codes(q: &[u8], first: usize, bits: usize, out: &mut [f32]) {
+fn unpack_codes(q: &[u8], first: usize, bits: usize, out: &mut [f32]) {
     if bits == 8 {
         let n = out.len();
         for (o, b) in out.iter_mut().zip(&q[first..first + n]) {
