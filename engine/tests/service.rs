@@ -149,14 +149,23 @@ fn a_deleted_or_corrupt_chunk_file_is_recomputed_and_the_answer_is_the_same() {
             if call > 0 {
                 m.flush();
                 m.swap_out(&o, id).unwrap();
-                let file = m.store().chunk_path(kvfs::ContextId(id), call - 1);
+                // Damage the chunk's slot in the context's data file: its header page zeroed
+                // (the chunk gone), or one payload byte flipped.
+                use std::os::unix::fs::FileExt;
+                let cid = kvfs::ContextId(id);
+                let at = m.store().chunk_offset(cid, call - 1).expect("stored");
+                let data = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(m.store().data_path(cid))
+                    .unwrap();
                 match damage {
-                    "delete" => std::fs::remove_file(&file).unwrap(),
+                    "delete" => data.write_all_at(&[0; kvfs::HEADER_PAGE], at).unwrap(),
                     _ => {
-                        let mut b = std::fs::read(&file).unwrap();
-                        let n = b.len();
-                        b[n - 7] ^= 0x5a;
-                        std::fs::write(&file, b).unwrap();
+                        let at = at + kvfs::HEADER_PAGE as u64 + 7;
+                        let mut b = [0u8];
+                        data.read_exact_at(&mut b, at).unwrap();
+                        data.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
                     }
                 }
             }
@@ -538,8 +547,8 @@ fn the_llms_mix_stores_at_most_its_bit_budget_in_kvfs() {
                 s.format
             );
             seen.insert(s.format.name());
-            let path = m.store().chunk_path(kvfs::ContextId(id), c.index);
-            bytes += std::fs::metadata(path).unwrap().len();
+            // What kvfs keeps of the chunk: its header and its stored payload.
+            bytes += (kvfs::format::HEADER_LEN + s.stored_len as usize) as u64;
             chunks += 1;
         }
     }

@@ -3,9 +3,8 @@
 //!
 //! The figures are measured here and returned as rows; the `tools` binary prints them.
 
-use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -15,9 +14,10 @@ use std::time::{Duration, Instant};
 use crate::client::MountReader;
 use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
 use crate::fs::{Mount, MountConfig, MountError, mount};
-use crate::io::{IoError, drop_cache, read_file, read_into_scratch};
-use crate::passthrough::mount_passthrough;
-use crate::store::{ContextId, NewContext, Store, StoreError, StoreOptions};
+use crate::io::{AlignedBuf, IoError, read_slot};
+use crate::store::{
+    ContextId, HEADER_PAGE, NewContext, Store, StoreError, StoreOptions, slot_offset,
+};
 
 /// What went wrong running the benchmark.
 #[derive(Debug, thiserror::Error)]
@@ -216,10 +216,27 @@ fn io_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError
         // Three rounds of every path, one after the other, so load from elsewhere on the machine
         // spreads over all of them; each row pools the rounds' latencies.
         let mut lat: [Vec<Duration>; 4] = Default::default();
+        let data_path = store.data_path(id);
+        let data_file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(if store.direct_io() { libc::O_DIRECT } else { 0 })
+            .open(&data_path)
+            .map_err(|e| IoError::new("open", &data_path, e))?;
+        let mut scratch = Vec::new();
         for _round in 0..3 {
             drop_caches();
             lat[0].extend(read_pass(n, |i| {
-                Ok(read_file(&store.chunk_path(id, i), store.direct_io(), None)?.len())
+                let at = store.locate(id, i, &FP)?;
+                let len = HEADER_PAGE + at.stored_len as usize;
+                let r = read_slot(
+                    &data_file,
+                    store.direct_io(),
+                    slot_offset(i, at.copy),
+                    len,
+                    &mut scratch,
+                )
+                .map_err(|e| IoError::new("read", &data_path, e))?;
+                Ok(r.len())
             })?);
             drop_caches();
             lat[1].extend(read_pass(n, |i| Ok(store.read_chunk(id, i, &FP)?.len()))?);
@@ -346,39 +363,20 @@ pub struct LoadRow {
 }
 
 /// The ways of loading a chunk that `llms bench kvfs` compares: a bare O_DIRECT read of the
-/// chunk file; the store API; the mount's `kv` file (`MountReader`) over raw and over zstd payloads,
-/// through the daemon; a FUSE file passed through to a backing file of raw payloads, opened with
-/// and without O_DIRECT; the per-chunk view.
-pub const LOAD_PATHS: [&str; 7] = [
+/// chunk's slot in the data file; the store API; the mount's `kv` file (`MountReader`), passed
+/// through to the data file by the kernel, over raw and over zstd payloads; the same file served by
+/// the daemon (a mount without passthrough); the per-chunk view.
+pub const LOAD_PATHS: [&str; 6] = [
     "disk O_DIRECT",
     "store read_chunk_into",
-    "mount kv raw",
+    "mount kv passthrough",
     "mount kv zstd",
-    "passthrough O_DIRECT",
-    "passthrough buffered",
+    "mount kv daemon",
     "mount chunks/ open+read",
 ];
 
-/// Page alignment of O_DIRECT reads and of the passthrough backing file's chunk slots.
+/// Page alignment of O_DIRECT reads.
 const ALIGN: usize = 4096;
-
-/// A buffer of `len` bytes that starts on a 4 KiB boundary: `v[start..start + len]`.
-struct AlignedBuf {
-    v: Vec<u8>,
-    start: usize,
-}
-
-impl AlignedBuf {
-    fn new(len: usize) -> AlignedBuf {
-        let v = vec![0u8; len + ALIGN];
-        let start = v.as_ptr().align_offset(ALIGN);
-        AlignedBuf { v, start }
-    }
-
-    fn get(&mut self, len: usize) -> &mut [u8] {
-        &mut self.v[self.start..self.start + len]
-    }
-}
 
 /// The ways of writing a chunk that `llms bench kvfs` compares.
 pub const WRITE_PATHS: [&str; 3] = [
@@ -486,9 +484,20 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
     // Raw payloads, and zstd payloads whenever zstd shrinks a chunk at all.
     let (store, m) = open_store("load", f64::INFINITY)?;
     let (zstore, zm) = open_store("load-zstd", 1.0)?;
+    // The same raw store served by the daemon alone, for the cost of a FUSE round trip per chunk.
+    let dmnt = config.dir.join("load-daemon-mnt");
+    std::fs::create_dir_all(&dmnt).map_err(|e| IoError::new("mkdir", &dmnt, e))?;
+    let dm = mount(
+        store.clone(),
+        &dmnt,
+        &MountConfig {
+            passthrough: false,
+            ..mcfg.clone()
+        },
+    )?;
     let mnt = m.path().to_owned();
     let n = config.load_chunks.max(8) as u32;
-    for (k, set) in config.load_sets.iter().enumerate() {
+    for set in &config.load_sets {
         let new_context = |store: &Store| -> Result<ContextId, BenchError> {
             let id = store.create_context(NewContext {
                 owner_uid: 0,
@@ -519,72 +528,52 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
             z.stored_bytes += u64::from(s.stored_len);
         }
         report.load_zstd.push(z);
-        // The passthrough backing file: chunk i's raw payload at a 4 KiB-aligned slot of its own.
         let slot = max_len.next_multiple_of(ALIGN);
-        let backing = config.dir.join(format!("passthrough-{k}"));
-        write_backing(&backing, n, slot, data)?;
-        let pt_mnt = config.dir.join("passthrough-mnt");
-        std::fs::create_dir_all(&pt_mnt).map_err(|e| IoError::new("mkdir", &pt_mnt, e))?;
-        let (pm, counters) =
-            mount_passthrough(&[("kv".to_owned(), backing.clone())], &pt_mnt, mcfg.threads)?;
-        let pt_path = pt_mnt.join("kv");
-        let pt_file = &pt_path;
-        let open_pt = |direct: bool| -> Result<File, BenchError> {
-            let mut o = std::fs::OpenOptions::new();
-            o.read(true);
-            if direct {
-                o.custom_flags(libc::O_DIRECT);
-            }
-            o.open(pt_file)
-                .map_err(|e| BenchError::Io(IoError::new("open", pt_file, e)))
-        };
+        let opens = m.counters().passthrough_opens.load(Ordering::Relaxed)
+            + zm.counters().passthrough_opens.load(Ordering::Relaxed);
         let kv = MountReader::open_rw(&mnt, id, FP)?;
         let zkv = MountReader::open(zm.path(), zid, FP)?;
+        let dkv = MountReader::open(dm.path(), id, FP)?;
         let chunk_file =
             |root: &Path, i: u32| root.join(id.to_string()).join("chunks").join(i.to_string());
+        let data_path = store.data_path(id);
+        let data_file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(if store.direct_io() { libc::O_DIRECT } else { 0 })
+            .open(&data_path)
+            .map_err(|e| IoError::new("open", &data_path, e))?;
+        let daemon_reads = m.counters().kv_reads.load(Ordering::Relaxed)
+            + zm.counters().kv_reads.load(Ordering::Relaxed);
         for &readers in &config.readers {
-            let mut runs: [Vec<_>; 7] = Default::default();
+            let mut runs: [Vec<_>; 6] = Default::default();
             for _round in 0..config.rounds.max(1) {
                 drop_caches();
                 runs[0].push(parallel_pass(n, readers, Vec::new, |buf, i| {
-                    let p = store.chunk_path(id, i);
-                    let r = read_into_scratch(&p, store.direct_io(), 128 << 20, buf)?;
-                    Ok(r.len())
+                    let at = store.locate(id, i, &FP)?;
+                    let len = HEADER_PAGE + at.stored_len as usize;
+                    let off = slot_offset(i, at.copy);
+                    let r = read_slot(&data_file, store.direct_io(), off, len, buf)
+                        .map_err(|e| IoError::new("read", &data_path, e))?;
+                    Ok(r.len() - HEADER_PAGE)
                 })?);
                 drop_caches();
                 runs[1].push(parallel_pass(
                     n,
                     readers,
-                    || vec![0u8; max_len],
-                    |buf, i| Ok(store.read_chunk_into(id, i, &FP, buf)?.raw_len as usize),
+                    || AlignedBuf::new(slot),
+                    |buf, i| Ok(store.read_chunk_into(id, i, &FP, buf.get(slot))?.raw_len as usize),
                 )?);
-                drop_caches();
-                runs[2].push(parallel_pass(
-                    n,
-                    readers,
-                    || vec![0u8; max_len],
-                    |buf, i| Ok(kv.read_chunk_into(i, buf)?.raw_len as usize),
-                )?);
-                drop_caches();
-                runs[3].push(parallel_pass(
-                    n,
-                    readers,
-                    || vec![0u8; max_len],
-                    |buf, i| Ok(zkv.read_chunk_into(i, buf)?.raw_len as usize),
-                )?);
-                for (r, direct) in [(4, true), (5, false)] {
-                    // The file is opened once, as the service keeps its `kv` files open.
-                    let f = open_pt(direct)?;
+                for (r, reader, st) in [(2, &kv, &store), (3, &zkv, &zstore), (4, &dkv, &store)] {
                     drop_caches();
                     runs[r].push(parallel_pass(
                         n,
                         readers,
                         || AlignedBuf::new(slot),
-                        passthrough_reader(&f, direct, set, slot, pt_file),
+                        |buf, i| Ok(reader.read_chunk_into(st, i, buf.get(slot))?.raw_len as usize),
                     )?);
                 }
                 drop_caches();
-                runs[6].push(parallel_pass(
+                runs[5].push(parallel_pass(
                     n,
                     readers,
                     || vec![0u8; max_len],
@@ -603,29 +592,13 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
                 report.loads.push(load_row(&set.name, path, readers, runs));
             }
         }
-        // What each passthrough read leaves in the backing file's page cache: one cold pass each.
-        for direct in [true, false] {
-            let f = open_pt(direct)?;
-            drop_caches();
-            parallel_pass(
-                n,
-                1,
-                || AlignedBuf::new(slot),
-                passthrough_reader(&f, direct, set, slot, pt_file),
-            )?;
-            report.cache.push(cache_row_files(
-                std::slice::from_ref(&backing),
-                format!(
-                    "{} passthrough {}",
-                    set.name,
-                    if direct { "O_DIRECT" } else { "buffered" }
-                ),
-            )?);
-        }
-        report.passthrough_daemon_reads += counters.daemon_reads.load(Ordering::Relaxed);
-        report.passthrough_opens += counters.passthrough_opens.load(Ordering::Relaxed);
-        pm.unmount()?;
-        let _ = std::fs::remove_file(&backing);
+        // The passthrough rows' reads never reached a daemon: only the per-chunk view's did.
+        report.passthrough_opens += m.counters().passthrough_opens.load(Ordering::Relaxed)
+            + zm.counters().passthrough_opens.load(Ordering::Relaxed)
+            - opens;
+        report.passthrough_daemon_reads += m.counters().kv_reads.load(Ordering::Relaxed)
+            + zm.counters().kv_reads.load(Ordering::Relaxed)
+            - daemon_reads;
         // Write-out: one writer, each chunk durable before the next.
         let w = (config.write_chunks as u32).clamp(1, n);
         let mut runs: [Vec<_>; 3] = Default::default();
@@ -662,6 +635,7 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
         }
         drop(kv);
         drop(zkv);
+        drop(dkv);
         report.cache.push(cache_row_named(
             &store,
             id,
@@ -677,49 +651,9 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
         store.delete_context(id)?;
         zstore.delete_context(zid)?;
     }
+    dm.unmount()?;
     zm.unmount()?;
     m.unmount()?;
-    Ok(())
-}
-
-/// Reads chunk i of `set` from an open passthrough file whose chunk slots are `slot` bytes.
-fn passthrough_reader<'a>(
-    f: &'a File,
-    direct: bool,
-    set: &'a LoadSet,
-    slot: usize,
-    path: &'a Path,
-) -> impl Fn(&mut AlignedBuf, u32) -> Result<usize, BenchError> + Sync + 'a {
-    move |buf, i| {
-        let len = set.len(i);
-        // O_DIRECT reads whole blocks; the slot has room for the rounding.
-        let want = if direct {
-            len.next_multiple_of(ALIGN)
-        } else {
-            len
-        };
-        f.read_exact_at(buf.get(want), u64::from(i) * slot as u64)
-            .map_err(|e| IoError::new("read", path, e))?;
-        Ok(len)
-    }
-}
-
-/// Writes `n` chunks' bytes into `path`, chunk i at `i × slot`, durably, and drops its pages.
-fn write_backing<'a>(
-    path: &Path,
-    n: u32,
-    slot: usize,
-    data: impl Fn(u32) -> &'a [u8],
-) -> Result<(), BenchError> {
-    let f = File::create(path).map_err(|e| IoError::new("create", path, e))?;
-    for i in 0..n {
-        f.write_all_at(data(i), i as u64 * slot as u64)
-            .map_err(|e| IoError::new("write", path, e))?;
-    }
-    f.set_len(n as u64 * slot as u64)
-        .and_then(|()| f.sync_all())
-        .map_err(|e| IoError::new("write", path, e))?;
-    drop_cache(&f);
     Ok(())
 }
 
@@ -739,8 +673,8 @@ fn cache_row_named(
     n: usize,
     after: String,
 ) -> Result<CacheRow, BenchError> {
-    let paths: Vec<PathBuf> = (0..n as u32).map(|i| store.chunk_path(id, i)).collect();
-    cache_row_files(&paths, after)
+    let _ = n;
+    cache_row_files(&[store.data_path(id)], after)
 }
 
 /// Page-cache residency of `paths`, by `fincore`.
@@ -1048,24 +982,30 @@ mod tests {
     #[test]
     fn real_chunk_files_are_grouped_by_format_and_decoded() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("s"), StoreOptions::default()).unwrap();
-        let id = store
-            .create_context(NewContext {
-                owner_uid: 0,
-                app: "b".into(),
-                fingerprint: FP,
-                chunk_tokens: 16,
-            })
-            .unwrap();
-        store.append_tokens(id, &[0; 48]).unwrap();
+        let chunks = dir.path().join("chunks");
+        std::fs::create_dir(&chunks).unwrap();
         let skewed = synth::kv_chunk(KvFormat::Int2, 16, 512, 1);
-        store
-            .write_chunk(id, 0, &FP, KvFormat::Int2, 0.0, &skewed)
-            .unwrap();
-        store
-            .write_chunk(id, 1, &FP, KvFormat::Int8, 0.0, b"plain")
-            .unwrap();
-        let chunks = store.chunk_path(id, 0).parent().unwrap().to_owned();
+        for (name, format, data) in [
+            ("0", KvFormat::Int2, &skewed[..]),
+            ("1", KvFormat::Int8, &b"plain"[..]),
+        ] {
+            let h = ChunkHeader {
+                format,
+                codec: Codec::Raw,
+                context: 1,
+                index: 0,
+                token_start: 0,
+                token_end: 16,
+                tokens_crc: 0,
+                density: 0.0,
+                raw_len: data.len() as u32,
+                stored_len: data.len() as u32,
+                payload_crc: crc32c::crc32c(data),
+                generation: 1,
+                fingerprint: FP,
+            };
+            std::fs::write(chunks.join(name), [&h.encode()[..], data].concat()).unwrap();
+        }
         std::fs::write(chunks.join("x"), b"not a chunk file").unwrap();
         let groups = real_chunks(&chunks).unwrap();
         let found: Vec<(&str, Vec<usize>)> = groups
@@ -1139,22 +1079,10 @@ mod tests {
         );
         let writes: Vec<(&str, usize)> = r.load_writes.iter().map(|x| (x.path, x.chunks)).collect();
         assert_eq!(writes, WRITE_PATHS.map(|p| (p, 4)));
-        // Every path leaves the page cache empty but a passthrough file read without O_DIRECT:
-        // the kernel reads its backing file through the backing file's page cache.
+        // Every path leaves the page cache empty, the passed-through reads included.
         for c in &r.cache {
-            if c.after.ends_with("passthrough buffered") {
-                assert!(c.resident_bytes > 0, "{c:?}");
-            } else {
-                assert_eq!(c.resident_bytes, 0, "{c:?}");
-            }
+            assert_eq!(c.resident_bytes, 0, "{c:?}");
         }
-        assert_eq!(
-            r.cache
-                .iter()
-                .filter(|c| c.after.contains("passthrough"))
-                .count(),
-            2
-        );
         // The passthrough rows' reads never reached a daemon.
         assert_eq!(r.passthrough_daemon_reads, 0);
         assert!(r.passthrough_opens > 0);

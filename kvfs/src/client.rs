@@ -1,11 +1,15 @@
-//! The client side of a mounted store's data path: [`MountReader`] keeps a context's `kv` file open
-//! and moves whole chunks through it with one `preadv` or `pwritev` each.
+//! The client side of a mounted store's data path: [`MountReader`] keeps a context's `data` and
+//! `kv` files open and moves whole chunks through them with one `preadv` or `pwritev` each.
 //!
-//! Chunk `i` of a context is the *image* at offset `i * KV_SLOT_BYTES` of `/<mount>/<ctx>/kv`: a
-//! 104-byte chunk header (codec raw) followed by the chunk's plain bytes, as a raw chunk file is on
-//! disk. A read scatters the header into a buffer on the stack and the bytes straight into the
-//! caller's buffer, then checks the header (its crc, the context, the index, the model, the length)
-//! the way the store checks a file; the daemon has already checked the stored file end to end.
+//! The `data` file is the context's data file, offset for offset: chunk `i` sits in one of its two
+//! slots ([`crate::slot_offset`]), a header page (the 104-byte chunk header, then zeros) followed by
+//! the stored payload. The reader opens it with `O_DIRECT`, so with FUSE passthrough (root, the
+//! default) the kernel reads the data file itself, straight into the caller's buffer, and the
+//! daemon never sees the read. Writes go to the `kv` file, which the daemon serves. Nobody checked those bytes on the way, so the reader checks them
+//! as the store would: the header's crc, the context, the index, the model, the generation the
+//! store named, the payload's crc. A chunk that fails is reported to the store
+//! ([`Store::report_corrupt`]), which quarantines it, unless a rewrite moved it meanwhile; then
+//! the read is retried at its new place.
 
 use std::fs::{File, OpenOptions};
 use std::io::{IoSlice, IoSliceMut};
@@ -14,32 +18,38 @@ use std::path::{Path, PathBuf};
 
 use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
 use crate::fs::kv_offset;
-use crate::io::IoError;
-use crate::store::{ContextId, MAX_CHUNK_BYTES, StoreError, StoredChunk, stored_of};
+use crate::io::{IoError, read_slot};
+use crate::store::{
+    Check, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, Scratch, Store, StoreError, StoredChunk,
+    decode_payload, slot_offset, with_scratch,
+};
 
-/// One FUSE request carries at most this many bytes here (256 pages: the kernel's default
-/// `max_pages_limit`), less a page for the header's buffer and one for an unaligned start.
-/// A chunk image longer than this may arrive in several requests, each served from the store on
-/// its own, so for those the reader checks the payload crc too: a rewrite between two requests is
-/// then caught and the read retried.
-const ONE_REQUEST: usize = (256 - 2) * 4096;
+/// How many times a read that finds the chunk moved by a concurrent rewrite is retried.
+const MOVED_RETRIES: usize = 8;
 
-/// How many times a read torn by a concurrent rewrite is retried before it is reported.
-const TORN_RETRIES: usize = 8;
+/// Alignment of `O_DIRECT` buffers and lengths.
+const ALIGN: usize = 4096;
 
-/// A context's `kv` file in a kvfs mount, kept open; share it between threads (`&self` methods,
-/// positioned I/O only).
+/// A page-aligned buffer for a slot's header page.
+#[repr(C, align(4096))]
+struct HeaderPage([u8; HEADER_PAGE]);
+
+/// A context's `data` file (and `kv` file, to write) in a kvfs mount, kept open; share it between
+/// threads (`&self` methods, positioned I/O only).
 #[derive(Debug)]
 pub struct MountReader {
-    file: File,
+    /// `data`, opened `O_RDONLY | O_DIRECT`: passed through to the data file where the mount can.
+    read: File,
+    /// `kv`, opened `O_WRONLY` (served by the daemon, which commits each chunk crash-safely).
+    write: Option<File>,
+    /// The `data` file's path.
     path: PathBuf,
     context: ContextId,
     fingerprint: Fingerprint,
-    verify_payload: bool,
 }
 
 impl MountReader {
-    /// Opens `<mountpoint>/<context>/kv` for reading chunks of model `fingerprint`.
+    /// Opens `<mountpoint>/<context>/data` for reading chunks of model `fingerprint`.
     pub fn open(
         mountpoint: &Path,
         context: ContextId,
@@ -48,7 +58,7 @@ impl MountReader {
         Self::open_with(mountpoint, context, fingerprint, false)
     }
 
-    /// Opens `<mountpoint>/<context>/kv` for reading and writing chunks (see
+    /// Opens `<mountpoint>/<context>/data` for reading and `kv` for writing chunks (see
     /// [`MountReader::write_chunk`]).
     pub fn open_rw(
         mountpoint: &Path,
@@ -64,30 +74,36 @@ impl MountReader {
         fingerprint: Fingerprint,
         write: bool,
     ) -> Result<MountReader, StoreError> {
-        let path = mountpoint.join(context.to_string()).join("kv");
-        let file = OpenOptions::new()
-            .read(true)
-            .write(write)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(|e| match e.kind() {
+        let dir = mountpoint.join(context.to_string());
+        let open = |name: &str, o: &mut OpenOptions| {
+            let path = dir.join(name);
+            o.open(&path).map_err(|e| match e.kind() {
                 std::io::ErrorKind::NotFound => StoreError::NoSuchContext { context },
                 _ => IoError::new("open", &path, e).into(),
-            })?;
+            })
+        };
+        let read = open(
+            "data",
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC),
+        )?;
+        let write = if write {
+            Some(open(
+                "kv",
+                OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC),
+            )?)
+        } else {
+            None
+        };
+        let path = dir.join("data");
         Ok(MountReader {
-            file,
+            read,
+            write,
             path,
             context,
             fingerprint,
-            verify_payload: false,
         })
-    }
-
-    /// Also check every chunk's payload crc on the client side (always done for chunks larger
-    /// than one FUSE request); costs one crc32c pass over the bytes.
-    pub fn verify_payload(mut self, on: bool) -> MountReader {
-        self.verify_payload = on;
-        self
     }
 
     /// The context this file belongs to.
@@ -95,78 +111,155 @@ impl MountReader {
         self.context
     }
 
-    /// Reads chunk `index` into the front of `buf` with one `preadv` (no allocation) and returns
-    /// its metadata: the bytes are `buf[..meta.raw_len as usize]`.
+    /// Reads chunk `index` into the front of `buf` and returns its metadata: the bytes are
+    /// `buf[..meta.raw_len as usize]`. `store` is the store the mount serves (in this process):
+    /// it names the chunk's slot and generation ([`Store::locate`]) and quarantines a chunk that
+    /// fails a check.
     ///
-    /// Errors as [`crate::Store::read_chunk_into`]: a chunk that is not stored is
-    /// [`StoreError::ChunkMissing`]; one that fails the daemon's checks comes back as EIO, has been
-    /// quarantined, and is [`StoreError::Corrupt`]; both say to recompute it.
-    /// A `buf` shorter than the chunk is [`StoreError::BufferTooSmall`].
-    pub fn read_chunk_into(&self, index: u32, buf: &mut [u8]) -> Result<StoredChunk, StoreError> {
-        let mut torn = None;
-        for _ in 0..TORN_RETRIES {
-            let mut head = [0u8; HEADER_LEN];
-            let n = {
-                let mut iov = [IoSliceMut::new(&mut head), IoSliceMut::new(buf)];
-                self.preadv(&mut iov, kv_offset(index))
-                    .map_err(|e| self.read_error(index, e))?
+    /// A raw chunk is one `preadv` straight into `buf` when `buf` is 4 KiB-aligned and holds the
+    /// chunk rounded up to 4 KiB (the pager's staging buffers are); otherwise, and for a zstd
+    /// payload, the slot is read into a buffer kept per thread and copied or decompressed out.
+    /// Nothing is allocated per read in steady state.
+    ///
+    /// Errors as [`Store::read_chunk_into`]: a chunk that is not stored is
+    /// [`StoreError::ChunkMissing`]; one that fails a check has been quarantined and is
+    /// [`StoreError::Corrupt`]; both say to recompute it.
+    pub fn read_chunk_into(
+        &self,
+        store: &Store,
+        index: u32,
+        buf: &mut [u8],
+    ) -> Result<StoredChunk, StoreError> {
+        let mut at = store.locate(self.context, index, &self.fingerprint)?;
+        for _ in 0..MOVED_RETRIES {
+            let reason = match self.read_at(index, &at, buf) {
+                Ok(()) => return Ok(at),
+                Err(Check::TooSmall { need, have }) => {
+                    return Err(StoreError::BufferTooSmall {
+                        context: self.context,
+                        index,
+                        need,
+                        have,
+                    });
+                }
+                Err(Check::Bad(reason)) => reason,
             };
-            if n == 0 {
-                return Err(StoreError::ChunkMissing {
-                    context: self.context,
-                    index,
-                });
+            let now = store.locate(self.context, index, &self.fingerprint)?;
+            if now.generation == at.generation {
+                let reason = format!("through {}: {reason}", self.path.display());
+                return Err(store.report_corrupt(self.context, index, at.generation, reason));
             }
-            let h = ChunkHeader::decode(&head[..n.min(HEADER_LEN)])
-                .map_err(|e| self.corrupt(index, e.to_string()))?;
-            if h.context != self.context.0 || h.index != index {
-                return Err(self.corrupt(
-                    index,
-                    format!("the kv file served context {} chunk {}", h.context, h.index),
-                ));
-            }
-            if h.fingerprint != self.fingerprint {
-                return Err(StoreError::ForeignModel {
-                    context: self.context,
-                    expected: self.fingerprint,
-                    found: h.fingerprint,
-                });
-            }
-            if h.codec != Codec::Raw || h.stored_len != h.raw_len {
-                return Err(self.corrupt(index, "the kv file served a packed payload".into()));
-            }
-            let raw = h.raw_len as usize;
-            if raw > buf.len() {
-                return Err(StoreError::BufferTooSmall {
-                    context: self.context,
-                    index,
-                    need: raw,
-                    have: buf.len(),
-                });
-            }
-            if n != HEADER_LEN + raw {
-                // Shorter: the chunk was rewritten smaller between two requests of a split read.
-                torn = Some(format!(
-                    "read {n} bytes of a {}-byte image",
-                    HEADER_LEN + raw
-                ));
-                continue;
-            }
-            if (self.verify_payload || HEADER_LEN + raw > ONE_REQUEST)
-                && let Err(e) = h.check_payload(&buf[..raw])
-            {
-                torn = Some(e.to_string());
-                continue;
-            }
-            return Ok(stored_of(&h));
+            at = now;
         }
-        Err(self.corrupt(index, torn.unwrap_or_else(|| "torn reads".to_owned())))
+        Err(StoreError::Corrupt {
+            context: self.context,
+            index,
+            reason: format!("moved by {MOVED_RETRIES} rewrites during one read"),
+        })
+    }
+
+    /// Reads the slot `at` names and checks it against `at`.
+    fn read_at(&self, index: u32, at: &StoredChunk, buf: &mut [u8]) -> Result<(), Check> {
+        let raw = at.raw_len as usize;
+        if raw > buf.len() {
+            return Err(Check::TooSmall {
+                need: raw,
+                have: buf.len(),
+            });
+        }
+        let offset = slot_offset(index, at.copy);
+        let stored = at.stored_len as usize;
+        let rounded = stored.div_ceil(ALIGN) * ALIGN;
+        let direct = at.codec == Codec::Raw
+            && stored == raw
+            && buf.as_ptr().align_offset(ALIGN) == 0
+            && buf.len() >= rounded;
+        if direct {
+            let mut page = HeaderPage([0; HEADER_PAGE]);
+            let n = {
+                let mut iov = [
+                    IoSliceMut::new(&mut page.0),
+                    IoSliceMut::new(&mut buf[..rounded]),
+                ];
+                self.preadv(&mut iov, offset)
+                    .map_err(|e| Check::Bad(format!("read: {e}")))?
+            };
+            if n < HEADER_PAGE + stored {
+                return Err(Check::Bad(format!(
+                    "read {n} bytes of a {}-byte slot",
+                    HEADER_PAGE + stored
+                )));
+            }
+            let h = self.check_header(index, at, &page.0)?;
+            return h
+                .check_payload(&buf[..stored])
+                .map_err(|e| Check::Bad(e.to_string()));
+        }
+        with_scratch(|s| {
+            s.dctx()
+                .map_err(|e| Check::Bad(format!("zstd context: {e}")))?;
+            let Scratch {
+                file,
+                dctx: Some(dctx),
+            } = s
+            else {
+                unreachable!("made above")
+            };
+            let r = read_slot(&self.read, true, offset, HEADER_PAGE + stored, file)
+                .map_err(|e| Check::Bad(format!("read: {e}")))?;
+            let slot = &file[r];
+            if slot.len() < HEADER_PAGE + stored {
+                return Err(Check::Bad(format!(
+                    "read {} bytes of a {}-byte slot",
+                    slot.len(),
+                    HEADER_PAGE + stored
+                )));
+            }
+            let h = self.check_header(index, at, &slot[..HEADER_LEN])?;
+            let payload = &slot[HEADER_PAGE..HEADER_PAGE + stored];
+            h.check_payload(payload)
+                .map_err(|e| Check::Bad(e.to_string()))?;
+            decode_payload(&h, payload, &mut buf[..raw], dctx)
+        })
+    }
+
+    /// Checks a slot's header against what the store said is there.
+    fn check_header(
+        &self,
+        index: u32,
+        at: &StoredChunk,
+        page: &[u8],
+    ) -> Result<ChunkHeader, Check> {
+        let h = ChunkHeader::decode(page).map_err(|e| Check::Bad(e.to_string()))?;
+        if h.context != self.context.0 || h.index != index {
+            return Err(Check::Bad(format!(
+                "slot holds context {} chunk {}",
+                h.context, h.index
+            )));
+        }
+        if h.fingerprint != self.fingerprint {
+            return Err(Check::Bad(format!(
+                "written for model {}, read for model {}",
+                h.fingerprint, self.fingerprint
+            )));
+        }
+        if h.generation != at.generation
+            || h.stored_len != at.stored_len
+            || h.raw_len != at.raw_len
+            || h.codec != at.codec
+        {
+            return Err(Check::Bad(format!(
+                "slot holds generation {}, the store named {}",
+                h.generation, at.generation
+            )));
+        }
+        Ok(h)
     }
 
     /// Writes chunk `index` through the mount with one `pwritev` (one FUSE request for chunks up to
     /// about 1 MiB; larger ones are gathered by the daemon): the daemon checks the image and
-    /// commits it with the store's crash-safe write (temp file, fsync, rename, fsync of the
-    /// directory) before the write returns, so a chunk is durable once this returns.
+    /// commits it with the store's crash-safe write (payload, fdatasync, header, fdatasync) before
+    /// the write returns, so a chunk is durable once this returns.
     /// Needs a file opened with [`MountReader::open_rw`]; the chunk's tokens must be stored.
     pub fn write_chunk(
         &self,
@@ -178,6 +271,12 @@ impl MountReader {
         if data.len() > MAX_CHUNK_BYTES {
             return Err(StoreError::TooLarge { len: data.len() });
         }
+        let Some(file) = &self.write else {
+            return Err(StoreError::Invalid {
+                what: "write",
+                why: format!("{} is open for reading only", self.path.display()),
+            });
+        };
         let header = ChunkHeader {
             format,
             codec: Codec::Raw,
@@ -201,10 +300,10 @@ impl MountReader {
         while done < total {
             let res = if done < HEADER_LEN {
                 let iov = [IoSlice::new(&header[done..]), IoSlice::new(data)];
-                nix::sys::uio::pwritev(&self.file, &iov, (at + done as u64) as libc::off_t)
+                nix::sys::uio::pwritev(file, &iov, (at + done as u64) as libc::off_t)
             } else {
                 let iov = [IoSlice::new(&data[done - HEADER_LEN..])];
-                nix::sys::uio::pwritev(&self.file, &iov, (at + done as u64) as libc::off_t)
+                nix::sys::uio::pwritev(file, &iov, (at + done as u64) as libc::off_t)
             };
             match res {
                 Ok(0) => {
@@ -225,32 +324,10 @@ impl MountReader {
 
     fn preadv(&self, iov: &mut [IoSliceMut<'_>], offset: u64) -> Result<usize, nix::errno::Errno> {
         loop {
-            match nix::sys::uio::preadv(&self.file, iov, offset as libc::off_t) {
+            match nix::sys::uio::preadv(&self.read, iov, offset as libc::off_t) {
                 Err(nix::errno::Errno::EINTR) => continue,
                 other => return other,
             }
-        }
-    }
-
-    fn read_error(&self, index: u32, e: nix::errno::Errno) -> StoreError {
-        match e {
-            nix::errno::Errno::EIO => StoreError::Corrupt {
-                context: self.context,
-                index,
-                reason: "the mount refused it (EIO): it failed a check and was quarantined".into(),
-            },
-            nix::errno::Errno::ENOENT => StoreError::NoSuchContext {
-                context: self.context,
-            },
-            e => IoError::new("read", &self.path, e.into()).into(),
-        }
-    }
-
-    fn corrupt(&self, index: u32, reason: String) -> StoreError {
-        StoreError::Corrupt {
-            context: self.context,
-            index,
-            reason: format!("through {}: {reason}", self.path.display()),
         }
     }
 }

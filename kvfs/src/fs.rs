@@ -9,20 +9,23 @@
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    BackgroundSession, Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, LockOwner, MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, ReplyXattr, Request,
-    SessionACL, TimeOrNow, WriteFlags,
+    BackgroundSession, BackingId, Config, Errno, FileAttr, FileHandle, FileType, Filesystem,
+    FopenFlags, Generation, INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenAccMode,
+    OpenFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
+    ReplyOpen, ReplyWrite, ReplyXattr, Request, SessionACL, TimeOrNow, WriteFlags,
 };
 
 use crate::format::{ChunkHeader, Codec, HEADER_LEN, KvFormat};
-use crate::store::{ChunkState, ContextId, MAX_CHUNK_BYTES, Store, StoreError};
+use crate::store::{
+    ChunkState, ContextId, MAX_CHUNK_BYTES, SLOT_BYTES, Store, StoreError, slot_offset,
+};
 
 /// Attributes are not cached: sizes of `info`, `text`, `stats` and chunks change under writes, and a
 /// fresh `getattr` is where a uid that does not own a context is turned away.
@@ -43,6 +46,7 @@ const SLOT_CHUNKS: u64 = 2;
 const SLOT_INFO: u64 = 3;
 const SLOT_TEXT: u64 = 4;
 const SLOT_KV: u64 = 5;
+const SLOT_DATA: u64 = 6;
 const FIRST_CHUNK: u64 = 16;
 /// Extended attributes of a chunk file; `format` and `density` can be set before a write commits.
 const XATTRS: [&str; 5] = [
@@ -62,6 +66,7 @@ enum Node {
     Info(ContextId),
     Text(ContextId),
     Kv(ContextId),
+    Data(ContextId),
     Chunk(ContextId, u32),
 }
 
@@ -83,6 +88,7 @@ impl Node {
             SLOT_INFO => Node::Info(ctx),
             SLOT_TEXT => Node::Text(ctx),
             SLOT_KV => Node::Kv(ctx),
+            SLOT_DATA => Node::Data(ctx),
             s if s >= FIRST_CHUNK => Node::Chunk(ctx, (s - FIRST_CHUNK) as u32),
             _ => return None,
         })
@@ -98,6 +104,7 @@ impl Node {
             Node::Info(c) => base(c) | SLOT_INFO,
             Node::Text(c) => base(c) | SLOT_TEXT,
             Node::Kv(c) => base(c) | SLOT_KV,
+            Node::Data(c) => base(c) | SLOT_DATA,
             Node::Chunk(c, i) => base(c) | (FIRST_CHUNK + i as u64),
         })
     }
@@ -110,19 +117,17 @@ impl Node {
             | Node::Info(c)
             | Node::Text(c)
             | Node::Kv(c)
+            | Node::Data(c)
             | Node::Chunk(c, _) => Some(c),
         }
     }
 }
 
-/// The distance between two chunks' slots in a context's `kv` file: chunk `i`'s image starts at
-/// `i * KV_SLOT_BYTES` (128 MiB, above the largest chunk image, so slots never overlap; the file is
-/// sparse and absent chunks are holes).
-pub const KV_SLOT_BYTES: u64 = 1 << 27;
-
-/// Where chunk `index`'s image starts in its context's `kv` file.
+/// Where a write of chunk `index`'s image goes in its context's `kv` file: the offset of the
+/// chunk's first slot ([`slot_offset`]). Reads of the `kv` file show the data file offset for
+/// offset, so a reader finds the chunk at whichever slot [`Store::locate`] names.
 pub fn kv_offset(index: u32) -> u64 {
-    index as u64 * KV_SLOT_BYTES
+    slot_offset(index, 0)
 }
 
 /// The length of the chunk image a `kv` write header announces, after checking that it names
@@ -143,6 +148,10 @@ const MAX_INDEX: u32 = u32::MAX - FIRST_CHUNK as u32;
 enum Handle {
     /// A snapshot taken at open: a checked chunk or a generated text file.
     Read(Arc<Vec<u8>>),
+    /// A `data` file the kernel reads itself from the context's data file (FUSE passthrough).
+    Passthrough(ContextId),
+    /// A `data` file whose reads the daemon serves from the data file (no passthrough).
+    Data,
     /// The per-context `kv` file; reads need nothing from the handle, a write of a chunk image
     /// split over several requests is gathered here until it is whole.
     Kv { partial: Option<Partial> },
@@ -174,13 +183,28 @@ pub struct KvFs {
     store: Arc<Store>,
     read_only: bool,
     cache_dir_attrs: bool,
+    /// Whether `data` files are passed through to the contexts' data files: asked for in the
+    /// config, and granted by the kernel at `init`.
+    passthrough: bool,
+    /// The kernel's registration of each data file with open passthrough handles, and how many
+    /// hold it: every passthrough open of one inode must name the same backing file.
+    backing: Mutex<HashMap<ContextId, (Arc<BackingId>, usize)>>,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
     /// `user.kvfs.format` / `user.kvfs.density` set on a chunk, applied at its next commit.
     pending: Mutex<HashMap<(ContextId, u32), Label>>,
-    /// Chunk images served from, and committed through, `kv` files (shown in `/stats`).
-    kv_reads: AtomicU64,
-    kv_writes: AtomicU64,
+    counters: Arc<MountCounters>,
+}
+
+/// What moved through a mount's `kv` files (shown in `/stats`; [`Mount::counters`]).
+#[derive(Debug, Default)]
+pub struct MountCounters {
+    /// Chunk slots the daemon served through `kv` and `data` files (reads it saw at a slot's start).
+    pub kv_reads: AtomicU64,
+    /// Chunk images committed through `kv` files.
+    pub kv_writes: AtomicU64,
+    /// `data` opens passed through to the data file: their reads never reach the daemon.
+    pub passthrough_opens: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -215,11 +239,12 @@ impl KvFs {
             store,
             read_only,
             cache_dir_attrs,
+            passthrough: false,
+            backing: Mutex::new(HashMap::new()),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
-            kv_reads: AtomicU64::new(0),
-            kv_writes: AtomicU64::new(0),
+            counters: Arc::default(),
         }
     }
 
@@ -290,6 +315,10 @@ impl KvFs {
                 let (owner, t) = self.owner(uid, c)?;
                 Ok(file(0o600, owner, self.kv_len(c)? as usize, t))
             }
+            Node::Data(c) => {
+                let (owner, t) = self.owner(uid, c)?;
+                Ok(file(0o400, owner, self.kv_len(c)? as usize, t))
+            }
             Node::Chunk(c, i) => {
                 let (owner, t) = self.owner(uid, c)?;
                 let size = match self.pending_write_len(c, i) {
@@ -314,6 +343,7 @@ impl KvFs {
                 "info" => Node::Info(c),
                 "text" => Node::Text(c),
                 "kv" => Node::Kv(c),
+                "data" => Node::Data(c),
                 _ => return Err(Errno::ENOENT),
             },
             Node::Chunks(c) => Node::Chunk(c, parse_index(name)?),
@@ -357,6 +387,11 @@ impl KvFs {
                     "text".to_owned(),
                 ));
                 out.push((Node::Kv(c).ino(), FileType::RegularFile, "kv".to_owned()));
+                out.push((
+                    Node::Data(c).ino(),
+                    FileType::RegularFile,
+                    "data".to_owned(),
+                ));
             }
             Node::Chunks(c) => {
                 self.owner(uid, c)?;
@@ -395,7 +430,14 @@ impl KvFs {
         match node {
             Node::Root | Node::Dir(_) | Node::Chunks(_) => Err(Errno::EISDIR),
             _ if writing && self.read_only => Err(Errno::EROFS),
-            Node::Stats | Node::Info(_) | Node::Text(_) if writing => Err(Errno::EACCES),
+            Node::Stats | Node::Info(_) | Node::Text(_) | Node::Data(_) if writing => {
+                Err(Errno::EACCES)
+            }
+            Node::Data(c) => {
+                // Reached only without passthrough: the daemon reads the data file for it.
+                self.owner(uid, c)?;
+                Ok(self.add_handle(Handle::Data))
+            }
             Node::Stats => text(self.stats_text()),
             Node::Info(c) => {
                 self.owner(uid, c)?;
@@ -434,11 +476,13 @@ impl KvFs {
 
     /// `/stats`: the store's counters, then the chunks that moved through `kv` files.
     fn stats_text(&self) -> String {
+        let c = &self.counters;
         format!(
-            "{}kv file      {} chunk reads, {} chunk writes\n",
+            "{}kv file      {} chunk reads by the daemon, {} passthrough opens, {} chunk writes\n",
             self.store.render_stats(),
-            self.kv_reads.load(Ordering::Relaxed),
-            self.kv_writes.load(Ordering::Relaxed)
+            c.kv_reads.load(Ordering::Relaxed),
+            c.passthrough_opens.load(Ordering::Relaxed),
+            c.kv_writes.load(Ordering::Relaxed)
         )
     }
 
@@ -492,66 +536,155 @@ impl KvFs {
         match lock(&self.handles).get(&fh.0).ok_or(Errno::EBADF)? {
             Handle::Read(b) => Ok(b.clone()),
             Handle::Write { buf, .. } => Ok(Arc::new(buf.clone())),
-            Handle::Kv { .. } => Err(Errno::EBADF),
+            Handle::Kv { .. } | Handle::Passthrough(_) | Handle::Data => Err(Errno::EBADF),
         }
     }
 
-    /// The `kv` file's length: the end of its last stored chunk's image.
+    /// The `kv` file's length: the data file's.
     fn kv_len(&self, c: ContextId) -> Result<u64, Errno> {
-        let info = self.store.context(c).map_err(store_err)?;
-        Ok(info
-            .chunks
-            .iter()
-            .rev()
-            .find_map(|m| match &m.state {
-                ChunkState::Stored(s) => {
-                    Some(kv_offset(m.index) + HEADER_LEN as u64 + s.raw_len as u64)
-                }
-                _ => None,
-            })
-            .unwrap_or(0))
+        self.store.fingerprint(c).map_err(store_err)?;
+        std::fs::metadata(self.store.data_path(c))
+            .map(|m| m.len())
+            .map_err(|e| Errno::from_i32(e.raw_os_error().unwrap_or(libc::EIO)))
     }
 
-    /// Serves `size` bytes at `offset` of context `c`'s `kv` file: a piece of one chunk's image,
-    /// never crossing into the next slot; nothing (end of file) past the image or for a chunk
-    /// that was never stored; EIO for a chunk that fails its checks (it is quarantined) or was
+    /// Serves `size` bytes at `offset` of context `c`'s `kv` file, as the data file holds them:
+    /// the bytes of a chunk's current slot (header page, then stored payload) once the chunk has
+    /// passed every check, zeros anywhere else up to the file's end, never crossing into the next
+    /// slot; EIO within the slots of a chunk that fails its checks (it is quarantined) or was
     /// quarantined before.
     fn read_kv(&self, c: ContextId, offset: u64, size: u32, reply: ReplyData) {
-        let index = offset / KV_SLOT_BYTES;
-        let within = (offset % KV_SLOT_BYTES) as usize;
+        let len = match self.kv_len(c) {
+            Ok(l) => l,
+            Err(e) => return reply.error(e),
+        };
+        let within = (offset % SLOT_BYTES) as usize;
+        let want = (size as u64)
+            .min(SLOT_BYTES - within as u64)
+            .min(len.saturating_sub(offset)) as usize;
+        let slot = offset / SLOT_BYTES;
+        let (index, copy) = (slot / 2, (slot % 2) as u8);
         let stored = match u32::try_from(index) {
-            Ok(i) if i <= MAX_INDEX => match self.store.chunk_state(c, i) {
-                Ok(ChunkState::Stored(s)) => Some((i, s.raw_len as usize)),
+            Ok(i) => match self.store.chunk_state(c, i) {
+                Ok(ChunkState::Stored(s)) if s.copy == copy => Some(i),
                 // Refused again, as the store refuses it, until it is rewritten.
                 Ok(ChunkState::Quarantined { .. }) => return reply.error(Errno::EIO),
-                Ok(ChunkState::Missing) => None,
+                Ok(_) => None,
                 Err(e) => return reply.error(store_err(e)),
             },
-            _ => None,
+            Err(_) => None,
         };
-        let Some((i, _)) = stored.filter(|(_, raw)| within < HEADER_LEN + raw) else {
-            return reply.data(&[]);
+        let Some(i) = stored else {
+            return reply.data(&vec![0; want]);
         };
         let fp = match self.store.fingerprint(c) {
             Ok(fp) => fp,
             Err(e) => return reply.error(store_err(e)),
         };
         let mut reply = Some(reply);
-        let res = self.store.with_chunk_image(c, i, &fp, |_, image| {
-            let start = within.min(image.len());
-            let end = start.saturating_add(size as usize).min(image.len());
+        let res = self.store.with_slot(c, i, &fp, |_, bytes| {
+            let start = within.min(bytes.len());
+            let end = (within + want).min(bytes.len());
             if let Some(r) = reply.take() {
-                r.data(&image[start..end]);
+                if end - start == want {
+                    r.data(&bytes[start..end]);
+                } else {
+                    // Past the payload, within the slot: the zeros the data file holds there.
+                    let mut out = Vec::with_capacity(want);
+                    out.extend_from_slice(&bytes[start..end]);
+                    out.resize(want, 0);
+                    r.data(&out);
+                }
             }
         });
         if res.is_ok() && within == 0 {
-            self.kv_reads.fetch_add(1, Ordering::Relaxed);
+            self.counters.kv_reads.fetch_add(1, Ordering::Relaxed);
         }
         if let (Err(e), Some(r)) = (res, reply.take()) {
             if matches!(e, StoreError::Corrupt { .. }) {
                 tracing::warn!(error = %e, "kvfs refused a corrupt chunk");
             }
             r.error(store_err(e));
+        }
+    }
+
+    /// Serves `size` bytes at `offset` of context `c`'s `data` file where the kernel does not pass
+    /// it through: the data file's bytes as they are, unchecked (the reader checks them), read
+    /// without filling the page cache.
+    fn read_data(&self, c: ContextId, offset: u64, size: u32, reply: ReplyData) {
+        let path = self.store.data_path(c);
+        let res = std::fs::File::open(&path).and_then(|f| {
+            let mut buf = vec![0u8; size as usize];
+            let mut done = 0;
+            while done < buf.len() {
+                match f.read_at(&mut buf[done..], offset + done as u64)? {
+                    0 => break,
+                    n => done += n,
+                }
+            }
+            crate::io::drop_range(&f, offset, done);
+            buf.truncate(done);
+            if offset.is_multiple_of(SLOT_BYTES) && done > 0 {
+                self.counters.kv_reads.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(buf)
+        });
+        match res {
+            Ok(b) => reply.data(&b),
+            Err(e) => reply.error(Errno::from_i32(e.raw_os_error().unwrap_or(libc::EIO))),
+        }
+    }
+
+    /// Registers context `c`'s data file with the kernel for a passthrough open (or takes another
+    /// reference to its registration).
+    fn backing_for(&self, c: ContextId, reply: &ReplyOpen) -> std::io::Result<Arc<BackingId>> {
+        let mut backing = lock(&self.backing);
+        if let Some((id, users)) = backing.get_mut(&c) {
+            *users += 1;
+            return Ok(Arc::clone(id));
+        }
+        let file = std::fs::File::open(self.store.data_path(c))?;
+        let id = Arc::new(reply.open_backing(&file)?);
+        backing.insert(c, (Arc::clone(&id), 1));
+        Ok(id)
+    }
+
+    /// Drops a passthrough handle's reference to its context's registration.
+    fn release_backing(&self, c: ContextId) {
+        let mut backing = lock(&self.backing);
+        if let Some((_, users)) = backing.get_mut(&c) {
+            *users -= 1;
+            if *users == 0 {
+                backing.remove(&c);
+            }
+        }
+    }
+
+    /// Opens a `data` file for an `O_DIRECT` reader with `FOPEN_PASSTHROUGH`: from here on the
+    /// kernel serves its reads from the data file and the reader checks what it gets
+    /// ([`crate::MountReader`]). `Err` hands the open back to be served by the daemon.
+    fn open_passthrough(
+        &self,
+        uid: u32,
+        c: ContextId,
+        reply: ReplyOpen,
+    ) -> Result<(), (ReplyOpen, Errno)> {
+        if let Err(e) = self.owner(uid, c) {
+            return Err((reply, e));
+        }
+        match self.backing_for(c, &reply) {
+            Ok(id) => {
+                let fh = self.add_handle(Handle::Passthrough(c));
+                self.counters
+                    .passthrough_opens
+                    .fetch_add(1, Ordering::Relaxed);
+                reply.opened_passthrough(fh, FopenFlags::FOPEN_NOFLUSH, &id);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(context = %c, error = %e, "FUSE passthrough refused; the daemon serves this kv file");
+                Err((reply, Errno::EAGAIN))
+            }
         }
     }
 
@@ -569,8 +702,13 @@ impl KvFs {
         if self.read_only {
             return Err(Errno::EROFS);
         }
-        let index = u32::try_from(offset / KV_SLOT_BYTES).map_err(|_| Errno::EINVAL)?;
-        let within = (offset % KV_SLOT_BYTES) as usize;
+        let slot = offset / SLOT_BYTES;
+        if !slot.is_multiple_of(2) {
+            // Chunk images are written at their chunk's first slot only.
+            return Err(Errno::EINVAL);
+        }
+        let index = u32::try_from(slot / 2).map_err(|_| Errno::EINVAL)?;
+        let within = (offset % SLOT_BYTES) as usize;
         if within == 0 {
             let header = ChunkHeader::decode(data).map_err(|_| Errno::EINVAL)?;
             let total = image_len(&header, c, index)?;
@@ -645,7 +783,7 @@ impl KvFs {
                 payload,
             )
             .map(|_| {
-                self.kv_writes.fetch_add(1, Ordering::Relaxed);
+                self.counters.kv_writes.fetch_add(1, Ordering::Relaxed);
             })
             .map_err(|e| {
                 tracing::warn!(error = %e, "kvfs write through the kv file failed");
@@ -851,6 +989,21 @@ fn node_or_enoent(ino: INodeNo) -> Result<Node, Errno> {
 }
 
 impl Filesystem for KvFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        if self.passthrough {
+            // The data files are on a plain filesystem: one level of stacking.
+            let granted = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+                && config.set_max_stack_depth(1).is_ok();
+            if !granted {
+                tracing::info!(
+                    "the kernel offers no FUSE passthrough; the daemon serves every kv read"
+                );
+            }
+            self.passthrough = granted;
+        }
+        Ok(())
+    }
+
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let res = node_or_enoent(parent)
             .and_then(|p| self.lookup_node(p, name))
@@ -916,6 +1069,23 @@ impl Filesystem for KvFs {
         } else {
             FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NOFLUSH
         };
+        let mut reply = reply;
+        if let Some(Node::Data(c)) = Node::of(ino)
+            && self.passthrough
+            && !writing
+        {
+            // Every open of a passed-through inode must be passed through (the kernel refuses
+            // anything else while one is), and a buffered one would fill the data file's page
+            // cache: `data` is for O_DIRECT readers.
+            if flags.0 & libc::O_DIRECT == 0 {
+                return reply.error(Errno::EINVAL);
+            }
+            match self.open_passthrough(req.uid(), c, reply) {
+                Ok(()) => return,
+                Err((r, Errno::EAGAIN)) => reply = r,
+                Err((r, e)) => return r.error(e),
+            }
+        }
         match node_or_enoent(ino).and_then(|n| self.open_node(req.uid(), req.pid(), n, flags)) {
             Ok(fh) => reply.opened(fh, open_flags),
             Err(e) => reply.error(e),
@@ -949,8 +1119,10 @@ impl Filesystem for KvFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        if let Some(Node::Kv(c)) = Node::of(ino) {
-            return self.read_kv(c, offset, size, reply);
+        match Node::of(ino) {
+            Some(Node::Kv(c)) => return self.read_kv(c, offset, size, reply),
+            Some(Node::Data(c)) => return self.read_data(c, offset, size, reply),
+            _ => {}
         }
         match self.handle_bytes(fh) {
             Ok(bytes) => {
@@ -1029,15 +1201,15 @@ impl Filesystem for KvFs {
         reply: ReplyEmpty,
     ) {
         let res = self.commit(fh);
-        if let Some(Handle::Kv {
-            partial: Some(p), ..
-        }) = lock(&self.handles).remove(&fh.0)
-        {
-            tracing::warn!(
+        let handle = lock(&self.handles).remove(&fh.0);
+        match handle {
+            Some(Handle::Kv { partial: Some(p) }) => tracing::warn!(
                 index = p.index,
                 bytes = p.filled,
                 "kvfs dropped an unfinished chunk image at close; the stored chunk is unchanged"
-            );
+            ),
+            Some(Handle::Passthrough(c)) => self.release_backing(c),
+            _ => {}
         }
         match res {
             Ok(()) => reply.ok(),
@@ -1125,6 +1297,12 @@ pub struct MountConfig {
     /// the path), but within that second a uid that does not own a context, and guesses its id,
     /// can `stat` its directory (it still cannot list or read it). Off by default.
     pub cache_dir_attrs: bool,
+    /// Pass `data` files (opened with `O_DIRECT`, read-only) through to the context's data file
+    /// (FUSE passthrough): the kernel then serves their reads without a request to the daemon,
+    /// and the reader checks each chunk itself ([`crate::MountReader`]). Needs `CAP_SYS_ADMIN`
+    /// and a kernel with `CONFIG_FUSE_PASSTHROUGH`; without either, the daemon serves them. On by
+    /// default.
+    pub passthrough: bool,
 }
 
 impl Default for MountConfig {
@@ -1133,6 +1311,7 @@ impl Default for MountConfig {
             read_only: false,
             threads: 4,
             cache_dir_attrs: false,
+            passthrough: true,
         }
     }
 }
@@ -1166,6 +1345,7 @@ pub struct Mount {
     session: Option<BackgroundSession>,
     path: PathBuf,
     guard: Option<crate::guard::Guard>,
+    counters: Arc<MountCounters>,
 }
 
 impl std::fmt::Debug for Mount {
@@ -1177,13 +1357,9 @@ impl std::fmt::Debug for Mount {
 }
 
 impl Mount {
-    /// A mount of another filesystem of this crate ([`crate::passthrough`]), unmounted the same way.
-    pub(crate) fn from_session(session: BackgroundSession, path: &Path) -> Mount {
-        Mount {
-            session: Some(session),
-            path: path.to_owned(),
-            guard: None,
-        }
+    /// What moved through this mount's `kv` files.
+    pub fn counters(&self) -> &MountCounters {
+        &self.counters
     }
 
     /// Where the store is mounted.
@@ -1333,7 +1509,9 @@ pub fn mount(
     cfg.acl = SessionACL::All;
     cfg.n_threads = Some(config.threads.max(1));
     cfg.clone_fd = true;
-    let fs = KvFs::new(store, config.read_only, config.cache_dir_attrs);
+    let mut fs = KvFs::new(store, config.read_only, config.cache_dir_attrs);
+    let counters = Arc::clone(&fs.counters);
+    fs.passthrough = config.passthrough && nix::unistd::geteuid().is_root();
     let session = fuser::spawn_mount(fs, mountpoint, &cfg).map_err(|source| MountError::Mount {
         path: mountpoint.to_owned(),
         source,
@@ -1343,6 +1521,7 @@ pub fn mount(
         session: Some(session),
         path: mountpoint.to_owned(),
         guard: None,
+        counters,
     })
 }
 

@@ -78,6 +78,69 @@ pub fn drop_cache(f: &File) {
     }
 }
 
+/// Drops the pages holding `len` bytes of a file from `offset` on from the page cache
+/// (advisory). The range is widened to whole pages: the kernel keeps a partly covered page.
+pub fn drop_range(f: &File, offset: u64, len: usize) {
+    let start = offset / DIRECT_ALIGN as u64 * DIRECT_ALIGN as u64;
+    let end = (offset + len as u64).next_multiple_of(DIRECT_ALIGN as u64);
+    if let Err(e) = posix_fadvise(
+        f,
+        start as libc::off_t,
+        (end - start) as libc::off_t,
+        PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    ) {
+        tracing::debug!(error = %e, "fadvise DONTNEED failed");
+    }
+}
+
+/// Deallocates `len` bytes from `offset` on (they read as zeros), keeping the file's size.
+pub fn punch(f: &File, offset: u64, len: u64) -> io::Result<()> {
+    nix::fcntl::fallocate(
+        f,
+        nix::fcntl::FallocateFlags::FALLOC_FL_PUNCH_HOLE
+            | nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+        offset as libc::off_t,
+        len as libc::off_t,
+    )
+    .map_err(io::Error::from)
+}
+
+/// Reads up to `len` bytes at `offset` of `f` into `scratch`, reusing its allocation, and returns
+/// where they are: `scratch[range]`, shorter than `len` only at the end of the file.
+/// With `direct` (`f` opened with O_DIRECT, `offset` 4 KiB-aligned) the read lands in a 4 KiB-aligned
+/// part of `scratch` and asks for whole blocks; without it the read is buffered and the range's
+/// pages are dropped afterwards. `scratch` grows once to the largest read and is never shrunk.
+pub fn read_slot(
+    f: &File,
+    direct: bool,
+    offset: u64,
+    len: usize,
+    scratch: &mut Vec<u8>,
+) -> io::Result<std::ops::Range<usize>> {
+    let cap = len.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
+    if scratch.len() < cap + DIRECT_ALIGN {
+        scratch.resize(cap + DIRECT_ALIGN, 0);
+    }
+    let start = if direct {
+        scratch.as_ptr().align_offset(DIRECT_ALIGN)
+    } else {
+        0
+    };
+    let end = if direct { start + cap } else { start + len };
+    let mut done = 0;
+    while done < len {
+        let n = f.read_at(&mut scratch[start + done..end], offset + done as u64)?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    if !direct {
+        drop_range(f, offset, len);
+    }
+    Ok(start..start + done.min(len))
+}
+
 /// Whether files under `dir` can be opened with O_DIRECT (probed with the file `probe`).
 pub fn supports_direct(probe: &Path) -> bool {
     OpenOptions::new()
@@ -85,6 +148,32 @@ pub fn supports_direct(probe: &Path) -> bool {
         .custom_flags(libc::O_DIRECT)
         .open(probe)
         .is_ok()
+}
+
+/// A buffer whose bytes start on a 4 KiB boundary, for O_DIRECT reads: [`AlignedBuf::get`] hands
+/// out its first `len` bytes, growing it (once, to the largest length asked) when it is shorter.
+#[derive(Debug, Default)]
+pub struct AlignedBuf {
+    v: Vec<u8>,
+    start: usize,
+}
+
+impl AlignedBuf {
+    /// A buffer of `len` aligned bytes.
+    pub fn new(len: usize) -> AlignedBuf {
+        let mut b = AlignedBuf::default();
+        b.get(len);
+        b
+    }
+
+    /// The first `len` bytes, aligned (grown first if the buffer is shorter).
+    pub fn get(&mut self, len: usize) -> &mut [u8] {
+        if self.v.len() < self.start + len {
+            self.v = vec![0u8; len + DIRECT_ALIGN];
+            self.start = self.v.as_ptr().align_offset(DIRECT_ALIGN);
+        }
+        &mut self.v[self.start..self.start + len]
+    }
 }
 
 /// Bytes read into an aligned buffer: `buf[start..start + len]`.

@@ -10,13 +10,12 @@ pub mod format;
 pub mod fs;
 pub mod guard;
 pub mod io;
-pub mod passthrough;
 pub mod store;
 
 pub use client::MountReader;
 pub use format::{Codec, ContextMeta, Fingerprint, KvFormat};
-pub use fs::{KV_SLOT_BYTES, Mount, MountConfig, MountError, kv_offset, mount};
+pub use fs::{Mount, MountConfig, MountCounters, MountError, kv_offset, mount};
 pub use store::{
-    ChunkMeta, ChunkState, ContextId, ContextInfo, Decoder, NewContext, Store, StoreError,
-    StoreOptions, StoredChunk,
+    ChunkMeta, ChunkState, ContextId, ContextInfo, Decoder, HEADER_PAGE, MAX_CHUNK_BYTES,
+    NewContext, SLOT_BYTES, Store, StoreError, StoreOptions, StoredChunk, slot_offset,
 };

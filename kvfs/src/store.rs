@@ -1,16 +1,21 @@
-//! The chunk store: a directory of contexts, each with its metadata, its tokens and one file per chunk.
+//! The chunk store: a directory of contexts, each with its metadata, its tokens and one data file
+//! that holds its chunks.
 //!
 //! Layout under the store root:
-//! `KVFS` (marker), `contexts/<id>/{meta,tokens,chunks/<index>}`, `staging/` (contexts being created),
-//! `trash/` (contexts being deleted) and `quarantine/` (files that failed their checks).
-//! Every file is replaced atomically (see [`crate::io::write_atomic`]); [`Store::open`] scans the
-//! directory and recovers from any crash point, quarantining what fails its checks.
+//! `KVFS` (marker), `contexts/<id>/{meta,tokens,data}`, `staging/` (contexts being created),
+//! `trash/` (contexts being deleted) and `quarantine/` (chunks and files that failed their checks).
+//! `meta` and `tokens` are replaced atomically (see [`crate::io::write_atomic`]). In `data`, chunk
+//! `i` has two slots ([`slot_offset`]): a rewrite goes to the slot the chunk does not occupy, its
+//! payload made durable before its header, so after a crash at any point the newest complete copy
+//! is the one with the highest generation. [`Store::open`] scans the store and recovers from any
+//! crash point, quarantining what fails its checks.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::fmt;
-use std::fmt::Write as _;
+use std::fs::{File, OpenOptions};
 use std::ops::Range;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -20,13 +25,30 @@ use crate::format::{
     ChunkHeader, Codec, ContextMeta, Fingerprint, FormatError, HEADER_LEN, KvFormat, decode_tokens,
     encode_tokens, tokens_crc,
 };
-use crate::io::{IoError, read_file, read_into_scratch, supports_direct, sync_dir, write_atomic};
+use crate::io::{
+    IoError, drop_range, punch, read_file, read_slot, supports_direct, sync_dir, write_atomic,
+};
 
 const MARKER: &str = "KVFS";
-const MARKER_TEXT: &[u8] = b"kvfs store, format version 1\n";
-/// The largest chunk the store accepts (the header records lengths as u32; 64 MiB is far above any
-/// real chunk and bounds the memory one request can make the store allocate).
-pub const MAX_CHUNK_BYTES: usize = 64 << 20;
+const MARKER_TEXT: &[u8] = b"kvfs store, format version 2\n";
+/// The marker of a store made before the data file (one file per chunk); [`Store::open`] upgrades it.
+const MARKER_TEXT_V1: &[u8] = b"kvfs store, format version 1\n";
+/// Bytes of one slot of a context's data file: a header page, then room for the largest payload.
+pub const SLOT_BYTES: u64 = 1 << 24;
+/// Where a slot's payload starts: the 104-byte header has a page of its own, so payloads sit at
+/// 4 KiB-aligned offsets and O_DIRECT reads land them straight in a caller's aligned buffer.
+pub const HEADER_PAGE: usize = 4096;
+/// The largest chunk the store accepts: a slot less its header page (16 MiB; a 16-token chunk of a
+/// 70B model in f16 is 5 MiB).
+pub const MAX_CHUNK_BYTES: usize = SLOT_BYTES as usize - HEADER_PAGE;
+/// Chunk indices a context can hold: its data file then spans at most 8 TiB (ext4 allows 16).
+pub const MAX_CHUNKS: u32 = 1 << 18;
+
+/// Where slot `copy` (0 or 1) of chunk `index` starts in a context's data file (and in the mount's
+/// `kv` file, which shows the data file offset for offset).
+pub fn slot_offset(index: u32, copy: u8) -> u64 {
+    (2 * index as u64 + (copy & 1) as u64) * SLOT_BYTES
+}
 /// The longest app name.
 pub const MAX_APP_LEN: usize = 255;
 
@@ -157,6 +179,8 @@ pub struct StoredChunk {
     pub raw_len: u32,
     pub stored_len: u32,
     pub generation: u64,
+    /// Which of the chunk's two slots in the data file holds it ([`slot_offset`]).
+    pub copy: u8,
     /// The tokens the chunk was computed from (shorter than the chunk's span while it is the last,
     /// partial chunk).
     pub tokens: Range<u32>,
@@ -227,6 +251,10 @@ struct Ctx {
     id: ContextId,
     meta: ContextMeta,
     dir: PathBuf,
+    /// The data file, open for writing (read-only in a read-only store) and for buffered reads.
+    data: File,
+    /// The same file opened with O_DIRECT for reads, where the filesystem allows it.
+    direct: Option<File>,
     /// Serializes every mutation of this context (tokens, chunks, delete).
     write: Mutex<()>,
     state: Mutex<CtxState>,
@@ -389,8 +417,52 @@ impl Store {
             quarantined: AtomicU64::new(0),
             counters: Counters::default(),
         };
+        let text = read_file(&marker, false, None)?;
+        if text == MARKER_TEXT_V1 {
+            store.upgrade_v1()?;
+        } else if text != MARKER_TEXT {
+            return Err(StoreError::Invalid {
+                what: "store marker",
+                why: format!(
+                    "{} says {:?}, not {:?}; made by another kvfs version",
+                    marker.display(),
+                    String::from_utf8_lossy(&text).trim(),
+                    String::from_utf8_lossy(MARKER_TEXT).trim()
+                ),
+            });
+        }
         store.recover()?;
         Ok(store)
+    }
+
+    /// Upgrades a format-1 store (one file per chunk) in place: every context keeps its metadata
+    /// and tokens, its chunk files are removed (chunks are recomputed from the tokens, as after
+    /// any loss) and it gets an empty data file; the marker is rewritten last, so an upgrade cut
+    /// short runs again at the next open.
+    fn upgrade_v1(&mut self) -> Result<(), StoreError> {
+        if self.options.read_only {
+            return Err(StoreError::Invalid {
+                what: "store",
+                why: format!(
+                    "{} is a format-1 store; open it for writing once to upgrade it",
+                    self.root.display()
+                ),
+            });
+        }
+        let contexts = self.root.join("contexts");
+        for entry in std::fs::read_dir(&contexts).map_err(io("list", &contexts))? {
+            let dir = entry.map_err(io("list", &contexts))?.path();
+            let chunks = dir.join("chunks");
+            if chunks.is_dir() {
+                std::fs::remove_dir_all(&chunks).map_err(io("remove", &chunks))?;
+                self.note(&chunks, "removed", "format-1 chunk files (upgrade)".into());
+            }
+            if dir.is_dir() && !dir.join("data").exists() {
+                create_data(&dir)?;
+            }
+        }
+        write_atomic(&self.root, MARKER, ".tmp-KVFS", &[MARKER_TEXT])?;
+        Ok(())
     }
 
     /// The store's root directory.
@@ -485,93 +557,174 @@ impl Store {
         if meta.chunk_tokens == 0 {
             return Err("chunk size of 0 tokens".into());
         }
-        let chunks_dir = dir.join("chunks");
-        let entries = std::fs::read_dir(&chunks_dir).map_err(|e| format!("list chunks: {e}"))?;
+        let data_path = dir.join("data");
+        if !self.options.read_only && !data_path.exists() {
+            // A context of a format-1 store: its chunk files were removed by the upgrade.
+            create_data(dir).map_err(|e| e.to_string())?;
+        }
+        let (data, direct) = open_data(&data_path, self.options.read_only, self.direct)
+            .map_err(|e| e.to_string())?;
         let mut chunks = BTreeMap::new();
         let mut touched = false;
-        for entry in entries {
-            let entry = entry.map_err(|e| format!("list chunks: {e}"))?;
-            let path = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(".tmp-") {
-                if self.options.read_only {
-                    continue;
-                }
-                std::fs::remove_file(&path).map_err(|e| format!("remove {name}: {e}"))?;
-                self.note(&path, "removed", "unfinished write".into());
+        // The copies found, per chunk: (copy, header) for every slot whose header passed.
+        let mut found: BTreeMap<u32, Vec<(u8, ChunkHeader)>> = BTreeMap::new();
+        let mut scratch = Vec::new();
+        for slot in occupied_slots(&data).map_err(|e| format!("scan data: {e}"))? {
+            let (index, copy) = ((slot / 2) as u32, (slot % 2) as u8);
+            let at = slot * SLOT_BYTES;
+            let what = format!("{} chunk {index} slot {copy}", data_path.display());
+            let file = direct.as_ref().unwrap_or(&data);
+            let mut r = read_slot(file, direct.is_some(), at, HEADER_PAGE, &mut scratch)
+                .map_err(|e| format!("read {what}: {e}"))?;
+            if self.options.verify_on_open
+                && let Ok(h) = ChunkHeader::decode(&scratch[r.clone()])
+                && (h.stored_len as usize) <= MAX_CHUNK_BYTES
+            {
+                let len = HEADER_PAGE + h.stored_len as usize;
+                r = read_slot(file, direct.is_some(), at, len, &mut scratch)
+                    .map_err(|e| format!("read {what}: {e}"))?;
+            }
+            let bytes = &scratch[r];
+            let head = &bytes[..bytes.len().min(HEADER_LEN)];
+            if head.iter().all(|&b| b == 0) {
+                // A payload without its header: a first write cut short.
+                self.free_slot(&data, &data_path, index, copy, "unfinished write")?;
                 touched = true;
                 continue;
             }
-            let Ok(index) = name.parse::<u32>() else {
-                self.quarantine(&path, "not a chunk index".into())
-                    .map_err(|e| e.to_string())?;
-                touched = true;
-                continue;
-            };
-            match self.check_chunk_file(id, index, &meta, &tokens, &path) {
-                Ok(Some(stored)) => {
-                    *max_gen = (*max_gen).max(stored.generation);
-                    chunks.insert(index, ChunkState::Stored(stored));
-                }
-                Ok(None) if self.options.read_only => {}
-                Ok(None) => {
-                    std::fs::remove_file(&path).map_err(|e| format!("remove {name}: {e}"))?;
-                    self.note(&path, "removed", "stale: its tokens were replaced".into());
-                    touched = true;
-                }
+            let checked = ChunkHeader::decode(head)
+                .map_err(|e| e.to_string())
+                .and_then(|h| check_identity(&h, id, index, &meta).map(|()| h))
+                .and_then(|h| {
+                    if h.stored_len as usize > MAX_CHUNK_BYTES {
+                        return Err(format!("header says {} stored bytes", h.stored_len));
+                    }
+                    if self.options.verify_on_open {
+                        let payload = bytes
+                            .get(HEADER_PAGE..HEADER_PAGE + h.stored_len as usize)
+                            .ok_or("payload cut short")?;
+                        h.check_payload(payload).map_err(|e| e.to_string())?;
+                    }
+                    Ok(h)
+                });
+            match checked {
+                Ok(h) => found.entry(index).or_default().push((copy, h)),
                 Err(reason) => {
-                    self.quarantine(&path, reason.clone())
-                        .map_err(|e| e.to_string())?;
+                    self.quarantine_slot(
+                        &data,
+                        &data_path,
+                        id,
+                        index,
+                        copy,
+                        bytes,
+                        reason.clone(),
+                    )?;
                     chunks.insert(index, ChunkState::Quarantined { reason });
                     touched = true;
                 }
             }
         }
-        if touched {
-            sync_dir(&chunks_dir).map_err(|e| e.to_string())?;
+        for (index, mut copies) in found {
+            // The newest copy wins; an older one is what a crash between a rewrite and the
+            // freeing of the slot it replaced leaves behind.
+            copies.sort_by_key(|(_, h)| std::cmp::Reverse(h.generation));
+            for (copy, _) in copies.iter().skip(1) {
+                self.free_slot(&data, &data_path, index, *copy, "older copy")?;
+                touched = true;
+            }
+            let (copy, h) = &copies[0];
+            if !covers(&tokens, &(h.token_start..h.token_end), h.tokens_crc) {
+                self.free_slot(
+                    &data,
+                    &data_path,
+                    index,
+                    *copy,
+                    "stale: its tokens were replaced",
+                )?;
+                touched = true;
+                continue;
+            }
+            *max_gen = (*max_gen).max(h.generation);
+            chunks.insert(index, ChunkState::Stored(stored_of(h, *copy)));
+        }
+        if touched && !self.options.read_only {
+            nix::unistd::fdatasync(&data).map_err(|e| format!("fdatasync data: {e}"))?;
         }
         Ok(Ctx {
             id,
             meta,
             dir: dir.to_owned(),
+            data,
+            direct,
             write: Mutex::new(()),
             state: Mutex::new(CtxState { tokens, chunks }),
             deleted: AtomicBool::new(false),
         })
     }
 
-    /// Checks a chunk file at open: `Ok(None)` if it is stale (its tokens changed), `Err` if corrupt.
-    fn check_chunk_file(
-        &self,
+    /// Frees a slot at open (a leftover of an interrupted write, or a stale chunk) and notes why.
+    fn free_slot(
+        &mut self,
+        data: &File,
+        path: &Path,
+        index: u32,
+        copy: u8,
+        reason: &str,
+    ) -> Result<(), String> {
+        if self.options.read_only {
+            return Ok(());
+        }
+        punch(data, slot_offset(index, copy), SLOT_BYTES)
+            .map_err(|e| format!("free chunk {index} slot {copy}: {e}"))?;
+        self.note(
+            &path.join(format!("{index}.{copy}")),
+            "removed",
+            reason.to_owned(),
+        );
+        Ok(())
+    }
+
+    /// Moves a slot that failed its checks at open into `quarantine/` and notes why.
+    #[allow(clippy::too_many_arguments)]
+    fn quarantine_slot(
+        &mut self,
+        data: &File,
+        path: &Path,
         id: ContextId,
         index: u32,
-        meta: &ContextMeta,
-        tokens: &[u32],
-        path: &Path,
-    ) -> Result<Option<StoredChunk>, String> {
-        let limit = if self.options.verify_on_open {
-            None
-        } else {
-            Some(HEADER_LEN)
-        };
-        let bytes = read_file(path, self.direct, limit).map_err(|e| e.to_string())?;
-        let header = ChunkHeader::decode(&bytes).map_err(|e| e.to_string())?;
-        check_identity(&header, id, index, meta)?;
-        let len = std::fs::metadata(path).map_err(|e| e.to_string())?.len();
-        let expected = HEADER_LEN as u64 + header.stored_len as u64;
-        if len != expected {
-            return Err(format!("torn file: {len} bytes, header says {expected}"));
+        copy: u8,
+        bytes: &[u8],
+        reason: String,
+    ) -> Result<(), String> {
+        let shown = path.join(format!("{index}.{copy}"));
+        if self.options.read_only {
+            self.quarantined.fetch_add(1, Ordering::Relaxed);
+            self.note(&shown, "not served (read-only: left in place)", reason);
+            return Ok(());
         }
-        if self.options.verify_on_open {
-            header
-                .check_payload(&bytes[HEADER_LEN..])
-                .map_err(|e| e.to_string())?;
-        }
-        let range = header.token_start..header.token_end;
-        if !covers(tokens, &range, header.tokens_crc) {
-            return Ok(None);
-        }
-        Ok(Some(stored_of(&header)))
+        self.keep_aside(data, id, index, copy, bytes)
+            .map_err(|e| e.to_string())?;
+        self.quarantined.fetch_add(1, Ordering::Relaxed);
+        self.note(&shown, "quarantined", reason);
+        Ok(())
+    }
+
+    /// Copies a slot's bytes (`bytes`: what was read of it, header page first) into
+    /// `quarantine/<context>-<index>.<copy>.<ns>` and frees the slot, so it is never served again.
+    fn keep_aside(
+        &self,
+        data: &File,
+        id: ContextId,
+        index: u32,
+        copy: u8,
+        bytes: &[u8],
+    ) -> Result<(), IoError> {
+        let qdir = self.root.join("quarantine");
+        let name = format!("{id}-{index}.{copy}.{}", now_nanos());
+        write_atomic(&qdir, &name, &format!(".tmp-{name}"), &[bytes])?;
+        let at = slot_offset(index, copy);
+        punch(data, at, SLOT_BYTES).map_err(|e| IoError::new("punch", &qdir.join(&name), e))?;
+        Ok(())
     }
 
     fn note(&mut self, path: &Path, action: &'static str, reason: String) {
@@ -642,20 +795,22 @@ impl Store {
         let staging = self.root.join("staging");
         let tmp = staging.join(id.to_string());
         mkdir(&tmp)?;
-        mkdir(&tmp.join("chunks"))?;
         write_atomic(&tmp, "meta", ".tmp-meta", &[&meta.encode()])?;
         write_atomic(&tmp, "tokens", ".tmp-tokens", &[&encode_tokens(&[])])?;
-        sync_dir(&tmp.join("chunks"))?;
+        create_data(&tmp)?;
         sync_dir(&staging)?;
         let contexts = self.root.join("contexts");
         let dir = contexts.join(id.to_string());
         std::fs::rename(&tmp, &dir).map_err(io("rename", &tmp))?;
         sync_dir(&contexts)?;
         sync_dir(&staging)?;
+        let (data, direct) = open_data(&dir.join("data"), false, self.direct)?;
         let ctx = Ctx {
             id,
             meta,
             dir,
+            data,
+            direct,
             write: Mutex::new(()),
             state: Mutex::new(CtxState::default()),
             deleted: AtomicBool::new(false),
@@ -817,17 +972,14 @@ impl Store {
             }
             stale
         };
-        let chunks_dir = ctx.dir.join("chunks");
-        for i in &stale {
-            let p = chunks_dir.join(i.to_string());
-            match std::fs::remove_file(&p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(IoError::new("remove", &p, e).into()),
-            }
+        let path = ctx.dir.join("data");
+        for &i in &stale {
+            punch(&ctx.data, slot_offset(i, 0), 2 * SLOT_BYTES)
+                .map_err(|e| IoError::new("punch", &path, e))?;
         }
         if !stale.is_empty() {
-            sync_dir(&chunks_dir)?;
+            nix::unistd::fdatasync(&ctx.data)
+                .map_err(|e| IoError::new("fdatasync", &path, e.into()))?;
         }
         Ok(())
     }
@@ -849,8 +1001,9 @@ impl Store {
         Ok(w)
     }
 
-    /// Writes chunk `index` of a context crash-safely (temp file, fsync, rename, fsync dir), replacing
-    /// any previous version; its pages are dropped from the page cache.
+    /// Writes chunk `index` of a context crash-safely, replacing any previous version: the payload
+    /// goes to the chunk's free slot of the data file and is made durable, then its header, then
+    /// the old copy's slot is freed; the pages written are dropped from the page cache.
     /// The tokens the chunk covers must already be stored ([`Store::append_tokens`]).
     pub fn write_chunk(
         &self,
@@ -865,6 +1018,12 @@ impl Store {
         self.writable()?;
         if data.len() > MAX_CHUNK_BYTES {
             return Err(StoreError::TooLarge { len: data.len() });
+        }
+        if index >= MAX_CHUNKS {
+            return Err(StoreError::Invalid {
+                what: "chunk index",
+                why: format!("{index}, a context holds at most {MAX_CHUNKS} chunks"),
+            });
         }
         let ctx = self.ctx(id)?;
         if *fingerprint != ctx.meta.fingerprint {
@@ -894,6 +1053,13 @@ impl Store {
             Some(c) => (Codec::Zstd, c.as_slice()),
             None => (Codec::Raw, data),
         };
+        // The new copy goes to the slot the chunk does not occupy: the current one stays whole
+        // (and readable) until the new one is durable.
+        let previous = match lock(&ctx.state).chunks.get(&index) {
+            Some(ChunkState::Stored(s)) => Some(s.copy),
+            _ => None,
+        };
+        let copy = previous.map_or(0, |c| 1 - c);
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         let header = ChunkHeader {
             format,
@@ -910,17 +1076,33 @@ impl Store {
             generation,
             fingerprint: ctx.meta.fingerprint,
         };
-        let chunks_dir = ctx.dir.join("chunks");
-        write_atomic(
-            &chunks_dir,
-            &index.to_string(),
-            &format!(".tmp-{index}-{generation}"),
-            &[&header.encode(), payload],
-        )?;
-        let stored = stored_of(&header);
+        let path = ctx.dir.join("data");
+        let at = slot_offset(index, copy);
+        let sync = |what| {
+            nix::unistd::fdatasync(&ctx.data).map_err(|e| IoError::new(what, &path, e.into()))
+        };
+        // 1. The payload, durable before any header names it.
+        ctx.data
+            .write_all_at(payload, at + HEADER_PAGE as u64)
+            .map_err(|e| IoError::new("write", &path, e))?;
+        sync("fdatasync")?;
+        // 2. The header: from here on this copy is the newest complete one.
+        ctx.data
+            .write_all_at(&header.encode(), at)
+            .map_err(|e| IoError::new("write", &path, e))?;
+        sync("fdatasync")?;
+        drop_range(&ctx.data, at, HEADER_PAGE + payload.len());
+        let stored = stored_of(&header, copy);
         lock(&ctx.state)
             .chunks
             .insert(index, ChunkState::Stored(stored.clone()));
+        // 3. The old copy's slot is freed (not synced: after a crash the open frees it again, as
+        //    the older of two copies).
+        if let Some(old) = previous
+            && let Err(e) = punch(&ctx.data, slot_offset(index, old), SLOT_BYTES)
+        {
+            tracing::warn!(path = %path.display(), index, error = %e, "could not free a replaced copy");
+        }
         let c = &self.counters;
         c.chunk_writes.fetch_add(1, Ordering::Relaxed);
         c.chunk_write_raw_bytes
@@ -973,14 +1155,14 @@ impl Store {
         fingerprint: &Fingerprint,
         buf: &mut [u8],
     ) -> Result<StoredChunk, StoreError> {
-        self.read_checked(id, index, fingerprint, |h, file, dctx, _| {
+        self.read_checked(id, index, fingerprint, |h, copy, slot, dctx| {
             let raw = h.raw_len as usize;
             let have = buf.len();
             let out = buf
                 .get_mut(..raw)
                 .ok_or(Check::TooSmall { need: raw, have })?;
-            decode_payload(h, &file[HEADER_LEN..], out, dctx)?;
-            Ok(stored_of(h))
+            decode_payload(h, &slot[HEADER_PAGE..], out, dctx)?;
+            Ok(stored_of(h, copy))
         })
     }
 
@@ -993,9 +1175,9 @@ impl Store {
         fingerprint: &Fingerprint,
         buf: &mut Vec<u8>,
     ) -> Result<StoredChunk, StoreError> {
-        self.read_checked(id, index, fingerprint, |h, file, dctx, _| {
+        self.read_checked(id, index, fingerprint, |h, copy, slot, dctx| {
             let raw = h.raw_len as usize;
-            let payload = &file[HEADER_LEN..];
+            let payload = &slot[HEADER_PAGE..];
             buf.clear();
             // Copy or decompress into the vector's spare capacity: no zero-filling first.
             match h.codec {
@@ -1018,18 +1200,15 @@ impl Store {
                     }
                 }
             }
-            Ok(stored_of(h))
+            Ok(stored_of(h, copy))
         })
     }
 
-    /// Reads and checks chunk `index` as [`Store::read_chunk`] does and calls `f` with its *image*:
-    /// a chunk file whose header says codec raw, followed by the plain bytes (the file itself for a
-    /// raw chunk, no copy; for a zstd chunk a header rewritten for the plain bytes, with their crc,
-    /// and the decompressed bytes, in a buffer kept per thread).
-    /// This is what the mount's per-context `kv` file serves; [`crate::MountReader`] checks it with
-    /// [`ChunkHeader::decode`] like any chunk file.
-    /// `f` runs only for a chunk that passed every check.
-    pub fn with_chunk_image<R>(
+    /// Reads and checks chunk `index` as [`Store::read_chunk`] does and calls `f` with its slot's
+    /// bytes as they are in the data file: the header page (the 104-byte header, then zeros) and
+    /// the stored payload (raw or zstd). This is what the mount's `kv` file serves where the
+    /// kernel does not pass it through; `f` runs only for a chunk that passed every check.
+    pub fn with_slot<R>(
         &self,
         id: ContextId,
         index: u32,
@@ -1037,44 +1216,112 @@ impl Store {
         f: impl FnOnce(&StoredChunk, &[u8]) -> R,
     ) -> Result<R, StoreError> {
         let mut f = Some(f);
-        self.read_checked(id, index, fingerprint, |h, file, dctx, image| {
-            let stored = stored_of(h);
-            let bytes = match h.codec {
-                Codec::Raw => {
-                    if h.stored_len != h.raw_len {
-                        return Err(Check::Bad(format!(
-                            "raw payload of {} bytes, header says {} raw",
-                            h.stored_len, h.raw_len
-                        )));
-                    }
-                    file
-                }
-                Codec::Zstd => {
-                    let raw = h.raw_len as usize;
-                    image.clear();
-                    image.resize(HEADER_LEN + raw, 0);
-                    decode_payload(h, &file[HEADER_LEN..], &mut image[HEADER_LEN..], dctx)?;
-                    let plain = ChunkHeader {
-                        codec: Codec::Raw,
-                        stored_len: h.raw_len,
-                        payload_crc: crc32c::crc32c(&image[HEADER_LEN..]),
-                        ..h.clone()
-                    };
-                    image[..HEADER_LEN].copy_from_slice(&plain.encode());
-                    image.as_slice()
-                }
-            };
-            match f.take() {
-                Some(f) => Ok(f(&stored, bytes)),
-                None => Err(Check::Bad("image consumed twice".into())),
-            }
+        self.read_checked(id, index, fingerprint, |h, copy, slot, _| match f.take() {
+            Some(f) => Ok(f(&stored_of(h, copy), slot)),
+            None => Err(Check::Bad("slot consumed twice".into())),
         })
     }
 
-    /// The one read path: reads chunk `index`'s file into this thread's scratch buffer, checks it,
-    /// and hands it to `finish` (which copies or decompresses it out). A chunk that fails a check,
-    /// in the file or in `finish`, is quarantined unless a concurrent write replaced it (then the
-    /// read is retried).
+    /// Where chunk `index` of a context is, for a reader of the data file (through the mount's
+    /// passed-through `kv` file): its metadata, whose `copy` names the slot ([`slot_offset`]) and
+    /// whose `generation` the slot's header must carry. A reader that finds anything else there
+    /// asks again (a rewrite moved the chunk) and reports a slot that fails its checks twice at
+    /// the same place with [`Store::report_corrupt`].
+    pub fn locate(
+        &self,
+        id: ContextId,
+        index: u32,
+        fingerprint: &Fingerprint,
+    ) -> Result<StoredChunk, StoreError> {
+        let ctx = self.ctx(id)?;
+        if *fingerprint != ctx.meta.fingerprint {
+            return Err(StoreError::ForeignModel {
+                context: id,
+                expected: *fingerprint,
+                found: ctx.meta.fingerprint,
+            });
+        }
+        let st = lock(&ctx.state);
+        match st.chunks.get(&index) {
+            Some(ChunkState::Stored(s)) => Ok(s.clone()),
+            Some(ChunkState::Quarantined { reason }) => Err(StoreError::Corrupt {
+                context: id,
+                index,
+                reason: reason.clone(),
+            }),
+            _ => Err(StoreError::ChunkMissing { context: id, index }),
+        }
+    }
+
+    /// A reader outside the store found chunk `index`'s slot at `generation` failing its checks:
+    /// unless a write has replaced it since, the slot is quarantined (its bytes as they are on
+    /// disk kept in `quarantine/`) and the chunk marked for recompute. Returns the error to give
+    /// the reader's caller ([`StoreError::Corrupt`]).
+    pub fn report_corrupt(
+        &self,
+        id: ContextId,
+        index: u32,
+        generation: u64,
+        reason: String,
+    ) -> StoreError {
+        let Ok(ctx) = self.ctx(id) else {
+            return StoreError::NoSuchContext { context: id };
+        };
+        let _w = lock(&ctx.write);
+        let copy = match lock(&ctx.state).chunks.get(&index) {
+            Some(ChunkState::Stored(s)) if s.generation == generation => s.copy,
+            _ => {
+                // Replaced or already quarantined: nothing of this generation is served.
+                return StoreError::Corrupt {
+                    context: id,
+                    index,
+                    reason,
+                };
+            }
+        };
+        let mut bytes = Vec::new();
+        let file = ctx.direct.as_ref().unwrap_or(&ctx.data);
+        let kept = read_slot(
+            file,
+            ctx.direct.is_some(),
+            slot_offset(index, copy),
+            HEADER_PAGE + MAX_CHUNK_BYTES.min(1 << 20),
+            &mut bytes,
+        );
+        let bytes = kept.map(|r| bytes[r].to_vec()).unwrap_or_default();
+        self.set_aside(&ctx, index, copy, &bytes, &reason);
+        StoreError::Corrupt {
+            context: id,
+            index,
+            reason,
+        }
+    }
+
+    /// Quarantines a chunk's slot found bad at read time (the caller holds the context's write
+    /// lock and has checked the slot is still the current one) and marks the chunk.
+    fn set_aside(&self, ctx: &Ctx, index: u32, copy: u8, bytes: &[u8], reason: &str) {
+        if !self.options.read_only
+            && let Err(e) = self.keep_aside(&ctx.data, ctx.id, index, copy, bytes)
+        {
+            tracing::warn!(context = %ctx.id, index, error = %e, "could not quarantine");
+        }
+        self.quarantined.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .corrupt_detected
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(context = %ctx.id, index, reason = %reason, "corrupt chunk quarantined");
+        lock(&ctx.state).chunks.insert(
+            index,
+            ChunkState::Quarantined {
+                reason: reason.to_owned(),
+            },
+        );
+    }
+
+    /// The one read path: reads chunk `index`'s slot (header page and payload) into this thread's
+    /// scratch buffer with one read, checks it, and hands it to `finish` (which copies or
+    /// decompresses it out). A chunk that fails a check, in the slot or in `finish`, is
+    /// quarantined unless a concurrent write replaced it (then the read is retried).
     fn read_checked<R>(
         &self,
         id: ContextId,
@@ -1082,9 +1329,9 @@ impl Store {
         fingerprint: &Fingerprint,
         mut finish: impl FnMut(
             &ChunkHeader,
+            u8,
             &[u8],
             &mut zstd::bulk::Decompressor<'static>,
-            &mut Vec<u8>,
         ) -> Result<R, Check>,
     ) -> Result<R, StoreError> {
         let _span = tracing::debug_span!("kvfs_read_chunk", context = %id, index).entered();
@@ -1096,32 +1343,18 @@ impl Store {
                 found: ctx.meta.fingerprint,
             });
         }
+        let file = ctx.direct.as_ref().unwrap_or(&ctx.data);
         with_scratch(|s| {
-            let Scratch {
-                file,
-                image,
-                dctx,
-                path,
-                name,
-            } = s;
-            let dctx = match dctx {
-                Some(d) => d,
-                None => dctx.insert(
-                    zstd::bulk::Decompressor::new()
-                        .map_err(|e| IoError::new("zstd context for", &self.root, e))?,
-                ),
+            s.dctx()
+                .map_err(|e| IoError::new("zstd context for", &self.root, e))?;
+            let Scratch { file: buf, dctx } = s;
+            let Some(dctx) = dctx else {
+                unreachable!("made above")
             };
-            // The chunk's path, built in buffers kept per thread.
-            path.as_mut_os_string().clear();
-            path.push(&ctx.dir);
-            path.push("chunks");
-            name.clear();
-            let _ = write!(name, "{index}");
-            path.push(&*name);
-            // A concurrent write may replace the file while we read it; retry if the generation moved.
+            // A concurrent write may replace the chunk while we read it; retry if it moved.
             for _ in 0..3 {
-                let generation = match lock(&ctx.state).chunks.get(&index) {
-                    Some(ChunkState::Stored(s)) => s.generation,
+                let (generation, copy, stored_len) = match lock(&ctx.state).chunks.get(&index) {
+                    Some(ChunkState::Stored(s)) => (s.generation, s.copy, s.stored_len),
                     Some(ChunkState::Quarantined { reason }) => {
                         return Err(StoreError::Corrupt {
                             context: id,
@@ -1131,18 +1364,14 @@ impl Store {
                     }
                     _ => return Err(StoreError::ChunkMissing { context: id, index }),
                 };
-                let checked = match read_into_scratch(path, self.direct, MAX_FILE_BYTES, file) {
-                    Ok(range) => {
-                        let bytes = &file[range];
-                        self.check_file(&ctx, index, bytes)
-                            .and_then(|h| finish(&h, bytes, dctx, image).map(|r| (h.raw_len, r)))
-                    }
-                    Err(e) if e.source.kind() == std::io::ErrorKind::NotFound => Err(Check::Gone),
-                    Err(e) if e.source.kind() == std::io::ErrorKind::InvalidData => {
-                        Err(Check::Bad(e.to_string()))
-                    }
-                    Err(e) => return Err(e.into()),
-                };
+                let at = slot_offset(index, copy);
+                let len = HEADER_PAGE + stored_len as usize;
+                let r = read_slot(file, ctx.direct.is_some(), at, len, buf)
+                    .map_err(|e| IoError::new("read", &ctx.dir.join("data"), e))?;
+                let slot = &buf[r];
+                let checked = self
+                    .check_slot(&ctx, index, generation, slot)
+                    .and_then(|h| finish(&h, copy, slot, dctx).map(|r| (h.raw_len, r)));
                 let check = match checked {
                     Ok((raw_len, r)) => {
                         self.counters.chunk_reads.fetch_add(1, Ordering::Relaxed);
@@ -1159,58 +1388,55 @@ impl Store {
                             have,
                         });
                     }
-                    Err(check) => check,
+                    Err(Check::Bad(reason)) => reason,
                 };
                 let _w = lock(&ctx.write);
-                let st = lock(&ctx.state);
-                let current = match st.chunks.get(&index) {
+                let current = match lock(&ctx.state).chunks.get(&index) {
                     Some(ChunkState::Stored(s)) => Some(s.generation),
                     _ => None,
                 };
-                drop(st);
                 if current != Some(generation) {
                     continue;
                 }
-                let reason = match check {
-                    Check::Gone => "file vanished".to_owned(),
-                    Check::Bad(r) => r,
-                    Check::TooSmall { need, have } => {
-                        format!("{need} bytes for a {have}-byte buffer")
-                    }
-                };
-                let dest = self.quarantine_path(path);
-                if self.options.read_only {
-                    // Not served, but not moved either: the store is not ours to change.
-                } else if let Err(e) = std::fs::rename(&*path, &dest) {
-                    tracing::warn!(path = %path.display(), error = %e, "could not quarantine");
-                }
-                self.quarantined.fetch_add(1, Ordering::Relaxed);
-                self.counters
-                    .corrupt_detected
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(context = %id, index, reason = %reason, "corrupt chunk quarantined");
-                lock(&ctx.state).chunks.insert(
-                    index,
-                    ChunkState::Quarantined {
-                        reason: reason.clone(),
-                    },
-                );
+                self.set_aside(&ctx, index, copy, slot, &check);
                 return Err(StoreError::Corrupt {
                     context: id,
                     index,
-                    reason,
+                    reason: check,
                 });
             }
             Err(StoreError::ChunkMissing { context: id, index })
         })
     }
 
-    /// Checks a chunk file read whole: header, identity, model, payload length and crc, tokens.
-    fn check_file(&self, ctx: &Ctx, index: u32, bytes: &[u8]) -> Result<ChunkHeader, Check> {
+    /// Checks a chunk's slot read whole: header, identity, generation, model, payload length and
+    /// crc, tokens.
+    fn check_slot(
+        &self,
+        ctx: &Ctx,
+        index: u32,
+        generation: u64,
+        slot: &[u8],
+    ) -> Result<ChunkHeader, Check> {
         let bad = |e: FormatError| Check::Bad(e.to_string());
-        let header = ChunkHeader::decode(bytes).map_err(bad)?;
+        let header = ChunkHeader::decode(slot).map_err(bad)?;
         check_identity(&header, ctx.id, index, &ctx.meta).map_err(Check::Bad)?;
-        header.check_payload(&bytes[HEADER_LEN..]).map_err(bad)?;
+        if header.generation != generation {
+            return Err(Check::Bad(format!(
+                "slot holds generation {}, expected {generation}",
+                header.generation
+            )));
+        }
+        let payload = slot
+            .get(HEADER_PAGE..HEADER_PAGE + header.stored_len as usize)
+            .ok_or_else(|| {
+                Check::Bad(format!(
+                    "slot cut short: {} bytes for a {}-byte payload",
+                    slot.len().saturating_sub(HEADER_PAGE),
+                    header.stored_len
+                ))
+            })?;
+        header.check_payload(payload).map_err(bad)?;
         if header.raw_len as usize > MAX_CHUNK_BYTES {
             return Err(Check::Bad(format!(
                 "header says {} raw bytes, more than the limit",
@@ -1246,13 +1472,18 @@ impl Store {
         bad
     }
 
-    /// The path of a chunk's file (for tools and tests that inspect the store itself).
-    pub fn chunk_path(&self, id: ContextId, index: u32) -> PathBuf {
-        self.root
-            .join("contexts")
-            .join(id.to_string())
-            .join("chunks")
-            .join(index.to_string())
+    /// A context's data file (for tools and tests that inspect the store itself).
+    pub fn data_path(&self, id: ContextId) -> PathBuf {
+        self.root.join("contexts").join(id.to_string()).join("data")
+    }
+
+    /// Where a stored chunk's header starts in its context's data file (its payload follows at
+    /// `+ HEADER_PAGE`), for tools and tests that inspect the store itself.
+    pub fn chunk_offset(&self, id: ContextId, index: u32) -> Option<u64> {
+        match self.chunk_state(id, index).ok()? {
+            ChunkState::Stored(s) => Some(slot_offset(index, s.copy)),
+            _ => None,
+        }
     }
 
     /// A context's human-readable `info`.
@@ -1373,28 +1604,29 @@ impl Store {
 }
 
 /// Why a chunk read did not deliver.
-enum Check {
-    /// The file vanished under the read.
-    Gone,
-    /// The file failed a check: quarantine it.
+pub(crate) enum Check {
+    /// The slot failed a check: quarantine it.
     Bad(String),
     /// The chunk is fine but the caller's buffer is too short for it.
     TooSmall { need: usize, have: usize },
 }
 
-/// The largest chunk file the store reads.
-const MAX_FILE_BYTES: usize = HEADER_LEN + MAX_CHUNK_BYTES;
-
 /// Buffers for chunk reads, one set per thread, kept between reads so that steady-state reads
-/// allocate nothing: the O_DIRECT file buffer, the image buffer of [`Store::with_chunk_image`],
-/// the zstd decompression context and the path being opened.
+/// allocate nothing: the O_DIRECT slot buffer and the zstd decompression context.
 #[derive(Default)]
-struct Scratch {
-    file: Vec<u8>,
-    image: Vec<u8>,
-    dctx: Option<zstd::bulk::Decompressor<'static>>,
-    path: PathBuf,
-    name: String,
+pub(crate) struct Scratch {
+    pub(crate) file: Vec<u8>,
+    pub(crate) dctx: Option<zstd::bulk::Decompressor<'static>>,
+}
+
+impl Scratch {
+    /// The decompression context, made at first use.
+    pub(crate) fn dctx(&mut self) -> std::io::Result<&mut zstd::bulk::Decompressor<'static>> {
+        match &mut self.dctx {
+            Some(d) => Ok(d),
+            d => Ok(d.insert(zstd::bulk::Decompressor::new()?)),
+        }
+    }
 }
 
 thread_local! {
@@ -1402,8 +1634,8 @@ thread_local! {
 }
 
 /// Runs `f` with this thread's scratch buffers (or one-off buffers if they are in use, which
-/// happens only when a [`Store::with_chunk_image`] callback reads another chunk).
-fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+/// happens only when a [`Store::with_slot`] callback reads another chunk).
+pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     SCRATCH.with(|s| match s.try_borrow_mut() {
         Ok(mut s) => f(&mut s),
         Err(_) => f(&mut Scratch::default()),
@@ -1411,7 +1643,7 @@ fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
 }
 
 /// Copies or decompresses a checked payload into `out`, which is exactly the chunk's raw length.
-fn decode_payload(
+pub(crate) fn decode_payload(
     h: &ChunkHeader,
     payload: &[u8],
     out: &mut [u8],
@@ -1443,8 +1675,9 @@ fn decode_payload(
 }
 
 /// A chunk's metadata as its header records it.
-pub(crate) fn stored_of(h: &ChunkHeader) -> StoredChunk {
+pub(crate) fn stored_of(h: &ChunkHeader, copy: u8) -> StoredChunk {
     StoredChunk {
+        copy,
         format: h.format,
         codec: h.codec,
         density: h.density,
@@ -1544,4 +1777,66 @@ impl Totals {
         };
         let _ = writeln!(s, "density      {mean:.4} mean over stored chunks");
     }
+}
+
+/// Creates an empty data file in a context directory, durably.
+fn create_data(dir: &Path) -> Result<(), IoError> {
+    let path = dir.join("data");
+    let f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| IoError::new("create", &path, e))?;
+    f.sync_all().map_err(|e| IoError::new("fsync", &path, e))?;
+    sync_dir(dir)
+}
+
+/// Opens a context's data file: for writing (or read-only) and, with `direct`, a second descriptor
+/// with O_DIRECT for reads.
+fn open_data(path: &Path, read_only: bool, direct: bool) -> Result<(File, Option<File>), IoError> {
+    let data = OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| IoError::new("open", path, e))?;
+    let direct = if direct {
+        Some(
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+                .open(path)
+                .map_err(|e| IoError::new("open", path, e))?,
+        )
+    } else {
+        None
+    };
+    Ok((data, direct))
+}
+
+/// The slots of a data file that hold any data (`slot` = 2 × index + copy), found with
+/// `SEEK_DATA`/`SEEK_HOLE` so that the holes of a sparse file cost nothing.
+fn occupied_slots(data: &File) -> std::io::Result<Vec<u64>> {
+    use nix::unistd::{Whence, lseek};
+    let len = data.metadata()?.len();
+    let mut slots = Vec::new();
+    let mut at = 0u64;
+    while at < len {
+        let start = match lseek(data, at as libc::off_t, Whence::SeekData) {
+            Ok(o) => o as u64,
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let end = lseek(data, start as libc::off_t, Whence::SeekHole)? as u64;
+        let (first, last) = (start / SLOT_BYTES, (end - 1) / SLOT_BYTES);
+        for slot in first..=last {
+            if slots.last() != Some(&slot) {
+                slots.push(slot);
+            }
+        }
+        at = end;
+    }
+    Ok(slots)
 }

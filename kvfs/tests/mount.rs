@@ -7,9 +7,13 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::sync::atomic::Ordering;
+
+use kvfs::io::AlignedBuf;
 use kvfs::{
-    ChunkState, ContextId, Fingerprint, KvFormat, Mount, MountConfig, MountReader, NewContext,
-    Store, StoreError, StoreOptions, kv_offset,
+    ChunkState, ContextId, Fingerprint, HEADER_PAGE, KvFormat, Mount, MountConfig, MountReader,
+    NewContext, Store, StoreError, StoreOptions, kv_offset, slot_offset,
 };
 
 const FP: Fingerprint = Fingerprint([3; 32]);
@@ -24,6 +28,11 @@ struct Fixture {
 
 impl Fixture {
     fn new(read_only: bool) -> Fixture {
+        Fixture::with(read_only, true)
+    }
+
+    /// A fixture whose mount passes `O_DIRECT` readers of `kv` files through or not.
+    fn with(read_only: bool, passthrough: bool) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         // Other uids must be able to reach the mount point for the permission tests.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -36,6 +45,7 @@ impl Fixture {
             &mnt,
             &MountConfig {
                 read_only,
+                passthrough,
                 ..MountConfig::default()
             },
         )
@@ -66,6 +76,28 @@ impl Fixture {
 
     fn path(&self, rel: impl AsRef<Path>) -> PathBuf {
         self.mnt.join(rel)
+    }
+
+    /// Flips one bit of a stored chunk's payload, `at` bytes in, in the context's data file.
+    fn damage(&self, id: ContextId, index: u32, at: u64) {
+        let slot = self.store.chunk_offset(id, index).expect("stored");
+        let data = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(self.store.data_path(id))
+            .unwrap();
+        let stored = match self.store.chunk_state(id, index).unwrap() {
+            ChunkState::Stored(s) => s.stored_len as u64,
+            other => panic!("chunk {index}: {other:?}"),
+        };
+        let mut b = [0u8];
+        let at = slot + HEADER_PAGE as u64 + at % stored;
+        data.read_exact_at(&mut b, at).unwrap();
+        data.write_all_at(&[b[0] ^ 0x40], at).unwrap();
+    }
+
+    fn counters(&self) -> &kvfs::MountCounters {
+        self.mount.as_ref().unwrap().counters()
     }
 }
 
@@ -185,7 +217,7 @@ fn ls_cat_and_stat_agree_on_sizes() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     names.sort();
-    assert_eq!(names, ["chunks", "info", "kv", "text"]);
+    assert_eq!(names, ["chunks", "data", "info", "kv", "text"]);
     let mut chunks: Vec<String> = std::fs::read_dir(fx.path(format!("{id}/chunks")))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -349,13 +381,33 @@ fn another_uid_cannot_list_or_read_a_context_it_does_not_own() {
     let out = as_nobody(&["cat", &p(format!("{mine}/chunks/0"))]);
     assert!(out.status.success(), "{out:?}");
     assert_eq!(out.stdout, b"nobody's");
-    // Its kv file shows chunk 0's image: a chunk header and the bytes.
+    // Its kv file shows chunk 0's slot: the header page, then the bytes; its data file, read
+    // with O_DIRECT (passed through), the same.
     let out = as_nobody(&["cat", &p(format!("{mine}/kv"))]);
     assert!(out.status.success(), "{out:?}");
-    assert_eq!(out.stdout.len(), 104 + 8);
+    assert_eq!(out.stdout.len(), HEADER_PAGE + 8);
     assert!(out.stdout.ends_with(b"nobody's"));
-    // Neither view of the other context can be opened for writing either.
-    for target in [p(format!("{theirs}/kv")), p(format!("{theirs}/chunks/0"))] {
+    let dd = |file: String| {
+        as_nobody(&[
+            "dd",
+            &format!("if={file}"),
+            "iflag=direct",
+            "bs=8192",
+            "count=1",
+            "status=none",
+        ])
+    };
+    let out = dd(p(format!("{mine}/data")));
+    assert!(out.status.success(), "{out:?}");
+    assert!(out.stdout.ends_with(b"nobody's"), "{out:?}");
+    // The other context's data file cannot be read, and no view of it opened for writing.
+    let out = dd(p(format!("{theirs}/data")));
+    assert!(!out.status.success(), "nobody read their data: {out:?}");
+    for target in [
+        p(format!("{theirs}/kv")),
+        p(format!("{theirs}/chunks/0")),
+        p(format!("{theirs}/data")),
+    ] {
         let out = as_nobody(&["sh", "-c", &format!("exec 3<>{target}")]);
         assert!(!out.status.success(), "nobody opened {target}: {out:?}");
     }
@@ -388,10 +440,7 @@ fn a_corrupt_chunk_is_an_io_error_through_the_mount() {
     fx.store
         .write_chunk(id, 0, &FP, KvFormat::Int8, 0.0, &bytes(1, 10000))
         .unwrap();
-    let file = fx.store.chunk_path(id, 0);
-    let mut b = std::fs::read(&file).unwrap();
-    b[200] ^= 1;
-    std::fs::write(&file, b).unwrap();
+    fx.damage(id, 0, 96);
     let err = std::fs::read(fx.path(format!("{id}/chunks/0"))).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
     // Quarantined: gone from the listing, reported in info.
@@ -507,50 +556,138 @@ fn the_kv_file_and_the_chunk_view_agree_byte_for_byte() {
     for (i, f, data) in &chunks {
         fx.store.write_chunk(id, *i, &FP, *f, 0.5, data).unwrap();
     }
+    // Both ways the kv file is read: passed through to the data file (O_DIRECT, the service's
+    // way) and served by the daemon (any other open), and both kinds of buffer: page-aligned and
+    // long enough (one read straight into it) or not (read aside, then copied or decompressed).
+    let passthrough = fx.counters().passthrough_opens.load(Ordering::Relaxed);
     let kv = MountReader::open(&fx.mnt, id, FP).unwrap();
-    let mut buf = vec![0u8; 4 << 20];
+    assert_eq!(
+        fx.counters().passthrough_opens.load(Ordering::Relaxed),
+        passthrough + 1,
+        "the reader's open was passed through"
+    );
+    let served = fx.counters().kv_reads.load(Ordering::Relaxed);
+    let mut aligned = AlignedBuf::new(4 << 20);
+    let mut unaligned = vec![0u8; (4 << 20) + 1];
     for (i, f, data) in &chunks {
-        let meta = kv.read_chunk_into(*i, &mut buf).unwrap();
-        assert_eq!((meta.format, meta.raw_len as usize), (*f, data.len()));
-        assert_eq!(&buf[..data.len()], &data[..], "chunk {i} through kv");
+        for buf in [aligned.get(4 << 20), &mut unaligned[1..]] {
+            let meta = kv.read_chunk_into(&fx.store, *i, buf).unwrap();
+            assert_eq!((meta.format, meta.raw_len as usize), (*f, data.len()));
+            assert_eq!(&buf[..data.len()], &data[..], "chunk {i} through kv");
+        }
+    }
+    assert_eq!(
+        fx.counters().kv_reads.load(Ordering::Relaxed),
+        served,
+        "no passed-through read reached the daemon"
+    );
+    let by_daemon = std::fs::File::open(fx.path(format!("{id}/kv"))).unwrap();
+    let direct = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(fx.path(format!("{id}/kv")))
+        .unwrap();
+    for (i, _, data) in &chunks {
         let view = std::fs::read(fx.path(format!("{id}/chunks/{i}"))).unwrap();
         assert_eq!(&view, data, "chunk {i} through chunks/");
-        // The raw image in the file: a raw chunk header and the bytes.
-        let mut image = vec![0u8; 104 + data.len()];
-        let f = std::fs::File::open(fx.path(format!("{id}/kv"))).unwrap();
-        std::os::unix::fs::FileExt::read_exact_at(&f, &mut image, kv_offset(*i)).unwrap();
-        let h = kvfs::format::ChunkHeader::decode(&image).unwrap();
-        h.check_payload(&image[104..]).unwrap();
-        assert_eq!(&image[104..], &data[..]);
+        // The slot in the file: the header page, then the stored payload, the same bytes
+        // whether the daemon serves them or the kernel reads the data file.
+        let at = match fx.store.chunk_state(id, *i).unwrap() {
+            ChunkState::Stored(s) => s,
+            other => panic!("chunk {i}: {other:?}"),
+        };
+        let len = HEADER_PAGE + at.stored_len as usize;
+        let mut slot = vec![0u8; len];
+        by_daemon
+            .read_exact_at(&mut slot, slot_offset(*i, at.copy))
+            .unwrap();
+        let h = kvfs::format::ChunkHeader::decode(&slot).unwrap();
+        h.check_payload(&slot[HEADER_PAGE..]).unwrap();
+        let payload = &slot[HEADER_PAGE..];
+        match h.codec {
+            kvfs::Codec::Raw => assert_eq!(payload, &data[..]),
+            kvfs::Codec::Zstd => {
+                assert_eq!(&zstd::bulk::decompress(payload, data.len()).unwrap(), data)
+            }
+        }
+        let round = len.next_multiple_of(4096);
+        let mut pt = AlignedBuf::new(round);
+        let n = direct
+            .read_at(pt.get(round), slot_offset(*i, at.copy))
+            .unwrap();
+        assert!(n >= len, "chunk {i}: {n} bytes");
+        assert_eq!(&pt.get(round)[..len], &slot[..], "chunk {i} passed through");
     }
+    let buf = aligned.get(4 << 20);
     for hole in [3, 9, 100] {
         assert!(
             matches!(
-                kv.read_chunk_into(hole, &mut buf),
+                kv.read_chunk_into(&fx.store, hole, buf),
                 Err(StoreError::ChunkMissing { .. })
             ),
             "hole {hole}"
         );
     }
-    let err = kv.read_chunk_into(0, &mut buf[..1000]).unwrap_err();
+    let err = kv
+        .read_chunk_into(&fx.store, 0, &mut buf[..1000])
+        .unwrap_err();
     assert!(
         matches!(err, StoreError::BufferTooSmall { need, .. } if need == 212 << 10),
         "{err}"
     );
-    // The file's size ends at the last chunk's image; it is listed with the rest.
+    // The file is the data file, offset for offset.
     let len = std::fs::metadata(fx.path(format!("{id}/kv")))
         .unwrap()
         .len();
-    assert_eq!(len, kv_offset(8) + 104 + 4096 - 104);
+    assert_eq!(
+        len,
+        std::fs::metadata(fx.store.data_path(id)).unwrap().len()
+    );
     // A reader of another model is refused.
     let other = MountReader::open(&fx.mnt, id, Fingerprint([9; 32])).unwrap();
     assert!(matches!(
-        other.read_chunk_into(0, &mut buf),
+        other.read_chunk_into(&fx.store, 0, buf),
         Err(StoreError::ForeignModel { .. })
     ));
     assert!(matches!(
         MountReader::open(&fx.mnt, ContextId(999), FP),
         Err(StoreError::NoSuchContext { .. })
+    ));
+}
+
+#[test]
+fn without_passthrough_the_daemon_serves_the_same_chunks() {
+    let fx = Fixture::with(false, false);
+    let id = fx.context(0, 16 * 3);
+    let chunks = [
+        noise(1, 212 << 10),
+        bytes(2, 76 << 10),
+        noise(3, (1 << 20) + 4097),
+    ];
+    for (i, d) in chunks.iter().enumerate() {
+        fx.store
+            .write_chunk(id, i as u32, &FP, KvFormat::Int8, 0.0, d)
+            .unwrap();
+    }
+    let kv = MountReader::open(&fx.mnt, id, FP).unwrap();
+    let mut buf = AlignedBuf::new(2 << 20);
+    for (i, d) in chunks.iter().enumerate() {
+        let meta = kv
+            .read_chunk_into(&fx.store, i as u32, buf.get(2 << 20))
+            .unwrap();
+        assert_eq!(&buf.get(2 << 20)[..meta.raw_len as usize], &d[..]);
+    }
+    assert_eq!(fx.counters().passthrough_opens.load(Ordering::Relaxed), 0);
+    assert_eq!(fx.counters().kv_reads.load(Ordering::Relaxed), 3);
+    // A chunk damaged on disk is caught by the reader's checks and quarantined by the store.
+    fx.damage(id, 1, 5);
+    let err = kv
+        .read_chunk_into(&fx.store, 1, buf.get(2 << 20))
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+    assert!(matches!(
+        fx.store.chunk_state(id, 1).unwrap(),
+        ChunkState::Quarantined { .. }
     ));
 }
 
@@ -573,7 +710,7 @@ fn writes_through_the_kv_file_are_checked_and_durable() {
         }
         assert_eq!(&fx.store.read_chunk(id, i as u32, &FP).unwrap(), data);
         let mut buf = vec![0u8; data.len()];
-        kv.read_chunk_into(i as u32, &mut buf).unwrap();
+        kv.read_chunk_into(&fx.store, i as u32, &mut buf).unwrap();
         assert_eq!(&buf, data);
     }
     // Rewriting replaces the chunk whole.
@@ -645,36 +782,45 @@ fn a_corrupt_chunk_is_refused_with_eio_through_the_kv_file_and_quarantined() {
         fx.store
             .write_chunk(id, i as u32, &FP, KvFormat::Int8, 0.0, d)
             .unwrap();
-        let file = fx.store.chunk_path(id, i as u32);
-        let mut b = std::fs::read(&file).unwrap();
-        let at = b.len() - 1 - i * 1000;
-        b[at] ^= 0x40;
-        std::fs::write(&file, b).unwrap();
+        fx.damage(id, i as u32, (d.len() - 1 - i * 1000) as u64);
     }
     let kv = MountReader::open(&fx.mnt, id, FP).unwrap();
-    let mut buf = vec![0u8; 4 << 20];
-    // Chunks 0 and 2 read through kv first, chunk 1 through its chunks/ file first.
+    let mut buf = AlignedBuf::new(4 << 20);
+    let buf = buf.get(4 << 20);
+    // Chunks 0 and 2 read through kv first (passed through: the reader finds the damage and
+    // the store quarantines it), chunk 1 through its chunks/ file first (the daemon finds it).
     for i in [0u32, 2] {
-        let err = kv.read_chunk_into(i, &mut buf).unwrap_err();
+        let slot = fx.store.chunk_offset(id, i).unwrap();
+        let err = kv.read_chunk_into(&fx.store, i, buf).unwrap_err();
         assert!(
             matches!(err, StoreError::Corrupt { .. }) && err.needs_recompute(),
             "{err}"
         );
+        // Refused from now on through the daemon too, and its slot is freed.
         let raw = std::fs::File::open(fx.path(format!("{id}/kv"))).unwrap();
-        let err = std::os::unix::fs::FileExt::read_at(&raw, &mut buf[..4096], kv_offset(i));
+        let err = raw.read_at(&mut buf[..4096], kv_offset(i));
         assert_eq!(err.unwrap_err().raw_os_error(), Some(libc::EIO));
+        let data = std::fs::File::open(fx.store.data_path(id)).unwrap();
+        let mut head = [0u8; 104];
+        data.read_exact_at(&mut head, slot).unwrap();
+        assert_eq!(head, [0; 104], "chunk {i}'s slot still holds it");
     }
     let err = std::fs::read(fx.path(format!("{id}/chunks/1"))).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
-    let err = kv.read_chunk_into(1, &mut buf).unwrap_err();
+    let err = kv.read_chunk_into(&fx.store, 1, buf).unwrap_err();
     assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
     for i in 0..3 {
         assert!(matches!(
             fx.store.chunk_state(id, i).unwrap(),
             ChunkState::Quarantined { .. }
         ));
-        assert!(!fx.store.chunk_path(id, i).exists());
+        assert_eq!(fx.store.chunk_offset(id, i), None);
     }
+    // Each bad slot is kept aside, as it was on disk.
+    let kept = std::fs::read_dir(fx.store.root().join("quarantine"))
+        .unwrap()
+        .count();
+    assert_eq!(kept, 3);
     let info = std::fs::read_to_string(fx.path(format!("{id}/info"))).unwrap();
     assert!(info.contains("3 quarantined"), "{info}");
 }
@@ -718,10 +864,11 @@ fn concurrent_kv_readers_and_writers_never_see_a_torn_chunk() {
             let fx = &fx;
             s.spawn(move || {
                 let kv = MountReader::open(&fx.mnt, id, FP).unwrap();
-                let mut buf = vec![0u8; 2 << 20];
+                let mut buf = AlignedBuf::new(2 << 20);
+                let buf = buf.get(2 << 20);
                 for n in 0..40 {
                     let i = (n + r) % 4;
-                    let meta = kv.read_chunk_into(i, &mut buf).unwrap();
+                    let meta = kv.read_chunk_into(&fx.store, i, buf).unwrap();
                     let data = &buf[..meta.raw_len as usize];
                     let v = u64::from_le_bytes(data[..8].try_into().unwrap());
                     let want = version(i, v);
@@ -740,7 +887,7 @@ fn concurrent_kv_readers_and_writers_never_see_a_torn_chunk() {
     let mut buf = vec![0u8; 2 << 20];
     for i in 0..4u32 {
         let last = (1..=24u64).filter(|v| v % 4 == i as u64).max().unwrap();
-        let meta = kv.read_chunk_into(i, &mut buf).unwrap();
+        let meta = kv.read_chunk_into(&fx.store, i, &mut buf).unwrap();
         assert!(buf[..meta.raw_len as usize] == version(i, last)[..]);
     }
 }

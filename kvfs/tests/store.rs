@@ -1,11 +1,12 @@
 //! The store through its Rust API: round trips, persistence, recovery, corruption and model checks.
 
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use kvfs::format::{ChunkHeader, HEADER_LEN};
 use kvfs::{
-    ChunkState, Codec, ContextId, Fingerprint, KvFormat, NewContext, Store, StoreError,
-    StoreOptions,
+    ChunkState, Codec, ContextId, Fingerprint, HEADER_PAGE, KvFormat, NewContext, Store,
+    StoreError, StoreOptions, slot_offset,
 };
 
 const FP: Fingerprint = Fingerprint([7; 32]);
@@ -40,6 +41,56 @@ fn chunk_bytes(seed: u32, len: usize) -> Vec<u8> {
 
 fn open(dir: &Path) -> Store {
     Store::open(dir, StoreOptions::default()).unwrap()
+}
+
+/// `len` bytes of the file at `path` from `at` (zeros past its end, as in a hole).
+fn read_at(path: &Path, at: u64, len: usize) -> Vec<u8> {
+    let f = std::fs::File::open(path).unwrap();
+    let mut b = vec![0u8; len];
+    let mut done = 0;
+    while done < len {
+        match f.read_at(&mut b[done..], at + done as u64).unwrap() {
+            0 => break,
+            n => done += n,
+        }
+    }
+    b
+}
+
+/// Overwrites bytes of the file at `path` from `at`, as a failing disk or a stray writer would.
+fn write_at(path: &Path, at: u64, bytes: &[u8]) {
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all_at(bytes, at).unwrap();
+}
+
+/// Flips the bits of `mask` in the byte at `at` of the file at `path`.
+fn flip(path: &Path, at: u64, mask: u8) {
+    let mut b = read_at(path, at, 1);
+    b[0] ^= mask;
+    write_at(path, at, &b);
+}
+
+fn zeros(b: &[u8]) -> bool {
+    b.iter().all(|&b| b == 0)
+}
+
+/// Where the first allocated byte of the file at `path` at or after `from` is (`SEEK_DATA`).
+fn next_data(path: &Path, from: u64) -> Option<u64> {
+    let f = std::fs::File::open(path).unwrap();
+    match nix::unistd::lseek(&f, from as libc::off_t, nix::unistd::Whence::SeekData) {
+        Ok(at) => Some(at as u64),
+        Err(nix::errno::Errno::ENXIO) => None,
+        Err(e) => panic!("SEEK_DATA {}: {e}", path.display()),
+    }
+}
+
+/// The files in `quarantine/` whose names start with `prefix`.
+fn quarantined_as(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir.join("quarantine"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(prefix))
+        .collect()
 }
 
 #[test]
@@ -110,13 +161,13 @@ fn flipped_bits_are_detected_quarantined_and_marked_for_recompute() {
     let store = open(dir.path());
     let id = new_ctx(&store, 16 * 8);
     let data = chunk_bytes(3, 20000);
-    // Flip one bit at a spread of offsets: header fields, header crc, payload start, middle and end.
-    let file_len = {
-        store
-            .write_chunk(id, 0, &FP, KvFormat::Int8, 0.1, &data)
-            .unwrap();
-        std::fs::metadata(store.chunk_path(id, 0)).unwrap().len() as usize
-    };
+    let stored_len = store
+        .write_chunk(id, 0, &FP, KvFormat::Int8, 0.1, &data)
+        .unwrap()
+        .stored_len as u64;
+    let page = HEADER_PAGE as u64;
+    // Flip one bit at a spread of offsets into the chunk's slot: header fields, header crc,
+    // payload start, middle and end.
     let offsets = [
         0,
         9,
@@ -126,20 +177,23 @@ fn flipped_bits_are_detected_quarantined_and_marked_for_recompute() {
         60,
         70,
         97,
-        104,
-        105,
-        file_len / 2,
-        file_len - 1,
+        page,
+        page + 1,
+        page + stored_len / 2,
+        page + stored_len - 1,
     ];
+    let file = store.data_path(id);
     for (n, at) in offsets.into_iter().enumerate() {
         let index = (n % 8) as u32;
-        store
+        let written = store
             .write_chunk(id, index, &FP, KvFormat::Int8, 0.1, &data)
             .unwrap();
-        let path = store.chunk_path(id, index);
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[at] ^= 0x04;
-        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(written.stored_len as u64, stored_len);
+        let slot = store.chunk_offset(id, index).unwrap();
+        assert_eq!(slot, slot_offset(index, written.copy));
+        let len = HEADER_PAGE + stored_len as usize;
+        flip(&file, slot + at, 0x04);
+        let corrupted = read_at(&file, slot, len);
         let err = store.read_chunk(id, index, &FP).unwrap_err();
         assert!(
             matches!(err, StoreError::Corrupt { .. }),
@@ -150,7 +204,17 @@ fn flipped_bits_are_detected_quarantined_and_marked_for_recompute() {
             store.chunk_state(id, index).unwrap(),
             ChunkState::Quarantined { .. }
         ));
-        assert!(!path.exists(), "corrupt file left in place");
+        assert_eq!(store.chunk_offset(id, index), None);
+        assert!(
+            zeros(&read_at(&file, slot, len)),
+            "offset {at}: corrupt slot left in place"
+        );
+        // The slot's bytes, as they were found, are kept in quarantine/.
+        let kept = quarantined_as(dir.path(), &format!("{id}-{index}.{}.", written.copy));
+        assert!(
+            kept.iter().any(|p| std::fs::read(p).unwrap() == corrupted),
+            "offset {at}: {kept:?}"
+        );
         // Asking again does not serve anything either.
         assert!(store.read_chunk(id, index, &FP).is_err());
     }
@@ -189,21 +253,29 @@ fn check_every_read_path(store: &Store, id: ContextId, index: u32, data: &[u8]) 
     let mut v = vec![9u8; 3];
     store.read_chunk_into_vec(id, index, &FP, &mut v).unwrap();
     assert_eq!(v, data);
-    // The image the mount serves: a valid raw chunk file of the plain bytes.
-    let image = store
-        .with_chunk_image(id, index, &FP, |_, image| image.to_vec())
+    // The slot as the data file holds it (what the mount's `kv` file shows): the header page
+    // (the header, then zeros) and the stored payload, raw or zstd, which gives the plain bytes.
+    let (seen, slot) = store
+        .with_slot(id, index, &FP, |m, slot| (m.clone(), slot.to_vec()))
         .unwrap();
-    let h = ChunkHeader::decode(&image).unwrap();
-    assert_eq!((h.context, h.index, h.codec), (id.0, index, Codec::Raw));
-    assert_eq!(h.raw_len as usize, data.len());
-    h.check_payload(&image[HEADER_LEN..]).unwrap();
-    assert_eq!(&image[HEADER_LEN..], data);
+    assert_eq!(meta, seen);
+    assert_eq!(slot.len(), HEADER_PAGE + meta.stored_len as usize);
+    let h = ChunkHeader::decode(&slot).unwrap();
     assert_eq!(
-        meta,
-        store
-            .with_chunk_image(id, index, &FP, |m, _| m.clone())
-            .unwrap()
+        (h.context, h.index, h.codec, h.generation),
+        (id.0, index, meta.codec, meta.generation)
     );
+    assert_eq!(h.raw_len as usize, data.len());
+    assert!(zeros(&slot[HEADER_LEN..HEADER_PAGE]));
+    let payload = &slot[HEADER_PAGE..];
+    h.check_payload(payload).unwrap();
+    match h.codec {
+        Codec::Raw => assert_eq!(payload, data),
+        Codec::Zstd => assert_eq!(zstd::bulk::decompress(payload, data.len()).unwrap(), data),
+    }
+    let at = store.chunk_offset(id, index).unwrap();
+    assert_eq!(at, slot_offset(index, meta.copy));
+    assert!(read_at(&store.data_path(id), at, slot.len()) == slot);
 }
 
 #[test]
@@ -213,11 +285,12 @@ fn reads_into_a_caller_buffer_equal_read_chunk_for_every_format_and_codec() {
     let id = new_ctx(&store, 16 * 4 * KvFormat::ALL.len());
     let mut index = 0;
     for f in KvFormat::ALL {
-        // Skewed bytes compress (zstd), noise does not (raw); sizes around the O_DIRECT alignment.
+        // Skewed bytes compress (zstd), noise does not (raw); sizes around the O_DIRECT alignment
+        // (a payload of one whole page, and slots that end mid-page).
         for (data, codec) in [
             (chunk_bytes(index, 212 << 10), Codec::Zstd),
             (noise(index as u64, 120 << 10), Codec::Raw),
-            (noise(7 + index as u64, 4096 - HEADER_LEN), Codec::Raw),
+            (noise(7 + index as u64, HEADER_PAGE), Codec::Raw),
             (chunk_bytes(index, 1), Codec::Raw),
         ] {
             let meta = store.write_chunk(id, index, &FP, f, 0.25, &data).unwrap();
@@ -285,14 +358,17 @@ fn a_corrupt_chunk_is_refused_by_every_read_path_and_quarantined() {
     let mut index = 0;
     for data in &cases {
         for path in 0..3 {
-            store
+            let written = store
                 .write_chunk(id, index, &FP, KvFormat::Int4, 0.0, data)
                 .unwrap();
-            let file = store.chunk_path(id, index);
-            let mut bytes = std::fs::read(&file).unwrap();
-            let at = HEADER_LEN + (bytes.len() - HEADER_LEN) / 3;
-            bytes[at] ^= 0x10;
-            std::fs::write(&file, &bytes).unwrap();
+            let file = store.data_path(id);
+            let slot = store.chunk_offset(id, index).unwrap();
+            let len = HEADER_PAGE + written.stored_len as usize;
+            flip(
+                &file,
+                slot + (HEADER_PAGE + written.stored_len as usize / 3) as u64,
+                0x10,
+            );
             let mut buf = vec![0u8; data.len()];
             let mut served = false;
             let err = match path {
@@ -301,17 +377,24 @@ fn a_corrupt_chunk_is_refused_by_every_read_path_and_quarantined() {
                     .read_chunk_into_vec(id, index, &FP, &mut buf)
                     .unwrap_err(),
                 _ => store
-                    .with_chunk_image(id, index, &FP, |_, _| served = true)
+                    .with_slot(id, index, &FP, |_, _| served = true)
                     .unwrap_err(),
             };
-            assert!(!served, "a corrupt image was handed out");
+            assert!(!served, "a corrupt slot was handed out");
             assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
             assert!(err.needs_recompute());
             assert!(matches!(
                 store.chunk_state(id, index).unwrap(),
                 ChunkState::Quarantined { .. }
             ));
-            assert!(!file.exists(), "corrupt file left in place");
+            assert!(
+                zeros(&read_at(&file, slot, len)),
+                "corrupt slot left in place"
+            );
+            assert_eq!(
+                quarantined_as(dir.path(), &format!("{id}-{index}.{}.", written.copy)).len(),
+                1
+            );
             assert!(store.read_chunk_into(id, index, &FP, &mut buf).is_err());
             index += 1;
         }
@@ -340,15 +423,15 @@ fn flipped_bits_found_at_open_with_full_verification() {
     store
         .write_chunk(id, 0, &FP, KvFormat::Int4, 0.1, &chunk_bytes(1, 5000))
         .unwrap();
-    store
+    let written = store
         .write_chunk(id, 1, &FP, KvFormat::Int4, 0.1, &chunk_bytes(2, 5000))
         .unwrap();
-    let path = store.chunk_path(id, 1);
+    let path = store.data_path(id);
+    let slot = store.chunk_offset(id, 1).unwrap();
     drop(store);
-    let mut bytes = std::fs::read(&path).unwrap();
-    let last = bytes.len() - 1;
-    bytes[last] ^= 0x80;
-    std::fs::write(&path, &bytes).unwrap();
+    // The payload's last byte: only a full check of the payload finds it.
+    let len = HEADER_PAGE + written.stored_len as usize;
+    flip(&path, slot + len as u64 - 1, 0x80);
     let store = Store::open(
         dir.path(),
         StoreOptions {
@@ -358,10 +441,20 @@ fn flipped_bits_found_at_open_with_full_verification() {
     )
     .unwrap();
     assert_eq!(store.recovered().len(), 1, "{:?}", store.recovered());
+    assert_eq!(store.recovered()[0].action, "quarantined");
     assert!(matches!(
         store.chunk_state(id, 1).unwrap(),
         ChunkState::Quarantined { .. }
     ));
+    assert!(
+        zeros(&read_at(&path, slot, len)),
+        "corrupt slot left in place"
+    );
+    assert_eq!(
+        quarantined_as(dir.path(), &format!("{id}-1.{}.", written.copy)).len(),
+        1
+    );
+    assert!(store.read_chunk(id, 1, &FP).unwrap_err().needs_recompute());
     assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), chunk_bytes(1, 5000));
 }
 
@@ -370,25 +463,31 @@ fn recovery_removes_unfinished_writes_and_quarantines_torn_files() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
     let id = new_ctx(&store, 48);
+    let mut written = Vec::new();
     for i in 0..3 {
-        store
+        let w = store
             .write_chunk(id, i, &FP, KvFormat::Int8, 0.0, &chunk_bytes(i, 3000))
             .unwrap();
+        assert_eq!(w.copy, 0);
+        written.push(w);
     }
-    let chunks = store.chunk_path(id, 0).parent().unwrap().to_owned();
+    let data = store.data_path(id);
     drop(store);
-    // A temp file of a write that never renamed, a torn chunk, a half-created and a half-deleted context.
-    std::fs::write(chunks.join(".tmp-1-99"), b"partial").unwrap();
-    let torn = chunks.join("2");
-    let len = std::fs::metadata(&torn).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&torn)
-        .unwrap()
-        .set_len(len - 10)
-        .unwrap();
-    std::fs::create_dir_all(dir.path().join("staging/9/chunks")).unwrap();
-    std::fs::create_dir_all(dir.path().join("trash/4.123/chunks")).unwrap();
+    let page = HEADER_PAGE as u64;
+    // A rewrite of chunk 1 cut short before its header: its payload in the free slot, no header.
+    let unfinished = slot_offset(1, 1);
+    write_at(&data, unfinished + page, &chunk_bytes(11, 3000));
+    // Chunk 2's header page torn into garbage: found at open.
+    write_at(&data, slot_offset(2, 0), &noise(5, HEADER_LEN));
+    // Chunk 0's payload without its tail (header whole): found at read.
+    let tail = slot_offset(0, 0) + page + written[0].stored_len as u64 - 10;
+    assert!(!zeros(&read_at(&data, tail, 10)));
+    write_at(&data, tail, &[0; 10]);
+    // A half-created and a half-deleted context.
+    std::fs::create_dir_all(dir.path().join("staging/9")).unwrap();
+    std::fs::write(dir.path().join("staging/9/data"), b"").unwrap();
+    std::fs::create_dir_all(dir.path().join("trash/4.123")).unwrap();
+    std::fs::write(dir.path().join("trash/4.123/data"), b"x").unwrap();
     let store = open(dir.path());
     let actions: Vec<_> = store.recovered().iter().map(|r| r.action).collect();
     assert_eq!(
@@ -403,17 +502,49 @@ fn recovery_removes_unfinished_writes_and_quarantines_torn_files() {
         "{:?}",
         store.recovered()
     );
-    assert!(!chunks.join(".tmp-1-99").exists());
+    let slot_of = |action: &str| {
+        store
+            .recovered()
+            .iter()
+            .filter(|r| r.action == action && r.path.starts_with(&data))
+            .map(|r| r.path.file_name().unwrap().to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(slot_of("removed"), ["1.1"], "{:?}", store.recovered());
+    assert_eq!(slot_of("quarantined"), ["2.0"], "{:?}", store.recovered());
+    assert!(!dir.path().join("staging/9").exists());
+    assert!(!dir.path().join("trash/4.123").exists());
+    // The unfinished copy is freed; the chunk's whole copy stays where it was, readable.
+    assert!(zeros(&read_at(&data, unfinished, HEADER_PAGE + 3000)));
+    assert_eq!(store.chunk_offset(id, 1), Some(slot_offset(1, 0)));
     assert_eq!(store.read_chunk(id, 1, &FP).unwrap(), chunk_bytes(1, 3000));
+    // The torn header's slot is in quarantine/ and freed.
+    assert!(matches!(
+        store.chunk_state(id, 2).unwrap(),
+        ChunkState::Quarantined { .. }
+    ));
+    assert_eq!(quarantined_as(dir.path(), &format!("{id}-2.0.")).len(), 1);
+    assert!(zeros(&read_at(&data, slot_offset(2, 0), HEADER_PAGE)));
     let err = store.read_chunk(id, 2, &FP).unwrap_err();
     assert!(err.needs_recompute(), "{err}");
+    // The torn payload is caught by its crc at the first read, and quarantined then.
+    let err = store.read_chunk(id, 0, &FP).unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+    assert_eq!(quarantined_as(dir.path(), &format!("{id}-0.0.")).len(), 1);
+    assert!(zeros(&read_at(
+        &data,
+        slot_offset(0, 0),
+        HEADER_PAGE + written[0].stored_len as usize
+    )));
     assert_eq!(store.list_contexts(), vec![id]);
     // A new context never reuses an id, and a new write clears the quarantine.
     assert!(new_ctx(&store, 1).0 > id.0);
-    store
-        .write_chunk(id, 2, &FP, KvFormat::Int8, 0.0, &chunk_bytes(2, 3000))
-        .unwrap();
-    assert_eq!(store.read_chunk(id, 2, &FP).unwrap(), chunk_bytes(2, 3000));
+    for i in [0, 2] {
+        store
+            .write_chunk(id, i, &FP, KvFormat::Int8, 0.0, &chunk_bytes(i, 3000))
+            .unwrap();
+        assert_eq!(store.read_chunk(id, i, &FP).unwrap(), chunk_bytes(i, 3000));
+    }
 }
 
 #[test]
@@ -431,7 +562,7 @@ fn a_chunk_of_another_model_is_refused() {
         .unwrap();
     let err = store.read_chunk(id, 0, &other).unwrap_err();
     assert!(matches!(err, StoreError::ForeignModel { .. }), "{err}");
-    // A chunk file copied in from a context of another model is refused and quarantined.
+    // A slot copied in from a context of another model is refused and quarantined.
     let id2 = store
         .create_context(NewContext {
             owner_uid: 0,
@@ -443,20 +574,30 @@ fn a_chunk_of_another_model_is_refused() {
     store
         .append_tokens(id2, &(0..16).collect::<Vec<_>>())
         .unwrap();
-    store
+    let theirs = store
         .write_chunk(id2, 0, &other, KvFormat::Int8, 0.0, b"xyz")
         .unwrap();
-    let path = store.chunk_path(id, 0);
+    let (ours_path, ours_at) = (store.data_path(id), store.chunk_offset(id, 0).unwrap());
+    let (theirs_path, theirs_at) = (store.data_path(id2), store.chunk_offset(id2, 0).unwrap());
     drop(store);
-    let foreign = std::fs::read(dir.path().join(format!("contexts/{}/chunks/0", id2))).unwrap();
-    std::fs::write(&path, foreign).unwrap();
+    let foreign = read_at(
+        &theirs_path,
+        theirs_at,
+        HEADER_PAGE + theirs.stored_len as usize,
+    );
+    write_at(&ours_path, ours_at, &foreign);
     let store = open(dir.path());
+    assert_eq!(store.recovered().len(), 1, "{:?}", store.recovered());
     let r = &store.recovered()[0];
+    assert_eq!(r.action, "quarantined", "{r:?}");
     assert!(
         r.reason.contains("context") || r.reason.contains("model"),
         "{r:?}"
     );
     assert!(store.read_chunk(id, 0, &FP).unwrap_err().needs_recompute());
+    assert!(zeros(&read_at(&ours_path, ours_at, foreign.len())));
+    // The other context's own copy is untouched.
+    assert_eq!(store.read_chunk(id2, 0, &other).unwrap(), b"xyz");
 }
 
 #[test]
@@ -490,22 +631,130 @@ fn chunks_need_their_tokens_first_and_go_stale_when_tokens_change() {
         store.read_chunk(id, 1, &FP),
         Err(StoreError::ChunkMissing { .. })
     ));
-    // A crash between the tokens write and the stale chunk's removal: the stale file is dropped at open.
-    store
+    // A crash between the tokens write and the stale chunk's removal: the stale slot is dropped at open.
+    let written = store
         .write_chunk(id, 1, &FP, KvFormat::Int8, 0.0, b"new")
         .unwrap();
-    let stale = std::fs::read(store.chunk_path(id, 1)).unwrap();
+    let data = store.data_path(id);
+    let at = store.chunk_offset(id, 1).unwrap();
+    let stale = read_at(&data, at, HEADER_PAGE + written.stored_len as usize);
     t[18] = 5;
     store.replace_tokens(id, t).unwrap();
-    std::fs::write(store.chunk_path(id, 1), stale).unwrap();
+    assert_eq!(store.chunk_offset(id, 1), None);
+    assert!(zeros(&read_at(&data, at, stale.len())));
+    write_at(&data, at, &stale);
     drop(store);
     let store = open(dir.path());
-    assert_eq!(store.recovered().len(), 1);
+    assert_eq!(store.recovered().len(), 1, "{:?}", store.recovered());
+    assert_eq!(store.recovered()[0].action, "removed");
     assert!(store.recovered()[0].reason.contains("stale"));
     assert!(matches!(
         store.read_chunk(id, 1, &FP),
         Err(StoreError::ChunkMissing { .. })
     ));
+    assert!(zeros(&read_at(&data, at, stale.len())));
+    assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), b"zero");
+}
+
+#[test]
+fn a_rewrite_keeps_the_old_copy_until_the_new_one_is_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let id = new_ctx(&store, 16);
+    let data = store.data_path(id);
+    let (v1, v2, v3) = (
+        chunk_bytes(1, 40000),
+        noise(2, 30000),
+        chunk_bytes(3, 20000),
+    );
+    let slot_bytes = |s: &kvfs::StoredChunk| {
+        read_at(
+            &data,
+            slot_offset(0, s.copy),
+            HEADER_PAGE + s.stored_len as usize,
+        )
+    };
+    let first = store
+        .write_chunk(id, 0, &FP, KvFormat::Int8, 0.0, &v1)
+        .unwrap();
+    assert_eq!(first.copy, 0);
+    assert_eq!(store.chunk_offset(id, 0), Some(slot_offset(0, 0)));
+    let first_slot = slot_bytes(&first);
+    // The rewrite goes to the other slot; the first is freed once the second is whole.
+    let second = store
+        .write_chunk(id, 0, &FP, KvFormat::Int8, 0.0, &v2)
+        .unwrap();
+    assert_eq!(second.copy, 1);
+    assert!(second.generation > first.generation);
+    assert_eq!(store.chunk_offset(id, 0), Some(slot_offset(0, 1)));
+    assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), v2);
+    assert!(
+        zeros(&read_at(&data, slot_offset(0, 0), first_slot.len())),
+        "the replaced copy was not freed"
+    );
+    assert_eq!(next_data(&data, 0), Some(slot_offset(0, 1)));
+    let second_slot = slot_bytes(&second);
+
+    // A crash after the second version's header, before the first's slot was freed: both copies
+    // are on disk, and the newer one wins.
+    drop(store);
+    write_at(&data, slot_offset(0, 0), &first_slot);
+    let store = open(dir.path());
+    let rec = store.recovered();
+    assert_eq!(rec.len(), 1, "{rec:?}");
+    assert_eq!(rec[0].action, "removed", "{rec:?}");
+    assert!(rec[0].reason.contains("older"), "{rec:?}");
+    assert!(rec[0].path.ends_with("0.0"), "{rec:?}");
+    assert_eq!(
+        store.chunk_state(id, 0).unwrap(),
+        ChunkState::Stored(second.clone())
+    );
+    assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), v2);
+    assert!(zeros(&read_at(&data, slot_offset(0, 0), first_slot.len())));
+
+    // A crash in the next rewrite after its payload, before its header: the payload is in the
+    // free slot with no header, and the current copy is still served.
+    drop(store);
+    write_at(&data, slot_offset(0, 0) + HEADER_PAGE as u64, &v3);
+    let store = open(dir.path());
+    let rec = store.recovered();
+    assert_eq!(rec.len(), 1, "{rec:?}");
+    assert_eq!(rec[0].action, "removed", "{rec:?}");
+    assert!(rec[0].path.ends_with("0.0"), "{rec:?}");
+    assert_eq!(
+        store.chunk_state(id, 0).unwrap(),
+        ChunkState::Stored(second.clone())
+    );
+    assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), v2);
+    assert!(zeros(&read_at(
+        &data,
+        slot_offset(0, 0),
+        HEADER_PAGE + v3.len()
+    )));
+
+    // Generations keep growing across opens: the next rewrite (back in slot 0) is the newest,
+    // also when the older copy it replaced is found again in slot 1.
+    let third = store
+        .write_chunk(id, 0, &FP, KvFormat::Int8, 0.0, &v3)
+        .unwrap();
+    assert_eq!(third.copy, 0);
+    assert!(third.generation > second.generation);
+    assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), v3);
+    assert!(zeros(&read_at(&data, slot_offset(0, 1), second_slot.len())));
+    drop(store);
+    write_at(&data, slot_offset(0, 1), &second_slot);
+    let store = open(dir.path());
+    let rec = store.recovered();
+    assert_eq!(rec.len(), 1, "{rec:?}");
+    assert_eq!(rec[0].action, "removed", "{rec:?}");
+    assert!(rec[0].path.ends_with("0.1"), "{rec:?}");
+    assert_eq!(store.chunk_state(id, 0).unwrap(), ChunkState::Stored(third));
+    assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), v3);
+    assert!(zeros(&read_at(&data, slot_offset(0, 1), second_slot.len())));
+    drop(store);
+    let store = open(dir.path());
+    assert!(store.recovered().is_empty(), "{:?}", store.recovered());
+    assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), v3);
 }
 
 #[test]
@@ -635,27 +884,39 @@ fn written_chunks_leave_the_page_cache() {
     store
         .write_chunk(id, 2, &FP, KvFormat::Int2, 0.0, &chunk_bytes(6, 76 << 10))
         .unwrap();
-    let path = store.chunk_path(id, 0);
-    assert_eq!(resident(&path), 0, "written chunk still cached");
+    let path = store.data_path(id);
+    assert_eq!(resident(&path), 0, "written chunks still cached");
+    // A rewrite too (to the chunk's other slot, freeing the first).
+    store
+        .write_chunk(id, 0, &FP, KvFormat::F16, 0.0, &data)
+        .unwrap();
+    assert_eq!(resident(&path), 0, "rewritten chunk still cached");
     assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), data);
     assert_eq!(resident(&path), 0, "read chunk cached");
     let mut buf = vec![0u8; 1 << 20];
     for i in 0..3 {
         store.read_chunk_into(id, i, &FP, &mut buf).unwrap();
-        store.with_chunk_image(id, i, &FP, |_, _| ()).unwrap();
+        store.with_slot(id, i, &FP, |_, _| ()).unwrap();
     }
-    // No file of the store (markers, meta, tokens, chunks) holds a cached page after the writes
-    // and reads, nor after a reopen, which reads every meta, tokens and chunk header.
+    let slot = store.chunk_offset(id, 0).unwrap();
+    // No file of the store (marker, meta, tokens, data) holds a cached page after the writes and
+    // reads, nor after a reopen, which reads every meta, tokens and chunk header.
     drop(store);
     let store = open(dir.path());
     store.read_chunk_into(id, 2, &FP, &mut buf).unwrap();
     let files = files_under(dir.path());
-    assert!(files.len() >= 6, "{files:?}");
+    assert!(files.len() >= 4, "{files:?}");
+    for want in ["KVFS", "meta", "tokens", "data"] {
+        assert!(
+            files.iter().any(|f| f.file_name().unwrap() == want),
+            "no {want} in {files:?}"
+        );
+    }
     for f in &files {
         assert_eq!(resident(f), 0, "{} cached", f.display());
     }
     // The control: a plain read does fill the cache, so fincore sees caching when there is some.
-    let _ = std::fs::read(&path).unwrap();
+    let _ = read_at(&path, slot, HEADER_PAGE + (64 << 10));
     assert!(resident(&path) > 0);
 }
 
@@ -712,13 +973,14 @@ fn a_read_only_open_changes_nothing() {
     store
         .write_chunk(id, 1, &FP, KvFormat::Int8, 0.0, &chunk_bytes(1, 5000))
         .unwrap();
-    let chunks = store.chunk_path(id, 0).parent().unwrap().to_owned();
+    let data = store.data_path(id);
+    assert_eq!(store.chunk_offset(id, 0), Some(slot_offset(0, 0)));
+    let one = store.chunk_offset(id, 1).unwrap();
     drop(store);
-    // An in-flight write of a running service, and a corrupt chunk.
-    std::fs::write(chunks.join(".tmp-0-77"), b"in flight").unwrap();
-    let mut b = std::fs::read(chunks.join("1")).unwrap();
-    b[150] ^= 2;
-    std::fs::write(chunks.join("1"), &b).unwrap();
+    // An in-flight rewrite of chunk 0 by a running service (its payload, no header yet), and a
+    // corrupt chunk 1.
+    write_at(&data, slot_offset(0, 1) + HEADER_PAGE as u64, b"in flight");
+    flip(&data, one + HEADER_PAGE as u64 + 46, 2);
     let listing = |d: &Path| {
         let mut v: Vec<_> = walk(d);
         v.sort();
@@ -764,6 +1026,19 @@ fn a_read_only_open_changes_nothing() {
     assert!(
         listing(dir.path()) == before,
         "a read-only open changed the store"
+    );
+    // Nothing was freed either: the in-flight slot and the corrupt one still hold their blocks.
+    assert_eq!(next_data(&data, 0), Some(slot_offset(0, 0)));
+    assert_eq!(
+        next_data(&data, slot_offset(0, 1)),
+        Some(slot_offset(0, 1) + HEADER_PAGE as u64)
+    );
+    assert_eq!(next_data(&data, one), Some(one));
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("quarantine"))
+            .unwrap()
+            .count(),
+        0
     );
 }
 

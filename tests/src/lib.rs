@@ -95,18 +95,38 @@ pub fn is_mount_point(path: &Path) -> bool {
     info.lines().any(|l| l.split(' ').nth(4) == Some(&*want))
 }
 
-/// The `kv file` line of a kvfs mount's `/stats`: chunks read and written through `kv` files.
-pub fn kv_file_counts(mountpoint: &Path) -> (u64, u64) {
+/// What moved through a mount, from its `/stats`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MountCounts {
+    /// Chunk reads the store served itself: the direct path, the `kv` file or a chunk file.
+    pub store_reads: u64,
+    /// Chunk slots the daemon served through `kv` and `data` files.
+    pub daemon_reads: u64,
+    /// `data` opens passed through to the data file (their reads never reach the daemon).
+    pub passthrough_opens: u64,
+    /// Chunk images committed through `kv` files.
+    pub kv_writes: u64,
+}
+
+/// A mount's counters, from its `/stats`.
+pub fn mount_counts(mountpoint: &Path) -> MountCounts {
     let stats = std::fs::read_to_string(mountpoint.join("stats")).unwrap();
-    let line = stats
-        .lines()
-        .find(|l| l.starts_with("kv file"))
-        .unwrap_or_else(|| panic!("no kv file line in {stats}"));
-    let n: Vec<u64> = line
-        .split(|c: char| !c.is_ascii_digit())
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    (n[0], n[1])
+    let numbers = |prefix: &str| -> Vec<u64> {
+        let line = stats
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} line in {stats}"));
+        line.split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect()
+    };
+    let kv = numbers("kv file");
+    MountCounts {
+        store_reads: numbers("reads")[0],
+        daemon_reads: kv[0],
+        passthrough_opens: kv[1],
+        kv_writes: kv[2],
+    }
 }
 
 /// A running `llms serve`; killed (SIGKILL) when dropped.

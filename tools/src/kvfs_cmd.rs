@@ -170,6 +170,7 @@ fn mount(
         read_only,
         threads,
         cache_dir_attrs,
+        ..kvfs::MountConfig::default()
     };
     let m = kvfs::mount(store, &mountpoint, &config)?;
     eprintln!(

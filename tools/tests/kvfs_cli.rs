@@ -80,8 +80,15 @@ fn inspect_lists_contexts_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let id = store_with_a_chunk(&store);
-    let tmp = store.join(format!("contexts/{id}/chunks/.tmp-0-99"));
-    std::fs::write(&tmp, b"a write in flight").unwrap();
+    // A write in flight: a new copy's payload in chunk 0's free slot, its header not yet written.
+    use std::os::unix::fs::FileExt;
+    let data = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(store.join(format!("contexts/{id}/data")))
+        .unwrap();
+    let in_flight = kvfs::slot_offset(0, 1) + kvfs::HEADER_PAGE as u64;
+    data.write_all_at(b"a write in flight", in_flight).unwrap();
     let out = Command::new(LLMS)
         .args(["kvfs", "inspect", "--verify", "--store"])
         .arg(&store)
@@ -100,7 +107,12 @@ fn inspect_lists_contexts_and_changes_nothing() {
         "{text}"
     );
     assert!(text.contains("every stored chunk checks out"), "{text}");
-    assert!(tmp.exists(), "inspect removed a file of a running writer");
+    let mut left = [0u8; 17];
+    data.read_exact_at(&mut left, in_flight).unwrap();
+    assert_eq!(
+        &left, b"a write in flight",
+        "inspect removed a write of a running writer"
+    );
     let out = Command::new(LLMS)
         .args(["kvfs", "inspect", "--context", &id.to_string(), "--store"])
         .arg(&store)
@@ -178,10 +190,17 @@ fn inspect_json_is_the_same_inspection_on_stdout() {
     assert!(one["verify"].is_null(), "{one}");
 
     // A damaged chunk: still the JSON on stdout, naming it, and a failure.
-    let chunk = store.join(format!("contexts/{id}/chunks/0"));
-    let mut bytes = std::fs::read(&chunk).unwrap();
-    *bytes.last_mut().unwrap() ^= 0xFF;
-    std::fs::write(&chunk, bytes).unwrap();
+    use std::os::unix::fs::FileExt;
+    let data = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(store.join(format!("contexts/{id}/data")))
+        .unwrap();
+    // The first copy of chunk 0, "chunk zero" stored raw: flip its last byte.
+    let last = kvfs::slot_offset(0, 0) + kvfs::HEADER_PAGE as u64 + 9;
+    let mut b = [0u8];
+    data.read_exact_at(&mut b, last).unwrap();
+    data.write_all_at(&[b[0] ^ 0xFF], last).unwrap();
     let (ok, bad) = inspect(&["--verify"]);
     assert!(!ok);
     let corrupt = bad["verify"]["corrupt"].as_array().unwrap();

@@ -1322,8 +1322,10 @@ mod tests {
                     encode_layer(&s, f, &k, &v, &mut chunk[l * lb..(l + 1) * lb]).unwrap();
                 }
                 let tag: kvfs::KvFormat = f.name().parse().unwrap();
-                store.write_chunk(id, 0, &fp, tag, 0.5, &chunk).unwrap();
-                let on_disk = std::fs::metadata(store.chunk_path(id, 0)).unwrap().len() as usize;
+                let stored = store.write_chunk(id, 0, &fp, tag, 0.5, &chunk).unwrap();
+                // The chunk's header and its stored payload (in its slot, whose header page and
+                // 4 KiB alignment are the layout's, not the format's).
+                let on_disk = kvfs::format::HEADER_LEN + stored.stored_len as usize;
                 let bits = on_disk as f64 * 8.0 / s.chunk_values() as f64;
                 if zstd {
                     assert!(on_disk <= s.stored_bytes(f), "{f}: {on_disk}");

@@ -3,10 +3,11 @@
 //! mount (the store works alone; tests that run without FUSE say why).
 //!
 //! Through the mount, each context's `kv` file is opened once and kept: a chunk read is one
-//! `preadv` into the caller's buffer and a chunk write one `pwritev` that the mount commits
-//! crash-safely before it returns. The open files are bounded ([`MAX_OPEN_FILES`]); the least
-//! recently used is closed first. Both paths run every check of the store (crc, identity, model,
-//! tokens) and neither allocates per read.
+//! `O_DIRECT` `preadv` into the caller's buffer, which the kernel passes through to the context's
+//! data file (FUSE passthrough; the daemon serves it where the kernel cannot), and a chunk write
+//! one `pwritev` that the mount commits crash-safely before it returns. The open files are bounded
+//! ([`MAX_OPEN_FILES`]); the least recently used is closed first. Both paths run every check of the
+//! store (crc, identity, model, the generation the store names) and neither allocates per read.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -126,7 +127,7 @@ impl ChunkIo {
                 self.store
                     .read_chunk_into(ContextId(ctx), index, &self.fingerprint, buf)
             }
-            Route::Mount(_) => self.file(ctx)?.read_chunk_into(index, buf),
+            Route::Mount(_) => self.file(ctx)?.read_chunk_into(&self.store, index, buf),
         }
     }
 

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
+use kvfs::io::AlignedBuf;
 use policy::{CostModel, LoadPlan, MissingChunk};
 use uffd_pager::{ChunkKey, ContextId, Pager};
 
@@ -140,7 +141,7 @@ pub fn load(
     let io = || -> (Vec<u32>, Vec<u32>, u64, f64) {
         let t = Instant::now();
         let (mut ok, mut failed, mut bytes) = (Vec::new(), Vec::new(), 0);
-        let (mut buf, mut scratch) = (Vec::new(), Vec::new());
+        let (mut buf, mut scratch) = (AlignedBuf::default(), Vec::new());
         loop {
             let n = cursor.fetch_add(1, Ordering::Relaxed);
             let Some(&i) = order.get(n) else { break };
@@ -264,8 +265,9 @@ fn force_recompute(plan: &mut LoadPlan, unreadable: &[u32]) {
     plan.read_after = after;
 }
 
-/// Reads one chunk from kvfs into `buf` (grown once per thread to the heaviest format's size)
-/// and populates its slot. A stored copy heavier than the format the cache records (the chunk
+/// Reads one chunk from kvfs into `buf` (grown once per thread to the heaviest format's size,
+/// rounded up to a page, and page-aligned: through the mount, the kernel reads the chunk's
+/// payload straight into it with `O_DIRECT`) and populates its slot. A stored copy heavier than the format the cache records (the chunk
 /// was recompressed in memory after it was written) is recompressed on the way in, which gives
 /// the same bytes.
 fn read_one(
@@ -274,13 +276,10 @@ fn read_one(
     shape: &ChunkShape,
     want: KvFormat,
     key: ChunkKey,
-    buf: &mut Vec<u8>,
+    buf: &mut AlignedBuf,
     scratch: &mut Vec<u8>,
 ) -> Result<u64, ServiceError> {
-    let heaviest = shape.chunk_bytes(KvFormat::F16);
-    if buf.len() < heaviest {
-        buf.resize(heaviest, 0);
-    }
+    let buf = buf.get(shape.chunk_bytes(KvFormat::F16).next_multiple_of(4096));
     let meta = io.read_into(key.ctx.0, key.index, buf)?;
     let have = from_store(meta.format);
     let bytes = &buf[..meta.raw_len as usize];
