@@ -217,11 +217,7 @@ fn io_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError
         // spreads over all of them; each row pools the rounds' latencies.
         let mut lat: [Vec<Duration>; 4] = Default::default();
         let data_path = store.data_path(id);
-        let data_file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(if store.direct_io() { libc::O_DIRECT } else { 0 })
-            .open(&data_path)
-            .map_err(|e| IoError::new("open", &data_path, e))?;
+        let data_file = open_data_file(&store, &data_path)?;
         let mut scratch = Vec::new();
         for _round in 0..3 {
             drop_caches();
@@ -537,11 +533,7 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
         let chunk_file =
             |root: &Path, i: u32| root.join(id.to_string()).join("chunks").join(i.to_string());
         let data_path = store.data_path(id);
-        let data_file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(if store.direct_io() { libc::O_DIRECT } else { 0 })
-            .open(&data_path)
-            .map_err(|e| IoError::new("open", &data_path, e))?;
+        let data_file = open_data_file(&store, &data_path)?;
         let daemon_reads = m.counters().kv_reads.load(Ordering::Relaxed)
             + zm.counters().kv_reads.load(Ordering::Relaxed);
         for &readers in &config.readers {
@@ -655,6 +647,15 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
     zm.unmount()?;
     m.unmount()?;
     Ok(())
+}
+
+/// Opens a context's data file for bare reads of its slots: with O_DIRECT where the store uses it.
+fn open_data_file(store: &Store, path: &Path) -> Result<std::fs::File, BenchError> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(if store.direct_io() { libc::O_DIRECT } else { 0 })
+        .open(path)
+        .map_err(|e| IoError::new("open", path, e).into())
 }
 
 /// Drops clean page-cache pages so reads start cold (root only; a no-op otherwise).

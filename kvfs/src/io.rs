@@ -245,69 +245,6 @@ pub fn read_aligned(path: &Path, direct: bool, limit: Option<usize>) -> Result<A
     Ok(Aligned { buf, start, len })
 }
 
-/// Reads a whole file into `scratch`, reusing its allocation, and returns where the bytes are:
-/// `scratch[range]`. With `direct` the read uses O_DIRECT into a 4 KiB-aligned part of `scratch`
-/// (which grows once to the largest file seen and is never shrunk, so steady-state reads allocate
-/// nothing); without it the read is buffered and the file's pages are dropped afterwards.
-/// Files longer than `max_len` are refused (`InvalidData`) before anything is allocated.
-pub fn read_into_scratch(
-    path: &Path,
-    direct: bool,
-    max_len: usize,
-    scratch: &mut Vec<u8>,
-) -> Result<std::ops::Range<usize>, IoError> {
-    let flags = if direct { libc::O_DIRECT } else { 0 };
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(flags)
-        .open(path)
-        .map_err(|e| IoError::new("open", path, e))?;
-    let len = f
-        .metadata()
-        .map_err(|e| IoError::new("stat", path, e))?
-        .len();
-    if len > max_len as u64 {
-        return Err(IoError::new(
-            "read",
-            path,
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("{len} bytes, more than the {max_len}-byte limit"),
-            ),
-        ));
-    }
-    let len = len as usize;
-    let cap = len.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
-    if scratch.len() < cap + DIRECT_ALIGN {
-        scratch.resize(cap + DIRECT_ALIGN, 0);
-    }
-    let start = if direct {
-        scratch.as_ptr().align_offset(DIRECT_ALIGN)
-    } else {
-        0
-    };
-    // O_DIRECT reads whole aligned blocks: ask for `cap` bytes and stop at end of file.
-    let end = if direct { start + cap } else { start + len };
-    let mut done = 0;
-    while done < len {
-        let n = f
-            .read_at(&mut scratch[start + done..end], done as u64)
-            .map_err(|e| IoError::new("read", path, e))?;
-        if n == 0 {
-            return Err(IoError::new(
-                "read",
-                path,
-                io::Error::new(io::ErrorKind::UnexpectedEof, "file shrank while being read"),
-            ));
-        }
-        done += n;
-    }
-    if !direct {
-        drop_cache(&f);
-    }
-    Ok(start..start + len)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,27 +285,45 @@ mod tests {
     }
 
     #[test]
-    fn scratch_reads_agree_and_reuse_the_buffer() {
+    fn slot_reads_agree_and_reuse_the_buffer() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("probe"), b"x").unwrap();
         let direct = supports_direct(&dir.path().join("probe"));
+        let data: Vec<u8> = (0..3 * 65536 + 13).map(|i| (i * 7 % 253) as u8).collect();
+        let p = dir.path().join("f");
+        std::fs::write(&p, &data).unwrap();
+        let open = |d: bool| {
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(if d { libc::O_DIRECT } else { 0 })
+                .open(&p)
+                .unwrap()
+        };
         let mut scratch = Vec::new();
         let mut first_cap = None;
-        // The first (largest) file sizes the buffer; the rest fit in it without a reallocation.
-        for len in [65536 + 13, 0usize, 1, 104, 4095, 4096, 4097, 12345] {
-            let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
-            let p = dir.path().join(format!("f{len}"));
-            std::fs::write(&p, &data).unwrap();
+        // The first (largest) read sizes the buffer; the rest fit in it without a reallocation.
+        for (offset, len) in [
+            (0, 65536 + 13),
+            (4096, 0),
+            (8192, 1),
+            (0, 104),
+            (65536, 4097),
+        ] {
             for d in [direct, false] {
-                let r = read_into_scratch(&p, d, 1 << 20, &mut scratch).unwrap();
-                assert_eq!(&scratch[r], &data[..], "len {len} direct {d}");
+                let r = read_slot(&open(d), d, offset, len, &mut scratch).unwrap();
+                let off = offset as usize;
+                assert_eq!(
+                    &scratch[r],
+                    &data[off..off + len],
+                    "{offset}+{len} direct {d}"
+                );
             }
             let cap = *first_cap.get_or_insert(scratch.capacity());
-            assert_eq!(scratch.capacity(), cap, "len {len}");
+            assert_eq!(scratch.capacity(), cap, "{offset}+{len}");
         }
-        let big = dir.path().join("f65549");
-        let err = read_into_scratch(&big, direct, 1000, &mut scratch).unwrap_err();
-        assert_eq!(err.source.kind(), io::ErrorKind::InvalidData, "{err}");
+        // Past the end of the file: what there is.
+        let r = read_slot(&open(direct), direct, 3 * 65536, 8192, &mut scratch).unwrap();
+        assert_eq!(&scratch[r], &data[3 * 65536..]);
     }
 
     #[test]

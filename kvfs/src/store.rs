@@ -766,6 +766,23 @@ impl Store {
             .ok_or(StoreError::NoSuchContext { context: id })
     }
 
+    /// A context, if it belongs to the model `fingerprint` (else [`StoreError::ForeignModel`]).
+    fn ctx_of_model(
+        &self,
+        id: ContextId,
+        fingerprint: &Fingerprint,
+    ) -> Result<Arc<Ctx>, StoreError> {
+        let ctx = self.ctx(id)?;
+        if *fingerprint != ctx.meta.fingerprint {
+            return Err(StoreError::ForeignModel {
+                context: id,
+                expected: *fingerprint,
+                found: ctx.meta.fingerprint,
+            });
+        }
+        Ok(ctx)
+    }
+
     /// Creates an empty context, durably: it exists after a crash only if it exists whole.
     pub fn create_context(&self, new: NewContext) -> Result<ContextId, StoreError> {
         self.writable()?;
@@ -1025,14 +1042,7 @@ impl Store {
                 why: format!("{index}, a context holds at most {MAX_CHUNKS} chunks"),
             });
         }
-        let ctx = self.ctx(id)?;
-        if *fingerprint != ctx.meta.fingerprint {
-            return Err(StoreError::ForeignModel {
-                context: id,
-                expected: *fingerprint,
-                found: ctx.meta.fingerprint,
-            });
-        }
+        let ctx = self.ctx_of_model(id, fingerprint)?;
         let _w = self.write_lock(&ctx)?;
         let (range, tcrc) = {
             let st = lock(&ctx.state);
@@ -1233,14 +1243,7 @@ impl Store {
         index: u32,
         fingerprint: &Fingerprint,
     ) -> Result<StoredChunk, StoreError> {
-        let ctx = self.ctx(id)?;
-        if *fingerprint != ctx.meta.fingerprint {
-            return Err(StoreError::ForeignModel {
-                context: id,
-                expected: *fingerprint,
-                found: ctx.meta.fingerprint,
-            });
-        }
+        let ctx = self.ctx_of_model(id, fingerprint)?;
         let st = lock(&ctx.state);
         match st.chunks.get(&index) {
             Some(ChunkState::Stored(s)) => Ok(s.clone()),
@@ -1335,14 +1338,7 @@ impl Store {
         ) -> Result<R, Check>,
     ) -> Result<R, StoreError> {
         let _span = tracing::debug_span!("kvfs_read_chunk", context = %id, index).entered();
-        let ctx = self.ctx(id)?;
-        if *fingerprint != ctx.meta.fingerprint {
-            return Err(StoreError::ForeignModel {
-                context: id,
-                expected: *fingerprint,
-                found: ctx.meta.fingerprint,
-            });
-        }
+        let ctx = self.ctx_of_model(id, fingerprint)?;
         let file = ctx.direct.as_ref().unwrap_or(&ctx.data);
         with_scratch(|s| {
             s.dctx()

@@ -82,7 +82,7 @@ impl LoadBenchReport {
         let mut s = format!(
             "chunks move through {}\n",
             if self.mount {
-                "the kvfs mount (kv files)"
+                "the kvfs mount (data files, passed through)"
             } else {
                 "the store's API (no mount)"
             }

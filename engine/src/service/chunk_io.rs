@@ -2,10 +2,10 @@
 //! path people can inspect (DESIGN.md, kvfs), or straight through the store's API where there is no
 //! mount (the store works alone; tests that run without FUSE say why).
 //!
-//! Through the mount, each context's `kv` file is opened once and kept: a chunk read is one
-//! `O_DIRECT` `preadv` into the caller's buffer, which the kernel passes through to the context's
-//! data file (FUSE passthrough; the daemon serves it where the kernel cannot), and a chunk write
-//! one `pwritev` that the mount commits crash-safely before it returns. The open files are bounded
+//! Through the mount, each context's `data` and `kv` files are opened once and kept: a chunk read
+//! is one `O_DIRECT` `preadv` of `data` into the caller's buffer, which the kernel passes through
+//! to the context's data file (FUSE passthrough; the daemon serves it where the kernel cannot),
+//! and a chunk write one `pwritev` of `kv` that the mount commits crash-safely before it returns. The open files are bounded
 //! ([`MAX_OPEN_FILES`]); the least recently used is closed first. Both paths run every check of the
 //! store (crc, identity, model, the generation the store names) and neither allocates per read.
 
@@ -21,7 +21,7 @@ use kvfs::{
 
 use crate::service::ServiceError;
 
-/// Open `kv` files kept at most; a daemon holds one per recently used context.
+/// Contexts whose mount files are kept open at most; a daemon holds them for its recently used contexts.
 pub const MAX_OPEN_FILES: usize = 256;
 
 /// Reads and writes chunks of one store for one model.
@@ -161,7 +161,7 @@ impl ChunkIo {
         self.lock().files.remove(&ctx);
     }
 
-    /// The open `kv` file of `ctx`, opened now if it is not.
+    /// The open mount files of `ctx`, opened now if it is not.
     fn file(&self, ctx: u64) -> Result<Arc<MountReader>, StoreError> {
         let Route::Mount(mount) = &self.route else {
             unreachable!("only the mounted path opens files")

@@ -5,8 +5,8 @@
 //! ([`ManagerConfig::cost`](crate::service::ManagerConfig::cost)), which every Load then refits.
 //!
 //! [`measure_io`] times chunk reads the way the service reads them: one chunk at a time through
-//! the `kv` file of a kvfs mount of a real store ([`ChunkIo`], [`kvfs::MountReader`]), cold (the
-//! store reads chunk files with `O_DIRECT`, so no page cache answers).
+//! the `data` file of a kvfs mount of a real store ([`ChunkIo`], [`kvfs::MountReader`]), cold (the
+//! data file is read with `O_DIRECT`, so no page cache answers).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -165,7 +165,7 @@ pub struct IoOptions {
 
 /// Writes the sealed chunks of `cache` (prefilled by `model`) to a fresh store in every format
 /// of `opts`, mounts it, and times reading the first x chunks of each, one `preadv` of the
-/// context's `kv` file per chunk as a Load's I/O thread does; `progress` is told each point.
+/// context's `data` file per chunk as a Load's I/O thread does; `progress` is told each point.
 pub fn measure_io(
     model: &Model,
     cache: &KvCache,
@@ -232,7 +232,7 @@ pub fn measure_io(
         let mut buf = vec![0u8; shape.chunk_bytes(KvFormat::F16)];
         let mut points = Vec::new();
         for &(format, ctx) in &contexts {
-            // The first read opens the context's kv file, which a Load finds open.
+            // The first read opens the context's mount files, which a Load finds open.
             io.read_into(ctx, 0, &mut buf)?;
             let mut counts: Vec<usize> = opts.counts.iter().map(|&x| x.clamp(1, sealed)).collect();
             counts.sort_unstable();
