@@ -265,11 +265,11 @@ fn force_recompute(plan: &mut LoadPlan, unreadable: &[u32]) {
     plan.read_after = after;
 }
 
-/// Reads one chunk from kvfs into `buf` (grown once per thread to the heaviest format's size,
-/// rounded up to a page, and page-aligned: through the mount, the kernel reads the chunk's
-/// payload straight into it with `O_DIRECT`) and populates its slot. A stored copy heavier than the format the cache records (the chunk
-/// was recompressed in memory after it was written) is recompressed on the way in, which gives
-/// the same bytes.
+/// Reads one chunk from kvfs into `buf` (page-aligned, and grown per thread to the largest chunk
+/// read, rounded up to a page: through the mount, the kernel reads the chunk's payload straight
+/// into it with `O_DIRECT`) and populates its slot. A stored copy heavier than the format the
+/// cache records (the chunk was recompressed in memory after it was written) is recompressed on
+/// the way in, which gives the same bytes.
 fn read_one(
     io: &ChunkIo,
     pager: &Pager,
@@ -279,8 +279,17 @@ fn read_one(
     buf: &mut AlignedBuf,
     scratch: &mut Vec<u8>,
 ) -> Result<u64, ServiceError> {
-    let buf = buf.get(shape.chunk_bytes(KvFormat::F16).next_multiple_of(4096));
-    let meta = io.read_into(key.ctx.0, key.index, buf)?;
+    // Sized for the format the cache records; a heavier stored copy asks for more.
+    let mut len = shape.chunk_bytes(want).next_multiple_of(4096);
+    let meta = loop {
+        match io.read_into(key.ctx.0, key.index, buf.get(len)) {
+            Err(kvfs::StoreError::BufferTooSmall { need, .. }) if need > len => {
+                len = need.next_multiple_of(4096);
+            }
+            r => break r?,
+        }
+    };
+    let buf = buf.get(len);
     let have = from_store(meta.format);
     let bytes = &buf[..meta.raw_len as usize];
     let n = bytes.len() as u64;

@@ -114,9 +114,10 @@ pub struct ManagerConfig {
     /// Chunks the AoT writer may hold queued (bounds its memory).
     pub writer_queue: usize,
     /// Threads that read chunks during a Load with nothing to recompute (one otherwise: the
-    /// engine thread recomputes on the other core). Each keeps one read in flight; four match
-    /// the kvfs mount's four FUSE threads (a 2048-token int8 context came back 1.2-1.8x faster
-    /// than with two, docs/service.md).
+    /// engine thread recomputes on the other core). Each keeps one read in flight and holds a
+    /// buffer of the largest chunk it has read during a Load. Four brought a 2048-token int8
+    /// context back 1.2-1.8x faster than two; twelve, with reads passed through the mount
+    /// straight to the disk, were no faster than four (docs/service.md).
     pub io_threads: usize,
     /// A call that would overflow `max_tokens` slides the context's window instead of failing:
     /// the first chunk (the attention sink) and the most recent tokens are kept, the rest is
