@@ -1,4 +1,5 @@
-//! The on-disk encodings of kvfs: the chunk file header, the context metadata file and the tokens file.
+//! The on-disk encodings of kvfs: the chunk header (at the start of each slot of a data file), the
+//! context metadata file and the tokens file.
 //!
 //! Every integer is little-endian.
 //! Every file carries a crc32c, so a torn or flipped file is detected before anything in it is trusted.
@@ -6,7 +7,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// Magic bytes at the start of every chunk file.
+/// Magic bytes at the start of every chunk header.
 pub const CHUNK_MAGIC: [u8; 8] = *b"KVFSCHNK";
 /// Magic bytes at the start of every context metadata file.
 pub const META_MAGIC: [u8; 8] = *b"KVFSCTXM";
@@ -14,7 +15,7 @@ pub const META_MAGIC: [u8; 8] = *b"KVFSCTXM";
 pub const TOKENS_MAGIC: [u8; 8] = *b"KVFSTOKS";
 /// Version of the on-disk format written by this code.
 pub const FORMAT_VERSION: u16 = 1;
-/// Size of a chunk file header in bytes.
+/// Size of a chunk header in bytes.
 pub const HEADER_LEN: usize = 104;
 /// Length of a model fingerprint in bytes.
 pub const FINGERPRINT_LEN: usize = 32;
@@ -191,7 +192,7 @@ impl Codec {
     }
 }
 
-/// The header at the start of every chunk file; the payload follows it.
+/// The header at the start of every chunk slot; the payload follows its page.
 ///
 /// Layout (104 bytes): magic 8, version u16, header length u16, format u8, codec u8, reserved u16,
 /// context u64, index u32, token start u32, token end u32, tokens crc u32, density f32,
@@ -241,7 +242,7 @@ impl ChunkHeader {
         b
     }
 
-    /// Decodes and checks a header from the start of a chunk file.
+    /// Decodes and checks a header from the start of a chunk slot.
     pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
         let what = "chunk header";
         if b.len() < HEADER_LEN {

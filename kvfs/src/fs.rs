@@ -48,7 +48,8 @@ const SLOT_TEXT: u64 = 4;
 const SLOT_KV: u64 = 5;
 const SLOT_DATA: u64 = 6;
 const FIRST_CHUNK: u64 = 16;
-/// Extended attributes of a chunk file; `format` and `density` can be set before a write commits.
+/// Extended attributes of a chunk in the per-chunk view; `format` and `density` can be set before a
+/// write commits.
 const XATTRS: [&str; 5] = [
     "user.kvfs.format",
     "user.kvfs.density",
