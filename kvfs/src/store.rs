@@ -1271,8 +1271,8 @@ impl Store {
             return StoreError::NoSuchContext { context: id };
         };
         let _w = lock(&ctx.write);
-        let copy = match lock(&ctx.state).chunks.get(&index) {
-            Some(ChunkState::Stored(s)) if s.generation == generation => s.copy,
+        let (copy, stored_len) = match lock(&ctx.state).chunks.get(&index) {
+            Some(ChunkState::Stored(s)) if s.generation == generation => (s.copy, s.stored_len),
             _ => {
                 // Replaced or already quarantined: nothing of this generation is served.
                 return StoreError::Corrupt {
@@ -1288,9 +1288,10 @@ impl Store {
             file,
             ctx.direct.is_some(),
             slot_offset(index, copy),
-            HEADER_PAGE + MAX_CHUNK_BYTES.min(1 << 20),
+            HEADER_PAGE + stored_len as usize,
             &mut bytes,
         );
+        // The slot as it is on disk, header page and payload, is what quarantine keeps.
         let bytes = kept.map(|r| bytes[r].to_vec()).unwrap_or_default();
         self.set_aside(&ctx, index, copy, &bytes, &reason);
         StoreError::Corrupt {

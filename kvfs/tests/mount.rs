@@ -778,10 +778,13 @@ fn a_corrupt_chunk_is_refused_with_eio_through_the_kv_file_and_quarantined() {
     let fx = Fixture::new(false);
     let id = fx.context(0, 16 * 4);
     let data = [noise(1, 212 << 10), bytes(2, 120 << 10), noise(3, 2 << 20)];
+    let mut slots = Vec::new();
     for (i, d) in data.iter().enumerate() {
-        fx.store
+        let s = fx
+            .store
             .write_chunk(id, i as u32, &FP, KvFormat::Int8, 0.0, d)
             .unwrap();
+        slots.push((HEADER_PAGE + s.stored_len as usize) as u64);
         fx.damage(id, i as u32, (d.len() - 1 - i * 1000) as u64);
     }
     let kv = MountReader::open(&fx.mnt, id, FP).unwrap();
@@ -816,11 +819,14 @@ fn a_corrupt_chunk_is_refused_with_eio_through_the_kv_file_and_quarantined() {
         ));
         assert_eq!(fx.store.chunk_offset(id, i), None);
     }
-    // Each bad slot is kept aside, as it was on disk.
-    let kept = std::fs::read_dir(fx.store.root().join("quarantine"))
+    // Each bad slot is kept aside whole, as it was on disk: its header page and payload.
+    let mut kept: Vec<u64> = std::fs::read_dir(fx.store.root().join("quarantine"))
         .unwrap()
-        .count();
-    assert_eq!(kept, 3);
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .collect();
+    kept.sort_unstable();
+    slots.sort_unstable();
+    assert_eq!(kept, slots);
     let info = std::fs::read_to_string(fx.path(format!("{id}/info"))).unwrap();
     assert!(info.contains("3 quarantined"), "{info}");
 }
