@@ -963,27 +963,34 @@ pub mod avx512 {
         }
     }
 
+    /// The first two rounds of [`reduce16`] and [`reduce8`]: `out[i]` holds, per 128-bit lane,
+    /// that lane's partial sums of vectors `4i..4i + 4` of `v` (`v` is four times as long).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    fn lane_partials(v: &[__m512], out: &mut [__m512]) {
+        debug_assert_eq!(v.len(), 4 * out.len());
+        for (i, o) in out.iter_mut().enumerate() {
+            // Per 128-bit lane, [a0 + a2, b0 + b2, a1 + a3, b1 + b3] for each pair (a, b).
+            let (a, b) = (v[4 * i], v[4 * i + 1]);
+            let x = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+            let (a, b) = (v[4 * i + 2], v[4 * i + 3]);
+            let y = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+            // Interleaved as pairs of f32 (64-bit lanes), added as f32.
+            let (a, b) = (_mm512_castps_pd(x), _mm512_castps_pd(y));
+            *o = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            );
+        }
+    }
+
     /// Sixteen vectors' horizontal sums, lane `i` of the result being `Σ v[i]`: three rounds of
     /// pairwise interleaving, 45 instructions in all instead of 16 full reductions.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
     fn reduce16(v: &[__m512; 16]) -> __m512 {
-        // Per 128-bit lane, [a0 + a2, b0 + b2, a1 + a3, b1 + b3] for the pair (a, b).
-        let mut s1 = [_mm512_setzero_ps(); 8];
-        for (i, s) in s1.iter_mut().enumerate() {
-            let (a, b) = (v[2 * i], v[2 * i + 1]);
-            *s = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-        }
-        // Per 128-bit lane, the lane's partial sums of vectors 4i..4i + 4.
         let mut s2 = [_mm512_setzero_ps(); 4];
-        for (i, s) in s2.iter_mut().enumerate() {
-            let (a, b) = (_mm512_castps_pd(s1[2 * i]), _mm512_castps_pd(s1[2 * i + 1]));
-            // Interleaved as pairs of f32 (64-bit lanes), added as f32.
-            *s = _mm512_add_ps(
-                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
-            );
-        }
+        lane_partials(v, &mut s2);
         // Across the four 128-bit lanes: lane m of the result gathers s2[m]'s four.
         let z01 = _mm512_add_ps(
             _mm512_shuffle_f32x4::<0x88>(s2[0], s2[1]),
@@ -1146,19 +1153,8 @@ pub mod avx512 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
     fn reduce8(v: &[__m512; 8]) -> __m256 {
-        let mut s1 = [_mm512_setzero_ps(); 4];
-        for (i, s) in s1.iter_mut().enumerate() {
-            let (a, b) = (v[2 * i], v[2 * i + 1]);
-            *s = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-        }
         let mut s2 = [_mm512_setzero_ps(); 2];
-        for (i, s) in s2.iter_mut().enumerate() {
-            let (a, b) = (_mm512_castps_pd(s1[2 * i]), _mm512_castps_pd(s1[2 * i + 1]));
-            *s = _mm512_add_ps(
-                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
-            );
-        }
+        lane_partials(v, &mut s2);
         // 128-bit lanes [A0 + A1, A2 + A3, B0 + B1, B2 + B3] of s2[0] = A and s2[1] = B.
         let z = _mm512_add_ps(
             _mm512_shuffle_f32x4::<0x88>(s2[0], s2[1]),
