@@ -20,8 +20,8 @@ use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
 use crate::fs::kv_offset;
 use crate::io::{IoError, read_slot};
 use crate::store::{
-    Check, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, Scratch, Store, StoreError, StoredChunk,
-    decode_payload, slot_offset, with_scratch,
+    Check, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk, decode_payload,
+    slot_offset, with_scratch,
 };
 
 /// How many times a read that finds the chunk moved by a concurrent rewrite is retried.
@@ -196,15 +196,9 @@ impl MountReader {
                 .map_err(|e| Check::Bad(e.to_string()));
         }
         with_scratch(|s| {
-            s.dctx()
+            let (file, dctx) = s
+                .parts()
                 .map_err(|e| Check::Bad(format!("zstd context: {e}")))?;
-            let Scratch {
-                file,
-                dctx: Some(dctx),
-            } = s
-            else {
-                unreachable!("made above")
-            };
             let r = read_slot(&self.read, true, offset, HEADER_PAGE + stored, file)
                 .map_err(|e| Check::Bad(format!("read: {e}")))?;
             let slot = &file[r];

@@ -1,11 +1,13 @@
-//! The FUSE filesystem over a [`Store`]: `/stats`, `/<context>/{info,text,chunks/<index>}`.
+//! The FUSE filesystem over a [`Store`]: `/stats`, `/<context>/{info,text,kv,data,chunks/<index>}`.
 //!
 //! Shaped like fuser's `examples/simple.rs`: helpers return `Result<T, Errno>` and each
 //! `Filesystem` method only adapts to its `reply`.
-//! Files belong to the uid that owns the context (mode 0600, directories 0700) and the mount uses
-//! `default_permissions`, so the kernel enforces ownership; other uids are not even shown a
-//! context they do not own. Every file is opened with `FOPEN_DIRECT_IO`, so the page cache never
-//! holds chunk bytes and the kernel forwards reads in requests of up to 1 MiB.
+//! Files belong to the uid that owns the context (mode 0600 or 0400, directories 0700) and the
+//! mount uses `default_permissions`, so the kernel enforces ownership; other uids are not even
+//! shown a context they do not own. `data` is passed through to the context's data file for
+//! `O_DIRECT` readers (FUSE passthrough: the kernel reads the disk itself); every other open is
+//! served by the daemon with `FOPEN_DIRECT_IO`, so the page cache never holds chunk bytes and the
+//! kernel forwards reads in requests of up to 1 MiB.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -1291,7 +1293,8 @@ pub struct MountConfig {
     /// Refuse every write (EROFS), and mount with `ro`.
     pub read_only: bool,
     /// FUSE worker threads, each reading its own cloned `/dev/fuse` descriptor: as many as the
-    /// parallel chunk readers to serve (each blocks on its chunk's disk read).
+    /// parallel requests the daemon serves (chunk writes, and reads where `data` is not passed
+    /// through; each blocks on its chunk's disk I/O).
     pub threads: usize,
     /// Let the kernel cache context directories' attributes for a second. This saves two
     /// `getattr` round trips per chunk open (the kernel checks permissions on each directory of

@@ -2,7 +2,7 @@
 //!
 //! [`Store`] is the Rust API the service uses (it works with or without a mount);
 //! [`fs::mount`] exposes a store as a filesystem, and [`MountReader`] moves chunks through a mount's
-//! per-context `kv` file.
+//! per-context `data` file (read, passed through to the disk) and `kv` file (written).
 
 pub mod bench;
 pub mod client;

@@ -1342,12 +1342,9 @@ impl Store {
         let ctx = self.ctx_of_model(id, fingerprint)?;
         let file = ctx.direct.as_ref().unwrap_or(&ctx.data);
         with_scratch(|s| {
-            s.dctx()
+            let (buf, dctx) = s
+                .parts()
                 .map_err(|e| IoError::new("zstd context for", &self.root, e))?;
-            let Scratch { file: buf, dctx } = s;
-            let Some(dctx) = dctx else {
-                unreachable!("made above")
-            };
             // A concurrent write may replace the chunk while we read it; retry if it moved.
             for _ in 0..3 {
                 let (generation, copy, stored_len) = match lock(&ctx.state).chunks.get(&index) {
@@ -1612,17 +1609,21 @@ pub(crate) enum Check {
 /// allocate nothing: the O_DIRECT slot buffer and the zstd decompression context.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    pub(crate) file: Vec<u8>,
-    pub(crate) dctx: Option<zstd::bulk::Decompressor<'static>>,
+    file: Vec<u8>,
+    dctx: Option<zstd::bulk::Decompressor<'static>>,
 }
 
+/// The read buffer and the decompression context of a [`Scratch`], borrowed together.
+pub(crate) type ScratchParts<'a> = (&'a mut Vec<u8>, &'a mut zstd::bulk::Decompressor<'static>);
+
 impl Scratch {
-    /// The decompression context, made at first use.
-    pub(crate) fn dctx(&mut self) -> std::io::Result<&mut zstd::bulk::Decompressor<'static>> {
-        match &mut self.dctx {
-            Some(d) => Ok(d),
-            d => Ok(d.insert(zstd::bulk::Decompressor::new()?)),
-        }
+    /// The read buffer and the decompression context (made at first use).
+    pub(crate) fn parts(&mut self) -> std::io::Result<ScratchParts<'_>> {
+        let dctx = match &mut self.dctx {
+            Some(d) => d,
+            d => d.insert(zstd::bulk::Decompressor::new()?),
+        };
+        Ok((&mut self.file, dctx))
     }
 }
 
