@@ -218,7 +218,7 @@ fn io_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError
         let mut lat: [Vec<Duration>; 4] = Default::default();
         let data_path = store.data_path(id);
         let data_file = open_data_file(&store, &data_path)?;
-        let mut scratch = Vec::new();
+        let mut scratch = AlignedBuf::default();
         for _round in 0..3 {
             drop_caches();
             lat[0].extend(read_pass(n, |i| {
@@ -359,16 +359,18 @@ pub struct LoadRow {
 }
 
 /// The ways of loading a chunk that `llms bench kvfs` compares: a bare O_DIRECT read of the
-/// chunk's slot in the data file; the store API; the mount's `kv` file (`MountReader`), passed
+/// chunk's slot in the data file, into huge pages (as every caller's buffer below) and, last, into
+/// small pages; the store API; the mount's `kv` file (`MountReader`), passed
 /// through to the data file by the kernel, over raw and over zstd payloads; the same file served by
 /// the daemon (a mount without passthrough); the per-chunk view.
-pub const LOAD_PATHS: [&str; 6] = [
+pub const LOAD_PATHS: [&str; 7] = [
     "disk O_DIRECT",
     "store read_chunk_into",
     "mount kv passthrough",
     "mount kv zstd",
     "mount kv daemon",
     "mount chunks/ open+read",
+    "disk O_DIRECT 4K pages",
 ];
 
 /// Page alignment of O_DIRECT reads.
@@ -537,22 +539,25 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
         let daemon_reads = m.counters().kv_reads.load(Ordering::Relaxed)
             + zm.counters().kv_reads.load(Ordering::Relaxed);
         for &readers in &config.readers {
-            let mut runs: [Vec<_>; 6] = Default::default();
+            let mut runs: [Vec<_>; 7] = Default::default();
             for _round in 0..config.rounds.max(1) {
                 drop_caches();
-                runs[0].push(parallel_pass(n, readers, Vec::new, |buf, i| {
+                let bare = |buf: &mut AlignedBuf, i| {
                     let at = store.locate(id, i, &FP)?;
                     let len = HEADER_PAGE + at.stored_len as usize;
                     let off = slot_offset(i, at.copy);
                     let r = read_slot(&data_file, store.direct_io(), off, len, buf)
                         .map_err(|e| IoError::new("read", &data_path, e))?;
                     Ok(r.len() - HEADER_PAGE)
-                })?);
+                };
+                runs[0].push(parallel_pass(n, readers, || AlignedBuf::huge(slot), bare)?);
+                drop_caches();
+                runs[6].push(parallel_pass(n, readers, || AlignedBuf::new(slot), bare)?);
                 drop_caches();
                 runs[1].push(parallel_pass(
                     n,
                     readers,
-                    || AlignedBuf::new(slot),
+                    || AlignedBuf::huge(slot),
                     |buf, i| Ok(store.read_chunk_into(id, i, &FP, buf.get(slot))?.raw_len as usize),
                 )?);
                 for (r, reader, st) in [(2, &kv, &store), (3, &zkv, &zstore), (4, &dkv, &store)] {
@@ -560,7 +565,7 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
                     runs[r].push(parallel_pass(
                         n,
                         readers,
-                        || AlignedBuf::new(slot),
+                        || AlignedBuf::huge(slot),
                         |buf, i| Ok(reader.read_chunk_into(st, i, buf.get(slot))?.raw_len as usize),
                     )?);
                 }

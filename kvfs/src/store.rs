@@ -26,7 +26,8 @@ use crate::format::{
     encode_tokens, tokens_crc,
 };
 use crate::io::{
-    IoError, drop_range, punch, read_file, read_slot, supports_direct, sync_dir, write_atomic,
+    AlignedBuf, IoError, drop_range, punch, read_file, read_slot, supports_direct, sync_dir,
+    write_atomic,
 };
 
 const MARKER: &str = "KVFS";
@@ -568,7 +569,7 @@ impl Store {
         let mut touched = false;
         // The copies found, per chunk: (copy, header) for every slot whose header passed.
         let mut found: BTreeMap<u32, Vec<(u8, ChunkHeader)>> = BTreeMap::new();
-        let mut scratch = Vec::new();
+        let mut scratch = AlignedBuf::default();
         for slot in occupied_slots(&data).map_err(|e| format!("scan data: {e}"))? {
             let (index, copy) = ((slot / 2) as u32, (slot % 2) as u8);
             let at = slot * SLOT_BYTES;
@@ -1282,7 +1283,7 @@ impl Store {
                 };
             }
         };
-        let mut bytes = Vec::new();
+        let mut bytes = AlignedBuf::default();
         let file = ctx.direct.as_ref().unwrap_or(&ctx.data);
         let kept = read_slot(
             file,
@@ -1609,12 +1610,15 @@ pub(crate) enum Check {
 /// allocate nothing: the O_DIRECT slot buffer and the zstd decompression context.
 #[derive(Default)]
 pub(crate) struct Scratch {
-    file: Vec<u8>,
+    file: AlignedBuf,
     dctx: Option<zstd::bulk::Decompressor<'static>>,
 }
 
 /// The read buffer and the decompression context of a [`Scratch`], borrowed together.
-pub(crate) type ScratchParts<'a> = (&'a mut Vec<u8>, &'a mut zstd::bulk::Decompressor<'static>);
+pub(crate) type ScratchParts<'a> = (
+    &'a mut AlignedBuf,
+    &'a mut zstd::bulk::Decompressor<'static>,
+);
 
 impl Scratch {
     /// The read buffer and the decompression context (made at first use).

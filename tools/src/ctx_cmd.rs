@@ -172,6 +172,11 @@ pub fn run_stats(a: StatsArgs) -> anyhow::Result<()> {
         "writes         {} done, {} failed, {} queued",
         s.writes, s.write_failures, s.writes_queued
     );
+    println!(
+        "load buffers   {:.1} MiB, {:.1} MiB of it in huge pages",
+        mib(s.load_buffer_bytes),
+        mib(s.load_buffer_huge_bytes)
+    );
     let wt = &s.weights;
     let budget = wt.budget_bytes.map_or_else(
         || "no budget".to_owned(),

@@ -559,6 +559,19 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
             .filter(|x| x.set == *set && x.path == "disk O_DIRECT")
             .map(|x| x.mb_per_s)
             .fold(0.0, f64::max);
+        for n in 1..=4 {
+            if let (Some(h), Some(p)) = (
+                get(set, "disk O_DIRECT", n),
+                get(set, "disk O_DIRECT 4K pages", n),
+            ) {
+                table!(
+                    "  {set:<13} {n} readers: disk O_DIRECT into huge pages {:>5.0} MB/s, into 4K pages {:>5.0} MB/s ({:.2}x)",
+                    h.mb_per_s,
+                    p.mb_per_s,
+                    h.mb_per_s / p.mb_per_s
+                );
+            }
+        }
         for n in 2..=4 {
             if let Some(m) = get(set, "mount kv passthrough", n) {
                 table!(

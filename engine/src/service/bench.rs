@@ -74,6 +74,10 @@ pub struct LoadBenchReport {
     pub memory_cgroup: Option<PathBuf>,
     /// Its peak over the whole run, the model's loading included, bytes.
     pub peak_memory_bytes: Option<u64>,
+    /// The Load's read buffers at the end of the longest context's rounds, and the bytes of them
+    /// the kernel backed with transparent huge pages.
+    pub load_buffer_bytes: u64,
+    pub load_buffer_huge_bytes: u64,
 }
 
 impl LoadBenchReport {
@@ -114,6 +118,11 @@ impl LoadBenchReport {
         for (n, tps) in &self.prefill_tps {
             s += &format!("prefill of {n} tokens: {tps:.0} tokens/s\n");
         }
+        s += &format!(
+            "the Load's read buffers: {:.1} MiB, {:.1} MiB of it in huge pages\n",
+            mib(self.load_buffer_bytes),
+            mib(self.load_buffer_huge_bytes)
+        );
         match (&self.memory_cgroup, self.peak_memory_bytes) {
             (Some(g), Some(b)) => {
                 s += &format!(
@@ -163,6 +172,7 @@ pub fn run(
     };
     let max_len = opts.lengths.iter().copied().max().unwrap_or(16);
     let vocab = model.cfg.vocab as u64;
+    let mut buffers = (0, 0);
     for &n in &opts.lengths {
         let store = opts.dir.join(format!("load-{n}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&store);
@@ -252,6 +262,10 @@ pub fn run(
             }
             drop(guard);
         }
+        let st = m.stats();
+        if st.load_buffer_bytes >= buffers.0 {
+            buffers = (st.load_buffer_bytes, st.load_buffer_huge_bytes);
+        }
         drop(m);
         let _ = std::fs::remove_dir_all(&store);
         let _ = std::fs::remove_dir(store.with_extension("mnt"));
@@ -263,6 +277,8 @@ pub fn run(
         prefill_tps,
         memory_cgroup: memory.map(|g| g.path().to_owned()),
         peak_memory_bytes: overall,
+        load_buffer_bytes: buffers.0,
+        load_buffer_huge_bytes: buffers.1,
     })
 }
 

@@ -70,9 +70,46 @@ pub struct StoredChunk {
     pub bytes: u64,
 }
 
+/// The Load's I/O threads and their read buffers, kept between Loads: the threads wait parked,
+/// so a switch does not pay for starting them, and the buffers are one mapping in transparent
+/// huge pages (`AlignedBuf::huge`), into which direct reads run about twice as fast as into
+/// small pages (docs/kvfs.md), carved into one part per thread.
+#[derive(Debug)]
+pub struct Readers {
+    pool: rayon::ThreadPool,
+    buf: AlignedBuf,
+}
+
+impl Readers {
+    /// `threads` I/O threads (at least one); their buffers are mapped at the first Load.
+    pub fn new(threads: usize) -> Result<Readers, ServiceError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(|i| format!("llms-load-{i}"))
+            .build()
+            .map_err(|e| ServiceError::Internal {
+                what: format!("starting the Load's I/O threads: {e}"),
+            })?;
+        Ok(Readers {
+            pool,
+            buf: AlignedBuf::huge(0),
+        })
+    }
+
+    /// The read buffers' bytes (whole huge pages, sized to the largest Load's chunks so far).
+    pub fn buffer_bytes(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    /// Of those, the bytes the kernel backs with huge pages.
+    pub fn huge_bytes(&self) -> usize {
+        self.buf.huge_bytes()
+    }
+}
+
 /// Brings every missing chunk of `cache` back. `stored[i]` is what the store holds of chunk `i`.
-/// The cache must be pinned. The reads run on `io_pool` (all its threads when nothing is
-/// recomputed, one otherwise).
+/// The cache must be pinned. The reads run on `readers` (all its threads when nothing is
+/// recomputed, one otherwise), each into its own part of their buffer.
 #[allow(clippy::too_many_arguments)]
 pub fn load(
     model: &Model,
@@ -83,7 +120,7 @@ pub fn load(
     stored: &[Option<StoredChunk>],
     mode: LoadMode,
     cost: &CostModel,
-    io_pool: &rayon::ThreadPool,
+    readers: &mut Readers,
 ) -> Result<LoadReport, ServiceError> {
     let t0 = Instant::now();
     let missing = cache.missing_chunks();
@@ -138,10 +175,10 @@ pub fn load(
     if blocking == 0 {
         let _ = first_done.send(());
     }
-    let io = || -> (Vec<u32>, Vec<u32>, u64, f64) {
+    let io = |buf: &mut [u8]| -> (Vec<u32>, Vec<u32>, u64, f64) {
         let t = Instant::now();
         let (mut ok, mut failed, mut bytes) = (Vec::new(), Vec::new(), 0);
-        let (mut buf, mut scratch) = (AlignedBuf::default(), Vec::new());
+        let mut spare = Spare::default();
         loop {
             let n = cursor.fetch_add(1, Ordering::Relaxed);
             let Some(&i) = order.get(n) else { break };
@@ -155,8 +192,8 @@ pub fn load(
                 &shape,
                 formats[i as usize],
                 key,
-                &mut buf,
-                &mut scratch,
+                &mut *buf,
+                &mut spare,
             );
             match r {
                 Ok(b) => {
@@ -181,19 +218,29 @@ pub fn load(
         .collect::<Vec<_>>();
     // With nothing to recompute the engine thread is idle: every core reads.
     let threads = if recompute.is_empty() {
-        io_pool.current_num_threads().max(1)
+        readers.pool.current_num_threads().max(1)
     } else {
         1
     }
     .min(order.len().max(1));
-    // The reads run on the manager's I/O pool: its threads wait parked between Loads, so a
-    // switch does not pay for starting threads (a thread started late finds the chunks taken by
-    // the first one, and the reads run one after another).
+    // Each thread reads into its own part of the readers' buffer, sized for the largest chunk
+    // of this Load in the formats the cache records (a heavier stored copy, rare, goes through
+    // the thread's spare buffer).
+    let part = order
+        .iter()
+        .map(|&i| shape.chunk_bytes(formats[i as usize]))
+        .max()
+        .unwrap_or(0);
+    let Readers { pool, buf } = readers;
+    let parts = buf.parts(threads, part);
+    // A thread started late finds the chunks taken by the first one, and the reads run one after
+    // another.
     let done = std::sync::Mutex::new(Vec::with_capacity(threads));
-    let (io_out, re_out) = io_pool.in_place_scope(|s| {
-        for _ in 0..threads {
+    let io = &io;
+    let (io_out, re_out) = pool.in_place_scope(|s| {
+        for part in parts {
             s.spawn(|_| {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(io));
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| io(part)));
                 if r.is_err() {
                     // Never leave the recompute waiting for a signal that will not come.
                     let _ = first_done.send(());
@@ -265,9 +312,17 @@ fn force_recompute(plan: &mut LoadPlan, unreadable: &[u32]) {
     plan.read_after = after;
 }
 
-/// Reads one chunk from kvfs into `buf` (page-aligned, and grown per thread to the largest chunk
-/// read, rounded up to a page: through the mount, the kernel reads the chunk's payload straight
-/// into it with `O_DIRECT`) and populates its slot. A stored copy heavier than the format the
+/// What an I/O thread keeps besides its part of the readers' buffer: a buffer for a stored copy
+/// larger than the part, and room to recompress one.
+#[derive(Default)]
+struct Spare {
+    read: AlignedBuf,
+    recompressed: Vec<u8>,
+}
+
+/// Reads one chunk from kvfs into `buf` (page-aligned and page-sized, in huge pages: through the
+/// mount, the kernel reads the chunk's payload straight into it with `O_DIRECT`), or into `spare`
+/// when the stored copy is larger, and populates its slot. A stored copy heavier than the format the
 /// cache records (the chunk was recompressed in memory after it was written) is recompressed on
 /// the way in, which gives the same bytes.
 fn read_one(
@@ -276,32 +331,30 @@ fn read_one(
     shape: &ChunkShape,
     want: KvFormat,
     key: ChunkKey,
-    buf: &mut AlignedBuf,
-    scratch: &mut Vec<u8>,
+    buf: &mut [u8],
+    spare: &mut Spare,
 ) -> Result<u64, ServiceError> {
-    // Sized for the format the cache records; a heavier stored copy asks for more.
-    let mut len = shape.chunk_bytes(want).next_multiple_of(4096);
+    let mut buf = buf;
     let meta = loop {
-        match io.read_into(key.ctx.0, key.index, buf.get(len)) {
-            Err(kvfs::StoreError::BufferTooSmall { need, .. }) if need > len => {
-                len = need.next_multiple_of(4096);
+        match io.read_into(key.ctx.0, key.index, &mut *buf) {
+            Err(kvfs::StoreError::BufferTooSmall { need, .. }) if need > buf.len() => {
+                buf = spare.read.get(need.next_multiple_of(4096));
             }
             r => break r?,
         }
     };
-    let buf = buf.get(len);
     let have = from_store(meta.format);
     let bytes = &buf[..meta.raw_len as usize];
     let n = bytes.len() as u64;
     let data: &[u8] = if have == want {
         bytes
     } else if crate::kv::codec::moves_down(shape, have, want) && have != KvFormat::F16 {
-        crate::kv::codec::recompress(shape, have, want, bytes, scratch).map_err(|e| {
-            ServiceError::Internal {
+        crate::kv::codec::recompress(shape, have, want, bytes, &mut spare.recompressed).map_err(
+            |e| ServiceError::Internal {
                 what: format!("{key}: {e}"),
-            }
-        })?;
-        scratch
+            },
+        )?;
+        &spare.recompressed
     } else {
         return Err(ServiceError::Internal {
             what: format!(

@@ -628,7 +628,8 @@ mod tests {
 
     /// The `stats` reply exactly as docs/protocol.md lists it: the manager's counters at the top
     /// level beside `daemon`, `weights.budget_bytes` absent without a budget, and a reply of a
-    /// daemon that predates `manager`, `sync_reclaims`, `window_slides` and `weights` still read.
+    /// daemon that predates `manager`, `sync_reclaims`, `window_slides`, the load buffers and `weights`
+    /// still read.
     #[test]
     fn a_stats_reply_keeps_the_documented_fields() {
         use crate::service::{Latency, ServiceStats, ServiceWeights};
@@ -649,6 +650,8 @@ mod tests {
                 writes: 12,
                 write_failures: 13,
                 writes_queued: 14,
+                load_buffer_bytes: 29,
+                load_buffer_huge_bytes: 30,
                 switch: Latency {
                     count: 15,
                     mean_ms: 1.5,
@@ -685,6 +688,7 @@ mod tests {
                 r#""contexts":3,"calls":4,"chunks_read":5,"chunks_recomputed":6,"faults":7,"#,
                 r#""reclaims":8,"unwritten_reclaims":9,"sync_reclaims":10,"window_slides":11,"#,
                 r#""writes":12,"write_failures":13,"writes_queued":14,"#,
+                r#""load_buffer_bytes":29,"load_buffer_huge_bytes":30,"#,
                 r#""switch":{"count":15,"mean_ms":1.5,"p50_ms":1.25,"p99_ms":2.5,"max_ms":3.0},"#,
                 r#""weights":{"budget_bytes":16,"residency":"balanced","resident_bytes":17,"#,
                 r#""buffer_bytes":18,"streamed_bytes":19,"bytes_read":20,"decode_tokens":21,"#,
@@ -727,6 +731,8 @@ mod tests {
         expected.service.manager = String::new();
         expected.service.sync_reclaims = 0;
         expected.service.window_slides = 0;
+        expected.service.load_buffer_bytes = 0;
+        expected.service.load_buffer_huge_bytes = 0;
         expected.service.weights = ServiceWeights::default();
         assert_eq!(*old, expected);
     }
