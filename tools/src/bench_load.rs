@@ -45,7 +45,7 @@ pub struct BenchLoadArgs {
     #[arg(long)]
     pub no_mount: bool,
     /// Threads reading chunks when the Load recomputes nothing (each keeps one read in flight)
-    #[arg(long, default_value_t = 4, value_parser = crate::report::positive)]
+    #[arg(long, default_value_t = 8, value_parser = crate::report::positive)]
     pub io_threads: usize,
     /// Start the planner from this cost profile (`llms profile`'s profile.json), as
     /// `llms serve --profile` does [default: the built-in starting costs]
