@@ -227,6 +227,10 @@ pub fn run(
                 for _ in 0..opts.runs.max(1) {
                     m.flush();
                     m.swap_out(&owner, id)?;
+                    if guard.is_some() {
+                        // Every throttled Load starts from the same state of the throttle.
+                        std::thread::sleep(Throttle::SETTLE);
+                    }
                     // One token in, none out: the call is its Load plus one token of prefill.
                     let opts0 = CallOptions {
                         max_tokens: 0,
@@ -284,12 +288,24 @@ pub fn run(
 
 /// This process in a cgroup v1 blkio group that limits reads from the store's disk; dropping it
 /// moves the process back and removes the group.
+///
+/// The kernel's throttle is not a slow disk: it counts bytes in slices (100 ms on a disk that
+/// says it is rotational, as this project's virtio disk does, 20 ms otherwise), and a group that
+/// starts a slice after an idle one may read a whole slice's bytes at once (at 50 MiB/s, `dd` of
+/// 5 MiB with `O_DIRECT` after a second's idle took 7 ms, 8 MiB 126 ms, 16 MiB 323 ms). A Load
+/// that followed idle time (a recompute-only Load, say) would then read its first bytes
+/// unthrottled and one that followed reads would not, so the benchmark lets the throttle settle
+/// ([`Throttle::SETTLE`]) before every throttled Load, in every mode: each starts with the same
+/// first slice.
 #[derive(Debug)]
 pub struct Throttle {
     _joined: cgroup::Joined,
 }
 
 impl Throttle {
+    /// Idle time that ends any slice of the throttle (two of the longest).
+    pub const SETTLE: std::time::Duration = std::time::Duration::from_millis(200);
+
     /// Limits reads from the disk holding `path` to `bps` bytes/s for this process.
     pub fn start(path: &Path, bps: u64) -> Result<Throttle, ServiceError> {
         let err = |e: cgroup::CgroupError| ServiceError::Internal {
