@@ -789,7 +789,12 @@ impl KvFs {
                 self.counters.kv_writes.fetch_add(1, Ordering::Relaxed);
             })
             .map_err(|e| {
-                tracing::warn!(error = %e, "kvfs write through the kv file failed");
+                if matches!(e, StoreError::NoSuchContext { .. }) {
+                    // The context was deleted with this write in flight: expected, not a fault.
+                    tracing::debug!(error = %e, "kvfs write of a deleted context refused");
+                } else {
+                    tracing::warn!(error = %e, "kvfs write through the kv file failed");
+                }
                 errno(&e)
             })
     }
