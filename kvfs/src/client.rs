@@ -18,21 +18,14 @@ use std::path::{Path, PathBuf};
 
 use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
 use crate::fs::kv_offset;
-use crate::io::{IoError, read_slot};
+use crate::io::{DIRECT_ALIGN as ALIGN, IoError, read_slot};
 use crate::store::{
-    Check, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk, decode_payload,
-    slot_offset, with_scratch,
+    Check, ContextId, HEADER_PAGE, HeaderPage, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk,
+    decode_payload, preadv_all, slot_offset, with_scratch,
 };
 
 /// How many times a read that finds the chunk moved by a concurrent rewrite is retried.
 const MOVED_RETRIES: usize = 8;
-
-/// Alignment of `O_DIRECT` buffers and lengths.
-const ALIGN: usize = 4096;
-
-/// A page-aligned buffer for a slot's header page.
-#[repr(C, align(4096))]
-struct HeaderPage([u8; HEADER_PAGE]);
 
 /// A context's `data` file (and `kv` file, to write) in a kvfs mount, kept open; share it between
 /// threads (`&self` methods, positioned I/O only).
@@ -317,11 +310,6 @@ impl MountReader {
     }
 
     fn preadv(&self, iov: &mut [IoSliceMut<'_>], offset: u64) -> Result<usize, nix::errno::Errno> {
-        loop {
-            match nix::sys::uio::preadv(&self.read, iov, offset as libc::off_t) {
-                Err(nix::errno::Errno::EINTR) => continue,
-                other => return other,
-            }
-        }
+        preadv_all(&self.read, iov, offset)
     }
 }

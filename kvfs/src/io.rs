@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use nix::fcntl::{PosixFadviseAdvice, posix_fadvise};
 
 /// Alignment of O_DIRECT buffers, offsets and lengths (covers 512-byte and 4 KiB devices).
-const DIRECT_ALIGN: usize = 4096;
+pub(crate) const DIRECT_ALIGN: usize = 4096;
 
 /// A file operation that failed, with the path it was about.
 #[derive(Debug, thiserror::Error)]

@@ -26,8 +26,8 @@ use crate::format::{
     encode_tokens, tokens_crc,
 };
 use crate::io::{
-    AlignedBuf, IoError, drop_range, punch, read_file, read_slot, supports_direct, sync_dir,
-    write_atomic,
+    AlignedBuf, DIRECT_ALIGN, IoError, drop_range, punch, read_file, read_slot, supports_direct,
+    sync_dir, write_atomic,
 };
 
 const MARKER: &str = "KVFS";
@@ -1152,10 +1152,13 @@ impl Store {
     /// [`Store::read_chunk`], and returns the chunk's metadata: its bytes are
     /// `buf[..meta.raw_len as usize]`.
     ///
-    /// Nothing is allocated per read in steady state: the file is read with O_DIRECT into a buffer
-    /// kept per thread (grown once to the largest chunk file seen), a raw payload is copied into
-    /// `buf` and a zstd payload is decompressed straight into it with a decompression context kept
-    /// per thread.
+    /// Nothing is allocated per read in steady state. A raw payload read with O_DIRECT into a
+    /// page-aligned `buf` at least the payload rounded up to 4 KiB long is read straight into it
+    /// (one `preadv`: the header page into a page on the stack, the payload into `buf`, whose
+    /// bytes past the chunk up to that length are overwritten), as `MountReader` does. Otherwise
+    /// the slot is read with O_DIRECT into a buffer kept per thread (grown once to the largest
+    /// slot seen), a raw payload is copied into `buf` and a zstd payload is decompressed straight
+    /// into it with a decompression context kept per thread.
     /// A `buf` shorter than the chunk is [`StoreError::BufferTooSmall`] (the chunk is fine; nothing
     /// is quarantined); a chunk that fails a check is quarantined and never copied out whole:
     /// `buf` may then hold garbage, and the error says to recompute the chunk.
@@ -1166,6 +1169,9 @@ impl Store {
         fingerprint: &Fingerprint,
         buf: &mut [u8],
     ) -> Result<StoredChunk, StoreError> {
+        if let Some(chunk) = self.read_raw_into(id, index, fingerprint, buf) {
+            return Ok(chunk);
+        }
         self.read_checked(id, index, fingerprint, |h, copy, slot, dctx| {
             let raw = h.raw_len as usize;
             let have = buf.len();
@@ -1175,6 +1181,51 @@ impl Store {
             decode_payload(h, &slot[HEADER_PAGE..], out, dctx)?;
             Ok(stored_of(h, copy))
         })
+    }
+
+    /// The direct case of [`Store::read_chunk_into`]: a raw payload read by the kernel straight
+    /// into `buf`, checked as every read is. `None` when it does not apply (no O_DIRECT, a zstd
+    /// payload, a `buf` unaligned or short) and when anything is amiss (not stored, a read error,
+    /// a failed check, a concurrent rewrite): the per-thread path then reads the slot again and
+    /// decides, quarantining what is really bad.
+    fn read_raw_into(
+        &self,
+        id: ContextId,
+        index: u32,
+        fingerprint: &Fingerprint,
+        buf: &mut [u8],
+    ) -> Option<StoredChunk> {
+        let ctx = self.ctx_of_model(id, fingerprint).ok()?;
+        let file = ctx.direct.as_ref()?;
+        let (generation, copy, stored) = match lock(&ctx.state).chunks.get(&index) {
+            Some(ChunkState::Stored(s)) if s.codec == Codec::Raw && s.stored_len == s.raw_len => {
+                (s.generation, s.copy, s.stored_len as usize)
+            }
+            _ => return None,
+        };
+        let rounded = stored.next_multiple_of(DIRECT_ALIGN);
+        if buf.as_ptr().align_offset(DIRECT_ALIGN) != 0 || buf.len() < rounded {
+            return None;
+        }
+        let mut page = HeaderPage([0; HEADER_PAGE]);
+        let n = {
+            let mut iov = [
+                std::io::IoSliceMut::new(&mut page.0),
+                std::io::IoSliceMut::new(&mut buf[..rounded]),
+            ];
+            preadv_all(file, &mut iov, slot_offset(index, copy)).ok()?
+        };
+        if n < HEADER_PAGE + stored {
+            return None;
+        }
+        let h = self
+            .check_parts(&ctx, index, generation, &page.0, &buf[..stored])
+            .ok()?;
+        self.counters.chunk_reads.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .chunk_read_bytes
+            .fetch_add(u64::from(h.raw_len), Ordering::Relaxed);
+        Some(stored_of(&h, copy))
     }
 
     /// [`Store::read_chunk_into`] into a vector resized to the chunk's length (its capacity is
@@ -1413,8 +1464,22 @@ impl Store {
         generation: u64,
         slot: &[u8],
     ) -> Result<ChunkHeader, Check> {
+        let (page, payload) = slot.split_at(HEADER_PAGE.min(slot.len()));
+        self.check_parts(ctx, index, generation, page, payload)
+    }
+
+    /// [`Store::check_slot`] on a slot read in two parts: its header page and its payload (which
+    /// may run past the header's stored length).
+    fn check_parts(
+        &self,
+        ctx: &Ctx,
+        index: u32,
+        generation: u64,
+        page: &[u8],
+        payload: &[u8],
+    ) -> Result<ChunkHeader, Check> {
         let bad = |e: FormatError| Check::Bad(e.to_string());
-        let header = ChunkHeader::decode(slot).map_err(bad)?;
+        let header = ChunkHeader::decode(page).map_err(bad)?;
         check_identity(&header, ctx.id, index, &ctx.meta).map_err(Check::Bad)?;
         if header.generation != generation {
             return Err(Check::Bad(format!(
@@ -1422,15 +1487,13 @@ impl Store {
                 header.generation
             )));
         }
-        let payload = slot
-            .get(HEADER_PAGE..HEADER_PAGE + header.stored_len as usize)
-            .ok_or_else(|| {
-                Check::Bad(format!(
-                    "slot cut short: {} bytes for a {}-byte payload",
-                    slot.len().saturating_sub(HEADER_PAGE),
-                    header.stored_len
-                ))
-            })?;
+        let payload = payload.get(..header.stored_len as usize).ok_or_else(|| {
+            Check::Bad(format!(
+                "slot cut short: {} bytes for a {}-byte payload",
+                payload.len(),
+                header.stored_len
+            ))
+        })?;
         header.check_payload(payload).map_err(bad)?;
         if header.raw_len as usize > MAX_CHUNK_BYTES {
             return Err(Check::Bad(format!(
@@ -1595,6 +1658,25 @@ impl Store {
             r(&c.corrupt_detected)
         );
         s
+    }
+}
+
+/// A page-aligned buffer for a slot's header page (on the stack: an O_DIRECT read into it needs
+/// no allocation).
+#[repr(C, align(4096))]
+pub(crate) struct HeaderPage(pub(crate) [u8; HEADER_PAGE]);
+
+/// One positioned vectored read, retried on `EINTR`.
+pub(crate) fn preadv_all(
+    f: &File,
+    iov: &mut [std::io::IoSliceMut<'_>],
+    offset: u64,
+) -> Result<usize, nix::errno::Errno> {
+    loop {
+        match nix::sys::uio::preadv(f, iov, offset as libc::off_t) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            other => return other,
+        }
     }
 }
 

@@ -1064,3 +1064,70 @@ fn one_writer_per_store_and_readers_alongside() {
     drop(store);
     assert_eq!(open(dir.path()).read_chunk(id, 0, &FP).unwrap(), b"held");
 }
+
+/// Bytes that zstd cannot shrink, so the store keeps them raw.
+fn incompressible(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 32) as u8
+        })
+        .collect()
+}
+
+#[test]
+fn raw_chunks_are_read_straight_into_an_aligned_buffer_and_bad_ones_still_quarantined() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let id = new_ctx(&store, 16 * 4);
+    let data: Vec<Vec<u8>> = (0..4).map(|i| incompressible(i, 20000)).collect();
+    for (i, d) in data.iter().enumerate() {
+        let s = store
+            .write_chunk(id, i as u32, &FP, KvFormat::Int8, 0.1, d)
+            .unwrap();
+        assert_eq!((s.codec, s.stored_len), (Codec::Raw, 20000));
+    }
+    let mut buf = kvfs::io::AlignedBuf::new(64 << 10);
+    // Aligned and rounded up to whole pages: the kernel reads the payload into it (where the
+    // filesystem takes O_DIRECT); unaligned or exactly the chunk's length: through the store's
+    // own buffer. The same bytes either way.
+    for (i, d) in data.iter().enumerate().take(3) {
+        let i = i as u32;
+        let meta = store.read_chunk_into(id, i, &FP, buf.get(20480)).unwrap();
+        assert_eq!(meta.raw_len, 20000);
+        assert_eq!(&buf[..20000], &d[..]);
+        buf.get(64 << 10).fill(0);
+        store
+            .read_chunk_into(id, i, &FP, &mut buf[1..20001])
+            .unwrap();
+        assert_eq!(&buf[1..20001], &d[..]);
+        store.read_chunk_into(id, i, &FP, buf.get(20000)).unwrap();
+        assert_eq!(&buf[..20000], &d[..]);
+    }
+    // A bit flipped in a payload is found on the direct read as on the other, and the slot is
+    // quarantined whole, as it was found.
+    let file = store.data_path(id);
+    let slot = store.chunk_offset(id, 3).unwrap();
+    let copy = (slot / slot_offset(0, 1)) % 2;
+    flip(&file, slot + HEADER_PAGE as u64 + 12345, 0x10);
+    let corrupted = read_at(&file, slot, HEADER_PAGE + 20000);
+    let err = store
+        .read_chunk_into(id, 3, &FP, buf.get(20480))
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+    assert!(matches!(
+        store.chunk_state(id, 3).unwrap(),
+        ChunkState::Quarantined { .. }
+    ));
+    let kept = quarantined_as(dir.path(), &format!("{id}-3.{copy}."));
+    assert!(
+        kept.iter().any(|p| std::fs::read(p).unwrap() == corrupted),
+        "{kept:?}"
+    );
+    // The others are untouched.
+    store.read_chunk_into(id, 2, &FP, buf.get(20480)).unwrap();
+    assert_eq!(&buf[..20000], &data[2][..]);
+}
