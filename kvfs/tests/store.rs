@@ -1065,25 +1065,12 @@ fn one_writer_per_store_and_readers_alongside() {
     assert_eq!(open(dir.path()).read_chunk(id, 0, &FP).unwrap(), b"held");
 }
 
-/// Bytes that zstd cannot shrink, so the store keeps them raw.
-fn incompressible(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 32) as u8
-        })
-        .collect()
-}
-
 #[test]
 fn raw_chunks_are_read_straight_into_an_aligned_buffer_and_bad_ones_still_quarantined() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
     let id = new_ctx(&store, 16 * 4);
-    let data: Vec<Vec<u8>> = (0..4).map(|i| incompressible(i, 20000)).collect();
+    let data: Vec<Vec<u8>> = (0..4).map(|i| noise(i, 20000)).collect();
     for (i, d) in data.iter().enumerate() {
         let s = store
             .write_chunk(id, i as u32, &FP, KvFormat::Int8, 0.1, d)
