@@ -12,16 +12,16 @@
 //! the read is retried at its new place.
 
 use std::fs::{File, OpenOptions};
-use std::io::{IoSlice, IoSliceMut};
+use std::io::IoSlice;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
 use crate::fs::kv_offset;
-use crate::io::{DIRECT_ALIGN as ALIGN, IoError, read_slot};
+use crate::io::{IoError, read_slot};
 use crate::store::{
-    Check, ContextId, HEADER_PAGE, HeaderPage, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk,
-    decode_payload, preadv_all, slot_offset, with_scratch,
+    Check, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk, decode_payload,
+    read_raw_slot, slot_offset, with_scratch,
 };
 
 /// How many times a read that finds the chunk moved by a concurrent rewrite is retried.
@@ -162,27 +162,8 @@ impl MountReader {
         }
         let offset = slot_offset(index, at.copy);
         let stored = at.stored_len as usize;
-        let rounded = stored.div_ceil(ALIGN) * ALIGN;
-        let direct = at.codec == Codec::Raw
-            && stored == raw
-            && buf.as_ptr().align_offset(ALIGN) == 0
-            && buf.len() >= rounded;
-        if direct {
-            let mut page = HeaderPage([0; HEADER_PAGE]);
-            let n = {
-                let mut iov = [
-                    IoSliceMut::new(&mut page.0),
-                    IoSliceMut::new(&mut buf[..rounded]),
-                ];
-                self.preadv(&mut iov, offset)
-                    .map_err(|e| Check::Bad(format!("read: {e}")))?
-            };
-            if n < HEADER_PAGE + stored {
-                return Err(Check::Bad(format!(
-                    "read {n} bytes of a {}-byte slot",
-                    HEADER_PAGE + stored
-                )));
-            }
+        if let Some(read) = read_raw_slot(&self.read, index, at, buf) {
+            let page = read.map_err(Check::Bad)?;
             let h = self.check_header(index, at, &page.0)?;
             return h
                 .check_payload(&buf[..stored])
@@ -307,9 +288,5 @@ impl MountReader {
             }
         }
         Ok(())
-    }
-
-    fn preadv(&self, iov: &mut [IoSliceMut<'_>], offset: u64) -> Result<usize, nix::errno::Errno> {
-        preadv_all(&self.read, iov, offset)
     }
 }

@@ -1197,35 +1197,20 @@ impl Store {
     ) -> Option<StoredChunk> {
         let ctx = self.ctx_of_model(id, fingerprint).ok()?;
         let file = ctx.direct.as_ref()?;
-        let (generation, copy, stored) = match lock(&ctx.state).chunks.get(&index) {
-            Some(ChunkState::Stored(s)) if s.codec == Codec::Raw && s.stored_len == s.raw_len => {
-                (s.generation, s.copy, s.stored_len as usize)
-            }
+        let at = match lock(&ctx.state).chunks.get(&index) {
+            Some(ChunkState::Stored(s)) => s.clone(),
             _ => return None,
         };
-        let rounded = stored.next_multiple_of(DIRECT_ALIGN);
-        if buf.as_ptr().align_offset(DIRECT_ALIGN) != 0 || buf.len() < rounded {
-            return None;
-        }
-        let mut page = HeaderPage([0; HEADER_PAGE]);
-        let n = {
-            let mut iov = [
-                std::io::IoSliceMut::new(&mut page.0),
-                std::io::IoSliceMut::new(&mut buf[..rounded]),
-            ];
-            preadv_all(file, &mut iov, slot_offset(index, copy)).ok()?
-        };
-        if n < HEADER_PAGE + stored {
-            return None;
-        }
+        let page = read_raw_slot(file, index, &at, buf)?.ok()?;
+        let payload = &buf[..at.stored_len as usize];
         let h = self
-            .check_parts(&ctx, index, generation, &page.0, &buf[..stored])
+            .check_parts(&ctx, index, at.generation, &page.0, payload)
             .ok()?;
         self.counters.chunk_reads.fetch_add(1, Ordering::Relaxed);
         self.counters
             .chunk_read_bytes
             .fetch_add(u64::from(h.raw_len), Ordering::Relaxed);
-        Some(stored_of(&h, copy))
+        Some(stored_of(&h, at.copy))
     }
 
     /// [`Store::read_chunk_into`] into a vector resized to the chunk's length (its capacity is
@@ -1666,8 +1651,44 @@ impl Store {
 #[repr(C, align(4096))]
 pub(crate) struct HeaderPage(pub(crate) [u8; HEADER_PAGE]);
 
+/// Reads a raw chunk's slot with one `preadv` of `file` (opened O_DIRECT): the header page into
+/// the returned page, the payload straight into `buf`, up to the payload rounded up to 4 KiB.
+/// `None` when that does not apply (a zstd payload, `buf` unaligned or shorter than that); an
+/// error names a failed or short read. The caller checks what it read.
+pub(crate) fn read_raw_slot(
+    file: &File,
+    index: u32,
+    at: &StoredChunk,
+    buf: &mut [u8],
+) -> Option<Result<HeaderPage, String>> {
+    let stored = at.stored_len as usize;
+    let rounded = stored.next_multiple_of(DIRECT_ALIGN);
+    if at.codec != Codec::Raw
+        || at.stored_len != at.raw_len
+        || buf.as_ptr().align_offset(DIRECT_ALIGN) != 0
+        || buf.len() < rounded
+    {
+        return None;
+    }
+    let mut page = HeaderPage([0; HEADER_PAGE]);
+    let mut iov = [
+        std::io::IoSliceMut::new(&mut page.0),
+        std::io::IoSliceMut::new(&mut buf[..rounded]),
+    ];
+    Some(
+        match preadv_all(file, &mut iov, slot_offset(index, at.copy)) {
+            Err(e) => Err(format!("read: {e}")),
+            Ok(n) if n < HEADER_PAGE + stored => Err(format!(
+                "read {n} bytes of a {}-byte slot",
+                HEADER_PAGE + stored
+            )),
+            Ok(_) => Ok(page),
+        },
+    )
+}
+
 /// One positioned vectored read, retried on `EINTR`.
-pub(crate) fn preadv_all(
+fn preadv_all(
     f: &File,
     iov: &mut [std::io::IoSliceMut<'_>],
     offset: u64,
