@@ -8,7 +8,9 @@ use std::time::Instant;
 use engine::kv::KvFormat;
 use engine::model::Model;
 use engine::model::tiny::{TinySpec, write_tiny_gguf};
-use engine::service::{CallOptions, LoadMode, Manager, ManagerConfig, Owner, ServiceError};
+use engine::service::{
+    CallOptions, CallReport, LoadMode, Manager, ManagerConfig, Owner, Prompt, ServiceError,
+};
 use uffd_pager::{ChunkKey, ContextId};
 
 struct Tiny {
@@ -60,9 +62,44 @@ fn config(store: &std::path::Path, budget: u64, format: KvFormat, load: LoadMode
     c
 }
 
+/// One call of `p`: given as tokens, or (`deferred`) encoded during the Load with a bound four
+/// times too high, as the daemon's text prompts are.
+fn call_as(
+    m: &mut Manager,
+    o: &Owner,
+    id: u64,
+    p: &[u32],
+    n: usize,
+    deferred: bool,
+) -> Result<CallReport, ServiceError> {
+    if deferred {
+        let encode = || p.to_vec();
+        m.call_with(
+            o,
+            id,
+            Prompt::later(p.len() * 4, encode),
+            &opts(n),
+            Instant::now(),
+            |_| true,
+        )
+    } else {
+        m.call(o, id, p, &opts(n), Instant::now(), |_| true)
+    }
+}
+
 /// Three calls on one context, with the context swapped out completely before each call when
 /// `swap`; returns every answer.
 fn conversation(t: &Tiny, format: KvFormat, load: LoadMode, swap: bool) -> Vec<Vec<u32>> {
+    conversation_as(t, format, load, swap, false)
+}
+
+fn conversation_as(
+    t: &Tiny,
+    format: KvFormat,
+    load: LoadMode,
+    swap: bool,
+    deferred: bool,
+) -> Vec<Vec<u32>> {
     let store = tempfile::tempdir().unwrap();
     let mut m = Manager::open(
         Arc::clone(&t.model),
@@ -83,16 +120,7 @@ fn conversation(t: &Tiny, format: KvFormat, load: LoadMode, swap: bool) -> Vec<V
                 "region RSS"
             );
         }
-        let r = m
-            .call(
-                &o,
-                id,
-                &prompt(call + 2, 40),
-                &opts(12),
-                Instant::now(),
-                |_| true,
-            )
-            .unwrap();
+        let r = call_as(&mut m, &o, id, &prompt(call + 2, 40), 12, deferred).unwrap();
         if swap && call > 0 {
             assert!(r.load.missing > 0, "nothing was missing after a swap-out");
             match load {
@@ -113,6 +141,9 @@ fn a_context_swapped_out_and_read_back_answers_as_one_never_swapped() {
         let kept = conversation(&t, format, LoadMode::ReadOnly, false);
         let swapped = conversation(&t, format, LoadMode::ReadOnly, true);
         assert_eq!(kept, swapped, "{format:?}");
+        // A prompt encoded while the chunks are read gives the same answers.
+        let deferred = conversation_as(&t, format, LoadMode::ReadOnly, true, true);
+        assert_eq!(kept, deferred, "{format:?}, encoded during the Load");
     }
 }
 
@@ -452,6 +483,14 @@ fn every_manager_answers_under_pressure_as_without_and_moves_chunks_its_own_way(
 #[test]
 fn a_full_context_slides_its_window_and_answers_as_a_fresh_one_with_the_kept_tokens() {
     let t = tiny();
+    let given = slide_conversation(&t, false);
+    // A prompt encoded during the Load is fitted after it, on its real length: the same slides
+    // (none where only its bound would not fit), the same answers.
+    assert_eq!(slide_conversation(&t, true), given);
+}
+
+/// Eight calls of 60 tokens in a 256-token context, checking each slide; returns every answer.
+fn slide_conversation(t: &Tiny, deferred: bool) -> Vec<Vec<u32>> {
     let store = tempfile::tempdir().unwrap();
     let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
     cfg.compress_bits = None;
@@ -461,12 +500,12 @@ fn a_full_context_slides_its_window_and_answers_as_a_fresh_one_with_the_kept_tok
     let id = m.create(&o, &prompt(1, 21)).unwrap();
     let mut said = prompt(1, 21);
     let mut slid = None;
+    let mut answers = Vec::new();
     for call in 0..8u32 {
         let p = prompt(call + 2, 60);
         let before = said.clone();
-        let r = m
-            .call(&o, id, &p, &opts(8), Instant::now(), |_| true)
-            .unwrap_or_else(|e| panic!("call {call}: {e}"));
+        let r =
+            call_as(&mut m, &o, id, &p, 8, deferred).unwrap_or_else(|e| panic!("call {call}: {e}"));
         if before.len() + p.len() + 1 > 256 {
             assert!(r.window_dropped > 0, "call {call} did not slide");
             let kept_len = before.len() - r.window_dropped;
@@ -478,7 +517,7 @@ fn a_full_context_slides_its_window_and_answers_as_a_fresh_one_with_the_kept_tok
                 slid = Some((kept, p.clone(), r.tokens.clone()));
             }
         } else {
-            assert_eq!(r.window_dropped, 0);
+            assert_eq!(r.window_dropped, 0, "call {call}");
         }
         said.extend_from_slice(&p);
         said.extend_from_slice(&r.tokens);
@@ -489,6 +528,7 @@ fn a_full_context_slides_its_window_and_answers_as_a_fresh_one_with_the_kept_tok
             said,
             "call {call}"
         );
+        answers.push(r.tokens);
     }
     assert!(m.stats().window_slides >= 1);
     // The first slide's answer is what a context of just the kept tokens answers.
@@ -502,10 +542,9 @@ fn a_full_context_slides_its_window_and_answers_as_a_fresh_one_with_the_kept_tok
     drop(m);
     cfg.window = false;
     let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
-    let e = m
-        .call(&o, id, &prompt(99, 200), &opts(8), Instant::now(), |_| true)
-        .unwrap_err();
+    let e = call_as(&mut m, &o, id, &prompt(99, 200), 8, deferred).unwrap_err();
     assert_eq!(e.code(), "context_full", "{e}");
+    answers
 }
 
 /// LLMS's default levels (k8v8, k4v4, k4v3) under a bit budget: every chunk the writer stores is

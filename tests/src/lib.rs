@@ -28,6 +28,19 @@ pub struct World {
 
 impl World {
     pub fn new(bin: &str) -> World {
+        World::with_spec(bin, TinySpec::default())
+    }
+
+    /// A world whose tiny model has a ChatML template.
+    pub fn chat(bin: &str) -> World {
+        let spec = TinySpec {
+            chat_template: Some(engine::model::tiny::TINY_CHATML.into()),
+            ..TinySpec::default()
+        };
+        World::with_spec(bin, spec)
+    }
+
+    fn with_spec(bin: &str, spec: TinySpec) -> World {
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(
             dir.path(),
@@ -37,7 +50,7 @@ impl World {
         let model = dir.path().join("tiny.gguf");
         let spec = TinySpec {
             max_ctx: MAX_CONTEXT,
-            ..TinySpec::default()
+            ..spec
         };
         write_tiny_gguf(&model, &spec).unwrap();
         World {
@@ -219,6 +232,13 @@ pub fn ask(c: &mut Client, ctx: u64, prompt: &str, max_tokens: usize) -> Answer 
 /// The answers a local context manager gives to `prompts`, one context, raw greedy calls of
 /// `max_tokens`: what the daemon must answer for the same history.
 pub fn local_answers(w: &World, prompts: &[&str], max_tokens: usize) -> Vec<Vec<u32>> {
+    let tok = w.tokenizer();
+    let calls: Vec<Vec<u32>> = prompts.iter().map(|p| tok.encode(p)).collect();
+    local_token_answers(w, &calls, max_tokens)
+}
+
+/// [`local_answers`] for calls given as tokens.
+pub fn local_token_answers(w: &World, calls: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
     let model = Arc::new(Model::load(&w.model).unwrap());
     let tok = w.tokenizer();
     let store = tempfile::tempdir().unwrap();
@@ -235,10 +255,10 @@ pub fn local_answers(w: &World, prompts: &[&str], max_tokens: usize) -> Vec<Vec<
         stop: tok.stop_ids(),
         ..CallOptions::default()
     };
-    prompts
+    calls
         .iter()
-        .map(|p| {
-            m.call(&o, id, &tok.encode(p), &opts, Instant::now(), |_| true)
+        .map(|t| {
+            m.call(&o, id, t, &opts, Instant::now(), |_| true)
                 .unwrap()
                 .tokens
         })

@@ -484,6 +484,83 @@ fn contexts_go_out_and_come_back_through_the_daemons_kvfs_mount() {
     }
 }
 
+/// Chat-format calls: the daemon closes the last answer's turn, opens the user's and then the
+/// assistant's, and encodes the text while the context's chunks are read back (each turn after a
+/// drained restart, so every one reads from kvfs). Its answers are those of a local manager given
+/// the template's tokens.
+#[test]
+fn chat_turns_answer_as_the_template_encodes_them_while_chunks_are_read() {
+    let w = tests::World::chat(env!("CARGO_BIN_EXE_llms-e2e"));
+    let tok = w.tokenizer();
+    let (start, end) = (
+        tok.token_id("<|im_start|>").unwrap(),
+        tok.token_id("<|im_end|>").unwrap(),
+    );
+    let nl = tok.encode("\n");
+    let turn = |k: usize, p: &str| -> Vec<u32> {
+        if k == 0 {
+            let m = engine::model::tokenizer::Message::user(p);
+            return tok.encode_chat(&[m], true).unwrap();
+        }
+        let mut t = vec![end];
+        t.extend(&nl);
+        t.push(start);
+        t.extend(tok.encode(&format!("user\n{p}")));
+        t.push(end);
+        t.extend(&nl);
+        t.push(start);
+        t.extend(tok.encode("assistant\n"));
+        t
+    };
+    let turns: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(k, p)| turn(k, p))
+        .collect();
+    let local = tests::local_token_answers(&w, &turns, 12);
+    let params = engine::service::client::CallParams {
+        max_tokens: 12,
+        ..Default::default()
+    };
+    let mut ctxs = Vec::new();
+    let mut answers = vec![Vec::new(); 2];
+    for (round, prompt) in PROMPTS.iter().enumerate() {
+        let d = w.serve(&[]);
+        let mut c = w.connect("chat");
+        if ctxs.is_empty() {
+            ctxs = (0..2)
+                .map(|_| c.new_context(None, Default::default()).unwrap())
+                .collect();
+        }
+        for (i, &ctx) in ctxs.iter().enumerate() {
+            let a = c
+                .call(ctx, prompt, &params)
+                .unwrap()
+                .collect_answer()
+                .unwrap();
+            answers[i].push(a.tokens);
+        }
+        if round > 0 {
+            assert!(c.stats().unwrap().service.chunks_read > 0, "round {round}");
+        }
+        drop(c);
+        assert!(d.term().success());
+    }
+    // Each context holds exactly the turns and their answers.
+    let store = kvfs::Store::open(&w.store(), kvfs::StoreOptions::default()).unwrap();
+    for (&ctx, a) in ctxs.iter().zip(&answers) {
+        let said: Vec<u32> = turns
+            .iter()
+            .zip(a)
+            .flat_map(|(t, a)| [&t[..], a].concat())
+            .collect();
+        assert_eq!(store.tokens(kvfs::ContextId(ctx)).unwrap(), said);
+    }
+    for a in answers {
+        assert_eq!(a, local);
+    }
+}
+
 #[test]
 fn no_mount_serves_without_kvfs() {
     let w = world();

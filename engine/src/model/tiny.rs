@@ -30,6 +30,8 @@ pub struct TinySpec {
     pub dtype: GgmlDType,
     /// Seed of the random weights.
     pub seed: u64,
+    /// `tokenizer.chat_template` (none by default: chat-format prompts are then refused).
+    pub chat_template: Option<String>,
 }
 
 impl Default for TinySpec {
@@ -44,9 +46,13 @@ impl Default for TinySpec {
             separate_output: false,
             dtype: GgmlDType::Q8_0,
             seed: 42,
+            chat_template: None,
         }
     }
 }
+
+/// A ChatML template, enough for the tokenizer to use the `<|im_start|>`/`<|im_end|>` turns.
+pub const TINY_CHATML: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
 /// GPT-2's byte-to-character map: printable bytes stand for themselves, the rest are shifted
 /// above U+0100 so that every byte has a visible character.
@@ -87,7 +93,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
     let vocab = tokens.len();
     let hd = spec.hidden / spec.n_heads;
     let arr = |v: Vec<Value>| Value::Array(v);
-    let md: Vec<(&str, Value)> = vec![
+    let mut md: Vec<(&str, Value)> = vec![
         ("general.architecture", Value::String("llama".into())),
         ("general.name", Value::String("tiny-random-llama".into())),
         ("llama.block_count", Value::U32(spec.n_layers as u32)),
@@ -129,6 +135,9 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
         ("tokenizer.ggml.padding_token_id", Value::U32(2)),
         ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
     ];
+    if let Some(t) = &spec.chat_template {
+        md.push(("tokenizer.chat_template", Value::String(t.clone())));
+    }
     let mut rng = StdRng::seed_from_u64(spec.seed);
     let dev = Device::Cpu;
     let mut mat = |rows: usize, cols: usize, scale: f32, dtype: GgmlDType| {

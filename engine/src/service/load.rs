@@ -109,7 +109,9 @@ impl Readers {
 
 /// Brings every missing chunk of `cache` back. `stored[i]` is what the store holds of chunk `i`.
 /// The cache must be pinned. The reads run on `readers` (all its threads when nothing is
-/// recomputed, one otherwise), each into its own part of their buffer.
+/// recomputed, one otherwise), each into its own part of their buffer. `during` is the caller's
+/// own work (encoding the prompt): it runs on the calling thread once the reads are under way and
+/// before any recompute, and has run when the Load returns `Ok`.
 #[allow(clippy::too_many_arguments)]
 pub fn load(
     model: &Model,
@@ -121,6 +123,7 @@ pub fn load(
     mode: LoadMode,
     cost: &CostModel,
     readers: &mut Readers,
+    during: impl FnOnce(),
 ) -> Result<LoadReport, ServiceError> {
     let t0 = Instant::now();
     let missing = cache.missing_chunks();
@@ -129,6 +132,7 @@ pub fn load(
         ..LoadReport::default()
     };
     if missing.is_empty() {
+        during();
         return Ok(report);
     }
     let _span = tracing::debug_span!("load", ctx, missing = missing.len()).entered();
@@ -248,6 +252,7 @@ pub fn load(
                 done.lock().unwrap_or_else(|e| e.into_inner()).push(r);
             });
         }
+        during();
         let _ = wait_first.recv();
         let t_re = Instant::now();
         let re = if recompute.is_empty() {

@@ -2,8 +2,9 @@
 //!
 //! A call, top-down (docs/service.md numbers the same steps):
 //! 1. Load: the context is pinned (its pager region locked against reclaim) and its missing
-//!    chunks come back ([`crate::service::load`]); the switch latency is measured from the
-//!    request's arrival to the end of the Load.
+//!    chunks come back ([`crate::service::load`]), while the engine thread encodes a text prompt
+//!    ([`Prompt::Later`]); the switch latency is measured from the request's arrival to the end of
+//!    the Load.
 //! 2. Run: the tokens left open at the end of the last call, then the prompt, are prefilled and
 //!    the answer generated; new chunks are Claimed in the pager under the budget.
 //! 3. Compress: the call's attention is merged into the context's densities (Eq. 1) and
@@ -190,6 +191,66 @@ impl Default for CallOptions {
     }
 }
 
+/// A call's prompt: its tokens, or text the engine thread encodes while the Load's reads are in
+/// flight, so a switch costs the longer of the two rather than their sum (encoding a few hundred
+/// tokens takes about as long as reading a few chunks).
+pub enum Prompt<'a> {
+    Tokens(&'a [u32]),
+    Later {
+        /// At least the number of tokens `encode` returns (for byte-level BPE, the text's bytes
+        /// plus the template's tokens), for the logs. The window is decided after the Load, on
+        /// the real length.
+        at_most: usize,
+        encode: Box<dyn FnOnce() -> Vec<u32> + 'a>,
+    },
+}
+
+impl<'a> Prompt<'a> {
+    /// A prompt encoded by `encode` during the Load, of at most `at_most` tokens.
+    pub fn later(at_most: usize, encode: impl FnOnce() -> Vec<u32> + 'a) -> Prompt<'a> {
+        Prompt::Later {
+            at_most,
+            encode: Box::new(encode),
+        }
+    }
+
+    fn at_most(&self) -> usize {
+        match self {
+            Prompt::Tokens(t) => t.len(),
+            Prompt::Later { at_most, .. } => *at_most,
+        }
+    }
+
+    fn into_tokens(self) -> std::borrow::Cow<'a, [u32]> {
+        match self {
+            Prompt::Tokens(t) => t.into(),
+            Prompt::Later { encode, .. } => encode().into(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Prompt<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Prompt::Tokens(t) => f.debug_tuple("Tokens").field(&t.len()).finish(),
+            Prompt::Later { at_most, .. } => {
+                f.debug_struct("Later").field("at_most", at_most).finish()
+            }
+        }
+    }
+}
+
+/// How `run_call` ended.
+enum Ran {
+    Done(CallReport),
+    /// The prompt, encoded during the Load, does not fit beside the context; nothing changed but
+    /// the chunks the Load brought back.
+    Full {
+        tokens: Vec<u32>,
+        load: LoadReport,
+    },
+}
+
 /// What a call did.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct CallReport {
@@ -201,6 +262,8 @@ pub struct CallReport {
     pub switch_secs: f64,
     /// The Load's parts and the plan's prediction.
     pub load: LoadReport,
+    /// The prompt's tokens.
+    pub prompt_tokens: usize,
     /// Tokens prefilled (the previous call's open tail and the prompt).
     pub prefill_tokens: usize,
     pub prefill_secs: f64,
@@ -737,21 +800,39 @@ impl Manager {
         received: Instant,
         on_token: impl FnMut(u32) -> bool,
     ) -> Result<CallReport, ServiceError> {
-        let _span = tracing::info_span!("call", ctx = id, prompt = prompt.len()).entered();
+        self.call_with(owner, id, Prompt::Tokens(prompt), opts, received, on_token)
+    }
+
+    /// [`Manager::call`] with a prompt that may be encoded while the context's chunks are read.
+    pub fn call_with(
+        &mut self,
+        owner: &Owner,
+        id: u64,
+        prompt: Prompt<'_>,
+        opts: &CallOptions,
+        received: Instant,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<CallReport, ServiceError> {
+        let _span = tracing::info_span!("call", ctx = id, prompt = prompt.at_most()).entered();
         let ctx = self.owned(owner, id)?;
         let said = ctx.cache.len() + ctx.pending.len();
         let mut window_dropped = 0;
-        if said + prompt.len() + 1 > self.cfg.max_tokens {
+        // A prompt known too long slides the window first; one encoded during the Load is decided
+        // after it (`run_call` hands it back, and the call starts again from here).
+        if let Prompt::Tokens(t) = &prompt
+            && said + t.len() >= self.cfg.max_tokens
+        {
+            let n = t.len();
             // The window keeps at least the sink chunk beside the prompt.
             let sink = self.cfg.chunk_tokens.min(said);
-            if !self.cfg.window || sink + prompt.len() + 1 > self.cfg.max_tokens {
+            if !self.cfg.window || sink + n + 1 > self.cfg.max_tokens {
                 return Err(ServiceError::Kv(crate::kv::KvError::Full {
                     len: said,
-                    adding: prompt.len() + 1,
+                    adding: n + 1,
                     max: self.cfg.max_tokens,
                 }));
             }
-            window_dropped = self.slide(id, prompt.len(), opts.max_tokens)?;
+            window_dropped = self.slide(id, n, opts.max_tokens)?;
         }
         let ctx = self.contexts.get_mut(&id).expect("owned checked it");
         ctx.cache.pin()?;
@@ -766,7 +847,7 @@ impl Manager {
         };
         let (mut first, mut last, mut streamed) = (0, 0, 0u64);
         let mut on_token = on_token;
-        let on_token = |t: u32| {
+        let counted = |t: u32| {
             let now = read();
             if streamed == 0 {
                 first = now;
@@ -791,7 +872,7 @@ impl Manager {
             prompt,
             opts,
             received,
-            on_token,
+            counted,
         );
         if streamed > 1 {
             self.decode_tokens += streamed - 1;
@@ -800,10 +881,26 @@ impl Manager {
         let ctx = self.contexts.get_mut(&id).expect("still there");
         ctx.cache.unpin();
         let report = match r {
-            Ok(r) => CallReport {
+            Ok(Ran::Done(r)) => CallReport {
                 window_dropped,
                 ..r
             },
+            Ok(Ran::Full { tokens, load }) => {
+                // The prompt, encoded during the Load, does not fit beside the context: the call
+                // starts again with its tokens, which slides the window (the Load's chunks are
+                // read for nothing, a small cost beside the slide's prefill).
+                self.chunks_read += load.read.len() as u64;
+                self.chunks_recomputed += load.recomputed.len() as u64;
+                self.learn(&load);
+                return self.call_with(
+                    owner,
+                    id,
+                    Prompt::Tokens(&tokens),
+                    opts,
+                    received,
+                    on_token,
+                );
+            }
             Err(e) => {
                 // The context goes back to its last completed call, as the store holds it.
                 tracing::warn!(ctx = id, error = %e, "call failed; the context is reloaded");
@@ -850,11 +947,11 @@ impl Manager {
         readers: &mut load::Readers,
         id: u64,
         ctx: &mut Context,
-        prompt: &[u32],
+        prompt: Prompt<'_>,
         opts: &CallOptions,
         received: Instant,
         on_token: impl FnMut(u32) -> bool,
-    ) -> Result<CallReport, ServiceError> {
+    ) -> Result<Ran, ServiceError> {
         // 1. Load. Chunks the pager wrote out when it reclaimed them are in the store now.
         for i in expected.take_written(id) {
             if let Some(slot) = ctx.stored.get_mut(i as usize)
@@ -867,6 +964,7 @@ impl Manager {
                 });
             }
         }
+        let mut tokens = None;
         let load = load::load(
             model,
             io,
@@ -877,15 +975,23 @@ impl Manager {
             cfg.load,
             cost,
             readers,
+            || tokens = Some(prompt.into_tokens()),
         )?;
+        let prompt = tokens.expect("the Load encodes the prompt");
         for &i in &load.failed_reads {
             ctx.stored[i as usize] = None;
+        }
+        if ctx.cache.len() + ctx.pending.len() + prompt.len() >= cfg.max_tokens {
+            return Ok(Ran::Full {
+                tokens: prompt.into_owned(),
+                load,
+            });
         }
         let switch_secs = received.elapsed().as_secs_f64();
 
         // 2. Run.
         let mut input = std::mem::take(&mut ctx.pending);
-        input.extend_from_slice(prompt);
+        input.extend_from_slice(&prompt);
         let mut said: Vec<u32> = ctx.cache.tokens().to_vec();
         said.extend_from_slice(&input);
         let mut sampler = Sampler::new(opts.sampling.clone());
@@ -1000,7 +1106,7 @@ impl Manager {
             });
         }
         ctx.calls += 1;
-        Ok(CallReport {
+        Ok(Ran::Done(CallReport {
             tokens: run.tokens,
             stop: match run.stop {
                 StopReason::Stop => "stop",
@@ -1010,13 +1116,14 @@ impl Manager {
             },
             switch_secs,
             load,
+            prompt_tokens: prompt.len(),
             prefill_tokens: run.prompt_tokens,
             prefill_secs: run.prefill_secs,
             decode_secs: run.decode_secs,
             recompressed,
             queued_writes: writes.len(),
             window_dropped: 0,
-        })
+        }))
     }
 
     /// Deletes a context: its memory, its store directory.

@@ -26,8 +26,8 @@ pub mod writer;
 
 pub use load::{LoadMode, LoadReport};
 pub use manager::{
-    CallOptions, CallReport, ContextSummary, Latency, Manager, ManagerConfig, Owner, ServiceStats,
-    ServiceWeights, VictimPolicy, WriteOut,
+    CallOptions, CallReport, ContextSummary, Latency, Manager, ManagerConfig, Owner, Prompt,
+    ServiceStats, ServiceWeights, VictimPolicy, WriteOut,
 };
 pub use managers::ManagerKind;
 

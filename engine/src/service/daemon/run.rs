@@ -14,7 +14,7 @@ use crate::service::protocol::{
     ChunkCounts, ContextInfo, Done, ErrorBody, Event, PromptFormat, Reply, Request, Stats, Timings,
     codes,
 };
-use crate::service::{CallOptions, ContextSummary, Manager, Owner, ServiceError};
+use crate::service::{CallOptions, ContextSummary, Manager, Owner, Prompt, ServiceError};
 
 /// Serves requests until the queue closes, then flushes the AoT writes.
 pub fn engine_loop(mut m: Manager, tok: &Tokenizer, shared: &Shared) {
@@ -107,23 +107,28 @@ fn no_template(e: crate::model::tokenizer::TokenizerError) -> ErrorBody {
     )
 }
 
-/// The tokens of one prompt appended to context `id`, as `format` says.
-fn encode_prompt(
+/// One prompt appended to context `id`, as `format` says. The chat template's turn markers are
+/// decided here (they depend on how the context ends); the text itself is encoded by the engine
+/// thread while the context's chunks are read ([`Prompt::Later`]): every token of this
+/// byte-level BPE covers at least one byte, so the text's length bounds its tokens.
+fn prompt_of<'a>(
     m: &Manager,
-    tok: &Tokenizer,
+    tok: &'a Tokenizer,
     o: &Owner,
     id: u64,
-    prompt: &str,
+    prompt: &'a str,
     format: PromptFormat,
-) -> Result<Vec<u32>, ErrorBody> {
+) -> Result<Prompt<'a>, ErrorBody> {
     if format == PromptFormat::Raw {
-        return Ok(tok.encode(prompt));
+        return Ok(Prompt::later(prompt.len(), move || tok.encode(prompt)));
     }
     let info = m.info(o, id).map_err(service_error)?;
     if info.tokens == 0 {
-        return tok
+        // A new context has nothing to read: encoding now costs the switch nothing.
+        let t = tok
             .encode_chat(&[Message::user(prompt)], true)
-            .map_err(no_template);
+            .map_err(no_template)?;
+        return Ok(Prompt::later(t.len(), move || t));
     }
     let special = |s: &str| {
         tok.token_id(s).ok_or_else(|| {
@@ -142,18 +147,25 @@ fn encode_prompt(
         .map_err(|e| service_error(e.into()))?;
     let nl = tok.encode("\n");
     let closed = said.last() == Some(&end) || said.ends_with(&[&[end][..], &nl].concat());
-    let mut t = Vec::with_capacity(prompt.len() / 2 + 16);
+    let mut head = Vec::with_capacity(nl.len() + 2);
     if !closed {
-        t.push(end);
-        t.extend_from_slice(&nl);
+        head.push(end);
+        head.extend_from_slice(&nl);
     }
-    t.push(start);
-    t.extend(tok.encode(&format!("user\n{prompt}")));
-    t.push(end);
-    t.extend_from_slice(&nl);
-    t.push(start);
-    t.extend(tok.encode("assistant\n"));
-    Ok(t)
+    head.push(start);
+    let mut tail = vec![end];
+    tail.extend_from_slice(&nl);
+    tail.push(start);
+    tail.extend(tok.encode("assistant\n"));
+    let user = "user\n";
+    let at_most = head.len() + user.len() + prompt.len() + tail.len();
+    Ok(Prompt::later(at_most, move || {
+        let mut t = Vec::with_capacity(at_most);
+        t.extend_from_slice(&head);
+        t.extend(tok.encode(&format!("{user}{prompt}")));
+        t.extend_from_slice(&tail);
+        t
+    }))
 }
 
 fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> {
@@ -173,7 +185,7 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
         unreachable!("call() is only given calls")
     };
     let o = &job.owner;
-    let tokens = encode_prompt(m, tok, o, *context, prompt, *format)?;
+    let prompt = prompt_of(m, tok, o, *context, prompt, *format)?;
     let opts = CallOptions {
         max_tokens: *max_tokens,
         sampling: SamplingParams {
@@ -191,7 +203,7 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
     let longest_stop = stop.iter().map(String::len).max().unwrap_or(0);
     let conn = &job.conn;
     let report = m
-        .call(o, *context, &tokens, &opts, job.received, |t| {
+        .call_with(o, *context, prompt, &opts, job.received, |t| {
             let piece = dec.push(tok, t);
             let from = text.len().saturating_sub(longest_stop + piece.len());
             text.push_str(&piece);
@@ -225,7 +237,7 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
     let context_tokens = m.info(o, *context).map(|c| c.tokens).unwrap_or(0);
     tracing::info!(
         context,
-        prompt = tokens.len(),
+        prompt = report.prompt_tokens,
         generated,
         switch_ms = ms(report.switch_secs),
         stop = report.stop,
