@@ -226,7 +226,7 @@ pub struct Tokenizer {
     token_bytes: Vec<Vec<u8>>,
     token_to_id: HashMap<String, u32>,
     /// (left, right) -> (rank, merged token).
-    merges: HashMap<(u32, u32), (u32, u32)>,
+    merges: foldhash::HashMap<(u32, u32), (u32, u32)>,
     /// The token of each single byte, the starting point of BPE.
     byte_tokens: [u32; 256],
     pre_name: String,
@@ -240,7 +240,7 @@ pub struct Tokenizer {
     padding: Option<u32>,
     add_bos: bool,
     chat_template: ChatTemplate,
-    cache: Mutex<HashMap<Box<str>, Box<[u32]>>>,
+    cache: Mutex<foldhash::HashMap<Box<str>, Box<[u32]>>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -456,7 +456,8 @@ impl Tokenizer {
 
         let key = "tokenizer.ggml.merges";
         let merge_values = as_array(get(md, key)?, key)?;
-        let mut merges = HashMap::with_capacity(merge_values.len());
+        let mut merges =
+            foldhash::HashMap::with_capacity_and_hasher(merge_values.len(), Default::default());
         for (index, v) in merge_values.iter().enumerate() {
             let m = as_str(v, key)?;
             let bad = || TokenizerError::BadMerge {
@@ -530,7 +531,7 @@ impl Tokenizer {
             padding,
             add_bos,
             chat_template: ChatTemplate::from_jinja(template),
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(foldhash::HashMap::default()),
         })
     }
 
