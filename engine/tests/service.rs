@@ -62,8 +62,8 @@ fn config(store: &std::path::Path, budget: u64, format: KvFormat, load: LoadMode
     c
 }
 
-/// One call of `p`: given as tokens, or (`deferred`) encoded during the Load with a bound four
-/// times too high, as the daemon's text prompts are.
+/// One call of `p`: given as tokens, or (`deferred`) encoded during the Load, as the daemon's
+/// text prompts are.
 fn call_as(
     m: &mut Manager,
     o: &Owner,
@@ -77,7 +77,7 @@ fn call_as(
         m.call_with(
             o,
             id,
-            Prompt::later(p.len() * 4, encode),
+            Prompt::later(encode),
             &opts(n),
             Instant::now(),
             |_| true,
@@ -484,8 +484,8 @@ fn every_manager_answers_under_pressure_as_without_and_moves_chunks_its_own_way(
 fn a_full_context_slides_its_window_and_answers_as_a_fresh_one_with_the_kept_tokens() {
     let t = tiny();
     let given = slide_conversation(&t, false);
-    // A prompt encoded during the Load is fitted after it, on its real length: the same slides
-    // (none where only its bound would not fit), the same answers.
+    // A prompt encoded during the Load is fitted after it, on its real length: the same slides,
+    // the same answers.
     assert_eq!(slide_conversation(&t, true), given);
 }
 

@@ -193,38 +193,23 @@ impl Default for CallOptions {
 
 /// A call's prompt: its tokens, or text the engine thread encodes while the Load's reads are in
 /// flight, so a switch costs the longer of the two rather than their sum (encoding a few hundred
-/// tokens takes about as long as reading a few chunks).
+/// tokens takes about as long as reading a few chunks). The window is decided after the Load, on
+/// the real length.
 pub enum Prompt<'a> {
     Tokens(&'a [u32]),
-    Later {
-        /// At least the number of tokens `encode` returns (for byte-level BPE, the text's bytes
-        /// plus the template's tokens), for the logs. The window is decided after the Load, on
-        /// the real length.
-        at_most: usize,
-        encode: Box<dyn FnOnce() -> Vec<u32> + 'a>,
-    },
+    Later(Box<dyn FnOnce() -> Vec<u32> + 'a>),
 }
 
 impl<'a> Prompt<'a> {
-    /// A prompt encoded by `encode` during the Load, of at most `at_most` tokens.
-    pub fn later(at_most: usize, encode: impl FnOnce() -> Vec<u32> + 'a) -> Prompt<'a> {
-        Prompt::Later {
-            at_most,
-            encode: Box::new(encode),
-        }
-    }
-
-    fn at_most(&self) -> usize {
-        match self {
-            Prompt::Tokens(t) => t.len(),
-            Prompt::Later { at_most, .. } => *at_most,
-        }
+    /// A prompt encoded by `encode` during the Load.
+    pub fn later(encode: impl FnOnce() -> Vec<u32> + 'a) -> Prompt<'a> {
+        Prompt::Later(Box::new(encode))
     }
 
     fn into_tokens(self) -> std::borrow::Cow<'a, [u32]> {
         match self {
             Prompt::Tokens(t) => t.into(),
-            Prompt::Later { encode, .. } => encode().into(),
+            Prompt::Later(encode) => encode().into(),
         }
     }
 }
@@ -233,9 +218,7 @@ impl std::fmt::Debug for Prompt<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Prompt::Tokens(t) => f.debug_tuple("Tokens").field(&t.len()).finish(),
-            Prompt::Later { at_most, .. } => {
-                f.debug_struct("Later").field("at_most", at_most).finish()
-            }
+            Prompt::Later(_) => f.write_str("Later"),
         }
     }
 }
@@ -813,7 +796,7 @@ impl Manager {
         received: Instant,
         on_token: impl FnMut(u32) -> bool,
     ) -> Result<CallReport, ServiceError> {
-        let _span = tracing::info_span!("call", ctx = id, prompt = prompt.at_most()).entered();
+        let _span = tracing::info_span!("call", ctx = id).entered();
         let ctx = self.owned(owner, id)?;
         let said = ctx.cache.len() + ctx.pending.len();
         let mut window_dropped = 0;

@@ -109,8 +109,7 @@ fn no_template(e: crate::model::tokenizer::TokenizerError) -> ErrorBody {
 
 /// One prompt appended to context `id`, as `format` says. The chat template's turn markers are
 /// decided here (they depend on how the context ends); the text itself is encoded by the engine
-/// thread while the context's chunks are read ([`Prompt::Later`]): every token of this
-/// byte-level BPE covers at least one byte, so the text's length bounds its tokens.
+/// thread while the context's chunks are read ([`Prompt::Later`]).
 fn prompt_of<'a>(
     m: &Manager,
     tok: &'a Tokenizer,
@@ -120,7 +119,7 @@ fn prompt_of<'a>(
     format: PromptFormat,
 ) -> Result<Prompt<'a>, ErrorBody> {
     if format == PromptFormat::Raw {
-        return Ok(Prompt::later(prompt.len(), move || tok.encode(prompt)));
+        return Ok(Prompt::later(move || tok.encode(prompt)));
     }
     let info = m.info(o, id).map_err(service_error)?;
     if info.tokens == 0 {
@@ -128,7 +127,7 @@ fn prompt_of<'a>(
         let t = tok
             .encode_chat(&[Message::user(prompt)], true)
             .map_err(no_template)?;
-        return Ok(Prompt::later(t.len(), move || t));
+        return Ok(Prompt::later(move || t));
     }
     let special = |s: &str| {
         tok.token_id(s).ok_or_else(|| {
@@ -158,9 +157,9 @@ fn prompt_of<'a>(
     tail.push(start);
     tail.extend(tok.encode("assistant\n"));
     let user = "user\n";
-    let at_most = head.len() + user.len() + prompt.len() + tail.len();
-    Ok(Prompt::later(at_most, move || {
-        let mut t = Vec::with_capacity(at_most);
+    Ok(Prompt::later(move || {
+        // Every token of this byte-level BPE covers at least one byte.
+        let mut t = Vec::with_capacity(head.len() + user.len() + prompt.len() + tail.len());
         t.extend_from_slice(&head);
         t.extend(tok.encode(&format!("{user}{prompt}")));
         t.extend_from_slice(&tail);
