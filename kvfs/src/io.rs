@@ -251,9 +251,16 @@ impl AlignedBuf {
             .map_anon()
             .unwrap_or_else(|e| panic!("cannot map a {mapped}-byte read buffer: {e}"));
         let start = map.as_ptr().align_offset(align);
+        let mut map = map;
         if self.huge {
             // Advice only: without huge pages the buffer is small pages, correct and slower.
             let _ = map.advise_range(memmap2::Advice::HugePage, start, cap);
+            // Faulted in now, whole: the memory it holds is its capacity from the start (budgets
+            // count it so), not less until a read touches the rest or more when the kernel
+            // later collapses small pages into a huge one beside them.
+            for page in map[start..start + cap].chunks_mut(DIRECT_ALIGN) {
+                page[0] = 0;
+            }
         }
         self.map = Some(map);
         self.start = start;

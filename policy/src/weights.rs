@@ -44,6 +44,10 @@ pub struct StreamModel {
     pub slots: usize,
     /// Further buffers of the largest streamed tensor's size the stream needs (staging).
     pub staging: usize,
+    /// The staging buffers are taken in pages of this size when they come to at least half of
+    /// one (direct reads run faster into huge pages), so they count rounded up to whole pages;
+    /// 0: never.
+    pub huge_page: u64,
 }
 
 impl StreamModel {
@@ -54,10 +58,15 @@ impl StreamModel {
     /// Bytes of stream buffers for a largest streamed tensor of `max_streamed` bytes.
     pub fn buffer_bytes(&self, max_streamed: u64) -> u64 {
         if max_streamed == 0 {
-            0
-        } else {
-            (self.slots.max(1) + self.staging) as u64 * max_streamed
+            return 0;
         }
+        let staging = self.staging as u64 * max_streamed;
+        let staging = if self.huge_page > 0 && 2 * staging >= self.huge_page {
+            staging.next_multiple_of(self.huge_page)
+        } else {
+            staging
+        };
+        self.slots.max(1) as u64 * max_streamed + staging
     }
 }
 
@@ -456,7 +465,25 @@ mod tests {
             latency: 0.0,
             slots,
             staging: 0,
+            huge_page: 0,
         }
+    }
+
+    #[test]
+    fn staging_counts_whole_huge_pages_from_half_of_one() {
+        let m = StreamModel {
+            staging: 2,
+            huge_page: 64,
+            ..model(1.0, 2)
+        };
+        assert_eq!(m.buffer_bytes(0), 0);
+        // 2 slots of 10 bytes, staging 20 bytes: below half a page, as it is.
+        assert_eq!(m.buffer_bytes(10), 20 + 20);
+        // Staging 32 bytes (half a page) and 70 bytes: one and two whole pages.
+        assert_eq!(m.buffer_bytes(16), 32 + 64);
+        assert_eq!(m.buffer_bytes(35), 70 + 128);
+        let none = StreamModel { huge_page: 0, ..m };
+        assert_eq!(none.buffer_bytes(35), 70 + 70);
     }
 
     fn t(kind: u32, bytes: u64, compute: f64) -> WeightTensor {
@@ -584,8 +611,9 @@ mod tests {
             1usize..4,
             0usize..2,
             0.0f64..1.0,
+            prop::sample::select(vec![0u64, 16, 64]),
         )
-            .prop_map(|(l, kinds, head, bps, slots, staging, frac)| {
+            .prop_map(|(l, kinds, head, bps, slots, staging, frac, huge_page)| {
                 let mut ts = layers(l, &kinds);
                 ts.extend(head.iter().map(|&(b, c)| t(9, b, c)));
                 let m = StreamModel {
@@ -593,6 +621,7 @@ mod tests {
                     latency: 0.0,
                     slots,
                     staging,
+                    huge_page,
                 };
                 let total: u64 = ts.iter().map(|t| t.bytes).sum();
                 let lo = min_budget(&ts, &m);

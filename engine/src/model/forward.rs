@@ -652,6 +652,8 @@ impl Model {
             ..WeightHolding::default()
         };
         let mut own_embed_from_file = false;
+        // The stream's staging buffer in huge pages (faster reads), unless only small pages fit.
+        let mut huge_staging = true;
         if let Some(budget) = opts.budget {
             let (mut fixed, mut total) = (norm_bytes, norm_bytes);
             let mut sizes = Vec::new();
@@ -746,21 +748,37 @@ impl Model {
                         PROBE_BYTES.min(file_tensor_bytes),
                     )?,
                 };
-                let model = StreamModel {
+                let huge = StreamModel {
                     read_bps,
                     latency: 50e-6,
                     slots: opts.slots.max(1),
                     staging: 2,
+                    huge_page: kvfs::io::HUGE_PAGE as u64,
+                };
+                let small = StreamModel {
+                    huge_page: 0,
+                    ..huge
                 };
                 let resident: Vec<bool> = if opts.source == WeightSource::Mmap {
                     vec![false; tensors.len()]
                 } else {
                     let room = budget.checked_sub(fixed);
-                    let minimum = fixed + policy::min_budget(&tensors, &model);
-                    let plan = room
-                        .ok_or(WeightPlanError::BelowMinimum { budget, minimum })
-                        .and_then(|room| {
-                            policy::plan_weights(&tensors, room, &model, opts.residency)
+                    let minimum = fixed + policy::min_budget(&tensors, &small);
+                    let plan_with = |model: &StreamModel| {
+                        room.ok_or(WeightPlanError::BelowMinimum { budget, minimum })
+                            .and_then(|room| {
+                                policy::plan_weights(&tensors, room, model, opts.residency)
+                            })
+                    };
+                    // A budget that leaves no room to round the staging up to huge pages gets
+                    // small ones.
+                    let plan = plan_with(&huge)
+                        .or_else(|e| match e {
+                            WeightPlanError::BelowMinimum { .. } => {
+                                huge_staging = false;
+                                plan_with(&small)
+                            }
+                            e => Err(e),
                         })
                         .map_err(|e| match e {
                             WeightPlanError::BelowMinimum { .. } => ModelError::Budget {
@@ -885,7 +903,13 @@ impl Model {
             drop_cache(path);
             holding.streamed_matrices = units.len();
             holding.streamed_bytes_per_token = units.iter().map(|u| u.bytes() as u64).sum();
-            Some(WeightStream::start(path, units, opts.source, opts.slots)?)
+            Some(WeightStream::start(
+                path,
+                units,
+                opts.source,
+                opts.slots,
+                huge_staging,
+            )?)
         } else {
             None
         };

@@ -27,6 +27,8 @@ use std::sync::mpsc::{Receiver, Sender, SyncSender, channel, sync_channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use kvfs::io::{AlignedBuf, HUGE_PAGE};
+
 pub use policy::Residency;
 
 /// `O_DIRECT` transfers are aligned to this (offsets, lengths and memory).
@@ -147,25 +149,6 @@ pub struct WeightStream {
     buffer_bytes: usize,
 }
 
-/// A buffer aligned for `O_DIRECT`, as a range of a plain vector (no unsafe, no custom
-/// allocator): `len` usable bytes from `start`.
-struct AlignedBuf {
-    raw: Vec<u8>,
-    start: usize,
-}
-
-impl AlignedBuf {
-    fn new(len: usize) -> Self {
-        let raw = vec![0u8; len + DIRECT_ALIGN];
-        let start = raw.as_ptr().align_offset(DIRECT_ALIGN);
-        Self { raw, start }
-    }
-
-    fn get(&mut self, len: usize) -> &mut [u8] {
-        &mut self.raw[self.start..self.start + len]
-    }
-}
-
 /// Opens `path` for `O_DIRECT` reads.
 fn open_direct(path: &Path) -> std::io::Result<File> {
     std::fs::OpenOptions::new()
@@ -205,6 +188,19 @@ fn staging_bytes(units: &[StreamUnit]) -> usize {
         .unwrap_or(0)
 }
 
+/// The staging buffer for `bytes`: with `huge`, in transparent huge pages from half of one up
+/// (direct reads run about twice as fast into them on this project's disk,
+/// docs/bench-weights.md), else and below in small pages, where rounding up to a huge page would
+/// waste more than it holds. The weight planner counts it the same way
+/// ([`policy::StreamModel::huge_page`]).
+fn staging_buf(bytes: usize, huge: bool) -> AlignedBuf {
+    if huge && 2 * bytes >= HUGE_PAGE {
+        AlignedBuf::huge(bytes)
+    } else {
+        AlignedBuf::new(bytes)
+    }
+}
+
 /// Bytes of an aligned window that covers `len` bytes at any offset.
 fn window(len: usize) -> usize {
     len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN + DIRECT_ALIGN
@@ -229,7 +225,7 @@ fn slot_capacity(units: &[StreamUnit]) -> (usize, usize, usize) {
 /// one repack.
 fn read_unit(
     file: &File,
-    staging: &mut AlignedBuf,
+    staging: &mut [u8],
     unit: &StreamUnit,
     slot: &mut QMatrix,
 ) -> std::io::Result<()> {
@@ -241,26 +237,28 @@ fn read_unit(
     let mut base = 0;
     for (i, &(off, len)) in unit.pieces.iter().enumerate() {
         let w = window(len);
-        let sub = &mut staging.raw[staging.start + base..staging.start + base + w];
+        let sub = &mut staging[base..base + w];
         let at = read_direct(file, sub, off, len)?;
         if let Some(s) = spans.get_mut(i) {
             *s = (base + at, len);
         }
         base += w;
     }
-    let raw = &staging.raw[staging.start..];
+    let raw = &staging[..];
     let parts: [&[u8]; MAX_PIECES] = spans.map(|(a, l)| &raw[a..a + l]);
     slot.refill(unit.rows, unit.cols, unit.kind, &parts[..unit.pieces.len()]);
     Ok(())
 }
 
 impl WeightStream {
-    /// Starts streaming `units` of the file at `path` from `source`, with `slots` buffers.
+    /// Starts streaming `units` of the file at `path` from `source`, with `slots` buffers and a
+    /// staging buffer in huge pages if `huge_staging` (and it is large enough to be worth one).
     pub fn start(
         path: &Path,
         units: Vec<StreamUnit>,
         source: WeightSource,
         slots: usize,
+        huge_staging: bool,
     ) -> Result<Self, StreamError> {
         let io = |source| StreamError::Io {
             path: path.into(),
@@ -285,7 +283,8 @@ impl WeightStream {
                 for _ in 0..slots.max(1) {
                     let _ = free.send(slot());
                 }
-                let staging = staging_bytes(&units);
+                let staging = staging_buf(staging_bytes(&units), huge_staging);
+                let staging_bytes = staging.capacity();
                 let (u, c, p) = (units.clone(), counters.clone(), path.to_path_buf());
                 std::thread::Builder::new()
                     .name("llms-weights-io".into())
@@ -299,7 +298,7 @@ impl WeightStream {
                         filled,
                         free,
                     }),
-                    slots.max(1) * slot_bytes + staging + DIRECT_ALIGN,
+                    slots.max(1) * slot_bytes + staging_bytes,
                 )
             }
             WeightSource::Mmap => {
@@ -372,7 +371,7 @@ impl WeightStream {
                     source,
                 }
             })?;
-        out.extend_from_slice(&buf.raw[buf.start + at..buf.start + at + len]);
+        out.extend_from_slice(&buf[at..at + len]);
         Ok(())
     }
 }
@@ -383,12 +382,11 @@ fn io_thread(
     path: &Path,
     units: &[StreamUnit],
     counters: &StreamCounters,
-    staging: usize,
+    mut staging: AlignedBuf,
     requests: &Receiver<Vec<usize>>,
     free: &Receiver<Box<QMatrix>>,
     filled: &SyncSender<Filled>,
 ) {
-    let mut staging = AlignedBuf::new(staging);
     // Ends when the stream is dropped (its senders close).
     while let Ok(ids) = requests.recv() {
         for id in ids {
@@ -597,7 +595,7 @@ mod tests {
         let us = units(head);
         for source in [WeightSource::Direct, WeightSource::Mmap] {
             for slots in [1, 2, 4] {
-                let s = WeightStream::start(&path, us.clone(), source, slots).unwrap();
+                let s = WeightStream::start(&path, us.clone(), source, slots, true).unwrap();
                 for _ in 0..3 {
                     let mut p = s.begin(vec![0, 1, 2, 1]).unwrap();
                     for id in [0, 1, 2, 1] {
@@ -613,11 +611,41 @@ mod tests {
     }
 
     #[test]
+    fn a_large_staging_buffer_takes_huge_pages_and_brings_the_same_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        // 16000 rows of 68 bytes (1.04 MiB) in two pieces: staging of at least half a huge page.
+        let (path, head, raw) = blocks_file(dir.path(), 2 * 16200);
+        let row = 68usize;
+        let us = vec![StreamUnit {
+            kind: Kind::Q8_0,
+            rows: 16000,
+            cols: 64,
+            pieces: vec![
+                (head + 50 * row as u64, 7000 * row),
+                (head + 7100 * row as u64, 9000 * row),
+            ],
+        }];
+        assert!(2 * staging_bytes(&us) >= HUGE_PAGE);
+        let mut sizes = Vec::new();
+        for huge in [true, false] {
+            let s = WeightStream::start(&path, us.clone(), WeightSource::Direct, 1, huge).unwrap();
+            for _ in 0..2 {
+                let mut p = s.begin(vec![0]).unwrap();
+                same(&p.fetch(0).unwrap(), &expected(&raw, head, &us[0]));
+            }
+            sizes.push(s.buffer_bytes());
+        }
+        // The huge staging is counted as the whole huge page it takes.
+        let small = staging_bytes(&us).next_multiple_of(DIRECT_ALIGN);
+        assert_eq!(sizes[0] - sizes[1], HUGE_PAGE - small);
+    }
+
+    #[test]
     fn a_pass_cut_short_leaves_the_next_one_clean() {
         let dir = tempfile::tempdir().unwrap();
         let (path, head, raw) = blocks_file(dir.path(), 400);
         let us = units(head);
-        let s = WeightStream::start(&path, us.clone(), WeightSource::Direct, 2).unwrap();
+        let s = WeightStream::start(&path, us.clone(), WeightSource::Direct, 2, true).unwrap();
         {
             let mut p = s.begin(vec![0, 1, 2]).unwrap();
             let _ = p.fetch(0).unwrap();
@@ -639,7 +667,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (path, head, raw) = blocks_file(dir.path(), 400);
         for source in [WeightSource::Direct, WeightSource::Mmap] {
-            let s = WeightStream::start(&path, units(head), source, 1).unwrap();
+            let s = WeightStream::start(&path, units(head), source, 1, true).unwrap();
             let mut out = Vec::new();
             s.read_raw(head + 5 * 68, 68, &mut out).unwrap();
             assert_eq!(out, raw[5 * 68..6 * 68]);
@@ -653,6 +681,7 @@ mod tests {
             vec![],
             WeightSource::Direct,
             1,
+            true,
         );
         assert!(matches!(r, Err(StreamError::Io { .. })));
     }
