@@ -150,7 +150,7 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// memory is an anonymous mapping, zeroed by the kernel and returned to it on drop.
 ///
 /// [`AlignedBuf::huge`] asks for transparent huge pages (`MADV_HUGEPAGE` over whole, aligned
-/// 2 MiB pages, so it rounds its length up to them). A direct read pins and maps the buffer's
+/// 2 MiB pages, so it rounds its length up to them) and faults the whole buffer in at once. A direct read pins and maps the buffer's
 /// pages for the device, one per 4 KiB or one per 2 MiB: on this project's virtio disk four
 /// readers of int8 chunk slots (212 KiB) read 2958 MB/s into huge pages against 1354 MB/s into
 /// small ones (docs/kvfs.md, "Read buffers in huge pages"). Where the kernel has no huge page to give (THP off, memory fragmented) the
