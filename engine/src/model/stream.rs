@@ -125,6 +125,9 @@ struct Ring {
     requests: Sender<Vec<usize>>,
     filled: Receiver<Filled>,
     free: Sender<Box<QMatrix>>,
+    /// The aligned window single rows are read into (a page or two, kept: a row is read per
+    /// token).
+    row: AlignedBuf,
 }
 
 enum Backend {
@@ -297,6 +300,7 @@ impl WeightStream {
                         requests,
                         filled,
                         free,
+                        row: AlignedBuf::default(),
                     }),
                     slots.max(1) * slot_bytes + staging_bytes,
                 )
@@ -357,19 +361,19 @@ impl WeightStream {
     /// Reads the raw bytes `len` at `offset` of the file (an embedding row), without the page
     /// cache, into `out`.
     pub fn read_raw(&self, offset: u64, len: usize, out: &mut Vec<u8>) -> Result<(), StreamError> {
-        let backend = self.backend.lock().unwrap_or_else(|e| e.into_inner());
+        let mut backend = self.backend.lock().unwrap_or_else(|e| e.into_inner());
         out.clear();
-        if let Backend::Mmap { map, .. } = &*backend {
-            out.extend_from_slice(&map[offset as usize..offset as usize + len]);
-            return Ok(());
-        }
-        let mut buf = AlignedBuf::new(window(len));
+        let buf = match &mut *backend {
+            Backend::Mmap { map, .. } => {
+                out.extend_from_slice(&map[offset as usize..offset as usize + len]);
+                return Ok(());
+            }
+            Backend::Direct(r) => r.row.get(window(len)),
+        };
         let at =
-            read_direct(&self.rows_file, buf.get(window(len)), offset, len).map_err(|source| {
-                StreamError::Io {
-                    path: self.path.clone(),
-                    source,
-                }
+            read_direct(&self.rows_file, buf, offset, len).map_err(|source| StreamError::Io {
+                path: self.path.clone(),
+                source,
             })?;
         out.extend_from_slice(&buf[at..at + len]);
         Ok(())
