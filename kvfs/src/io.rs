@@ -150,11 +150,12 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// memory is an anonymous mapping, zeroed by the kernel and returned to it on drop.
 ///
 /// [`AlignedBuf::huge`] asks for transparent huge pages (`MADV_HUGEPAGE` over whole, aligned
-/// 2 MiB pages, so it rounds its length up to them) and faults the whole buffer in at once. A direct read pins and maps the buffer's
-/// pages for the device, one per 4 KiB or one per 2 MiB: on this project's virtio disk four
-/// readers of int8 chunk slots (212 KiB) read 2958 MB/s into huge pages against 1354 MB/s into
-/// small ones (docs/kvfs.md, "Read buffers in huge pages"). Where the kernel has no huge page to give (THP off, memory fragmented) the
-/// buffer is small pages, only slower; [`AlignedBuf::huge_bytes`] says which it got.
+/// 2 MiB pages, so it rounds its length up to them) and faults the whole buffer in at once. A
+/// direct read pins and maps the buffer's pages for the device, one per 4 KiB or one per 2 MiB:
+/// on this project's virtio disk four readers of int8 chunk slots (212 KiB) read 2958 MB/s into
+/// huge pages against 1354 MB/s into small ones (docs/kvfs.md, "Read buffers in huge pages").
+/// Where the kernel has no huge page to give (THP off, memory fragmented) the buffer is small
+/// pages, only slower; [`AlignedBuf::huge_bytes`] says which it got.
 #[derive(Debug, Default)]
 pub struct AlignedBuf {
     map: Option<memmap2::MmapMut>,
@@ -246,12 +247,11 @@ impl AlignedBuf {
         // start on one (the pages skipped are never touched, so they take no memory).
         let mapped = cap + align - DIRECT_ALIGN;
         self.map = None;
-        let map = memmap2::MmapOptions::new()
+        let mut map = memmap2::MmapOptions::new()
             .len(mapped)
             .map_anon()
             .unwrap_or_else(|e| panic!("cannot map a {mapped}-byte read buffer: {e}"));
         let start = map.as_ptr().align_offset(align);
-        let mut map = map;
         if self.huge {
             // Advice only: without huge pages the buffer is small pages, correct and slower.
             let _ = map.advise_range(memmap2::Advice::HugePage, start, cap);

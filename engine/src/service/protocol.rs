@@ -628,8 +628,8 @@ mod tests {
 
     /// The `stats` reply exactly as docs/protocol.md lists it: the manager's counters at the top
     /// level beside `daemon`, `weights.budget_bytes` absent without a budget, and a reply of a
-    /// daemon that predates `manager`, `sync_reclaims`, `window_slides`, the load buffers and `weights`
-    /// still read.
+    /// daemon that predates `manager`, `sync_reclaims`, `window_slides`, the load buffers and
+    /// `weights` still read.
     #[test]
     fn a_stats_reply_keeps_the_documented_fields() {
         use crate::service::{Latency, ServiceStats, ServiceWeights};
