@@ -13,12 +13,13 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::IoSlice;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
 use crate::fs::kv_offset;
-use crate::io::{IoError, read_slot};
+use crate::io::{DIRECT_ALIGN, IoError, read_slot};
 use crate::store::{
     Check, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk, decode_payload,
     read_raw_slot, slot_offset, with_scratch,
@@ -149,6 +150,35 @@ impl MountReader {
             index,
             reason: format!("moved by {MOVED_RETRIES} rewrites during one read"),
         })
+    }
+
+    /// Where chunk `index`'s slot lies in the `data` file, for a caller that reads it with direct
+    /// reads of its own (many in flight at once, [`MountReader::as_fd`]) and then hands the bytes
+    /// to [`MountReader::check_raw`]. `None` for a payload that is not stored raw: read that one
+    /// with [`MountReader::read_chunk_into`]. Errors as [`Store::locate`].
+    pub fn raw_slot(&self, store: &Store, index: u32) -> Result<Option<RawSlot>, StoreError> {
+        let at = store.locate(self.context, index, &self.fingerprint)?;
+        if at.codec != Codec::Raw || at.stored_len != at.raw_len {
+            return Ok(None);
+        }
+        Ok(Some(RawSlot {
+            offset: slot_offset(index, at.copy),
+            len: (HEADER_PAGE + at.stored_len as usize).next_multiple_of(DIRECT_ALIGN),
+            index,
+            at,
+        }))
+    }
+
+    /// Checks what a direct read of `slot` gave (`bytes`: the slot's first [`RawSlot::len`] bytes,
+    /// the header page then the payload) as [`MountReader::read_chunk_into`] does. `Some` when it
+    /// is the chunk: its bytes are `bytes[RawSlot::payload()]`. `None` when anything is amiss (a
+    /// short read, a failed check, a rewrite that moved the chunk meanwhile): read it again with
+    /// [`MountReader::read_chunk_into`], which retries at the chunk's new place or quarantines it.
+    pub fn check_raw(&self, slot: &RawSlot, bytes: &[u8]) -> Option<StoredChunk> {
+        let payload = bytes.get(slot.payload())?;
+        let h = self.check_header(slot.index, &slot.at, bytes).ok()?;
+        h.check_payload(payload).ok()?;
+        Some(slot.at.clone())
     }
 
     /// Reads the slot `at` names and checks it against `at`.
@@ -288,5 +318,50 @@ impl MountReader {
             }
         }
         Ok(())
+    }
+}
+
+impl AsFd for MountReader {
+    /// The `data` file, opened `O_RDONLY | O_DIRECT`: read a [`RawSlot`] from it.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.read.as_fd()
+    }
+}
+
+/// Where a raw chunk lies in its context's `data` file ([`MountReader::raw_slot`]): read `len`
+/// bytes at `offset` with `O_DIRECT` (both are multiples of 4 KiB) and give them to
+/// [`MountReader::check_raw`].
+#[derive(Clone, Debug)]
+pub struct RawSlot {
+    offset: u64,
+    len: usize,
+    index: u32,
+    at: StoredChunk,
+}
+
+impl RawSlot {
+    /// The slot's offset in the `data` file.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Bytes to read: the header page and the payload, rounded up to 4 KiB.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never empty: a slot holds at least its header page.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The chunk's bytes within what was read.
+    pub fn payload(&self) -> std::ops::Range<usize> {
+        HEADER_PAGE..HEADER_PAGE + self.at.raw_len as usize
+    }
+
+    /// What the store says the slot holds.
+    pub fn meta(&self) -> &StoredChunk {
+        &self.at
     }
 }

@@ -12,7 +12,7 @@ pub mod guard;
 pub mod io;
 pub mod store;
 
-pub use client::MountReader;
+pub use client::{MountReader, RawSlot};
 pub use format::{Codec, ContextMeta, Fingerprint, KvFormat};
 pub use fs::{Mount, MountConfig, MountCounters, MountError, kv_offset, mount};
 pub use store::{

@@ -451,12 +451,15 @@ fn contexts_go_out_and_come_back_through_the_daemons_kvfs_mount() {
         for (i, &ctx) in ctxs.iter().enumerate() {
             answers[i].push(ask(&mut c, ctx, prompt, 12).tokens);
         }
-        let read = c.stats().unwrap().service.chunks_read;
+        let stats = c.stats().unwrap().service;
+        let read = stats.chunks_read;
         let m = tests::mount_counts(&mnt);
         if round > 0 {
             // Every chunk came back through the mount's data files, passed through to the
-            // store's data files by the kernel: none was read by the store's own paths.
+            // store's data files by the kernel, with the reads in flight on an io_uring: none
+            // was read by the store's own paths.
             assert!(read > 0, "round {round}: nothing read back");
+            assert!(stats.load_io_uring, "round {round}: {stats:?}");
             assert!(m.passthrough_opens > 0, "round {round}: {m:?}");
             assert_eq!(
                 (m.store_reads, m.daemon_reads),

@@ -173,9 +173,14 @@ pub fn run_stats(a: StatsArgs) -> anyhow::Result<()> {
         s.writes, s.write_failures, s.writes_queued
     );
     println!(
-        "load buffers   {:.1} MiB, {:.1} MiB of it in huge pages",
+        "load buffers   {:.1} MiB, {:.1} MiB of it in huge pages; reads {}",
         mib(s.load_buffer_bytes),
-        mib(s.load_buffer_huge_bytes)
+        mib(s.load_buffer_huge_bytes),
+        if s.load_io_uring {
+            "in flight on an io_uring"
+        } else {
+            "one per I/O thread"
+        }
     );
     let wt = &s.weights;
     let budget = wt.budget_bytes.map_or_else(

@@ -12,6 +12,7 @@
 pub mod bench;
 mod fault;
 mod pager;
+pub mod ring;
 mod source;
 mod stats;
 pub mod sys;
@@ -22,6 +23,7 @@ pub use pager::{
     ChunkInfo, ChunkState, ContextLock, ContextSpec, Pager, PagerConfig, PagerError, PopulateVia,
     RecomputeReason, RecomputeRequest, Staging,
 };
+pub use ring::{Read, ReadRing};
 pub use source::{ChunkSource, SourceError};
 pub use stats::{Histogram, HistogramSummary, Sample, Stats, StatsSnapshot, median};
 pub use victim::{Candidate, LruChooser, ResidentView, VictimChooser};

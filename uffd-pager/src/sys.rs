@@ -630,3 +630,31 @@ pub fn smaps_rss(addr: usize, len: usize) -> io::Result<u64> {
     }
     Ok(total)
 }
+
+/// The `AnonHugePages:` of the mappings that overlap `[addr, addr+len)`, in bytes, capped at
+/// `len`, read from /proc/self/smaps (a mapping that straddles the range counts whole).
+pub fn smaps_anon_huge(addr: usize, len: usize) -> io::Result<u64> {
+    let text = std::fs::read_to_string("/proc/self/smaps")?;
+    let end = addr + len;
+    let mut inside = false;
+    let mut total = 0;
+    for line in text.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-')
+            && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+        {
+            inside = a < end && b > addr;
+            continue;
+        }
+        if inside && let Some(rest) = line.strip_prefix("AnonHugePages:") {
+            let kb: u64 = rest
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .map_err(|_| io::Error::other(format!("bad AnonHugePages line {line:?}")))?;
+            total += kb * 1024;
+        }
+    }
+    Ok(total.min(len as u64))
+}

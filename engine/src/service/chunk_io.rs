@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvfs::guard::GuardCommand;
 use kvfs::{
-    ContextId, Fingerprint, KvFormat, Mount, MountConfig, MountReader, Store, StoreError,
+    ContextId, Fingerprint, KvFormat, Mount, MountConfig, MountReader, RawSlot, Store, StoreError,
     StoredChunk,
 };
 
@@ -129,6 +129,19 @@ impl ChunkIo {
             }
             Route::Mount(_) => self.file(ctx)?.read_chunk_into(&self.store, index, buf),
         }
+    }
+
+    /// Where chunk `index` of `ctx` lies, for a caller that reads it with direct reads of its
+    /// own, many in flight at once (the Load's io_uring): the open `data` file of the mount and the
+    /// slot in it. `None` when the chunk cannot be read that way (no mount, a payload not stored
+    /// raw, not stored at all): read it with [`ChunkIo::read_into`], which also says why it fails.
+    pub fn raw_slot(&self, ctx: u64, index: u32) -> Option<(Arc<MountReader>, RawSlot)> {
+        if matches!(self.route, Route::Direct) {
+            return None;
+        }
+        let file = self.file(ctx).ok()?;
+        let slot = file.raw_slot(&self.store, index).ok()??;
+        Some((file, slot))
     }
 
     /// Writes chunk `index` of `ctx` durably (its tokens must be stored already).

@@ -10,13 +10,15 @@
 //! 3. A read that fails its checks (missing, corrupt, other model) is recomputed after both are
 //!    done, when every chunk it depends on is resident.
 
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc;
+use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
 use kvfs::io::AlignedBuf;
+use kvfs::{MountReader, RawSlot};
 use policy::{CostModel, LoadPlan, MissingChunk};
-use uffd_pager::{ChunkKey, ContextId, Pager};
+use uffd_pager::{ChunkKey, Pager, ReadRing};
 
 use crate::kv::recompute::{RecomputeError, recompute_chunks};
 use crate::kv::{ChunkShape, KvCache, KvFormat};
@@ -71,14 +73,63 @@ pub struct StoredChunk {
 }
 
 /// The Load's I/O threads and their read buffers, kept between Loads: the threads wait parked,
-/// so a switch does not pay for starting them, and the buffers are one mapping in transparent
-/// huge pages (`AlignedBuf::huge`), into which direct reads run about twice as fast as into
-/// small pages (docs/kvfs.md), carved into one part per thread.
+/// so a switch does not pay for starting them.
+///
+/// Through a mount, one thread keeps up to [`RING_DEPTH`] reads in flight on an io_uring
+/// ([`ReadRing`], over a [`RING_BYTES`] buffer in transparent huge pages, into which direct
+/// reads run about twice as fast as into small pages, docs/kvfs.md). Without a mount, or where
+/// the kernel refuses io_uring, the threads read one chunk each at a time into their own part of
+/// one buffer (`AlignedBuf::huge`).
 #[derive(Debug)]
 pub struct Readers {
     pool: rayon::ThreadPool,
     buf: AlignedBuf,
+    ring: Ring,
 }
+
+/// The io_uring path's state: made at the first Load through a mount.
+#[derive(Debug)]
+enum Ring {
+    Untried,
+    Ready(Box<ReadRing>),
+    Refused,
+}
+
+impl Ring {
+    /// The io_uring, made now if this is the first time.
+    fn get(&mut self) -> Option<&mut ReadRing> {
+        if matches!(self, Ring::Untried) {
+            *self = match ReadRing::new(RING_DEPTH, RING_BYTES) {
+                Ok(r) => Ring::Ready(Box::new(r)),
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "no io_uring: the Load reads with one thread per read in flight"
+                    );
+                    Ring::Refused
+                }
+            };
+        }
+        match self {
+            Ring::Ready(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    fn ready(&self) -> Option<&ReadRing> {
+        match self {
+            Ring::Ready(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+/// Entries of the Load's io_uring: at most this many reads in flight.
+pub const RING_DEPTH: u32 = 32;
+
+/// The io_uring's read buffer: about 20 compressed chunks of the default model in flight, 10 int8
+/// ones, 5 f16 ones.
+pub const RING_BYTES: usize = 2 << 20;
 
 impl Readers {
     /// `threads` I/O threads (at least one); their buffers are mapped at the first Load.
@@ -93,17 +144,24 @@ impl Readers {
         Ok(Readers {
             pool,
             buf: AlignedBuf::huge(0),
+            ring: Ring::Untried,
         })
     }
 
-    /// The read buffers' bytes (whole huge pages, sized to the largest Load's chunks so far).
+    /// The read buffers' bytes (whole huge pages: the io_uring's, and the threads', sized to the
+    /// largest Load's chunks so far).
     pub fn buffer_bytes(&self) -> usize {
-        self.buf.capacity()
+        self.buf.capacity() + self.ring.ready().map_or(0, ReadRing::buffer_bytes)
     }
 
     /// Of those, the bytes the kernel backs with huge pages.
     pub fn huge_bytes(&self) -> usize {
-        self.buf.huge_bytes()
+        self.buf.huge_bytes() + self.ring.ready().map_or(0, ReadRing::huge_bytes)
+    }
+
+    /// Whether Loads read through an io_uring (made at the first Load through a mount).
+    pub fn uses_io_uring(&self) -> bool {
+        self.ring.ready().is_some()
     }
 }
 
@@ -179,17 +237,20 @@ pub fn load(
     if blocking == 0 {
         let _ = first_done.send(());
     }
-    let io = |buf: &mut [u8]| -> (Vec<u32>, Vec<u32>, u64, f64) {
+    // Counts a chunk done; the last blocking one lets the recompute start.
+    let chunk_done = |n: usize| {
+        if n < blocking && first_left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _ = first_done.send(());
+        }
+    };
+    let thread_reads = |buf: &mut [u8]| -> IoOut {
         let t = Instant::now();
-        let (mut ok, mut failed, mut bytes) = (Vec::new(), Vec::new(), 0);
+        let mut out = IoOut::default();
         let mut spare = Spare::default();
         loop {
             let n = cursor.fetch_add(1, Ordering::Relaxed);
             let Some(&i) = order.get(n) else { break };
-            let key = ChunkKey {
-                ctx: ContextId(ctx),
-                index: i,
-            };
+            let key = ChunkKey::new(ctx, i);
             let r = read_one(
                 io,
                 pager,
@@ -199,58 +260,74 @@ pub fn load(
                 &mut *buf,
                 &mut spare,
             );
-            match r {
-                Ok(b) => {
-                    ok.push(i);
-                    bytes += b;
-                }
-                Err(e) => {
-                    tracing::debug!(chunk = %key, error = %e, "read failed; recomputing it");
-                    failed.push(i);
-                }
-            }
-            if n < blocking && first_left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                let _ = first_done.send(());
-            }
+            out.record(key, r);
+            chunk_done(n);
         }
-        (ok, failed, bytes, t.elapsed().as_secs_f64())
+        out.secs = t.elapsed().as_secs_f64();
+        out
     };
     let recompute = plan
         .recompute
         .iter()
         .map(|&i| i as usize)
         .collect::<Vec<_>>();
-    // With nothing to recompute the engine thread is idle: every core reads.
-    let threads = if recompute.is_empty() {
-        readers.pool.current_num_threads().max(1)
+    let Readers { pool, buf, ring } = readers;
+    // Through a mount, one thread keeps the reads in flight on the io_uring.
+    let ring = if io.mountpoint().is_some() {
+        ring.get()
     } else {
+        None
+    };
+    // Otherwise, with nothing to recompute the engine thread is idle: every core reads.
+    let threads = if ring.is_some() || !recompute.is_empty() {
         1
+    } else {
+        pool.current_num_threads().max(1)
     }
     .min(order.len().max(1));
-    // Each thread reads into its own part of the readers' buffer, sized for the largest chunk
-    // of this Load in the formats the cache records (a heavier stored copy, rare, goes through
-    // the thread's spare buffer).
+    // The largest chunk of this Load in the formats the cache records: each thread reads into a
+    // part of the readers' buffer that size (a heavier stored copy, rare, goes through the
+    // thread's spare buffer).
     let part = order
         .iter()
         .map(|&i| shape.chunk_bytes(formats[i as usize]))
         .max()
         .unwrap_or(0);
-    let Readers { pool, buf } = readers;
-    let parts = buf.parts(threads, part);
-    // A thread started late finds the chunks taken by the first one, and the reads run one after
-    // another.
     let done = std::sync::Mutex::new(Vec::with_capacity(threads));
-    let io = &io;
+    let (thread_reads, chunk_done) = (&thread_reads, &chunk_done);
+    let reads = RingReads {
+        io,
+        pager,
+        shape: &shape,
+        formats: &formats,
+        ctx,
+        part,
+        order: &order,
+    };
+    let reads = &reads;
+    let finish = |r: std::thread::Result<IoOut>| {
+        if r.is_err() {
+            // Never leave the recompute waiting for a signal that will not come.
+            let _ = first_done.send(());
+        }
+        done.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+    };
+    let finish = &finish;
     let (io_out, re_out) = pool.in_place_scope(|s| {
-        for part in parts {
-            s.spawn(|_| {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| io(part)));
-                if r.is_err() {
-                    // Never leave the recompute waiting for a signal that will not come.
-                    let _ = first_done.send(());
-                }
-                done.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        if let Some(ring) = ring {
+            s.spawn(move |_| {
+                finish(std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                    || reads.run(ring, chunk_done),
+                )))
             });
+        } else {
+            for part in buf.parts(threads, part) {
+                s.spawn(move |_| {
+                    finish(std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                        || thread_reads(part),
+                    )))
+                });
+            }
         }
         during();
         let _ = wait_first.recv();
@@ -263,19 +340,19 @@ pub fn load(
         (Ok::<_, ServiceError>(()), re)
     });
     let io_out = io_out.and_then(|()| {
-        let mut out = (Vec::new(), Vec::new(), 0, 0.0);
+        let mut all = IoOut::default();
         for r in done.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            let (ok, failed, bytes, secs) = r.map_err(|_| ServiceError::Internal {
+            let out = r.map_err(|_| ServiceError::Internal {
                 what: "a load I/O thread panicked".into(),
             })?;
-            out.0.extend(ok);
-            out.1.extend(failed);
-            out.2 += bytes;
-            out.3 = f64::max(out.3, secs);
+            all.ok.extend(out.ok);
+            all.failed.extend(out.failed);
+            all.bytes += out.bytes;
+            all.secs = f64::max(all.secs, out.secs);
         }
-        out.0.sort_unstable();
-        out.1.sort_unstable();
-        Ok(out)
+        all.ok.sort_unstable();
+        all.failed.sort_unstable();
+        Ok((all.ok, all.failed, all.bytes, all.secs))
     });
     let (read, failed, read_bytes, io_secs) = io_out?;
     // A blocking read that failed leaves the planned recompute short of a chunk it attends to:
@@ -317,6 +394,31 @@ fn force_recompute(plan: &mut LoadPlan, unreadable: &[u32]) {
     plan.read_after = after;
 }
 
+/// What an I/O thread did: the chunks it brought back, those whose read failed (to recompute),
+/// the bytes it read and its busy time.
+#[derive(Default)]
+struct IoOut {
+    ok: Vec<u32>,
+    failed: Vec<u32>,
+    bytes: u64,
+    secs: f64,
+}
+
+impl IoOut {
+    fn record(&mut self, key: ChunkKey, r: Result<u64, ServiceError>) {
+        match r {
+            Ok(b) => {
+                self.ok.push(key.index);
+                self.bytes += b;
+            }
+            Err(e) => {
+                tracing::debug!(chunk = %key, error = %e, "read failed; recomputing it");
+                self.failed.push(key.index);
+            }
+        }
+    }
+}
+
 /// What an I/O thread keeps besides its part of the readers' buffer: a buffer for a stored copy
 /// larger than the part, and room to recompress one.
 #[derive(Default)]
@@ -325,11 +427,126 @@ struct Spare {
     recompressed: Vec<u8>,
 }
 
+/// One Load's reads on the io_uring, in `order`.
+struct RingReads<'a> {
+    io: &'a ChunkIo,
+    pager: &'a Pager,
+    shape: &'a ChunkShape,
+    formats: &'a [KvFormat],
+    ctx: u64,
+    /// The largest chunk of the Load, for a read that does not go through the ring.
+    part: usize,
+    order: &'a [u32],
+}
+
+impl RingReads<'_> {
+    /// Keeps as many reads in flight as the ring's buffer holds, populates each chunk as its read
+    /// ends, and calls `done(n)` for the `n`th chunk of `order` once it is resident or has failed.
+    /// A chunk the ring cannot read (not stored raw, larger than the ring's buffer, a read or a
+    /// check that fails) is read the usual way ([`read_one`]), which retries a chunk a rewrite
+    /// moved and quarantines a bad one.
+    fn run(&self, ring: &mut ReadRing, done: &(dyn Fn(usize) + Sync)) -> IoOut {
+        let t = Instant::now();
+        let mut out = IoOut::default();
+        let mut spare = Spare::default();
+        let mut fallback = AlignedBuf::default();
+        let mut slots: Vec<Option<(Arc<MountReader>, RawSlot)>> = vec![None; self.order.len()];
+        let mut next = 0;
+        let mut broken = false;
+        loop {
+            while next < self.order.len() {
+                let n = next;
+                let i = self.order[n];
+                let started = match self.io.raw_slot(self.ctx, i) {
+                    Some((file, slot)) if !broken => {
+                        match ring.start(n as u64, file.as_fd(), slot.offset(), slot.len()) {
+                            Ok(true) => {
+                                slots[n] = Some((file, slot));
+                                true
+                            }
+                            // No room now: wait for a read to end.
+                            Ok(false) if ring.in_flight() > 0 => break,
+                            Ok(false) => false,
+                            Err(e) => {
+                                tracing::debug!(error = %e, "io_uring read not started");
+                                false
+                            }
+                        }
+                    }
+                    _ => false,
+                };
+                if !started {
+                    let r = self.read_one(i, &mut fallback, &mut spare);
+                    out.record(ChunkKey::new(self.ctx, i), r);
+                    done(n);
+                }
+                next += 1;
+            }
+            let read = match ring.wait() {
+                Ok(Some(read)) => read,
+                Ok(None) => break,
+                Err(e) => {
+                    // The ring failed: read what it had in flight the usual way, and the rest.
+                    tracing::warn!(error = %e, "io_uring failed; reading the Load's chunks one by one");
+                    broken = true;
+                    for (n, slot) in slots.iter_mut().enumerate() {
+                        if slot.take().is_some() {
+                            let i = self.order[n];
+                            let r = self.read_one(i, &mut fallback, &mut spare);
+                            out.record(ChunkKey::new(self.ctx, i), r);
+                            done(n);
+                        }
+                    }
+                    continue;
+                }
+            };
+            let n = read.tag as usize;
+            let i = self.order[n];
+            let key = ChunkKey::new(self.ctx, i);
+            let (file, slot) = slots[n].take().expect("a started read has its slot");
+            let bytes = ring.bytes(&read);
+            let got = read.result.as_ref().map_or(0, |&got| got.min(bytes.len()));
+            let r = match file.check_raw(&slot, &bytes[..got]) {
+                Some(meta) => install(
+                    self.pager,
+                    self.shape,
+                    self.formats[i as usize],
+                    key,
+                    meta.format,
+                    &bytes[slot.payload()],
+                    &mut spare.recompressed,
+                ),
+                None => self.read_one(i, &mut fallback, &mut spare),
+            };
+            ring.release(read);
+            out.record(key, r);
+            done(n);
+        }
+        out.secs = t.elapsed().as_secs_f64();
+        out
+    }
+
+    fn read_one(
+        &self,
+        i: u32,
+        buf: &mut AlignedBuf,
+        spare: &mut Spare,
+    ) -> Result<u64, ServiceError> {
+        read_one(
+            self.io,
+            self.pager,
+            self.shape,
+            self.formats[i as usize],
+            ChunkKey::new(self.ctx, i),
+            buf.get(self.part.next_multiple_of(4096).max(4096)),
+            spare,
+        )
+    }
+}
+
 /// Reads one chunk from kvfs into `buf` (page-aligned and page-sized, in huge pages: through the
 /// mount, the kernel reads the chunk's payload straight into it with `O_DIRECT`), or into `spare`
-/// when the stored copy is larger, and populates its slot. A stored copy heavier than the format the
-/// cache records (the chunk was recompressed in memory after it was written) is recompressed on
-/// the way in, which gives the same bytes.
+/// when the stored copy is larger, and populates its slot ([`install`]).
 fn read_one(
     io: &ChunkIo,
     pager: &Pager,
@@ -348,18 +565,42 @@ fn read_one(
             r => break r?,
         }
     };
-    let have = from_store(meta.format);
     let bytes = &buf[..meta.raw_len as usize];
+    install(
+        pager,
+        shape,
+        want,
+        key,
+        meta.format,
+        bytes,
+        &mut spare.recompressed,
+    )
+}
+
+/// Populates chunk `key`'s slot with `bytes`, a copy the store holds in format `stored`, and
+/// returns how many bytes were read. A stored copy heavier than the format the cache records (the
+/// chunk was recompressed in memory after it was written) is recompressed on the way in, into
+/// `recompressed`, which gives the same bytes.
+fn install(
+    pager: &Pager,
+    shape: &ChunkShape,
+    want: KvFormat,
+    key: ChunkKey,
+    stored: kvfs::KvFormat,
+    bytes: &[u8],
+    recompressed: &mut Vec<u8>,
+) -> Result<u64, ServiceError> {
+    let have = from_store(stored);
     let n = bytes.len() as u64;
     let data: &[u8] = if have == want {
         bytes
     } else if crate::kv::codec::moves_down(shape, have, want) && have != KvFormat::F16 {
-        crate::kv::codec::recompress(shape, have, want, bytes, &mut spare.recompressed).map_err(
-            |e| ServiceError::Internal {
+        crate::kv::codec::recompress(shape, have, want, bytes, recompressed).map_err(|e| {
+            ServiceError::Internal {
                 what: format!("{key}: {e}"),
-            },
-        )?;
-        &spare.recompressed
+            }
+        })?;
+        recompressed
     } else {
         return Err(ServiceError::Internal {
             what: format!(

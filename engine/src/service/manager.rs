@@ -301,13 +301,18 @@ pub struct ServiceStats {
     pub writes: u64,
     pub write_failures: u64,
     pub writes_queued: u64,
-    /// The Load's read buffers (one part per I/O thread, sized to the largest chunks loaded).
+    /// The Load's read buffers (the io_uring's, or one part per I/O thread, sized to the largest
+    /// chunks loaded).
     #[serde(default)]
     pub load_buffer_bytes: u64,
     /// Of those, the bytes the kernel backs with transparent huge pages, into which direct reads
     /// run about twice as fast (`load_buffer_bytes` when it gave them all).
     #[serde(default)]
     pub load_buffer_huge_bytes: u64,
+    /// Whether the Load reads through an io_uring (through the mount, where the kernel allows
+    /// it; made at the first Load), or with one thread per read in flight.
+    #[serde(default)]
+    pub load_io_uring: bool,
     /// Switch latency (request received to chunks resident), all calls.
     pub switch: Latency,
     /// The model's weights: what they hold and what they read (`--weight-budget`).
@@ -1187,6 +1192,7 @@ impl Manager {
             writes_queued: self.writer.queued(),
             load_buffer_bytes: self.readers.buffer_bytes() as u64,
             load_buffer_huge_bytes: self.readers.huge_bytes() as u64,
+            load_io_uring: self.readers.uses_io_uring(),
             switch: self.switch.summary().into(),
             weights: self.weight_stats(),
         }

@@ -652,6 +652,7 @@ mod tests {
                 writes_queued: 14,
                 load_buffer_bytes: 29,
                 load_buffer_huge_bytes: 30,
+                load_io_uring: true,
                 switch: Latency {
                     count: 15,
                     mean_ms: 1.5,
@@ -688,7 +689,7 @@ mod tests {
                 r#""contexts":3,"calls":4,"chunks_read":5,"chunks_recomputed":6,"faults":7,"#,
                 r#""reclaims":8,"unwritten_reclaims":9,"sync_reclaims":10,"window_slides":11,"#,
                 r#""writes":12,"write_failures":13,"writes_queued":14,"#,
-                r#""load_buffer_bytes":29,"load_buffer_huge_bytes":30,"#,
+                r#""load_buffer_bytes":29,"load_buffer_huge_bytes":30,"load_io_uring":true,"#,
                 r#""switch":{"count":15,"mean_ms":1.5,"p50_ms":1.25,"p99_ms":2.5,"max_ms":3.0},"#,
                 r#""weights":{"budget_bytes":16,"residency":"balanced","resident_bytes":17,"#,
                 r#""buffer_bytes":18,"streamed_bytes":19,"bytes_read":20,"decode_tokens":21,"#,
@@ -733,6 +734,7 @@ mod tests {
         expected.service.window_slides = 0;
         expected.service.load_buffer_bytes = 0;
         expected.service.load_buffer_huge_bytes = 0;
+        expected.service.load_io_uring = false;
         expected.service.weights = ServiceWeights::default();
         assert_eq!(*old, expected);
     }
