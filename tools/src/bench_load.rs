@@ -44,7 +44,9 @@ pub struct BenchLoadArgs {
     /// Move chunks through the store's API instead of a kvfs mount of it (the service's path).
     #[arg(long)]
     pub no_mount: bool,
-    /// Threads reading chunks when the Load recomputes nothing (each keeps one read in flight)
+    /// With --no-mount (or where the kernel refuses io_uring): threads reading chunks when the
+    /// Load recomputes nothing, each with one read in flight (through the mount one thread keeps
+    /// the reads in flight on an io_uring)
     #[arg(long, default_value_t = 8, value_parser = crate::report::positive)]
     pub io_threads: usize,
     /// Start the planner from this cost profile (`llms profile`'s profile.json), as

@@ -33,7 +33,8 @@ pub struct LoadBenchOptions {
     pub mount: bool,
     /// The mount's guard (see `kvfs::guard`), so an interrupted benchmark cannot hang.
     pub mount_guard: Option<kvfs::guard::GuardCommand>,
-    /// Threads reading chunks when nothing is recomputed (`ManagerConfig::io_threads`).
+    /// Threads reading chunks when nothing is recomputed and there is no io_uring
+    /// (`ManagerConfig::io_threads`).
     pub io_threads: usize,
     /// The planner's starting costs (a profile of this machine); `None`: the built-in ones.
     pub cost: Option<policy::CostModel>,

@@ -114,7 +114,8 @@ pub struct ManagerConfig {
     pub cost: CostModel,
     /// Chunks the AoT writer may hold queued (bounds its memory).
     pub writer_queue: usize,
-    /// Threads that read chunks during a Load with nothing to recompute (one otherwise: the
+    /// Where the Load cannot read through an io_uring (no mount, or the kernel refuses it):
+    /// threads that read chunks during a Load with nothing to recompute (one otherwise: the
     /// engine thread recomputes on the other core). Each keeps one read in flight, into its part
     /// of the readers' buffer (a chunk of the Load's largest format; eight int8 parts fit one
     /// 2 MiB huge page). With reads into huge pages, eight bring a 2048-token int8 context back
