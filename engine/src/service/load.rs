@@ -88,32 +88,18 @@ pub struct Readers {
     ring: Ring,
 }
 
-/// The io_uring path's state: made at the first Load through a mount.
+/// The io_uring path: through a mount, where the kernel allows it.
 #[derive(Debug)]
 enum Ring {
-    Untried,
     Ready(Box<ReadRing>),
-    Refused,
+    Off,
 }
 
 impl Ring {
-    /// The io_uring, made now if this is the first time.
     fn get(&mut self) -> Option<&mut ReadRing> {
-        if matches!(self, Ring::Untried) {
-            *self = match ReadRing::new(RING_DEPTH, RING_BYTES) {
-                Ok(r) => Ring::Ready(Box::new(r)),
-                Err(e) => {
-                    tracing::warn!(
-                        error = %e,
-                        "no io_uring: the Load reads with one thread per read in flight"
-                    );
-                    Ring::Refused
-                }
-            };
-        }
         match self {
             Ring::Ready(r) => Some(r),
-            _ => None,
+            Ring::Off => None,
         }
     }
 
@@ -133,8 +119,11 @@ pub const RING_DEPTH: u32 = 32;
 pub const RING_BYTES: usize = 2 << 20;
 
 impl Readers {
-    /// `threads` I/O threads (at least one); their buffers are mapped at the first Load.
-    pub fn new(threads: usize) -> Result<Readers, ServiceError> {
+    /// `threads` I/O threads (at least one), and with `ring` (chunks read through a mount) the
+    /// io_uring. The read buffer is mapped now, not at the first Load: faulting in huge pages can
+    /// take milliseconds (the kernel may compact memory to find them), which the first switch
+    /// that reads would otherwise pay (5-10 ms, once in three or four replays of docs/bench.md's).
+    pub fn new(threads: usize, ring: bool) -> Result<Readers, ServiceError> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .thread_name(|i| format!("llms-load-{i}"))
@@ -142,11 +131,27 @@ impl Readers {
             .map_err(|e| ServiceError::Internal {
                 what: format!("starting the Load's I/O threads: {e}"),
             })?;
-        Ok(Readers {
-            pool,
-            buf: AlignedBuf::huge(0),
-            ring: Ring::Untried,
-        })
+        let ring = if ring {
+            match ReadRing::new(RING_DEPTH, RING_BYTES) {
+                Ok(r) => Ring::Ready(Box::new(r)),
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "no io_uring: the Load reads with one thread per read in flight"
+                    );
+                    Ring::Off
+                }
+            }
+        } else {
+            Ring::Off
+        };
+        // The threads' buffer, where there is no ring: eight int8 parts fit this.
+        let buf = AlignedBuf::huge(if matches!(ring, Ring::Off) {
+            RING_BYTES
+        } else {
+            0
+        });
+        Ok(Readers { pool, buf, ring })
     }
 
     /// The read buffers' bytes (whole huge pages: the io_uring's, and the threads', sized to the
@@ -160,7 +165,7 @@ impl Readers {
         self.buf.huge_bytes() + self.ring.ready().map_or(0, ReadRing::huge_bytes)
     }
 
-    /// Whether Loads read through an io_uring (made at the first Load through a mount).
+    /// Whether Loads read through an io_uring (through a mount, where the kernel allows it).
     pub fn uses_io_uring(&self) -> bool {
         self.ring.ready().is_some()
     }

@@ -311,7 +311,7 @@ pub struct ServiceStats {
     #[serde(default)]
     pub load_buffer_huge_bytes: u64,
     /// Whether the Load reads through an io_uring (through the mount, where the kernel allows
-    /// it; made at the first Load), or with one thread per read in flight.
+    /// it), or with one thread per read in flight.
     #[serde(default)]
     pub load_io_uring: bool,
     /// Switch latency (request received to chunks resident), all calls.
@@ -561,7 +561,7 @@ impl Manager {
         .map_err(|e| ServiceError::Internal {
             what: format!("starting the writer thread: {e}"),
         })?;
-        let readers = load::Readers::new(cfg.io_threads)?;
+        let readers = load::Readers::new(cfg.io_threads, io.mountpoint().is_some())?;
         let mut m = Manager {
             cost: cfg.cost,
             model,
