@@ -613,13 +613,7 @@ pub fn smaps_rss(addr: usize, len: usize) -> io::Result<u64> {
             continue;
         }
         if inside && let Some(rest) = line.strip_prefix("Rss:") {
-            let kb: u64 = rest
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse()
-                .map_err(|_| io::Error::other(format!("bad Rss line {line:?}")))?;
-            total += kb * 1024;
+            total += smaps_bytes(line, rest)?;
         }
     }
     if covered != len {
@@ -647,14 +641,19 @@ pub fn smaps_anon_huge(addr: usize, len: usize) -> io::Result<u64> {
             continue;
         }
         if inside && let Some(rest) = line.strip_prefix("AnonHugePages:") {
-            let kb: u64 = rest
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse()
-                .map_err(|_| io::Error::other(format!("bad AnonHugePages line {line:?}")))?;
-            total += kb * 1024;
+            total += smaps_bytes(line, rest)?;
         }
     }
     Ok(total.min(len as u64))
+}
+
+/// The bytes of a /proc/self/smaps size field (`rest`: what follows its name, in kB).
+fn smaps_bytes(line: &str, rest: &str) -> io::Result<u64> {
+    let kb: u64 = rest
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .map_err(|_| io::Error::other(format!("bad smaps line {line:?}")))?;
+    Ok(kb * 1024)
 }
