@@ -115,8 +115,9 @@ impl ReadRing {
     /// Starts reading `len` bytes of `fd` at `offset` into a free part of the buffer (`len` and
     /// `offset` multiples of 4 KiB, as `O_DIRECT` needs). `Ok(false)` when there is no room for it
     /// now (the buffer, or the ring's entries): wait for a read and release it first. A read
-    /// longer than the whole buffer is an error. The read is submitted at once, so `fd` need only
-    /// live through this call.
+    /// longer than the whole buffer is an error. The read is submitted at once (the kernel then
+    /// holds the file), or, if the kernel refuses the submission now, at the next
+    /// [`ReadRing::wait`]: keep `fd` open until the read ends.
     pub fn start(
         &mut self,
         tag: u64,
@@ -178,8 +179,11 @@ impl ReadRing {
         self.in_flight += 1;
         self.queued += 1;
         // Submitted alone, at once: a batch would reach the device only once all of it is
-        // prepared, and measured slower here (docs/service.md).
-        self.enter(0)?;
+        // prepared, and measured slower here (docs/service.md). The read is in the ring either
+        // way: if the kernel refuses it now, `wait` submits it again and reports what fails.
+        if let Err(e) = self.enter(0) {
+            tracing::debug!(error = %e, "io_uring_enter; the read stays queued");
+        }
         Ok(true)
     }
 

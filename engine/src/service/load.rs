@@ -277,10 +277,14 @@ pub fn load(
         .iter()
         .map(|&i| i as usize)
         .collect::<Vec<_>>();
-    let Readers { pool, buf, ring } = readers;
+    let Readers {
+        pool,
+        buf,
+        ring: ring_state,
+    } = readers;
     // Through a mount, one thread keeps the reads in flight on the io_uring.
     let ring = if io.mountpoint().is_some() {
-        ring.get()
+        ring_state.get()
     } else {
         None
     };
@@ -366,9 +370,14 @@ pub fn load(
             all.failed.extend(out.failed);
             all.bytes += out.bytes;
             all.secs = f64::max(all.secs, out.secs);
+            all.ring_failed |= out.ring_failed;
         }
         all.ok.sort_unstable();
         all.failed.sort_unstable();
+        if all.ring_failed {
+            // Reads of this Load may still be in flight on it: never reap them into another.
+            *ring_state = Ring::Off;
+        }
         Ok((all.ok, all.failed, all.bytes, all.secs))
     });
     let (read, failed, read_bytes, io_secs) = io_out?;
@@ -419,6 +428,8 @@ struct IoOut {
     failed: Vec<u32>,
     bytes: u64,
     secs: f64,
+    /// The io_uring failed: it is given up for good.
+    ring_failed: bool,
 }
 
 impl IoOut {
@@ -474,14 +485,13 @@ impl RingReads<'_> {
         let mut fallback = AlignedBuf::default();
         let mut slots: Vec<Option<(Arc<MountReader>, RawSlot)>> = vec![None; self.order.len()];
         let mut next = 0;
-        let mut broken = false;
         let mut aside = 0.0;
         loop {
             while next < self.order.len() {
                 let n = next;
                 let i = self.order[n];
                 let started = match self.io.raw_slot(self.ctx, i) {
-                    Some((file, slot)) if !broken => {
+                    Some((file, slot)) => {
                         match ring.start(n as u64, file.as_fd(), slot.offset(), slot.len()) {
                             Ok(true) => {
                                 slots[n] = Some((file, slot));
@@ -515,18 +525,18 @@ impl RingReads<'_> {
                 Ok(Some(read)) => read,
                 Ok(None) => break,
                 Err(e) => {
-                    // The ring failed: read what it had in flight the usual way, and the rest.
+                    // The ring failed: read what it had in flight the usual way, and the rest;
+                    // the Load's caller then gives the ring up.
                     tracing::warn!(error = %e, "io_uring failed; reading the Load's chunks one by one");
-                    broken = true;
-                    for (n, slot) in slots.iter_mut().enumerate() {
-                        if slot.take().is_some() {
-                            let i = self.order[n];
-                            let r = self.read_one(i, &mut fallback, &mut spare);
-                            out.record(ChunkKey::new(self.ctx, i), r);
-                            done(n);
-                        }
+                    out.ring_failed = true;
+                    let left = (0..slots.len()).filter(|&n| slots[n].take().is_some());
+                    for n in left.chain(next..self.order.len()).collect::<Vec<_>>() {
+                        let i = self.order[n];
+                        let r = self.read_one(i, &mut fallback, &mut spare);
+                        out.record(ChunkKey::new(self.ctx, i), r);
+                        done(n);
                     }
-                    continue;
+                    break;
                 }
             };
             let n = read.tag as usize;
