@@ -79,6 +79,8 @@ pub struct LoadBenchReport {
     /// the kernel backed with transparent huge pages.
     pub load_buffer_bytes: u64,
     pub load_buffer_huge_bytes: u64,
+    /// Whether the Loads read through an io_uring (through the mount, where the kernel allows it).
+    pub load_io_uring: bool,
 }
 
 impl LoadBenchReport {
@@ -120,9 +122,14 @@ impl LoadBenchReport {
             s += &format!("prefill of {n} tokens: {tps:.0} tokens/s\n");
         }
         s += &format!(
-            "the Load's read buffers: {:.1} MiB, {:.1} MiB of it in huge pages\n",
+            "the Load's read buffers: {:.1} MiB, {:.1} MiB of it in huge pages; reads {}\n",
             mib(self.load_buffer_bytes),
-            mib(self.load_buffer_huge_bytes)
+            mib(self.load_buffer_huge_bytes),
+            if self.load_io_uring {
+                "in flight on an io_uring"
+            } else {
+                "one per I/O thread"
+            }
         );
         match (&self.memory_cgroup, self.peak_memory_bytes) {
             (Some(g), Some(b)) => {
@@ -174,6 +181,7 @@ pub fn run(
     let max_len = opts.lengths.iter().copied().max().unwrap_or(16);
     let vocab = model.cfg.vocab as u64;
     let mut buffers = (0, 0);
+    let mut io_uring = false;
     for &n in &opts.lengths {
         let store = opts.dir.join(format!("load-{n}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&store);
@@ -268,6 +276,7 @@ pub fn run(
             drop(guard);
         }
         let st = m.stats();
+        io_uring |= st.load_io_uring;
         if st.load_buffer_bytes >= buffers.0 {
             buffers = (st.load_buffer_bytes, st.load_buffer_huge_bytes);
         }
@@ -284,6 +293,7 @@ pub fn run(
         peak_memory_bytes: overall,
         load_buffer_bytes: buffers.0,
         load_buffer_huge_bytes: buffers.1,
+        load_io_uring: io_uring,
     })
 }
 
