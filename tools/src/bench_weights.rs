@@ -136,9 +136,11 @@ struct Report {
 const MEMORY: &str = "/sys/fs/cgroup/memory";
 const BLKIO: &str = "/sys/fs/cgroup/blkio";
 /// Room in the memory limit beyond the measured base while prefilling: a prefill step's
-/// activations (about 10 MiB for 256 tokens of the default model) and the KV cache it fills,
-/// which the base does not hold; the same for every method.
-const PREFILL_SLACK: u64 = 16 << 20;
+/// activations (about 10 MiB for 256 tokens of the default model) and the KV cache it fills
+/// (about 6 MiB of f16 for them), which the base does not hold; the same for every method.
+/// 16 MiB was exactly that: 5 of 18 children were killed by the OOM killer in their prefill,
+/// none of 30 with 32 MiB (docs/bench-weights.md).
+const PREFILL_SLACK: u64 = 32 << 20;
 /// Room beyond the base measured after the prefill (which then holds the KV cache), for the
 /// decode's small and growing allocations (new KV chunks, logits): the same for every method.
 /// 1 MiB was too little: an all-resident engine at a 100% budget was killed by the OOM killer.
