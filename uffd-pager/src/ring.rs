@@ -60,8 +60,6 @@ pub struct ReadRing {
     used: Vec<u64>,
     parts: Vec<Part>,
     in_flight: usize,
-    /// Started and not yet submitted to the kernel.
-    queued: usize,
 }
 
 /// Numbers every read started in the process.
@@ -92,7 +90,6 @@ impl ReadRing {
             mem,
             parts: Vec::new(),
             in_flight: 0,
-            queued: 0,
         })
     }
 
@@ -177,7 +174,6 @@ impl ReadRing {
             generation: GENERATION.fetch_add(1, Ordering::Relaxed),
         };
         self.in_flight += 1;
-        self.queued += 1;
         // Submitted alone, at once: a batch would reach the device only once all of it is
         // prepared, and measured slower here (docs/service.md). The read is in the ring either
         // way: if the kernel refuses it now, `wait` submits it again and reports what fails.
@@ -256,10 +252,7 @@ impl ReadRing {
     fn enter(&mut self, want: usize) -> Result<(), SysError> {
         loop {
             match self.ring.submit_and_wait(want) {
-                Ok(n) => {
-                    self.queued = self.queued.saturating_sub(n);
-                    return Ok(());
-                }
+                Ok(_) => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(source) => {
                     return Err(SysError::Call {
