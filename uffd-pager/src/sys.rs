@@ -591,31 +591,17 @@ pub fn kernel_page_size() -> usize {
 /// The summed `Rss:` of the mappings that make up `[addr, addr+len)`, in bytes, read from
 /// /proc/self/smaps. Fails if a mapping straddles either end (its Rss would not be ours alone).
 pub fn smaps_rss(addr: usize, len: usize) -> io::Result<u64> {
-    let text = std::fs::read_to_string("/proc/self/smaps")?;
     let end = addr + len;
-    let mut inside = false;
-    let mut total = 0;
     let mut covered = 0;
-    for line in text.lines() {
-        let first = line.split_whitespace().next().unwrap_or("");
-        if let Some((a, b)) = first.split_once('-')
-            && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
-        {
-            inside = a < end && b > addr;
-            if inside {
-                if a < addr || b > end {
-                    return Err(io::Error::other(format!(
-                        "mapping {a:#x}-{b:#x} straddles {addr:#x}-{end:#x}"
-                    )));
-                }
-                covered += b - a;
-            }
-            continue;
+    let total = smaps_sum(addr, len, "Rss:", |a, b| {
+        if a < addr || b > end {
+            return Err(io::Error::other(format!(
+                "mapping {a:#x}-{b:#x} straddles {addr:#x}-{end:#x}"
+            )));
         }
-        if inside && let Some(rest) = line.strip_prefix("Rss:") {
-            total += smaps_bytes(line, rest)?;
-        }
-    }
+        covered += b - a;
+        Ok(())
+    })?;
     if covered != len {
         return Err(io::Error::new(
             io::ErrorKind::NotFound,
@@ -628,6 +614,17 @@ pub fn smaps_rss(addr: usize, len: usize) -> io::Result<u64> {
 /// The `AnonHugePages:` of the mappings that overlap `[addr, addr+len)`, in bytes, capped at
 /// `len`, read from /proc/self/smaps (a mapping that straddles the range counts whole).
 pub fn smaps_anon_huge(addr: usize, len: usize) -> io::Result<u64> {
+    Ok(smaps_sum(addr, len, "AnonHugePages:", |_, _| Ok(()))?.min(len as u64))
+}
+
+/// Sums the size field `field` (in bytes) over the mappings of /proc/self/smaps that overlap
+/// `[addr, addr+len)`, calling `each(start, end)` on each such mapping first.
+fn smaps_sum(
+    addr: usize,
+    len: usize,
+    field: &str,
+    mut each: impl FnMut(usize, usize) -> io::Result<()>,
+) -> io::Result<u64> {
     let text = std::fs::read_to_string("/proc/self/smaps")?;
     let end = addr + len;
     let mut inside = false;
@@ -638,13 +635,16 @@ pub fn smaps_anon_huge(addr: usize, len: usize) -> io::Result<u64> {
             && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
         {
             inside = a < end && b > addr;
+            if inside {
+                each(a, b)?;
+            }
             continue;
         }
-        if inside && let Some(rest) = line.strip_prefix("AnonHugePages:") {
+        if inside && let Some(rest) = line.strip_prefix(field) {
             total += smaps_bytes(line, rest)?;
         }
     }
-    Ok(total.min(len as u64))
+    Ok(total)
 }
 
 /// The bytes of a /proc/self/smaps size field (`rest`: what follows its name, in kB).
