@@ -161,15 +161,10 @@ impl MountReader {
         if at.codec != Codec::Raw || at.stored_len != at.raw_len {
             return Ok(None);
         }
-        Ok(Some(RawSlot {
-            offset: slot_offset(index, at.copy),
-            len: (HEADER_PAGE + at.stored_len as usize).next_multiple_of(DIRECT_ALIGN),
-            index,
-            at,
-        }))
+        Ok(Some(RawSlot { index, at }))
     }
 
-    /// Checks what a direct read of `slot` gave (`bytes`: the slot's first [`RawSlot::len`] bytes,
+    /// Checks what a direct read of `slot` gave (`bytes`: the slot's first [`RawSlot::read_len`] bytes,
     /// the header page then the payload) as [`MountReader::read_chunk_into`] does. `Some` when it
     /// is the chunk: its bytes are `bytes[RawSlot::payload()]`. `None` when anything is amiss (a
     /// short read, a failed check, a rewrite that moved the chunk meanwhile): read it again with
@@ -328,40 +323,29 @@ impl AsFd for MountReader {
     }
 }
 
-/// Where a raw chunk lies in its context's `data` file ([`MountReader::raw_slot`]): read `len`
-/// bytes at `offset` with `O_DIRECT` (both are multiples of 4 KiB) and give them to
-/// [`MountReader::check_raw`].
+/// Where a raw chunk lies in its context's `data` file ([`MountReader::raw_slot`]): read
+/// [`RawSlot::read_len`] bytes at [`RawSlot::offset`] with `O_DIRECT` (both are multiples of
+/// 4 KiB) and give them to [`MountReader::check_raw`].
 #[derive(Clone, Debug)]
 pub struct RawSlot {
-    offset: u64,
-    len: usize,
     index: u32,
+    /// What the store says the slot holds.
     at: StoredChunk,
 }
 
 impl RawSlot {
     /// The slot's offset in the `data` file.
     pub fn offset(&self) -> u64 {
-        self.offset
+        slot_offset(self.index, self.at.copy)
     }
 
     /// Bytes to read: the header page and the payload, rounded up to 4 KiB.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Never empty: a slot holds at least its header page.
-    pub fn is_empty(&self) -> bool {
-        false
+    pub fn read_len(&self) -> usize {
+        (HEADER_PAGE + self.at.stored_len as usize).next_multiple_of(DIRECT_ALIGN)
     }
 
     /// The chunk's bytes within what was read.
     pub fn payload(&self) -> std::ops::Range<usize> {
         HEADER_PAGE..HEADER_PAGE + self.at.raw_len as usize
-    }
-
-    /// What the store says the slot holds.
-    pub fn meta(&self) -> &StoredChunk {
-        &self.at
     }
 }

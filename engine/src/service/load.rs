@@ -85,30 +85,8 @@ pub struct StoredChunk {
 pub struct Readers {
     pool: rayon::ThreadPool,
     buf: AlignedBuf,
-    ring: Ring,
-}
-
-/// The io_uring path: through a mount, where the kernel allows it.
-#[derive(Debug)]
-enum Ring {
-    Ready(Box<ReadRing>),
-    Off,
-}
-
-impl Ring {
-    fn get(&mut self) -> Option<&mut ReadRing> {
-        match self {
-            Ring::Ready(r) => Some(r),
-            Ring::Off => None,
-        }
-    }
-
-    fn ready(&self) -> Option<&ReadRing> {
-        match self {
-            Ring::Ready(r) => Some(r),
-            _ => None,
-        }
-    }
+    /// The io_uring: through a mount, where the kernel allows it.
+    ring: Option<Box<ReadRing>>,
 }
 
 /// Entries of the Load's io_uring: at most this many reads in flight.
@@ -131,43 +109,37 @@ impl Readers {
             .map_err(|e| ServiceError::Internal {
                 what: format!("starting the Load's I/O threads: {e}"),
             })?;
-        let ring = if ring {
-            match ReadRing::new(RING_DEPTH, RING_BYTES) {
-                Ok(r) => Ring::Ready(Box::new(r)),
+        let ring = ring
+            .then(|| match ReadRing::new(RING_DEPTH, RING_BYTES) {
+                Ok(r) => Some(Box::new(r)),
                 Err(e) => {
                     tracing::warn!(
                         error = %e,
                         "no io_uring: the Load reads with one thread per read in flight"
                     );
-                    Ring::Off
+                    None
                 }
-            }
-        } else {
-            Ring::Off
-        };
+            })
+            .flatten();
         // The threads' buffer, where there is no ring: eight int8 parts fit this.
-        let buf = AlignedBuf::huge(if matches!(ring, Ring::Off) {
-            RING_BYTES
-        } else {
-            0
-        });
+        let buf = AlignedBuf::huge(if ring.is_none() { RING_BYTES } else { 0 });
         Ok(Readers { pool, buf, ring })
     }
 
     /// The read buffers' bytes (whole huge pages: the io_uring's, and the threads', sized to the
     /// largest Load's chunks so far).
     pub fn buffer_bytes(&self) -> usize {
-        self.buf.capacity() + self.ring.ready().map_or(0, ReadRing::buffer_bytes)
+        self.buf.capacity() + self.ring.as_deref().map_or(0, ReadRing::buffer_bytes)
     }
 
     /// Of those, the bytes the kernel backs with huge pages.
     pub fn huge_bytes(&self) -> usize {
-        self.buf.huge_bytes() + self.ring.ready().map_or(0, ReadRing::huge_bytes)
+        self.buf.huge_bytes() + self.ring.as_deref().map_or(0, ReadRing::huge_bytes)
     }
 
     /// Whether Loads read through an io_uring (through a mount, where the kernel allows it).
     pub fn uses_io_uring(&self) -> bool {
-        self.ring.ready().is_some()
+        self.ring.is_some()
     }
 }
 
@@ -284,7 +256,7 @@ pub fn load(
     } = readers;
     // Through a mount, one thread keeps the reads in flight on the io_uring.
     let ring = if io.mountpoint().is_some() {
-        ring_state.get()
+        ring_state.as_deref_mut()
     } else {
         None
     };
@@ -363,8 +335,13 @@ pub fn load(
     let io_out = io_out.and_then(|()| {
         let mut all = IoOut::default();
         for r in done.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            let out = r.map_err(|_| ServiceError::Internal {
-                what: "a load I/O thread panicked".into(),
+            let out = r.map_err(|_| {
+                // A panic may have left reads of this Load in flight on the ring: never reap
+                // them into another.
+                *ring_state = None;
+                ServiceError::Internal {
+                    what: "a load I/O thread panicked".into(),
+                }
             })?;
             all.ok.extend(out.ok);
             all.failed.extend(out.failed);
@@ -376,7 +353,7 @@ pub fn load(
         all.failed.sort_unstable();
         if all.ring_failed {
             // Reads of this Load may still be in flight on it: never reap them into another.
-            *ring_state = Ring::Off;
+            *ring_state = None;
         }
         Ok((all.ok, all.failed, all.bytes, all.secs))
     });
@@ -492,7 +469,7 @@ impl RingReads<'_> {
                 let i = self.order[n];
                 let started = match self.io.raw_slot(self.ctx, i) {
                     Some((file, slot)) => {
-                        match ring.start(n as u64, file.as_fd(), slot.offset(), slot.len()) {
+                        match ring.start(n as u64, file.as_fd(), slot.offset(), slot.read_len()) {
                             Ok(true) => {
                                 slots[n] = Some((file, slot));
                                 true
