@@ -15,7 +15,9 @@ use crate::client::MountReader;
 use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
 use crate::fs::{Mount, MountConfig, MountError, mount};
 use crate::io::{AlignedBuf, IoError, read_slot};
-use crate::store::{ContextId, HEADER_PAGE, NewContext, Store, StoreError, StoreOptions};
+use crate::store::{
+    ContextId, HEADER_PAGE, NewContext, Store, StoreError, StoreOptions, slot_offset,
+};
 
 /// What went wrong running the benchmark.
 #[derive(Debug, thiserror::Error)]
@@ -222,8 +224,14 @@ fn io_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError
             lat[0].extend(read_pass(n, |i| {
                 let at = store.locate(id, i, &FP)?;
                 let len = HEADER_PAGE + at.stored_len as usize;
-                let r = read_slot(&data_file, store.direct_io(), at.offset, len, &mut scratch)
-                    .map_err(|e| IoError::new("read", &data_path, e))?;
+                let r = read_slot(
+                    &data_file,
+                    store.direct_io(),
+                    slot_offset(i, at.copy),
+                    len,
+                    &mut scratch,
+                )
+                .map_err(|e| IoError::new("read", &data_path, e))?;
                 Ok(r.len())
             })?);
             drop_caches();
@@ -537,7 +545,7 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
                 let bare = |buf: &mut AlignedBuf, i| {
                     let at = store.locate(id, i, &FP)?;
                     let len = HEADER_PAGE + at.stored_len as usize;
-                    let off = at.offset;
+                    let off = slot_offset(i, at.copy);
                     let r = read_slot(&data_file, store.direct_io(), off, len, buf)
                         .map_err(|e| IoError::new("read", &data_path, e))?;
                     Ok(r.len() - HEADER_PAGE)

@@ -1,9 +1,9 @@
 //! The client side of a mounted store's data path: [`MountReader`] keeps a context's `data` and
 //! `kv` files open and moves whole chunks through them with one `preadv` or `pwritev` each.
 //!
-//! The `data` file is the context's data file, offset for offset: chunk `i` is a record where the
-//! store says ([`Store::locate`]), a header page (the 104-byte chunk header, then zeros) followed
-//! by the stored payload. The reader opens it with `O_DIRECT`, so with FUSE passthrough (root, the
+//! The `data` file is the context's data file, offset for offset: chunk `i` sits in one of its two
+//! slots ([`crate::slot_offset`]), a header page (the 104-byte chunk header, then zeros) followed by
+//! the stored payload. The reader opens it with `O_DIRECT`, so with FUSE passthrough (root, the
 //! default) the kernel reads the data file itself, straight into the caller's buffer, and the
 //! daemon never sees the read. Writes go to the `kv` file, which the daemon serves. Nobody checked those bytes on the way, so the reader checks them
 //! as the store would: the header's crc, the context, the index, the model, the generation the
@@ -22,7 +22,7 @@ use crate::fs::kv_offset;
 use crate::io::{DIRECT_ALIGN, IoError, read_slot};
 use crate::store::{
     Check, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk, decode_payload,
-    read_raw_slot, with_scratch,
+    read_raw_slot, slot_offset, with_scratch,
 };
 
 /// How many times a read that finds the chunk moved by a concurrent rewrite is retried.
@@ -185,9 +185,9 @@ impl MountReader {
                 have: buf.len(),
             });
         }
-        let offset = at.offset;
+        let offset = slot_offset(index, at.copy);
         let stored = at.stored_len as usize;
-        if let Some(read) = read_raw_slot(&self.read, at, buf) {
+        if let Some(read) = read_raw_slot(&self.read, index, at, buf) {
             let page = read.map_err(Check::Bad)?;
             let h = self.check_header(index, at, &page.0)?;
             return h
@@ -336,7 +336,7 @@ pub struct RawSlot {
 impl RawSlot {
     /// The slot's offset in the `data` file.
     pub fn offset(&self) -> u64 {
-        self.at.offset
+        slot_offset(self.index, self.at.copy)
     }
 
     /// Bytes to read: the header page and the payload, rounded up to 4 KiB.

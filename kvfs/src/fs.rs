@@ -25,7 +25,9 @@ use fuser::{
 };
 
 use crate::format::{ChunkHeader, Codec, HEADER_LEN, KvFormat};
-use crate::store::{ChunkState, ContextId, MAX_CHUNK_BYTES, Store, StoreError, record_len};
+use crate::store::{
+    ChunkState, ContextId, MAX_CHUNK_BYTES, SLOT_BYTES, Store, StoreError, slot_offset,
+};
 
 /// Attributes are not cached: sizes of `info`, `text`, `stats` and chunks change under writes, and a
 /// fresh `getattr` is where a uid that does not own a context is turned away.
@@ -124,15 +126,11 @@ impl Node {
     }
 }
 
-/// The stride of chunk images written to a `kv` file: chunk `i`'s image is written at
-/// `i × KV_STRIDE` ([`kv_offset`]). An image (a header and at most [`MAX_CHUNK_BYTES`]) fits in it.
-pub const KV_STRIDE: u64 = 1 << 24;
-
-/// Where a write of chunk `index`'s image goes in its context's `kv` file. Writes are addressed by
-/// index; reads of the `kv` file show the data file offset for offset, so a reader finds the
-/// chunk where [`Store::locate`] says its record is.
+/// Where a write of chunk `index`'s image goes in its context's `kv` file: the offset of the
+/// chunk's first slot ([`slot_offset`]). Reads of the `kv` file show the data file offset for
+/// offset, so a reader finds the chunk at whichever slot [`Store::locate`] names.
 pub fn kv_offset(index: u32) -> u64 {
-    u64::from(index) * KV_STRIDE
+    slot_offset(index, 0)
 }
 
 /// The length of the chunk image a `kv` write header announces, after checking that it names
@@ -554,30 +552,33 @@ impl KvFs {
     }
 
     /// Serves `size` bytes at `offset` of context `c`'s `kv` file, as the data file holds them:
-    /// the bytes of a chunk's current record (header page, then stored payload) once the chunk
-    /// has passed every check, zeros anywhere else up to the file's end, never crossing into
-    /// another record; EIO within the record of a chunk that fails its checks (it is quarantined).
+    /// the bytes of a chunk's current slot (header page, then stored payload) once the chunk has
+    /// passed every check, zeros anywhere else up to the file's end, never crossing into the next
+    /// slot; EIO within the slots of a chunk that fails its checks (it is quarantined) or was
+    /// quarantined before.
     fn read_kv(&self, c: ContextId, offset: u64, size: u32, reply: ReplyData) {
         let len = match self.kv_len(c) {
             Ok(l) => l,
             Err(e) => return reply.error(e),
         };
-        let end = len.min(offset.saturating_add(u64::from(size)));
-        let (i, within, want) = match self.store.record_at(c, offset) {
-            Ok(Ok((i, s))) => {
-                let within = offset - s.offset;
-                let rec_end = s.offset + record_len(s.stored_len);
-                (
-                    i,
-                    within as usize,
-                    (end.min(rec_end).saturating_sub(offset)) as usize,
-                )
-            }
-            Ok(Err(next)) => {
-                let to = next.map_or(end, |n| n.min(end));
-                return reply.data(&vec![0; to.saturating_sub(offset) as usize]);
-            }
-            Err(e) => return reply.error(store_err(e)),
+        let within = (offset % SLOT_BYTES) as usize;
+        let want = (size as u64)
+            .min(SLOT_BYTES - within as u64)
+            .min(len.saturating_sub(offset)) as usize;
+        let slot = offset / SLOT_BYTES;
+        let (index, copy) = (slot / 2, (slot % 2) as u8);
+        let stored = match u32::try_from(index) {
+            Ok(i) => match self.store.chunk_state(c, i) {
+                Ok(ChunkState::Stored(s)) if s.copy == copy => Some(i),
+                // Refused again, as the store refuses it, until it is rewritten.
+                Ok(ChunkState::Quarantined { .. }) => return reply.error(Errno::EIO),
+                Ok(_) => None,
+                Err(e) => return reply.error(store_err(e)),
+            },
+            Err(_) => None,
+        };
+        let Some(i) = stored else {
+            return reply.data(&vec![0; want]);
         };
         let fp = match self.store.fingerprint(c) {
             Ok(fp) => fp,
@@ -626,9 +627,7 @@ impl KvFs {
             }
             crate::io::drop_range(&f, offset, done);
             buf.truncate(done);
-            if done > 0
-                && matches!(self.store.record_at(c, offset), Ok(Ok((_, s))) if s.offset == offset)
-            {
+            if offset.is_multiple_of(SLOT_BYTES) && done > 0 {
                 self.counters.kv_reads.fetch_add(1, Ordering::Relaxed);
             }
             Ok(buf)
@@ -706,8 +705,13 @@ impl KvFs {
         if self.read_only {
             return Err(Errno::EROFS);
         }
-        let index = u32::try_from(offset / KV_STRIDE).map_err(|_| Errno::EINVAL)?;
-        let within = (offset % KV_STRIDE) as usize;
+        let slot = offset / SLOT_BYTES;
+        if !slot.is_multiple_of(2) {
+            // Chunk images are written at their chunk's first slot only.
+            return Err(Errno::EINVAL);
+        }
+        let index = u32::try_from(slot / 2).map_err(|_| Errno::EINVAL)?;
+        let within = (offset % SLOT_BYTES) as usize;
         if within == 0 {
             let header = ChunkHeader::decode(data).map_err(|_| Errno::EINVAL)?;
             let total = image_len(&header, c, index)?;

@@ -14,8 +14,8 @@ pub mod store;
 
 pub use client::{MountReader, RawSlot};
 pub use format::{Codec, ContextMeta, Fingerprint, KvFormat};
-pub use fs::{KV_STRIDE, Mount, MountConfig, MountCounters, MountError, kv_offset, mount};
+pub use fs::{Mount, MountConfig, MountCounters, MountError, kv_offset, mount};
 pub use store::{
     ChunkMeta, ChunkState, ContextId, ContextInfo, Decoder, HEADER_PAGE, MAX_CHUNK_BYTES,
-    MAX_DATA_BYTES, NewContext, Store, StoreError, StoreOptions, StoredChunk, record_len,
+    NewContext, SLOT_BYTES, Store, StoreError, StoreOptions, StoredChunk, slot_offset,
 };

@@ -4,12 +4,11 @@
 //! Layout under the store root:
 //! `KVFS` (marker), `contexts/<id>/{meta,tokens,data}`, `staging/` (contexts being created),
 //! `trash/` (contexts being deleted) and `quarantine/` (chunks and files that failed their checks).
-//! `meta` and `tokens` are replaced atomically (see [`crate::io::write_atomic`]). `data` is a log:
-//! every chunk write appends a record (a header page, then the payload, [`record_len`]) at the
-//! file's end, its payload made durable before its header, and then frees the copy it replaces,
-//! so a context's chunks, written in order, sit next to each other, and after a crash at any point
-//! the newest complete copy of a chunk is the one with the highest generation. [`Store::open`]
-//! scans the store and recovers from any crash point, quarantining what fails its checks.
+//! `meta` and `tokens` are replaced atomically (see [`crate::io::write_atomic`]). In `data`, chunk
+//! `i` has two slots ([`slot_offset`]): a rewrite goes to the slot the chunk does not occupy, its
+//! payload made durable before its header, so after a crash at any point the newest complete copy
+//! is the one with the highest generation. [`Store::open`] scans the store and recovers from any
+//! crash point, quarantining what fails its checks.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -32,32 +31,24 @@ use crate::io::{
 };
 
 const MARKER: &str = "KVFS";
-const MARKER_TEXT: &[u8] = b"kvfs store, format version 3\n";
-/// The marker of a store whose data files kept two slots per chunk at fixed offsets. Each slot
-/// is a record as format 3 reads them, so such a store opens as it is (and is marked format 3 at
-/// its first open for writing).
-const MARKER_TEXT_V2: &[u8] = b"kvfs store, format version 2\n";
+const MARKER_TEXT: &[u8] = b"kvfs store, format version 2\n";
 /// The marker of a store made before the data file (one file per chunk); [`Store::open`] upgrades it.
 const MARKER_TEXT_V1: &[u8] = b"kvfs store, format version 1\n";
-/// Where a record's payload starts: the 104-byte header has a page of its own, so payloads sit at
+/// Bytes of one slot of a context's data file: a header page, then room for the largest payload.
+pub const SLOT_BYTES: u64 = 1 << 24;
+/// Where a slot's payload starts: the 104-byte header has a page of its own, so payloads sit at
 /// 4 KiB-aligned offsets and O_DIRECT reads land them straight in a caller's aligned buffer.
 pub const HEADER_PAGE: usize = 4096;
-/// The largest chunk the store accepts: 16 MiB less a header page (a 16-token chunk of a 70B model
-/// in f16 is 5 MiB).
-pub const MAX_CHUNK_BYTES: usize = (16 << 20) - HEADER_PAGE;
-/// Chunk indices a context can hold.
+/// The largest chunk the store accepts: a slot less its header page (16 MiB; a 16-token chunk of a
+/// 70B model in f16 is 5 MiB).
+pub const MAX_CHUNK_BYTES: usize = SLOT_BYTES as usize - HEADER_PAGE;
+/// Chunk indices a context can hold: its data file then spans at most 8 TiB (ext4 allows 16).
 pub const MAX_CHUNKS: u32 = 1 << 18;
-/// How far a context's data file may grow (ext4 allows 16 TiB): each write appends, and the
-/// space of the copies it replaces is freed but not reused, so this bounds the bytes ever written
-/// to one context (8 TiB: 40 million writes of a 200 KiB chunk). A context whose file holds no
-/// chunk any more starts again at its beginning.
-pub const MAX_DATA_BYTES: u64 = 1 << 43;
 
-/// The bytes a chunk whose payload is `stored_len` bytes takes in a context's data file: its
-/// header page, then its payload rounded up to whole pages. Records are whole pages, so each
-/// starts, and its payload too, at a 4 KiB-aligned offset.
-pub fn record_len(stored_len: u32) -> u64 {
-    HEADER_PAGE as u64 + u64::from(stored_len).next_multiple_of(HEADER_PAGE as u64)
+/// Where slot `copy` (0 or 1) of chunk `index` starts in a context's data file (and in the mount's
+/// `kv` file, which shows the data file offset for offset).
+pub fn slot_offset(index: u32, copy: u8) -> u64 {
+    (2 * index as u64 + (copy & 1) as u64) * SLOT_BYTES
 }
 /// The longest app name.
 pub const MAX_APP_LEN: usize = 255;
@@ -189,8 +180,8 @@ pub struct StoredChunk {
     pub raw_len: u32,
     pub stored_len: u32,
     pub generation: u64,
-    /// Where its record (header page, then payload) starts in the context's data file.
-    pub offset: u64,
+    /// Which of the chunk's two slots in the data file holds it ([`slot_offset`]).
+    pub copy: u8,
     /// The tokens the chunk was computed from (shorter than the chunk's span while it is the last,
     /// partial chunk).
     pub tokens: Range<u32>,
@@ -265,9 +256,8 @@ struct Ctx {
     data: File,
     /// The same file opened with O_DIRECT for reads, where the filesystem allows it.
     direct: Option<File>,
-    /// Serializes every mutation of this context (tokens, chunks, delete), and holds the end of
-    /// its data file's log: where the next record goes.
-    write: Mutex<u64>,
+    /// Serializes every mutation of this context (tokens, chunks, delete).
+    write: Mutex<()>,
     state: Mutex<CtxState>,
     deleted: AtomicBool,
 }
@@ -431,12 +421,6 @@ impl Store {
         let text = read_file(&marker, false, None)?;
         if text == MARKER_TEXT_V1 {
             store.upgrade_v1()?;
-        } else if text == MARKER_TEXT_V2 {
-            if !store.options.read_only {
-                // Nothing to convert; marked first, so a format-2 reader refuses the store from
-                // the first record written out of place.
-                write_atomic(root, MARKER, ".tmp-KVFS", &[MARKER_TEXT])?;
-            }
         } else if text != MARKER_TEXT {
             return Err(StoreError::Invalid {
                 what: "store marker",
@@ -583,149 +567,86 @@ impl Store {
             .map_err(|e| e.to_string())?;
         let mut chunks = BTreeMap::new();
         let mut touched = false;
-        // The copies found, per chunk: (offset, header) for every record whose header passed.
-        let mut found: BTreeMap<u32, Vec<(u64, ChunkHeader)>> = BTreeMap::new();
+        // The copies found, per chunk: (copy, header) for every slot whose header passed.
+        let mut found: BTreeMap<u32, Vec<(u8, ChunkHeader)>> = BTreeMap::new();
         let mut scratch = AlignedBuf::default();
-        let file = direct.as_ref().unwrap_or(&data);
-        let page = HEADER_PAGE as u64;
-        let len = data
-            .metadata()
-            .map_err(|e| format!("stat {}: {e}", data_path.display()))?
-            .len();
-        for (start, end) in data_extents(&data).map_err(|e| format!("scan data: {e}"))? {
-            // Walk the records of this extent from its start: each header says how long its
-            // record is. Pages that start no record (a payload whose header was never written, or
-            // what follows a damaged header) are gathered in `junk` and freed.
-            let mut at = start / page * page;
-            let mut junk: Option<u64> = None;
-            while at < end {
-                let what = format!("{} at {at}", data_path.display());
-                let r = read_slot(file, direct.is_some(), at, HEADER_PAGE, &mut scratch)
+        for slot in occupied_slots(&data).map_err(|e| format!("scan data: {e}"))? {
+            let (index, copy) = ((slot / 2) as u32, (slot % 2) as u8);
+            let at = slot * SLOT_BYTES;
+            let what = format!("{} chunk {index} slot {copy}", data_path.display());
+            let file = direct.as_ref().unwrap_or(&data);
+            let mut r = read_slot(file, direct.is_some(), at, HEADER_PAGE, &mut scratch)
+                .map_err(|e| format!("read {what}: {e}"))?;
+            if self.options.verify_on_open
+                && let Ok(h) = ChunkHeader::decode(&scratch[r.clone()])
+                && (h.stored_len as usize) <= MAX_CHUNK_BYTES
+            {
+                let len = HEADER_PAGE + h.stored_len as usize;
+                r = read_slot(file, direct.is_some(), at, len, &mut scratch)
                     .map_err(|e| format!("read {what}: {e}"))?;
-                let head = &scratch[r.start..r.end.min(r.start + HEADER_LEN)];
-                if head.iter().all(|&b| b == 0) {
-                    // Zeros: nothing was written here (or a freed page the filesystem kept).
-                    self.free_junk(&data, &data_path, &mut junk, at)?;
-                    at += page;
-                    continue;
-                }
-                let header = match ChunkHeader::decode(head) {
-                    Ok(h) if (h.stored_len as usize) <= MAX_CHUNK_BYTES => h,
-                    Ok(h) => {
-                        // Its crc passed, but not its length: quarantine the page, and walk on.
-                        self.free_junk(&data, &data_path, &mut junk, at)?;
-                        let reason = format!("header says {} stored bytes", h.stored_len);
-                        self.quarantine_record(
-                            &data, &data_path, id, None, at, page, head, reason,
-                        )?;
-                        touched = true;
-                        at += page;
-                        continue;
-                    }
-                    Err(e) if head.starts_with(&crate::format::CHUNK_MAGIC) => {
-                        // A damaged header: its length cannot be trusted, so what follows it is
-                        // walked page by page (and freed, up to the next record).
-                        self.free_junk(&data, &data_path, &mut junk, at)?;
-                        self.quarantine_record(
-                            &data,
-                            &data_path,
-                            id,
-                            None,
-                            at,
-                            page,
-                            head,
-                            e.to_string(),
-                        )?;
-                        touched = true;
-                        at += page;
-                        continue;
-                    }
-                    Err(_) => {
-                        // Not a header: the payload of a write cut short before its header.
-                        junk.get_or_insert(at);
-                        touched = true;
-                        at += page;
-                        continue;
-                    }
-                };
-                self.free_junk(&data, &data_path, &mut junk, at)?;
-                let rec = record_len(header.stored_len);
-                let mut checked = check_identity(&header, id, &meta);
-                if checked.is_ok() && header.index >= MAX_CHUNKS {
-                    checked = Err(format!("chunk index {} past the limit", header.index));
-                }
-                if checked.is_ok() && self.options.verify_on_open {
-                    let len = HEADER_PAGE + header.stored_len as usize;
-                    checked = read_slot(file, direct.is_some(), at, len, &mut scratch)
-                        .map_err(|e| format!("read {what}: {e}"))
-                        .and_then(|r| {
-                            let payload = scratch[r]
-                                .get(HEADER_PAGE..len)
-                                .ok_or("payload cut short")?;
-                            header.check_payload(payload).map_err(|e| e.to_string())
-                        });
-                }
-                match checked {
-                    Ok(()) => found.entry(header.index).or_default().push((at, header)),
-                    Err(reason) => {
-                        let index = (header.context == id.0).then_some(header.index);
-                        let head = header.encode();
-                        self.quarantine_record(
-                            &data,
-                            &data_path,
-                            id,
-                            index,
-                            at,
-                            rec,
-                            &head,
-                            reason.clone(),
-                        )?;
-                        if let Some(index) = index {
-                            chunks.insert(index, ChunkState::Quarantined { reason });
-                        }
-                        touched = true;
-                    }
-                }
-                at += rec;
             }
-            self.free_junk(
-                &data,
-                &data_path,
-                &mut junk,
-                at.min(end.next_multiple_of(page)),
-            )?;
+            let bytes = &scratch[r];
+            let head = &bytes[..bytes.len().min(HEADER_LEN)];
+            if head.iter().all(|&b| b == 0) {
+                // A payload without its header: a first write cut short.
+                self.free_slot(&data, &data_path, index, copy, "unfinished write")?;
+                touched = true;
+                continue;
+            }
+            let checked = ChunkHeader::decode(head)
+                .map_err(|e| e.to_string())
+                .and_then(|h| check_identity(&h, id, index, &meta).map(|()| h))
+                .and_then(|h| {
+                    if h.stored_len as usize > MAX_CHUNK_BYTES {
+                        return Err(format!("header says {} stored bytes", h.stored_len));
+                    }
+                    if self.options.verify_on_open {
+                        let payload = bytes
+                            .get(HEADER_PAGE..HEADER_PAGE + h.stored_len as usize)
+                            .ok_or("payload cut short")?;
+                        h.check_payload(payload).map_err(|e| e.to_string())?;
+                    }
+                    Ok(h)
+                });
+            match checked {
+                Ok(h) => found.entry(index).or_default().push((copy, h)),
+                Err(reason) => {
+                    self.quarantine_slot(
+                        &data,
+                        &data_path,
+                        id,
+                        index,
+                        copy,
+                        bytes,
+                        reason.clone(),
+                    )?;
+                    chunks.insert(index, ChunkState::Quarantined { reason });
+                    touched = true;
+                }
+            }
         }
         for (index, mut copies) in found {
             // The newest copy wins; an older one is what a crash between a rewrite and the
             // freeing of the slot it replaced leaves behind.
             copies.sort_by_key(|(_, h)| std::cmp::Reverse(h.generation));
-            for (at, h) in copies.iter().skip(1) {
-                self.free_record(
-                    &data,
-                    &data_path,
-                    index,
-                    *at,
-                    record_len(h.stored_len),
-                    "older copy",
-                )?;
+            for (copy, _) in copies.iter().skip(1) {
+                self.free_slot(&data, &data_path, index, *copy, "older copy")?;
                 touched = true;
             }
-            let (at, h) = &copies[0];
-            *max_gen = (*max_gen).max(h.generation);
+            let (copy, h) = &copies[0];
             if !covers(&tokens, &(h.token_start..h.token_end), h.tokens_crc) {
-                self.free_record(
+                self.free_slot(
                     &data,
                     &data_path,
                     index,
-                    *at,
-                    record_len(h.stored_len),
+                    *copy,
                     "stale: its tokens were replaced",
                 )?;
                 touched = true;
                 continue;
             }
-            // A valid copy wins over a quarantined one of the same chunk.
-            chunks.insert(index, ChunkState::Stored(stored_of(h, *at)));
+            *max_gen = (*max_gen).max(h.generation);
+            chunks.insert(index, ChunkState::Stored(stored_of(h, *copy)));
         }
         if touched && !self.options.read_only {
             nix::unistd::fdatasync(&data).map_err(|e| format!("fdatasync data: {e}"))?;
@@ -736,115 +657,74 @@ impl Store {
             dir: dir.to_owned(),
             data,
             direct,
-            // Appends go past everything the file ever held: a record is never written over a
-            // freed one whose punch may not have reached the disk.
-            write: Mutex::new(len.next_multiple_of(page)),
+            write: Mutex::new(()),
             state: Mutex::new(CtxState { tokens, chunks }),
             deleted: AtomicBool::new(false),
         })
     }
 
-    /// Frees a record at open (an older copy, or a stale chunk) and notes why.
-    fn free_record(
+    /// Frees a slot at open (a leftover of an interrupted write, or a stale chunk) and notes why.
+    fn free_slot(
         &mut self,
         data: &File,
         path: &Path,
         index: u32,
-        at: u64,
-        len: u64,
+        copy: u8,
         reason: &str,
     ) -> Result<(), String> {
         if self.options.read_only {
             return Ok(());
         }
-        punch(data, at, len).map_err(|e| format!("free chunk {index} at {at}: {e}"))?;
+        punch(data, slot_offset(index, copy), SLOT_BYTES)
+            .map_err(|e| format!("free chunk {index} slot {copy}: {e}"))?;
         self.note(
-            &path.join(format!("{index}@{at}")),
+            &path.join(format!("{index}.{copy}")),
             "removed",
             reason.to_owned(),
         );
         Ok(())
     }
 
-    /// Frees the pages from `junk` (if set) up to `end` at open: pages that start no record, left
-    /// by a write cut short before its header.
-    fn free_junk(
-        &mut self,
-        data: &File,
-        path: &Path,
-        junk: &mut Option<u64>,
-        end: u64,
-    ) -> Result<(), String> {
-        let Some(at) = junk.take().filter(|&at| at < end) else {
-            return Ok(());
-        };
-        if !self.options.read_only {
-            punch(data, at, end - at).map_err(|e| format!("free {at}..{end}: {e}"))?;
-        }
-        self.note(
-            &path.join(format!("@{at}")),
-            "removed",
-            format!("unfinished write ({} bytes without a header)", end - at),
-        );
-        Ok(())
-    }
-
-    /// Moves a record that failed its checks at open into `quarantine/` (its header page, or the
-    /// header as decoded, `head`; then up to 1 MiB of what follows it) and notes why.
+    /// Moves a slot that failed its checks at open into `quarantine/` and notes why.
     #[allow(clippy::too_many_arguments)]
-    fn quarantine_record(
+    fn quarantine_slot(
         &mut self,
         data: &File,
         path: &Path,
         id: ContextId,
-        index: Option<u32>,
-        at: u64,
-        len: u64,
-        head: &[u8],
+        index: u32,
+        copy: u8,
+        bytes: &[u8],
         reason: String,
     ) -> Result<(), String> {
-        let shown = path.join(format!(
-            "{}@{at}",
-            index.map_or(String::new(), |i| i.to_string())
-        ));
+        let shown = path.join(format!("{index}.{copy}"));
         if self.options.read_only {
             self.quarantined.fetch_add(1, Ordering::Relaxed);
             self.note(&shown, "not served (read-only: left in place)", reason);
             return Ok(());
         }
-        let mut bytes = head.to_vec();
-        bytes.resize(HEADER_PAGE, 0);
-        let rest = (len.saturating_sub(HEADER_PAGE as u64)).min(1 << 20) as usize;
-        let mut more = vec![0; rest];
-        let got = data
-            .read_at(&mut more, at + HEADER_PAGE as u64)
-            .unwrap_or(0);
-        bytes.extend_from_slice(&more[..got]);
-        drop_range(data, at, HEADER_PAGE + got);
-        self.keep_aside(data, id, index, at, len, &bytes)
+        self.keep_aside(data, id, index, copy, bytes)
             .map_err(|e| e.to_string())?;
         self.quarantined.fetch_add(1, Ordering::Relaxed);
         self.note(&shown, "quarantined", reason);
         Ok(())
     }
 
-    /// Copies a record's bytes (`bytes`: what was read of it, header page first) into
-    /// `quarantine/<context>-<index>@<offset>.<ns>` and frees its `len` bytes at `at`, so it is
-    /// never served again.
+    /// Copies a slot's bytes (`bytes`: what was read of it, header page first) into
+    /// `quarantine/<context>-<index>.<copy>.<ns>` and frees the slot, so it is never served again.
     fn keep_aside(
         &self,
         data: &File,
         id: ContextId,
-        index: Option<u32>,
-        at: u64,
-        len: u64,
+        index: u32,
+        copy: u8,
         bytes: &[u8],
     ) -> Result<(), IoError> {
         let qdir = self.root.join("quarantine");
-        let index = index.map_or(String::new(), |i| i.to_string());
-        let name = format!("{id}-{index}@{at}.{}", now_nanos());
+        let name = format!("{id}-{index}.{copy}.{}", now_nanos());
         write_atomic(&qdir, &name, &format!(".tmp-{name}"), &[bytes])?;
-        punch(data, at, len).map_err(|e| IoError::new("punch", &qdir.join(&name), e))?;
+        let at = slot_offset(index, copy);
+        punch(data, at, SLOT_BYTES).map_err(|e| IoError::new("punch", &qdir.join(&name), e))?;
         Ok(())
     }
 
@@ -949,7 +829,7 @@ impl Store {
             dir,
             data,
             direct,
-            write: Mutex::new(0),
+            write: Mutex::new(()),
             state: Mutex::new(CtxState::default()),
             deleted: AtomicBool::new(false),
         };
@@ -1090,7 +970,7 @@ impl Store {
         )?;
         let ct = ctx.meta.chunk_tokens;
         let slots = tokens.len().div_ceil(ct as usize) as u32;
-        let stale: Vec<(u32, Option<(u64, u64)>)> = {
+        let stale: Vec<u32> = {
             let mut st = lock(&ctx.state);
             st.tokens = tokens;
             let st = &mut *st;
@@ -1103,21 +983,17 @@ impl Store {
                     }
                     _ => **i >= slots,
                 })
-                .map(|(i, s)| match s {
-                    ChunkState::Stored(c) => (*i, Some((c.offset, record_len(c.stored_len)))),
-                    _ => (*i, None),
-                })
+                .map(|(i, _)| *i)
                 .collect::<Vec<_>>();
-            for (i, _) in &stale {
+            for i in &stale {
                 st.chunks.remove(i);
             }
             stale
         };
         let path = ctx.dir.join("data");
-        for &(_, at) in &stale {
-            if let Some((at, len)) = at {
-                punch(&ctx.data, at, len).map_err(|e| IoError::new("punch", &path, e))?;
-            }
+        for &i in &stale {
+            punch(&ctx.data, slot_offset(i, 0), 2 * SLOT_BYTES)
+                .map_err(|e| IoError::new("punch", &path, e))?;
         }
         if !stale.is_empty() {
             nix::unistd::fdatasync(&ctx.data)
@@ -1135,7 +1011,7 @@ impl Store {
         Ok(())
     }
 
-    fn write_lock<'a>(&self, ctx: &'a Ctx) -> Result<MutexGuard<'a, u64>, StoreError> {
+    fn write_lock<'a>(&self, ctx: &'a Ctx) -> Result<MutexGuard<'a, ()>, StoreError> {
         let w = lock(&ctx.write);
         if ctx.deleted.load(Ordering::SeqCst) {
             return Err(StoreError::NoSuchContext { context: ctx.id });
@@ -1143,9 +1019,9 @@ impl Store {
         Ok(w)
     }
 
-    /// Writes chunk `index` of a context crash-safely, replacing any previous version: its record
-    /// is appended to the data file, the payload made durable first, then its header, then the
-    /// old copy's record is freed; the pages written are dropped from the page cache.
+    /// Writes chunk `index` of a context crash-safely, replacing any previous version: the payload
+    /// goes to the chunk's free slot of the data file and is made durable, then its header, then
+    /// the old copy's slot is freed; the pages written are dropped from the page cache.
     /// The tokens the chunk covers must already be stored ([`Store::append_tokens`]).
     pub fn write_chunk(
         &self,
@@ -1168,7 +1044,7 @@ impl Store {
             });
         }
         let ctx = self.ctx_of_model(id, fingerprint)?;
-        let mut tail = self.write_lock(&ctx)?;
+        let _w = self.write_lock(&ctx)?;
         let (range, tcrc) = {
             let st = lock(&ctx.state);
             let range = span(index, ctx.meta.chunk_tokens, st.tokens.len());
@@ -1188,41 +1064,13 @@ impl Store {
             Some(c) => (Codec::Zstd, c.as_slice()),
             None => (Codec::Raw, data),
         };
-        // The new copy is appended: the current one stays whole (and readable) until the new one
-        // is durable.
-        let path = ctx.dir.join("data");
-        let previous = {
-            let st = lock(&ctx.state);
-            if *tail > 0
-                && !st
-                    .chunks
-                    .values()
-                    .any(|c| matches!(c, ChunkState::Stored(_)))
-            {
-                // The file holds no chunk any more: the log starts again at its beginning.
-                ctx.data
-                    .set_len(0)
-                    .map_err(|e| IoError::new("truncate", &path, e))?;
-                *tail = 0;
-            }
-            match st.chunks.get(&index) {
-                Some(ChunkState::Stored(s)) => Some((s.offset, record_len(s.stored_len))),
-                _ => None,
-            }
+        // The new copy goes to the slot the chunk does not occupy: the current one stays whole
+        // (and readable) until the new one is durable.
+        let previous = match lock(&ctx.state).chunks.get(&index) {
+            Some(ChunkState::Stored(s)) => Some(s.copy),
+            _ => None,
         };
-        let at = *tail;
-        let len = record_len(payload.len() as u32);
-        if at + len > MAX_DATA_BYTES {
-            return Err(StoreError::Invalid {
-                what: "context",
-                why: format!(
-                    "{id}'s data file has reached {MAX_DATA_BYTES} bytes of writes; copy the context to a new one"
-                ),
-            });
-        }
-        // Past this record from here on, whether its write completes or not: a record is never
-        // written where another was.
-        *tail = at + len;
+        let copy = previous.map_or(0, |c| 1 - c);
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         let header = ChunkHeader {
             format,
@@ -1239,6 +1087,8 @@ impl Store {
             generation,
             fingerprint: ctx.meta.fingerprint,
         };
+        let path = ctx.dir.join("data");
+        let at = slot_offset(index, copy);
         let sync = |what| {
             nix::unistd::fdatasync(&ctx.data).map_err(|e| IoError::new(what, &path, e.into()))
         };
@@ -1253,14 +1103,14 @@ impl Store {
             .map_err(|e| IoError::new("write", &path, e))?;
         sync("fdatasync")?;
         drop_range(&ctx.data, at, HEADER_PAGE + payload.len());
-        let stored = stored_of(&header, at);
+        let stored = stored_of(&header, copy);
         lock(&ctx.state)
             .chunks
             .insert(index, ChunkState::Stored(stored.clone()));
-        // 3. The old copy's record is freed (not synced: after a crash the open frees it again,
-        //    as the older of two copies).
-        if let Some((old, old_len)) = previous
-            && let Err(e) = punch(&ctx.data, old, old_len)
+        // 3. The old copy's slot is freed (not synced: after a crash the open frees it again, as
+        //    the older of two copies).
+        if let Some(old) = previous
+            && let Err(e) = punch(&ctx.data, slot_offset(index, old), SLOT_BYTES)
         {
             tracing::warn!(path = %path.display(), index, error = %e, "could not free a replaced copy");
         }
@@ -1322,14 +1172,14 @@ impl Store {
         if let Some(chunk) = self.read_raw_into(id, index, fingerprint, buf) {
             return Ok(chunk);
         }
-        self.read_checked(id, index, fingerprint, |h, at, slot, dctx| {
+        self.read_checked(id, index, fingerprint, |h, copy, slot, dctx| {
             let raw = h.raw_len as usize;
             let have = buf.len();
             let out = buf
                 .get_mut(..raw)
                 .ok_or(Check::TooSmall { need: raw, have })?;
             decode_payload(h, &slot[HEADER_PAGE..], out, dctx)?;
-            Ok(stored_of(h, at))
+            Ok(stored_of(h, copy))
         })
     }
 
@@ -1351,7 +1201,7 @@ impl Store {
             Some(ChunkState::Stored(s)) => s.clone(),
             _ => return None,
         };
-        let page = read_raw_slot(file, &at, buf)?.ok()?;
+        let page = read_raw_slot(file, index, &at, buf)?.ok()?;
         let payload = &buf[..at.stored_len as usize];
         let h = self
             .check_parts(&ctx, index, at.generation, &page.0, payload)
@@ -1360,7 +1210,7 @@ impl Store {
         self.counters
             .chunk_read_bytes
             .fetch_add(u64::from(h.raw_len), Ordering::Relaxed);
-        Some(stored_of(&h, at.offset))
+        Some(stored_of(&h, at.copy))
     }
 
     /// [`Store::read_chunk_into`] into a vector resized to the chunk's length (its capacity is
@@ -1372,7 +1222,7 @@ impl Store {
         fingerprint: &Fingerprint,
         buf: &mut Vec<u8>,
     ) -> Result<StoredChunk, StoreError> {
-        self.read_checked(id, index, fingerprint, |h, at, slot, dctx| {
+        self.read_checked(id, index, fingerprint, |h, copy, slot, dctx| {
             let raw = h.raw_len as usize;
             let payload = &slot[HEADER_PAGE..];
             buf.clear();
@@ -1397,7 +1247,7 @@ impl Store {
                     }
                 }
             }
-            Ok(stored_of(h, at))
+            Ok(stored_of(h, copy))
         })
     }
 
@@ -1413,14 +1263,14 @@ impl Store {
         f: impl FnOnce(&StoredChunk, &[u8]) -> R,
     ) -> Result<R, StoreError> {
         let mut f = Some(f);
-        self.read_checked(id, index, fingerprint, |h, at, slot, _| match f.take() {
-            Some(f) => Ok(f(&stored_of(h, at), slot)),
+        self.read_checked(id, index, fingerprint, |h, copy, slot, _| match f.take() {
+            Some(f) => Ok(f(&stored_of(h, copy), slot)),
             None => Err(Check::Bad("slot consumed twice".into())),
         })
     }
 
     /// Where chunk `index` of a context is, for a reader of the data file (through the mount's
-    /// passed-through `data` file): its metadata, whose `offset` says where its record starts and
+    /// passed-through `kv` file): its metadata, whose `copy` names the slot ([`slot_offset`]) and
     /// whose `generation` the slot's header must carry. A reader that finds anything else there
     /// asks again (a rewrite moved the chunk) and reports a slot that fails its checks twice at
     /// the same place with [`Store::report_corrupt`].
@@ -1458,8 +1308,8 @@ impl Store {
             return StoreError::NoSuchContext { context: id };
         };
         let _w = lock(&ctx.write);
-        let (at, stored_len) = match lock(&ctx.state).chunks.get(&index) {
-            Some(ChunkState::Stored(s)) if s.generation == generation => (s.offset, s.stored_len),
+        let (copy, stored_len) = match lock(&ctx.state).chunks.get(&index) {
+            Some(ChunkState::Stored(s)) if s.generation == generation => (s.copy, s.stored_len),
             _ => {
                 // Replaced or already quarantined: nothing of this generation is served.
                 return StoreError::Corrupt {
@@ -1474,13 +1324,13 @@ impl Store {
         let kept = read_slot(
             file,
             ctx.direct.is_some(),
-            at,
+            slot_offset(index, copy),
             HEADER_PAGE + stored_len as usize,
             &mut bytes,
         );
         // The slot as it is on disk, header page and payload, is what quarantine keeps.
         let bytes = kept.map(|r| bytes[r].to_vec()).unwrap_or_default();
-        self.set_aside(&ctx, index, at, stored_len, &bytes, &reason);
+        self.set_aside(&ctx, index, copy, &bytes, &reason);
         StoreError::Corrupt {
             context: id,
             index,
@@ -1490,18 +1340,9 @@ impl Store {
 
     /// Quarantines a chunk's slot found bad at read time (the caller holds the context's write
     /// lock and has checked the slot is still the current one) and marks the chunk.
-    fn set_aside(
-        &self,
-        ctx: &Ctx,
-        index: u32,
-        at: u64,
-        stored_len: u32,
-        bytes: &[u8],
-        reason: &str,
-    ) {
-        let len = record_len(stored_len);
+    fn set_aside(&self, ctx: &Ctx, index: u32, copy: u8, bytes: &[u8], reason: &str) {
         if !self.options.read_only
-            && let Err(e) = self.keep_aside(&ctx.data, ctx.id, Some(index), at, len, bytes)
+            && let Err(e) = self.keep_aside(&ctx.data, ctx.id, index, copy, bytes)
         {
             tracing::warn!(context = %ctx.id, index, error = %e, "could not quarantine");
         }
@@ -1529,7 +1370,7 @@ impl Store {
         fingerprint: &Fingerprint,
         mut finish: impl FnMut(
             &ChunkHeader,
-            u64,
+            u8,
             &[u8],
             &mut zstd::bulk::Decompressor<'static>,
         ) -> Result<R, Check>,
@@ -1543,8 +1384,8 @@ impl Store {
                 .map_err(|e| IoError::new("zstd context for", &self.root, e))?;
             // A concurrent write may replace the chunk while we read it; retry if it moved.
             for _ in 0..3 {
-                let (generation, at, stored_len) = match lock(&ctx.state).chunks.get(&index) {
-                    Some(ChunkState::Stored(s)) => (s.generation, s.offset, s.stored_len),
+                let (generation, copy, stored_len) = match lock(&ctx.state).chunks.get(&index) {
+                    Some(ChunkState::Stored(s)) => (s.generation, s.copy, s.stored_len),
                     Some(ChunkState::Quarantined { reason }) => {
                         return Err(StoreError::Corrupt {
                             context: id,
@@ -1554,13 +1395,14 @@ impl Store {
                     }
                     _ => return Err(StoreError::ChunkMissing { context: id, index }),
                 };
+                let at = slot_offset(index, copy);
                 let len = HEADER_PAGE + stored_len as usize;
                 let r = read_slot(file, ctx.direct.is_some(), at, len, buf)
                     .map_err(|e| IoError::new("read", &ctx.dir.join("data"), e))?;
                 let slot = &buf[r];
                 let checked = self
                     .check_slot(&ctx, index, generation, slot)
-                    .and_then(|h| finish(&h, at, slot, dctx).map(|r| (h.raw_len, r)));
+                    .and_then(|h| finish(&h, copy, slot, dctx).map(|r| (h.raw_len, r)));
                 let check = match checked {
                     Ok((raw_len, r)) => {
                         self.counters.chunk_reads.fetch_add(1, Ordering::Relaxed);
@@ -1587,7 +1429,7 @@ impl Store {
                 if current != Some(generation) {
                     continue;
                 }
-                self.set_aside(&ctx, index, at, stored_len, slot, &check);
+                self.set_aside(&ctx, index, copy, slot, &check);
                 return Err(StoreError::Corrupt {
                     context: id,
                     index,
@@ -1623,13 +1465,7 @@ impl Store {
     ) -> Result<ChunkHeader, Check> {
         let bad = |e: FormatError| Check::Bad(e.to_string());
         let header = ChunkHeader::decode(page).map_err(bad)?;
-        check_identity(&header, ctx.id, &ctx.meta).map_err(Check::Bad)?;
-        if header.index != index {
-            return Err(Check::Bad(format!(
-                "record holds chunk {}, expected chunk {index}",
-                header.index
-            )));
-        }
+        check_identity(&header, ctx.id, index, &ctx.meta).map_err(Check::Bad)?;
         if header.generation != generation {
             return Err(Check::Bad(format!(
                 "slot holds generation {}, expected {generation}",
@@ -1688,32 +1524,9 @@ impl Store {
     /// `+ HEADER_PAGE`), for tools and tests that inspect the store itself.
     pub fn chunk_offset(&self, id: ContextId, index: u32) -> Option<u64> {
         match self.chunk_state(id, index).ok()? {
-            ChunkState::Stored(s) => Some(s.offset),
+            ChunkState::Stored(s) => Some(slot_offset(index, s.copy)),
             _ => None,
         }
-    }
-
-    /// What a context's data file holds at byte `offset`: the stored chunk whose record (header
-    /// page, then payload rounded up to whole pages) covers it, as `Ok((index, chunk))`, or else
-    /// `Err(next)`, where the next record starts (`None`: none after `offset`).
-    pub fn record_at(
-        &self,
-        id: ContextId,
-        offset: u64,
-    ) -> Result<Result<(u32, StoredChunk), Option<u64>>, StoreError> {
-        let ctx = self.ctx(id)?;
-        let st = lock(&ctx.state);
-        let mut next: Option<u64> = None;
-        for (&i, c) in &st.chunks {
-            let ChunkState::Stored(s) = c else { continue };
-            if (s.offset..s.offset + record_len(s.stored_len)).contains(&offset) {
-                return Ok(Ok((i, s.clone())));
-            }
-            if s.offset > offset && next.is_none_or(|n| s.offset < n) {
-                next = Some(s.offset);
-            }
-        }
-        Ok(Err(next))
     }
 
     /// A context's human-readable `info`.
@@ -1844,6 +1657,7 @@ pub(crate) struct HeaderPage(pub(crate) [u8; HEADER_PAGE]);
 /// error names a failed or short read. The caller checks what it read.
 pub(crate) fn read_raw_slot(
     file: &File,
+    index: u32,
     at: &StoredChunk,
     buf: &mut [u8],
 ) -> Option<Result<HeaderPage, String>> {
@@ -1861,14 +1675,16 @@ pub(crate) fn read_raw_slot(
         std::io::IoSliceMut::new(&mut page.0),
         std::io::IoSliceMut::new(&mut buf[..rounded]),
     ];
-    Some(match preadv_all(file, &mut iov, at.offset) {
-        Err(e) => Err(format!("read: {e}")),
-        Ok(n) if n < HEADER_PAGE + stored => Err(format!(
-            "read {n} bytes of a {}-byte slot",
-            HEADER_PAGE + stored
-        )),
-        Ok(_) => Ok(page),
-    })
+    Some(
+        match preadv_all(file, &mut iov, slot_offset(index, at.copy)) {
+            Err(e) => Err(format!("read: {e}")),
+            Ok(n) if n < HEADER_PAGE + stored => Err(format!(
+                "read {n} bytes of a {}-byte slot",
+                HEADER_PAGE + stored
+            )),
+            Ok(_) => Ok(page),
+        },
+    )
 }
 
 /// One positioned vectored read, retried on `EINTR`.
@@ -1964,9 +1780,9 @@ pub(crate) fn decode_payload(
 }
 
 /// A chunk's metadata as its header records it.
-pub(crate) fn stored_of(h: &ChunkHeader, offset: u64) -> StoredChunk {
+pub(crate) fn stored_of(h: &ChunkHeader, copy: u8) -> StoredChunk {
     StoredChunk {
-        offset,
+        copy,
         format: h.format,
         codec: h.codec,
         density: h.density,
@@ -1978,10 +1794,15 @@ pub(crate) fn stored_of(h: &ChunkHeader, offset: u64) -> StoredChunk {
     }
 }
 
-fn check_identity(h: &ChunkHeader, id: ContextId, meta: &ContextMeta) -> Result<(), String> {
-    if h.context != id.0 {
+fn check_identity(
+    h: &ChunkHeader,
+    id: ContextId,
+    index: u32,
+    meta: &ContextMeta,
+) -> Result<(), String> {
+    if h.context != id.0 || h.index != index {
         return Err(format!(
-            "header says context {} chunk {}, file is context {id}'s",
+            "header says context {} chunk {}, file is context {id} chunk {index}",
             h.context, h.index
         ));
     }
@@ -2100,12 +1921,12 @@ fn open_data(path: &Path, read_only: bool, direct: bool) -> Result<(File, Option
     Ok((data, direct))
 }
 
-/// The extents of a data file that hold any data, as `(start, end)` byte ranges in file order,
-/// found with `SEEK_DATA`/`SEEK_HOLE` so that the holes of a sparse file cost nothing.
-fn data_extents(data: &File) -> std::io::Result<Vec<(u64, u64)>> {
+/// The slots of a data file that hold any data (`slot` = 2 × index + copy), found with
+/// `SEEK_DATA`/`SEEK_HOLE` so that the holes of a sparse file cost nothing.
+fn occupied_slots(data: &File) -> std::io::Result<Vec<u64>> {
     use nix::unistd::{Whence, lseek};
     let len = data.metadata()?.len();
-    let mut extents = Vec::new();
+    let mut slots = Vec::new();
     let mut at = 0u64;
     while at < len {
         let start = match lseek(data, at as libc::off_t, Whence::SeekData) {
@@ -2114,8 +1935,13 @@ fn data_extents(data: &File) -> std::io::Result<Vec<(u64, u64)>> {
             Err(e) => return Err(e.into()),
         };
         let end = lseek(data, start as libc::off_t, Whence::SeekHole)? as u64;
-        extents.push((start, end));
+        let (first, last) = (start / SLOT_BYTES, (end - 1) / SLOT_BYTES);
+        for slot in first..=last {
+            if slots.last() != Some(&slot) {
+                slots.push(slot);
+            }
+        }
         at = end;
     }
-    Ok(extents)
+    Ok(slots)
 }

@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use kvfs::io::AlignedBuf;
 use kvfs::{
     ChunkState, ContextId, Fingerprint, HEADER_PAGE, KvFormat, Mount, MountConfig, MountReader,
-    NewContext, Store, StoreError, StoreOptions, kv_offset,
+    NewContext, Store, StoreError, StoreOptions, kv_offset, slot_offset,
 };
 
 const FP: Fingerprint = Fingerprint([3; 32]);
@@ -598,7 +598,9 @@ fn the_kv_file_and_the_chunk_view_agree_byte_for_byte() {
         };
         let len = HEADER_PAGE + at.stored_len as usize;
         let mut slot = vec![0u8; len];
-        by_daemon.read_exact_at(&mut slot, at.offset).unwrap();
+        by_daemon
+            .read_exact_at(&mut slot, slot_offset(*i, at.copy))
+            .unwrap();
         let h = kvfs::format::ChunkHeader::decode(&slot).unwrap();
         h.check_payload(&slot[HEADER_PAGE..]).unwrap();
         let payload = &slot[HEADER_PAGE..];
@@ -610,7 +612,9 @@ fn the_kv_file_and_the_chunk_view_agree_byte_for_byte() {
         }
         let round = len.next_multiple_of(4096);
         let mut pt = AlignedBuf::new(round);
-        let n = direct.read_at(pt.get(round), at.offset).unwrap();
+        let n = direct
+            .read_at(pt.get(round), slot_offset(*i, at.copy))
+            .unwrap();
         assert!(n >= len, "chunk {i}: {n} bytes");
         assert_eq!(&pt.get(round)[..len], &slot[..], "chunk {i} passed through");
     }
@@ -795,10 +799,10 @@ fn a_corrupt_chunk_is_refused_with_eio_through_the_kv_file_and_quarantined() {
             matches!(err, StoreError::Corrupt { .. }) && err.needs_recompute(),
             "{err}"
         );
-        // Not served through the daemon either: its record is freed, and reads as zeros there.
+        // Refused from now on through the daemon too, and its slot is freed.
         let raw = std::fs::File::open(fx.path(format!("{id}/kv"))).unwrap();
-        let n = raw.read_at(&mut buf[..4096], slot).unwrap();
-        assert!(buf[..n].iter().all(|&b| b == 0), "chunk {i} still served");
+        let err = raw.read_at(&mut buf[..4096], kv_offset(i));
+        assert_eq!(err.unwrap_err().raw_os_error(), Some(libc::EIO));
         let data = std::fs::File::open(fx.store.data_path(id)).unwrap();
         let mut head = [0u8; 104];
         data.read_exact_at(&mut head, slot).unwrap();

@@ -80,15 +80,14 @@ fn inspect_lists_contexts_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("store");
     let id = store_with_a_chunk(&store);
-    // A write in flight: a new copy's payload appended after chunk 0's record (at offset 0), its
-    // header not yet written.
+    // A write in flight: a new copy's payload in chunk 0's free slot, its header not yet written.
     use std::os::unix::fs::FileExt;
     let data = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(store.join(format!("contexts/{id}/data")))
         .unwrap();
-    let in_flight = kvfs::record_len(10) + kvfs::HEADER_PAGE as u64;
+    let in_flight = kvfs::slot_offset(0, 1) + kvfs::HEADER_PAGE as u64;
     data.write_all_at(b"a write in flight", in_flight).unwrap();
     let out = Command::new(LLMS)
         .args(["kvfs", "inspect", "--verify", "--store"])
@@ -197,8 +196,8 @@ fn inspect_json_is_the_same_inspection_on_stdout() {
         .write(true)
         .open(store.join(format!("contexts/{id}/data")))
         .unwrap();
-    // Chunk 0, "chunk zero" stored raw in the data file's first record: flip its last byte.
-    let last = kvfs::HEADER_PAGE as u64 + 9;
+    // The first copy of chunk 0, "chunk zero" stored raw: flip its last byte.
+    let last = kvfs::slot_offset(0, 0) + kvfs::HEADER_PAGE as u64 + 9;
     let mut b = [0u8];
     data.read_exact_at(&mut b, last).unwrap();
     data.write_all_at(&[b[0] ^ 0xFF], last).unwrap();
