@@ -28,6 +28,10 @@ use crate::serve_cmd::parse_bytes;
 /// Tokens per KV chunk: the service's default, which the budget in contexts assumes.
 const CHUNK_TOKENS: usize = 16;
 
+/// The target for each switch that reads: its latency at most this many times its I/O lower
+/// bound (its bytes at the disk's bandwidth).
+pub const BOUND_TARGET: f64 = 1.3;
+
 /// The latency bounds of the paper's Fig. 10, milliseconds.
 const BOUNDS_MS: [f64; 2] = [10.0, 25.0];
 
@@ -274,6 +278,15 @@ pub struct Run {
     /// (the report's `disk_mib_s`, or --read-bps when that is slower); 0 when none read.
     #[serde(default)]
     pub disk_bound_ratio: f64,
+    /// The worst reading switch's latency over its bound at the disk's bandwidth; 0 when none read.
+    #[serde(default)]
+    pub disk_bound_ratio_max: f64,
+    /// Switches that read chunks, and how many of them came within [`BOUND_TARGET`] of their
+    /// bound at the disk's bandwidth (the target: every one).
+    #[serde(default)]
+    pub reading_switches: usize,
+    #[serde(default)]
+    pub within_bound_target: usize,
     /// Reclaims that waited for their victim to be written out first.
     pub sync_reclaims: u64,
     /// Reclaims of chunks given up unwritten (recomputed when needed).
@@ -553,9 +566,9 @@ pub(crate) fn summarize(
         (b + r.read_bytes, t + r.io_ms / 1e3)
     });
     let read_bps = if io_s > 0.0 { bytes as f64 / io_s } else { 0.0 };
-    // The mean of each reading switch's latency over its bytes at `bps`, the throttle capping it
-    // (0 when nothing was read, or no speed is known).
-    let bound_ratio = |bps: f64| {
+    // Each reading switch's latency over its bytes at `bps`, the throttle capping it (none when
+    // nothing was read, or no speed is known).
+    let bound_ratios = |bps: f64| {
         let bps = match read_limit {
             Some(limit) if bps > 0.0 => bps.min(limit as f64),
             _ => bps,
@@ -565,8 +578,9 @@ pub(crate) fn summarize(
             .filter(|r| r.switched && !r.start && r.read_bytes > 0 && bps > 0.0)
             .map(|r| r.switch_ms / (r.read_bytes as f64 / bps * 1e3))
             .collect();
-        mean(&ratios)
+        ratios
     };
+    let disk_ratios = bound_ratios(disk_bps);
     Run {
         manager: manager.to_owned(),
         daemon_manager: String::new(),
@@ -591,8 +605,11 @@ pub(crate) fn summarize(
         chunks_recomputed: 0,
         recompute_share: 0.0,
         read_mib_s: read_bps / f64::from(1 << 20),
-        io_bound_ratio: bound_ratio(read_bps),
-        disk_bound_ratio: bound_ratio(disk_bps),
+        io_bound_ratio: mean(&bound_ratios(read_bps)),
+        disk_bound_ratio: mean(&disk_ratios),
+        disk_bound_ratio_max: disk_ratios.iter().copied().fold(0.0, f64::max),
+        reading_switches: disk_ratios.len(),
+        within_bound_target: disk_ratios.iter().filter(|&&r| r <= BOUND_TARGET).count(),
         sync_reclaims: 0,
         unwritten_reclaims: 0,
         reclaims: 0,
@@ -1015,18 +1032,21 @@ fn print_tables(runs: &[Run], active: &[Active], several_n: bool) {
     if !reading.is_empty() {
         table!();
         table!(
-            "| manager | budget | contexts | Load reads MiB/s | switch / I/O bound at that speed | switch / I/O bound at the disk's |"
+            "| manager | budget | contexts | Load reads MiB/s | switch / I/O bound at that speed | switch / I/O bound at the disk's | worst switch / its bound at the disk's | switches within {BOUND_TARGET}x of it |"
         );
-        table!("|---|---|---|---|---|---|");
+        table!("|---|---|---|---|---|---|---|---|");
         for r in reading {
             table!(
-                "| {} | {} | {} | {:.0} | {:.2} | {:.2} |",
+                "| {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.2} | {} of {} |",
                 r.manager,
                 r.budget.label(),
                 r.contexts,
                 r.read_mib_s,
                 r.io_bound_ratio,
-                r.disk_bound_ratio
+                r.disk_bound_ratio,
+                r.disk_bound_ratio_max,
+                r.within_bound_target,
+                r.reading_switches
             );
         }
     }
@@ -1090,6 +1110,61 @@ mod tests {
     use super::*;
 
     #[test]
+    fn each_reading_switch_is_held_against_its_own_bound() {
+        // The disk reads 1 MiB a millisecond.
+        let disk_bps = f64::from(1 << 20) * 1e3;
+        let call = |start, switched, switch_ms, mib: u64| CallRecord {
+            context: 0,
+            start,
+            switched,
+            switch_ms,
+            queue_ms: 0.0,
+            load_ms: switch_ms,
+            io_ms: switch_ms,
+            recompute_ms: 0.0,
+            e2e_ms: switch_ms,
+            chunks_missing: 0,
+            chunks_read: 0,
+            chunks_recomputed: 0,
+            read_bytes: mib << 20,
+            tokens: 1,
+            context_tokens: 1,
+            error: None,
+            restore_wall_ms: None,
+        };
+        let log = vec![
+            call(false, true, 1.2, 1),
+            call(false, true, 3.0, 2),
+            call(false, true, 1.0, 1),
+            // Not counted: a switch that read nothing, a start, a call to the same context.
+            call(false, true, 0.2, 0),
+            call(true, true, 9.0, 1),
+            call(false, false, 9.0, 1),
+        ];
+        let budget = Budget {
+            bytes: 1,
+            contexts: None,
+        };
+        let r = summarize("llms", budget, 8, log, None, disk_bps);
+        assert_eq!(r.reading_switches, 3);
+        assert_eq!(r.within_bound_target, 2);
+        assert!(
+            (r.disk_bound_ratio_max - 1.5).abs() < 1e-9,
+            "{}",
+            r.disk_bound_ratio_max
+        );
+        assert!(
+            (r.disk_bound_ratio - 3.7 / 3.0).abs() < 1e-9,
+            "{}",
+            r.disk_bound_ratio
+        );
+        // A throttle slower than the disk is the bound's speed.
+        let log = vec![call(false, true, 1.2, 1)];
+        let r = summarize("llms", budget, 8, log, Some(1 << 19), disk_bps);
+        assert!((r.disk_bound_ratio_max - 1.2 / 2000.0).abs() < 1e-9);
+    }
+
+    #[test]
     fn percentiles_are_nearest_rank() {
         let v: Vec<f64> = (1..=100).map(f64::from).collect();
         assert_eq!(percentile(&v, 0.5), 50.0);
@@ -1128,6 +1203,9 @@ mod tests {
             read_mib_s: 0.0,
             io_bound_ratio: 0.0,
             disk_bound_ratio: 0.0,
+            disk_bound_ratio_max: 0.0,
+            reading_switches: 0,
+            within_bound_target: 0,
             sync_reclaims: 0,
             unwritten_reclaims: 0,
             reclaims: 0,
