@@ -486,9 +486,7 @@ impl RingReads<'_> {
                     _ => false,
                 };
                 if !started {
-                    let r = self.read_one(i, &mut fallback, &mut spare);
-                    out.record(ChunkKey::new(self.ctx, i), r);
-                    done(n);
+                    self.read_alone(n, &mut out, &mut fallback, &mut spare, done);
                 }
                 next += 1;
             }
@@ -506,12 +504,12 @@ impl RingReads<'_> {
                     // the Load's caller then gives the ring up.
                     tracing::warn!(error = %e, "io_uring failed; reading the Load's chunks one by one");
                     out.ring_failed = true;
-                    let left = (0..slots.len()).filter(|&n| slots[n].take().is_some());
+                    let left = slots
+                        .iter_mut()
+                        .enumerate()
+                        .filter_map(|(n, s)| s.take().map(|_| n));
                     for n in left.chain(next..self.order.len()).collect::<Vec<_>>() {
-                        let i = self.order[n];
-                        let r = self.read_one(i, &mut fallback, &mut spare);
-                        out.record(ChunkKey::new(self.ctx, i), r);
-                        done(n);
+                        self.read_alone(n, &mut out, &mut fallback, &mut spare, done);
                     }
                     break;
                 }
@@ -540,6 +538,22 @@ impl RingReads<'_> {
         }
         out.secs = t.elapsed().as_secs_f64() - aside;
         out
+    }
+
+    /// Reads the `n`th chunk of `order` the usual way ([`read_one`]), records it and counts it
+    /// done.
+    fn read_alone(
+        &self,
+        n: usize,
+        out: &mut IoOut,
+        buf: &mut AlignedBuf,
+        spare: &mut Spare,
+        done: &(dyn Fn(usize) + Sync),
+    ) {
+        let i = self.order[n];
+        let r = self.read_one(i, buf, spare);
+        out.record(ChunkKey::new(self.ctx, i), r);
+        done(n);
     }
 
     fn read_one(
