@@ -573,12 +573,10 @@ pub(crate) fn summarize(
             Some(limit) if bps > 0.0 => bps.min(limit as f64),
             _ => bps,
         };
-        let ratios: Vec<f64> = ok
-            .iter()
+        ok.iter()
             .filter(|r| r.switched && !r.start && r.read_bytes > 0 && bps > 0.0)
             .map(|r| r.switch_ms / (r.read_bytes as f64 / bps * 1e3))
-            .collect();
-        ratios
+            .collect::<Vec<f64>>()
     };
     let disk_ratios = bound_ratios(disk_bps);
     Run {
