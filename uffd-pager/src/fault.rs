@@ -14,27 +14,50 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tracing::{error, warn};
 
 use crate::ChunkKey;
-use crate::pager::{ChunkState, PagerError, RecomputeReason, RecomputeRequest, Shared, Staging};
+use crate::pager::{
+    ChunkState, PagerError, RecomputeReason, RecomputeRequest, Reserved, Shared, Staging, WriteBack,
+};
 use crate::sys::{Fault, PAGE_SIZE, SysError, poll2};
 
 /// Start the fault thread; `bufs` are its copy and move buffers, sized for the largest slot.
+/// With it starts its write-back thread, which writes the victims a fault needs written before
+/// it has room (the fault thread never waits on that I/O), and ends when the fault thread does.
 pub(crate) fn spawn(
     shared: Arc<Shared>,
     bufs: (Staging, Staging),
 ) -> Result<JoinHandle<()>, SysError> {
+    let (writer, jobs) = channel();
+    let for_writer = Arc::clone(&shared);
+    std::thread::Builder::new()
+        .name("uffd-pager-writeback".into())
+        .spawn(move || write_victims(&for_writer, &jobs))
+        .map_err(|source| SysError::Call {
+            op: "spawning the write-back thread",
+            source,
+        })?;
     std::thread::Builder::new()
         .name("uffd-pager-fault".into())
-        .spawn(move || run(shared, bufs))
+        .spawn(move || run(shared, bufs, writer))
         .map_err(|source| SysError::Call {
             op: "spawning the fault thread",
             source,
         })
+}
+
+/// The write-back thread: writes each batch of victims the fault thread hands it, with the
+/// pager's lock released; finishing each drops it and wakes the fault thread if it deferred
+/// faults for the room. Ends when the fault thread (the only sender) ends.
+fn write_victims(shared: &Shared, jobs: &Receiver<Vec<WriteBack>>) {
+    while let Ok(batch) = jobs.recv() {
+        shared.write_back(batch);
+    }
 }
 
 /// On any exit of the fault thread, a panic included, mark the pager dead and release every
@@ -95,12 +118,18 @@ struct Runtime {
     move_warm: usize,
     deferred: Vec<Fault>,
     log: RateLimit,
+    /// Hands victims to the write-back thread.
+    writer: Sender<Vec<WriteBack>>,
 }
 
 /// Prefault the move buffer this much at a time between checks for pending faults.
 const PREFAULT_SLICE: usize = 64 << 10;
 
-fn run(shared: Arc<Shared>, (copy_buf, move_buf): (Staging, Staging)) {
+fn run(
+    shared: Arc<Shared>,
+    (copy_buf, move_buf): (Staging, Staging),
+    writer: Sender<Vec<WriteBack>>,
+) {
     let _guard = ExitGuard(Arc::clone(&shared));
     let mut rt = Runtime {
         shared,
@@ -109,6 +138,7 @@ fn run(shared: Arc<Shared>, (copy_buf, move_buf): (Staging, Staging)) {
         move_warm: 0,
         deferred: Vec::with_capacity(64),
         log: RateLimit::new(),
+        writer,
     };
     if let Err(e) = rt.copy_buf.prefault() {
         rt.warn(None, "prefaulting the copy buffer failed", &e);
@@ -233,7 +263,26 @@ impl Runtime {
             }
             ChunkState::Absent | ChunkState::Reclaimed => {
                 match shared.reserve(&mut st, key, None) {
-                    Ok(r) => {
+                    Ok(Reserved::Write(jobs)) => {
+                        // Room needs victims written back first: the write-back thread writes
+                        // them while this fault waits, set aside, and other faults go on.
+                        st.book.deferred += 1;
+                        drop(st);
+                        shared.stats.faults_deferred_for_room.fetch_add(1, Relaxed);
+                        self.deferred.push(fault);
+                        if self.writer.send(jobs).is_err() {
+                            error!("the pager's write-back thread is gone; stopping the pager");
+                            shared.kill();
+                        }
+                    }
+                    Ok(Reserved::Wait) => {
+                        // Only write-backs in flight can make room; each that ends wakes us.
+                        st.book.deferred += 1;
+                        drop(st);
+                        shared.stats.faults_deferred_for_room.fetch_add(1, Relaxed);
+                        self.deferred.push(fault);
+                    }
+                    Ok(Reserved::Slot(r)) => {
                         drop(st);
                         let by_move =
                             shared.uffd.move_supported() && self.move_warm >= self.move_buf.len();

@@ -1,6 +1,8 @@
 //! The pager: context regions, chunk slots, the resident-byte budget, and the populate / reclaim / load / lock primitives.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::{Deref, DerefMut};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU64;
@@ -105,9 +107,10 @@ pub struct PagerConfig {
     /// latency for isolated faults, more CPU in bursts). `Move` falls back to `Copy` on kernels
     /// without UFFDIO_MOVE.
     pub fault_via: PopulateVia,
-    /// Fail-stop for a source that never returns: if one fill on the fault thread takes longer,
-    /// a watchdog stops the pager, which releases every faulting thread (`check` then reports
-    /// `ShutDown`). `None` trusts the source to bound its own reads.
+    /// Fail-stop for a source that never returns: if one fill on the fault thread, or one
+    /// victim's write-back on any thread, takes longer, a watchdog stops the pager, which
+    /// releases every faulting thread (`check` then reports `ShutDown`). `None` trusts the
+    /// source to bound its own reads and writes.
     pub source_deadline: Option<Duration>,
 }
 
@@ -245,6 +248,9 @@ pub(crate) struct Slot {
     pub(crate) bytes: usize,
     pub(crate) persisted: bool,
     pub(crate) needs_recompute: bool,
+    /// A resident victim being written back with the state lock released: still counted, no
+    /// longer a candidate, and its context cannot be locked until the write ends.
+    pub(crate) writing: bool,
 }
 
 pub(crate) struct Ctx {
@@ -253,6 +259,9 @@ pub(crate) struct Ctx {
     pub(crate) stride: usize,
     pub(crate) slots: Vec<Slot>,
     pub(crate) locks: u32,
+    /// How many of its chunks are being written back; while any are, `lock_context` waits (so
+    /// nothing writes a chunk while `write_back` reads it) and so does `remove_context`.
+    pub(crate) writing: u32,
 }
 
 /// Everything but the chooser, so the chooser can borrow a view of it.
@@ -263,9 +272,12 @@ pub(crate) struct Book {
     pub(crate) recompute: VecDeque<RecomputeRequest>,
     pub(crate) dead: bool,
     pub(crate) next_epoch: u64,
-    /// Faults the fault thread deferred behind a populate in flight; a finishing populate wakes
-    /// the fault thread only when there are some (an eventfd write costs a context switch).
+    /// Faults the fault thread deferred behind a populate or a write-back in flight; a finishing
+    /// one wakes the fault thread only when there are some (an eventfd write costs a context
+    /// switch).
     pub(crate) deferred: usize,
+    /// The write-backs in flight and when each started, for the watchdog.
+    pub(crate) writes: HashMap<ChunkKey, Instant>,
 }
 
 pub(crate) struct State {
@@ -300,6 +312,53 @@ pub(crate) struct Shared {
     pub(crate) watch_cv: Condvar,
 }
 
+thread_local! {
+    /// How many guards of a pager's state lock this thread holds: debug builds check it is none
+    /// whenever the pager calls its source (a `fill` or a `write_back` is I/O, and a source may
+    /// take locks of its own), so the lock order "the pager's state lock last" holds.
+    static STATE_HELD: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Panics in debug builds if this thread holds a pager's state lock.
+fn assert_state_unlocked(what: &str) {
+    debug_assert_eq!(
+        STATE_HELD.with(Cell::get),
+        0,
+        "{what} called with the pager's state lock held"
+    );
+}
+
+/// The state lock's guard, counted per thread while held (`STATE_HELD`).
+pub(crate) struct StateGuard<'a> {
+    inner: Option<MutexGuard<'a, State>>,
+}
+
+impl Deref for StateGuard<'_> {
+    type Target = State;
+
+    fn deref(&self) -> &State {
+        self.inner
+            .as_deref()
+            .expect("a guard holds its lock until dropped")
+    }
+}
+
+impl DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.inner
+            .as_deref_mut()
+            .expect("a guard holds its lock until dropped")
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        if self.inner.take().is_some() {
+            STATE_HELD.with(|h| h.set(h.get() - 1));
+        }
+    }
+}
+
 /// A reserved, not yet filled populate: the slot is `Populating` and its bytes are counted.
 pub(crate) struct Reservation {
     pub(crate) key: ChunkKey,
@@ -318,7 +377,7 @@ impl ResidentView for Book {
             return None;
         }
         let s = c.slots.get(key.index as usize)?;
-        (s.state == ChunkState::Resident).then_some(Candidate {
+        (s.state == ChunkState::Resident && !s.writing).then_some(Candidate {
             key,
             bytes: s.bytes as u64,
             persisted: s.persisted,
@@ -335,7 +394,7 @@ impl ResidentView for Book {
                 continue;
             }
             for (i, s) in c.slots.iter().enumerate() {
-                if s.state == ChunkState::Resident {
+                if s.state == ChunkState::Resident && !s.writing {
                     f(Candidate {
                         key: ChunkKey {
                             ctx: *id,
@@ -408,106 +467,220 @@ impl State {
         Ok(freed)
     }
 
-    /// Reclaim a victim (state lock held). A resident chunk never written out is first handed
-    /// to the source's `write_back`, so it comes back by a read instead of being recomputed;
-    /// the reclaim waits for that write ("sync reclaim", counted).
-    pub(crate) fn evict(
-        &mut self,
-        stats: &Stats,
-        source: &dyn ChunkSource,
-        key: ChunkKey,
-    ) -> Result<u64, PagerError> {
-        let (c, s) = self.book.slot(key)?;
-        if s.state == ChunkState::Resident && !s.persisted && !s.needs_recompute {
-            // SAFETY: `index < max_chunks`, so the slot's `bytes` (at most its stride) lie inside
-            // the context's mapping, which the state lock keeps mapped; a resident slot was
-            // populated whole, so reading it faults on nothing (the fault thread, which needs this
-            // lock, is never waited for); victims belong to unlocked contexts and only a lock
-            // holder writes a slot, and locking takes the state lock we hold, so nobody writes
-            // the bytes while `write_back` reads them.
-            let data = unsafe {
-                std::slice::from_raw_parts(
-                    c.map.ptr().add(key.index as usize * c.stride).as_ptr(),
-                    s.bytes,
-                )
-            };
-            let t = Instant::now();
-            let written = catch_unwind(AssertUnwindSafe(|| source.write_back(key, data)));
-            match written {
-                Ok(Ok(true)) => {
-                    self.book.slot_mut(key)?.0.persisted = true;
-                    stats.sync_reclaims.fetch_add(1, Relaxed);
-                    debug!(chunk = %key, secs = t.elapsed().as_secs_f64(), "written back before reclaim");
-                }
-                Ok(Ok(false)) => {}
-                Ok(Err(e)) => {
-                    stats.source_errors.fetch_add(1, Relaxed);
-                    warn!(chunk = %key, error = %e, "writing a victim back failed; it is given up");
-                }
-                Err(_) => {
-                    stats.source_errors.fetch_add(1, Relaxed);
-                    warn!(chunk = %key, "the source panicked writing a victim back; it is given up");
-                }
-            }
-        }
-        self.drop_chunk(stats, key)
-    }
-
-    /// Make room for `need` more resident bytes, reclaiming the victims the chooser names (all
-    /// of them: a whole-context chooser names a whole context, which goes whole).
+    /// Make room for `need` more resident bytes (state lock held), from the victims the chooser
+    /// names (all of them: a whole-context chooser names a whole context, which goes whole).
+    /// Victims that are persisted, await recompute, or that the source would not keep are dropped
+    /// at once; the others are marked `writing` and returned, to be written back with the lock
+    /// released ([`Shared::write_back`]) before they go.
     pub(crate) fn make_room(
         &mut self,
         stats: &Stats,
-        source: &dyn ChunkSource,
+        writes_back: bool,
         budget: u64,
-        key: ChunkKey,
         need: u64,
-    ) -> Result<(), PagerError> {
-        if need > budget {
-            return Err(PagerError::LargerThanBudget {
-                key,
-                bytes: need,
-                budget,
-            });
-        }
-        while self.book.resident + need > budget {
-            let short = self.book.resident + need - budget;
+    ) -> Result<Room, PagerError> {
+        let mut jobs = Vec::new();
+        // Bytes the marked victims will free once written.
+        let mut pending = 0u64;
+        while self.book.resident + need > budget + pending {
+            let short = self.book.resident + need - budget - pending;
             let victims = self.chooser.choose_victims(short, &self.book);
-            let mut freed = 0;
+            let mut progress = 0;
             for v in victims {
-                if self.book.candidate(v).is_some() {
-                    freed += self.evict(stats, source, v)?;
+                let Some(c) = self.book.candidate(v) else {
+                    continue;
+                };
+                let needs_write = writes_back
+                    && !c.persisted
+                    && self.book.slot(v).is_ok_and(|(_, s)| !s.needs_recompute);
+                if needs_write {
+                    jobs.push(self.mark_writing(v));
+                    pending += c.bytes;
+                    progress += c.bytes;
+                    continue;
+                }
+                match self.drop_chunk(stats, v) {
+                    Ok(freed) => progress += freed,
+                    Err(e) => {
+                        for job in &jobs {
+                            self.unmark_writing(job);
+                        }
+                        return Err(e);
+                    }
                 }
             }
-            if freed == 0 {
-                stats.budget_refusals.fetch_add(1, Relaxed);
-                return Err(PagerError::BudgetExhausted {
-                    key,
-                    need,
-                    resident: self.book.resident,
-                    budget,
-                });
+            if progress == 0 {
+                break;
             }
         }
-        Ok(())
+        if !jobs.is_empty() {
+            return Ok(Room::Write(jobs));
+        }
+        if self.book.resident + need <= budget {
+            return Ok(Room::Ready);
+        }
+        if !self.book.writes.is_empty() {
+            return Ok(Room::Wait);
+        }
+        stats.budget_refusals.fetch_add(1, Relaxed);
+        Ok(Room::Full)
+    }
+
+    /// Mark a resident victim as being written back (state lock held).
+    pub(crate) fn mark_writing(&mut self, key: ChunkKey) -> WriteBack {
+        let c = self
+            .book
+            .ctxs
+            .get_mut(&key.ctx)
+            .expect("a candidate's context exists");
+        let slot = &mut c.slots[key.index as usize];
+        slot.writing = true;
+        c.writing += 1;
+        self.book.writes.insert(key, Instant::now());
+        WriteBack {
+            key,
+            map: Arc::clone(&c.map),
+            epoch: c.epoch,
+            offset: key.index as usize * c.stride,
+            bytes: slot.bytes,
+        }
+    }
+
+    /// Clear a write-back's marks (state lock held); whether its slot is still the one marked.
+    fn unmark_writing(&mut self, job: &WriteBack) -> bool {
+        self.book.writes.remove(&job.key);
+        let Some(c) = self.book.ctxs.get_mut(&job.key.ctx) else {
+            return false;
+        };
+        if c.epoch != job.epoch {
+            return false;
+        }
+        let slot = &mut c.slots[job.key.index as usize];
+        if !slot.writing {
+            return false;
+        }
+        slot.writing = false;
+        c.writing -= 1;
+        true
+    }
+
+    /// End a write-back (state lock held): a victim written is persisted; written or given up,
+    /// it is dropped (its context cannot have been locked meanwhile). Returns the bytes freed.
+    pub(crate) fn finish_write(
+        &mut self,
+        stats: &Stats,
+        job: &WriteBack,
+        written: std::thread::Result<Result<bool, SourceError>>,
+        secs: f64,
+    ) -> u64 {
+        if !self.unmark_writing(job) {
+            // The context was removed meanwhile; its bytes went with it.
+            return 0;
+        }
+        let key = job.key;
+        match written {
+            Ok(Ok(true)) => {
+                if let Ok((slot, ..)) = self.book.slot_mut(key) {
+                    slot.persisted = true;
+                }
+                stats.sync_reclaims.fetch_add(1, Relaxed);
+                debug!(chunk = %key, secs, "written back before reclaim");
+            }
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => {
+                stats.source_errors.fetch_add(1, Relaxed);
+                warn!(chunk = %key, error = %e, "writing a victim back failed; it is given up");
+            }
+            Err(_) => {
+                stats.source_errors.fetch_add(1, Relaxed);
+                warn!(chunk = %key, "the source panicked writing a victim back; it is given up");
+            }
+        }
+        let droppable = self
+            .book
+            .slot(key)
+            .is_ok_and(|(c, s)| c.locks == 0 && s.state == ChunkState::Resident);
+        if !droppable {
+            return 0;
+        }
+        match self.drop_chunk(stats, key) {
+            Ok(freed) => freed,
+            Err(e) => {
+                warn!(chunk = %key, error = %e, "dropping a written-back victim failed");
+                0
+            }
+        }
     }
 }
 
+/// What making room found (`State::make_room`).
+pub(crate) enum Room {
+    /// The budget has room now.
+    Ready,
+    /// Victims to write back first, their slots marked: write them with the lock released
+    /// ([`Shared::write_back`]), then ask again.
+    Write(Vec<WriteBack>),
+    /// Only write-backs already in flight can free room: wait for one to end, then ask again.
+    Wait,
+    /// Nothing can be freed: everything resident is locked or being populated.
+    Full,
+}
+
+/// A victim marked as being written back: what the writer needs once the lock is released.
+pub(crate) struct WriteBack {
+    pub(crate) key: ChunkKey,
+    /// Its context's mapping, kept mapped for the write even if the context goes meanwhile.
+    pub(crate) map: Arc<Mapping>,
+    pub(crate) epoch: u64,
+    pub(crate) offset: usize,
+    pub(crate) bytes: usize,
+}
+
+/// What `Shared::reserve` found.
+pub(crate) enum Reserved {
+    /// The slot is `Populating` and its bytes are counted: fill it and `finish`.
+    Slot(Reservation),
+    /// As [`Room::Write`].
+    Write(Vec<WriteBack>),
+    /// As [`Room::Wait`].
+    Wait,
+}
+
 impl Shared {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn lock(&self) -> StateGuard<'_> {
         // The chooser is the only foreign code run under the lock, and it runs before any change
         // to the book, so a poisoned lock still guards a consistent book.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        let inner = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        STATE_HELD.with(|h| h.set(h.get() + 1));
+        StateGuard { inner: Some(inner) }
+    }
+
+    /// Wait on `populated` (a populate, a write-back or a shutdown ended), the lock released
+    /// meanwhile.
+    pub(crate) fn wait<'a>(&'a self, mut guard: StateGuard<'a>) -> StateGuard<'a> {
+        let inner = guard
+            .inner
+            .take()
+            .expect("a guard holds its lock until dropped");
+        STATE_HELD.with(|h| h.set(h.get() - 1));
+        let inner = self
+            .populated
+            .wait(inner)
+            .unwrap_or_else(|e| e.into_inner());
+        STATE_HELD.with(|h| h.set(h.get() + 1));
+        StateGuard { inner: Some(inner) }
     }
 
     /// Turn a non-resident slot into `Populating` with its bytes reserved (state lock held).
     /// `bytes` is the slot size, `None` for "as it was" (a reclaimed chunk coming back).
+    /// Making room may first need victims written back ([`Reserved::Write`]) or write-backs in
+    /// flight to end ([`Reserved::Wait`]); the slot is then left as it was.
     pub(crate) fn reserve(
         &self,
         st: &mut State,
         key: ChunkKey,
         bytes: Option<usize>,
-    ) -> Result<Reservation, PagerError> {
+    ) -> Result<Reserved, PagerError> {
         let (c, s) = st.book.slot(key)?;
         let stride = c.stride;
         let bytes = match bytes {
@@ -527,13 +700,28 @@ impl Shared {
             ChunkState::Populating => return Err(PagerError::Busy { key }),
             ChunkState::Absent | ChunkState::Reclaimed | ChunkState::ZeroMapped => {}
         }
-        st.make_room(
-            &self.stats,
-            &*self.source,
-            self.budget.load(Relaxed),
-            key,
-            bytes as u64,
-        )?;
+        let budget = self.budget.load(Relaxed);
+        let need = bytes as u64;
+        if need > budget {
+            return Err(PagerError::LargerThanBudget {
+                key,
+                bytes: need,
+                budget,
+            });
+        }
+        match st.make_room(&self.stats, self.source.writes_back(), budget, need)? {
+            Room::Ready => {}
+            Room::Write(jobs) => return Ok(Reserved::Write(jobs)),
+            Room::Wait => return Ok(Reserved::Wait),
+            Room::Full => {
+                return Err(PagerError::BudgetExhausted {
+                    key,
+                    need,
+                    resident: st.book.resident,
+                    budget,
+                });
+            }
+        }
         let c = st
             .book
             .ctxs
@@ -549,7 +737,7 @@ impl Shared {
         }
         slot.state = ChunkState::Populating;
         st.book.resident += bytes as u64;
-        Ok(Reservation {
+        Ok(Reserved::Slot(Reservation {
             key,
             map: Arc::clone(&c.map),
             epoch: c.epoch,
@@ -557,14 +745,44 @@ impl Shared {
             bytes,
             stride: c.stride,
             prev,
-        })
+        }))
+    }
+
+    /// Write victims back through the source, with the state lock released (this is disk I/O:
+    /// no fault, populate or lock waits behind it unless it needs this very room), then finish
+    /// each under the lock, waking whoever waits for room. Returns the bytes freed.
+    pub(crate) fn write_back(&self, jobs: Vec<WriteBack>) -> u64 {
+        let mut freed = 0;
+        for job in jobs {
+            assert_state_unlocked("a chunk source's write_back");
+            // SAFETY: `job.map` keeps the context's mapping alive, and `offset + bytes` lies
+            // inside it (the slot's page-rounded bytes at its index's offset, checked when the
+            // slot was populated). The slot is resident and marked `writing`, which keeps it from
+            // being reclaimed (it is no candidate) and its context from being locked (so no one
+            // writes it: only a lock holder writes a slot) until `finish_write` below; a resident
+            // slot was populated whole, so reading it faults on nothing.
+            let data = unsafe {
+                std::slice::from_raw_parts(job.map.ptr().add(job.offset).as_ptr(), job.bytes)
+            };
+            let t = Instant::now();
+            let written = catch_unwind(AssertUnwindSafe(|| self.source.write_back(job.key, data)));
+            self.stats.write_back_latency.record(t.elapsed());
+            let secs = t.elapsed().as_secs_f64();
+            let mut st = self.lock();
+            freed += st.finish_write(&self.stats, &job, written, secs);
+            self.populated.notify_all();
+            if st.book.deferred > 0 {
+                self.wake.signal();
+            }
+        }
+        freed
     }
 
     /// Finish a populate (taking the state lock's guard, released before the waiting threads are
     /// woken): the slot becomes resident, or goes back on failure.
     pub(crate) fn finish(
         &self,
-        mut guard: MutexGuard<'_, State>,
+        mut guard: StateGuard<'_>,
         r: &Reservation,
         ok: bool,
         persisted: bool,
@@ -597,6 +815,7 @@ impl Shared {
                 bytes: r.bytes,
                 persisted,
                 needs_recompute: recompute.is_some(),
+                writing: false,
             };
             st.chooser.on_populate(r.key, r.bytes as u64);
             st.book.recompute.retain(|q| q.key != r.key);
@@ -696,6 +915,7 @@ impl Shared {
 
     /// Ask the source for a chunk, turning a panic into an error.
     pub(crate) fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
+        assert_state_unlocked("a chunk source's fill");
         let r = catch_unwind(AssertUnwindSafe(|| self.source.fill(key, dst)))
             .unwrap_or(Err(SourceError::Panicked { key }));
         if r.is_err() {
@@ -705,21 +925,74 @@ impl Shared {
         r
     }
 
-    /// Wait while a slot is being populated by someone else (state lock held).
+    /// Wait while a slot is being populated or written back by someone else (state lock held).
     pub(crate) fn wait_populated<'a>(
         &'a self,
-        mut st: MutexGuard<'a, State>,
+        mut st: StateGuard<'a>,
         key: ChunkKey,
-    ) -> Result<MutexGuard<'a, State>, PagerError> {
+    ) -> Result<StateGuard<'a>, PagerError> {
         loop {
             if st.book.dead {
                 return Err(PagerError::ShutDown);
             }
             let (_, s) = st.book.slot(key)?;
-            if s.state != ChunkState::Populating {
+            if s.state != ChunkState::Populating && !s.writing {
                 return Ok(st);
             }
-            st = self.populated.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = self.wait(st);
+        }
+    }
+
+    /// Wait while any chunk of a context is being written back (state lock held): locking or
+    /// removing the context waits for those writes, so nothing changes a slot under them.
+    pub(crate) fn wait_written<'a>(
+        &'a self,
+        mut st: StateGuard<'a>,
+        ctx: ContextId,
+    ) -> Result<StateGuard<'a>, PagerError> {
+        loop {
+            if st.book.dead {
+                return Err(PagerError::ShutDown);
+            }
+            let c = st
+                .book
+                .ctxs
+                .get(&ctx)
+                .ok_or(PagerError::NoContext { ctx })?;
+            if c.writing == 0 {
+                return Ok(st);
+            }
+            self.stats.lock_waits.fetch_add(1, Relaxed);
+            st = self.wait(st);
+        }
+    }
+
+    /// Reserve `key`'s slot for a call on this thread: victims not yet written are written back
+    /// by this thread with the lock released, and write-backs in flight on other threads waited
+    /// for, until there is room. `None` when `skip_resident` and the chunk is resident already.
+    pub(crate) fn reserve_here(
+        &self,
+        key: ChunkKey,
+        bytes: Option<usize>,
+        skip_resident: bool,
+    ) -> Result<Option<Reservation>, PagerError> {
+        let mut st = self.lock();
+        loop {
+            st = self.wait_populated(st, key)?;
+            if skip_resident && st.book.slot(key)?.1.state == ChunkState::Resident {
+                return Ok(None);
+            }
+            match self.reserve(&mut st, key, bytes)? {
+                Reserved::Slot(r) => return Ok(Some(r)),
+                Reserved::Write(jobs) => {
+                    drop(st);
+                    self.write_back(jobs);
+                    st = self.lock();
+                }
+                Reserved::Wait => {
+                    st = self.wait(st);
+                }
+            }
         }
     }
 
@@ -806,6 +1079,7 @@ impl Pager {
                     dead: false,
                     next_epoch: 1,
                     deferred: 0,
+                    writes: HashMap::new(),
                 },
                 chooser,
             }),
@@ -856,21 +1130,21 @@ impl Pager {
     pub fn set_budget(&self, budget_bytes: u64) -> Result<u64, PagerError> {
         let mut st = self.live()?;
         self.shared.budget.store(budget_bytes, Relaxed);
+        let writes_back = self.shared.source.writes_back();
         let mut freed = 0;
-        while st.book.resident > budget_bytes {
-            let short = st.book.resident - budget_bytes;
-            let State { book, chooser } = &mut *st;
-            let victims = chooser.choose_victims(short, book);
-            let mut round = 0;
-            for v in victims {
-                if st.book.candidate(v).is_some() {
-                    round += st.evict(&self.shared.stats, &*self.shared.source, v)?;
+        loop {
+            let before = st.book.resident;
+            let room = st.make_room(&self.shared.stats, writes_back, budget_bytes, 0)?;
+            freed += before - st.book.resident;
+            match room {
+                Room::Write(jobs) => {
+                    drop(st);
+                    freed += self.shared.write_back(jobs);
+                    st = self.live()?;
                 }
+                // Write-backs in flight elsewhere will free their part; nothing more to free.
+                Room::Ready | Room::Wait | Room::Full => break,
             }
-            if round == 0 {
-                break;
-            }
-            freed += round;
         }
         debug!(budget_bytes, freed, "budget changed");
         Ok(freed)
@@ -935,10 +1209,12 @@ impl Pager {
                         bytes: 0,
                         persisted: false,
                         needs_recompute: false,
+                        writing: false,
                     };
                     max_chunks
                 ],
                 locks: 0,
+                writing: 0,
             },
         );
         debug!(ctx = ctx.0, len, "context region reserved");
@@ -946,9 +1222,15 @@ impl Pager {
     }
 
     /// Drop a context: its pages go back to the kernel and its region is unmapped (once no
-    /// populate into it is in flight). Refused while the context is locked.
+    /// populate into it is in flight). Refused while the context is locked; waits while one of
+    /// its chunks is being written back.
     pub fn remove_context(&self, ctx: ContextId) -> Result<(), PagerError> {
-        let mut st = self.shared.lock();
+        let st = self.shared.lock();
+        let mut st = if st.book.dead {
+            st
+        } else {
+            self.shared.wait_written(st, ctx)?
+        };
         let c = st
             .book
             .ctxs
@@ -979,7 +1261,7 @@ impl Pager {
         Ok(())
     }
 
-    fn live(&self) -> Result<MutexGuard<'_, State>, PagerError> {
+    fn live(&self) -> Result<StateGuard<'_>, PagerError> {
         let st = self.shared.lock();
         if st.book.dead {
             return Err(PagerError::ShutDown);
@@ -1005,10 +1287,10 @@ impl Pager {
                 bytes: slot_bytes,
             });
         }
-        let st = self.live()?;
-        let mut st = self.shared.wait_populated(st, key)?;
-        let r = self.shared.reserve(&mut st, key, Some(slot_bytes))?;
-        drop(st);
+        let r = self
+            .shared
+            .reserve_here(key, Some(slot_bytes), false)?
+            .expect("reserved unless resident and skipped");
         let whole = data.len() / PAGE_SIZE * PAGE_SIZE;
         let mut res = self.shared.copy_in(&sub(&r, 0, whole), &data[..whole]);
         if res.is_ok() && whole < r.bytes {
@@ -1047,10 +1329,10 @@ impl Pager {
                 len: staging.len(),
             });
         }
-        let st = self.live()?;
-        let mut st = self.shared.wait_populated(st, key)?;
-        let r = self.shared.reserve(&mut st, key, Some(slot_bytes))?;
-        drop(st);
+        let r = self
+            .shared
+            .reserve_here(key, Some(slot_bytes), false)?
+            .expect("reserved unless resident and skipped");
         let res = self.shared.move_in(&r, staging);
         self.complete(r, res, false, t)
     }
@@ -1062,19 +1344,17 @@ impl Pager {
         let _span = tracing::debug_span!("load", chunk = %key).entered();
         let t = Instant::now();
         let st = self.live()?;
-        let mut st = self.shared.wait_populated(st, key)?;
-        let (c, s) = st.book.slot(key)?;
-        if s.state == ChunkState::Resident {
-            return Ok(());
-        }
+        let (c, _) = st.book.slot(key)?;
         if c.stride > staging.len() {
             return Err(PagerError::StagingTooSmall {
                 key,
                 len: staging.len(),
             });
         }
-        let r = self.shared.reserve(&mut st, key, None)?;
         drop(st);
+        let Some(r) = self.shared.reserve_here(key, None, true)? else {
+            return Ok(());
+        };
         let buf = &mut staging.as_mut_slice()[..r.bytes];
         if let Err(source) = self.shared.fill(key, buf) {
             self.shared
@@ -1121,9 +1401,16 @@ impl Pager {
         if c.locks > 0 {
             return Err(PagerError::Locked { ctx: key.ctx });
         }
+        let needs_write = write_back
+            && self.shared.source.writes_back()
+            && s.state == ChunkState::Resident
+            && !s.persisted
+            && !s.needs_recompute;
         match s.state {
-            ChunkState::Resident | ChunkState::ZeroMapped if write_back => {
-                st.evict(&self.shared.stats, &*self.shared.source, key)
+            ChunkState::Resident if needs_write => {
+                let job = st.mark_writing(key);
+                drop(st);
+                Ok(self.shared.write_back(vec![job]))
             }
             ChunkState::Resident | ChunkState::ZeroMapped => st.drop_chunk(&self.shared.stats, key),
             _ => Err(PagerError::NotResident { key }),
@@ -1134,7 +1421,8 @@ impl Pager {
     /// in a smaller format at the start of its slot; the tail pages go back to the kernel.
     pub fn shrink(&self, key: ChunkKey, new_bytes: usize) -> Result<u64, PagerError> {
         let _span = tracing::debug_span!("shrink", chunk = %key).entered();
-        let mut st = self.live()?;
+        let st = self.live()?;
+        let mut st = self.shared.wait_populated(st, key)?;
         let new = page_round(new_bytes.max(1));
         let (slot, map, offset, _) = st.book.slot_mut(key)?;
         if slot.state != ChunkState::Resident {
@@ -1181,9 +1469,11 @@ impl Pager {
             .sum())
     }
 
-    /// Lock a context's chunks against reclaim (nests).
+    /// Lock a context's chunks against reclaim (nests). Waits while one of its chunks is being
+    /// written back as a victim (nothing may write a slot that a write-back reads).
     pub fn lock_context(&self, ctx: ContextId) -> Result<(), PagerError> {
-        let mut st = self.live()?;
+        let st = self.live()?;
+        let mut st = self.shared.wait_written(st, ctx)?;
         let c = st
             .book
             .ctxs
@@ -1492,10 +1782,21 @@ fn spawn_watchdog(shared: Arc<Shared>, deadline: Duration) -> Result<JoinHandle<
             while !*stop {
                 let since = shared.fill_since.load(Relaxed);
                 let now = u64::try_from(shared.born.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                if since != 0 && now.saturating_sub(since) > deadline_ns {
+                let fill_late = since != 0 && now.saturating_sub(since) > deadline_ns;
+                // A write-back that never returns would keep every fault that waits for its room
+                // waiting: it is held to the same deadline.
+                let write_late = shared
+                    .lock()
+                    .book
+                    .writes
+                    .values()
+                    .min()
+                    .is_some_and(|t| t.elapsed() > deadline);
+                if fill_late || write_late {
                     drop(stop);
                     tracing::error!(
                         deadline_ms = deadline.as_millis() as u64,
+                        what = if fill_late { "a fill" } else { "a write-back" },
                         "a chunk source has not returned within its deadline; stopping the \
                          pager so no thread waits forever on a fault"
                     );
@@ -1527,5 +1828,35 @@ fn sub(r: &Reservation, off: usize, len: usize) -> Reservation {
         bytes: len,
         stride: len,
         prev: r.prev,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calling_the_source_with_the_state_lock_held_is_caught_in_debug_builds() {
+        let state = Mutex::new(State {
+            book: Book {
+                ctxs: HashMap::new(),
+                by_addr: BTreeMap::new(),
+                resident: 0,
+                recompute: VecDeque::new(),
+                dead: false,
+                next_epoch: 1,
+                deferred: 0,
+                writes: HashMap::new(),
+            },
+            chooser: Box::new(LruChooser::new()),
+        });
+        let guard = StateGuard {
+            inner: Some(state.lock().unwrap()),
+        };
+        STATE_HELD.with(|h| h.set(h.get() + 1));
+        let caught = catch_unwind(|| assert_state_unlocked("a test's source call"));
+        assert_eq!(caught.is_err(), cfg!(debug_assertions));
+        drop(guard);
+        assert_state_unlocked("a source call after the guard dropped");
     }
 }

@@ -31,15 +31,25 @@ pub trait ChunkSource: Send + Sync {
     fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError>;
 
     /// Write a resident chunk that was never written out to where `fill` will find it, before
-    /// the pager reclaims it ("sync reclaim": the reclaim waits for this write). `data` is the
-    /// chunk's slot (page-rounded). Return `Ok(true)` when the chunk is now stored and can come
-    /// back by `fill`, `Ok(false)` when this source does not keep such chunks (the default: the
-    /// chunk is given up and must be recomputed), or an error (given up too).
+    /// the pager reclaims it ("sync reclaim": the victim goes once this write ends). `data` is
+    /// the chunk's slot (page-rounded). Return `Ok(true)` when the chunk is now stored and can
+    /// come back by `fill`, `Ok(false)` when it cannot (it is given up and must be recomputed),
+    /// or an error (given up too). Only called when [`ChunkSource::writes_back`] says so.
     ///
-    /// Called with the pager's state lock held, from the thread that needed room (an API call
-    /// or the fault thread): it must not call back into the pager.
+    /// Called with no pager lock held, from the thread that needed room (an API call) or from
+    /// the pager's write-back thread (for the fault thread, which never writes a victim itself);
+    /// the chunk's context cannot be locked, so nothing writes the slot, until this returns. It
+    /// may take as long as a disk write takes; one that outlasts the pager's `source_deadline`
+    /// stops the pager.
     fn write_back(&self, key: ChunkKey, data: &[u8]) -> Result<bool, SourceError> {
         let _ = (key, data);
         Ok(false)
+    }
+
+    /// Whether [`ChunkSource::write_back`] keeps victims (the default: no, and a victim never
+    /// written out is dropped at once). A source that answers `true` has its unwritten victims
+    /// written back first, outside the pager's lock.
+    fn writes_back(&self) -> bool {
+        false
     }
 }

@@ -118,6 +118,8 @@ pub struct Stats {
     pub(crate) reclaims: AtomicU64,
     pub(crate) unpersisted_reclaims: AtomicU64,
     pub(crate) sync_reclaims: AtomicU64,
+    pub(crate) faults_deferred_for_room: AtomicU64,
+    pub(crate) lock_waits: AtomicU64,
     pub(crate) shrinks: AtomicU64,
     pub(crate) bytes_in: AtomicU64,
     pub(crate) bytes_out: AtomicU64,
@@ -128,6 +130,7 @@ pub struct Stats {
     pub(crate) fault_latency: Histogram,
     pub(crate) populate_latency: Histogram,
     pub(crate) reclaim_latency: Histogram,
+    pub(crate) write_back_latency: Histogram,
 }
 
 /// A copy of the counters at one moment.
@@ -151,6 +154,11 @@ pub struct StatsSnapshot {
     /// Reclaims that waited for the source to write the victim out first
     /// ([`crate::ChunkSource::write_back`]).
     pub sync_reclaims: u64,
+    /// Faults set aside until a victim's write-back made room (the fault thread never writes
+    /// a victim itself: the pager's write-back thread does, and the fault is served after).
+    pub faults_deferred_for_room: u64,
+    /// Times locking or removing a context waited for one of its chunks' write-back to end.
+    pub lock_waits: u64,
     /// Chunks shrunk in place.
     pub shrinks: u64,
     /// Bytes made resident.
@@ -171,6 +179,8 @@ pub struct StatsSnapshot {
     pub populate_latency: HistogramSummary,
     /// One chunk reclaim.
     pub reclaim_latency: HistogramSummary,
+    /// One victim's write-back through the source, with the pager's lock released.
+    pub write_back_latency: HistogramSummary,
 }
 
 impl Stats {
@@ -185,6 +195,8 @@ impl Stats {
             reclaims: self.reclaims.load(Relaxed),
             unpersisted_reclaims: self.unpersisted_reclaims.load(Relaxed),
             sync_reclaims: self.sync_reclaims.load(Relaxed),
+            faults_deferred_for_room: self.faults_deferred_for_room.load(Relaxed),
+            lock_waits: self.lock_waits.load(Relaxed),
             shrinks: self.shrinks.load(Relaxed),
             bytes_in: self.bytes_in.load(Relaxed),
             bytes_out: self.bytes_out.load(Relaxed),
@@ -195,6 +207,7 @@ impl Stats {
             fault_latency: self.fault_latency.summary(),
             populate_latency: self.populate_latency.summary(),
             reclaim_latency: self.reclaim_latency.summary(),
+            write_back_latency: self.write_back_latency.summary(),
         }
     }
 }

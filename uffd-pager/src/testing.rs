@@ -158,10 +158,16 @@ impl ChunkSource for FaultySource {
 /// Serves the pattern, but while it is held every fill waits at its gate until `release`: a test
 /// keeps the fault thread inside a fill, and every thread that faults meanwhile blocked, for as
 /// long as it needs, and knows when a fill has reached the gate.
+///
+/// Built with [`GatedSource::writing_back`] it also takes victims' write-backs (and serves the
+/// pattern for them afterwards, which is what the tests populate), with a gate of their own:
+/// while writes are held every write-back waits until `release_writes`, and the source records
+/// which thread called it.
 #[derive(Debug, Default)]
 pub struct GatedSource {
     gate: Mutex<Gate>,
     changed: Condvar,
+    keeps: bool,
 }
 
 #[derive(Debug, Default)]
@@ -170,12 +176,25 @@ struct Gate {
     /// The chunks whose fills wait at the gate.
     waiting: Vec<ChunkKey>,
     reads: u64,
+    writes_held: bool,
+    /// The chunks whose write-backs wait at the gate.
+    writing: Vec<ChunkKey>,
+    /// The names of the threads that called `write_back`, in order.
+    writers: Vec<String>,
 }
 
 impl GatedSource {
-    /// A source that serves at once until [`GatedSource::hold`].
+    /// A source that serves at once until [`GatedSource::hold`]; it keeps no victims.
     pub fn new() -> GatedSource {
         GatedSource::default()
+    }
+
+    /// A source that also takes victims' write-backs ([`ChunkSource::writes_back`]).
+    pub fn writing_back() -> GatedSource {
+        GatedSource {
+            keeps: true,
+            ..GatedSource::default()
+        }
     }
 
     fn gate(&self) -> std::sync::MutexGuard<'_, Gate> {
@@ -208,6 +227,33 @@ impl GatedSource {
     pub fn reads(&self) -> u64 {
         self.gate().reads
     }
+
+    /// Make every later write-back wait at the gate.
+    pub fn hold_writes(&self) {
+        self.gate().writes_held = true;
+    }
+
+    /// Let every waiting and later write-back through.
+    pub fn release_writes(&self) {
+        self.gate().writes_held = false;
+        self.changed.notify_all();
+    }
+
+    /// Wait until a write-back waits at the gate, and return its chunk.
+    pub fn wait_for_held_write(&self) -> ChunkKey {
+        let mut g = self.gate();
+        loop {
+            if let Some(k) = g.writing.first() {
+                return *k;
+            }
+            g = self.changed.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The names of the threads that called `write_back`, in order.
+    pub fn writers(&self) -> Vec<String> {
+        self.gate().writers.clone()
+    }
 }
 
 impl ChunkSource for GatedSource {
@@ -225,5 +271,27 @@ impl ChunkSource for GatedSource {
         drop(g);
         fill_pattern(key, dst);
         Ok(())
+    }
+
+    fn write_back(&self, key: ChunkKey, _data: &[u8]) -> Result<bool, SourceError> {
+        let mut g = self.gate();
+        let name = std::thread::current()
+            .name()
+            .unwrap_or("unnamed")
+            .to_owned();
+        g.writers.push(name);
+        if g.writes_held {
+            g.writing.push(key);
+            self.changed.notify_all();
+            while g.writes_held {
+                g = self.changed.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+            g.writing.retain(|k| *k != key);
+        }
+        Ok(self.keeps)
+    }
+
+    fn writes_back(&self) -> bool {
+        self.keeps
     }
 }

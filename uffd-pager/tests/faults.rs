@@ -712,6 +712,10 @@ impl ChunkSource for KeepingSource {
         self.kept.lock().unwrap().insert(key, data.to_vec());
         Ok(true)
     }
+
+    fn writes_back(&self) -> bool {
+        true
+    }
 }
 
 #[test]
@@ -755,5 +759,177 @@ fn a_victim_never_written_out_is_written_back_before_it_goes_and_faults_back_who
         3,
         "a persisted victim is not written again"
     );
+    p.shutdown();
+}
+
+/// Wait (at most 30 s, so a regression fails instead of hanging the suite) for `rx`'s value.
+fn within<T>(rx: &mpsc::Receiver<T>, what: &str) -> T {
+    rx.recv_timeout(Duration::from_secs(30))
+        .unwrap_or_else(|_| panic!("{what} never finished: it waits on something it must not"))
+}
+
+#[test]
+fn a_fault_does_not_wait_for_another_contexts_write_back() {
+    let src = Arc::new(GatedSource::writing_back());
+    // Room for three chunks of three pages; contexts 1, 2 and 3.
+    let p = Arc::new(pager(9, src.clone()));
+    p.add_context(
+        ContextId(3),
+        ContextSpec {
+            max_chunks: 16,
+            max_slot_bytes: SLOT,
+        },
+    )
+    .unwrap();
+    // `a` is stored and reclaimed: touching it faults it back from the source.
+    let a = ChunkKey::new(1, 0);
+    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
+    p.mark_persisted(a).unwrap();
+    p.reclaim(a).unwrap();
+    // `b` (context 2) was never written out; `x` and `y` (context 3) were.
+    let (b, x, y) = (
+        ChunkKey::new(2, 0),
+        ChunkKey::new(3, 0),
+        ChunkKey::new(3, 1),
+    );
+    for k in [b, x, y] {
+        p.populate(k, SLOT, &pattern(k, SLOT)).unwrap();
+    }
+    p.mark_persisted(x).unwrap();
+    p.mark_persisted(y).unwrap();
+    // Context 2 swaps `b` out: its write-back blocks at the gate, as a slow disk write would.
+    src.hold_writes();
+    let evicting = {
+        let p = Arc::clone(&p);
+        std::thread::spawn(move || p.evict(b))
+    };
+    assert_eq!(src.wait_for_held_write(), b);
+    // Context 1 faults `a` in: it needs room, which a stored chunk of context 3 gives, and it
+    // resolves while `b`'s write still waits (before, the write held the pager's lock and this
+    // touch hung until it ended).
+    let (tx, rx) = mpsc::channel();
+    {
+        let p = Arc::clone(&p);
+        std::thread::spawn(move || tx.send(touch_read(&p, a, SLOT)).unwrap());
+    }
+    assert_eq!(within(&rx, "the fault on context 1"), pattern(a, SLOT));
+    p.check(a).unwrap();
+    assert_eq!(p.chunk_info(x).unwrap().state, ChunkState::Reclaimed);
+    // `b` is still resident, counted, and being written: no one has dropped it under the write.
+    assert_eq!(p.chunk_info(b).unwrap().state, ChunkState::Resident);
+    assert_eq!(p.resident_bytes(), 3 * SLOT as u64);
+    // Locking context 2 waits for its chunk's write to end (nothing may change the slot it
+    // reads); locking context 3 does not.
+    p.lock_context(ContextId(3)).unwrap();
+    p.unlock_context(ContextId(3)).unwrap();
+    let (tx, rx) = mpsc::channel();
+    {
+        let p = Arc::clone(&p);
+        std::thread::spawn(move || tx.send(p.lock_context(ContextId(2))).unwrap());
+    }
+    while p.stats().lock_waits == 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(rx.try_recv().is_err(), "the lock waits for the write-back");
+    src.release_writes();
+    assert_eq!(evicting.join().unwrap().unwrap(), SLOT as u64);
+    within(&rx, "locking context 2").unwrap();
+    p.unlock_context(ContextId(2)).unwrap();
+    let info = p.chunk_info(b).unwrap();
+    assert_eq!((info.state, info.persisted), (ChunkState::Reclaimed, true));
+    assert_eq!(p.stats().sync_reclaims, 1);
+    // It comes back whole from what was written.
+    assert_eq!(touch_read(&p, b, SLOT), pattern(b, SLOT));
+    p.shutdown();
+}
+
+#[test]
+fn a_fault_that_needs_a_victim_written_hands_it_to_the_write_back_thread() {
+    let src = Arc::new(GatedSource::writing_back());
+    // Room for two chunks.
+    let p = Arc::new(pager(6, src.clone()));
+    let a = ChunkKey::new(1, 0);
+    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
+    p.mark_persisted(a).unwrap();
+    p.reclaim(a).unwrap();
+    // Both resident chunks are unwritten: room for `a` needs one of them written first.
+    let (b, c) = (ChunkKey::new(2, 0), ChunkKey::new(2, 1));
+    p.populate(b, SLOT, &pattern(b, SLOT)).unwrap();
+    p.populate(c, SLOT, &pattern(c, SLOT)).unwrap();
+    src.hold_writes();
+    let (tx, rx) = mpsc::channel();
+    {
+        let p = Arc::clone(&p);
+        std::thread::spawn(move || tx.send(touch_read(&p, a, SLOT)).unwrap());
+    }
+    let victim = src.wait_for_held_write();
+    assert_eq!(victim, b, "the least recently used victim");
+    // The fault waits for its room, set aside; the fault thread is free meanwhile: a fault on a
+    // chunk that needs no room (`b` itself is resident) is served at once.
+    assert_eq!(touch_read(&p, c, PAGE), pattern(c, PAGE));
+    src.release_writes();
+    assert_eq!(within(&rx, "the fault waiting for room"), pattern(a, SLOT));
+    p.check(a).unwrap();
+    assert_eq!(
+        src.writers(),
+        ["uffd-pager-writeback"],
+        "the fault thread never writes a victim itself"
+    );
+    let s = p.stats();
+    assert_eq!(
+        (s.sync_reclaims, s.faults_deferred_for_room),
+        (1, 1),
+        "{s:?}"
+    );
+    p.shutdown();
+}
+
+#[test]
+fn a_write_back_that_never_returns_trips_the_watchdog_instead_of_hanging_faults() {
+    let src = Arc::new(GatedSource::writing_back());
+    let p = Arc::new(
+        Pager::new(
+            PagerConfig {
+                source_deadline: Some(Duration::from_millis(300)),
+                ..PagerConfig::new(2 * SLOT as u64, SLOT)
+            },
+            src.clone(),
+        )
+        .unwrap(),
+    );
+    for ctx in 1..=2 {
+        p.add_context(
+            ContextId(ctx),
+            ContextSpec {
+                max_chunks: 16,
+                max_slot_bytes: SLOT,
+            },
+        )
+        .unwrap();
+    }
+    let a = ChunkKey::new(1, 0);
+    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
+    p.mark_persisted(a).unwrap();
+    p.reclaim(a).unwrap();
+    let (b, c) = (ChunkKey::new(2, 0), ChunkKey::new(2, 1));
+    p.populate(b, SLOT, &pattern(b, SLOT)).unwrap();
+    p.populate(c, SLOT, &pattern(c, SLOT)).unwrap();
+    // The write the fault's room needs never returns.
+    src.hold_writes();
+    let (tx, rx) = mpsc::channel();
+    {
+        let p = Arc::clone(&p);
+        std::thread::spawn(move || tx.send(touch_read(&p, a, SLOT)).unwrap());
+    }
+    assert_eq!(src.wait_for_held_write(), b);
+    // The watchdog stops the pager: the faulting thread is released with zeros, and told why.
+    let got = within(&rx, "the fault behind a hung write-back");
+    assert!(got.iter().all(|&x| x == 0), "released with zeros");
+    assert!(matches!(p.check(a), Err(PagerError::ShutDown)));
+    assert!(matches!(
+        p.lock_context(ContextId(2)),
+        Err(PagerError::ShutDown)
+    ));
+    src.release_writes();
     p.shutdown();
 }

@@ -304,6 +304,10 @@ impl ChunkSource for StoreSource {
         }
         Ok(true)
     }
+
+    fn writes_back(&self) -> bool {
+        self.write_back
+    }
 }
 
 #[cfg(test)]
