@@ -8,12 +8,12 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Instant;
 
-use engine::model::Model;
-use engine::model::tiny::{TinySpec, write_tiny_gguf};
-use engine::model::tokenizer::Tokenizer;
-use engine::service::client::{Answer, CallParams, Client};
-use engine::service::protocol::PromptFormat;
-use engine::service::{CallOptions, Manager, ManagerConfig, Owner};
+use model::Model;
+use model::tiny::{TinySpec, write_tiny_gguf};
+use model::tokenizer::Tokenizer;
+use protocol::PromptFormat;
+use protocol::client::{Answer, CallParams, Client};
+use service::{CallOptions, Manager, ManagerConfig, Owner};
 
 /// The most tokens a context holds in these tests.
 pub const MAX_CONTEXT: usize = 1024;
@@ -34,7 +34,7 @@ impl World {
     /// A world whose tiny model has a ChatML template.
     pub fn chat(bin: &str) -> World {
         let spec = TinySpec {
-            chat_template: Some(engine::model::tiny::TINY_CHATML.into()),
+            chat_template: Some(model::tiny::TINY_CHATML.into()),
             ..TinySpec::default()
         };
         World::with_spec(bin, spec)

@@ -4,8 +4,8 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 
-use engine::service::client::CallEvent;
-use engine::service::protocol::{Reply, ReplyBody};
+use protocol::client::CallEvent;
+use protocol::{Reply, ReplyBody};
 use rand::{Rng, SeedableRng};
 use tests::{ask, local_answers, raw, seed};
 
@@ -56,10 +56,7 @@ fn a_call_streams_tokens_then_done_with_timings() {
     let _d = w.serve(&[]);
     let mut c = w.connect("stream");
     let ctx = c
-        .new_context(
-            Some("You are terse. "),
-            engine::service::protocol::PromptFormat::Raw,
-        )
+        .new_context(Some("You are terse. "), protocol::PromptFormat::Raw)
         .unwrap();
     let events: Vec<CallEvent> = c
         .call(ctx, PROMPTS[0], &raw(5))
@@ -335,7 +332,7 @@ fn a_full_queue_answers_busy() {
             ReplyBody::Error { error } => {
                 ended.insert(id, error.code);
             }
-            ReplyBody::Event(engine::service::protocol::Event::Done(d)) => {
+            ReplyBody::Event(protocol::Event::Done(d)) => {
                 ended.insert(id, d.stop);
             }
             ReplyBody::Event(_) => {}
@@ -502,7 +499,7 @@ fn chat_turns_answer_as_the_template_encodes_them_while_chunks_are_read() {
     let nl = tok.encode("\n");
     let turn = |k: usize, p: &str| -> Vec<u32> {
         if k == 0 {
-            let m = engine::model::tokenizer::Message::user(p);
+            let m = model::tokenizer::Message::user(p);
             return tok.encode_chat(&[m], true).unwrap();
         }
         let mut t = vec![end];
@@ -521,7 +518,7 @@ fn chat_turns_answer_as_the_template_encodes_them_while_chunks_are_read() {
         .map(|(k, p)| turn(k, p))
         .collect();
     let local = tests::local_token_answers(&w, &turns, 12);
-    let params = engine::service::client::CallParams {
+    let params = protocol::client::CallParams {
         max_tokens: 12,
         ..Default::default()
     };
@@ -614,21 +611,20 @@ fn a_memory_cgroup_limit_lowers_the_kv_budget_and_its_removal_restores_it() {
     let limit: u64 = 512 << 20;
     group.set("memory.limit_in_bytes", &limit.to_string());
     let mut c = w.connect("pressure");
-    let wait_for =
-        |c: &mut engine::service::client::Client, what: &str, ok: &dyn Fn(u64) -> bool| {
-            let t = std::time::Instant::now();
-            loop {
-                let b = c.stats().unwrap().service.budget_bytes;
-                if ok(b) {
-                    return b;
-                }
-                assert!(
-                    t.elapsed().as_secs() < 60,
-                    "{what}: the budget stayed at {b}"
-                );
-                std::thread::sleep(std::time::Duration::from_millis(20));
+    let wait_for = |c: &mut protocol::client::Client, what: &str, ok: &dyn Fn(u64) -> bool| {
+        let t = std::time::Instant::now();
+        loop {
+            let b = c.stats().unwrap().service.budget_bytes;
+            if ok(b) {
+                return b;
             }
-        };
+            assert!(
+                t.elapsed().as_secs() < 60,
+                "{what}: the budget stayed at {b}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
     // Under the limit, less what else the group uses, less the 64 MiB reserve.
     let lowered = wait_for(&mut c, "limit", &|b| b < max);
     assert!(lowered <= limit - (64 << 20), "{lowered}");
@@ -704,10 +700,10 @@ fn deleting_a_context_right_after_its_call_fails_no_write() {
 /// mount; the answers are those of the same manager with room for everything.
 #[test]
 fn a_baseline_manager_writes_victims_back_through_the_mount_and_answers_as_unpressured() {
-    let slot = engine::model::Model::load(&world().model)
+    let slot = model::Model::load(&world().model)
         .unwrap()
         .chunk_shape(16)
-        .slot_bytes(engine::kv::KvFormat::Int8);
+        .slot_bytes(model::kv::KvFormat::Int8);
     let run = |budget: &str| {
         let w = world();
         let d = w.serve(&[
@@ -763,8 +759,8 @@ fn a_baseline_manager_writes_victims_back_through_the_mount_and_answers_as_unpre
 
 #[test]
 fn stats_show_weights_resident_and_read_per_token() {
-    use engine::model::tiny::{TinySpec, write_tiny_gguf};
-    use engine::model::{Model, ModelError, WeightOptions};
+    use model::tiny::{TinySpec, write_tiny_gguf};
+    use model::{Model, ModelError, WeightOptions};
     let mut w = world();
     // Wider than the default tiny model, so its matrices outweigh the stream's buffers.
     let wide = w.dir.path().join("wide.gguf");

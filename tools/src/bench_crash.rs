@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail, ensure};
-use engine::model::tokenizer::Tokenizer;
-use engine::service::client::{CallEvent, CallParams, Client};
-use engine::service::protocol::PromptFormat;
+use model::tokenizer::Tokenizer;
+use protocol::PromptFormat;
+use protocol::client::{CallEvent, CallParams, Client};
 use rand::{Rng, SeedableRng};
 use uffd_pager::median;
 
@@ -86,7 +86,7 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
     args.report.begin();
     let model = match &args.model {
         Some(p) => p.clone(),
-        None => engine::model::fetch::default_model_path(&args.dir.fetch_options())
+        None => model::fetch::default_model_path(&args.dir.fetch_options())
             .context("cannot get the default model (try `llms model fetch`)")?,
     };
     let tok = Tokenizer::from_gguf_file(&model)

@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use engine::model::Logits;
-use engine::model::generate::argmax;
+use model::Logits;
+use model::generate::argmax;
 use uffd_pager::median;
 
 use crate::engine_cmd::{EngineOpts, load};
@@ -103,7 +103,7 @@ fn status_kb(key: &str) -> usize {
 }
 
 /// Read bandwidth of the decode weights: the median of `runs` passes over them.
-fn read_bandwidth(model: &engine::model::Model, runs: usize) -> f64 {
+fn read_bandwidth(model: &model::Model, runs: usize) -> f64 {
     let bytes = model.decode_weight_bytes() as f64;
     let secs: Vec<f64> = (0..runs.max(3))
         .map(|_| {
@@ -150,10 +150,10 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
     let threads = rayon::current_num_threads();
     let kernels = format!(
         "{:?}, prefill {}",
-        engine::model::qmatrix::Isa::best(),
+        model::qmatrix::Isa::best(),
         match l.model.prefill_activations() {
-            engine::model::int8gemm::PrefillActs::Int8 => {
-                format!("int8 ({:?})", engine::model::int8gemm::Path::best())
+            model::int8gemm::PrefillActs::Int8 => {
+                format!("int8 ({:?})", model::int8gemm::Path::best())
             }
             _ => "f32".to_owned(),
         }

@@ -6,12 +6,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use engine::kv::attention::{AttnShape, attend_gathered, attend_packed};
-use engine::kv::codec::{ChunkShape, KvFormat, decode_layer, encode_layer};
-use engine::kv::recompute::recompute_chunks;
-use engine::kv::{HeapChunks, KvCache};
-use engine::model::tokenizer::Tokenizer;
-use engine::model::{Logits, Model};
+use model::kv::attention::{AttnShape, attend_gathered, attend_packed};
+use model::kv::codec::{ChunkShape, KvFormat, decode_layer, encode_layer};
+use model::kv::recompute::recompute_chunks;
+use model::kv::{HeapChunks, KvCache};
+use model::tokenizer::Tokenizer;
+use model::{Logits, Model};
 use serde::Serialize;
 
 use crate::model_cmd::ModelsDirArg;
@@ -36,7 +36,7 @@ impl ModelInput {
     pub fn load(&self) -> anyhow::Result<Model> {
         let path = match &self.model {
             Some(p) => p.clone(),
-            None => engine::model::fetch::default_model_path(&self.dir.fetch_options())
+            None => model::fetch::default_model_path(&self.dir.fetch_options())
                 .context("cannot fetch the default model")?,
         };
         Model::load(&path).with_context(|| format!("cannot load {}", path.display()))
@@ -384,7 +384,7 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     }
     let report = Report {
         model: model.path().display().to_string(),
-        threads: engine::model::kernels::threads(),
+        threads: model::kernels::threads(),
         codec,
         attention,
         recompute,

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use engine::kv::KvFormat;
-use engine::service::bench::{LoadBenchOptions, run};
-use engine::service::cgroup::Joined;
+use bench::cgroup::Joined;
+use bench::load::{LoadBenchOptions, run};
+use model::kv::KvFormat;
 
 use crate::bench_kv::ModelInput;
 

@@ -14,9 +14,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use engine::model::config::ModelConfig;
-use engine::service::cgroup::Group;
-use engine::trace::TraceRow;
+use bench::cgroup::Group;
+use bench::trace::TraceRow;
+use model::config::ModelConfig;
 
 use crate::bench_switch::{Budget, CallRecord, Run, Setup};
 

@@ -12,13 +12,13 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use engine::kv::KvFormat;
-use engine::model::config::ModelConfig;
-use engine::service::cgroup::{Device, Group};
-use engine::service::client::{CallParams, Client};
-use engine::service::managers::ManagerKind;
-use engine::service::protocol::PromptFormat;
-use engine::trace::{PastCap, TraceRow};
+use bench::cgroup::{Device, Group};
+use bench::trace::{PastCap, TraceRow};
+use model::config::ModelConfig;
+use model::kv::KvFormat;
+use protocol::PromptFormat;
+use protocol::client::{CallParams, Client};
+use service::ManagerKind;
 
 use crate::daemon_proc::{Daemon, DaemonSpec};
 use crate::model_cmd::ModelsDirArg;
@@ -675,11 +675,11 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         return replot(args, json);
     }
     let trace_path = args.trace.as_deref().context("no trace to replay")?;
-    let trace = engine::trace::read(trace_path)?;
+    let trace = bench::trace::read(trace_path)?;
     let h = &trace.header;
     let model = match &args.model {
         Some(p) => p.clone(),
-        None => engine::model::fetch::default_model_path(&args.dir.fetch_options())
+        None => model::fetch::default_model_path(&args.dir.fetch_options())
             .context("cannot get the default model (try `llms model fetch`)")?,
     };
     let model = std::path::absolute(&model)?;
@@ -1242,7 +1242,7 @@ mod tests {
             time: 0.0,
             app: "a".into(),
             context,
-            source: engine::trace::Source::Sst2,
+            source: bench::trace::Source::Sst2,
             start: false,
             tokens: 1,
             max_tokens: 1,

@@ -10,10 +10,10 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use engine::kv::{HeapChunks, KvCache};
-use engine::model::generate::argmax;
-use engine::model::stream::Residency;
-use engine::model::{Logits, Model, WeightHolding, WeightOptions, WeightSource};
+use model::generate::argmax;
+use model::kv::{HeapChunks, KvCache};
+use model::stream::Residency;
+use model::{Logits, Model, WeightHolding, WeightOptions, WeightSource};
 
 use crate::engine_cmd::{EngineOpts, init_threads, model_path};
 use crate::report::table;
@@ -175,7 +175,7 @@ pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
     let (weight_bytes, prompt) = {
         let model =
             Model::load(&path).with_context(|| format!("cannot load {}", path.display()))?;
-        let tok = engine::model::tokenizer::Tokenizer::from_gguf_file(&path)?;
+        let tok = model::tokenizer::Tokenizer::from_gguf_file(&path)?;
         let text = std::fs::read_to_string(&a.text)
             .with_context(|| format!("cannot read {}", a.text.display()))?;
         let toks = tok.encode(&text);
@@ -432,7 +432,7 @@ fn child(s: &Spec) -> anyhow::Result<Measured> {
     let mut model = Model::load_with(&s.model, &opts)?;
     let load_secs = t.elapsed().as_secs_f64();
     model.prefill_chunk = s.prefill_chunk;
-    let format: engine::kv::KvFormat = s.kv_format.parse()?;
+    let format: model::kv::KvFormat = s.kv_format.parse()?;
     let cache = || {
         KvCache::new(
             model.chunk_shape(s.chunk_tokens),

@@ -5,8 +5,8 @@
 use std::io::Write;
 
 use anyhow::Context;
-use engine::service::client::{CallEvent, Client, ClientError};
-use engine::service::protocol::PromptFormat;
+use protocol::PromptFormat;
+use protocol::client::{CallEvent, Client, ClientError};
 
 use crate::engine_cmd::ChatArgs;
 use crate::serve_cmd::start_background;
@@ -81,7 +81,7 @@ fn chat(
     client: &mut Client,
     ctx: u64,
     a: &ChatArgs,
-    params: &engine::service::client::CallParams,
+    params: &protocol::client::CallParams,
 ) -> anyhow::Result<()> {
     let turn = |prompt: &str| -> anyhow::Result<()> {
         let mut out = std::io::stdout().lock();

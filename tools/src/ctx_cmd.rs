@@ -3,8 +3,8 @@
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use engine::service::client::Client;
-use engine::service::protocol::ContextInfo;
+use protocol::ContextInfo;
+use protocol::client::Client;
 
 use crate::serve_cmd::SocketArg;
 

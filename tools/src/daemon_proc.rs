@@ -142,19 +142,19 @@ pub(crate) fn spawn_in(cmd: &mut Command, cgroups: &[PathBuf]) -> anyhow::Result
     for g in cgroups {
         // The controller is the first component under the cgroup root (`.../memory/...`).
         let controller = g
-            .strip_prefix(engine::service::cgroup::ROOT)
+            .strip_prefix(bench::cgroup::ROOT)
             .ok()
             .and_then(|p| p.components().next())
             .and_then(|c| c.as_os_str().to_str())
             .with_context(|| format!("{} is not a cgroup v1 group", g.display()))?;
-        homes.push(engine::service::cgroup::own_group(controller)?);
+        homes.push(bench::cgroup::own_group(controller)?);
     }
     let joined: anyhow::Result<()> = cgroups
         .iter()
-        .try_for_each(|g| Ok(engine::service::cgroup::move_to(g, me)?));
+        .try_for_each(|g| Ok(bench::cgroup::move_to(g, me)?));
     let child = joined.and_then(|()| cmd.spawn().context("cannot start the process"));
     for h in &homes {
-        engine::service::cgroup::move_to(h, me)?;
+        bench::cgroup::move_to(h, me)?;
     }
     child
 }

@@ -7,13 +7,13 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use engine::kv::{HeapChunks, KvCache, KvFormat};
-use engine::model::fetch;
-use engine::model::generate::{Sampler, SamplingParams, generate};
-use engine::model::int8gemm::PrefillActs;
-use engine::model::qmatrix::Activations;
-use engine::model::tokenizer::{Message, StreamDecoder, Tokenizer};
-use engine::model::{Logits, Model, WeightOptions};
+use model::fetch;
+use model::generate::{Sampler, SamplingParams, generate};
+use model::int8gemm::PrefillActs;
+use model::kv::{HeapChunks, KvCache, KvFormat};
+use model::qmatrix::Activations;
+use model::tokenizer::{Message, StreamDecoder, Tokenizer};
+use model::{Logits, Model, WeightOptions};
 
 use crate::model_cmd::ModelsDirArg;
 
@@ -174,9 +174,9 @@ pub struct SampleOpts {
 
 impl SampleOpts {
     /// The call options the daemon takes.
-    pub fn params(&self) -> anyhow::Result<engine::service::client::CallParams> {
+    pub fn params(&self) -> anyhow::Result<protocol::client::CallParams> {
         self.sampler()?;
-        Ok(engine::service::client::CallParams {
+        Ok(protocol::client::CallParams {
             max_tokens: self.max_tokens,
             temperature: self.temperature,
             top_p: self.top_p,

@@ -1,13 +1,13 @@
 //! `llms eval ppl --kv-mix`: perplexity with the context's KV chunks compressed to a mix of
-//! levels chosen by density rank (paper Fig. 6 and 12), through `engine::kv::eval`.
+//! levels chosen by density rank (paper Fig. 6 and 12), through `model::kv::eval`.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use engine::kv::KvFormat;
-use engine::kv::eval::{Compression, MAX_MIX_LEVELS, PplReport, Stored, evaluate};
-use engine::kv::sim::SimFormat;
+use model::kv::KvFormat;
+use model::kv::eval::{Compression, MAX_MIX_LEVELS, PplReport, Stored, evaluate};
+use model::kv::sim::SimFormat;
 
 use crate::engine_cmd::Loaded;
 use crate::report::table;
@@ -22,7 +22,7 @@ fn parse_level(s: &str) -> anyhow::Result<Stored> {
 
 /// Parses `8:4:2=PCT:PCT:PCT` (shares of chunks at int8, int4, int2, in percent),
 /// `ratio=R` (the policy's assignment under global ratio R to int8), `sim:SPEC` (a simulated
-/// candidate format, `engine::kv::sim`), `mix:L/L/L@BITS` (levels, heaviest first, assigned by
+/// candidate format, `model::kv::sim`), `mix:L/L/L@BITS` (levels, heaviest first, assigned by
 /// density under a budget of all-in stored bits per value), `llms` (the service's default mix:
 /// `mix:k8v8/k4v4/k4v3@4.5`) or a format name.
 pub fn parse_mix(s: &str) -> anyhow::Result<Compression> {
@@ -30,7 +30,7 @@ pub fn parse_mix(s: &str) -> anyhow::Result<Compression> {
         let [a, b, c] = KvFormat::CODED.map(|f| Some(Stored::Real(f)));
         return Ok(Compression::Budget {
             levels: [a, b, c, None],
-            bits: engine::service::manager::DEFAULT_KV_BITS,
+            bits: service::DEFAULT_KV_BITS,
         });
     }
     if let Some(spec) = s.strip_prefix("sim:") {
@@ -89,7 +89,7 @@ pub struct MixRun<'a> {
     pub max_windows: usize,
     /// Score KL and top-1 against this model's f16 run (the evaluated model, or the same
     /// weights with other prefill activations).
-    pub kl: Option<&'a engine::model::Model>,
+    pub kl: Option<&'a model::Model>,
 }
 
 /// One mix's scores.

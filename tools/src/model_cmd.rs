@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use engine::model::fetch::{self, DEFAULT_MODEL, FetchOptions, Progress};
+use model::fetch::{self, DEFAULT_MODEL, FetchOptions, Progress};
 
 /// Where models are cached, for every command that needs one.
 #[derive(Args, Debug, Clone)]

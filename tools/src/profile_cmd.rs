@@ -1,18 +1,16 @@
 //! `llms profile`: measures on this machine the recompute time of x chunks at several context
 //! lengths and the time to read m bytes of chunks through a kvfs mount, and fits the linear models
 //! T_re(x) and T_IO(m) of paper §3.3, saved as the JSON profile file `llms serve --profile`
-//! starts its planner from (`engine::service::profile`).
+//! starts its planner from (`service::profile`).
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use engine::kv::recompute::recompute_chunks;
-use engine::kv::{KvCache, KvFormat};
-use engine::service::profile::{
-    CostProfile, IoOptions, LinearFit, RecomputePoint, fit_io, measure_io,
-};
+use model::kv::recompute::recompute_chunks;
+use model::kv::{KvCache, KvFormat};
 use policy::LinearCost;
+use service::profile::{CostProfile, IoOptions, LinearFit, RecomputePoint, fit_io, measure_io};
 
 use crate::bench_kv::{ModelInput, median_secs, prefilled};
 use crate::report::table;
@@ -138,7 +136,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     let profile = CostProfile {
         model: model.path().display().to_string(),
         chunk_tokens: 16,
-        threads: engine::model::kernels::threads(),
+        threads: model::kernels::threads(),
         recompute: fit(&all)?,
         recompute_by_context: by_context,
         io: Some(io),

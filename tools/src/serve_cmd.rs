@@ -12,15 +12,15 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use engine::kv::KvFormat;
-use engine::model::Model;
-use engine::model::tokenizer::Tokenizer;
-use engine::service::chunk_io::default_mountpoint;
-use engine::service::daemon::{Daemon, DaemonConfig};
-use engine::service::pressure::{PressureFiles, PressureWatch};
-use engine::service::protocol::DEFAULT_MAX_LINE;
-use engine::service::{Manager, ManagerConfig, ManagerKind};
+use daemon::{Daemon, DaemonConfig};
+use model::Model;
+use model::kv::KvFormat;
+use model::tokenizer::Tokenizer;
 use policy::{BudgetConfig, CostModel};
+use protocol::DEFAULT_MAX_LINE;
+use service::chunk_io::default_mountpoint;
+use service::pressure::{PressureFiles, PressureWatch};
+use service::{Manager, ManagerConfig, ManagerKind};
 
 use crate::model_cmd::ModelsDirArg;
 
@@ -385,7 +385,7 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
 
 /// The cost model in the profile file `path` (`--profile`), with an error that says what to do.
 pub fn read_profile(path: &Path) -> anyhow::Result<CostModel> {
-    let cost = engine::service::profile::read_cost_model(path).context("--profile")?;
+    let cost = service::profile::read_cost_model(path).context("--profile")?;
     tracing::info!(profile = %path.display(), ?cost, "the Load planner starts from the profile");
     Ok(cost)
 }
@@ -487,10 +487,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 
     let path = match &s.model {
         Some(p) => p.clone(),
-        None => engine::model::fetch::default_model_path(&s.dir.fetch_options())
+        None => model::fetch::default_model_path(&s.dir.fetch_options())
             .context("cannot get the default model (try `llms model fetch`)")?,
     };
-    let weights = engine::model::WeightOptions {
+    let weights = model::WeightOptions {
         budget: s.weight_budget,
         ..Default::default()
     };

@@ -1,14 +1,14 @@
 //! `llms trace gen` and `llms trace show`: context-switching traces (`docs/trace.md`); the
-//! mechanism is `engine::trace`.
+//! mechanism is `bench::trace`.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
+use bench::trace::{self, PastCap, Pattern, Source, Summary, TraceSpec};
 use clap::{Args, Subcommand, ValueEnum};
-use engine::model::fetch;
-use engine::model::tokenizer::Tokenizer;
-use engine::trace::{self, PastCap, Pattern, Source, Summary, TraceSpec};
+use model::fetch;
+use model::tokenizer::Tokenizer;
 
 use crate::model_cmd::ModelsDirArg;
 

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use engine::model::tiny::{TinySpec, write_tiny_gguf};
+use model::tiny::{TinySpec, write_tiny_gguf};
 use serde_json::Value;
 
 const LLMS: &str = env!("CARGO_BIN_EXE_llms");

@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 use tracing::{error, warn};
 
 use crate::ChunkKey;
-use crate::pager::{
-    ChunkState, PagerError, RecomputeReason, RecomputeRequest, Reserved, Shared, Staging, WriteBack,
-};
+use crate::shared::{Reserved, Shared, WriteBack};
+use crate::staging::Staging;
 use crate::sys::{Fault, PAGE_SIZE, SysError, poll2};
+use crate::types::{ChunkState, PagerError, RecomputeReason, RecomputeRequest};
 
 /// Start the fault thread; `bufs` are its copy and move buffers, sized for the largest slot.
 /// With it starts its write-back thread, which writes the victims a fault needs written before

@@ -13,19 +13,24 @@ pub mod bench;
 mod fault;
 mod pager;
 pub mod ring;
+mod shared;
 mod source;
+mod staging;
 mod stats;
 pub mod sys;
 pub mod testing;
+mod types;
 mod victim;
 
-pub use pager::{
-    ChunkInfo, ChunkState, ContextLock, ContextSpec, Pager, PagerConfig, PagerError, PopulateVia,
-    RecomputeReason, RecomputeRequest, Staging,
-};
+pub use pager::{ContextLock, Pager};
 pub use ring::{Read, ReadRing};
 pub use source::{ChunkSource, SourceError};
+pub use staging::Staging;
 pub use stats::{Histogram, HistogramSummary, Sample, Stats, StatsSnapshot, median};
+pub use types::{
+    ChunkInfo, ChunkState, ContextSpec, PagerConfig, PagerError, PopulateVia, RecomputeReason,
+    RecomputeRequest,
+};
 pub use victim::{Candidate, LruChooser, ResidentView, VictimChooser};
 
 /// A context's id, as the engine numbers them.

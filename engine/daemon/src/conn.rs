@@ -1,0 +1,401 @@
+//! One client connection: a reader thread that reads bounded lines, parses and validates them
+//! into typed requests and hands them to the queue (it never touches the engine), and a writer
+//! thread that sends replies from a bounded channel, so a slow client never blocks the engine.
+//!
+//! A client that goes away cancels what it asked for: a full close seen by the reader, a failed
+//! write, or a reply channel that stays full (a client that does not read) mark it gone; its
+//! queued calls are then skipped and its running call stops at its next token.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::queue::Refused;
+use crate::{Job, Shared};
+use protocol::{ErrorBody, Event, HelloReply, Reply, Request, VERSION, codes, parse_request};
+use service::Owner;
+
+/// A connection as the engine thread and the daemon see it.
+pub struct Conn {
+    pub id: u64,
+    pub uid: u32,
+    stream: UnixStream,
+    tx: SyncSender<String>,
+    gone: AtomicBool,
+    /// Cancel flags of this connection's queued and running calls, by request id.
+    calls: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+}
+
+impl Conn {
+    /// Queues a reply for the writer; false if the client is gone (or stopped reading: a full
+    /// channel makes it gone).
+    pub fn send(&self, r: &Reply) -> bool {
+        if self.is_gone() {
+            return false;
+        }
+        match self.tx.try_send(r.to_line()) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_)) => {
+                tracing::warn!(
+                    conn = self.id,
+                    "client does not read its replies; dropping it"
+                );
+                self.leave();
+                false
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                self.leave();
+                false
+            }
+        }
+    }
+
+    /// Whether the client went away.
+    pub fn is_gone(&self) -> bool {
+        self.gone.load(Ordering::Acquire)
+    }
+
+    /// Marks the client gone: its calls are cancelled and the socket shut.
+    pub fn leave(&self) {
+        if self.gone.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for c in lock(&self.calls).values() {
+            c.store(true, Ordering::Release);
+        }
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Stops reading requests (the daemon is shutting down); replies already queued still go out.
+    pub fn stop_reading(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Read);
+    }
+
+    /// The call `id` of this connection ended (answered).
+    pub fn call_ended(&self, id: u64) {
+        lock(&self.calls).remove(&id);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The peer's uid from SO_PEERCRED (never from what the client says).
+fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    let cred = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(std::io::Error::from)?;
+    Ok(cred.uid())
+}
+
+/// Sets up a connection and starts its two threads; returns their handles.
+pub fn spawn(
+    shared: &Arc<Shared>,
+    id: u64,
+    stream: UnixStream,
+) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
+    let uid = peer_uid(&stream)?;
+    let (tx, rx) = std::sync::mpsc::sync_channel(shared.cfg.reply_buffer);
+    let conn = Arc::new(Conn {
+        id,
+        uid,
+        stream: stream.try_clone()?,
+        tx,
+        gone: AtomicBool::new(false),
+        calls: Mutex::new(HashMap::new()),
+    });
+    let write_half = stream.try_clone()?;
+    let writer = std::thread::Builder::new()
+        .name(format!("llms-conn{id}-w"))
+        .spawn({
+            let conn = Arc::downgrade(&conn);
+            move || write_loop(write_half, rx, conn)
+        })?;
+    lock(&shared.conns).insert(id, Arc::clone(&conn));
+    let reader = std::thread::Builder::new()
+        .name(format!("llms-conn{id}-r"))
+        .spawn({
+            let shared = Arc::clone(shared);
+            move || {
+                tracing::debug!(conn = id, uid, "connected");
+                read_loop(&shared, &conn, stream);
+                lock(&shared.conns).remove(&id);
+                tracing::debug!(conn = id, "reader done");
+            }
+        });
+    match reader {
+        Ok(r) => Ok(vec![writer, r]),
+        Err(e) => {
+            lock(&shared.conns).remove(&id);
+            Err(e)
+        }
+    }
+}
+
+fn write_loop(mut stream: UnixStream, rx: Receiver<String>, conn: std::sync::Weak<Conn>) {
+    while let Ok(line) = rx.recv() {
+        if stream.write_all(line.as_bytes()).is_err() {
+            if let Some(c) = conn.upgrade() {
+                c.leave();
+            }
+            break;
+        }
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+/// What one bounded line read gave.
+enum Line {
+    Text(Vec<u8>),
+    TooLong(usize),
+    Eof,
+}
+
+fn read_line(
+    r: &mut BufReader<UnixStream>,
+    max: usize,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Line> {
+    buf.clear();
+    let mut skipped = 0usize;
+    loop {
+        let avail = r.fill_buf()?;
+        if avail.is_empty() {
+            return Ok(if skipped > 0 {
+                Line::TooLong(skipped)
+            } else if buf.is_empty() {
+                Line::Eof
+            } else {
+                // A last line without its newline still counts.
+                Line::Text(std::mem::take(buf))
+            });
+        }
+        let (part, found) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (&avail[..i], Some(i + 1)),
+            None => (avail, None),
+        };
+        if skipped > 0 || buf.len() + part.len() > max {
+            skipped += buf.len() + part.len();
+            buf.clear();
+        } else {
+            buf.extend_from_slice(part);
+        }
+        let used = found.unwrap_or(avail.len());
+        r.consume(used);
+        if found.is_some() {
+            return Ok(if skipped > 0 {
+                Line::TooLong(skipped)
+            } else {
+                Line::Text(std::mem::take(buf))
+            });
+        }
+    }
+}
+
+/// Whether the peer closed both directions (a half-closed client still gets its replies).
+fn peer_hung_up(stream: &UnixStream) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let mut fds = [PollFd::new(stream.as_fd(), PollFlags::empty())];
+    matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
+        && fds[0]
+            .revents()
+            .is_some_and(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR))
+}
+
+fn read_loop(shared: &Arc<Shared>, conn: &Arc<Conn>, stream: UnixStream) {
+    let mut r = BufReader::with_capacity(64 << 10, stream);
+    let mut app: Option<String> = None;
+    let mut buf = Vec::new();
+    let max = shared.cfg.max_line;
+    loop {
+        let line = match read_line(&mut r, max, &mut buf) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::debug!(conn = conn.id, error = %e, "read failed");
+                conn.leave();
+                return;
+            }
+        };
+        let received = Instant::now();
+        match line {
+            Line::Eof => {
+                if peer_hung_up(r.get_ref()) {
+                    conn.leave();
+                }
+                return;
+            }
+            Line::TooLong(n) => {
+                shared.error();
+                let e = ErrorBody::new(
+                    codes::TOO_LONG,
+                    format!("a request line of {n} bytes; lines are at most {max} bytes"),
+                );
+                conn.send(&Reply::error(None, e));
+            }
+            Line::Text(bytes) => {
+                if bytes.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                shared.request();
+                match parse_request(&bytes) {
+                    Ok(req) => dispatch(shared, conn, &mut app, req, received),
+                    Err((id, e)) => {
+                        shared.error();
+                        conn.send(&Reply::error(id, e));
+                    }
+                }
+            }
+        }
+        if conn.is_gone() {
+            return;
+        }
+    }
+}
+
+fn dispatch(
+    shared: &Arc<Shared>,
+    conn: &Arc<Conn>,
+    app: &mut Option<String>,
+    req: Request,
+    received: Instant,
+) {
+    let id = req.id();
+    let fail = |code: &str, message: String| {
+        shared.error();
+        conn.send(&Reply::error(Some(id), ErrorBody::new(code, message)));
+    };
+    let owner = match (&req, app.as_ref()) {
+        (Request::Hello { app: name, .. }, None) => {
+            *app = Some(name.clone());
+            tracing::info!(conn = conn.id, uid = conn.uid, app = %name, "hello");
+            conn.send(&Reply::event(
+                id,
+                Event::Hello(HelloReply {
+                    version: VERSION,
+                    uid: conn.uid,
+                    app: name.clone(),
+                    model: shared.model_name.clone(),
+                    max_context_tokens: shared.cfg.max_context_tokens,
+                    max_line: shared.cfg.max_line,
+                    max_contexts_per_app: shared.cfg.max_contexts_per_app,
+                }),
+            ));
+            return;
+        }
+        (Request::Hello { .. }, Some(_)) => {
+            return fail(
+                codes::NO_HELLO,
+                "hello was already sent on this connection".into(),
+            );
+        }
+        (_, None) => {
+            return fail(
+                codes::NO_HELLO,
+                "send {\"op\":\"hello\",\"id\":..,\"version\":1,\"app\":\"NAME\"} first".into(),
+            );
+        }
+        (_, Some(a)) => Owner {
+            uid: conn.uid,
+            app: a.clone(),
+        },
+    };
+    let cancel = Arc::new(AtomicBool::new(false));
+    let lane = match &req {
+        Request::Cancel { call, .. } => {
+            match lock(&conn.calls).get(call) {
+                Some(flag) => {
+                    flag.store(true, Ordering::Release);
+                    conn.send(&Reply::event(id, Event::Ok));
+                }
+                None => fail(
+                    codes::NOT_FOUND,
+                    format!("no call {call} is queued or running on this connection"),
+                ),
+            }
+            return;
+        }
+        Request::Call { .. } => {
+            let mut calls = lock(&conn.calls);
+            if calls.contains_key(&id) {
+                drop(calls);
+                return fail(
+                    codes::BAD_REQUEST,
+                    format!("call {id} is still running on this connection; use a new id"),
+                );
+            }
+            calls.insert(id, Arc::clone(&cancel));
+            Some((owner.uid, owner.app.clone()))
+        }
+        _ => None,
+    };
+    let job = Job {
+        conn: Arc::clone(conn),
+        owner,
+        request: req,
+        received,
+        cancel,
+    };
+    if let Err((job, why)) = shared.queue.push(lane, job) {
+        conn.call_ended(id);
+        drop(job);
+        match why {
+            Refused::Busy => {
+                shared.busy();
+                fail(
+                    codes::BUSY,
+                    "the daemon's queue is full; try again shortly".into(),
+                );
+            }
+            Refused::Closed => {
+                fail(codes::SHUTTING_DOWN, "the daemon is shutting down".into());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(input: &[u8], max: usize) -> Vec<String> {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        b.write_all(input).unwrap();
+        drop(b);
+        let mut r = BufReader::with_capacity(4, a);
+        let mut buf = Vec::new();
+        let mut out = Vec::new();
+        loop {
+            match read_line(&mut r, max, &mut buf).unwrap() {
+                Line::Eof => return out,
+                Line::TooLong(n) => out.push(format!("too long {n}")),
+                Line::Text(t) => out.push(String::from_utf8(t).unwrap()),
+            }
+        }
+    }
+
+    #[test]
+    fn bounded_lines() {
+        assert_eq!(lines(b"ab\ncd\n", 8), ["ab", "cd"]);
+        assert_eq!(lines(b"ab\n0123456789\ncd", 8), ["ab", "too long 10", "cd"]);
+        assert_eq!(
+            lines(b"01234567\n012345678\n", 8),
+            ["01234567", "too long 9"]
+        );
+        assert_eq!(lines(b"\n\n", 8), ["", ""]);
+        assert!(lines(b"", 8).is_empty());
+    }
+
+    #[test]
+    fn hung_up_only_on_full_close() {
+        let (a, b) = UnixStream::pair().unwrap();
+        b.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(!peer_hung_up(&a));
+        drop(b);
+        assert!(peer_hung_up(&a));
+    }
+}

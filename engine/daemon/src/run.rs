@@ -1,0 +1,311 @@
+//! The engine thread: the one owner of the [`Manager`]. It takes requests from the fair queue,
+//! turns prompts into tokens (the chat template or raw text), runs the call and streams each
+//! token to the caller's connection, and answers the other operations; every error of the
+//! manager becomes an error reply here, affecting only its request.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crate::{Job, Shared, lock};
+use model::generate::SamplingParams;
+use model::tokenizer::{Message, StreamDecoder, Tokenizer};
+use protocol::{
+    ChunkCounts, ContextInfo, Done, ErrorBody, Event, PromptFormat, Reply, Request, Stats, Timings,
+    codes,
+};
+use service::{CallOptions, ContextSummary, Manager, Owner, Prompt, ServiceError};
+
+/// Serves requests until the queue closes, then flushes the AoT writes.
+pub fn engine_loop(mut m: Manager, tok: &Tokenizer, shared: &Shared) {
+    tracing::info!("engine thread serving");
+    while let Some(job) = shared.queue.pop() {
+        let id = job.request.id();
+        let reply = if job.cancel.load(Ordering::Acquire) || job.conn.is_gone() {
+            Err(ErrorBody::new(
+                codes::CANCELLED,
+                "the call was cancelled before it started",
+            ))
+        } else {
+            *lock(&shared.running) = Some(Arc::clone(&job.cancel));
+            let r = handle(&mut m, tok, shared, &job);
+            *lock(&shared.running) = None;
+            r
+        };
+        let reply = match reply {
+            Ok(ev) => Reply::event(id, ev),
+            Err(e) => {
+                shared.error();
+                Reply::error(Some(id), e)
+            }
+        };
+        job.conn.send(&reply);
+    }
+    tracing::info!("engine thread draining: flushing ahead-of-time writes");
+    m.flush();
+}
+
+fn service_error(e: ServiceError) -> ErrorBody {
+    ErrorBody::new(e.code(), e.to_string())
+}
+
+fn handle(
+    m: &mut Manager,
+    tok: &Tokenizer,
+    shared: &Shared,
+    job: &Job,
+) -> Result<Event, ErrorBody> {
+    let o = &job.owner;
+    match &job.request {
+        Request::New { system, format, .. } => {
+            let n = m.list(o).iter().filter(|c| c.app == o.app).count();
+            let max = shared.cfg.max_contexts_per_app;
+            if n >= max {
+                return Err(service_error(ServiceError::TooManyContexts {
+                    app: o.app.clone(),
+                    max,
+                }));
+            }
+            let tokens = match (system, format) {
+                (None, _) => Vec::new(),
+                (Some(s), PromptFormat::Raw) => tok.encode(s),
+                (Some(s), PromptFormat::Chat) => tok
+                    .encode_chat(&[Message::system(s.as_str())], false)
+                    .map_err(no_template)?,
+            };
+            let context = m.create(o, &tokens).map_err(service_error)?;
+            tracing::info!(uid = o.uid, app = %o.app, context, "context created");
+            Ok(Event::Created { context })
+        }
+        Request::Call { .. } => call(m, tok, job).map(|d| Event::Done(Box::new(d))),
+        Request::Delete { context, .. } => {
+            m.delete(o, *context).map_err(service_error)?;
+            tracing::info!(uid = o.uid, context, "context deleted");
+            Ok(Event::Ok)
+        }
+        Request::List { .. } => Ok(Event::Contexts {
+            contexts: m.list(o).into_iter().map(context_info).collect(),
+        }),
+        Request::Info { context, .. } => m
+            .info(o, *context)
+            .map(|c| Event::Info {
+                context: context_info(c),
+            })
+            .map_err(service_error),
+        Request::Stats { .. } => Ok(Event::Stats(Box::new(stats(m, shared)))),
+        Request::Hello { .. } | Request::Cancel { .. } => Err(ErrorBody::new(
+            codes::BAD_REQUEST,
+            "hello and cancel are answered by the connection",
+        )),
+    }
+}
+
+fn no_template(e: model::tokenizer::TokenizerError) -> ErrorBody {
+    ErrorBody::new(
+        codes::NO_TEMPLATE,
+        format!("{e}; send the prompt with \"format\":\"raw\""),
+    )
+}
+
+/// One prompt appended to context `id`, as `format` says. The chat template's turn markers are
+/// decided here (they depend on how the context ends); the text itself is encoded by the engine
+/// thread while the context's chunks are read ([`Prompt::Later`]).
+fn prompt_of<'a>(
+    m: &Manager,
+    tok: &'a Tokenizer,
+    o: &Owner,
+    id: u64,
+    prompt: &'a str,
+    format: PromptFormat,
+) -> Result<Prompt<'a>, ErrorBody> {
+    if format == PromptFormat::Raw {
+        return Ok(Prompt::later(move || tok.encode(prompt)));
+    }
+    let info = m.info(o, id).map_err(service_error)?;
+    if info.tokens == 0 {
+        // A new context has nothing to read: encoding now costs the switch nothing.
+        let t = tok
+            .encode_chat(&[Message::user(prompt)], true)
+            .map_err(no_template)?;
+        return Ok(Prompt::later(move || t));
+    }
+    let special = |s: &str| {
+        tok.token_id(s).ok_or_else(|| {
+            ErrorBody::new(
+                codes::NO_TEMPLATE,
+                format!("the model has no {s} token; send the prompt with \"format\":\"raw\""),
+            )
+        })
+    };
+    let (start, end) = (special("<|im_start|>")?, special("<|im_end|>")?);
+    // The last answer ended at its end-of-turn token, which is not part of the context: close
+    // the turn first (a context that ends in a closed turn, e.g. its system prompt, needs not).
+    let said = m
+        .store()
+        .tokens(kvfs::ContextId(id))
+        .map_err(|e| service_error(e.into()))?;
+    let nl = tok.encode("\n");
+    let closed = said.last() == Some(&end) || said.ends_with(&[&[end][..], &nl].concat());
+    let mut head = Vec::with_capacity(nl.len() + 2);
+    if !closed {
+        head.push(end);
+        head.extend_from_slice(&nl);
+    }
+    head.push(start);
+    let mut tail = vec![end];
+    tail.extend_from_slice(&nl);
+    tail.push(start);
+    tail.extend(tok.encode("assistant\n"));
+    let user = "user\n";
+    Ok(Prompt::later(move || {
+        // Every token of this byte-level BPE covers at least one byte.
+        let mut t = Vec::with_capacity(head.len() + user.len() + prompt.len() + tail.len());
+        t.extend_from_slice(&head);
+        t.extend(tok.encode(&format!("{user}{prompt}")));
+        t.extend_from_slice(&tail);
+        t
+    }))
+}
+
+fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> {
+    let Request::Call {
+        id,
+        context,
+        prompt,
+        format,
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        stop,
+    } = &job.request
+    else {
+        unreachable!("call() is only given calls")
+    };
+    let o = &job.owner;
+    let prompt = prompt_of(m, tok, o, *context, prompt, *format)?;
+    let opts = CallOptions {
+        max_tokens: *max_tokens,
+        sampling: SamplingParams {
+            temperature: *temperature,
+            top_k: *top_k,
+            top_p: *top_p,
+            seed: *seed,
+        },
+        stop: tok.stop_ids(),
+    };
+    let started = Instant::now();
+    let mut dec = StreamDecoder::new(true);
+    let mut text = String::new();
+    let mut stop_string = false;
+    let longest_stop = stop.iter().map(String::len).max().unwrap_or(0);
+    let conn = &job.conn;
+    let report = m
+        .call_with(o, *context, prompt, &opts, job.received, |t| {
+            let piece = dec.push(tok, t);
+            let from = text.len().saturating_sub(longest_stop + piece.len());
+            text.push_str(&piece);
+            if !conn.send(&Reply::event(
+                *id,
+                Event::Token {
+                    token: t,
+                    text: piece,
+                },
+            )) {
+                return false;
+            }
+            if !stop.is_empty() {
+                let from = (0..=from)
+                    .rev()
+                    .find(|&i| text.is_char_boundary(i))
+                    .unwrap_or(0);
+                if stop.iter().any(|s| text[from..].contains(s.as_str())) {
+                    stop_string = true;
+                    return false;
+                }
+            }
+            !job.cancel.load(Ordering::Acquire)
+        })
+        .map_err(service_error)?;
+    let total = job.received.elapsed().as_secs_f64();
+    let ms = |s: f64| s * 1e3;
+    let l = &report.load;
+    let generated = report.tokens.len();
+    let decoded = generated.saturating_sub(1);
+    let context_tokens = m.info(o, *context).map(|c| c.tokens).unwrap_or(0);
+    tracing::info!(
+        context,
+        prompt = report.prompt_tokens,
+        generated,
+        switch_ms = ms(report.switch_secs),
+        stop = report.stop,
+        "call done"
+    );
+    Ok(Done {
+        stop: if stop_string {
+            "stop_string".into()
+        } else {
+            report.stop.into()
+        },
+        tokens: generated,
+        context_tokens,
+        window_dropped: report.window_dropped,
+        timings: Timings {
+            switch_ms: ms(report.switch_secs),
+            queue_ms: ms(started.duration_since(job.received).as_secs_f64()),
+            load_ms: ms(l.total_secs),
+            load_predicted_ms: ms(l.predicted_secs),
+            plan_ms: ms(l.plan_secs),
+            io_ms: ms(l.io_secs),
+            recompute_ms: ms(l.recompute_secs),
+            prefill_tokens: report.prefill_tokens,
+            prefill_ms: ms(report.prefill_secs),
+            prefill_tps: rate(report.prefill_tokens, report.prefill_secs),
+            decode_ms: ms(report.decode_secs),
+            decode_tps: rate(decoded, report.decode_secs),
+            total_ms: ms(total),
+        },
+        chunks: ChunkCounts {
+            missing: l.missing,
+            read: l.read.len(),
+            recomputed: l.recomputed.len(),
+            failed_reads: l.failed_reads.len(),
+            read_bytes: l.read_bytes,
+            recompressed: report.recompressed,
+            queued_writes: report.queued_writes,
+        },
+    })
+}
+
+fn rate(n: usize, secs: f64) -> f64 {
+    if n == 0 || secs <= 0.0 {
+        0.0
+    } else {
+        n as f64 / secs
+    }
+}
+
+fn context_info(c: ContextSummary) -> ContextInfo {
+    ContextInfo {
+        id: c.id,
+        app: c.app,
+        tokens: c.tokens,
+        chunks: c.chunks,
+        resident_chunks: c.resident_chunks,
+        resident_bytes: c.resident_bytes,
+        formats: c
+            .formats
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect(),
+        calls: c.calls,
+    }
+}
+
+fn stats(m: &Manager, shared: &Shared) -> Stats {
+    Stats {
+        service: m.stats(),
+        daemon: shared.daemon_stats(),
+    }
+}

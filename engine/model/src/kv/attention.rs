@@ -1,0 +1,824 @@
+//! Causal GQA attention of a batch of queries over a context's chunked KV cache.
+//!
+//! Decode (a few query rows) reads chunk memory directly: each chunk's block of one KV head is
+//! dequantized into a small buffer that stays in L1 and used at once by every query row of that
+//! head, so no f32 copy of the context is ever made.
+//!
+//! Prefill and recompute (many rows) are block-causal by chunk ([`attend_chunks`]): a query
+//! attends to every earlier chunk in its sealed form (decoded from its format, whether it sits
+//! in chunk memory or was sealed by the same pass a moment ago) and to its own chunk in f32, as
+//! decode does. Each KV head's sealed keys and values are gathered to f32 once, then every
+//! (KV head, chunk) pair is one task of fixed-shape GEMMs over all the chunk's query rows. The
+//! shapes depend only on the chunk's index, so a chunk's result never depends on which other
+//! chunks were in the pass: prefill in pieces of any size and recompute of any set agree bit
+//! for bit.
+//!
+//! Chunks of one context may be in mixed formats. While it runs, the attention every key
+//! receives is summed into the cache, so each chunk's information density is known with no
+//! second pass.
+
+use crate::kernels::{
+    Codes, axpy, axpy_rows, axpy_rows_codes, dot, dot_rows, dot_rows_codes, matmul_nn, matmul_nt,
+    matmul_serial, softmax, softmax_exp,
+};
+use crate::kv::codec::{
+    decode_k, decode_v, f16_keys, f16_values, int8_keys, int8_values, packed_keys, packed_values,
+};
+use crate::kv::{KvCache, KvError, KvFormat, LayerView};
+use crate::simd::prefetch_l2;
+use rayon::prelude::*;
+
+/// The shape of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+}
+
+/// Query rows handled by one parallel task.
+const ROW_BLOCK: usize = 48;
+
+/// Query tokens up to which attention reads packed chunks directly instead of gathering.
+pub const PACKED_MAX_TOKENS: usize = 2;
+
+/// Attention at `layer` for `n` queries at positions `p0..p0 + n` (their K/V already written to
+/// the cache). `q` is `[n][n_heads * head_dim]` (after RoPE); the result goes to `out`, same shape.
+pub fn attend(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    p0: usize,
+    n: usize,
+    out: &mut [f32],
+) -> Result<(), KvError> {
+    if n <= PACKED_MAX_TOKENS {
+        attend_packed(cache, layer, shape, q, p0, n, out)
+    } else {
+        let positions: Vec<usize> = (p0..p0 + n).collect();
+        let rows = ChunkRows::of(&positions, cache.shape().tokens);
+        attend_chunks(cache, layer, shape, q, &rows, out)
+    }
+}
+
+/// The query rows of one chunk in a batched pass: rows `first..first + n` of the batch are the
+/// chunk's tokens `lo..lo + n` (positions `chunk * tokens + lo..`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkRows {
+    /// The chunk.
+    pub chunk: usize,
+    /// The batch row of its first query.
+    pub first: usize,
+    /// The first query's offset in the chunk.
+    pub lo: usize,
+    /// Queries.
+    pub n: usize,
+}
+
+impl ChunkRows {
+    /// The rows of a batch whose queries sit at `positions` (ascending), grouped by chunk of
+    /// `tokens` positions.
+    pub fn of(positions: &[usize], tokens: usize) -> Vec<ChunkRows> {
+        let mut rows: Vec<ChunkRows> = Vec::new();
+        for (i, &p) in positions.iter().enumerate() {
+            match rows.last_mut() {
+                Some(r) if r.chunk == p / tokens && r.chunk * tokens + r.lo + r.n == p => r.n += 1,
+                _ => rows.push(ChunkRows {
+                    chunk: p / tokens,
+                    first: i,
+                    lo: p % tokens,
+                    n: 1,
+                }),
+            }
+        }
+        rows
+    }
+}
+
+/// Block-causal attention at `layer` of a batch of queries grouped by chunk (see the module
+/// comment): each chunk's queries see every earlier chunk sealed ([`KvCache::sealed_layer`])
+/// and their own chunk in f32 ([`KvCache::f32_layer`]; its sealed form when it has no f32
+/// staging). Every chunk before the last one with queries must have a sealed form. `q` is
+/// `[rows][n_heads * head_dim]` (after RoPE); the result goes to `out`, same shape.
+pub fn attend_chunks(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    rows: &[ChunkRows],
+    out: &mut [f32],
+) -> Result<(), KvError> {
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+    } = shape;
+    let Some(last) = rows.iter().map(|r| r.chunk).max() else {
+        return Ok(());
+    };
+    let group = n_heads / n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let cs = *cache.shape();
+    let t = cs.tokens;
+
+    // Phase 1: every KV head's sealed keys and values of chunks 0..=last, as f32 [pos][dim]. A
+    // chunk with no sealed form stays zero: only its own queries read it, from its f32 staging.
+    let gathered: Vec<(Vec<f32>, Vec<f32>)> = {
+        let cache = &*cache;
+        (0..n_kv_heads)
+            .into_par_iter()
+            .map(|g| -> Result<_, KvError> {
+                let mut ka = vec![0.0; (last + 1) * t * hd];
+                let mut va = vec![0.0; (last + 1) * t * hd];
+                for c in 0..=last {
+                    if let Some((f, bytes)) = cache.sealed_layer(layer, c)? {
+                        decode_k(&cs, f, bytes, g, &mut ka[c * t * hd..(c + 1) * t * hd]);
+                        decode_v(&cs, f, bytes, g, &mut va[c * t * hd..(c + 1) * t * hd]);
+                    } else if rows.iter().any(|r| r.chunk > c) {
+                        return Err(KvError::NotResident { index: c });
+                    }
+                }
+                Ok((ka, va))
+            })
+            .collect::<Result<_, _>>()?
+    };
+
+    // Phase 2: per (KV head, chunk with queries): all the chunk's query rows at once, padded to
+    // the full chunk so the shapes depend on the chunk's index alone. Row r is the chunk's
+    // token r / group, head g * group + r % group.
+    let m = t * group;
+    let tasks: Vec<(usize, usize)> = (0..n_kv_heads)
+        .flat_map(|g| (0..rows.len()).map(move |i| (g, i)))
+        .collect();
+    type Done = (usize, usize, Vec<f32>, Vec<f32>);
+    let results: Vec<Done> = {
+        let cache = &*cache;
+        tasks
+            .into_par_iter()
+            .map(|(g, i)| -> Done {
+                let r = rows[i];
+                let base = r.chunk * t;
+                let width = base + t;
+                let (ka, va) = &gathered[g];
+                let block = t * hd;
+                let (ko, vo) = match cache.f32_layer(layer, r.chunk) {
+                    Some(buf) => (
+                        &buf[g * block..(g + 1) * block],
+                        &buf[(n_kv_heads + g) * block..(n_kv_heads + g + 1) * block],
+                    ),
+                    None => (&ka[base * hd..width * hd], &va[base * hd..width * hd]),
+                };
+                let live = r.lo..r.lo + r.n;
+                let mut qb = vec![0.0; m * hd];
+                for tok in live.clone() {
+                    for j in 0..group {
+                        let src = (r.first + tok - r.lo) * n_heads * hd + (g * group + j) * hd;
+                        qb[(tok * group + j) * hd..][..hd].copy_from_slice(&q[src..src + hd]);
+                    }
+                }
+                // Scores: earlier chunks sealed, then the chunk's own keys.
+                let mut s = vec![0.0; m * width];
+                matmul_serial(&mut s, width, &qb, hd, ka, (hd, 1), (m, base, hd), false);
+                matmul_serial(
+                    &mut s[base..],
+                    width,
+                    &qb,
+                    hd,
+                    ko,
+                    (hd, 1),
+                    (m, t, hd),
+                    false,
+                );
+                let mut col = vec![0.0f32; width];
+                for (row, srow) in s.chunks_exact_mut(width).enumerate() {
+                    let tok = row / group;
+                    if !live.contains(&tok) {
+                        srow.fill(0.0);
+                        continue;
+                    }
+                    let (seen, masked) = srow.split_at_mut(base + tok + 1);
+                    softmax(seen, scale);
+                    masked.fill(0.0);
+                    for (c, p) in col.iter_mut().zip(seen.iter()) {
+                        *c += p;
+                    }
+                }
+                // Weighted values, in the same two parts.
+                let mut o = vec![0.0; m * hd];
+                matmul_serial(&mut o, hd, &s, width, va, (1, hd), (m, hd, base), false);
+                let acc = base > 0;
+                matmul_serial(&mut o, hd, &s[base..], width, vo, (1, hd), (m, hd, t), acc);
+                (g, i, o, col)
+            })
+            .collect()
+    };
+
+    for (g, i, o, col) in results {
+        let r = rows[i];
+        for tok in r.lo..r.lo + r.n {
+            for j in 0..group {
+                let src = (tok * group + j) * hd;
+                let dst = (r.first + tok - r.lo) * n_heads * hd + (g * group + j) * hd;
+                out[dst..dst + hd].copy_from_slice(&o[src..src + hd]);
+            }
+        }
+        cache.add_attention(&col);
+    }
+    if cache.recording() {
+        // Key p is seen by every query at or after it, once per head.
+        let mut seen = vec![0u32; (last + 1) * t];
+        for r in rows {
+            for tok in r.lo..r.lo + r.n {
+                seen[r.chunk * t + tok] += 1;
+            }
+        }
+        let mut after = 0;
+        for v in seen.iter_mut().rev() {
+            after += *v;
+            *v = after * n_heads as u32;
+        }
+        cache.add_rows(&seen);
+    }
+    Ok(())
+}
+
+/// How many chunks ahead of the one in work decode attention asks for a chunk's layer.
+const PREFETCH_CHUNKS: usize = 2;
+
+/// Chunks per decode task below which a KV head's chunks are not split further.
+const DECODE_TASK_CHUNKS: usize = 8;
+
+/// How many ranges to cut each KV head's `chunks` into, so the `n_kv_heads × splits` tasks of
+/// a decode step fall evenly on `threads` (3 KV heads on 2 threads would leave one thread
+/// doing two heads while the other waits): the fewest splits that make the tasks a multiple of
+/// the threads, with at least [`DECODE_TASK_CHUNKS`] chunks a task, else as many as that allows.
+fn decode_splits(n_kv_heads: usize, chunks: usize, threads: usize) -> usize {
+    let most = (chunks / DECODE_TASK_CHUNKS).max(1);
+    (1..=most)
+        .find(|s| (n_kv_heads * s).is_multiple_of(threads.max(1)))
+        .unwrap_or(most)
+}
+
+/// One task of [`attend_packed`]: KV head `g`'s chunks from `c0`, for every query row of the
+/// head, softmax not yet normalized (pieces of one head are put together at the end).
+struct Piece {
+    g: usize,
+    /// The first position of the piece.
+    start: usize,
+    /// Positions in the piece.
+    width: usize,
+    /// `[rows][width]`: `e^(scale · s - max)` per row and position; 0 where masked.
+    e: Vec<f32>,
+    /// Per row, `scale` times its largest score in the piece (−∞ if it sees none of it).
+    max: Vec<f32>,
+    /// Per row, Σ e.
+    sum: Vec<f32>,
+    /// `[rows][head_dim]`: Σ e v.
+    o: Vec<f32>,
+}
+
+/// Attention of a few query rows straight from chunk memory (see the module comment).
+///
+/// Each KV head's chunks are cut into ranges ([`decode_splits`]), one task each; a task reads
+/// its chunks' keys (scores of each query row against 16 keys at a time), takes its rows'
+/// exponentials against its own largest score and sums its values weighted by them; the
+/// pieces of a head are then scaled to the head's largest score and normalized (as in
+/// flash-decoding), which equals one softmax over the whole row up to f32 rounding.
+pub fn attend_packed(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    p0: usize,
+    n: usize,
+    out: &mut [f32],
+) -> Result<(), KvError> {
+    let chunks = cache.chunks_upto(p0 + n);
+    let threads = rayon::current_num_threads();
+    let splits = decode_splits(shape.n_kv_heads, chunks, threads);
+    attend_packed_split(cache, layer, shape, q, p0, n, splits, out)
+}
+
+/// [`attend_packed`] with each KV head's chunks cut into `splits` ranges.
+#[allow(clippy::too_many_arguments)]
+fn attend_packed_split(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    p0: usize,
+    n: usize,
+    splits: usize,
+    out: &mut [f32],
+) -> Result<(), KvError> {
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+    } = shape;
+    let group = n_heads / n_kv_heads;
+    let total = p0 + n;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let cs = *cache.shape();
+    let t = cs.tokens;
+    let chunks = cache.chunks_upto(total);
+    let rows = n * group;
+    let per = chunks.div_ceil(splits).max(1);
+    let tasks: Vec<(usize, usize, usize)> = (0..n_kv_heads)
+        .flat_map(|g| {
+            (0..chunks)
+                .step_by(per)
+                .map(move |c0| (g, c0, (c0 + per).min(chunks)))
+        })
+        .collect();
+    let view = &*cache;
+    let piece = |&(g, c0, c1): &(usize, usize, usize)| -> Result<Piece, KvError> {
+        // Row r is query token r / group, head g * group + r % group.
+        let qrow = |r: usize| {
+            let src = (r / group) * n_heads * hd + (g * group + r % group) * hd;
+            &q[src..src + hd]
+        };
+        let (start, end) = (c0 * t, (c1 * t).min(total));
+        let width = end - start;
+        let mut e = vec![0.0f32; rows * width];
+        // Chunks of codes (int8, and the formats of unsigned codes with a minimum and a scale
+        // per group: per channel for keys, per token for values) are read for every row of the
+        // head at once, never decoded to f32: each row's query times the keys' scales (or its
+        // weights times the values' scales), and its dot product with their minimums as a bias.
+        let (mut mins, mut scales) = (vec![0.0f32; hd.max(t)], vec![0.0f32; hd.max(t)]);
+        let (mut qsr, mut wsr, mut bias) = (
+            vec![0.0f32; rows * hd],
+            vec![0.0f32; rows * t],
+            vec![0.0f32; rows],
+        );
+        // Chunks are separate slots of memory, each read in pieces of a few KiB: ask for a
+        // chunk's layer a few chunks before its keys are read (its values follow from cache).
+        let ahead = |c: usize| {
+            if c < c1
+                && let Ok(LayerView::Sealed(_, bytes)) = view.layer_view(layer, c)
+            {
+                prefetch_l2(bytes);
+            }
+        };
+        for c in c0..c0 + PREFETCH_CHUNKS {
+            ahead(c);
+        }
+        for c in c0..c1 {
+            ahead(c + PREFETCH_CHUNKS);
+            let live = t.min(total - c * t);
+            let off = c * t - start;
+            let keys = match view.layer_view(layer, c)? {
+                // f16 keys are read as stored, converted in registers where the CPU can.
+                LayerView::Sealed(KvFormat::F16, bytes) => {
+                    let k = &f16_keys(&cs, bytes, g)[..live * hd * 2];
+                    for (r, qr) in qsr.chunks_exact_mut(hd).enumerate() {
+                        qr.copy_from_slice(qrow(r));
+                    }
+                    bias.fill(0.0);
+                    let out = &mut e[off..];
+                    dot_rows_codes(&qsr, &bias, k, 0, Codes::F16, hd, out, width, live);
+                    continue;
+                }
+                // int8 keys too, each row's query scaled by the channels' scales instead.
+                LayerView::Sealed(KvFormat::Int8, bytes) => {
+                    let k = &int8_keys(&cs, bytes, g, &mut scales)[..live * hd];
+                    for (r, qr) in qsr.chunks_exact_mut(hd).enumerate() {
+                        for ((s, &q), &sc) in qr.iter_mut().zip(qrow(r)).zip(&scales) {
+                            *s = q * sc;
+                        }
+                    }
+                    bias.fill(0.0);
+                    let out = &mut e[off..];
+                    dot_rows_codes(&qsr, &bias, k, 0, Codes::Signed8, hd, out, width, live);
+                    continue;
+                }
+                // Every other format: unsigned codes with a minimum and a scale per channel.
+                LayerView::Sealed(f, bytes) => {
+                    let (codes, first) = packed_keys(&cs, f, bytes, g, &mut mins, &mut scales);
+                    for (r, (qr, b)) in qsr.chunks_exact_mut(hd).zip(&mut bias).enumerate() {
+                        let q = qrow(r);
+                        *b = dot(q, &mins[..hd]);
+                        for ((s, &q), &sc) in qr.iter_mut().zip(q).zip(&scales) {
+                            *s = q * sc;
+                        }
+                    }
+                    let kind = Codes::Unsigned(f.key_bits() as usize);
+                    let out = &mut e[off..];
+                    dot_rows_codes(&qsr, &bias, codes, first, kind, hd, out, width, live);
+                    continue;
+                }
+                LayerView::Open(b) => &b[g * t * hd..(g + 1) * t * hd],
+            };
+            for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+                dot_rows(qrow(r), &keys[..live * hd], &mut srow[off..off + live]);
+            }
+        }
+        let mut max = vec![f32::NEG_INFINITY; rows];
+        let mut sum = vec![0.0f32; rows];
+        for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+            let visible = (p0 + r / group + 1).min(end).saturating_sub(start);
+            let (live, masked) = srow.split_at_mut(visible);
+            masked.fill(0.0);
+            (max[r], sum[r]) = softmax_exp(live, scale);
+        }
+        let mut o = vec![0.0f32; rows * hd];
+        for c in c0..c1 {
+            let live = t.min(total - c * t);
+            let off = c * t - start;
+            let values = match view.layer_view(layer, c)? {
+                LayerView::Sealed(KvFormat::F16, bytes) => {
+                    let v = &f16_values(&cs, bytes, g)[..live * hd * 2];
+                    bias.fill(0.0);
+                    let w = &e[off..];
+                    axpy_rows_codes(&mut o, &bias, w, width, live, v, 0, Codes::F16, hd);
+                    continue;
+                }
+                // int8 values, each weight scaled by its token's scale instead.
+                LayerView::Sealed(KvFormat::Int8, bytes) => {
+                    let v = &int8_values(&cs, bytes, g, &mut scales)[..live * hd];
+                    for (erow, wr) in e.chunks_exact(width).zip(wsr.chunks_exact_mut(t)) {
+                        for ((x, &w), &sc) in wr.iter_mut().zip(&erow[off..off + live]).zip(&scales)
+                        {
+                            *x = w * sc;
+                        }
+                    }
+                    bias.fill(0.0);
+                    axpy_rows_codes(&mut o, &bias, &wsr, t, live, v, 0, Codes::Signed8, hd);
+                    continue;
+                }
+                // Every other format: unsigned codes with a minimum and a scale per token.
+                LayerView::Sealed(f, bytes) => {
+                    let (codes, first) = packed_values(&cs, f, bytes, g, &mut mins, &mut scales);
+                    let weights = e.chunks_exact(width).zip(wsr.chunks_exact_mut(t));
+                    for ((erow, wr), b) in weights.zip(&mut bias) {
+                        let w = &erow[off..off + live];
+                        *b = dot(w, &mins[..live]);
+                        for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&scales) {
+                            *x = w * sc;
+                        }
+                    }
+                    let kind = Codes::Unsigned(f.value_bits() as usize);
+                    axpy_rows_codes(&mut o, &bias, &wsr, t, live, codes, first, kind, hd);
+                    continue;
+                }
+                LayerView::Open(b) => &b[(n_kv_heads + g) * t * hd..][..t * hd],
+            };
+            for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
+                axpy_rows(orow, &erow[off..off + live], &values[..live * hd]);
+            }
+        }
+        Ok(Piece {
+            g,
+            start,
+            width,
+            e,
+            max,
+            sum,
+            o,
+        })
+    };
+    let pieces: Vec<Piece> = if tasks.len() > 1 {
+        tasks.par_iter().map(piece).collect::<Result<_, _>>()?
+    } else {
+        tasks.iter().map(piece).collect::<Result<_, _>>()?
+    };
+    let mut col = vec![0.0f32; total];
+    let mut f = Vec::new();
+    for g in 0..n_kv_heads {
+        let head: Vec<&Piece> = pieces.iter().filter(|p| p.g == g).collect();
+        for r in 0..rows {
+            // The row's largest over its pieces; a piece it sees none of weighs 0.
+            let m = head
+                .iter()
+                .map(|p| p.max[r])
+                .fold(f32::NEG_INFINITY, f32::max);
+            f.clear();
+            f.extend(head.iter().map(|p| {
+                if p.sum[r] > 0.0 {
+                    (p.max[r] - m).exp()
+                } else {
+                    0.0
+                }
+            }));
+            let l: f32 = head.iter().zip(&f).map(|(p, f)| f * p.sum[r]).sum();
+            let inv = 1.0 / l;
+            let dst = (r / group) * n_heads * hd + (g * group + r % group) * hd;
+            let orow = &mut out[dst..dst + hd];
+            orow.fill(0.0);
+            for (p, &f) in head.iter().zip(&f) {
+                let a = f * inv;
+                axpy(orow, a, &p.o[r * hd..(r + 1) * hd]);
+                let erow = &p.e[r * p.width..(r + 1) * p.width];
+                for (c, e) in col[p.start..p.start + p.width].iter_mut().zip(erow) {
+                    *c += e * a;
+                }
+            }
+        }
+    }
+    cache.add_attention(&col);
+    add_seen(cache, n_heads, p0, n);
+    Ok(())
+}
+
+/// Attention of many query rows: gather to f32, then GEMM per block of rows.
+pub fn attend_gathered(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    p0: usize,
+    n: usize,
+    out: &mut [f32],
+) -> Result<(), KvError> {
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+    } = shape;
+    let group = n_heads / n_kv_heads;
+    let total = p0 + n;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let t = cache.shape().tokens;
+    let chunks = cache.chunks_upto(total);
+
+    // Phase 1: every KV head's keys and values for positions 0..total, as f32 [pos][dim].
+    let gathered: Vec<(Vec<f32>, Vec<f32>)> = {
+        let cache = &*cache;
+        (0..n_kv_heads)
+            .into_par_iter()
+            .map(|g| -> Result<_, KvError> {
+                let mut ka = vec![0.0; chunks * t * hd];
+                let mut va = vec![0.0; chunks * t * hd];
+                let mut kb = vec![0.0; t * hd];
+                let mut vb = vec![0.0; t * hd];
+                for c in 0..chunks {
+                    let (k, v) = cache.block(layer, g, c, &mut kb, &mut vb)?;
+                    ka[c * t * hd..(c + 1) * t * hd].copy_from_slice(k);
+                    va[c * t * hd..(c + 1) * t * hd].copy_from_slice(v);
+                }
+                Ok((ka, va))
+            })
+            .collect::<Result<_, _>>()?
+    };
+
+    // Phase 2: per (KV head, block of query rows): scores, masked softmax, weighted values.
+    // Row r of head g's block is query token r / group, head g * group + r % group.
+    let rows = n * group;
+    let tasks: Vec<(usize, usize)> = (0..n_kv_heads)
+        .flat_map(|g| (0..rows).step_by(ROW_BLOCK).map(move |r0| (g, r0)))
+        .collect();
+    let results: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = tasks
+        .into_par_iter()
+        .map(|(g, r0)| {
+            let r1 = (r0 + ROW_BLOCK).min(rows);
+            let m = r1 - r0;
+            // The last key any row of this block may see.
+            let last_tok = (r1 - 1) / group;
+            let width = p0 + last_tok + 1;
+            let (ka, va) = &gathered[g];
+            let mut qb = vec![0.0; m * hd];
+            for (i, r) in (r0..r1).enumerate() {
+                let (tok, j) = (r / group, r % group);
+                let src = tok * n_heads * hd + (g * group + j) * hd;
+                qb[i * hd..(i + 1) * hd].copy_from_slice(&q[src..src + hd]);
+            }
+            let mut s = vec![0.0; m * width];
+            if m >= 8 {
+                matmul_nt(&mut s, &qb, ka, m, width, hd);
+            } else {
+                for (i, srow) in s.chunks_exact_mut(width).enumerate() {
+                    let qr = &qb[i * hd..(i + 1) * hd];
+                    for (p, sv) in srow.iter_mut().enumerate() {
+                        *sv = dot(qr, &ka[p * hd..(p + 1) * hd]);
+                    }
+                }
+            }
+            let mut col = vec![0.0f32; width];
+            for (i, srow) in s.chunks_exact_mut(width).enumerate() {
+                let visible = p0 + (r0 + i) / group + 1;
+                let (live, masked) = srow.split_at_mut(visible);
+                softmax(live, scale);
+                masked.fill(0.0);
+                for (c, p) in col.iter_mut().zip(live.iter()) {
+                    *c += p;
+                }
+            }
+            let mut o = vec![0.0; m * hd];
+            if m >= 8 {
+                matmul_nn(&mut o, &s, va, m, hd, width);
+            } else {
+                for (i, srow) in s.chunks_exact(width).enumerate() {
+                    let orow = &mut o[i * hd..(i + 1) * hd];
+                    for (p, &w) in srow.iter().enumerate() {
+                        if w != 0.0 {
+                            axpy(orow, w, &va[p * hd..(p + 1) * hd]);
+                        }
+                    }
+                }
+            }
+            (g, r0, o, col)
+        })
+        .collect();
+
+    for (g, r0, o, col) in results {
+        for (i, orow) in o.chunks_exact(hd).enumerate() {
+            let r = r0 + i;
+            let (tok, j) = (r / group, r % group);
+            let dst = tok * n_heads * hd + (g * group + j) * hd;
+            out[dst..dst + hd].copy_from_slice(orow);
+        }
+        cache.add_attention(&col);
+    }
+    add_seen(cache, n_heads, p0, n);
+    Ok(())
+}
+
+/// Counts, once per key, the query rows of every head that saw it: key p is seen by every
+/// query at or after it, all n for p < p0 and n - (p - p0) after.
+fn add_seen(cache: &mut KvCache, n_heads: usize, p0: usize, n: usize) {
+    let seen: Vec<u32> = (0..p0 + n)
+        .map(|p| (n - p.saturating_sub(p0)) as u32 * n_heads as u32)
+        .collect();
+    cache.add_rows(&seen);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{ChunkShape, HeapChunks, KvFormat};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    const SHAPE: AttnShape = AttnShape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+    };
+
+    /// A cache of `len` random tokens over 2 layers whose sealed chunks take `formats` in turn.
+    fn cache(len: usize, formats: &[KvFormat], rng: &mut StdRng) -> KvCache {
+        let s = ChunkShape {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 16,
+            tokens: 16,
+        };
+        let mut c = KvCache::new(s, KvFormat::F16, 1024, Box::new(HeapChunks::default()));
+        c.reserve(len).unwrap();
+        for p in 0..len {
+            for l in 0..2 {
+                let k: Vec<f32> = (0..32).map(|_| rng.random_range(-2.0..2.0)).collect();
+                let v: Vec<f32> = (0..32).map(|_| rng.random_range(-2.0..2.0)).collect();
+                c.write(l, p, &k, &v);
+            }
+        }
+        c.commit(&vec![0; len]).unwrap();
+        for i in 0..c.chunk_formats().len() {
+            let f = formats[i % formats.len()];
+            if f != KvFormat::F16 {
+                c.recompress(i, f).unwrap();
+            }
+        }
+        c
+    }
+
+    /// Direct attention from the full matrix: every key decoded, each row's softmax over the
+    /// keys at or before it. Returns the output and every key's summed column.
+    fn direct(c: &KvCache, layer: usize, q: &[f32], p0: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim: hd,
+        } = SHAPE;
+        let t = c.shape().tokens;
+        let total = p0 + n;
+        let (mut keys, mut vals) = (vec![vec![]; n_kv_heads], vec![vec![]; n_kv_heads]);
+        for g in 0..n_kv_heads {
+            for ch in 0..c.chunks_upto(total) {
+                let (mut kb, mut vb) = (vec![0.0; t * hd], vec![0.0; t * hd]);
+                let (k, v) = c.block(layer, g, ch, &mut kb, &mut vb).unwrap();
+                keys[g].extend_from_slice(k);
+                vals[g].extend_from_slice(v);
+            }
+        }
+        let mut out = vec![0.0; n * n_heads * hd];
+        let mut col = vec![0.0; total];
+        for i in 0..n {
+            for h in 0..n_heads {
+                let g = h / (n_heads / n_kv_heads);
+                let qr = &q[(i * n_heads + h) * hd..][..hd];
+                let visible = p0 + i + 1;
+                let scores: Vec<f64> = (0..visible)
+                    .map(|p| {
+                        let k = &keys[g][p * hd..(p + 1) * hd];
+                        qr.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                for (p, s) in scores.iter().enumerate() {
+                    let a = (s - m).exp() / z;
+                    col[p] += a as f32;
+                    for d in 0..hd {
+                        out[(i * n_heads + h) * hd + d] += (a * vals[g][p * hd + d] as f64) as f32;
+                    }
+                }
+            }
+        }
+        (out, col)
+    }
+
+    fn check(len: usize, n: usize, formats: &[KvFormat], seed: u64) {
+        check_split(len, n, formats, seed, None);
+    }
+
+    /// [`check`] with decode's chunks cut into `splits` ranges per KV head (`None`: as chosen).
+    fn check_split(len: usize, n: usize, formats: &[KvFormat], seed: u64, splits: Option<usize>) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut c = cache(len, formats, &mut rng);
+        let p0 = len - n;
+        let q: Vec<f32> = (0..n * 64).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let (want, want_col) = direct(&c, 1, &q, p0, n);
+        let mut got = vec![0.0; n * 64];
+        match splits {
+            Some(s) => attend_packed_split(&mut c, 1, SHAPE, &q, p0, n, s, &mut got).unwrap(),
+            None => attend(&mut c, 1, SHAPE, &q, p0, n, &mut got).unwrap(),
+        }
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-4,
+                "{formats:?} len {len} n {n}: out {i}: {a} vs {b}"
+            );
+        }
+        let (col, rows) = c.attention_received();
+        for p in 0..len {
+            assert!(
+                (col[p] - want_col[p]).abs() < 1e-4,
+                "{formats:?} len {len} n {n}: key {p}: {} vs {}",
+                col[p],
+                want_col[p]
+            );
+            let seen = (n - p.saturating_sub(p0)) * 4;
+            assert_eq!(rows[p] as usize, seen, "rows of key {p}");
+        }
+    }
+
+    #[test]
+    fn packed_and_gathered_attention_equal_the_full_matrix() {
+        use KvFormat::*;
+        let mixed = [Int8, F16, Int4, Int2];
+        // Decode (packed path) and prefill (gathered path), sealed chunks and an open tail.
+        check(1, 1, &[Int8], 1);
+        check(16, 1, &[Int8], 2);
+        check(70, 1, &mixed, 3);
+        check(70, 2, &mixed, 4);
+        check(64, 2, &[Int2], 5);
+        check(70, 20, &mixed, 6);
+        check(40, 40, &[F16], 7);
+        check(100, 3, &[Int4, F16], 8);
+    }
+
+    #[test]
+    fn decode_attention_in_pieces_equals_the_full_matrix() {
+        use KvFormat::*;
+        // Pieces of unequal length, a last chunk still open, a piece the first of two query
+        // rows sees none of (len 257: the second row's last key alone in chunk 16).
+        for (len, n) in [(300, 1), (300, 2), (257, 2), (33, 1)] {
+            for splits in [1, 2, 3, 5, 40] {
+                check_split(
+                    len,
+                    n,
+                    &[Int8, F16, K4v4, Int4],
+                    len as u64 + splits as u64,
+                    Some(splits),
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn decode_splits_balance_the_threads() {
+        let check = |heads, chunks, threads, want| {
+            assert_eq!(
+                decode_splits(heads, chunks, threads),
+                want,
+                "{heads} heads, {chunks} chunks, {threads} threads"
+            );
+        };
+        check(3, 32, 2, 2);
+        check(3, 128, 2, 2);
+        check(3, 15, 2, 1);
+        check(3, 16, 2, 2);
+        check(3, 1, 2, 1);
+        check(2, 100, 2, 1);
+        check(3, 100, 4, 4);
+        check(3, 16, 4, 2);
+        check(8, 200, 2, 1);
+        check(3, 40, 1, 1);
+    }
+}

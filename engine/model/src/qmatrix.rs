@@ -1,0 +1,947 @@
+//! Weight matrices as the GGUF stores them: 32-value blocks (Q4_1, Q8_0) with f16 scales, or f32.
+//!
+//! A matrix is held once, in its file's own blocks (split into scales, minimums and quants, the
+//! same bytes as the file), never as an f32 copy. Three operations read it: a row dequantized on
+//! lookup (token embeddings), a matrix-vector product with f32 activations dequantized in
+//! registers (decode), and a run of rows dequantized into a small f32 tile for a GEMM (batched
+//! products, [`crate::forward::Linear`]). Each has a portable path and an AVX2+FMA+F16C
+//! path chosen at run time ([`Isa::best`]); tests force every path the CPU has.
+
+use crate::simd;
+use half::f16;
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// Values per quantization block.
+pub const BLOCK: usize = 32;
+
+/// The instruction-set path a kernel runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, any CPU.
+    Portable,
+    /// x86-64 AVX2, FMA and F16C.
+    Avx2,
+    /// x86-64 AVX-512 F, BW and VL on top of [`Isa::Avx2`]: the single-token products run
+    /// several rows per pass in 512-bit registers; every other kernel takes the AVX2 path.
+    Avx512,
+}
+
+impl Isa {
+    /// The best path this CPU supports, detected once at run time.
+    pub fn best() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            if Isa::Avx512.available() {
+                Isa::Avx512
+            } else if Isa::Avx2.available() {
+                Isa::Avx2
+            } else {
+                Isa::Portable
+            }
+        })
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                Isa::Avx2.available()
+                    && std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 | Isa::Avx512 => false,
+        }
+    }
+
+    /// Whether the path may run the AVX2 kernels (every path but the portable one).
+    pub fn has_avx2(self) -> bool {
+        self != Isa::Portable
+    }
+
+    /// Every path this CPU can run, portable first.
+    pub fn all_available() -> Vec<Isa> {
+        [Isa::Portable, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.available())
+            .collect()
+    }
+}
+
+/// How activations enter a matrix-vector product.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activations {
+    /// As f32: the weights are dequantized in registers and multiplied in f32 (the reference).
+    #[default]
+    F32,
+    /// Quantized to 8 bits per 32-value block (f32 scale) and multiplied with the weight blocks
+    /// in integers, as llama.cpp does; the Q4_1 minimum term uses the exact f32 sums.
+    Int8,
+}
+
+/// Activations quantized to 8 bits per 32-value block.
+struct QuantizedActs {
+    q: Vec<i8>,
+    d: Vec<f32>,
+}
+
+fn quantize_acts(x: &[f32]) -> QuantizedActs {
+    let mut q = Vec::with_capacity(x.len());
+    let mut d = Vec::with_capacity(x.len() / BLOCK);
+    for b in x.chunks_exact(BLOCK) {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let s = amax / 127.0;
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        d.push(s);
+        q.extend(b.iter().map(|v| (v * inv).round() as i8));
+    }
+    QuantizedActs { q, d }
+}
+
+/// How a matrix's values are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// 32-value blocks of 4-bit unsigned quants with an f16 scale and an f16 minimum.
+    Q4_1,
+    /// 32-value blocks of signed bytes with an f16 scale.
+    Q8_0,
+    /// Plain f32 (norm vectors, small or oddly shaped matrices).
+    F32,
+}
+
+/// A weight matrix `[rows][cols]`, structure-of-arrays.
+#[derive(Debug, Clone)]
+pub struct QMatrix {
+    rows: usize,
+    cols: usize,
+    kind: Kind,
+    /// Per block scale.
+    d: Vec<f16>,
+    /// Per block minimum (Q4_1 only).
+    m: Vec<f16>,
+    /// Q4_1: 16 bytes per block (low nibbles are values 0..16, high nibbles 16..32).
+    /// Q8_0: 32 signed bytes per block.
+    qs: Vec<u8>,
+    /// F32 values.
+    f: Vec<f32>,
+}
+
+impl QMatrix {
+    fn empty(rows: usize, cols: usize, kind: Kind) -> Self {
+        Self {
+            rows,
+            cols,
+            kind,
+            d: Vec::new(),
+            m: Vec::new(),
+            qs: Vec::new(),
+            f: Vec::new(),
+        }
+    }
+
+    /// An empty matrix of `rows × cols` in `kind` blocks, to be filled by
+    /// [`QMatrix::push_raw`] with the file's bytes.
+    pub fn with_capacity(rows: usize, cols: usize, kind: Kind) -> Self {
+        let nb = rows * cols / BLOCK;
+        let mut q = Self::empty(rows, cols, kind);
+        match kind {
+            Kind::Q4_1 => {
+                q.d.reserve_exact(nb);
+                q.m.reserve_exact(nb);
+                q.qs.reserve_exact(nb * 16);
+            }
+            Kind::Q8_0 => {
+                q.d.reserve_exact(nb);
+                q.qs.reserve_exact(nb * 32);
+            }
+            Kind::F32 => q.f.reserve_exact(rows * cols),
+        }
+        q
+    }
+
+    /// Bytes of one stored unit in the file: a block (Q4_1: f16 d, f16 m, 16 bytes of nibbles;
+    /// Q8_0: f16 d, 32 signed bytes) or an f32 value.
+    pub fn raw_unit(kind: Kind) -> usize {
+        match kind {
+            Kind::Q4_1 => 20,
+            Kind::Q8_0 => 34,
+            Kind::F32 => 4,
+        }
+    }
+
+    /// Appends whole units in the file's layout ([`QMatrix::raw_unit`] bytes each).
+    pub fn push_raw(&mut self, raw: &[u8]) {
+        let unit = Self::raw_unit(self.kind);
+        assert!(raw.len().is_multiple_of(unit), "partial block");
+        match self.kind {
+            Kind::Q4_1 => {
+                for b in raw.chunks_exact(20) {
+                    self.d.push(f16::from_le_bytes([b[0], b[1]]));
+                    self.m.push(f16::from_le_bytes([b[2], b[3]]));
+                    self.qs.extend_from_slice(&b[4..20]);
+                }
+            }
+            Kind::Q8_0 => {
+                for b in raw.chunks_exact(34) {
+                    self.d.push(f16::from_le_bytes([b[0], b[1]]));
+                    self.qs.extend_from_slice(&b[2..34]);
+                }
+            }
+            Kind::F32 => self.f.extend(
+                raw.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            ),
+        }
+    }
+
+    /// Makes this matrix `rows × cols` of `kind` from the file's units in `parts` (in order),
+    /// reusing its buffers: a streamed weight is repacked into a ring buffer this way, with no
+    /// allocation once the buffer has held its largest matrix.
+    pub fn refill(&mut self, rows: usize, cols: usize, kind: Kind, parts: &[&[u8]]) {
+        assert!(kind != Kind::F32, "f32 matrices are never streamed");
+        let unit = Self::raw_unit(kind);
+        let nb: usize = parts.iter().map(|p| p.len() / unit).sum();
+        assert_eq!(
+            nb * BLOCK,
+            rows * cols,
+            "refill: {kind:?} data of the wrong size"
+        );
+        (self.rows, self.cols, self.kind) = (rows, cols, kind);
+        self.f.clear();
+        let qb = if kind == Kind::Q4_1 { 16 } else { 32 };
+        self.d.resize(nb, f16::ZERO);
+        self.m
+            .resize(if kind == Kind::Q4_1 { nb } else { 0 }, f16::ZERO);
+        self.qs.resize(nb * qb, 0);
+        // Zipped slices, no indexing: the loop runs at memory speed (it repacks every streamed
+        // byte on the I/O thread, in series with the reads).
+        let (mut d, mut m, mut qs) = (&mut self.d[..], &mut self.m[..], &mut self.qs[..]);
+        for p in parts {
+            assert!(p.len().is_multiple_of(unit), "partial block");
+            let n = p.len() / unit;
+            let (pd, rd) = std::mem::take(&mut d).split_at_mut(n);
+            let (pq, rq) = std::mem::take(&mut qs).split_at_mut(n * qb);
+            if kind == Kind::Q4_1 {
+                let (pm, rm) = std::mem::take(&mut m).split_at_mut(n);
+                for (((raw, d), m), q) in p
+                    .chunks_exact(20)
+                    .zip(pd.iter_mut())
+                    .zip(pm.iter_mut())
+                    .zip(pq.chunks_exact_mut(16))
+                {
+                    *d = f16::from_le_bytes([raw[0], raw[1]]);
+                    *m = f16::from_le_bytes([raw[2], raw[3]]);
+                    q.copy_from_slice(&raw[4..20]);
+                }
+                m = rm;
+            } else {
+                for ((raw, d), q) in p
+                    .chunks_exact(34)
+                    .zip(pd.iter_mut())
+                    .zip(pq.chunks_exact_mut(32))
+                {
+                    *d = f16::from_le_bytes([raw[0], raw[1]]);
+                    q.copy_from_slice(&raw[2..34]);
+                }
+            }
+            d = rd;
+            qs = rq;
+        }
+    }
+
+    /// Reserves room for `blocks` scales, `mins` minimums and `quants` quant bytes, so
+    /// [`QMatrix::refill`] never allocates for matrices within them.
+    pub fn reserve_parts(&mut self, blocks: usize, mins: usize, quants: usize) {
+        self.d.reserve_exact(blocks.saturating_sub(self.d.len()));
+        self.m.reserve_exact(mins.saturating_sub(self.m.len()));
+        self.qs.reserve_exact(quants.saturating_sub(self.qs.len()));
+    }
+
+    /// Bytes allocated, whether used or not.
+    pub fn capacity_bytes(&self) -> usize {
+        self.d.capacity() * 2 + self.m.capacity() * 2 + self.qs.capacity() + self.f.capacity() * 4
+    }
+
+    /// Whether every unit has been pushed.
+    pub fn is_complete(&self) -> bool {
+        match self.kind {
+            Kind::F32 => self.f.len() == self.rows * self.cols,
+            _ => self.d.len() * BLOCK == self.rows * self.cols,
+        }
+    }
+
+    /// From raw GGUF blocks or f32 values.
+    pub fn from_raw(rows: usize, cols: usize, kind: Kind, raw: &[u8]) -> Self {
+        let mut q = Self::with_capacity(rows, cols, kind);
+        q.push_raw(raw);
+        assert!(q.is_complete(), "{kind:?} data of the wrong size");
+        q
+    }
+
+    /// Plain f32 values.
+    pub fn from_f32(rows: usize, cols: usize, w: Vec<f32>) -> Self {
+        assert_eq!(w.len(), rows * cols, "f32 data of the wrong size");
+        let mut q = Self::empty(rows, cols, Kind::F32);
+        q.f = w;
+        q
+    }
+
+    /// Quantizes f32 weights to Q8_0 (symmetric, f16 scale per block, as llama.cpp does).
+    pub fn quantize_q8_0(rows: usize, cols: usize, w: &[f32]) -> Self {
+        let w = &w[..rows * cols];
+        let mut q = Self::with_capacity(rows, cols, Kind::Q8_0);
+        for b in w.chunks_exact(BLOCK) {
+            let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = f16::from_f32(amax / 127.0);
+            let inv = if d.to_f32() > 0.0 {
+                1.0 / d.to_f32()
+            } else {
+                0.0
+            };
+            q.d.push(d);
+            q.qs.extend(
+                b.iter()
+                    .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+            );
+        }
+        q
+    }
+
+    /// Stacks matrices with the same number of columns and kind, rows after rows.
+    pub fn stack(parts: Vec<QMatrix>) -> Self {
+        let mut it = parts.into_iter();
+        let mut out = it.next().expect("stack of no matrices");
+        for p in it {
+            assert!(
+                p.cols == out.cols && p.kind == out.kind,
+                "stacking unlike matrices"
+            );
+            out.rows += p.rows;
+            out.d.extend(p.d);
+            out.m.extend(p.m);
+            out.qs.extend(p.qs);
+            out.f.extend(p.f);
+        }
+        // Growing by extension leaves spare capacity: the memory held is what `bytes` says.
+        out.d.shrink_to_fit();
+        out.m.shrink_to_fit();
+        out.qs.shrink_to_fit();
+        out.f.shrink_to_fit();
+        out
+    }
+
+    /// The blocks' scales, minimums (Q4_1) and codes, in the file's order (for kernels that
+    /// repack them, [`crate::int8gemm`]).
+    pub(crate) fn raw_parts(&self) -> (&[f16], &[f16], &[u8]) {
+        (&self.d, &self.m, &self.qs)
+    }
+
+    /// The value at row `r`, column `c`, dequantized as the portable path does (`d · q + m`).
+    pub fn value(&self, r: usize, c: usize) -> f32 {
+        assert!(r < self.rows && c < self.cols, "value: out of range");
+        let (blk, j) = ((r * self.cols + c) / BLOCK, c % BLOCK);
+        match self.kind {
+            Kind::F32 => self.f[r * self.cols + c],
+            Kind::Q4_1 => {
+                let byte = self.qs[blk * 16 + j % 16];
+                let q = if j < 16 { byte & 0xF } else { byte >> 4 };
+                self.d[blk].to_f32() * q as f32 + self.m[blk].to_f32()
+            }
+            Kind::Q8_0 => self.d[blk].to_f32() * self.qs[blk * 32 + j] as i8 as f32,
+        }
+    }
+
+    /// How the values are stored.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.d.len() * 2 + self.m.len() * 2 + self.qs.len() + self.f.len() * 4
+    }
+
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The f32 values of an [`Kind::F32`] matrix.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        (self.kind == Kind::F32).then_some(&self.f[..])
+    }
+
+    /// A wrapping sum of every stored byte, as 64-bit words (reads the whole matrix once).
+    pub fn sum_bytes(&self) -> u64 {
+        fn words(b: &[u8]) -> u64 {
+            let mut acc = [0u64; 4];
+            let c = b.chunks_exact(32);
+            let tail: u64 = c.remainder().iter().map(|&v| u64::from(v)).sum();
+            for w in c {
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let mut x = [0u8; 8];
+                    x.copy_from_slice(&w[i * 8..i * 8 + 8]);
+                    *a = a.wrapping_add(u64::from_le_bytes(x));
+                }
+            }
+            acc.iter().fold(tail, |s, &a| s.wrapping_add(a))
+        }
+        words(&self.qs)
+            .wrapping_add(self.d.iter().map(|h| u64::from(h.to_bits())).sum::<u64>())
+            .wrapping_add(self.m.iter().map(|h| u64::from(h.to_bits())).sum::<u64>())
+            .wrapping_add(self.f.iter().map(|v| u64::from(v.to_bits())).sum::<u64>())
+    }
+
+    /// Dequantizes rows `r0..r1` into `out[(r1 - r0) * cols]`.
+    pub fn dequant_rows(&self, r0: usize, r1: usize, out: &mut [f32]) {
+        self.dequant_rows_with(Isa::best(), r0, r1, out);
+    }
+
+    /// [`QMatrix::dequant_rows`] on a given path.
+    pub fn dequant_rows_with(&self, isa: Isa, r0: usize, r1: usize, out: &mut [f32]) {
+        assert!(
+            r0 <= r1 && r1 <= self.rows,
+            "dequant_rows: rows out of range"
+        );
+        let out = &mut out[..(r1 - r0) * self.cols];
+        let (b0, b1) = (r0 * self.cols / BLOCK, r1 * self.cols / BLOCK);
+        match self.kind {
+            Kind::F32 => out.copy_from_slice(&self.f[r0 * self.cols..r1 * self.cols]),
+            Kind::Q4_1 => {
+                let (d, m, qs) = (&self.d[b0..b1], &self.m[b0..b1], &self.qs[b0 * 16..b1 * 16]);
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 | Isa::Avx512 => {
+                        assert!(isa.available(), "{isa:?} path on a CPU without it");
+                        // SAFETY: the CPU has AVX2, FMA and F16C (checked just above); the
+                        // slices hold b1 - b0 blocks and `out` their 32 values each.
+                        unsafe { simd::avx2::dequant_q4_1(d, m, qs, out) }
+                    }
+                    _ => dequant_q4_1_portable(d, m, qs, out),
+                }
+            }
+            Kind::Q8_0 => {
+                let (d, qs) = (&self.d[b0..b1], &self.qs[b0 * 32..b1 * 32]);
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 | Isa::Avx512 => {
+                        assert!(isa.available(), "{isa:?} path on a CPU without it");
+                        // SAFETY: as above.
+                        unsafe { simd::avx2::dequant_q8_0(d, qs, out) }
+                    }
+                    _ => dequant_q8_0_portable(d, qs, out),
+                }
+            }
+        }
+    }
+
+    /// `out[rows] = self · x`, rows split across the engine's threads.
+    pub fn matvec(&self, acts: Activations, x: &[f32], out: &mut [f32]) {
+        self.matvec_with(Isa::best(), acts, x, out);
+    }
+
+    /// [`QMatrix::matvec`] on a given path.
+    pub fn matvec_with(&self, isa: Isa, acts: Activations, x: &[f32], out: &mut [f32]) {
+        assert_eq!(x.len(), self.cols, "matvec: activation length");
+        assert!(isa.available(), "{isa:?} path on a CPU without it");
+        let out = &mut out[..self.rows];
+        // Σx per block, for the Q4_1 minimum term: Σ (d q + m) x = d Σ q x + m Σ x.
+        let xsum: Vec<f32> = if self.kind == Kind::Q4_1 {
+            x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
+        } else {
+            Vec::new()
+        };
+        let xq = (acts == Activations::Int8 && self.kind != Kind::F32).then(|| quantize_acts(x));
+        // One contiguous run of rows per thread: each thread streams one piece of the matrix
+        // and pays for one task. Measured on 2 threads (docs/bench-engine.md), decode at depth 0
+        // ran 10-15% faster than with four tasks per thread; if the other thread has not
+        // started the second task when the first is done, the calling thread runs it too.
+        let per_task = self
+            .rows
+            .div_ceil(rayon::current_num_threads())
+            .next_multiple_of(8)
+            .max(8);
+        out.par_chunks_mut(per_task).enumerate().for_each(|(t, o)| {
+            let r0 = t * per_task;
+            match &xq {
+                Some(xq) => {
+                    for (i, o) in o.iter_mut().enumerate() {
+                        *o = self.row_dot_q8(isa, r0 + i, xq, &xsum);
+                    }
+                }
+                None => self.rows_dot(isa, r0, x, &xsum, o),
+            }
+        });
+    }
+
+    /// `out[i]` = row `r0 + i` · `x` (f32 activations) for every `i`.
+    fn rows_dot(&self, isa: Isa, r0: usize, x: &[f32], xsum: &[f32], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 && self.kind != Kind::F32 {
+            let nb = self.cols / BLOCK;
+            let (b0, b1) = (r0 * nb, (r0 + out.len()) * nb);
+            match self.kind {
+                // SAFETY: `matvec_with` checked that the CPU has the path's features; the slices
+                // hold nb blocks for each of the out.len() rows and x is cols = 32 nb long.
+                Kind::Q4_1 => unsafe {
+                    simd::avx512::matvec_q4_1(
+                        &self.d[b0..b1],
+                        &self.m[b0..b1],
+                        &self.qs[b0 * 16..b1 * 16],
+                        x,
+                        xsum,
+                        out,
+                    )
+                },
+                // SAFETY: as above.
+                Kind::Q8_0 => unsafe {
+                    simd::avx512::matvec_q8_0(&self.d[b0..b1], &self.qs[b0 * 32..b1 * 32], x, out)
+                },
+                Kind::F32 => unreachable!("f32 matrices take the row loop"),
+            }
+            return;
+        }
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = self.row_dot(isa, r0 + i, x, xsum);
+        }
+    }
+
+    fn row_dot_q8(&self, isa: Isa, r: usize, x: &QuantizedActs, xsum: &[f32]) -> f32 {
+        let nb = self.cols / BLOCK;
+        let d = &self.d[r * nb..(r + 1) * nb];
+        match self.kind {
+            Kind::F32 => unreachable!("f32 matrices take f32 activations"),
+            Kind::Q4_1 => {
+                let m = &self.m[r * nb..(r + 1) * nb];
+                let qs = &self.qs[r * nb * 16..(r + 1) * nb * 16];
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `matvec_with` checked that the CPU has the path's features; the
+                    // slices hold nb blocks and the activations cover them.
+                    Isa::Avx2 | Isa::Avx512 => unsafe {
+                        simd::avx2::dot_q4_1_q8(d, m, qs, &x.q, &x.d, xsum)
+                    },
+                    _ => {
+                        let mut acc = 0.0;
+                        for b in 0..nb {
+                            let (q, xb) = (&qs[b * 16..(b + 1) * 16], &x.q[b * 32..(b + 1) * 32]);
+                            let s: i32 = (0..16)
+                                .map(|j| {
+                                    i32::from(q[j] & 0xF) * i32::from(xb[j])
+                                        + i32::from(q[j] >> 4) * i32::from(xb[j + 16])
+                                })
+                                .sum();
+                            acc += d[b].to_f32() * x.d[b] * s as f32 + m[b].to_f32() * xsum[b];
+                        }
+                        acc
+                    }
+                }
+            }
+            Kind::Q8_0 => {
+                let qs = &self.qs[r * nb * 32..(r + 1) * nb * 32];
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as above.
+                    Isa::Avx2 | Isa::Avx512 => unsafe {
+                        simd::avx2::dot_q8_0_q8(d, qs, &x.q, &x.d)
+                    },
+                    _ => {
+                        let mut acc = 0.0;
+                        for b in 0..nb {
+                            let s: i32 = qs[b * 32..(b + 1) * 32]
+                                .iter()
+                                .zip(&x.q[b * 32..(b + 1) * 32])
+                                .map(|(&w, &a)| i32::from(w as i8) * i32::from(a))
+                                .sum();
+                            acc += d[b].to_f32() * x.d[b] * s as f32;
+                        }
+                        acc
+                    }
+                }
+            }
+        }
+    }
+
+    fn row_dot(&self, isa: Isa, r: usize, x: &[f32], xsum: &[f32]) -> f32 {
+        let nb = self.cols / BLOCK;
+        match self.kind {
+            Kind::F32 => {
+                let w = &self.f[r * self.cols..(r + 1) * self.cols];
+                dot_f32_portable(w, x)
+            }
+            Kind::Q4_1 => {
+                let (d, m) = (&self.d[r * nb..(r + 1) * nb], &self.m[r * nb..(r + 1) * nb]);
+                let qs = &self.qs[r * nb * 16..(r + 1) * nb * 16];
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: `matvec_with` checked that the CPU has the path's features; the
+                    // slices hold nb blocks and `x`, `xsum` cover them.
+                    Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::dot_q4_1(d, m, qs, x, xsum) },
+                    _ => dot_q4_1_portable(d, m, qs, x, xsum),
+                }
+            }
+            Kind::Q8_0 => {
+                let d = &self.d[r * nb..(r + 1) * nb];
+                let qs = &self.qs[r * nb * 32..(r + 1) * nb * 32];
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as above.
+                    Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::dot_q8_0(d, qs, x) },
+                    _ => dot_q8_0_portable(d, qs, x),
+                }
+            }
+        }
+    }
+}
+
+fn dequant_q4_1_portable(d: &[f16], m: &[f16], qs: &[u8], out: &mut [f32]) {
+    for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
+        let (db, mb) = (d[b].to_f32(), m[b].to_f32());
+        let q = &qs[b * 16..(b + 1) * 16];
+        for j in 0..16 {
+            o[j] = db * (q[j] & 0xF) as f32 + mb;
+            o[j + 16] = db * (q[j] >> 4) as f32 + mb;
+        }
+    }
+}
+
+fn dequant_q8_0_portable(d: &[f16], qs: &[u8], out: &mut [f32]) {
+    for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
+        let db = d[b].to_f32();
+        for (o, &q) in o.iter_mut().zip(&qs[b * 32..(b + 1) * 32]) {
+            *o = db * q as i8 as f32;
+        }
+    }
+}
+
+/// Σ (d q + m) x over the blocks of one Q4_1 row.
+fn dot_q4_1_portable(d: &[f16], m: &[f16], qs: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let mut acc = 0.0;
+    for b in 0..d.len() {
+        let q = &qs[b * 16..(b + 1) * 16];
+        let xb = &x[b * BLOCK..(b + 1) * BLOCK];
+        let mut s = 0.0;
+        for j in 0..16 {
+            s += (q[j] & 0xF) as f32 * xb[j] + (q[j] >> 4) as f32 * xb[j + 16];
+        }
+        acc += d[b].to_f32() * s + m[b].to_f32() * xsum[b];
+    }
+    acc
+}
+
+fn dot_q8_0_portable(d: &[f16], qs: &[u8], x: &[f32]) -> f32 {
+    let mut acc = 0.0;
+    for b in 0..d.len() {
+        let s: f32 = qs[b * 32..(b + 1) * 32]
+            .iter()
+            .zip(&x[b * 32..(b + 1) * 32])
+            .map(|(&w, &a)| w as i8 as f32 * a)
+            .sum();
+        acc += d[b].to_f32() * s;
+    }
+    acc
+}
+
+/// Little-endian f16 bytes to f32 (`src` holds two bytes per value of `out`), with F16C when
+/// the CPU has it: for readers of f16 data such as KV chunks, since `half`'s per-value
+/// conversion is a call per value when the binary is not built for the CPU it runs on.
+pub fn f16_bytes_to_f32(src: &[u8], out: &mut [f32]) {
+    f16_bytes_to_f32_with(Isa::best(), src, out)
+}
+
+/// [`f16_bytes_to_f32`] through a given path (which must be [`Isa::available`]); every path
+/// gives the same bits, NaN payloads included.
+pub fn f16_bytes_to_f32_with(isa: Isa, src: &[u8], out: &mut [f32]) {
+    assert!(src.len() >= out.len() * 2, "f16_bytes_to_f32: short source");
+    assert!(
+        isa.available(),
+        "f16_bytes_to_f32: {isa:?} is not available on this CPU"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() {
+        // SAFETY: the assert above checked that the CPU has AVX2, FMA and F16C (Isa::available)
+        // and that the source holds two bytes per output.
+        return unsafe { simd::avx2::f16_to_f32(src, out) };
+    }
+    for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+        *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+    }
+}
+
+/// Dot product in eight lanes (the compiler vectorises it on any x86-64).
+pub fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q4_1_raw(rows: usize, cols: usize, seed: u32) -> Vec<u8> {
+        let mut raw = Vec::new();
+        let mut s = seed;
+        for _ in 0..rows * cols / BLOCK {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            raw.extend_from_slice(&f16::from_f32((s % 100) as f32 / 1000.0 + 0.001).to_le_bytes());
+            raw.extend_from_slice(&f16::from_f32(-((s / 100 % 50) as f32) / 100.0).to_le_bytes());
+            for _ in 0..16 {
+                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                raw.push((s >> 13) as u8);
+            }
+        }
+        raw
+    }
+
+    /// The naive dequantization every path is checked against.
+    fn dequant(m: &QMatrix) -> Vec<f32> {
+        let mut w = vec![0.0; m.rows * m.cols];
+        if m.kind == Kind::F32 {
+            w.copy_from_slice(&m.f);
+            return w;
+        }
+        for (b, wb) in w.chunks_exact_mut(BLOCK).enumerate() {
+            let d = m.d[b].to_f32();
+            match m.kind {
+                Kind::Q4_1 => {
+                    for j in 0..16 {
+                        let q = m.qs[b * 16 + j];
+                        wb[j] = d * (q & 0xF) as f32 + m.m[b].to_f32();
+                        wb[j + 16] = d * (q >> 4) as f32 + m.m[b].to_f32();
+                    }
+                }
+                Kind::Q8_0 => {
+                    for (w, &q) in wb.iter_mut().zip(&m.qs[b * 32..(b + 1) * 32]) {
+                        *w = d * q as i8 as f32;
+                    }
+                }
+                Kind::F32 => unreachable!(),
+            }
+        }
+        w
+    }
+
+    fn matrices(rows: usize, cols: usize) -> (Vec<f32>, Vec<QMatrix>) {
+        let wf: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7 % 23) as f32 - 11.0) / 9.0)
+            .collect();
+        let ms = vec![
+            QMatrix::from_raw(rows, cols, Kind::Q4_1, &q4_1_raw(rows, cols, 3)),
+            QMatrix::quantize_q8_0(rows, cols, &wf),
+            QMatrix::from_f32(rows, cols, wf.clone()),
+        ];
+        (wf, ms)
+    }
+
+    #[test]
+    fn every_path_matches_the_dequantized_products() {
+        // 3 blocks per row (the kernels' per-block tail only), and 19 (two groups of eight
+        // blocks, whose scales convert together, and a tail of three).
+        for cols in [96, 19 * BLOCK] {
+            products_match_dequantized(70, cols);
+        }
+    }
+
+    fn products_match_dequantized(rows: usize, cols: usize) {
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 29 % 17) as f32 - 8.0) / 3.0)
+            .collect();
+        let (_, ms) = matrices(rows, cols);
+        for isa in Isa::all_available() {
+            for m in &ms {
+                let w = dequant(m);
+                let mut got = vec![0.0; rows];
+                m.matvec_with(isa, Activations::F32, &x, &mut got);
+                for r in 0..rows {
+                    let want: f32 = (0..cols).map(|c| w[r * cols + c] * x[c]).sum();
+                    // Summation order differs by path: bound by the terms' magnitude.
+                    let mag: f32 = (0..cols).map(|c| (w[r * cols + c] * x[c]).abs()).sum();
+                    assert!(
+                        (got[r] - want).abs() <= 1e-5 * (1.0 + mag),
+                        "{isa:?} {:?} row {r}: {} vs {want}",
+                        m.kind,
+                        got[r]
+                    );
+                }
+                // Dequantized rows are exact (one fma per value at most).
+                let mut tile = vec![0.0; 5 * cols];
+                m.dequant_rows_with(isa, 3, 8, &mut tile);
+                for (a, b) in tile.iter().zip(&w[3 * cols..8 * cols]) {
+                    assert!(
+                        (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                        "{isa:?} {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_path_agrees_with_the_portable_one_on_odd_shapes() {
+        // Row counts around the kernels' passes of several rows and the threads' split; block
+        // counts around the 16 scales converted at once (1, 15, 16, 17, 33, and the default
+        // model's 18 and 48).
+        for rows in [1, 3, 4, 5, 7, 13, 29] {
+            for nb in [1, 15, 16, 17, 18, 33, 48] {
+                let cols = nb * BLOCK;
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| ((i * 37 % 41) as f32 - 20.0) / 7.0)
+                    .collect();
+                let (_, ms) = matrices(rows, cols);
+                for m in &ms[..2] {
+                    let mut want = vec![0.0; rows];
+                    m.matvec_with(Isa::Portable, Activations::F32, &x, &mut want);
+                    let w = dequant(m);
+                    for isa in Isa::all_available() {
+                        let mut got = vec![f32::NAN; rows + 1];
+                        m.matvec_with(isa, Activations::F32, &x, &mut got);
+                        assert!(got[rows].is_nan(), "{isa:?} wrote past the rows");
+                        for r in 0..rows {
+                            // Both sum the same products in different orders, each with at
+                            // most about 16 + nb + 8 roundings in a row (within a block, across
+                            // blocks, the final reduction): each is within that many units of
+                            // f32 rounding (u = EPSILON / 2) of Σ |w x| from the exact sum.
+                            let mag: f32 = (0..cols).map(|c| (w[r * cols + c] * x[c]).abs()).sum();
+                            let bound = (24 + nb) as f32 * f32::EPSILON * mag;
+                            assert!(
+                                (got[r] - want[r]).abs() <= bound + 1e-6,
+                                "{isa:?} {:?} {rows}x{nb} blocks, row {r}: {} vs {}",
+                                m.kind,
+                                got[r],
+                                want[r]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int8_activations_are_within_their_rounding_bound() {
+        let (rows, cols) = (70, 96);
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 29 % 17) as f32 - 8.0) / 3.0 + if i == 5 { 20.0 } else { 0.0 })
+            .collect();
+        let xa = quantize_acts(&x);
+        let (_, ms) = matrices(rows, cols);
+        for m in &ms[..2] {
+            let w = dequant(m);
+            let mut per_path = Vec::new();
+            for isa in Isa::all_available() {
+                let mut got = vec![0.0; rows];
+                m.matvec_with(isa, Activations::Int8, &x, &mut got);
+                for r in 0..rows {
+                    let want: f32 = (0..cols).map(|c| w[r * cols + c] * x[c]).sum();
+                    // Each activation is off by at most half its block's step.
+                    let bound: f32 = (0..cols)
+                        .map(|c| w[r * cols + c].abs() * xa.d[c / BLOCK] * 0.5)
+                        .sum();
+                    assert!(
+                        (got[r] - want).abs() <= bound * 1.01 + 1e-4,
+                        "{isa:?} {:?} row {r}: {} vs {want} (bound {bound})",
+                        m.kind,
+                        got[r]
+                    );
+                }
+                per_path.push(got);
+            }
+            // Integer sums are exact, so every path agrees up to float rounding of the scales.
+            for p in &per_path[1..] {
+                for (a, b) in p.iter().zip(&per_path[0]) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn f16_bytes_convert_exactly() {
+        let vals: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.37).collect();
+        let bytes: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect();
+        let mut out = vec![0.0; vals.len()];
+        f16_bytes_to_f32(&bytes, &mut out);
+        for (o, v) in out.iter().zip(&vals) {
+            assert_eq!(*o, f16::from_f32(*v).to_f32());
+        }
+    }
+
+    #[test]
+    fn every_path_converts_every_f16_to_the_same_bits() {
+        let bytes: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
+        let mut want = vec![0.0; 1 << 16];
+        f16_bytes_to_f32_with(Isa::Portable, &bytes, &mut want);
+        for (b, w) in (0..=u16::MAX).zip(&want) {
+            assert_eq!(
+                w.to_bits(),
+                f16::from_bits(b).to_f32().to_bits(),
+                "{b:#06x}"
+            );
+        }
+        for isa in Isa::all_available() {
+            // Odd lengths and offsets exercise the vector body and the scalar tail.
+            for skip in [0, 1, 7] {
+                let mut got = vec![0.0; (1 << 16) - skip];
+                f16_bytes_to_f32_with(isa, &bytes[2 * skip..], &mut got);
+                for (i, (g, w)) in got.iter().zip(&want[skip..]).enumerate() {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{isa:?} {:#06x}", i + skip);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q8_0_from_f32_is_within_half_a_step() {
+        let (rows, cols) = (7, 64);
+        let (wf, _) = matrices(rows, cols);
+        let m = QMatrix::quantize_q8_0(rows, cols, &wf);
+        for (a, b) in dequant(&m).iter().zip(&wf) {
+            assert!(
+                (a - b).abs() <= (11.0 / 9.0) / 127.0 * 0.51 + 1e-6,
+                "{a} vs {b}"
+            );
+        }
+    }
+
+    #[test]
+    fn stacking_keeps_rows_in_order_and_bytes_equal_the_file() {
+        let cols = 64;
+        let a = QMatrix::from_raw(3, cols, Kind::Q4_1, &q4_1_raw(3, cols, 1));
+        let b = QMatrix::from_raw(5, cols, Kind::Q4_1, &q4_1_raw(5, cols, 2));
+        assert_eq!(a.bytes(), 3 * cols / BLOCK * 20);
+        let (wa, wb) = (dequant(&a), dequant(&b));
+        let s = QMatrix::stack(vec![a, b]);
+        assert_eq!(s.rows(), 8);
+        assert_eq!(dequant(&s), [wa, wb].concat());
+    }
+}

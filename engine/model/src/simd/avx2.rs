@@ -1,0 +1,540 @@
+//! AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1).
+
+use half::f16;
+use std::arch::x86_64::*;
+
+/// One f16 to f32 through F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn h2f(h: f16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
+}
+
+/// The 32 nibbles of a Q4_1 block as four vectors of eight f32 (values 0..8, ..., 24..32).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn unpack_q4(q: __m128i) -> [__m256; 4] {
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(q, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+    [
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(lo))),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(hi))),
+    ]
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// Eight f16 at `p` as eight f32.
+///
+/// # Safety
+/// The CPU must have F16C; `p` must be valid for reads of 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8_f16(p: *const f16) -> __m256 {
+    // SAFETY: the caller guarantees 16 readable bytes at p; unaligned loads accept any address.
+    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p as *const __m128i) })
+}
+
+/// Σ q x over one Q4_1 block's 32 nibbles (`q`: its 16 bytes, `x`: its 32 activations).
+///
+/// Each half of the bytes is zero-extended to eight 32-bit lanes straight from memory; a
+/// lane's low nibble is value j and its high nibble value j + 16, so a mask and a shift
+/// give both without the byte shuffles of unpacking the whole block at once.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `q` must be valid for reads of 16 bytes and `x` of
+/// 32 f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_q4(q: *const u8, x: *const f32) -> __m256 {
+    let mask = _mm256_set1_epi32(0x0F);
+    // SAFETY: the caller guarantees 16 bytes at q and 32 f32 at x; unaligned loads accept
+    // any address.
+    unsafe {
+        let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q as *const __m128i));
+        let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q.add(8) as *const __m128i));
+        let w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask));
+        let w1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask));
+        let w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0));
+        let w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1));
+        let t = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
+        let t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.add(8)), t);
+        let t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x.add(16)), t);
+        _mm256_fmadd_ps(w3, _mm256_loadu_ps(x.add(24)), t)
+    }
+}
+
+/// Σ q x over one Q8_0 block's 32 signed bytes.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `q` must be valid for reads of 32 bytes and `x` of
+/// 32 f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_q8(q: *const u8, x: *const f32) -> __m256 {
+    // SAFETY: the caller guarantees 32 bytes at q and 32 f32 at x; unaligned loads accept
+    // any address.
+    unsafe {
+        let w = |o: usize| {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                q.add(o) as *const __m128i
+            )))
+        };
+        let t = _mm256_mul_ps(w(0), _mm256_loadu_ps(x));
+        let t = _mm256_fmadd_ps(w(8), _mm256_loadu_ps(x.add(8)), t);
+        let t = _mm256_fmadd_ps(w(16), _mm256_loadu_ps(x.add(16)), t);
+        _mm256_fmadd_ps(w(24), _mm256_loadu_ps(x.add(24)), t)
+    }
+}
+
+/// Σ (d q + m) x over the blocks of one Q4_1 row (`xsum` holds Σ x per block).
+///
+/// Scales and minimums are converted eight blocks at a time, and the minimum term
+/// Σ m Σx is one vector product per eight blocks.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `m` and `xsum` must hold `d.len()` values, `qs` 16
+/// bytes and `x` 32 values for each of the `d.len()` blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_1(d: &[f16], m: &[f16], qs: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let nb = d.len();
+    assert!(m.len() >= nb && xsum.len() >= nb && qs.len() >= nb * 16 && x.len() >= nb * 32);
+    let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
+    let mut mins = _mm256_setzero_ps();
+    let mut ds = [0.0f32; 8];
+    let mut b = 0;
+    while b + 8 <= nb {
+        // SAFETY: b + 8 <= nb, so the eight f16 at d[b..], m[b..] and the eight f32 at
+        // xsum[b..] are inside their slices (assert above); ds holds eight f32.
+        unsafe {
+            _mm256_storeu_ps(ds.as_mut_ptr(), load8_f16(d.as_ptr().add(b)));
+            let mv = load8_f16(m.as_ptr().add(b));
+            mins = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum.as_ptr().add(b)), mins);
+        }
+        for (i, &db) in ds.iter().enumerate() {
+            let k = b + i;
+            // SAFETY: k < nb, so the block's 16 bytes at qs[16k..] and 32 f32 at x[32k..]
+            // are inside their slices by the assert above.
+            let t = unsafe { block_q4(qs.as_ptr().add(k * 16), x.as_ptr().add(k * 32)) };
+            acc[i & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(db), acc[i & 1]);
+        }
+        b += 8;
+    }
+    let mut tail = 0.0;
+    for k in b..nb {
+        // SAFETY: k < nb, as in the loop above.
+        let t = unsafe { block_q4(qs.as_ptr().add(k * 16), x.as_ptr().add(k * 32)) };
+        acc[k & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(h2f(d[k])), acc[k & 1]);
+        tail += h2f(m[k]) * xsum[k];
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1])) + hsum(mins) + tail
+}
+
+/// Σ d q x over the blocks of one Q8_0 row (scales converted eight blocks at a time).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `qs` and `x` must hold 32 values for each of the
+/// `d.len()` blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_0(d: &[f16], qs: &[u8], x: &[f32]) -> f32 {
+    let nb = d.len();
+    assert!(qs.len() >= nb * 32 && x.len() >= nb * 32);
+    let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
+    let mut ds = [0.0f32; 8];
+    let mut b = 0;
+    while b + 8 <= nb {
+        // SAFETY: b + 8 <= nb: the eight f16 at d[b..] are inside `d`; ds holds eight f32.
+        unsafe { _mm256_storeu_ps(ds.as_mut_ptr(), load8_f16(d.as_ptr().add(b))) };
+        for (i, &db) in ds.iter().enumerate() {
+            let k = b + i;
+            // SAFETY: k < nb, so the block's 32 bytes at qs[32k..] and 32 f32 at x[32k..]
+            // are inside their slices by the assert above.
+            let t = unsafe { block_q8(qs.as_ptr().add(k * 32), x.as_ptr().add(k * 32)) };
+            acc[i & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(db), acc[i & 1]);
+        }
+        b += 8;
+    }
+    for k in b..nb {
+        // SAFETY: k < nb, as in the loop above.
+        let t = unsafe { block_q8(qs.as_ptr().add(k * 32), x.as_ptr().add(k * 32)) };
+        acc[k & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(h2f(d[k])), acc[k & 1]);
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1]))
+}
+
+/// Dequantizes Q4_1 blocks into `out` (32 values per block).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `m` must hold `d.len()` values, `qs` 16 bytes and
+/// `out` 32 values for each of the `d.len()` blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_q4_1(d: &[f16], m: &[f16], qs: &[u8], out: &mut [f32]) {
+    let nb = d.len();
+    assert!(m.len() >= nb && qs.len() >= nb * 16 && out.len() >= nb * 32);
+    for b in 0..nb {
+        // SAFETY: the assert above keeps the 16-byte load at qs[16b..] inside `qs`.
+        let q = unsafe { _mm_loadu_si128(qs.as_ptr().add(b * 16) as *const __m128i) };
+        let (db, mb) = (_mm256_set1_ps(h2f(d[b])), _mm256_set1_ps(h2f(m[b])));
+        for (i, w) in unpack_q4(q).into_iter().enumerate() {
+            // SAFETY: out[32b + 8i..+8] is inside `out` by the assert above.
+            unsafe {
+                _mm256_storeu_ps(
+                    out.as_mut_ptr().add(b * 32 + i * 8),
+                    _mm256_fmadd_ps(w, db, mb),
+                )
+            };
+        }
+    }
+}
+
+/// Dequantizes Q8_0 blocks into `out` (32 values per block).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `qs` and `out` must hold 32 values for each of the
+/// `d.len()` blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant_q8_0(d: &[f16], qs: &[u8], out: &mut [f32]) {
+    let nb = d.len();
+    assert!(qs.len() >= nb * 32 && out.len() >= nb * 32);
+    for (b, &h) in d.iter().enumerate() {
+        let db = _mm256_set1_ps(h2f(h));
+        for i in 0..4 {
+            // SAFETY: the 8-byte load at qs[32b + 8i..] and the 8-float store at
+            // out[32b + 8i..] are inside their slices by the assert above.
+            unsafe {
+                let q = _mm_loadl_epi64(qs.as_ptr().add(b * 32 + i * 8) as *const __m128i);
+                let w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                _mm256_storeu_ps(out.as_mut_ptr().add(b * 32 + i * 8), _mm256_mul_ps(w, db));
+            }
+        }
+    }
+}
+
+/// Σ (d q + m) x over the blocks of one Q4_1 row with activations quantized to 8 bits per
+/// block (`xq`, scales `dx`; `xsum` holds the exact Σ x per block for the minimum term).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `m`, `dx` and `xsum` must hold `d.len()` values,
+/// `qs` 16 bytes and `xq` 32 values for each of the `d.len()` blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_1_q8(
+    d: &[f16],
+    m: &[f16],
+    qs: &[u8],
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+) -> f32 {
+    let nb = d.len();
+    assert!(
+        m.len() >= nb
+            && dx.len() >= nb
+            && xsum.len() >= nb
+            && qs.len() >= nb * 16
+            && xq.len() >= nb * 32
+    );
+    let mask = _mm_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
+    let mut mins = 0.0;
+    for b in 0..nb {
+        // SAFETY: the assert above keeps the 16-byte load at qs[16b..] and the 32-byte load
+        // at xq[32b..] inside their slices.
+        let (q, xv) = unsafe {
+            (
+                _mm_loadu_si128(qs.as_ptr().add(b * 16) as *const __m128i),
+                _mm256_loadu_si256(xq.as_ptr().add(b * 32) as *const __m256i),
+            )
+        };
+        let lo = _mm_and_si128(q, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+        // Unsigned nibbles (≤ 15) times signed bytes (|x| ≤ 127): pair sums fit in i16.
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), xv), ones);
+        let s = _mm256_set1_ps(h2f(d[b]) * dx[b]);
+        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[b & 1]);
+        mins += h2f(m[b]) * xsum[b];
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1])) + mins
+}
+
+/// Σ d q x over the blocks of one Q8_0 row with activations quantized to 8 bits per block.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `dx` must hold `d.len()` values, `qs` and `xq` 32
+/// values for each of the `d.len()` blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_0_q8(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32]) -> f32 {
+    let nb = d.len();
+    assert!(dx.len() >= nb && qs.len() >= nb * 32 && xq.len() >= nb * 32);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
+    for b in 0..nb {
+        // SAFETY: the assert above keeps both 32-byte loads inside their slices.
+        let (w, xv) = unsafe {
+            (
+                _mm256_loadu_si256(qs.as_ptr().add(b * 32) as *const __m256i),
+                _mm256_loadu_si256(xq.as_ptr().add(b * 32) as *const __m256i),
+            )
+        };
+        // maddubs wants its first operand unsigned: |w| times x with w's sign.
+        let p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)),
+            ones,
+        );
+        let s = _mm256_set1_ps(h2f(d[b]) * dx[b]);
+        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[b & 1]);
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1]))
+}
+
+/// Little-endian f16 bytes to f32, eight at a time.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `src` must hold two bytes per value of `out`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn f16_to_f32(src: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    assert!(src.len() >= n * 2);
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: the 16-byte load at src[2i..2i+16] and the 8-float store at out[i..i+8]
+        // are inside their slices (i + 8 <= n and the assert above).
+        unsafe {
+            let h = _mm_loadu_si128(src.as_ptr().add(i * 2) as *const __m128i);
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    for j in i..n {
+        out[j] = h2f(f16::from_le_bytes([src[2 * j], src[2 * j + 1]]));
+    }
+}
+
+/// `Σ a b` over two f32 rows of equal length, in four vector accumulators.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (j, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: i + 8 j + 8 <= i + 32 <= n, inside both slices.
+            unsafe {
+                let x = _mm256_loadu_ps(a.as_ptr().add(i + 8 * j));
+                let y = _mm256_loadu_ps(b.as_ptr().add(i + 8 * j));
+                *acc = _mm256_fmadd_ps(x, y, *acc);
+            }
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n, inside both slices.
+        unsafe {
+            let x = _mm256_loadu_ps(a.as_ptr().add(i));
+            let y = _mm256_loadu_ps(b.as_ptr().add(i));
+            acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
+        }
+        i += 8;
+    }
+    let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut s = hsum(v);
+    for j in i..n {
+        s = a[j].mul_add(b[j], s);
+    }
+    s
+}
+
+/// `y += a x` over f32 rows of equal length.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn axpy_f32(y: &mut [f32], a: f32, x: &[f32]) {
+    let n = y.len().min(x.len());
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n, inside both slices; y is not aliased by x (&mut borrow).
+        unsafe {
+            let yp = y.as_mut_ptr().add(i);
+            let v = _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(yp));
+            _mm256_storeu_ps(yp, v);
+        }
+        i += 8;
+    }
+    for j in i..n {
+        y[j] = a.mul_add(x[j], y[j]);
+    }
+}
+
+/// `e^x` in each lane, Cephes' single-precision method: `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`
+/// (ln 2 split in two parts so `r` is exact), a degree-7 polynomial for `e^r`, and `2^n`
+/// built in the exponent bits. Within a few ulp of `e^x` for `x` in `[-87, 88.7]`; `x` is
+/// clamped to `[-87.3, 88.7]`, so a very negative `x` gives 0 or about 1e-38 and a very
+/// large one about 3.4e38, never infinity.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
+        _mm256_set1_ps(88.7),
+    );
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    // ln 2 = 0.693359375 (710 / 1024, exact) - 2.12194440e-4.
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+    }
+    let y = _mm256_fmadd_ps(
+        y,
+        _mm256_mul_ps(r, r),
+        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+    );
+    // 2^n for n in [-126, 128]: the biased exponent, shifted into place. n = 128 (x near
+    // 88.7) would overflow the exponent; take 2^(n-1) and double instead.
+    let n1 = _mm256_sub_ps(n, _mm256_set1_ps(1.0));
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n1),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_mul_ps(
+        _mm256_mul_ps(y, _mm256_castsi256_ps(e)),
+        _mm256_set1_ps(2.0),
+    )
+}
+
+/// Eight values at `i` of `v`, or what is left of `v` padded with `pad`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load_or_pad(v: &[f32], i: usize, pad: f32) -> __m256 {
+    if v.len() - i >= 8 {
+        // SAFETY: v[i..i + 8] is inside v (checked just above).
+        return unsafe { _mm256_loadu_ps(v.as_ptr().add(i)) };
+    }
+    let mut b = [pad; 8];
+    let n = (v.len() - i).min(8);
+    b[..n].copy_from_slice(&v[i..i + n]);
+    // SAFETY: b holds eight f32; unaligned loads accept any address.
+    unsafe { _mm256_loadu_ps(b.as_ptr()) }
+}
+
+/// Stores the first `n` lanes of `x` at `v[i..i + n]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn store_part(v: &mut [f32], i: usize, n: usize, x: __m256) {
+    if n == 8 {
+        assert!(i + 8 <= v.len());
+        // SAFETY: v[i..i + 8] is inside v (asserted just above).
+        return unsafe { _mm256_storeu_ps(v.as_mut_ptr().add(i), x) };
+    }
+    let mut b = [0.0f32; 8];
+    // SAFETY: b holds eight f32; unaligned stores accept any address.
+    unsafe { _mm256_storeu_ps(b.as_mut_ptr(), x) };
+    v[i..i + n].copy_from_slice(&b[..n]);
+}
+
+/// `row = softmax(scale · row)` in place (`scale > 0`).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn softmax(row: &mut [f32], scale: f32) {
+    let len = row.len();
+    if len == 0 {
+        return;
+    }
+    // SAFETY: the caller's guarantee, passed on.
+    let (_, sum) = unsafe { softmax_exp(row, scale) };
+    let inv = _mm256_set1_ps(1.0 / sum);
+    let mut i = 0;
+    while i < len {
+        let n = (len - i).min(8);
+        store_part(row, i, n, _mm256_mul_ps(load_or_pad(row, i, 0.0), inv));
+        i += 8;
+    }
+}
+
+/// `row = e^(scale · row - max)` in place, where `max` is `scale` times the row's largest
+/// value (`scale > 0`); returns `(max, Σ row)`: a softmax before its normalization.
+/// An empty row gives `(-∞, 0)`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn softmax_exp(row: &mut [f32], scale: f32) -> (f32, f32) {
+    let len = row.len();
+    if len == 0 {
+        return (f32::NEG_INFINITY, 0.0);
+    }
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    for i in (0..len).step_by(8) {
+        m = _mm256_max_ps(m, load_or_pad(row, i, f32::NEG_INFINITY));
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    // scale > 0, so the scaled row's largest is the largest scaled.
+    let max_s = _mm_cvtss_f32(m) * scale;
+    let max = _mm256_set1_ps(max_s);
+    let sc = _mm256_set1_ps(scale);
+    let mut sum = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < len {
+        let n = (len - i).min(8);
+        let e = exp8(_mm256_fmsub_ps(load_or_pad(row, i, 0.0), sc, max));
+        // Padding lanes are left out of the sum.
+        let keep = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(keep)));
+        store_part(row, i, n, e);
+        i += 8;
+    }
+    (max_s, hsum(sum))
+}
+
+/// SwiGLU of one row: `out = silu(gate) · up = gate / (1 + e^-gate) · up`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `gate` and `up` at least as long as `out`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn swiglu(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    let len = out.len();
+    assert!(gate.len() >= len && up.len() >= len);
+    let one = _mm256_set1_ps(1.0);
+    let neg = _mm256_set1_ps(-0.0);
+    let mut i = 0;
+    while i < len {
+        let n = (len - i).min(8);
+        let g = load_or_pad(gate, i, 0.0);
+        let e = exp8(_mm256_xor_ps(g, neg));
+        let s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        store_part(out, i, n, _mm256_mul_ps(s, load_or_pad(up, i, 0.0)));
+        i += 8;
+    }
+}

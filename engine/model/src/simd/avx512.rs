@@ -1,0 +1,798 @@
+//! AVX-512 (F, BW, VL) + FMA + F16C kernels for single-token products: several rows per pass,
+//! so each activation load and the f16 conversion of a group's scales serve all of them.
+
+use half::f16;
+use std::arch::x86_64::*;
+
+/// Rows per pass of the matrix-vector kernels.
+pub const ROWS: usize = 4;
+
+/// How far ahead of the rows in work the matrix-vector kernels ask for the weights' cache
+/// lines, in bytes of quants (their scales and minimums follow at the same pace). Without it
+/// one core read a Q4_1 matrix at 14-16 GB/s, as if the reads and the arithmetic took turns;
+/// 8 to 32 KiB ahead, 24-27 GB/s, near a plain streaming read's 28-35 (docs/bench-engine.md).
+pub const PREFETCH_BYTES: usize = 16 << 10;
+
+/// Asks for the cache lines of the `len` bytes from `p` into L1. A prefetch never faults, so
+/// `p` may point past the data (near the end of a matrix it does); the address is computed
+/// with wrapping arithmetic and never dereferenced.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+fn prefetch(p: *const u8, len: usize) {
+    let mut o = 0;
+    while o < len {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
+        o += 64;
+    }
+}
+
+/// The first `n` lanes (`n <= 16`).
+#[inline]
+fn lanes(n: usize) -> __mmask16 {
+    if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 }
+}
+
+/// `out[r] = Σ_b d[r][b] Σ_j q[r][b][j] x[32b + j] + Σ_b m[r][b] xsum[b]` for the
+/// `out.len()` Q4_1 rows held in `d`, `m` (`nb = x.len() / 32` values per row) and `qs`
+/// (16 bytes per block); `xsum` holds Σ x per block.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `x.len()` must be a multiple of 32;
+/// `d` and `m` must hold `nb` values, `qs` `16 nb` bytes for each row of `out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn matvec_q4_1(
+    d: &[f16],
+    m: &[f16],
+    qs: &[u8],
+    x: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    let nb = x.len() / 32;
+    let rows = out.len();
+    assert!(
+        x.len() == nb * 32
+            && xsum.len() >= nb
+            && d.len() >= rows * nb
+            && m.len() >= rows * nb
+            && qs.len() >= rows * nb * 16,
+        "avx512::matvec_q4_1: bad sizes"
+    );
+    // The first rows' lines, then each pass asks for the lines PREFETCH_BYTES ahead of it.
+    prefetch(qs.as_ptr(), PREFETCH_BYTES);
+    prefetch(d.as_ptr() as *const u8, PREFETCH_BYTES / 8);
+    prefetch(m.as_ptr() as *const u8, PREFETCH_BYTES / 8);
+    let mut r = 0;
+    while r + ROWS <= rows {
+        let (q0, s0) = (
+            r * nb * 16 + PREFETCH_BYTES,
+            r * nb * 2 + PREFETCH_BYTES / 8,
+        );
+        prefetch(qs.as_ptr().wrapping_add(q0), ROWS * nb * 16);
+        prefetch((d.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
+        prefetch((m.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
+        // SAFETY: rows r..r + ROWS are inside the slices (asserted above).
+        unsafe { rows_q4_1::<ROWS>(d, m, qs, x, xsum, r, &mut out[r..r + ROWS]) };
+        r += ROWS;
+    }
+    while r < rows {
+        // SAFETY: row r is inside the slices (asserted above).
+        unsafe { rows_q4_1::<1>(d, m, qs, x, xsum, r, &mut out[r..r + 1]) };
+        r += 1;
+    }
+}
+
+/// [`matvec_q4_1`] for the `R` rows from `r0`.
+///
+/// # Safety
+/// As [`matvec_q4_1`], for rows `r0..r0 + R`; `out` holds `R` values.
+#[inline]
+// One index runs over several register arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn rows_q4_1<const R: usize>(
+    d: &[f16],
+    m: &[f16],
+    qs: &[u8],
+    x: &[f32],
+    xsum: &[f32],
+    r0: usize,
+    out: &mut [f32],
+) {
+    let nb = x.len() / 32;
+    let nibble = _mm512_set1_epi32(0x0F);
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut mins = [_mm512_setzero_ps(); R];
+    let mut ds = [[0.0f32; 16]; R];
+    let (dp, mp) = (d.as_ptr(), m.as_ptr());
+    let (qp, xp) = (qs.as_ptr(), x.as_ptr());
+    let mut g = 0;
+    while g < nb {
+        let n = (nb - g).min(16);
+        let k = lanes(n);
+        // SAFETY: blocks g..g + n of rows r0..r0 + R are inside d, m (caller) and g + n <= nb
+        // inside xsum; masked loads read only those lanes.
+        unsafe {
+            let xs = _mm512_maskz_loadu_ps(k, xsum.as_ptr().add(g));
+            for r in 0..R {
+                let o = (r0 + r) * nb + g;
+                let dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dp.add(o) as *const i16));
+                _mm512_storeu_ps(ds[r].as_mut_ptr(), dv);
+                let mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mp.add(o) as *const i16));
+                mins[r] = _mm512_fmadd_ps(mv, xs, mins[r]);
+            }
+        }
+        for i in 0..n {
+            let b = g + i;
+            // SAFETY: block b < nb: its 32 activations are inside x, and its 16 bytes of
+            // each row r0 + r inside qs (caller); unaligned loads accept any address.
+            unsafe {
+                let xl = _mm512_loadu_ps(xp.add(b * 32));
+                let xh = _mm512_loadu_ps(xp.add(b * 32 + 16));
+                for r in 0..R {
+                    let q = _mm_loadu_si128(qp.add(((r0 + r) * nb + b) * 16) as *const __m128i);
+                    let v = _mm512_cvtepu8_epi32(q);
+                    let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble));
+                    let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
+                    let t = _mm512_fmadd_ps(hi, xh, _mm512_mul_ps(lo, xl));
+                    acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(ds[r][i]), acc[r]);
+                }
+            }
+        }
+        g += 16;
+    }
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], mins[r]));
+    }
+}
+
+/// `out[r] = Σ_b d[r][b] Σ_j q[r][b][j] x[32b + j]` for the `out.len()` Q8_0 rows held in
+/// `d` (`nb = x.len() / 32` values per row) and `qs` (32 signed bytes per block).
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `x.len()` must be a multiple of 32;
+/// `d` must hold `nb` values and `qs` `32 nb` bytes for each row of `out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], x: &[f32], out: &mut [f32]) {
+    let nb = x.len() / 32;
+    let rows = out.len();
+    assert!(
+        x.len() == nb * 32 && d.len() >= rows * nb && qs.len() >= rows * nb * 32,
+        "avx512::matvec_q8_0: bad sizes"
+    );
+    prefetch(qs.as_ptr(), PREFETCH_BYTES);
+    prefetch(d.as_ptr() as *const u8, PREFETCH_BYTES / 16);
+    let mut r = 0;
+    while r + ROWS <= rows {
+        let (q0, s0) = (
+            r * nb * 32 + PREFETCH_BYTES,
+            r * nb * 2 + PREFETCH_BYTES / 16,
+        );
+        prefetch(qs.as_ptr().wrapping_add(q0), ROWS * nb * 32);
+        prefetch((d.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
+        // SAFETY: rows r..r + ROWS are inside the slices (asserted above).
+        unsafe { rows_q8_0::<ROWS>(d, qs, x, r, &mut out[r..r + ROWS]) };
+        r += ROWS;
+    }
+    while r < rows {
+        // SAFETY: row r is inside the slices (asserted above).
+        unsafe { rows_q8_0::<1>(d, qs, x, r, &mut out[r..r + 1]) };
+        r += 1;
+    }
+}
+
+/// [`matvec_q8_0`] for the `R` rows from `r0`.
+///
+/// # Safety
+/// As [`matvec_q8_0`], for rows `r0..r0 + R`; `out` holds `R` values.
+#[inline]
+// One index runs over several register arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn rows_q8_0<const R: usize>(d: &[f16], qs: &[u8], x: &[f32], r0: usize, out: &mut [f32]) {
+    let nb = x.len() / 32;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut ds = [[0.0f32; 16]; R];
+    let (dp, qp, xp) = (d.as_ptr(), qs.as_ptr(), x.as_ptr());
+    let mut g = 0;
+    while g < nb {
+        let n = (nb - g).min(16);
+        let k = lanes(n);
+        for (r, ds) in ds.iter_mut().enumerate() {
+            // SAFETY: scales g..g + n of row r0 + r are inside d (caller); the masked load
+            // reads only those lanes.
+            unsafe {
+                let o = (r0 + r) * nb + g;
+                let dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dp.add(o) as *const i16));
+                _mm512_storeu_ps(ds.as_mut_ptr(), dv);
+            }
+        }
+        for i in 0..n {
+            let b = g + i;
+            // SAFETY: block b < nb: its 32 activations are inside x, and its 32 bytes of
+            // each row r0 + r inside qs (caller); unaligned loads accept any address.
+            unsafe {
+                let xl = _mm512_loadu_ps(xp.add(b * 32));
+                let xh = _mm512_loadu_ps(xp.add(b * 32 + 16));
+                for r in 0..R {
+                    let q = qp.add(((r0 + r) * nb + b) * 32);
+                    let (lo, hi) = (load_i8x16(q), load_i8x16(q.add(16)));
+                    let t = _mm512_fmadd_ps(hi, xh, _mm512_mul_ps(lo, xl));
+                    acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(ds[r][i]), acc[r]);
+                }
+            }
+        }
+        g += 16;
+    }
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(acc[r]);
+    }
+}
+
+/// The first two rounds of [`reduce16`] and [`reduce8`]: `out[i]` holds, per 128-bit lane,
+/// that lane's partial sums of vectors `4i..4i + 4` of `v` (`v` is four times as long).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+fn lane_partials(v: &[__m512], out: &mut [__m512]) {
+    debug_assert_eq!(v.len(), 4 * out.len());
+    for (i, o) in out.iter_mut().enumerate() {
+        // Per 128-bit lane, [a0 + a2, b0 + b2, a1 + a3, b1 + b3] for each pair (a, b).
+        let (a, b) = (v[4 * i], v[4 * i + 1]);
+        let x = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        let (a, b) = (v[4 * i + 2], v[4 * i + 3]);
+        let y = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        // Interleaved as pairs of f32 (64-bit lanes), added as f32.
+        let (a, b) = (_mm512_castps_pd(x), _mm512_castps_pd(y));
+        *o = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+        );
+    }
+}
+
+/// Sixteen vectors' horizontal sums, lane `i` of the result being `Σ v[i]`: three rounds of
+/// pairwise interleaving, 45 instructions in all instead of 16 full reductions.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+fn reduce16(v: &[__m512; 16]) -> __m512 {
+    let mut s2 = [_mm512_setzero_ps(); 4];
+    lane_partials(v, &mut s2);
+    // Across the four 128-bit lanes: lane m of the result gathers s2[m]'s four.
+    let z01 = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(s2[0], s2[1]),
+        _mm512_shuffle_f32x4::<0xDD>(s2[0], s2[1]),
+    );
+    let z23 = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(s2[2], s2[3]),
+        _mm512_shuffle_f32x4::<0xDD>(s2[2], s2[3]),
+    );
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(z01, z23),
+        _mm512_shuffle_f32x4::<0xDD>(z01, z23),
+    )
+}
+
+/// Sixteen little-endian f16 at `p`, as f32.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and F16C; `p` must point at 32 readable bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn load_f16x16(p: *const u8) -> __m512 {
+    // SAFETY: 32 readable bytes at `p` (the contract); unaligned loads accept any address.
+    _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p as *const __m256i) })
+}
+
+/// Sixteen signed bytes at `p`, as f32.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; `p` must point at 16 readable bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn load_i8x16(p: *const u8) -> __m512 {
+    // SAFETY: 16 readable bytes at `p` (the contract); unaligned loads accept any address.
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(unsafe {
+        _mm_loadu_si128(p as *const __m128i)
+    }))
+}
+
+/// The body of the `dot_rows` kernels: `key(j, d)` gives key j's values d..d + 16 as f32.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16,
+/// and `key(j, d)` must be valid for every j < out.len() and d + 16 <= q.len().
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn dot_rows_by(q: &[f32], out: &mut [f32], key: impl Fn(usize, usize) -> __m512) {
+    let (hd, n, qp) = (q.len(), out.len(), q.as_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for d in (0..hd).step_by(16) {
+            // SAFETY: d + 16 <= hd: inside q.
+            let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(key(i + j, d), qv, *a);
+            }
+        }
+        // SAFETY: i + 16 <= n: inside out.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), reduce16(&acc)) };
+        i += 16;
+    }
+    for (j, o) in out.iter_mut().enumerate().skip(i) {
+        let mut a = _mm512_setzero_ps();
+        for d in (0..hd).step_by(16) {
+            // SAFETY: d + 16 <= hd: inside q.
+            let qv = unsafe { _mm512_loadu_ps(qp.add(d)) };
+            a = _mm512_fmadd_ps(key(j, d), qv, a);
+        }
+        *o = _mm512_reduce_add_ps(a);
+    }
+}
+
+/// The body of the `axpy_rows` kernels: `val(i, d)` gives value row i's values d..d + 16 as
+/// f32; rows are summed 64 dimensions at a time, even and odd rows in two sets of
+/// accumulators for twice the FMAs in flight.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16,
+/// and `val(i, d)` must be valid for every i < w.len() and d + 16 <= o.len().
+// One index runs over several register arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn axpy_rows_by(o: &mut [f32], w: &[f32], val: impl Fn(usize, usize) -> __m512) {
+    let (hd, op) = (o.len(), o.as_mut_ptr());
+    for d0 in (0..hd).step_by(64) {
+        let nv = ((hd - d0) / 16).min(4);
+        let mut acc = [[_mm512_setzero_ps(); 4]; 2];
+        for v in 0..nv {
+            // SAFETY: d0 + 16 v + 16 <= hd: inside o.
+            acc[0][v] = unsafe { _mm512_loadu_ps(op.add(d0 + 16 * v)) };
+        }
+        for (i, &wi) in w.iter().enumerate() {
+            let wb = _mm512_set1_ps(wi);
+            for v in 0..nv {
+                acc[i & 1][v] = _mm512_fmadd_ps(wb, val(i, d0 + 16 * v), acc[i & 1][v]);
+            }
+        }
+        for v in 0..nv {
+            let sum = _mm512_add_ps(acc[0][v], acc[1][v]);
+            // SAFETY: as the loads above.
+            unsafe { _mm512_storeu_ps(op.add(d0 + 16 * v), sum) };
+        }
+    }
+}
+
+/// Sixteen packed unsigned `BITS`-bit codes (2, 3, 4 or 8; code j in bits `BITS·j..` of the
+/// little-endian bytes from `p`) as f32. Sub-byte codes are read as two words of `BITS`
+/// bytes, eight codes each, spread over the lanes and shifted into place.
+///
+/// # Safety
+/// The CPU must have AVX-512 F; `p` must point at `2 · BITS` readable bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn load_codes16<const BITS: usize>(p: *const u8) -> __m512 {
+    if BITS == 8 {
+        // SAFETY: 16 readable bytes at `p` (the contract).
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(unsafe {
+            _mm_loadu_si128(p as *const __m128i)
+        }));
+    }
+    let word = |q: *const u8| {
+        let mut w = 0u32;
+        // At most four bytes: BITS is 2, 3 or 4 here (8 returned above).
+        for k in 0..BITS.min(4) {
+            // SAFETY: k < BITS, and both words lie in the 2 · BITS readable bytes.
+            w |= u32::from(unsafe { *q.add(k) }) << (8 * k);
+        }
+        w as i32
+    };
+    // SAFETY: the second word starts BITS bytes in, inside the readable bytes.
+    let (w0, w1) = (word(p), word(unsafe { p.add(BITS) }));
+    let v = _mm512_inserti64x4::<1>(_mm512_set1_epi32(w0), _mm256_set1_epi32(w1));
+    let b = BITS as i32;
+    let shifts = _mm512_setr_epi32(
+        0,
+        b,
+        2 * b,
+        3 * b,
+        4 * b,
+        5 * b,
+        6 * b,
+        7 * b,
+        0,
+        b,
+        2 * b,
+        3 * b,
+        4 * b,
+        5 * b,
+        6 * b,
+        7 * b,
+    );
+    let mask = _mm512_set1_epi32((1 << BITS) - 1);
+    _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, shifts), mask))
+}
+
+/// Eight vectors' horizontal sums, lane `i` of the result being `Σ v[i]`: the first rounds
+/// of [`reduce16`] on eight vectors, then the two halves of the 512-bit result added.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+fn reduce8(v: &[__m512; 8]) -> __m256 {
+    let mut s2 = [_mm512_setzero_ps(); 2];
+    lane_partials(v, &mut s2);
+    // 128-bit lanes [A0 + A1, A2 + A3, B0 + B1, B2 + B3] of s2[0] = A and s2[1] = B.
+    let z = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(s2[0], s2[1]),
+        _mm512_shuffle_f32x4::<0xDD>(s2[0], s2[1]),
+    );
+    let t = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(z, z),
+        _mm512_shuffle_f32x4::<0xDD>(z, z),
+    );
+    _mm512_castps512_ps256(t)
+}
+
+/// `R` query rows against the same keys, each key's values loaded and converted once for
+/// all rows: `out[r · stride + j] = bias[r] + Σ_d q[r · hd + d] · key(j, d)` for j < n.
+/// Eight keys per pass (`8 R` accumulators).
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `hd` a multiple of 16, `q` at least
+/// `R · hd` long, `out` at least `(R - 1) · stride + n`, and `key(j, d)` valid for every
+/// j < n and d + 16 <= hd.
+// One index runs over several register arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn dot_rows_multi_by<const R: usize>(
+    q: &[f32],
+    hd: usize,
+    bias: [f32; R],
+    out: &mut [f32],
+    stride: usize,
+    n: usize,
+    key: impl Fn(usize, usize) -> __m512,
+) {
+    let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+    let mut j = 0;
+    while j + 8 <= n {
+        let mut acc = [[_mm512_setzero_ps(); 8]; R];
+        for d in (0..hd).step_by(16) {
+            // SAFETY: r · hd + d + 16 <= R · hd <= q.len() (the contract).
+            let qv: [__m512; R] =
+                std::array::from_fn(|r| unsafe { _mm512_loadu_ps(qp.add(r * hd + d)) });
+            for k in 0..8 {
+                let kv = key(j + k, d);
+                for r in 0..R {
+                    acc[r][k] = _mm512_fmadd_ps(kv, qv[r], acc[r][k]);
+                }
+            }
+        }
+        for r in 0..R {
+            let sums = _mm256_add_ps(reduce8(&acc[r]), _mm256_set1_ps(bias[r]));
+            // SAFETY: r · stride + j + 8 <= (R - 1) · stride + n <= out.len().
+            unsafe { _mm256_storeu_ps(op.add(r * stride + j), sums) };
+        }
+        j += 8;
+    }
+    while j < n {
+        let mut acc = [_mm512_setzero_ps(); R];
+        for d in (0..hd).step_by(16) {
+            let kv = key(j, d);
+            for r in 0..R {
+                // SAFETY: as above.
+                let qv = unsafe { _mm512_loadu_ps(qp.add(r * hd + d)) };
+                acc[r] = _mm512_fmadd_ps(kv, qv, acc[r]);
+            }
+        }
+        for r in 0..R {
+            // SAFETY: r · stride + j < out.len(), as above.
+            unsafe { *op.add(r * stride + j) = bias[r] + _mm512_reduce_add_ps(acc[r]) };
+        }
+        j += 1;
+    }
+}
+
+/// `R` output rows summed from the same value rows, each value row loaded and converted once
+/// for all rows: `o[r · hd + d] += bias[r] + Σ_i w[r · wstride + i] · val(i, d)` for i < n,
+/// 64 dimensions at a time in registers.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `hd` a multiple of 16, `o` at least
+/// `R · hd` long, `w` at least `(R - 1) · wstride + n`, and `val(i, d)` valid for every
+/// i < n and d + 16 <= hd.
+// One index runs over several register arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn axpy_rows_multi_by<const R: usize>(
+    o: &mut [f32],
+    hd: usize,
+    bias: [f32; R],
+    w: &[f32],
+    wstride: usize,
+    n: usize,
+    val: impl Fn(usize, usize) -> __m512,
+) {
+    let (op, wp) = (o.as_mut_ptr(), w.as_ptr());
+    for d0 in (0..hd).step_by(64) {
+        let nv = ((hd - d0) / 16).min(4);
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        for r in 0..R {
+            for v in 0..nv {
+                // SAFETY: r · hd + d0 + 16 v + 16 <= R · hd <= o.len() (the contract).
+                acc[r][v] = _mm512_add_ps(
+                    unsafe { _mm512_loadu_ps(op.add(r * hd + d0 + 16 * v)) },
+                    _mm512_set1_ps(bias[r]),
+                );
+            }
+        }
+        for i in 0..n {
+            let vals: [__m512; 4] = std::array::from_fn(|v| {
+                if v < nv {
+                    val(i, d0 + 16 * v)
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            for r in 0..R {
+                // SAFETY: r · wstride + i < (R - 1) · wstride + n <= w.len().
+                let wb = _mm512_set1_ps(unsafe { *wp.add(r * wstride + i) });
+                for v in 0..nv {
+                    acc[r][v] = _mm512_fmadd_ps(wb, vals[v], acc[r][v]);
+                }
+            }
+        }
+        for r in 0..R {
+            for v in 0..nv {
+                // SAFETY: as the loads above.
+                unsafe { _mm512_storeu_ps(op.add(r * hd + d0 + 16 * v), acc[r][v]) };
+            }
+        }
+    }
+}
+
+/// Kinds of stored values for [`dot_rows_stored`] and [`axpy_rows_stored`]: 2, 3, 4 and 8 are
+/// packed unsigned codes of that many bits, [`SIGNED8`] signed bytes, [`HALF`] little-endian
+/// f16.
+pub const SIGNED8: usize = 9;
+/// See [`SIGNED8`].
+pub const HALF: usize = 16;
+
+/// Sixteen stored values of kind `K` from value index `at` of `p` (on a byte), as f32.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL and F16C; the sixteen values must be readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn load_stored16<const K: usize>(p: *const u8, at: usize) -> __m512 {
+    // SAFETY: in each branch the sixteen values from `at` are readable (the contract).
+    unsafe {
+        match K {
+            SIGNED8 => load_i8x16(p.add(at)),
+            HALF => load_f16x16(p.add(2 * at)),
+            _ => load_codes16::<K>(p.add(at * K / 8)),
+        }
+    }
+}
+
+/// Whether `n` rows of `hd` values of kind `K` from value index `first` lie in `len` bytes,
+/// each row starting on a byte.
+fn stored_fits<const K: usize>(len: usize, first: usize, n: usize, hd: usize) -> bool {
+    let bits = match K {
+        SIGNED8 => 8,
+        k => k,
+    };
+    (first * bits).is_multiple_of(8) && len * 8 >= (first + n * hd) * bits
+}
+
+/// [`dot_rows_multi_by`] over keys stored as values of kind `K` (see [`SIGNED8`]): key j's
+/// start at value `first + j · hd` of `codes`. Scales per channel are folded into `q` and
+/// minimums into `bias` by the caller.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn dot_rows_stored<const K: usize, const R: usize>(
+    q: &[f32],
+    hd: usize,
+    bias: [f32; R],
+    codes: &[u8],
+    first: usize,
+    out: &mut [f32],
+    stride: usize,
+    n: usize,
+) {
+    assert!(
+        hd.is_multiple_of(16)
+            && stored_fits::<K>(codes.len(), first, n, hd)
+            && q.len() >= R * hd
+            && out.len() >= (R - 1) * stride + n,
+        "avx512::dot_rows_stored: bad sizes"
+    );
+    let cp = codes.as_ptr();
+    // SAFETY: values d..d + 16 of key j < n lie inside `codes` (asserted).
+    let key = |j: usize, d: usize| unsafe { load_stored16::<K>(cp, first + j * hd + d) };
+    // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+    unsafe { dot_rows_multi_by::<R>(q, hd, bias, out, stride, n, key) }
+}
+
+/// [`axpy_rows_multi_by`] over value rows stored as values of kind `K` (row i from value
+/// `first + i · hd`). Scales per row are folded into `w` and minimums into `bias` by the
+/// caller.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn axpy_rows_stored<const K: usize, const R: usize>(
+    o: &mut [f32],
+    hd: usize,
+    bias: [f32; R],
+    w: &[f32],
+    wstride: usize,
+    n: usize,
+    codes: &[u8],
+    first: usize,
+) {
+    assert!(
+        hd.is_multiple_of(16)
+            && stored_fits::<K>(codes.len(), first, n, hd)
+            && o.len() >= R * hd
+            && w.len() >= (R - 1) * wstride + n,
+        "avx512::axpy_rows_stored: bad sizes"
+    );
+    let cp = codes.as_ptr();
+    // SAFETY: values d..d + 16 of row i < n lie inside `codes` (asserted).
+    let val = |i: usize, d: usize| unsafe { load_stored16::<K>(cp, first + i * hd + d) };
+    // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+    unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
+}
+
+/// The AVX-512 body of [`crate::kernels::decode_coded_params`]: sixteen (minimum code,
+/// scale code) byte pairs at a time; returns how many pairs it decoded (the whole vectors'),
+/// and the caller decodes the rest.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn decode_coded_params(
+    pairs: &[u8],
+    amax: f32,
+    step: f32,
+    steps: &[f32; 8],
+    mins: &mut [f32],
+    scales: &mut [f32],
+) -> usize {
+    let n = mins.len();
+    assert!(
+        scales.len() == n && pairs.len() >= 2 * n,
+        "avx512::decode_coded_params: bad sizes"
+    );
+    let (pp, mp, sp) = (pairs.as_ptr(), mins.as_mut_ptr(), scales.as_mut_ptr());
+    let (va, vstep) = (_mm512_set1_ps(amax), _mm512_set1_ps(step));
+    // SAFETY: `steps` holds eight f32; the upper half of the register is never indexed.
+    let table = _mm512_castps256_ps512(unsafe { _mm256_loadu_ps(steps.as_ptr()) });
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: pairs i..i + 16 are 32 bytes inside `pairs` (asserted).
+        let x =
+            _mm512_cvtepu16_epi32(unsafe { _mm256_loadu_si256(pp.add(2 * i) as *const __m256i) });
+        // Each lane holds one pair, little end first: the minimum code (signed) in bits
+        // 0..8, the scale code in bits 8..16.
+        let m = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(x));
+        let j = _mm512_srli_epi32::<8>(x);
+        let frac = _mm512_permutexvar_ps(_mm512_and_si512(j, _mm512_set1_epi32(7)), table);
+        let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_sub_epi32(
+            _mm512_set1_epi32(127),
+            _mm512_srli_epi32::<3>(j),
+        )));
+        // (amax · step) · 2^-k, in that order: the portable path's rounding.
+        let scale = _mm512_mul_ps(_mm512_mul_ps(va, frac), pow2);
+        // SAFETY: i + 16 <= n = mins.len() = scales.len().
+        unsafe {
+            _mm512_storeu_ps(mp.add(i), _mm512_mul_ps(_mm512_cvtepi32_ps(m), vstep));
+            _mm512_storeu_ps(sp.add(i), scale);
+        }
+        i += 16;
+    }
+    i
+}
+
+/// The AVX-512 body of [`crate::kernels::decode_codes`] for one code width.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn decode_codes<const BITS: usize>(
+    codes: &[u8],
+    first: usize,
+    hd: usize,
+    mins: &[f32],
+    scales: &[f32],
+    per_row: bool,
+    out: &mut [f32],
+) {
+    let rows = out.len() / hd.max(1);
+    let params = if per_row { rows } else { hd };
+    assert!(
+        hd.is_multiple_of(16)
+            && out.len() == rows * hd
+            && (first * BITS).is_multiple_of(8)
+            && codes.len() * 8 >= (first + rows * hd) * BITS
+            && mins.len() >= params
+            && scales.len() >= params,
+        "avx512::decode_codes: bad sizes"
+    );
+    let (cp, op) = (codes.as_ptr(), out.as_mut_ptr());
+    for r in 0..rows {
+        // Rows start on a byte: hd is a multiple of 16 and `first` of 8 / BITS.
+        let row = (first + r * hd) * BITS / 8;
+        let (mr, sr) = if per_row {
+            (_mm512_set1_ps(mins[r]), _mm512_set1_ps(scales[r]))
+        } else {
+            (_mm512_setzero_ps(), _mm512_setzero_ps())
+        };
+        for d in (0..hd).step_by(16) {
+            // SAFETY: codes d..d + 16 of row r are 2 · BITS bytes inside `codes` (asserted).
+            let c = unsafe { load_codes16::<BITS>(cp.add(row + d * BITS / 8)) };
+            let (m, s) = if per_row {
+                (mr, sr)
+            } else {
+                // SAFETY: d + 16 <= hd <= mins.len(), scales.len() (asserted).
+                unsafe {
+                    (
+                        _mm512_loadu_ps(mins.as_ptr().add(d)),
+                        _mm512_loadu_ps(scales.as_ptr().add(d)),
+                    )
+                }
+            };
+            // Multiply, then add: the same rounding as the portable path.
+            // SAFETY: r · hd + d + 16 <= out.len() (asserted).
+            unsafe { _mm512_storeu_ps(op.add(r * hd + d), _mm512_add_ps(m, _mm512_mul_ps(c, s))) };
+        }
+    }
+}
+
+/// `out[i] = q · keys[i q.len()..(i + 1) q.len()]` for every `i`: one query row against
+/// consecutive keys, sixteen keys per pass.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `q.len()` must be a multiple of 16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn dot_rows(q: &[f32], keys: &[f32], out: &mut [f32]) {
+    let hd = q.len();
+    assert!(
+        hd.is_multiple_of(16) && keys.len() >= out.len() * hd,
+        "avx512::dot_rows: bad sizes"
+    );
+    let kp = keys.as_ptr();
+    // SAFETY: key j < out.len() holds hd values inside `keys` (asserted above); d + 16 <= hd.
+    let key = |j: usize, d: usize| unsafe { _mm512_loadu_ps(kp.add(j * hd + d)) };
+    // SAFETY: the CPU has the features (this function's contract); `key` as above.
+    unsafe { dot_rows_by(q, out, key) }
+}
+
+/// `o += Σ_i w[i] vals[i o.len()..(i + 1) o.len()]`: the weighted sum of consecutive value
+/// rows into one output row, kept in registers 64 dimensions at a time.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `o.len()` must be a multiple of 16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn axpy_rows(o: &mut [f32], w: &[f32], vals: &[f32]) {
+    let hd = o.len();
+    assert!(
+        hd.is_multiple_of(16) && vals.len() >= w.len() * hd,
+        "avx512::axpy_rows: bad sizes"
+    );
+    let vp = vals.as_ptr();
+    // SAFETY: row i < w.len() holds hd values inside `vals` (asserted above); d + 16 <= hd.
+    let val = |i: usize, d: usize| unsafe { _mm512_loadu_ps(vp.add(i * hd + d)) };
+    // SAFETY: the CPU has the features (this function's contract); `val` as above.
+    unsafe { axpy_rows_by(o, w, val) }
+}

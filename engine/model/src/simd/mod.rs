@@ -1,0 +1,23 @@
+//! The engine's SIMD kernels over quantized blocks, one module per instruction set; callers check
+//! the CPU at run time ([`crate::qmatrix::Isa`]) before calling into them.
+
+/// Asks for the cache lines of `bytes` into L2 (a hint: no effect on results, and none on
+/// CPUs other than x86-64).
+pub fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for o in (0..bytes.len()).step_by(64) {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: SSE is part of every x86-64 CPU; a prefetch reads nothing architecturally,
+        // and the address is inside `bytes` anyway.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes[o..].as_ptr() as *const i8) };
+    }
+}
+
+/// AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1).
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+
+/// AVX-512 (F, BW, VL) + FMA + F16C kernels for single-token products: several rows per pass,
+/// so each activation load and the f16 conversion of a group's scales serve all of them.
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;

@@ -1,0 +1,87 @@
+//! service: the context manager that runs each call of each context against managed memory
+//! (Load, Run, Compress, AoT write-out, Reclaim; paper §3 and DESIGN.md "the four primitives").
+//!
+//! Read it top-down: [`manager`] runs a call; [`load`] brings a context's missing chunks back;
+//! [`memory`] puts a context's chunks in the pager's userfaultfd slots; [`writer`] writes chunks
+//! to kvfs ahead of time; [`source`] reads them back on a fault; [`config`] holds the settings and the named
+//! managers (LLMS and the paper's baselines); [`chooser`] lets the policy crate's LCTRU queue pick the pager's victims; [`pressure`] moves the budget with the system's
+//! memory pressure; [`profile`] is the planner's cost profile. docs/service.md gives the
+//! numbered flows.
+//!
+//! This crate owns contexts, their owners and their chunks' whereabouts (memory, kvfs, queued
+//! for write-out). It never reads a socket or parses a request (the daemon crate does), never
+//! measures a workload (the bench crate does), and reaches chunk bytes only through the pager
+//! and kvfs.
+
+pub mod chooser;
+pub mod chunk_io;
+pub mod config;
+pub mod load;
+pub mod manager;
+pub mod memory;
+pub mod pressure;
+pub mod profile;
+pub mod source;
+pub mod writer;
+
+pub use config::{DEFAULT_KV_BITS, ManagerConfig, ManagerKind, VictimPolicy, WriteOut};
+pub use load::{LoadMode, LoadReport};
+pub use manager::{CallOptions, CallReport, ContextSummary, Manager, Owner, Prompt};
+pub use protocol::{Latency, ServiceStats, ServiceWeights};
+
+/// What went wrong in the service; [`ServiceError::code`] is the stable name clients match on.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// No such context for this owner (another owner's contexts are not found either).
+    #[error("no context {id}; list your contexts to see their ids")]
+    NotFound { id: u64 },
+    /// The request is malformed or out of range.
+    #[error("{what}")]
+    BadRequest { what: String },
+    /// The owner holds as many contexts as allowed.
+    #[error("app {app:?} already holds {max} contexts; delete one first")]
+    TooManyContexts { app: String, max: usize },
+    #[error(transparent)]
+    Model(#[from] model::ModelError),
+    #[error(transparent)]
+    Kv(#[from] model::kv::KvError),
+    #[error(transparent)]
+    Recompute(#[from] model::kv::recompute::RecomputeError),
+    #[error("kv store: {0}")]
+    Store(#[from] kvfs::StoreError),
+    #[error("kv memory: {0}")]
+    Pager(#[from] uffd_pager::PagerError),
+    #[error("planning the load: {0}")]
+    Plan(#[from] policy::planner::PlanError),
+    #[error("{what}")]
+    Internal { what: String },
+}
+
+impl ServiceError {
+    /// A stable, machine-readable name for the error.
+    pub fn code(&self) -> &'static str {
+        use model::ModelError;
+        use model::kv::recompute::RecomputeError;
+        let kv = |e: &model::kv::KvError| match e {
+            model::kv::KvError::Full { .. } => "context_full",
+            model::kv::KvError::OverBudget { .. } => "over_budget",
+            _ => "internal",
+        };
+        match self {
+            ServiceError::NotFound { .. } => "not_found",
+            ServiceError::BadRequest { .. } => "bad_request",
+            ServiceError::TooManyContexts { .. } => "too_many_contexts",
+            ServiceError::Kv(e)
+            | ServiceError::Model(ModelError::Kv(e))
+            | ServiceError::Recompute(RecomputeError::Model {
+                source: ModelError::Kv(e),
+                ..
+            }) => kv(e),
+            ServiceError::Model(ModelError::BadToken { .. }) => "bad_request",
+            ServiceError::Pager(uffd_pager::PagerError::BudgetExhausted { .. })
+            | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => "over_budget",
+            ServiceError::Store(_) => "store",
+            _ => "internal",
+        }
+    }
+}

@@ -1,0 +1,658 @@
+//! The Load pipeline (paper §3.3, Eq. 4): a context's missing chunks come back before its call
+//! runs, some read from kvfs on an I/O thread while the engine recomputes the others.
+//!
+//! 1. Plan: `policy::plan_load` splits the missing chunks that the store holds into reads and
+//!    recomputes from the cost model; chunks the store does not hold are recomputed.
+//!    Reads positioned before the last recomputed chunk go first ("blocking": the recompute
+//!    attends to them).
+//! 2. The I/O thread reads the blocking chunks and populates their slots, signals, then reads the
+//!    rest; the calling thread waits for the signal and recomputes its set in the meantime.
+//! 3. A read that fails its checks (missing, corrupt, other model) is recomputed after both are
+//!    done, when every chunk it depends on is resident.
+
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::Instant;
+
+use kvfs::io::AlignedBuf;
+use kvfs::{MountReader, RawSlot};
+use policy::{CostModel, LoadPlan, MissingChunk};
+use uffd_pager::{ChunkKey, Pager, ReadRing};
+
+use crate::ServiceError;
+use crate::chunk_io::ChunkIo;
+use crate::source::from_store;
+use model::Model;
+use model::kv::recompute::{RecomputeError, recompute_chunks};
+use model::kv::{ChunkShape, KvCache, KvFormat};
+
+/// How a context's missing chunks come back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LoadMode {
+    /// Reads and recomputes at once, as the planner splits them (LLMS).
+    #[default]
+    Planned,
+    /// Every chunk the store holds is read; only the others are recomputed.
+    ReadOnly,
+    /// Every missing chunk is recomputed from its tokens.
+    RecomputeOnly,
+}
+
+/// What one Load did, in seconds from its start.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct LoadReport {
+    /// Chunks missing when the call arrived.
+    pub missing: usize,
+    /// Chunks read from the store.
+    pub read: Vec<u32>,
+    /// Chunks recomputed (planned, and those whose read failed).
+    pub recomputed: Vec<u32>,
+    /// Reads that failed their checks and were recomputed instead.
+    pub failed_reads: Vec<u32>,
+    /// Bytes read.
+    pub read_bytes: u64,
+    /// Planning time.
+    pub plan_secs: f64,
+    /// The I/O threads' busy time (read and populate), the longest of them.
+    pub io_secs: f64,
+    /// Recompute time.
+    pub recompute_secs: f64,
+    /// The whole Load.
+    pub total_secs: f64,
+    /// What the plan predicted for the whole Load.
+    pub predicted_secs: f64,
+}
+
+/// What the store holds of a context's chunk: its format there and its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoredChunk {
+    pub format: KvFormat,
+    pub bytes: u64,
+}
+
+/// The Load's I/O threads and their read buffers, kept between Loads: the threads wait parked,
+/// so a switch does not pay for starting them.
+///
+/// Through a mount, one thread keeps up to [`RING_DEPTH`] reads in flight on an io_uring
+/// ([`ReadRing`], over a [`RING_BYTES`] buffer in transparent huge pages, into which direct
+/// reads run about twice as fast as into small pages, docs/kvfs.md): the engine thread itself
+/// when nothing is recomputed, an I/O thread while it recomputes. Without a mount, or where
+/// the kernel refuses io_uring, the threads read one chunk each at a time into their own part of
+/// one buffer (`AlignedBuf::huge`).
+#[derive(Debug)]
+pub struct Readers {
+    pool: rayon::ThreadPool,
+    buf: AlignedBuf,
+    /// The io_uring: through a mount, where the kernel allows it.
+    ring: Option<Box<ReadRing>>,
+}
+
+/// Entries of the Load's io_uring: at most this many reads in flight.
+pub const RING_DEPTH: u32 = 32;
+
+/// The io_uring's read buffer: about 20 compressed chunks of the default model in flight, 10 int8
+/// ones, 5 f16 ones.
+pub const RING_BYTES: usize = 2 << 20;
+
+impl Readers {
+    /// `threads` I/O threads (at least one), and with `ring` (chunks read through a mount) the
+    /// io_uring. The read buffer is mapped now, not at the first Load: faulting in huge pages can
+    /// take milliseconds (the kernel may compact memory to find them), which the first switch
+    /// that reads would otherwise pay (5-10 ms, once in three or four replays of docs/bench.md's).
+    pub fn new(threads: usize, ring: bool) -> Result<Readers, ServiceError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(|i| format!("llms-load-{i}"))
+            .build()
+            .map_err(|e| ServiceError::Internal {
+                what: format!("starting the Load's I/O threads: {e}"),
+            })?;
+        let ring = ring
+            .then(|| match ReadRing::new(RING_DEPTH, RING_BYTES) {
+                Ok(r) => Some(Box::new(r)),
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "no io_uring: the Load reads with one thread per read in flight"
+                    );
+                    None
+                }
+            })
+            .flatten();
+        // The threads' buffer, where there is no ring: eight int8 parts fit this.
+        let buf = AlignedBuf::huge(if ring.is_none() { RING_BYTES } else { 0 });
+        Ok(Readers { pool, buf, ring })
+    }
+
+    /// The read buffers' bytes (whole huge pages: the io_uring's, and the threads', sized to the
+    /// largest Load's chunks so far).
+    pub fn buffer_bytes(&self) -> usize {
+        self.buf.capacity() + self.ring.as_deref().map_or(0, ReadRing::buffer_bytes)
+    }
+
+    /// Of those, the bytes the kernel backs with huge pages.
+    pub fn huge_bytes(&self) -> usize {
+        self.buf.huge_bytes() + self.ring.as_deref().map_or(0, ReadRing::huge_bytes)
+    }
+
+    /// Whether Loads read through an io_uring (through a mount, where the kernel allows it).
+    pub fn uses_io_uring(&self) -> bool {
+        self.ring.is_some()
+    }
+}
+
+/// Brings every missing chunk of `cache` back. `stored[i]` is what the store holds of chunk `i`.
+/// The cache must be pinned. The reads run on `readers` (all its threads when nothing is
+/// recomputed, one otherwise), each into its own part of their buffer. `during` is the caller's
+/// own work (encoding the prompt): it runs on the calling thread once the reads are under way and
+/// before any recompute, and has run when the Load returns `Ok`.
+#[allow(clippy::too_many_arguments)]
+pub fn load(
+    model: &Model,
+    io: &ChunkIo,
+    pager: &Pager,
+    ctx: u64,
+    cache: &mut KvCache,
+    stored: &[Option<StoredChunk>],
+    mode: LoadMode,
+    cost: &CostModel,
+    readers: &mut Readers,
+    during: impl FnOnce(),
+) -> Result<LoadReport, ServiceError> {
+    let t0 = Instant::now();
+    let missing = cache.missing_chunks();
+    let mut report = LoadReport {
+        missing: missing.len(),
+        ..LoadReport::default()
+    };
+    if missing.is_empty() {
+        during();
+        return Ok(report);
+    }
+    let _span = tracing::debug_span!("load", ctx, missing = missing.len()).entered();
+    let readable: Vec<MissingChunk> = missing
+        .iter()
+        .filter_map(|&i| {
+            stored.get(i).copied().flatten().map(|s| MissingChunk {
+                index: i as u32,
+                bytes: s.bytes,
+            })
+        })
+        .collect();
+    let unreadable: Vec<u32> = missing
+        .iter()
+        .map(|&i| i as u32)
+        .filter(|i| !readable.iter().any(|r| r.index == *i))
+        .collect();
+    let mut plan = match mode {
+        LoadMode::Planned => policy::plan_load(&readable, cost)?,
+        LoadMode::ReadOnly => policy::planner::evaluate(&readable, &[], cost)?,
+        LoadMode::RecomputeOnly => {
+            let all: Vec<u32> = readable.iter().map(|r| r.index).collect();
+            policy::planner::evaluate(&readable, &all, cost)?
+        }
+    };
+    force_recompute(&mut plan, &unreadable);
+    report.predicted_secs = plan.predicted.total;
+    report.plan_secs = t0.elapsed().as_secs_f64();
+
+    let shape = *cache.shape();
+    let formats = cache.chunk_formats().to_vec();
+    let (first_done, wait_first) = mpsc::channel::<()>();
+    // The reads, blocking ones first, pulled by the I/O threads from one shared cursor; the
+    // thread that finishes the last blocking read lets the recompute start.
+    let order: Vec<u32> = plan
+        .read_first
+        .iter()
+        .chain(&plan.read_after)
+        .copied()
+        .collect();
+    let blocking = plan.read_first.len();
+    let cursor = AtomicUsize::new(0);
+    let first_left = AtomicUsize::new(blocking);
+    if blocking == 0 {
+        let _ = first_done.send(());
+    }
+    // Counts a chunk done; the last blocking one lets the recompute start.
+    let chunk_done = |n: usize| {
+        if n < blocking && first_left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _ = first_done.send(());
+        }
+    };
+    let thread_reads = |buf: &mut [u8]| -> IoOut {
+        let t = Instant::now();
+        let mut out = IoOut::default();
+        let mut spare = Spare::default();
+        loop {
+            let n = cursor.fetch_add(1, Ordering::Relaxed);
+            let Some(&i) = order.get(n) else { break };
+            let key = ChunkKey::new(ctx, i);
+            let r = read_one(
+                io,
+                pager,
+                &shape,
+                formats[i as usize],
+                key,
+                &mut *buf,
+                &mut spare,
+            );
+            out.record(key, r);
+            chunk_done(n);
+        }
+        out.secs = t.elapsed().as_secs_f64();
+        out
+    };
+    let recompute = plan
+        .recompute
+        .iter()
+        .map(|&i| i as usize)
+        .collect::<Vec<_>>();
+    let Readers {
+        pool,
+        buf,
+        ring: ring_state,
+    } = readers;
+    // Through a mount, one thread keeps the reads in flight on the io_uring.
+    let ring = if io.mountpoint().is_some() {
+        ring_state.as_deref_mut()
+    } else {
+        None
+    };
+    // Otherwise, with nothing to recompute the engine thread is idle: every core reads.
+    let threads = if ring.is_some() || !recompute.is_empty() {
+        1
+    } else {
+        pool.current_num_threads().max(1)
+    }
+    .min(order.len().max(1));
+    // The largest chunk of this Load in the formats the cache records: each thread reads into a
+    // part of the readers' buffer that size (a heavier stored copy, rare, goes through the
+    // thread's spare buffer).
+    let part = order
+        .iter()
+        .map(|&i| shape.chunk_bytes(formats[i as usize]))
+        .max()
+        .unwrap_or(0);
+    let done = std::sync::Mutex::new(Vec::with_capacity(threads));
+    let (thread_reads, chunk_done) = (&thread_reads, &chunk_done);
+    let reads = RingReads {
+        io,
+        pager,
+        shape: &shape,
+        formats: &formats,
+        ctx,
+        part,
+        order: &order,
+    };
+    let reads = &reads;
+    let finish = |r: std::thread::Result<IoOut>| {
+        if r.is_err() {
+            // Never leave the recompute waiting for a signal that will not come.
+            let _ = first_done.send(());
+        }
+        done.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+    };
+    let finish = &finish;
+    let (io_out, re_out) = match ring {
+        Some(ring) if recompute.is_empty() => {
+            // Nothing to recompute: the engine thread keeps the reads in flight itself, with no
+            // hand-off to an I/O thread, and encodes the prompt once they are under way.
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                reads.run(ring, chunk_done, Some(during))
+            }));
+            done.lock().unwrap_or_else(|e| e.into_inner()).push(out);
+            (Ok(()), Ok(0.0))
+        }
+        ring => pool.in_place_scope(|s| {
+            if let Some(ring) = ring {
+                s.spawn(move |_| {
+                    finish(std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                        || reads.run(ring, chunk_done, None::<fn()>),
+                    )))
+                });
+            } else {
+                for part in buf.parts(threads, part) {
+                    s.spawn(move |_| {
+                        finish(std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+                            || thread_reads(part),
+                        )))
+                    });
+                }
+            }
+            during();
+            let _ = wait_first.recv();
+            let t_re = Instant::now();
+            let re = if recompute.is_empty() {
+                Ok(0.0)
+            } else {
+                recompute_chunks(model, cache, &recompute).map(|_| t_re.elapsed().as_secs_f64())
+            };
+            (Ok::<_, ServiceError>(()), re)
+        }),
+    };
+    let io_out = io_out.and_then(|()| {
+        let mut all = IoOut::default();
+        for r in done.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            let out = r.map_err(|_| {
+                // A panic may have left reads of this Load in flight on the ring: never reap
+                // them into another.
+                *ring_state = None;
+                ServiceError::Internal {
+                    what: "a load I/O thread panicked".into(),
+                }
+            })?;
+            all.ok.extend(out.ok);
+            all.failed.extend(out.failed);
+            all.bytes += out.bytes;
+            all.secs = f64::max(all.secs, out.secs);
+            all.ring_failed |= out.ring_failed;
+        }
+        all.ok.sort_unstable();
+        all.failed.sort_unstable();
+        if all.ring_failed {
+            // Reads of this Load may still be in flight on it: never reap them into another.
+            *ring_state = None;
+        }
+        Ok((all.ok, all.failed, all.bytes, all.secs))
+    });
+    let (read, failed, read_bytes, io_secs) = io_out?;
+    // A blocking read that failed leaves the planned recompute short of a chunk it attends to:
+    // then the planned set is recomputed with the failed reads, now that the rest is resident.
+    let mut again: Vec<usize> = failed.iter().map(|&i| i as usize).collect();
+    match re_out {
+        Ok(secs) => report.recompute_secs = secs,
+        Err(RecomputeError::Dependency { .. }) if !failed.is_empty() => again.extend(&recompute),
+        Err(e) => return Err(e.into()),
+    }
+    if !again.is_empty() {
+        let t = Instant::now();
+        recompute_chunks(model, cache, &again)?;
+        report.recompute_secs += t.elapsed().as_secs_f64();
+    }
+    report.read = read;
+    report.read_bytes = read_bytes;
+    report.io_secs = io_secs;
+    report.recomputed = plan.recompute.clone();
+    report.recomputed.extend(&failed);
+    report.recomputed.sort_unstable();
+    report.failed_reads = failed;
+    report.total_secs = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Adds chunks that cannot be read to the plan's recompute set, and moves the reads they now
+/// depend on to the blocking group.
+fn force_recompute(plan: &mut LoadPlan, unreadable: &[u32]) {
+    if unreadable.is_empty() {
+        return;
+    }
+    plan.recompute.extend_from_slice(unreadable);
+    plan.recompute.sort_unstable();
+    let last = *plan.recompute.last().expect("not empty");
+    let (before, after): (Vec<u32>, Vec<u32>) = plan.read_after.iter().partition(|&&i| i < last);
+    plan.read_first.extend(before);
+    plan.read_first.sort_unstable();
+    plan.read_after = after;
+}
+
+/// What an I/O thread did: the chunks it brought back, those whose read failed (to recompute),
+/// the bytes it read and its busy time.
+#[derive(Default)]
+struct IoOut {
+    ok: Vec<u32>,
+    failed: Vec<u32>,
+    bytes: u64,
+    secs: f64,
+    /// The io_uring failed: it is given up for good.
+    ring_failed: bool,
+}
+
+impl IoOut {
+    fn record(&mut self, key: ChunkKey, r: Result<u64, ServiceError>) {
+        match r {
+            Ok(b) => {
+                self.ok.push(key.index);
+                self.bytes += b;
+            }
+            Err(e) => {
+                tracing::debug!(chunk = %key, error = %e, "read failed; recomputing it");
+                self.failed.push(key.index);
+            }
+        }
+    }
+}
+
+/// What an I/O thread keeps besides its part of the readers' buffer: a buffer for a stored copy
+/// larger than the part, and room to recompress one.
+#[derive(Default)]
+struct Spare {
+    read: AlignedBuf,
+    recompressed: Vec<u8>,
+}
+
+/// One Load's reads on the io_uring, in `order`.
+struct RingReads<'a> {
+    io: &'a ChunkIo,
+    pager: &'a Pager,
+    shape: &'a ChunkShape,
+    formats: &'a [KvFormat],
+    ctx: u64,
+    /// The largest chunk of the Load, for a read that does not go through the ring.
+    part: usize,
+    order: &'a [u32],
+}
+
+impl RingReads<'_> {
+    /// Keeps as many reads in flight as the ring's buffer holds, populates each chunk as its read
+    /// ends, and calls `done(n)` for the `n`th chunk of `order` once it is resident or has failed.
+    /// A chunk the ring cannot read (not stored raw, larger than the ring's buffer, a read or a
+    /// check that fails) is read the usual way ([`read_one`]), which retries a chunk a rewrite
+    /// moved and quarantines a bad one. `during` runs once the first reads are under way.
+    fn run(
+        &self,
+        ring: &mut ReadRing,
+        done: &(dyn Fn(usize) + Sync),
+        mut during: Option<impl FnOnce()>,
+    ) -> IoOut {
+        let t = Instant::now();
+        let mut out = IoOut::default();
+        let mut spare = Spare::default();
+        let mut fallback = AlignedBuf::default();
+        let mut slots: Vec<Option<(Arc<MountReader>, RawSlot)>> = vec![None; self.order.len()];
+        let mut next = 0;
+        let mut aside = 0.0;
+        loop {
+            while next < self.order.len() {
+                let n = next;
+                let i = self.order[n];
+                let started = match self.io.raw_slot(self.ctx, i) {
+                    Some((file, slot)) => {
+                        match ring.start(n as u64, file.as_fd(), slot.offset(), slot.read_len()) {
+                            Ok(true) => {
+                                slots[n] = Some((file, slot));
+                                true
+                            }
+                            // No room now: wait for a read to end.
+                            Ok(false) if ring.in_flight() > 0 => break,
+                            Ok(false) => false,
+                            Err(e) => {
+                                tracing::debug!(error = %e, "io_uring read not started");
+                                false
+                            }
+                        }
+                    }
+                    _ => false,
+                };
+                if !started {
+                    self.read_alone(n, &mut out, &mut fallback, &mut spare, done);
+                }
+                next += 1;
+            }
+            if let Some(f) = during.take() {
+                let t = Instant::now();
+                f();
+                // Not the reads' time: the cost model fits its read costs on `secs`.
+                aside = t.elapsed().as_secs_f64();
+            }
+            let read = match ring.wait() {
+                Ok(Some(read)) => read,
+                Ok(None) => break,
+                Err(e) => {
+                    // The ring failed: read what it had in flight the usual way, and the rest;
+                    // the Load's caller then gives the ring up.
+                    tracing::warn!(error = %e, "io_uring failed; reading the Load's chunks one by one");
+                    out.ring_failed = true;
+                    let left = slots
+                        .iter_mut()
+                        .enumerate()
+                        .filter_map(|(n, s)| s.take().map(|_| n));
+                    for n in left.chain(next..self.order.len()).collect::<Vec<_>>() {
+                        self.read_alone(n, &mut out, &mut fallback, &mut spare, done);
+                    }
+                    break;
+                }
+            };
+            let n = read.tag as usize;
+            let i = self.order[n];
+            let key = ChunkKey::new(self.ctx, i);
+            let (file, slot) = slots[n].take().expect("a started read has its slot");
+            let bytes = ring.bytes(&read);
+            let got = read.result.as_ref().map_or(0, |&got| got.min(bytes.len()));
+            let r = match file.check_raw(&slot, &bytes[..got]) {
+                Some(meta) => install(
+                    self.pager,
+                    self.shape,
+                    self.formats[i as usize],
+                    key,
+                    meta.format,
+                    &bytes[slot.payload()],
+                    &mut spare.recompressed,
+                ),
+                None => self.read_one(i, &mut fallback, &mut spare),
+            };
+            ring.release(read);
+            out.record(key, r);
+            done(n);
+        }
+        out.secs = t.elapsed().as_secs_f64() - aside;
+        out
+    }
+
+    /// Reads the `n`th chunk of `order` the usual way ([`read_one`]), records it and counts it
+    /// done.
+    fn read_alone(
+        &self,
+        n: usize,
+        out: &mut IoOut,
+        buf: &mut AlignedBuf,
+        spare: &mut Spare,
+        done: &(dyn Fn(usize) + Sync),
+    ) {
+        let i = self.order[n];
+        let r = self.read_one(i, buf, spare);
+        out.record(ChunkKey::new(self.ctx, i), r);
+        done(n);
+    }
+
+    fn read_one(
+        &self,
+        i: u32,
+        buf: &mut AlignedBuf,
+        spare: &mut Spare,
+    ) -> Result<u64, ServiceError> {
+        read_one(
+            self.io,
+            self.pager,
+            self.shape,
+            self.formats[i as usize],
+            ChunkKey::new(self.ctx, i),
+            buf.get(self.part.next_multiple_of(4096).max(4096)),
+            spare,
+        )
+    }
+}
+
+/// Reads one chunk from kvfs into `buf` (page-aligned and page-sized, in huge pages: through the
+/// mount, the kernel reads the chunk's payload straight into it with `O_DIRECT`), or into `spare`
+/// when the stored copy is larger, and populates its slot ([`install`]).
+fn read_one(
+    io: &ChunkIo,
+    pager: &Pager,
+    shape: &ChunkShape,
+    want: KvFormat,
+    key: ChunkKey,
+    buf: &mut [u8],
+    spare: &mut Spare,
+) -> Result<u64, ServiceError> {
+    let mut buf = buf;
+    let meta = loop {
+        match io.read_into(key.ctx.0, key.index, &mut *buf) {
+            Err(kvfs::StoreError::BufferTooSmall { need, .. }) if need > buf.len() => {
+                buf = spare.read.get(need.next_multiple_of(4096));
+            }
+            r => break r?,
+        }
+    };
+    let bytes = &buf[..meta.raw_len as usize];
+    install(
+        pager,
+        shape,
+        want,
+        key,
+        meta.format,
+        bytes,
+        &mut spare.recompressed,
+    )
+}
+
+/// Populates chunk `key`'s slot with `bytes`, a copy the store holds in format `stored`, and
+/// returns how many bytes were read. A stored copy heavier than the format the cache records (the
+/// chunk was recompressed in memory after it was written) is recompressed on the way in, into
+/// `recompressed`, which gives the same bytes.
+fn install(
+    pager: &Pager,
+    shape: &ChunkShape,
+    want: KvFormat,
+    key: ChunkKey,
+    stored: kvfs::KvFormat,
+    bytes: &[u8],
+    recompressed: &mut Vec<u8>,
+) -> Result<u64, ServiceError> {
+    let have = from_store(stored);
+    let n = bytes.len() as u64;
+    let data: &[u8] = if have == want {
+        bytes
+    } else if model::kv::codec::moves_down(shape, have, want) && have != KvFormat::F16 {
+        model::kv::codec::recompress(shape, have, want, bytes, recompressed).map_err(|e| {
+            ServiceError::Internal {
+                what: format!("{key}: {e}"),
+            }
+        })?;
+        recompressed
+    } else {
+        return Err(ServiceError::Internal {
+            what: format!(
+                "{key} is stored as {} but the context holds it as {}",
+                have.name(),
+                want.name()
+            ),
+        });
+    };
+    if data.len() != shape.chunk_bytes(want) {
+        return Err(ServiceError::Internal {
+            what: format!(
+                "{key}: {} bytes stored for a {}-byte chunk",
+                data.len(),
+                shape.chunk_bytes(want)
+            ),
+        });
+    }
+    pager.populate(key, data.len(), data)?;
+    if have == want {
+        // The slot holds exactly what the store does: reclaiming it again needs no write.
+        pager.mark_persisted(key)?;
+    }
+    Ok(n)
+}

@@ -1,0 +1,1108 @@
+//! The context manager: runs one call of one context against managed memory.
+//!
+//! A call, top-down (docs/service.md numbers the same steps):
+//! 1. Load: the context is pinned (its pager region locked against reclaim) and its missing
+//!    chunks come back ([`crate::load`]), while the engine thread encodes a text prompt
+//!    ([`Prompt::Later`]); the switch latency is measured from the request's arrival to the end of
+//!    the Load.
+//! 2. Run: the tokens left open at the end of the last call, then the prompt, are prefilled and
+//!    the answer generated; new chunks are Claimed in the pager under the budget.
+//! 3. Compress: the call's attention is merged into the context's densities (Eq. 1) and
+//!    `policy::assign_levels` (Eq. 2-3) moves chunks down a level (by default from int8 to
+//!    k8v8, k4v4 or k4v3, at most 4.5 stored bits per value on average); their slots shrink.
+//! 4. AoT: the tokens are made durable, then `policy::plan_writeout` lists the chunks to write
+//!    and the background writer writes them; the call returns without waiting for it.
+//! 5. The context is unpinned; its chunks are now candidates for Reclaim (LCTRU order).
+
+use protocol::{Latency, ServiceStats, ServiceWeights};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvfs::{Fingerprint, NewContext, Store, StoreOptions};
+use policy::{CostModel, DensityTracker, Level, LinearCost};
+use uffd_pager::{
+    ChunkKey, ContextId, ContextSpec, Histogram, HistogramSummary, Pager, PagerConfig,
+};
+
+use crate::ServiceError;
+use crate::chooser::PolicyChooser;
+use crate::chunk_io::ChunkIo;
+use crate::config::{ManagerConfig, VictimPolicy, WriteOut};
+use crate::load::{self, LoadMode, LoadReport, StoredChunk};
+use crate::memory::{PagerChunks, Versions};
+use crate::source::{Expected, FormatLevels, StoreSource, from_store, model_fingerprint};
+use crate::writer::{WriteJob, Writer};
+use model::Model;
+use model::generate::{Generation, Sampler, SamplingParams, StopReason, generate};
+use model::kv::KvCache;
+
+/// The compression levels and the policy's global ratio the bit budget comes to, fixed at open.
+#[derive(Clone, Debug)]
+struct Compression {
+    levels: FormatLevels,
+    ratio: Option<f64>,
+}
+
+/// Who owns a context: the peer's uid and the app name it gave.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub uid: u32,
+    pub app: String,
+}
+
+/// One call's options.
+#[derive(Clone, Debug)]
+pub struct CallOptions {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Token ids that end the answer (not included in it).
+    pub stop: Vec<u32>,
+}
+
+impl Default for CallOptions {
+    fn default() -> Self {
+        Self {
+            max_tokens: 64,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// A call's prompt: its tokens, or text the engine thread encodes while the Load's reads are in
+/// flight, so a switch costs the longer of the two rather than their sum (encoding a few hundred
+/// tokens takes about as long as reading a few chunks). The window is decided after the Load, on
+/// the real length.
+pub enum Prompt<'a> {
+    Tokens(&'a [u32]),
+    Later(Box<dyn FnOnce() -> Vec<u32> + 'a>),
+}
+
+impl<'a> Prompt<'a> {
+    /// A prompt encoded by `encode` during the Load.
+    pub fn later(encode: impl FnOnce() -> Vec<u32> + 'a) -> Prompt<'a> {
+        Prompt::Later(Box::new(encode))
+    }
+
+    fn into_tokens(self) -> std::borrow::Cow<'a, [u32]> {
+        match self {
+            Prompt::Tokens(t) => t.into(),
+            Prompt::Later(encode) => encode().into(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Prompt<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Prompt::Tokens(t) => f.debug_tuple("Tokens").field(&t.len()).finish(),
+            Prompt::Later(_) => f.write_str("Later"),
+        }
+    }
+}
+
+/// How `run_call` ended.
+enum Ran {
+    Done(CallReport),
+    /// The prompt, encoded during the Load, does not fit beside the context; nothing changed but
+    /// the chunks the Load brought back.
+    Full {
+        tokens: Vec<u32>,
+        load: LoadReport,
+    },
+}
+
+/// What a call did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CallReport {
+    /// The generated tokens.
+    pub tokens: Vec<u32>,
+    /// Why generation stopped.
+    pub stop: &'static str,
+    /// Request received to every chunk of the context resident, seconds.
+    pub switch_secs: f64,
+    /// The Load's parts and the plan's prediction.
+    pub load: LoadReport,
+    /// The prompt's tokens.
+    pub prompt_tokens: usize,
+    /// Tokens prefilled (the previous call's open tail and the prompt).
+    pub prefill_tokens: usize,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    /// Chunks moved down a level at the end of the call.
+    pub recompressed: usize,
+    /// Chunks queued for write-out.
+    pub queued_writes: usize,
+    /// Tokens the sliding window dropped before this call (0 when the context had room).
+    pub window_dropped: usize,
+}
+
+/// A context as `list` shows it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ContextSummary {
+    pub id: u64,
+    pub app: String,
+    pub tokens: usize,
+    pub chunks: usize,
+    pub resident_chunks: usize,
+    pub resident_bytes: u64,
+    /// Chunks per format, in memory's view.
+    pub formats: BTreeMap<&'static str, usize>,
+    pub calls: u64,
+}
+
+/// A pager histogram as the wire's latencies, in milliseconds.
+pub fn latency(h: HistogramSummary) -> Latency {
+    let ms = |ns: u64| ns as f64 / 1e6;
+    Latency {
+        count: h.count,
+        mean_ms: ms(h.mean_ns),
+        p50_ms: ms(h.p50_ns),
+        p99_ms: ms(h.p99_ns),
+        max_ms: ms(h.max_ns),
+    }
+}
+
+struct Context {
+    owner: Owner,
+    cache: KvCache,
+    /// Tokens said but not in the cache: the open tail of the last call.
+    pending: Vec<u32>,
+    /// What the store holds of each sealed chunk.
+    stored: Vec<Option<StoredChunk>>,
+    density: DensityTracker,
+    calls: u64,
+}
+
+/// Measured points for the cost model.
+#[derive(Default)]
+struct Profile {
+    io: Vec<(f64, f64)>,
+    re: Vec<(f64, f64)>,
+}
+
+impl Profile {
+    const KEEP: usize = 64;
+    /// A read this many times slower or faster than the model predicted means the disk changed
+    /// (a throttle, another tenant, the page cache): the earlier points describe another disk.
+    const IO_SHIFT: f64 = 3.0;
+
+    /// Adds a measured read; when it is off the model's prediction by more than
+    /// [`Profile::IO_SHIFT`] either way, the earlier points are dropped first, so the model
+    /// follows a changed disk within one Load instead of averaging it away.
+    fn add_io(&mut self, p: (f64, f64), model: LinearCost) {
+        let predicted = model.eval(p.0);
+        if predicted > 0.0 && p.1 > 0.0 {
+            let ratio = p.1 / predicted;
+            if !(1.0 / Self::IO_SHIFT..=Self::IO_SHIFT).contains(&ratio) {
+                tracing::debug!(ratio, "disk speed changed: I/O model restarts");
+                self.io.clear();
+            }
+        }
+        Self::add(&mut self.io, p);
+    }
+
+    fn add(v: &mut Vec<(f64, f64)>, p: (f64, f64)) {
+        if v.len() == Self::KEEP {
+            v.remove(0);
+        }
+        v.push(p);
+    }
+
+    /// Least squares over the points; while they all share one size (the same context loaded
+    /// again), the cost is taken as proportional to the size, keeping the fixed part.
+    fn refit(&self, cost: &mut CostModel) {
+        fn one(points: &[(f64, f64)], old: LinearCost) -> LinearCost {
+            if let Ok(f) = LinearCost::fit(points) {
+                return f.cost;
+            }
+            let mut per: Vec<f64> = points
+                .iter()
+                .filter(|(x, _)| *x > 0.0)
+                .map(|(x, y)| (y - old.fixed()).max(0.0) / x)
+                .collect();
+            if per.is_empty() {
+                return old;
+            }
+            per.sort_by(f64::total_cmp);
+            LinearCost::new(old.fixed(), per[per.len() / 2]).unwrap_or(old)
+        }
+        cost.io = one(&self.io, cost.io);
+        cost.recompute = one(&self.re, cost.recompute);
+    }
+}
+
+/// Runs calls of many contexts under one KV budget. One thread owns it (the daemon's engine
+/// thread); the pager's fault thread and the AoT writer work beside it.
+pub struct Manager {
+    model: Arc<Model>,
+    cfg: ManagerConfig,
+    store: Arc<Store>,
+    /// Chunk reads and writes (through the mount when there is one); the pager's source and the
+    /// writer hold it too, and the mount goes when the last of them does.
+    io: Arc<ChunkIo>,
+    pager: Arc<Pager>,
+    versions: Arc<Versions>,
+    expected: Arc<Expected>,
+    writer: Writer,
+    compression: Compression,
+    fingerprint: Fingerprint,
+    contexts: BTreeMap<u64, Context>,
+    /// The Load's I/O threads (`ManagerConfig::io_threads`), parked between Loads, and their
+    /// read buffers.
+    readers: load::Readers,
+    cost: CostModel,
+    profile: Profile,
+    calls: u64,
+    chunks_read: u64,
+    chunks_recomputed: u64,
+    window_slides: u64,
+    switch: Histogram,
+    /// Decode tokens measured for weight reads, and the bytes they read.
+    decode_tokens: u64,
+    decode_read_bytes: u64,
+}
+
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager")
+            .field("contexts", &self.contexts.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Manager {
+    /// Opens the store (recovering it after a crash), starts the pager and the writer, and
+    /// takes back every context the store holds; none of their chunks is resident yet.
+    pub fn open(model: Arc<Model>, cfg: ManagerConfig) -> Result<Manager, ServiceError> {
+        if cfg.chunk_tokens == 0 || cfg.max_tokens < cfg.chunk_tokens {
+            return Err(ServiceError::BadRequest {
+                what: format!(
+                    "chunks of {} tokens and contexts of at most {} tokens do not fit",
+                    cfg.chunk_tokens, cfg.max_tokens
+                ),
+            });
+        }
+        let levels =
+            FormatLevels::new(&model.chunk_shape(cfg.chunk_tokens), &cfg.levels).map_err(|e| {
+                ServiceError::BadRequest {
+                    what: e.to_string(),
+                }
+            })?;
+        // A budget the levels cannot reach (a small model's chunks amortize kvfs's header over
+        // few values) puts every chunk at the lightest level.
+        let ratio = match cfg.compress_bits {
+            Some(bits) if levels.floor(cfg.kv_format).is_some() => {
+                Some(levels.ratio_for_bits(bits).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "every chunk compressed to the lightest level");
+                    let set = levels.set();
+                    set.ratio(set.lightest()).unwrap_or(1.0)
+                }))
+            }
+            _ => None,
+        };
+        let compression = Compression { levels, ratio };
+        let fingerprint = model_fingerprint(model.path()).map_err(|e| ServiceError::Internal {
+            what: format!("reading {} to fingerprint it: {e}", model.path().display()),
+        })?;
+        std::fs::create_dir_all(&cfg.store).map_err(|e| ServiceError::Internal {
+            what: format!("creating the store {}: {e}", cfg.store.display()),
+        })?;
+        let store = Arc::new(Store::open(&cfg.store, StoreOptions::default())?);
+        let io = Arc::new(match &cfg.mount {
+            Some(at) => ChunkIo::mounted(
+                Arc::clone(&store),
+                fingerprint,
+                at,
+                cfg.mount_guard.as_ref(),
+            )?,
+            None => ChunkIo::direct(Arc::clone(&store), fingerprint),
+        });
+        let shape = model.chunk_shape(cfg.chunk_tokens);
+        let slot = shape.slot_bytes(cfg.kv_format);
+        let expected = Arc::new(Expected::default());
+        let source = Arc::new(StoreSource::new(
+            Arc::clone(&io),
+            Arc::clone(&expected),
+            shape,
+            cfg.write_out != WriteOut::Never,
+        ));
+        let sizes: Vec<(u64, Level)> = cfg
+            .levels
+            .iter()
+            .enumerate()
+            .map(|(l, &f)| (shape.slot_bytes(f) as u64, Level(l as u8)))
+            .collect();
+        let chooser = Box::new(match cfg.victims {
+            VictimPolicy::Lctru => PolicyChooser::new(Box::new(policy::LctruQueue::new()), sizes),
+            VictimPolicy::Lru => PolicyChooser::new(Box::new(policy::ChunkLru::new()), sizes),
+            VictimPolicy::Context => {
+                PolicyChooser::whole_contexts(Box::new(policy::WholeContextLru::swapping()), sizes)
+            }
+        });
+        let pager = Arc::new(Pager::with_chooser(
+            PagerConfig::new(cfg.kv_budget, slot),
+            source,
+            chooser,
+        )?);
+        let versions = Arc::new(Versions::default());
+        let writer = Writer::spawn(
+            Arc::clone(&io),
+            Arc::clone(&pager),
+            Arc::clone(&versions),
+            cfg.writer_queue,
+        )
+        .map_err(|e| ServiceError::Internal {
+            what: format!("starting the writer thread: {e}"),
+        })?;
+        let readers = load::Readers::new(cfg.io_threads, io.mountpoint().is_some())?;
+        let mut m = Manager {
+            cost: cfg.cost,
+            model,
+            cfg,
+            store,
+            io,
+            pager,
+            versions,
+            expected,
+            writer,
+            compression,
+            fingerprint,
+            contexts: BTreeMap::new(),
+            readers,
+            profile: Profile::default(),
+            calls: 0,
+            chunks_read: 0,
+            chunks_recomputed: 0,
+            window_slides: 0,
+            switch: Histogram::default(),
+            decode_tokens: 0,
+            decode_read_bytes: 0,
+        };
+        for id in m.store.list_contexts() {
+            if let Err(e) = m.resume(id.0) {
+                tracing::warn!(context = id.0, error = %e, "context not taken back");
+            }
+        }
+        tracing::info!(contexts = m.contexts.len(), "context manager open");
+        Ok(m)
+    }
+
+    fn new_context(
+        &self,
+        id: u64,
+        owner: Owner,
+        tokens: Vec<u32>,
+    ) -> Result<Context, ServiceError> {
+        let shape = self.model.chunk_shape(self.cfg.chunk_tokens);
+        let max_chunks = self.cfg.max_tokens.div_ceil(self.cfg.chunk_tokens) as u32;
+        self.pager.add_context(
+            ContextId(id),
+            ContextSpec {
+                max_chunks,
+                max_slot_bytes: shape.slot_bytes(self.cfg.kv_format),
+            },
+        )?;
+        let mem = Box::new(PagerChunks::new(
+            Arc::clone(&self.pager),
+            ContextId(id),
+            Arc::clone(&self.versions),
+        ));
+        let hl = (self.model.cfg.n_heads * self.model.cfg.n_layers) as u32;
+        let mut density =
+            DensityTracker::new(hl, self.cfg.chunk_tokens).map_err(|e| ServiceError::Internal {
+                what: e.to_string(),
+            })?;
+        let t = self.cfg.chunk_tokens;
+        let sealed = tokens.len() / t;
+        let mut stored = vec![None; sealed];
+        let mut formats = vec![self.cfg.kv_format; sealed];
+        let mut seeds = Vec::new();
+        let info = self.store.context(kvfs::ContextId(id)).ok();
+        for c in info.iter().flat_map(|i| &i.chunks) {
+            if let (kvfs::ChunkState::Stored(s), Some(slot)) =
+                (&c.state, stored.get_mut(c.index as usize))
+                && s.tokens.len() == t
+            {
+                let f = from_store(s.format);
+                *slot = Some(StoredChunk {
+                    format: f,
+                    bytes: u64::from(s.stored_len),
+                });
+                formats[c.index as usize] = f;
+                seeds.push((c.index as usize, s.density));
+            }
+        }
+        // Densities come back from the chunk headers as if one query had seen each token: the
+        // ranking of chunks is kept, the weight of their history is not.
+        let mut seeded = vec![policy::TokenAttention::default(); sealed * t];
+        for (i, d) in seeds {
+            for a in &mut seeded[i * t..(i + 1) * t] {
+                *a = policy::TokenAttention {
+                    received: f64::from(d.max(0.0)) * f64::from(hl),
+                    queries: 1,
+                };
+            }
+        }
+        density.merge(&seeded).map_err(|e| ServiceError::Internal {
+            what: e.to_string(),
+        })?;
+        let cache = KvCache::resume(
+            shape,
+            self.cfg.kv_format,
+            self.cfg.max_tokens,
+            mem,
+            tokens[..sealed * t].to_vec(),
+            formats,
+        )?;
+        self.expected
+            .set(id, cache.chunk_formats(), &density.chunk_densities());
+        Ok(Context {
+            owner,
+            cache,
+            pending: tokens[sealed * t..].to_vec(),
+            stored,
+            density,
+            calls: 0,
+        })
+    }
+
+    /// Takes back a context the store holds.
+    fn resume(&mut self, id: u64) -> Result<(), ServiceError> {
+        let meta = self.store.meta(kvfs::ContextId(id))?;
+        if meta.fingerprint != self.fingerprint {
+            return Err(ServiceError::Internal {
+                what: format!("context {id} was made with another model"),
+            });
+        }
+        let tokens = self.store.tokens(kvfs::ContextId(id))?;
+        let owner = Owner {
+            uid: meta.owner_uid,
+            app: meta.app.clone(),
+        };
+        let ctx = self.new_context(id, owner, tokens)?;
+        self.contexts.insert(id, ctx);
+        Ok(())
+    }
+
+    /// Makes room in a full context for a prompt of `prompt` tokens and an answer of up to
+    /// `answer`: keeps the first chunk (the attention sink) and the most recent tokens, at most
+    /// half the context so the next slide is many calls away, and drops the rest. The store's
+    /// tokens are replaced durably (its chunks past the sink go with them); the kept tokens after
+    /// the sink are left open, so the call prefills them again with its prompt. Returns the
+    /// tokens dropped.
+    fn slide(&mut self, id: u64, prompt: usize, answer: usize) -> Result<usize, ServiceError> {
+        let (t, max) = (self.cfg.chunk_tokens, self.cfg.max_tokens);
+        let ctx = self.contexts.get(&id).expect("the caller checked it");
+        let mut said = ctx.cache.tokens().to_vec();
+        said.extend_from_slice(&ctx.pending);
+        let sink = t.min(said.len());
+        let room = max.saturating_sub(prompt + 1 + answer.min(max / 4));
+        let keep = (max / 2).min(room).max(sink);
+        let recent = keep - sink;
+        let mut kept = said[..sink].to_vec();
+        kept.extend_from_slice(&said[said.len() - recent..]);
+        let dropped = said.len() - kept.len();
+        let (owner, calls) = (ctx.owner.clone(), ctx.calls);
+        tracing::info!(
+            ctx = id,
+            dropped,
+            kept = kept.len(),
+            "context full: window slides"
+        );
+        // A queued write of an old chunk must not land on the new tokens.
+        self.writer.flush();
+        self.store
+            .replace_tokens(kvfs::ContextId(id), kept.clone())?;
+        self.contexts.remove(&id);
+        self.pager.remove_context(ContextId(id))?;
+        self.versions.forget(ContextId(id));
+        self.expected.remove(id);
+        self.io.forget(id);
+        let mut ctx = self.new_context(id, owner, kept[..sink].to_vec())?;
+        ctx.pending = kept[sink..].to_vec();
+        ctx.calls = calls;
+        self.contexts.insert(id, ctx);
+        self.window_slides += 1;
+        Ok(dropped)
+    }
+
+    /// Forgets a context's memory and takes it back from the store.
+    fn reload(&mut self, id: u64) -> Result<(), ServiceError> {
+        self.contexts.remove(&id);
+        self.writer.flush();
+        self.pager.remove_context(ContextId(id))?;
+        self.versions.forget(ContextId(id));
+        self.expected.remove(id);
+        self.resume(id)
+    }
+
+    /// Creates a context for `owner`, optionally starting with `system` tokens (prefilled with
+    /// the first call's prompt). Durable when it returns.
+    pub fn create(&mut self, owner: &Owner, system: &[u32]) -> Result<u64, ServiceError> {
+        if system.len() > self.cfg.max_tokens {
+            return Err(ServiceError::BadRequest {
+                what: format!(
+                    "a system prompt of {} tokens exceeds the context length of {}",
+                    system.len(),
+                    self.cfg.max_tokens
+                ),
+            });
+        }
+        let id = self.store.create_context(NewContext {
+            owner_uid: owner.uid,
+            app: owner.app.clone(),
+            fingerprint: self.fingerprint,
+            chunk_tokens: self.cfg.chunk_tokens as u32,
+        })?;
+        if !system.is_empty() {
+            self.store.append_tokens(id, system)?;
+        }
+        let mut ctx = self.new_context(id.0, owner.clone(), Vec::new())?;
+        ctx.pending = system.to_vec();
+        self.contexts.insert(id.0, ctx);
+        Ok(id.0)
+    }
+
+    fn owned(&mut self, owner: &Owner, id: u64) -> Result<&mut Context, ServiceError> {
+        match self.contexts.get_mut(&id) {
+            Some(c) if c.owner.uid == owner.uid => Ok(c),
+            _ => Err(ServiceError::NotFound { id }),
+        }
+    }
+
+    /// Runs one call: appends `prompt` to the context, generates up to `opts.max_tokens`
+    /// tokens, streaming each to `on_token` (return false to stop). `received` is when the
+    /// request arrived: the switch latency counts from it.
+    pub fn call(
+        &mut self,
+        owner: &Owner,
+        id: u64,
+        prompt: &[u32],
+        opts: &CallOptions,
+        received: Instant,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<CallReport, ServiceError> {
+        self.call_with(owner, id, Prompt::Tokens(prompt), opts, received, on_token)
+    }
+
+    /// [`Manager::call`] with a prompt that may be encoded while the context's chunks are read.
+    pub fn call_with(
+        &mut self,
+        owner: &Owner,
+        id: u64,
+        prompt: Prompt<'_>,
+        opts: &CallOptions,
+        received: Instant,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<CallReport, ServiceError> {
+        let _span = tracing::info_span!("call", ctx = id).entered();
+        let ctx = self.owned(owner, id)?;
+        let said = ctx.cache.len() + ctx.pending.len();
+        let mut window_dropped = 0;
+        // A prompt known too long slides the window first; one encoded during the Load is decided
+        // after it (`run_call` hands it back, and the call starts again from here).
+        if let Prompt::Tokens(t) = &prompt
+            && said + t.len() >= self.cfg.max_tokens
+        {
+            let n = t.len();
+            // The window keeps at least the sink chunk beside the prompt.
+            let sink = self.cfg.chunk_tokens.min(said);
+            if !self.cfg.window || sink + n + 1 > self.cfg.max_tokens {
+                return Err(ServiceError::Kv(model::kv::KvError::Full {
+                    len: said,
+                    adding: n + 1,
+                    max: self.cfg.max_tokens,
+                }));
+            }
+            window_dropped = self.slide(id, n, opts.max_tokens)?;
+        }
+        let ctx = self.contexts.get_mut(&id).expect("owned checked it");
+        ctx.cache.pin()?;
+        // Weight reads per decode token: between two streamed tokens the engine runs exactly one
+        // one-token pass, and when a token is handed over that pass's reads are all done (the
+        // next pass has not asked for any yet), so the counter is read at each token.
+        let model = Arc::clone(&self.model);
+        let read = || {
+            model.stream_counters().map_or(0, |c| {
+                c.bytes_read.load(std::sync::atomic::Ordering::Relaxed)
+            })
+        };
+        let (mut first, mut last, mut streamed) = (0, 0, 0u64);
+        let mut on_token = on_token;
+        let counted = |t: u32| {
+            let now = read();
+            if streamed == 0 {
+                first = now;
+            }
+            last = now;
+            streamed += 1;
+            on_token(t)
+        };
+        let r = Self::run_call(
+            &self.model,
+            &self.cfg,
+            &self.io,
+            &self.pager,
+            &self.cost,
+            &self.versions,
+            &self.writer,
+            &self.expected,
+            &self.compression,
+            &mut self.readers,
+            id,
+            ctx,
+            prompt,
+            opts,
+            received,
+            counted,
+        );
+        if streamed > 1 {
+            self.decode_tokens += streamed - 1;
+            self.decode_read_bytes += last - first;
+        }
+        let ctx = self.contexts.get_mut(&id).expect("still there");
+        ctx.cache.unpin();
+        let report = match r {
+            Ok(Ran::Done(r)) => CallReport {
+                window_dropped,
+                ..r
+            },
+            Ok(Ran::Full { tokens, load }) => {
+                // The prompt, encoded during the Load, does not fit beside the context: the call
+                // starts again with its tokens, which slides the window (the Load's chunks are
+                // read for nothing, a small cost beside the slide's prefill).
+                self.chunks_read += load.read.len() as u64;
+                self.chunks_recomputed += load.recomputed.len() as u64;
+                self.learn(&load);
+                return self.call_with(
+                    owner,
+                    id,
+                    Prompt::Tokens(&tokens),
+                    opts,
+                    received,
+                    on_token,
+                );
+            }
+            Err(e) => {
+                // The context goes back to its last completed call, as the store holds it.
+                tracing::warn!(ctx = id, error = %e, "call failed; the context is reloaded");
+                if let Err(e2) = self.reload(id) {
+                    tracing::error!(ctx = id, error = %e2, "reloading the context failed");
+                }
+                return Err(e);
+            }
+        };
+        self.calls += 1;
+        self.chunks_read += report.load.read.len() as u64;
+        self.chunks_recomputed += report.load.recomputed.len() as u64;
+        self.switch
+            .record(std::time::Duration::from_secs_f64(report.switch_secs));
+        self.learn(&report.load);
+        Ok(report)
+    }
+
+    fn learn(&mut self, load: &LoadReport) {
+        if !load.read.is_empty() && load.failed_reads.is_empty() {
+            self.profile
+                .add_io((load.read_bytes as f64, load.io_secs), self.cost.io);
+        }
+        if !load.recomputed.is_empty() {
+            Profile::add(
+                &mut self.profile.re,
+                (load.recomputed.len() as f64, load.recompute_secs),
+            );
+        }
+        self.profile.refit(&mut self.cost);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_call(
+        model: &Model,
+        cfg: &ManagerConfig,
+        io: &ChunkIo,
+        pager: &Pager,
+        cost: &CostModel,
+        versions: &Versions,
+        writer: &Writer,
+        expected: &Expected,
+        compression: &Compression,
+        readers: &mut load::Readers,
+        id: u64,
+        ctx: &mut Context,
+        prompt: Prompt<'_>,
+        opts: &CallOptions,
+        received: Instant,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<Ran, ServiceError> {
+        // 1. Load. Chunks the pager wrote out when it reclaimed them are in the store now.
+        for i in expected.take_written(id) {
+            if let Some(slot) = ctx.stored.get_mut(i as usize)
+                && let Ok(kvfs::ChunkState::Stored(s)) =
+                    io.store().chunk_state(kvfs::ContextId(id), i)
+            {
+                *slot = Some(StoredChunk {
+                    format: from_store(s.format),
+                    bytes: u64::from(s.stored_len),
+                });
+            }
+        }
+        let mut tokens = None;
+        let load = load::load(
+            model,
+            io,
+            pager,
+            id,
+            &mut ctx.cache,
+            &ctx.stored,
+            cfg.load,
+            cost,
+            readers,
+            || tokens = Some(prompt.into_tokens()),
+        )?;
+        let prompt = tokens.expect("the Load encodes the prompt");
+        for &i in &load.failed_reads {
+            ctx.stored[i as usize] = None;
+        }
+        if ctx.cache.len() + ctx.pending.len() + prompt.len() >= cfg.max_tokens {
+            return Ok(Ran::Full {
+                tokens: prompt.into_owned(),
+                load,
+            });
+        }
+        let switch_secs = received.elapsed().as_secs_f64();
+
+        // 2. Run.
+        let mut input = std::mem::take(&mut ctx.pending);
+        input.extend_from_slice(&prompt);
+        let mut said: Vec<u32> = ctx.cache.tokens().to_vec();
+        said.extend_from_slice(&input);
+        let mut sampler = Sampler::new(opts.sampling.clone());
+        let run = generate(
+            model,
+            &mut ctx.cache,
+            &input,
+            opts.max_tokens,
+            &opts.stop,
+            &mut sampler,
+            on_token,
+        );
+        let run: Generation = run?;
+        said.extend_from_slice(&run.tokens);
+
+        // 3. Compress.
+        let hl = (model.cfg.n_heads * model.cfg.n_layers) as u32;
+        ctx.pending = ctx.cache.drop_open();
+        ctx.pending
+            .extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);
+        let attention = ctx.cache.take_attention(hl);
+        ctx.density
+            .merge(&attention)
+            .map_err(|e| ServiceError::Internal {
+                what: e.to_string(),
+            })?;
+        let sealed = ctx.cache.chunk_formats().len();
+        ctx.stored.resize(sealed, None);
+        let mut recompressed = 0;
+        let levels = &compression.levels;
+        if let Some(ratio) = compression.ratio
+            && sealed > 0
+        {
+            let densities = ctx.density.chunk_densities();
+            let floors: Vec<Level> = ctx
+                .cache
+                .chunk_formats()
+                .iter()
+                .map(|&f| levels.floor(f).unwrap_or(Level(0)))
+                .collect();
+            let a = policy::assign_levels(&densities[..sealed], Some(&floors), levels.set(), ratio)
+                .map_err(|e| ServiceError::Internal {
+                    what: e.to_string(),
+                })?;
+            let shape = *ctx.cache.shape();
+            for (i, &to) in a.levels.iter().enumerate() {
+                // A chunk above the levels (sealed in int8) moves to its level even at level 0.
+                let from = ctx.cache.chunk_formats()[i];
+                if let Some(f) = levels.format(to)
+                    && model::kv::codec::moves_down(&shape, from, f)
+                {
+                    ctx.cache.recompress(i, f)?;
+                    recompressed += 1;
+                }
+            }
+        }
+        expected.set(
+            id,
+            ctx.cache.chunk_formats(),
+            &ctx.density.chunk_densities(),
+        );
+
+        // 4. AoT write-out: the tokens first (a chunk is valid only with its tokens), then the
+        // chunks, in the background.
+        let kid = kvfs::ContextId(id);
+        let stored_tokens = io.store().tokens(kid)?.len();
+        if said.len() > stored_tokens {
+            io.store().append_tokens(kid, &said[stored_tokens..])?;
+        }
+        let shape = *ctx.cache.shape();
+        let states: Vec<policy::ChunkState> = (0..sealed)
+            .map(|i| {
+                let f = ctx.cache.chunk_formats()[i];
+                policy::ChunkState {
+                    index: i as u32,
+                    level: levels.floor(f).unwrap_or(Level(0)),
+                    stored: ctx.stored[i].and_then(|s| levels.floor(s.format)),
+                    modified: false,
+                    bytes: shape.chunk_bytes(f) as u64,
+                }
+            })
+            .collect();
+        let writes = match cfg.write_out {
+            WriteOut::Aot => {
+                policy::plan_writeout(&states).map_err(|e| ServiceError::Internal {
+                    what: e.to_string(),
+                })?
+            }
+            WriteOut::OnReclaim | WriteOut::Never => Vec::new(),
+        };
+        let densities = ctx.density.chunk_densities();
+        for w in &writes {
+            let i = w.index as usize;
+            let f = ctx.cache.chunk_formats()[i];
+            let Some(bytes) = ctx.cache.chunk_bytes(i) else {
+                continue;
+            };
+            let key = ChunkKey {
+                ctx: ContextId(id),
+                index: w.index,
+            };
+            writer.submit(WriteJob {
+                key,
+                format: f,
+                density: densities.get(i).copied().unwrap_or(0.0) as f32,
+                bytes: bytes.to_vec(),
+                version: versions.get(key),
+            });
+            ctx.stored[i] = Some(StoredChunk {
+                format: f,
+                bytes: shape.chunk_bytes(f) as u64,
+            });
+        }
+        ctx.calls += 1;
+        Ok(Ran::Done(CallReport {
+            tokens: run.tokens,
+            stop: match run.stop {
+                StopReason::Stop => "stop",
+                StopReason::MaxTokens => "max_tokens",
+                StopReason::Cancelled => "cancelled",
+                StopReason::ContextFull => "context_full",
+            },
+            switch_secs,
+            load,
+            prompt_tokens: prompt.len(),
+            prefill_tokens: run.prompt_tokens,
+            prefill_secs: run.prefill_secs,
+            decode_secs: run.decode_secs,
+            recompressed,
+            queued_writes: writes.len(),
+            window_dropped: 0,
+        }))
+    }
+
+    /// Deletes a context: its memory, its store directory.
+    pub fn delete(&mut self, owner: &Owner, id: u64) -> Result<(), ServiceError> {
+        self.owned(owner, id)?;
+        let ctx = self.contexts.remove(&id).expect("owned checked it");
+        drop(ctx);
+        self.pager.remove_context(ContextId(id))?;
+        self.versions.forget(ContextId(id));
+        self.expected.remove(id);
+        self.io.forget(id);
+        self.store.delete_context(kvfs::ContextId(id))?;
+        Ok(())
+    }
+
+    /// The owner's contexts.
+    pub fn list(&self, owner: &Owner) -> Vec<ContextSummary> {
+        self.contexts
+            .iter()
+            .filter(|(_, c)| c.owner.uid == owner.uid)
+            .map(|(&id, c)| self.summary(id, c))
+            .collect()
+    }
+
+    /// One context, as `list` shows it.
+    pub fn info(&self, owner: &Owner, id: u64) -> Result<ContextSummary, ServiceError> {
+        match self.contexts.get(&id) {
+            Some(c) if c.owner.uid == owner.uid => Ok(self.summary(id, c)),
+            _ => Err(ServiceError::NotFound { id }),
+        }
+    }
+
+    fn summary(&self, id: u64, c: &Context) -> ContextSummary {
+        let mut formats = BTreeMap::new();
+        for f in c.cache.chunk_formats() {
+            *formats.entry(f.name()).or_insert(0) += 1;
+        }
+        let chunks = c.cache.chunk_formats().len();
+        let resident_chunks = (0..chunks)
+            .filter(|&i| {
+                self.pager
+                    .chunk_info(ChunkKey::new(id, i as u32))
+                    .is_ok_and(|s| s.state == uffd_pager::ChunkState::Resident)
+            })
+            .count();
+        ContextSummary {
+            id,
+            app: c.owner.app.clone(),
+            tokens: c.cache.len() + c.pending.len(),
+            chunks,
+            resident_chunks,
+            resident_bytes: self.pager.context_resident(ContextId(id)).unwrap_or(0),
+            formats,
+            calls: c.calls,
+        }
+    }
+
+    /// Service-wide counters.
+    pub fn stats(&self) -> ServiceStats {
+        let p = self.pager.stats();
+        let w = self.writer.stats();
+        use std::sync::atomic::Ordering::Relaxed;
+        ServiceStats {
+            manager: self.cfg.kind.name().to_owned(),
+            budget_bytes: self.pager.budget(),
+            resident_bytes: self.pager.resident_bytes(),
+            contexts: self.contexts.len(),
+            calls: self.calls,
+            chunks_read: self.chunks_read,
+            chunks_recomputed: self.chunks_recomputed,
+            faults: p.faults,
+            reclaims: p.reclaims,
+            unwritten_reclaims: p.unpersisted_reclaims,
+            sync_reclaims: p.sync_reclaims,
+            window_slides: self.window_slides,
+            writes: w.written.load(Relaxed),
+            write_failures: w.failed.load(Relaxed),
+            writes_queued: self.writer.queued(),
+            load_buffer_bytes: self.readers.buffer_bytes() as u64,
+            load_buffer_huge_bytes: self.readers.huge_bytes() as u64,
+            load_io_uring: self.readers.uses_io_uring(),
+            switch: latency(self.switch.summary()),
+            weights: self.weight_stats(),
+        }
+    }
+
+    /// The weights' holding and reads.
+    fn weight_stats(&self) -> ServiceWeights {
+        use std::sync::atomic::Ordering::Relaxed;
+        let h = self.model.holding();
+        let held = self.model.weight_bytes() as u64;
+        ServiceWeights {
+            budget_bytes: h.budget,
+            residency: h.residency,
+            resident_bytes: held + h.buffer_bytes,
+            buffer_bytes: h.buffer_bytes,
+            streamed_bytes: h.streamed_bytes_per_token,
+            bytes_read: self
+                .model
+                .stream_counters()
+                .map_or(0, |c| c.bytes_read.load(Relaxed)),
+            decode_tokens: self.decode_tokens,
+            read_bytes_per_token: if self.decode_tokens == 0 {
+                0.0
+            } else {
+                self.decode_read_bytes as f64 / self.decode_tokens as f64
+            },
+        }
+    }
+
+    /// Changes the KV budget (memory pressure); returns the bytes freed at once.
+    pub fn set_budget(&self, bytes: u64) -> Result<u64, ServiceError> {
+        Ok(self.pager.set_budget(bytes)?)
+    }
+
+    /// Waits until every chunk queued for write-out is written.
+    pub fn flush(&self) {
+        self.writer.flush();
+    }
+
+    /// Drops every resident chunk of a context from memory (they come back on its next call):
+    /// what memory pressure does to an idle context, on demand. Chunks not written out are
+    /// written first unless the manager never writes (LMK).
+    pub fn swap_out(&mut self, owner: &Owner, id: u64) -> Result<u64, ServiceError> {
+        self.owned(owner, id)?;
+        let max = self.pager.context_chunks(ContextId(id))?;
+        let mut freed = 0;
+        for i in 0..max {
+            match self.pager.evict(ChunkKey::new(id, i)) {
+                Ok(b) => freed += b,
+                Err(uffd_pager::PagerError::NotResident { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Changes how missing chunks come back (the baselines are load modes of the one manager).
+    pub fn set_load_mode(&mut self, mode: LoadMode) {
+        self.cfg.load = mode;
+    }
+
+    /// The pager, for measurements (RSS of a context's region, counters).
+    pub fn pager(&self) -> &Pager {
+        &self.pager
+    }
+
+    /// The pager, shared: its budget may be set from another thread (memory pressure).
+    pub fn shared_pager(&self) -> Arc<Pager> {
+        Arc::clone(&self.pager)
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Where the store is mounted (chunks move through the mount), if it is.
+    pub fn mountpoint(&self) -> Option<&std::path::Path> {
+        self.io.mountpoint()
+    }
+
+    /// The cost model the planner uses now.
+    pub fn cost(&self) -> CostModel {
+        self.cost
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_io_model_follows_a_throttled_disk_within_one_load() {
+        let mut profile = Profile::default();
+        let mut cost = crate::config::default_cost();
+        // A fast disk: 1 GB/s over contexts of 1, 2 and 4 MB.
+        for mb in [1.0, 2.0, 4.0, 1.0, 2.0, 4.0] {
+            profile.add_io((mb * 1e6, 1e-4 + mb * 1e-3), cost.io);
+            profile.refit(&mut cost);
+        }
+        assert!((cost.io.per_unit() - 1e-9).abs() < 1e-11);
+        // Within noise: kept with the others.
+        profile.add_io((2e6, 2.0 * (1e-4 + 2e-3)), cost.io);
+        assert_eq!(profile.io.len(), 7);
+        // Throttled to 50 MB/s: the earlier points go, the model takes the new speed at once.
+        profile.add_io((4e6, 80e-3), cost.io);
+        assert_eq!(profile.io.len(), 1);
+        profile.refit(&mut cost);
+        let predicted = cost.io.eval(4e6);
+        assert!((predicted - 80e-3).abs() < 1e-3, "{predicted}");
+    }
+}

@@ -1,0 +1,414 @@
+//! Where a swapped-out chunk comes from: the kvfs store, for the pager's fault path and for Load;
+//! and the one place the engine's, kvfs's and the policy's names for a chunk's format meet.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use kvfs::{Fingerprint, StoreError};
+use policy::{Level, LevelSet};
+use sha2::Digest;
+use uffd_pager::{ChunkKey, ChunkSource, SourceError};
+
+use crate::chunk_io::ChunkIo;
+use model::kv::{ChunkShape, KvFormat};
+
+/// The engine's format as kvfs records it.
+pub fn to_store(f: KvFormat) -> kvfs::KvFormat {
+    match f {
+        KvFormat::F16 => kvfs::KvFormat::F16,
+        KvFormat::Int8 => kvfs::KvFormat::Int8,
+        KvFormat::Int4 => kvfs::KvFormat::Int4,
+        KvFormat::Int2 => kvfs::KvFormat::Int2,
+        KvFormat::K8v8 => kvfs::KvFormat::K8v8,
+        KvFormat::K4v4 => kvfs::KvFormat::K4v4,
+        KvFormat::K4v3 => kvfs::KvFormat::K4v3,
+    }
+}
+
+/// A format kvfs recorded, as the engine knows it.
+pub fn from_store(f: kvfs::KvFormat) -> KvFormat {
+    match f {
+        kvfs::KvFormat::F16 => KvFormat::F16,
+        kvfs::KvFormat::Int8 => KvFormat::Int8,
+        kvfs::KvFormat::Int4 => KvFormat::Int4,
+        kvfs::KvFormat::Int2 => KvFormat::Int2,
+        kvfs::KvFormat::K8v8 => KvFormat::K8v8,
+        kvfs::KvFormat::K4v4 => KvFormat::K4v4,
+        kvfs::KvFormat::K4v3 => KvFormat::K4v3,
+    }
+}
+
+/// Why compression levels were refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LevelsError {
+    /// The formats do not shrink strictly from one level to the next (or are too many).
+    #[error("compression levels {formats:?} must get strictly smaller, heaviest first: {source}")]
+    Order {
+        formats: Vec<KvFormat>,
+        source: policy::LevelError,
+    },
+    /// The bit budget is below what the lightest level stores.
+    #[error(
+        "a budget of {bits} stored bits per value is below the lightest level {lightest}'s {need:.3}"
+    )]
+    Budget {
+        bits: f64,
+        lightest: KvFormat,
+        need: f64,
+    },
+}
+
+/// The compression levels as engine formats, heaviest first, and the policy's level set over
+/// their stored bytes per chunk (each level's cost is what kvfs stores for a chunk in it, so a
+/// budget in all-in stored bits per value is a global ratio of the policy, Eq. 3).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FormatLevels {
+    formats: Vec<KvFormat>,
+    set: LevelSet,
+    shape: ChunkShape,
+}
+
+impl FormatLevels {
+    /// The levels `formats` (heaviest first) for chunks of `shape`.
+    pub fn new(shape: &ChunkShape, formats: &[KvFormat]) -> Result<Self, LevelsError> {
+        let costs: Vec<u32> = formats
+            .iter()
+            .map(|&f| u32::try_from(shape.stored_bytes(f)).unwrap_or(u32::MAX))
+            .collect();
+        let set = LevelSet::weighted(&costs).map_err(|source| LevelsError::Order {
+            formats: formats.to_vec(),
+            source,
+        })?;
+        Ok(Self {
+            formats: formats.to_vec(),
+            set,
+            shape: *shape,
+        })
+    }
+
+    /// The policy's level set.
+    pub fn set(&self) -> &LevelSet {
+        &self.set
+    }
+
+    /// The format of a policy level.
+    pub fn format(&self, level: Level) -> Option<KvFormat> {
+        self.formats.get(usize::from(level.0)).copied()
+    }
+
+    /// The policy level of a format, if it is one of the levels.
+    pub fn level(&self, f: KvFormat) -> Option<Level> {
+        self.formats
+            .iter()
+            .position(|&x| x == f)
+            .map(|i| Level(i as u8))
+    }
+
+    /// The level a chunk in `f` starts from: its own, or the heaviest when `f` is no level but
+    /// moves down to it (int8 to k8v8); `None` when chunks in `f` cannot take these levels.
+    pub fn floor(&self, f: KvFormat) -> Option<Level> {
+        self.level(f).or_else(|| {
+            model::kv::codec::moves_down(&self.shape, f, self.formats[0]).then_some(Level(0))
+        })
+    }
+
+    /// The policy's global ratio (Eq. 3) for a mean of `bits` all-in stored bits per value.
+    pub fn ratio_for_bits(&self, bits: f64) -> Result<f64, LevelsError> {
+        let lightest = self.formats[self.formats.len() - 1];
+        let need = self.shape.stored_bits(lightest);
+        if bits.is_nan() || bits < need {
+            return Err(LevelsError::Budget {
+                bits,
+                lightest,
+                need,
+            });
+        }
+        let bytes = bits * self.shape.chunk_values() as f64 / 8.0;
+        Ok((bytes / f64::from(self.set.base_cost())).min(1.0))
+    }
+}
+
+/// The model's fingerprint as kvfs checks it: sha256 of the GGUF file, read in 1 MiB pieces.
+pub fn model_fingerprint(path: &Path) -> std::io::Result<Fingerprint> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(Fingerprint(h.finalize().into()))
+}
+
+/// The format each chunk of each context is expected in (what the engine's cache records), so a
+/// stored copy in another format is never handed to the engine as if it were the right one; with
+/// each chunk's density (for the header of a chunk written back on reclaim), and the chunks so
+/// written since the manager last asked.
+#[derive(Debug, Default)]
+pub struct Expected {
+    map: Mutex<HashMap<u64, CtxExpected>>,
+}
+
+#[derive(Debug, Default)]
+struct CtxExpected {
+    formats: Vec<KvFormat>,
+    densities: Vec<f32>,
+    written: Vec<u32>,
+}
+
+impl Expected {
+    /// Records `ctx`'s chunk formats and densities.
+    pub fn set(&self, ctx: u64, formats: &[KvFormat], densities: &[f64]) {
+        let mut m = self.lock();
+        let e = m.entry(ctx).or_default();
+        e.formats = formats.to_vec();
+        e.densities = densities.iter().map(|&d| d as f32).collect();
+    }
+
+    /// Forgets `ctx`.
+    pub fn remove(&self, ctx: u64) {
+        self.lock().remove(&ctx);
+    }
+
+    /// The format chunk `key` is expected in.
+    pub fn get(&self, key: ChunkKey) -> Option<KvFormat> {
+        self.lock()
+            .get(&key.ctx.0)
+            .and_then(|e| e.formats.get(key.index as usize).copied())
+    }
+
+    /// The chunks of `ctx` written back on reclaim since the last call of this.
+    pub fn take_written(&self, ctx: u64) -> Vec<u32> {
+        self.lock()
+            .get_mut(&ctx)
+            .map(|e| std::mem::take(&mut e.written))
+            .unwrap_or_default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CtxExpected>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Reads chunks from kvfs (through the mount when there is one): the pager's source for faults.
+/// A chunk is read straight into the pager's buffer, with no allocation. Unless built not to,
+/// it also writes a victim that was never written out before the pager reclaims it.
+pub struct StoreSource {
+    io: Arc<ChunkIo>,
+    expected: Arc<Expected>,
+    shape: ChunkShape,
+    write_back: bool,
+}
+
+impl StoreSource {
+    /// A source over `io`; `write_back` lets it write victims out on reclaim.
+    pub fn new(
+        io: Arc<ChunkIo>,
+        expected: Arc<Expected>,
+        shape: ChunkShape,
+        write_back: bool,
+    ) -> Self {
+        Self {
+            io,
+            expected,
+            shape,
+            write_back,
+        }
+    }
+}
+
+/// A store error, classified for the pager.
+pub fn classify(key: ChunkKey, e: &StoreError) -> SourceError {
+    match e {
+        StoreError::ChunkMissing { .. } | StoreError::NoSuchContext { .. } => {
+            SourceError::Missing { key }
+        }
+        e if e.needs_recompute() => SourceError::Corrupt {
+            key,
+            detail: e.to_string(),
+        },
+        e => SourceError::Io {
+            key,
+            detail: e.to_string(),
+        },
+    }
+}
+
+impl ChunkSource for StoreSource {
+    fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
+        let id = kvfs::ContextId(key.ctx.0);
+        let want = self.expected.get(key).ok_or(SourceError::Missing { key })?;
+        match self.io.store().chunk_state(id, key.index) {
+            Ok(kvfs::ChunkState::Stored(s)) if from_store(s.format) == want => {}
+            Ok(kvfs::ChunkState::Stored(s)) => {
+                return Err(SourceError::Corrupt {
+                    key,
+                    detail: format!("stored as {}, expected {}", s.format, want.name()),
+                });
+            }
+            Ok(_) => return Err(SourceError::Missing { key }),
+            Err(e) => return Err(classify(key, &e)),
+        }
+        let meta = match self.io.read_into(key.ctx.0, key.index, dst) {
+            Ok(meta) => meta,
+            Err(StoreError::BufferTooSmall { need, have, .. }) => {
+                return Err(SourceError::Corrupt {
+                    key,
+                    detail: format!("{need} bytes for a {have}-byte slot"),
+                });
+            }
+            Err(e) => return Err(classify(key, &e)),
+        };
+        dst[meta.raw_len as usize..].fill(0);
+        Ok(())
+    }
+
+    fn write_back(&self, key: ChunkKey, data: &[u8]) -> Result<bool, SourceError> {
+        if !self.write_back {
+            return Ok(false);
+        }
+        let (format, density) = {
+            let m = self.expected.lock();
+            let Some(e) = m.get(&key.ctx.0) else {
+                return Ok(false);
+            };
+            let Some(&f) = e.formats.get(key.index as usize) else {
+                return Ok(false);
+            };
+            (
+                f,
+                e.densities.get(key.index as usize).copied().unwrap_or(0.0),
+            )
+        };
+        let len = self.shape.chunk_bytes(format);
+        let Some(bytes) = data.get(..len) else {
+            return Err(SourceError::Corrupt {
+                key,
+                detail: format!(
+                    "a {}-byte slot for a {len}-byte {} chunk",
+                    data.len(),
+                    format.name()
+                ),
+            });
+        };
+        self.io
+            .write(key.ctx.0, key.index, to_store(format), density, bytes)
+            .map_err(|e| classify(key, &e))?;
+        if let Some(e) = self.expected.lock().get_mut(&key.ctx.0) {
+            e.written.push(key.index);
+        }
+        Ok(true)
+    }
+
+    fn writes_back(&self) -> bool {
+        self.write_back
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn smollm2() -> ChunkShape {
+        ChunkShape {
+            n_layers: 30,
+            n_kv_heads: 3,
+            head_dim: 64,
+            tokens: 16,
+        }
+    }
+
+    #[test]
+    fn the_coded_levels_map_both_ways() {
+        let s = smollm2();
+        let l = FormatLevels::new(&s, &KvFormat::CODED).unwrap();
+        for (i, f) in KvFormat::CODED.into_iter().enumerate() {
+            assert_eq!(l.level(f), Some(Level(i as u8)));
+            assert_eq!(l.format(Level(i as u8)), Some(f));
+            assert_eq!(l.set().cost(Level(i as u8)), Some(s.stored_bytes(f) as u32));
+        }
+        // int8 and f16 chunks start from the heaviest level; int4 cannot take these levels.
+        assert_eq!(l.floor(KvFormat::Int8), Some(Level(0)));
+        assert_eq!(l.floor(KvFormat::F16), Some(Level(0)));
+        assert_eq!(l.floor(KvFormat::Int4), None);
+        // 4.5 bits is a ratio of about 0.52 of k8v8's bytes; below k4v3's bits is refused.
+        let r = l.ratio_for_bits(4.5).unwrap();
+        assert!(
+            (r - 4.5 / s.stored_bits(KvFormat::K8v8)).abs() < 1e-12,
+            "{r}"
+        );
+        assert!(matches!(
+            l.ratio_for_bits(4.0),
+            Err(LevelsError::Budget {
+                lightest: KvFormat::K4v3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            FormatLevels::new(&s, &[KvFormat::K4v4, KvFormat::K8v8]),
+            Err(LevelsError::Order { .. })
+        ));
+        // The paper's levels still map, by their stored bytes.
+        let paper = [KvFormat::Int8, KvFormat::Int4, KvFormat::Int2];
+        let l = FormatLevels::new(&s, &paper).unwrap();
+        assert_eq!(l.format(Level(2)), Some(KvFormat::Int2));
+        for f in KvFormat::ALL {
+            assert_eq!(from_store(to_store(f)), f);
+            assert_eq!(to_store(f).name(), f.name());
+        }
+    }
+
+    proptest! {
+        /// The service's assignment (the policy over the levels' stored bytes) keeps the mean
+        /// all-in stored bits of a context's chunks within the budget, for any densities and
+        /// any levels the chunks already hold.
+        #[test]
+        fn the_mix_keeps_its_bit_budget_for_any_densities(
+            densities in prop::collection::vec(0.0f64..10.0, 0..200),
+            floors in prop::collection::vec(0u8..3, 200),
+            bits in 4.15f64..9.0,
+        ) {
+            let s = smollm2();
+            let l = FormatLevels::new(&s, &KvFormat::CODED).unwrap();
+            let ratio = l.ratio_for_bits(bits).unwrap();
+            let floors: Vec<Level> = floors[..densities.len()].iter().map(|&f| Level(f)).collect();
+            let a = policy::assign_levels(&densities, Some(&floors), l.set(), ratio).unwrap();
+            let mut total = 0.0;
+            for (i, lv) in a.levels.iter().enumerate() {
+                prop_assert!(*lv >= floors[i]);
+                total += s.stored_bits(l.format(*lv).unwrap());
+            }
+            // Floors only make chunks lighter, so the budget is always met.
+            if !densities.is_empty() {
+                prop_assert!(total / densities.len() as f64 <= bits + 1e-9, "{total} > {bits}");
+            }
+        }
+
+        /// `llms eval ppl --kv-mix llms` picks the levels with `eval::levels_for_budget` over
+        /// all-in bits; the service with the policy over stored bytes: the same information kept.
+        #[test]
+        fn the_eval_and_the_service_keep_the_same_information(
+            densities in prop::collection::vec(0.0f64..10.0, 1..120),
+            bits in 4.15f64..9.0,
+        ) {
+            let s = smollm2();
+            let l = FormatLevels::new(&s, &KvFormat::CODED).unwrap();
+            let a = policy::assign_levels(&densities, None, l.set(), l.ratio_for_bits(bits).unwrap())
+                .unwrap();
+            let stored: Vec<f64> = KvFormat::CODED.iter().map(|&f| s.stored_bits(f)).collect();
+            let e = model::kv::eval::levels_for_budget(&densities, &stored, bits).unwrap();
+            let info = |levels: &mut dyn Iterator<Item = usize>| -> f64 {
+                levels.zip(&densities).map(|(w, d)| stored[w] / stored[0] * d).sum()
+            };
+            let service = info(&mut a.levels.iter().map(|l| usize::from(l.0)));
+            let eval = info(&mut e.iter().copied());
+            prop_assert!((service - eval).abs() <= 1e-9 * (1.0 + eval), "{service} vs {eval}");
+        }
+    }
+}

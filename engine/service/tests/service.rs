@@ -1,0 +1,598 @@
+//! The context manager on real parts: userfaultfd slots under a budget, a kvfs store on disk,
+//! the AoT writer, the Load pipeline. A context swapped out and brought back answers exactly as
+//! one never swapped.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use model::Model;
+use model::kv::KvFormat;
+use model::tiny::{TinySpec, write_tiny_gguf};
+use service::{
+    CallOptions, CallReport, LoadMode, Manager, ManagerConfig, Owner, Prompt, ServiceError,
+};
+use uffd_pager::{ChunkKey, ContextId};
+
+struct Tiny {
+    _dir: tempfile::TempDir,
+    model: Arc<Model>,
+}
+
+fn tiny() -> Tiny {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    let spec = TinySpec {
+        max_ctx: 1024,
+        ..TinySpec::default()
+    };
+    write_tiny_gguf(&path, &spec).unwrap();
+    let model = Arc::new(Model::load(&path).unwrap());
+    Tiny { _dir: dir, model }
+}
+
+fn owner() -> Owner {
+    Owner {
+        uid: 1000,
+        app: "test".into(),
+    }
+}
+
+/// Deterministic prompt tokens (ids within the tiny vocabulary).
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 250 + 3)
+        .collect()
+}
+
+fn opts(n: usize) -> CallOptions {
+    CallOptions {
+        max_tokens: n,
+        ..CallOptions::default()
+    }
+}
+
+fn config(store: &std::path::Path, budget: u64, format: KvFormat, load: LoadMode) -> ManagerConfig {
+    let mut c = ManagerConfig::new(store, budget);
+    c.kv_format = format;
+    c.max_tokens = 1024;
+    c.load = load;
+    if format == KvFormat::F16 {
+        c.compress_bits = None;
+    }
+    c
+}
+
+/// One call of `p`: given as tokens, or (`deferred`) encoded during the Load, as the daemon's
+/// text prompts are.
+fn call_as(
+    m: &mut Manager,
+    o: &Owner,
+    id: u64,
+    p: &[u32],
+    n: usize,
+    deferred: bool,
+) -> Result<CallReport, ServiceError> {
+    if deferred {
+        let encode = || p.to_vec();
+        m.call_with(
+            o,
+            id,
+            Prompt::later(encode),
+            &opts(n),
+            Instant::now(),
+            |_| true,
+        )
+    } else {
+        m.call(o, id, p, &opts(n), Instant::now(), |_| true)
+    }
+}
+
+/// Three calls on one context, with the context swapped out completely before each call when
+/// `swap`; returns every answer.
+fn conversation(t: &Tiny, format: KvFormat, load: LoadMode, swap: bool) -> Vec<Vec<u32>> {
+    conversation_as(t, format, load, swap, false)
+}
+
+fn conversation_as(
+    t: &Tiny,
+    format: KvFormat,
+    load: LoadMode,
+    swap: bool,
+    deferred: bool,
+) -> Vec<Vec<u32>> {
+    let store = tempfile::tempdir().unwrap();
+    let mut m = Manager::open(
+        Arc::clone(&t.model),
+        config(store.path(), 64 << 20, format, load),
+    )
+    .unwrap();
+    let o = owner();
+    let id = m.create(&o, &prompt(1, 21)).unwrap();
+    let mut answers = Vec::new();
+    for call in 0..3u32 {
+        if swap && call > 0 {
+            m.flush();
+            m.swap_out(&o, id).unwrap();
+            assert_eq!(m.pager().context_resident(ContextId(id)).unwrap(), 0);
+            assert_eq!(
+                m.pager().region_rss(ContextId(id)).unwrap(),
+                0,
+                "region RSS"
+            );
+        }
+        let r = call_as(&mut m, &o, id, &prompt(call + 2, 40), 12, deferred).unwrap();
+        if swap && call > 0 {
+            assert!(r.load.missing > 0, "nothing was missing after a swap-out");
+            match load {
+                LoadMode::ReadOnly => assert!(r.load.recomputed.is_empty(), "{:?}", r.load),
+                LoadMode::RecomputeOnly => assert!(r.load.read.is_empty(), "{:?}", r.load),
+                LoadMode::Planned => {}
+            }
+        }
+        answers.push(r.tokens);
+    }
+    answers
+}
+
+#[test]
+fn a_context_swapped_out_and_read_back_answers_as_one_never_swapped() {
+    let t = tiny();
+    for format in [KvFormat::Int8, KvFormat::F16] {
+        let kept = conversation(&t, format, LoadMode::ReadOnly, false);
+        let swapped = conversation(&t, format, LoadMode::ReadOnly, true);
+        assert_eq!(kept, swapped, "{format:?}");
+        // A prompt encoded while the chunks are read gives the same answers.
+        let deferred = conversation_as(&t, format, LoadMode::ReadOnly, true, true);
+        assert_eq!(kept, deferred, "{format:?}, encoded during the Load");
+    }
+}
+
+#[test]
+fn a_context_recomputed_or_planned_back_answers_as_one_never_swapped() {
+    let t = tiny();
+    let kept = conversation(&t, KvFormat::Int8, LoadMode::RecomputeOnly, false);
+    for load in [LoadMode::RecomputeOnly, LoadMode::Planned] {
+        let swapped = conversation(&t, KvFormat::Int8, load, true);
+        assert_eq!(kept, swapped, "{load:?}");
+    }
+}
+
+#[test]
+fn a_deleted_or_corrupt_chunk_file_is_recomputed_and_the_answer_is_the_same() {
+    let t = tiny();
+    let kept = conversation(&t, KvFormat::Int8, LoadMode::ReadOnly, false);
+    // Through the store's API and through a kvfs mount (the service's data path).
+    for (damage, mount) in [
+        ("delete", false),
+        ("corrupt", false),
+        ("delete", true),
+        ("corrupt", true),
+    ] {
+        let store = tempfile::tempdir().unwrap();
+        let mnt = tempfile::tempdir().unwrap();
+        let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::ReadOnly);
+        cfg.mount = mount.then(|| mnt.path().join("kv"));
+        let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+        let o = owner();
+        let id = m.create(&o, &prompt(1, 21)).unwrap();
+        let mut answers = Vec::new();
+        for call in 0..3u32 {
+            if call > 0 {
+                m.flush();
+                m.swap_out(&o, id).unwrap();
+                // Damage the chunk's slot in the context's data file: its header page zeroed
+                // (the chunk gone), or one payload byte flipped.
+                use std::os::unix::fs::FileExt;
+                let cid = kvfs::ContextId(id);
+                let at = m.store().chunk_offset(cid, call - 1).expect("stored");
+                let data = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(m.store().data_path(cid))
+                    .unwrap();
+                match damage {
+                    "delete" => data.write_all_at(&[0; kvfs::HEADER_PAGE], at).unwrap(),
+                    _ => {
+                        let at = at + kvfs::HEADER_PAGE as u64 + 7;
+                        let mut b = [0u8];
+                        data.read_exact_at(&mut b, at).unwrap();
+                        data.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
+                    }
+                }
+            }
+            let r = m
+                .call(
+                    &o,
+                    id,
+                    &prompt(call + 2, 40),
+                    &opts(12),
+                    Instant::now(),
+                    |_| true,
+                )
+                .unwrap();
+            if call > 0 {
+                assert_eq!(
+                    r.load.failed_reads,
+                    vec![call - 1],
+                    "{damage}: {:?}",
+                    r.load
+                );
+                assert!(r.load.recomputed.contains(&(call - 1)));
+            }
+            answers.push(r.tokens);
+        }
+        assert_eq!(kept, answers, "{damage}");
+        if damage == "corrupt" {
+            let q = store.path().join("quarantine");
+            assert!(
+                std::fs::read_dir(&q).is_ok_and(|d| d.count() > 0),
+                "nothing quarantined in {}",
+                q.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn many_contexts_under_a_budget_of_two_never_exceed_it_and_answer_as_unmanaged() {
+    let t = tiny();
+    let shape = t.model.chunk_shape(16);
+    // Each context holds 61 tokens + 3 calls of 24 + 8 answer tokens: about 10 chunks.
+    let per_ctx = 10 * shape.slot_bytes(KvFormat::Int8) as u64;
+    let run = |budget: u64| -> (Vec<Vec<u32>>, u64, u64) {
+        let store = tempfile::tempdir().unwrap();
+        let mut cfg = config(store.path(), budget, KvFormat::Int8, LoadMode::Planned);
+        cfg.compress_bits = None;
+        let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+        let o = owner();
+        let ids: Vec<u64> = (0..5)
+            .map(|i| m.create(&o, &prompt(i, 61)).unwrap())
+            .collect();
+        let mut answers = Vec::new();
+        let mut faults_after_warmup = 0;
+        for round in 0..3u32 {
+            for (n, &id) in ids.iter().enumerate() {
+                let before = m.stats().faults;
+                let r = m
+                    .call(
+                        &o,
+                        id,
+                        &prompt(round * 10 + n as u32, 24),
+                        &opts(8),
+                        Instant::now(),
+                        |_| true,
+                    )
+                    .unwrap();
+                if round > 0 {
+                    faults_after_warmup += m.stats().faults - before;
+                }
+                assert!(
+                    m.pager().resident_bytes() <= budget,
+                    "{} resident over a budget of {budget}",
+                    m.pager().resident_bytes()
+                );
+                answers.push(r.tokens);
+                m.flush();
+            }
+        }
+        let s = m.stats();
+        (
+            answers,
+            faults_after_warmup,
+            s.reclaims.min(s.chunks_read + s.chunks_recomputed),
+        )
+    };
+    let (unmanaged, _, swapped) = run(1 << 30);
+    assert_eq!(swapped, 0, "nothing should be swapped with room for all");
+    let (managed, faults, swapped) = run(2 * per_ctx);
+    assert!(
+        swapped > 10,
+        "the budget of two contexts swapped only {swapped} chunks"
+    );
+    assert_eq!(unmanaged, managed);
+    assert_eq!(faults, 0, "calls took faults in steady state");
+}
+
+#[test]
+fn contexts_survive_a_restart_and_answer_as_if_it_never_happened() {
+    let t = tiny();
+    let kept = conversation(&t, KvFormat::Int8, LoadMode::ReadOnly, false);
+    let store = tempfile::tempdir().unwrap();
+    let o = owner();
+    let mut answers = Vec::new();
+    let mut id = 0;
+    for call in 0..3u32 {
+        let cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::ReadOnly);
+        let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+        if call == 0 {
+            id = m.create(&o, &prompt(1, 21)).unwrap();
+        }
+        let r = m
+            .call(
+                &o,
+                id,
+                &prompt(call + 2, 40),
+                &opts(12),
+                Instant::now(),
+                |_| true,
+            )
+            .unwrap();
+        answers.push(r.tokens);
+        m.flush();
+    }
+    assert_eq!(kept, answers);
+}
+
+#[test]
+fn another_owner_sees_no_context() {
+    let t = tiny();
+    let store = tempfile::tempdir().unwrap();
+    let cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
+    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+    let id = m.create(&owner(), &prompt(1, 5)).unwrap();
+    let other = Owner {
+        uid: 1001,
+        app: "test".into(),
+    };
+    let err = m
+        .call(&other, id, &prompt(2, 5), &opts(2), Instant::now(), |_| {
+            true
+        })
+        .unwrap_err();
+    assert!(matches!(err, ServiceError::NotFound { .. }), "{err}");
+    assert_eq!(err.code(), "not_found");
+    assert!(m.list(&other).is_empty());
+    assert_eq!(m.list(&owner()).len(), 1);
+    assert_eq!(m.delete(&other, id).unwrap_err().code(), "not_found");
+    m.delete(&owner(), id).unwrap();
+    assert!(m.list(&owner()).is_empty());
+    let _ = ChunkKey::new(id, 0);
+}
+
+#[test]
+fn a_lower_budget_reclaims_at_once_and_calls_still_answer() {
+    let t = tiny();
+    let store = tempfile::tempdir().unwrap();
+    let cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
+    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+    let o = owner();
+    let a = m.create(&o, &prompt(1, 70)).unwrap();
+    let b = m.create(&o, &prompt(2, 70)).unwrap();
+    for id in [a, b] {
+        m.call(&o, id, &prompt(3, 30), &opts(4), Instant::now(), |_| true)
+            .unwrap();
+    }
+    m.flush();
+    let before = m.pager().resident_bytes();
+    let slot = t.model.chunk_shape(16).slot_bytes(KvFormat::Int8) as u64;
+    let freed = m.set_budget(2 * slot).unwrap();
+    assert!(
+        freed > 0 && m.pager().resident_bytes() <= 2 * slot,
+        "{before} -> freed {freed}"
+    );
+    assert_eq!(m.stats().unwritten_reclaims, 0, "written chunks go first");
+    let r = m
+        .call(&o, a, &prompt(4, 8), &opts(4), Instant::now(), |_| true)
+        .unwrap_err();
+    // Context a alone needs more than two chunks: the call cannot run, and says so.
+    assert_eq!(r.code(), "over_budget", "{r}");
+    m.set_budget(64 << 20).unwrap();
+    let r = m
+        .call(&o, a, &prompt(4, 8), &opts(4), Instant::now(), |_| true)
+        .unwrap();
+    assert!(r.load.missing > 0);
+}
+
+/// Five contexts called in turn under a budget of two contexts' worth, for every manager: each
+/// answers as the same manager does with room for everything (swapping never changes content),
+/// and each moves chunks its own way (the counters say how).
+#[test]
+fn every_manager_answers_under_pressure_as_without_and_moves_chunks_its_own_way() {
+    use service::{ManagerKind, ServiceStats};
+    let t = tiny();
+    let shape = t.model.chunk_shape(16);
+    let per_ctx = 10 * shape.slot_bytes(KvFormat::F16) as u64;
+    // Every manager's answers and counters, and whether each idle context was whole or absent.
+    let run = |kind: ManagerKind, budget: u64| -> (Vec<Vec<u32>>, ServiceStats, bool) {
+        let store = tempfile::tempdir().unwrap();
+        let mut cfg = config(store.path(), budget, KvFormat::Int8, LoadMode::Planned);
+        kind.apply(&mut cfg);
+        let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+        let o = owner();
+        let ids: Vec<u64> = (0..5)
+            .map(|i| m.create(&o, &prompt(i, 61)).unwrap())
+            .collect();
+        let (mut answers, mut whole) = (Vec::new(), true);
+        for round in 0..3u32 {
+            for (n, &id) in ids.iter().enumerate() {
+                let r = m
+                    .call(
+                        &o,
+                        id,
+                        &prompt(round * 10 + n as u32, 24),
+                        &opts(8),
+                        Instant::now(),
+                        |_| true,
+                    )
+                    .unwrap_or_else(|e| panic!("{kind}: {e}"));
+                assert!(m.pager().resident_bytes() <= budget, "{kind} over budget");
+                answers.push(r.tokens);
+                m.flush();
+                for c in m.list(&o).into_iter().filter(|c| c.id != id) {
+                    whole &= c.resident_chunks == 0 || c.resident_chunks == c.chunks;
+                }
+            }
+        }
+        let s = m.stats();
+        assert_eq!(s.manager, kind.name());
+        (answers, s, whole)
+    };
+    let mut f16_answers = None;
+    for kind in ManagerKind::ALL {
+        let (free, _, _) = run(kind, 1 << 30);
+        let (pressed, s, whole) = run(kind, 2 * per_ctx);
+        assert_eq!(free, pressed, "{kind}: pressure changed the answers");
+        assert!(s.reclaims > 10, "{kind}: only {} reclaims", s.reclaims);
+        match kind {
+            ManagerKind::Llms | ManagerKind::LlmsNoCompression | ManagerKind::LlmsNoPipeline => {
+                assert!(s.writes > 0, "{kind}: AoT wrote nothing: {s:?}");
+            }
+            ManagerKind::LlmsNoLifecycle
+            | ManagerKind::VllmSq
+            | ManagerKind::VllmS
+            | ManagerKind::Swapping => {
+                assert_eq!(s.writes, 0, "{kind} writes ahead of time: {s:?}");
+                assert!(s.sync_reclaims > 0, "{kind} never wrote a victim: {s:?}");
+                assert_eq!(s.unwritten_reclaims, 0, "{kind} gave chunks up: {s:?}");
+            }
+            ManagerKind::Lmk => {
+                assert_eq!(
+                    (s.writes, s.sync_reclaims, s.chunks_read),
+                    (0, 0, 0),
+                    "{s:?}"
+                );
+                assert!(s.chunks_recomputed > 0, "{s:?}");
+            }
+        }
+        if matches!(
+            kind,
+            ManagerKind::LlmsNoPipeline
+                | ManagerKind::VllmSq
+                | ManagerKind::VllmS
+                | ManagerKind::Swapping
+        ) {
+            assert_eq!(s.chunks_recomputed, 0, "{kind} recomputed: {s:?}");
+            assert!(s.chunks_read > 0, "{kind} read nothing: {s:?}");
+        }
+        if matches!(kind, ManagerKind::Swapping | ManagerKind::Lmk) {
+            assert!(whole, "{kind} left a context partly resident");
+        }
+        // The f16 baselines differ in how chunks move, never in what the model sees.
+        if kind.fixed_format() == Some(KvFormat::F16) {
+            match &f16_answers {
+                None => f16_answers = Some(pressed),
+                Some(a) => assert_eq!(a, &pressed, "{kind} differs from the other f16 managers"),
+            }
+        }
+    }
+}
+
+/// A call that would overflow its context slides the window: the first chunk and the most
+/// recent tokens stay (durably, in the store too), the answer is the one a fresh context holding
+/// just those tokens gives, and calls go on; with the window off the call is refused.
+#[test]
+fn a_full_context_slides_its_window_and_answers_as_a_fresh_one_with_the_kept_tokens() {
+    let t = tiny();
+    let given = slide_conversation(&t, false);
+    // A prompt encoded during the Load is fitted after it, on its real length: the same slides,
+    // the same answers.
+    assert_eq!(slide_conversation(&t, true), given);
+}
+
+/// Eight calls of 60 tokens in a 256-token context, checking each slide; returns every answer.
+fn slide_conversation(t: &Tiny, deferred: bool) -> Vec<Vec<u32>> {
+    let store = tempfile::tempdir().unwrap();
+    let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
+    cfg.compress_bits = None;
+    cfg.max_tokens = 256;
+    let mut m = Manager::open(Arc::clone(&t.model), cfg.clone()).unwrap();
+    let o = owner();
+    let id = m.create(&o, &prompt(1, 21)).unwrap();
+    let mut said = prompt(1, 21);
+    let mut slid = None;
+    let mut answers = Vec::new();
+    for call in 0..8u32 {
+        let p = prompt(call + 2, 60);
+        let before = said.clone();
+        let r =
+            call_as(&mut m, &o, id, &p, 8, deferred).unwrap_or_else(|e| panic!("call {call}: {e}"));
+        if before.len() + p.len() + 1 > 256 {
+            assert!(r.window_dropped > 0, "call {call} did not slide");
+            let kept_len = before.len() - r.window_dropped;
+            assert!(kept_len <= 128, "kept {kept_len} tokens");
+            let mut kept = before[..16].to_vec();
+            kept.extend_from_slice(&before[before.len() - (kept_len - 16)..]);
+            said = kept.clone();
+            if slid.is_none() {
+                slid = Some((kept, p.clone(), r.tokens.clone()));
+            }
+        } else {
+            assert_eq!(r.window_dropped, 0, "call {call}");
+        }
+        said.extend_from_slice(&p);
+        said.extend_from_slice(&r.tokens);
+        assert!(said.len() <= 256);
+        m.flush();
+        assert_eq!(
+            m.store().tokens(kvfs::ContextId(id)).unwrap(),
+            said,
+            "call {call}"
+        );
+        answers.push(r.tokens);
+    }
+    assert!(m.stats().window_slides >= 1);
+    // The first slide's answer is what a context of just the kept tokens answers.
+    let (kept, p, answer) = slid.expect("the context never filled");
+    let fresh = m.create(&o, &kept).unwrap();
+    let r = m
+        .call(&o, fresh, &p, &opts(8), Instant::now(), |_| true)
+        .unwrap();
+    assert_eq!(r.tokens, answer);
+    // Without the window a full context refuses a call the window would have made room for.
+    drop(m);
+    cfg.window = false;
+    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+    let e = call_as(&mut m, &o, id, &prompt(99, 200), 8, deferred).unwrap_err();
+    assert_eq!(e.code(), "context_full", "{e}");
+    answers
+}
+
+/// LLMS's default levels (k8v8, k4v4, k4v3) under a bit budget: every chunk the writer stores is
+/// in one of them, and the files kvfs holds average at most the budget's bits per value, header
+/// included (the tiny model's k4v3 stores 4.97 bits, its k8v8 9.47, so 6.5 takes a mix).
+#[test]
+fn the_llms_mix_stores_at_most_its_bit_budget_in_kvfs() {
+    let t = tiny();
+    let store = tempfile::tempdir().unwrap();
+    let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
+    cfg.compress_bits = Some(6.5);
+    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+    let o = owner();
+    let id = m.create(&o, &prompt(1, 21)).unwrap();
+    for call in 0..3u32 {
+        m.call(
+            &o,
+            id,
+            &prompt(call + 2, 40),
+            &opts(12),
+            Instant::now(),
+            |_| true,
+        )
+        .unwrap();
+    }
+    m.flush();
+    let shape = m.model().chunk_shape(16);
+    let info = m.store().context(kvfs::ContextId(id)).unwrap();
+    let (mut bytes, mut chunks) = (0u64, 0u64);
+    let mut seen = std::collections::BTreeSet::new();
+    for c in &info.chunks {
+        if let kvfs::ChunkState::Stored(s) = &c.state
+            && s.tokens.len() == 16
+        {
+            assert!(
+                KvFormat::CODED.iter().any(|f| f.name() == s.format.name()),
+                "chunk {} stored as {}",
+                c.index,
+                s.format
+            );
+            seen.insert(s.format.name());
+            // What kvfs keeps of the chunk: its header and its stored payload.
+            bytes += (kvfs::format::HEADER_LEN + s.stored_len as usize) as u64;
+            chunks += 1;
+        }
+    }
+    assert!(chunks >= 8, "{chunks} chunks stored");
+    assert!(seen.len() >= 2, "one level only: {seen:?}");
+    let bits = bytes as f64 * 8.0 / (chunks as f64 * shape.chunk_values() as f64);
+    assert!(bits <= 6.5, "{bits} stored bits per value");
+}
