@@ -67,10 +67,12 @@ impl fmt::Display for ContextId {
 /// service (or `llms kvfs mount --model`) for one model, with [`Store::set_decoder`].
 pub type Decoder = Arc<dyn Fn(&[u32]) -> String + Send + Sync>;
 
-/// Whether chunk `index` of a context is resident in the memory of the process that serves it;
-/// `None` when that process does not know (the context is not loaded). Registered by the service,
-/// whose pager knows, with [`Store::set_residency`]; kvfs itself never does.
-pub type Residency = Arc<dyn Fn(ContextId, u32) -> Option<bool> + Send + Sync>;
+/// Which chunks of a context are resident in the memory of the process that serves it: chunk `i`
+/// is iff the answer's element `i` is `true`; `None` when that process does not know (the context
+/// is not loaded, or it cannot tell now). Registered by the service, whose pager knows, with
+/// [`Store::set_residency`]; kvfs itself never does. It is asked from the mount's threads, so it
+/// must answer promptly.
+pub type Residency = Arc<dyn Fn(ContextId) -> Option<Vec<bool>> + Send + Sync>;
 
 /// How a context's `text` is shown, given the decoder registered and the context's model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -537,15 +539,21 @@ impl Store {
         *self.residency.write().unwrap_or_else(|p| p.into_inner()) = Some(residency);
     }
 
-    /// Whether chunk `index` of `id` is resident, as the registered [`Residency`] says; `None`
-    /// without one, or when it does not know.
-    pub fn resident(&self, id: ContextId, index: u32) -> Option<bool> {
+    /// Which chunks of `id` are resident, as the registered [`Residency`] says; `None` without
+    /// one, or when it does not know.
+    pub fn residency(&self, id: ContextId) -> Option<Vec<bool>> {
         let r = self
             .residency
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()?;
-        r(id, index)
+        r(id)
+    }
+
+    /// Whether chunk `index` of `id` is resident ([`Store::residency`]).
+    pub fn resident(&self, id: ContextId, index: u32) -> Option<bool> {
+        self.residency(id)
+            .map(|r| r.get(index as usize).copied().unwrap_or(false))
     }
 
     /// How context `id`'s `text` is shown.
@@ -1639,11 +1647,12 @@ impl Store {
             s,
             "\nindex  tokens         state        format  density  codec   raw      stored   resident  written"
         );
+        let residency = self.residency(id);
         for c in &info.chunks {
             let span = format!("{}..{}", c.span.start, c.span.end);
-            let resident = match self.resident(id, c.index) {
-                Some(true) => "yes",
-                Some(false) => "no",
+            let resident = match &residency {
+                Some(r) if r.get(c.index as usize) == Some(&true) => "yes",
+                Some(_) => "no",
                 None => "-",
             };
             match &c.state {

@@ -329,7 +329,7 @@ fn inspection_shows_text_tokens_and_each_chunks_state() {
     });
     fx.store.set_decoder(FP, decoder.clone());
     fx.store
-        .set_residency(Arc::new(move |c, i| (c == id).then_some(i % 2 == 0)));
+        .set_residency(Arc::new(move |c| (c == id).then(|| vec![true, false])));
     let text = read(format!("{id}/text"));
     assert_eq!(text, decoder(&fx.store.tokens(id).unwrap()));
     let info = read(format!("{id}/info"));

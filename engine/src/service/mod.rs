@@ -6,7 +6,8 @@
 //! to kvfs ahead of time; [`source`] reads them back on a fault; [`chooser`] lets the policy
 //! crate's LCTRU queue pick the pager's victims. docs/service.md gives the numbered flows.
 //! Around it, [`daemon`] serves many apps over a Unix socket in the JSON-lines [`protocol`]
-//! (docs/protocol.md), and [`client`] is the typed client `llms` and apps use.
+//! (docs/protocol.md), and [`client`] is the typed client `llms` and apps use; [`inspect`] shows
+//! people who mount kvfs the contexts' text and which chunks are in memory.
 
 pub mod bench;
 pub mod cgroup;
@@ -14,6 +15,7 @@ pub mod chooser;
 pub mod chunk_io;
 pub mod client;
 pub mod daemon;
+pub mod inspect;
 pub mod load;
 pub mod manager;
 pub mod managers;
