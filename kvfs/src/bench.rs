@@ -1009,6 +1009,7 @@ mod tests {
                 payload_crc: crc32c::crc32c(data),
                 generation: 1,
                 fingerprint: FP,
+                written: 0,
             };
             std::fs::write(chunks.join(name), [&h.encode()[..], data].concat()).unwrap();
         }

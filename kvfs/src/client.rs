@@ -285,6 +285,8 @@ impl MountReader {
             payload_crc: crc32c::crc32c(data),
             generation: 0,
             fingerprint: self.fingerprint,
+            // The daemon records the time it commits the chunk.
+            written: 0,
         }
         .encode();
         let total = HEADER_LEN + data.len();

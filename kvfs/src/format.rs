@@ -13,8 +13,11 @@ pub const CHUNK_MAGIC: [u8; 8] = *b"KVFSCHNK";
 pub const META_MAGIC: [u8; 8] = *b"KVFSCTXM";
 /// Magic bytes at the start of every tokens file.
 pub const TOKENS_MAGIC: [u8; 8] = *b"KVFSTOKS";
-/// Version of the on-disk format written by this code.
+/// Version of the metadata and tokens files written by this code.
 pub const FORMAT_VERSION: u16 = 1;
+/// Version of the chunk headers written by this code: version 2 records when the chunk was written
+/// (bytes 100..104, under the header's crc); version-1 headers, which do not, are still read.
+pub const HEADER_VERSION: u16 = 2;
 /// Size of a chunk header in bytes.
 pub const HEADER_LEN: usize = 104;
 /// Length of a model fingerprint in bytes.
@@ -31,8 +34,12 @@ pub enum FormatError {
     },
     #[error("{what} has bad magic bytes {found:02x?}")]
     BadMagic { what: &'static str, found: [u8; 8] },
-    #[error("{what} has format version {found}, this build reads version {FORMAT_VERSION}")]
-    BadVersion { what: &'static str, found: u16 },
+    #[error("{what} has format version {found}, this build reads versions up to {max}")]
+    BadVersion {
+        what: &'static str,
+        found: u16,
+        max: u16,
+    },
     #[error("{what} checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")]
     Checksum {
         what: &'static str,
@@ -197,7 +204,8 @@ impl Codec {
 /// Layout (104 bytes): magic 8, version u16, header length u16, format u8, codec u8, reserved u16,
 /// context u64, index u32, token start u32, token end u32, tokens crc u32, density f32,
 /// raw length u32, stored length u32, payload crc u32, generation u64, fingerprint 32,
-/// header crc u32 (of the 96 bytes before it), reserved u32.
+/// header crc u32 (of the 96 bytes before it, then of bytes 100..104 in version 2), written u32
+/// (version 2; zero in version 1).
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChunkHeader {
     pub format: KvFormat,
@@ -215,6 +223,19 @@ pub struct ChunkHeader {
     /// Store-wide write sequence number: a larger one is a later write.
     pub generation: u64,
     pub fingerprint: Fingerprint,
+    /// When the store wrote the chunk, in seconds since the Unix epoch; 0 when unknown (a
+    /// version-1 header).
+    pub written: u32,
+}
+
+/// The crc a header of `version` carries: of bytes 0..96, and in version 2 of `written` too.
+fn header_crc(b: &[u8], version: u16) -> u32 {
+    let crc = crc32c::crc32c(&b[..96]);
+    if version >= 2 {
+        crc32c::crc32c_append(crc, &b[100..104])
+    } else {
+        crc
+    }
 }
 
 impl ChunkHeader {
@@ -222,7 +243,7 @@ impl ChunkHeader {
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..8].copy_from_slice(&CHUNK_MAGIC);
-        b[8..10].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[8..10].copy_from_slice(&HEADER_VERSION.to_le_bytes());
         b[10..12].copy_from_slice(&(HEADER_LEN as u16).to_le_bytes());
         b[12] = self.format.tag();
         b[13] = self.codec.tag();
@@ -237,7 +258,8 @@ impl ChunkHeader {
         b[52..56].copy_from_slice(&self.payload_crc.to_le_bytes());
         b[56..64].copy_from_slice(&self.generation.to_le_bytes());
         b[64..96].copy_from_slice(&self.fingerprint.0);
-        let crc = crc32c::crc32c(&b[..96]);
+        b[100..104].copy_from_slice(&self.written.to_le_bytes());
+        let crc = header_crc(&b, HEADER_VERSION);
         b[96..100].copy_from_slice(&crc.to_le_bytes());
         b
     }
@@ -254,10 +276,11 @@ impl ChunkHeader {
         }
         check_magic(what, b, &CHUNK_MAGIC)?;
         let version = u16_at(b, 8);
-        if version != FORMAT_VERSION {
+        if !(1..=HEADER_VERSION).contains(&version) {
             return Err(FormatError::BadVersion {
                 what,
                 found: version,
+                max: HEADER_VERSION,
             });
         }
         let header_len = u16_at(b, 10) as usize;
@@ -269,7 +292,7 @@ impl ChunkHeader {
             });
         }
         let stored = u32_at(b, 96);
-        let computed = crc32c::crc32c(&b[..96]);
+        let computed = header_crc(b, version);
         if stored != computed {
             return Err(FormatError::Checksum {
                 what,
@@ -293,6 +316,7 @@ impl ChunkHeader {
             payload_crc: u32_at(b, 52),
             generation: u64_at(b, 56),
             fingerprint: Fingerprint(fingerprint),
+            written: if version >= 2 { u32_at(b, 100) } else { 0 },
         })
     }
 
@@ -374,6 +398,7 @@ impl ContextMeta {
             return Err(FormatError::BadVersion {
                 what,
                 found: version,
+                max: FORMAT_VERSION,
             });
         }
         let app_len = u16_at(b, 10) as usize;
@@ -431,6 +456,7 @@ pub fn decode_tokens(b: &[u8]) -> Result<Vec<u32>, FormatError> {
         return Err(FormatError::BadVersion {
             what,
             found: version,
+            max: FORMAT_VERSION,
         });
     }
     let count = u32_at(b, 12) as usize;
@@ -504,6 +530,7 @@ mod tests {
             payload_crc: 0xdead_beef,
             generation: 42,
             fingerprint: Fingerprint([9; 32]),
+            written: 1_764_000_000,
         }
     }
 
@@ -516,11 +543,40 @@ mod tests {
     #[test]
     fn every_flipped_header_bit_is_detected() {
         let bytes = header().encode();
-        for bit in 0..(96 * 8) {
+        // Every bit but the crc's own: bytes 0..96 and the written time at 100..104.
+        for bit in (0..96 * 8).chain(100 * 8..104 * 8) {
             let mut b = bytes;
             b[bit / 8] ^= 1 << (bit % 8);
             assert!(ChunkHeader::decode(&b).is_err(), "bit {bit} not detected");
         }
+    }
+
+    /// A header written before version 2 (no written time, its crc over bytes 0..96 only) is
+    /// still read, with the time unknown.
+    #[test]
+    fn a_version_1_header_reads_with_no_written_time() {
+        let mut b = header().encode();
+        b[8..10].copy_from_slice(&1u16.to_le_bytes());
+        b[100..104].fill(0);
+        let crc = crc32c::crc32c(&b[..96]);
+        b[96..100].copy_from_slice(&crc.to_le_bytes());
+        let old = ChunkHeader::decode(&b).unwrap();
+        assert_eq!(old.written, 0);
+        assert_eq!(
+            ChunkHeader { written: 0, ..old },
+            ChunkHeader {
+                written: 0,
+                ..header()
+            }
+        );
+        // A version-2 header's crc covers its written time: one over bytes 0..96 alone fails.
+        let mut b = header().encode();
+        let crc = crc32c::crc32c(&b[..96]);
+        b[96..100].copy_from_slice(&crc.to_le_bytes());
+        assert!(matches!(
+            ChunkHeader::decode(&b),
+            Err(FormatError::Checksum { .. })
+        ));
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The FUSE filesystem over a [`Store`]: `/stats`, `/<context>/{info,text,kv,data,chunks/<index>}`.
+//! The FUSE filesystem over a [`Store`]: `/stats`,
+//! `/<context>/{info,text,tokens,kv,data,chunks/<index>}`.
 //!
 //! Shaped like fuser's `examples/simple.rs`: helpers return `Result<T, Errno>` and each
 //! `Filesystem` method only adapts to its `reply`.
@@ -49,15 +50,20 @@ const SLOT_INFO: u64 = 3;
 const SLOT_TEXT: u64 = 4;
 const SLOT_KV: u64 = 5;
 const SLOT_DATA: u64 = 6;
+const SLOT_TOKENS: u64 = 7;
 const FIRST_CHUNK: u64 = 16;
 /// Extended attributes of a chunk in the per-chunk view; `format` and `density` can be set before a
-/// write commits.
-const XATTRS: [&str; 5] = [
+/// write commits, the others are read only.
+const XATTRS: [&str; 9] = [
     "user.kvfs.format",
     "user.kvfs.density",
     "user.kvfs.state",
     "user.kvfs.codec",
     "user.kvfs.generation",
+    "user.kvfs.raw_bytes",
+    "user.kvfs.stored_bytes",
+    "user.kvfs.written",
+    "user.kvfs.resident",
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +74,7 @@ enum Node {
     Chunks(ContextId),
     Info(ContextId),
     Text(ContextId),
+    Tokens(ContextId),
     Kv(ContextId),
     Data(ContextId),
     Chunk(ContextId, u32),
@@ -90,6 +97,7 @@ impl Node {
             SLOT_CHUNKS => Node::Chunks(ctx),
             SLOT_INFO => Node::Info(ctx),
             SLOT_TEXT => Node::Text(ctx),
+            SLOT_TOKENS => Node::Tokens(ctx),
             SLOT_KV => Node::Kv(ctx),
             SLOT_DATA => Node::Data(ctx),
             s if s >= FIRST_CHUNK => Node::Chunk(ctx, (s - FIRST_CHUNK) as u32),
@@ -106,6 +114,7 @@ impl Node {
             Node::Chunks(c) => base(c) | SLOT_CHUNKS,
             Node::Info(c) => base(c) | SLOT_INFO,
             Node::Text(c) => base(c) | SLOT_TEXT,
+            Node::Tokens(c) => base(c) | SLOT_TOKENS,
             Node::Kv(c) => base(c) | SLOT_KV,
             Node::Data(c) => base(c) | SLOT_DATA,
             Node::Chunk(c, i) => base(c) | (FIRST_CHUNK + i as u64),
@@ -119,6 +128,7 @@ impl Node {
             | Node::Chunks(c)
             | Node::Info(c)
             | Node::Text(c)
+            | Node::Tokens(c)
             | Node::Kv(c)
             | Node::Data(c)
             | Node::Chunk(c, _) => Some(c),
@@ -314,6 +324,15 @@ impl KvFs {
                     t,
                 ))
             }
+            Node::Tokens(c) => {
+                let (owner, t) = self.owner(uid, c)?;
+                Ok(file(
+                    0o400,
+                    owner,
+                    self.store.render_tokens(c).map_err(store_err)?.len(),
+                    t,
+                ))
+            }
             Node::Kv(c) => {
                 let (owner, t) = self.owner(uid, c)?;
                 Ok(file(0o600, owner, self.kv_len(c)? as usize, t))
@@ -345,6 +364,7 @@ impl KvFs {
                 "chunks" => Node::Chunks(c),
                 "info" => Node::Info(c),
                 "text" => Node::Text(c),
+                "tokens" => Node::Tokens(c),
                 "kv" => Node::Kv(c),
                 "data" => Node::Data(c),
                 _ => return Err(Errno::ENOENT),
@@ -388,6 +408,11 @@ impl KvFs {
                     Node::Text(c).ino(),
                     FileType::RegularFile,
                     "text".to_owned(),
+                ));
+                out.push((
+                    Node::Tokens(c).ino(),
+                    FileType::RegularFile,
+                    "tokens".to_owned(),
                 ));
                 out.push((Node::Kv(c).ino(), FileType::RegularFile, "kv".to_owned()));
                 out.push((
@@ -433,7 +458,9 @@ impl KvFs {
         match node {
             Node::Root | Node::Dir(_) | Node::Chunks(_) => Err(Errno::EISDIR),
             _ if writing && self.read_only => Err(Errno::EROFS),
-            Node::Stats | Node::Info(_) | Node::Text(_) | Node::Data(_) if writing => {
+            Node::Stats | Node::Info(_) | Node::Text(_) | Node::Tokens(_) | Node::Data(_)
+                if writing =>
+            {
                 Err(Errno::EACCES)
             }
             Node::Data(c) => {
@@ -449,6 +476,10 @@ impl KvFs {
             Node::Text(c) => {
                 self.owner(uid, c)?;
                 text(self.store.render_text(c).map_err(store_err)?)
+            }
+            Node::Tokens(c) => {
+                self.owner(uid, c)?;
+                text(self.store.render_tokens(c).map_err(store_err)?)
             }
             Node::Kv(c) => {
                 self.owner(uid, c)?;
@@ -921,6 +952,13 @@ impl KvFs {
             "user.kvfs.state" => Some(state.name().to_owned()),
             "user.kvfs.codec" => stored.as_ref().map(|s| s.codec.name().to_owned()),
             "user.kvfs.generation" => stored.as_ref().map(|s| s.generation.to_string()),
+            "user.kvfs.raw_bytes" => stored.as_ref().map(|s| s.raw_len.to_string()),
+            "user.kvfs.stored_bytes" => stored.as_ref().map(|s| s.stored_len.to_string()),
+            "user.kvfs.written" => stored.as_ref().and_then(|s| s.written).map(crate::utc),
+            "user.kvfs.resident" => self
+                .store
+                .resident(c, i)
+                .map(|r| if r { "yes" } else { "no" }.to_owned()),
             _ => None,
         };
         v.map(String::into_bytes)
@@ -1566,6 +1604,9 @@ mod tests {
             Node::Chunks(c),
             Node::Info(c),
             Node::Text(c),
+            Node::Tokens(c),
+            Node::Kv(c),
+            Node::Data(c),
             Node::Chunk(c, 0),
             Node::Chunk(ContextId(u32::MAX as u64), MAX_INDEX),
         ] {

@@ -17,5 +17,6 @@ pub use format::{Codec, ContextMeta, Fingerprint, KvFormat};
 pub use fs::{Mount, MountConfig, MountCounters, MountError, kv_offset, mount};
 pub use store::{
     ChunkMeta, ChunkState, ContextId, ContextInfo, Decoder, HEADER_PAGE, MAX_CHUNK_BYTES,
-    NewContext, SLOT_BYTES, Store, StoreError, StoreOptions, StoredChunk, slot_offset,
+    NewContext, Residency, SLOT_BYTES, Store, StoreError, StoreOptions, StoredChunk, TextView,
+    slot_offset, utc,
 };

@@ -63,8 +63,27 @@ impl fmt::Display for ContextId {
     }
 }
 
-/// Turns token ids into text for a context's `text` file (registered by the service).
+/// Turns a context's token ids into its text for the context's `text` file: registered by the
+/// service (or `llms kvfs mount --model`) for one model, with [`Store::set_decoder`].
 pub type Decoder = Arc<dyn Fn(&[u32]) -> String + Send + Sync>;
+
+/// Which chunks of a context are resident in the memory of the process that serves it: chunk `i`
+/// is iff the answer's element `i` is `true`; `None` when that process does not know (the context
+/// is not loaded, or it cannot tell now). Registered by the service, whose pager knows, with
+/// [`Store::set_residency`]; kvfs itself never does. It is asked from the mount's threads, so it
+/// must answer promptly.
+pub type Residency = Arc<dyn Fn(ContextId) -> Option<Vec<bool>> + Send + Sync>;
+
+/// How a context's `text` is shown, given the decoder registered and the context's model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TextView {
+    /// Decoded by the decoder registered for the context's model.
+    Decoded,
+    /// No decoder is registered: `text` says so and points at `tokens`.
+    NoDecoder,
+    /// The decoder registered is another model's (`loaded`): never used on this context.
+    OtherModel { loaded: Fingerprint },
+}
 
 /// What went wrong in a store operation.
 #[derive(Debug, thiserror::Error)]
@@ -187,6 +206,9 @@ pub struct StoredChunk {
     pub tokens: Range<u32>,
     /// crc32c of those tokens' ids.
     pub tokens_crc: u32,
+    /// When the store wrote this copy, in seconds since the Unix epoch (`None` for a chunk written
+    /// before headers recorded it).
+    pub written: Option<u64>,
 }
 
 /// The state of one chunk slot of a context.
@@ -276,7 +298,8 @@ pub struct Store {
     contexts: RwLock<BTreeMap<ContextId, Arc<Ctx>>>,
     next_id: AtomicU64,
     next_generation: AtomicU64,
-    decoder: RwLock<Option<Decoder>>,
+    decoder: RwLock<Option<(Fingerprint, Decoder)>>,
+    residency: RwLock<Option<Residency>>,
     recovered: Vec<Recovered>,
     quarantined: AtomicU64,
     counters: Counters,
@@ -302,6 +325,13 @@ fn now_nanos() -> u128 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0)
+}
+
+/// Now in whole seconds since the Unix epoch, as a chunk header records it (until 2106).
+fn unix_seconds() -> u32 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX))
 }
 
 fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> IoError + 'a {
@@ -414,6 +444,7 @@ impl Store {
             next_id: AtomicU64::new(1),
             next_generation: AtomicU64::new(1),
             decoder: RwLock::new(None),
+            residency: RwLock::new(None),
             recovered: Vec::new(),
             quarantined: AtomicU64::new(0),
             counters: Counters::default(),
@@ -486,9 +517,53 @@ impl Store {
         &self.counters
     }
 
-    /// Registers the function that turns token ids into a context's `text`.
-    pub fn set_decoder(&self, decoder: Decoder) {
-        *self.decoder.write().unwrap_or_else(|p| p.into_inner()) = Some(decoder);
+    /// Registers the function that turns token ids into a context's `text`, for the contexts of
+    /// model `model`: a context of another model is never decoded by it (its `text` and `info`
+    /// say so), since another model's ids mean other words.
+    pub fn set_decoder(&self, model: Fingerprint, decoder: Decoder) {
+        *self.decoder.write().unwrap_or_else(|p| p.into_inner()) = Some((model, decoder));
+    }
+
+    /// The model whose decoder is registered, if one is.
+    pub fn decoder_model(&self) -> Option<Fingerprint> {
+        self.decoder
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|(fp, _)| *fp)
+    }
+
+    /// Registers the function that says whether a chunk is resident in memory (shown in `info`
+    /// and the chunk's `user.kvfs.resident`).
+    pub fn set_residency(&self, residency: Residency) {
+        *self.residency.write().unwrap_or_else(|p| p.into_inner()) = Some(residency);
+    }
+
+    /// Which chunks of `id` are resident, as the registered [`Residency`] says; `None` without
+    /// one, or when it does not know.
+    pub fn residency(&self, id: ContextId) -> Option<Vec<bool>> {
+        let r = self
+            .residency
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()?;
+        r(id)
+    }
+
+    /// Whether chunk `index` of `id` is resident ([`Store::residency`]).
+    pub fn resident(&self, id: ContextId, index: u32) -> Option<bool> {
+        self.residency(id)
+            .map(|r| r.get(index as usize).copied().unwrap_or(false))
+    }
+
+    /// How context `id`'s `text` is shown.
+    pub fn text_view(&self, id: ContextId) -> Result<TextView, StoreError> {
+        let model = self.fingerprint(id)?;
+        Ok(match self.decoder_model() {
+            None => TextView::NoDecoder,
+            Some(loaded) if loaded == model => TextView::Decoded,
+            Some(loaded) => TextView::OtherModel { loaded },
+        })
     }
 
     fn recover(&mut self) -> Result<(), StoreError> {
@@ -1086,6 +1161,7 @@ impl Store {
             payload_crc: crc32c::crc32c(payload),
             generation,
             fingerprint: ctx.meta.fingerprint,
+            written: unix_seconds(),
         };
         let path = ctx.dir.join("data");
         let at = slot_offset(index, copy);
@@ -1539,22 +1615,51 @@ impl Store {
         let _ = writeln!(s, "owner uid    {}", m.owner_uid);
         let _ = writeln!(s, "app          {}", m.app);
         let _ = writeln!(s, "model        {}", m.fingerprint);
-        let _ = writeln!(s, "created      {} (unix seconds)", m.created);
+        match self.text_view(id)? {
+            TextView::Decoded => {
+                let _ = writeln!(s, "text         decoded by this model's tokenizer");
+            }
+            TextView::NoDecoder => {
+                let _ = writeln!(
+                    s,
+                    "text         not decoded: no tokenizer is loaded (the ids are in tokens)"
+                );
+            }
+            TextView::OtherModel { loaded } => {
+                let _ = writeln!(
+                    s,
+                    "note         the tokenizer loaded is model {loaded}'s, not this context's: \
+                     text is not decoded (the ids are in tokens)"
+                );
+            }
+        }
+        let _ = writeln!(
+            s,
+            "created      {} ({} unix seconds)",
+            utc(m.created),
+            m.created
+        );
         let _ = writeln!(s, "tokens       {}", info.tokens);
         let _ = writeln!(s, "chunk tokens {}", m.chunk_tokens);
         let t = Totals::of(std::slice::from_ref(&info));
         t.write(&mut s);
         let _ = writeln!(
             s,
-            "\nindex  tokens         state        format  density  codec   raw      stored"
+            "\nindex  tokens         state        format  density  codec   raw      stored   resident  written"
         );
+        let residency = self.residency(id);
         for c in &info.chunks {
             let span = format!("{}..{}", c.span.start, c.span.end);
+            let resident = match &residency {
+                Some(r) if r.get(c.index as usize) == Some(&true) => "yes",
+                Some(_) => "no",
+                None => "-",
+            };
             match &c.state {
                 ChunkState::Stored(sc) => {
                     let _ = writeln!(
                         s,
-                        "{:<6} {:<14} {:<12} {:<7} {:<8.4} {:<7} {:<8} {}",
+                        "{:<6} {:<14} {:<12} {:<7} {:<8.4} {:<7} {:<8} {:<8} {:<9} {}",
                         c.index,
                         span,
                         "stored",
@@ -1562,18 +1667,33 @@ impl Store {
                         sc.density,
                         sc.codec.name(),
                         sc.raw_len,
-                        sc.stored_len
+                        sc.stored_len,
+                        resident,
+                        sc.written.map_or_else(|| "-".to_owned(), utc)
                     );
                 }
                 other => {
-                    let _ = writeln!(s, "{:<6} {:<14} {}", c.index, span, other.name());
+                    let _ = writeln!(
+                        s,
+                        "{:<6} {:<14} {:<12} {:<7} {:<8} {:<7} {:<8} {:<8} {}",
+                        c.index,
+                        span,
+                        other.name(),
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        resident
+                    );
                 }
             }
         }
         Ok(s)
     }
 
-    /// A context's `text`: its tokens decoded by the registered decoder, or the ids when none is.
+    /// A context's `text`: its tokens decoded by the decoder registered for its model; without
+    /// one, or with another model's, a line that says why there is no text and where the ids are.
     pub fn render_text(&self, id: ContextId) -> Result<String, StoreError> {
         let tokens = self.tokens(id)?;
         let decoder = self
@@ -1581,18 +1701,33 @@ impl Store {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        Ok(match decoder {
-            Some(d) => d(&tokens),
-            None => {
-                let mut s = tokens
-                    .iter()
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join(" ");
-                s.push('\n');
-                s
-            }
+        let n = tokens.len();
+        Ok(match (self.text_view(id)?, decoder) {
+            (TextView::Decoded, Some((_, d))) => d(&tokens),
+            (TextView::OtherModel { loaded }, _) => format!(
+                "kvfs: context {id} was computed by model {}, but the tokenizer loaded is model \
+                 {loaded}'s, so its {n} tokens are not decoded; their ids are in `tokens` beside \
+                 this file\n",
+                self.fingerprint(id)?
+            ),
+            _ => format!(
+                "kvfs: no tokenizer is loaded, so the {n} tokens of context {id} are not decoded \
+                 (mount the store with its model to read them); their ids are in `tokens` beside \
+                 this file\n"
+            ),
         })
+    }
+
+    /// A context's `tokens`: its token ids in decimal, separated by spaces, and a newline.
+    pub fn render_tokens(&self, id: ContextId) -> Result<String, StoreError> {
+        use std::fmt::Write;
+        let tokens = self.tokens(id)?;
+        let mut s = String::with_capacity(tokens.len() * 6 + 1);
+        for (i, t) in tokens.iter().enumerate() {
+            let _ = write!(s, "{}{t}", if i == 0 { "" } else { " " });
+        }
+        s.push('\n');
+        Ok(s)
     }
 
     /// The store-wide `stats`.
@@ -1779,6 +1914,28 @@ pub(crate) fn decode_payload(
     }
 }
 
+/// A time in seconds since the Unix epoch as UTC, `2026-11-25T09:30:00Z` (the proleptic
+/// Gregorian calendar, days to dates by Howard Hinnant's `civil_from_days`).
+pub fn utc(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rest = secs % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest / 60 % 60,
+        rest % 60
+    )
+}
+
 /// A chunk's metadata as its header records it.
 pub(crate) fn stored_of(h: &ChunkHeader, copy: u8) -> StoredChunk {
     StoredChunk {
@@ -1791,6 +1948,7 @@ pub(crate) fn stored_of(h: &ChunkHeader, copy: u8) -> StoredChunk {
         generation: h.generation,
         tokens: h.token_start..h.token_end,
         tokens_crc: h.tokens_crc,
+        written: (h.written != 0).then_some(u64::from(h.written)),
     }
 }
 

@@ -217,7 +217,7 @@ fn ls_cat_and_stat_agree_on_sizes() {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     names.sort();
-    assert_eq!(names, ["chunks", "data", "info", "kv", "text"]);
+    assert_eq!(names, ["chunks", "data", "info", "kv", "text", "tokens"]);
     let mut chunks: Vec<String> = std::fs::read_dir(fx.path(format!("{id}/chunks")))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -228,6 +228,7 @@ fn ls_cat_and_stat_agree_on_sizes() {
         "stats".to_owned(),
         format!("{id}/info"),
         format!("{id}/text"),
+        format!("{id}/tokens"),
         format!("{id}/chunks/1"),
     ];
     for f in &files {
@@ -270,8 +271,171 @@ fn ls_cat_and_stat_agree_on_sizes() {
     );
     let info = std::fs::read_to_string(fx.path(format!("{id}/info"))).unwrap();
     assert!(info.contains("3 stored"), "{info}");
-    let text = std::fs::read_to_string(fx.path(format!("{id}/text"))).unwrap();
-    assert_eq!(text.split_whitespace().count(), 40);
+    let tokens = std::fs::read_to_string(fx.path(format!("{id}/tokens"))).unwrap();
+    assert_eq!(tokens.split_whitespace().count(), 40);
+}
+
+/// What a person inspecting sees: `text` decoded by the decoder registered for the context's
+/// model (never by another model's), `tokens`, and per chunk its format, bytes, density, when it
+/// was written and whether the registered residency says it is in memory, in `info` and as xattrs.
+#[test]
+fn inspection_shows_text_tokens_and_each_chunks_state() {
+    let fx = Fixture::new(false);
+    let id = fx.context(0, 40);
+    let before = kvfs::utc(unix_now());
+    for (i, format) in [KvFormat::Int8, KvFormat::Int4].into_iter().enumerate() {
+        fx.store
+            .write_chunk(
+                id,
+                i as u32,
+                &FP,
+                format,
+                0.25 * (i + 1) as f32,
+                &bytes(i as u64, 3000),
+            )
+            .unwrap();
+    }
+    let after = kvfs::utc(unix_now());
+    let other = Fingerprint([FP.0[0] + 1; 32]);
+    let foreign = fx
+        .store
+        .create_context(NewContext {
+            owner_uid: 0,
+            app: "other model".into(),
+            fingerprint: other,
+            chunk_tokens: 16,
+        })
+        .unwrap();
+    fx.store.append_tokens(foreign, &[7, 8, 9]).unwrap();
+    let read = |rel: String| std::fs::read_to_string(fx.path(rel)).unwrap();
+
+    // No decoder yet: text says so and where the ids are; no residency: "-".
+    let text = read(format!("{id}/text"));
+    assert!(text.contains("no tokenizer is loaded"), "{text}");
+    assert!(text.contains("`tokens`"), "{text}");
+    let ids: Vec<String> = (0..40).map(|t: u32| t.to_string()).collect();
+    assert_eq!(read(format!("{id}/tokens")), format!("{}\n", ids.join(" ")));
+    let chunk0 = fx.path(format!("{id}/chunks/0"));
+    assert_eq!(
+        get_xattr_err(&chunk0, "user.kvfs.resident"),
+        Some(libc::ENODATA)
+    );
+
+    // A decoder for this model, and a residency that says even chunks are in memory.
+    let decoder: kvfs::Decoder = Arc::new(|t: &[u32]| {
+        t.iter()
+            .map(|&i| char::from(b'a' + (i % 26) as u8))
+            .collect()
+    });
+    fx.store.set_decoder(FP, decoder.clone());
+    fx.store
+        .set_residency(Arc::new(move |c| (c == id).then(|| vec![true, false])));
+    let text = read(format!("{id}/text"));
+    assert_eq!(text, decoder(&fx.store.tokens(id).unwrap()));
+    let info = read(format!("{id}/info"));
+    assert!(info.contains("decoded by this model's tokenizer"), "{info}");
+    for i in 0..2u32 {
+        let p = fx.path(format!("{id}/chunks/{i}"));
+        let s = match fx.store.chunk_state(id, i).unwrap() {
+            ChunkState::Stored(s) => s,
+            other => panic!("chunk {i}: {other:?}"),
+        };
+        assert_eq!(get_xattr(&p, "user.kvfs.format"), s.format.name());
+        assert_eq!(get_xattr(&p, "user.kvfs.density"), s.density.to_string());
+        assert_eq!(
+            get_xattr(&p, "user.kvfs.stored_bytes"),
+            s.stored_len.to_string()
+        );
+        assert_eq!(get_xattr(&p, "user.kvfs.raw_bytes"), "3000");
+        let written = get_xattr(&p, "user.kvfs.written");
+        assert!(
+            before <= written && written <= after,
+            "{before} <= {written} <= {after}"
+        );
+        assert_eq!(Some(written.clone()), s.written.map(kvfs::utc));
+        let resident = if i % 2 == 0 { "yes" } else { "no" };
+        assert_eq!(get_xattr(&p, "user.kvfs.resident"), resident);
+        // The same in info's chunk table.
+        let row = info
+            .lines()
+            .find(|l| l.starts_with(&format!("{i} ")))
+            .unwrap_or_else(|| panic!("no row {i} in\n{info}"));
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(
+            cols,
+            [
+                &i.to_string(),
+                &format!("{}..{}", 16 * i, 16 * (i + 1)),
+                "stored",
+                s.format.name(),
+                &format!("{:.4}", s.density),
+                s.codec.name(),
+                "3000",
+                &s.stored_len.to_string(),
+                resident,
+                &written
+            ],
+            "{info}"
+        );
+    }
+    let names = list_xattrs(&chunk0);
+    for x in ["stored_bytes", "written", "resident", "format", "density"] {
+        assert!(names.contains(&format!("user.kvfs.{x}")), "{names:?}");
+    }
+
+    // The context of another model: never decoded by this model's tokenizer, and info says why.
+    let text = read(format!("{foreign}/text"));
+    assert!(
+        text.contains("not decoded") && text.contains(&FP.to_string()),
+        "{text}"
+    );
+    assert_ne!(text, decoder(&[7, 8, 9]));
+    assert_eq!(read(format!("{foreign}/tokens")), "7 8 9\n");
+    let info = read(format!("{foreign}/info"));
+    assert!(
+        info.lines()
+            .any(|l| l.starts_with("note") && l.contains(&FP.to_string())),
+        "{info}"
+    );
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// The errno of a failed getxattr, or `None` when it succeeds.
+fn get_xattr_err(path: &Path, name: &str) -> Option<i32> {
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import os,sys\ntry:\n os.getxattr(sys.argv[1], sys.argv[2])\nexcept OSError as e:\n print(e.errno)",
+        ])
+        .arg(path)
+        .arg(name)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().parse().ok()
+}
+
+fn list_xattrs(path: &Path) -> Vec<String> {
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import os,sys; print(chr(10).join(os.listxattr(sys.argv[1])))",
+        ])
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect()
 }
 
 #[test]
@@ -359,6 +523,7 @@ fn another_uid_cannot_list_or_read_a_context_it_does_not_own() {
     for target in [
         p(format!("{theirs}/info")),
         p(format!("{theirs}/text")),
+        p(format!("{theirs}/tokens")),
         p(format!("{theirs}/kv")),
         p(format!("{theirs}/chunks/0")),
     ] {
@@ -368,6 +533,17 @@ fn another_uid_cannot_list_or_read_a_context_it_does_not_own() {
             "nobody read {target}: {out:?}"
         );
     }
+    // Nor its chunks' attributes.
+    let out = as_nobody(&[
+        "python3",
+        "-c",
+        "import os,sys; print(os.getxattr(sys.argv[1], 'user.kvfs.stored_bytes'))",
+        &p(format!("{theirs}/chunks/0")),
+    ]);
+    assert!(
+        !out.status.success() && out.stdout.is_empty(),
+        "nobody read their attributes: {out:?}"
+    );
     let out = as_nobody(&[
         "sh",
         "-c",
@@ -738,6 +914,7 @@ fn writes_through_the_kv_file_are_checked_and_durable() {
         payload_crc: 0,
         generation: 0,
         fingerprint: FP,
+        written: 0,
     };
     let mut image = header.encode().to_vec();
     image.extend_from_slice(b"data");

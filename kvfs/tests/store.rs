@@ -942,14 +942,68 @@ fn info_and_stats_describe_the_store() {
     let stats = store.render_stats();
     assert!(stats.contains("contexts     1"), "{stats}");
     assert!(stats.contains("writes       1"), "{stats}");
-    assert_eq!(
-        store.render_text(id).unwrap().split_whitespace().count(),
-        40
+    // No decoder: `text` says so and where the ids are; `tokens` holds them.
+    let text = store.render_text(id).unwrap();
+    assert!(
+        text.contains("no tokenizer is loaded") && text.contains("`tokens`"),
+        "{text}"
     );
-    store.set_decoder(std::sync::Arc::new(|t: &[u32]| {
-        format!("{} tokens of text", t.len())
-    }));
+    assert!(info.contains("no tokenizer is loaded"), "{info}");
+    let ids = store.render_tokens(id).unwrap();
+    let want: Vec<String> = store
+        .tokens(id)
+        .unwrap()
+        .iter()
+        .map(u32::to_string)
+        .collect();
+    assert_eq!(ids, format!("{}\n", want.join(" ")));
+    // Another model's decoder is never used on this context: `text` and `info` say why.
+    let other = kvfs::Fingerprint([FP.0[0] ^ 1; 32]);
+    let decoder: kvfs::Decoder =
+        std::sync::Arc::new(|t: &[u32]| format!("{} tokens of text", t.len()));
+    store.set_decoder(other, decoder.clone());
+    let text = store.render_text(id).unwrap();
+    assert!(
+        !text.contains("tokens of text") && text.contains(&other.to_string()),
+        "{text}"
+    );
+    let info = store.render_info(id).unwrap();
+    assert!(
+        info.lines()
+            .any(|l| l.starts_with("note") && l.contains(&other.to_string())),
+        "{info}"
+    );
+    // This model's decoder decodes it.
+    store.set_decoder(FP, decoder);
     assert_eq!(store.render_text(id).unwrap(), "40 tokens of text");
+    assert!(
+        store
+            .render_info(id)
+            .unwrap()
+            .contains("decoded by this model's tokenizer")
+    );
+}
+
+/// `utc` against the system's `date`, at the epoch, a leap day, the end of a century and now.
+#[test]
+fn utc_agrees_with_date() {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    for secs in [0, 951_868_799, 951_868_800, 4_102_444_799, now] {
+        let out = std::process::Command::new("date")
+            .args(["-u", "+%Y-%m-%dT%H:%M:%SZ", "-d"])
+            .arg(format!("@{secs}"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            kvfs::utc(secs),
+            String::from_utf8(out.stdout).unwrap().trim(),
+            "{secs}"
+        );
+    }
 }
 
 #[test]

@@ -410,7 +410,7 @@ fn another_uid_finds_nothing() {
     let ls = nobody("ls", &mnt);
     assert!(ls.status.success(), "{ls:?}");
     assert!(!String::from_utf8_lossy(&ls.stdout).lines().any(|l| l == id));
-    for f in ["info", "text", "kv", "chunks/0"] {
+    for f in ["info", "text", "tokens", "kv", "chunks/0"] {
         let out = nobody("cat", &mnt.join(&id).join(f));
         assert!(
             !out.status.success() && out.stdout.is_empty(),
@@ -426,6 +426,141 @@ fn another_uid_finds_nothing() {
     assert!(std::fs::read_to_string(mnt.join(&id).join("info")).is_ok());
     // Still there for its owner.
     assert_eq!(c.info(ctx).unwrap().calls, 1);
+}
+
+/// A person inspecting the daemon's mount, as the issue tried it: a chat context's `text` is its
+/// tokens as the model's tokenizer renders them (turns, roles and control tokens visible),
+/// `tokens` the ids; `info` and the chunks' attributes show each chunk's bytes, when it was
+/// written and whether it is in the daemon's memory (after a restart, none is). Another uid reads
+/// none of it.
+#[test]
+fn the_daemons_mount_shows_contexts_as_the_models_text() {
+    let w = tests::World::chat(env!("CARGO_BIN_EXE_llms-e2e"));
+    let tok = w.tokenizer();
+    let mnt = w.mountpoint();
+    let d = w.serve(&[]);
+    let mut c = w.connect("inspect");
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    };
+    let before = kvfs::utc(now());
+    let prompt = "Remember: my secret is 4711.";
+    let params = protocol::client::CallParams {
+        max_tokens: 24,
+        ..Default::default()
+    };
+    c.call(ctx, prompt, &params)
+        .unwrap()
+        .collect_answer()
+        .unwrap();
+    let tokens_now = c.info(ctx).unwrap().tokens;
+    let dir = mnt.join(ctx.to_string());
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    // The stored rows of info's chunk table, once the AoT writer has written every sealed chunk.
+    let stored_rows = |info: &str| -> Vec<Vec<String>> {
+        info.lines()
+            .map(|l| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+            .filter(|cols| cols.get(2).map(String::as_str) == Some("stored"))
+            .collect()
+    };
+    let sealed = tokens_now / 16;
+    assert!(sealed > 0, "{tokens_now} tokens seal no chunk");
+    let t = std::time::Instant::now();
+    while stored_rows(&read("info")).len() < sealed {
+        assert!(
+            t.elapsed().as_secs() < 60,
+            "chunks not written:\n{}",
+            read("info")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let after = kvfs::utc(now());
+
+    let ids: Vec<u32> = read("tokens")
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    assert_eq!(ids.len(), tokens_now);
+    let text = read("text");
+    assert_eq!(text, tok.decode(&ids));
+    let turn = format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n");
+    assert!(text.starts_with(&turn), "{text}");
+    let info = read("info");
+    assert!(info.contains("decoded by this model's tokenizer"), "{info}");
+    let rows = stored_rows(&info);
+    for row in &rows {
+        // index, span, state, format, density, codec, raw, stored, resident, written
+        assert_eq!(row.len(), 10, "{info}");
+        assert!(
+            before <= row[9] && row[9] <= after,
+            "{before} <= {} <= {after}",
+            row[9]
+        );
+    }
+    let resident: Vec<&str> = rows.iter().map(|r| r[8].as_str()).collect();
+    assert!(resident.contains(&"yes"), "{info}");
+    assert!(resident.iter().all(|r| ["yes", "no"].contains(r)), "{info}");
+    let xattr = |who: Option<u32>, name: &str| {
+        let mut cmd = std::process::Command::new("python3");
+        cmd.args([
+            "-c",
+            "import os,sys; print(os.getxattr(sys.argv[1], sys.argv[2]).decode())",
+        ])
+        .arg(dir.join("chunks/0"))
+        .arg(name);
+        if let Some(uid) = who {
+            use std::os::unix::process::CommandExt;
+            cmd.uid(uid).gid(uid);
+        }
+        let out = cmd.output().unwrap();
+        out.status
+            .success()
+            .then(|| String::from_utf8(out.stdout).unwrap().trim().to_owned())
+    };
+    assert_eq!(
+        xattr(None, "user.kvfs.stored_bytes").as_deref(),
+        Some(rows[0][7].as_str())
+    );
+    assert_eq!(
+        xattr(None, "user.kvfs.resident").as_deref(),
+        Some(rows[0][8].as_str())
+    );
+    assert_eq!(
+        xattr(None, "user.kvfs.written").as_deref(),
+        Some(rows[0][9].as_str())
+    );
+    // Another uid reads none of it.
+    for f in ["text", "tokens", "info"] {
+        let out = {
+            use std::os::unix::process::CommandExt;
+            std::process::Command::new("cat")
+                .arg(dir.join(f))
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap()
+        };
+        assert!(
+            !out.status.success() && out.stdout.is_empty(),
+            "{f}: {out:?}"
+        );
+    }
+    assert_eq!(xattr(Some(65534), "user.kvfs.stored_bytes"), None);
+    drop(c);
+    assert!(d.term().success());
+
+    // After a drained restart the context is back, decoded the same, and no chunk is resident
+    // until a call loads it.
+    let _d = w.serve(&[]);
+    assert_eq!(read("text"), text);
+    let info = read("info");
+    let rows = stored_rows(&info);
+    assert_eq!(rows.len(), sealed, "{info}");
+    assert!(rows.iter().all(|r| r[8] == "no"), "{info}");
 }
 
 #[test]

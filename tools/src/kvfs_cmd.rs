@@ -1,6 +1,6 @@
 //! `llms kvfs mount|inspect` and `llms bench kvfs`: the kvfs chunk store from the command line.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
@@ -32,6 +32,14 @@ pub enum KvfsCommand {
         /// stat (not list or read) a context directory whose id it guesses
         #[arg(long)]
         cache_dir_attrs: bool,
+        /// Show each context's `text` as this model's tokenizer decodes it: a cached model's name
+        /// (as `llms model ls` lists it, with or without .gguf) or a GGUF file; contexts of
+        /// another model are not decoded (their `info` says so) [default: no tokenizer, `text`
+        /// points at `tokens`]
+        #[arg(long, value_name = "NAME|FILE")]
+        model: Option<String>,
+        #[command(flatten)]
+        dir: crate::model_cmd::ModelsDirArg,
     },
     /// Print a store's contexts and chunks without mounting it (changes nothing)
     Inspect {
@@ -115,7 +123,19 @@ pub fn run(cmd: KvfsCommand) -> anyhow::Result<()> {
             rw,
             threads,
             cache_dir_attrs,
-        } => mount(store, mountpoint, !rw, threads, cache_dir_attrs),
+            model,
+            dir,
+        } => {
+            let model = model.map(|m| model_file(&m, &dir)).transpose()?;
+            mount(
+                store,
+                mountpoint,
+                !rw,
+                threads,
+                cache_dir_attrs,
+                model.as_deref(),
+            )
+        }
         KvfsCommand::Inspect {
             store,
             context,
@@ -152,17 +172,72 @@ fn open(path: &std::path::Path, read_only: bool) -> anyhow::Result<Store> {
         .with_context(|| format!("cannot open the kvfs store {}", path.display()))
 }
 
+/// The GGUF file `--model` names: a file, else a model of that name in the models cache.
+fn model_file(name: &str, dir: &crate::model_cmd::ModelsDirArg) -> anyhow::Result<PathBuf> {
+    let path = Path::new(name);
+    if path.is_file() {
+        return Ok(path.to_owned());
+    }
+    let opts = dir.fetch_options();
+    let cache = model::fetch::models_dir(&opts).context("cannot choose the models directory")?;
+    let models = model::fetch::list(&opts)
+        .with_context(|| format!("cannot list the models in {}", cache.display()))?;
+    models
+        .into_iter()
+        .find(|m| m.name == name || m.name.strip_suffix(".gguf") == Some(name))
+        .map(|m| m.path)
+        .with_context(|| {
+            format!(
+                "no model {name}: no such file, and the models cache {} holds no model of that \
+                 name (`llms model ls` lists them)",
+                cache.display()
+            )
+        })
+}
+
+/// Registers `model`'s tokenizer as the store's decoder for that model's contexts, and says on
+/// stderr how many contexts it decodes.
+fn decode_with(store: &Store, model: &Path) -> anyhow::Result<()> {
+    let tokenizer = model::tokenizer::Tokenizer::from_gguf_file(model)
+        .with_context(|| format!("cannot read the tokenizer of {}", model.display()))?;
+    let fingerprint = service::source::model_fingerprint(model)
+        .with_context(|| format!("cannot read {} to fingerprint it", model.display()))?;
+    store.set_decoder(fingerprint, service::inspect::decoder(Arc::new(tokenizer)));
+    let ids = store.list_contexts();
+    let other = ids
+        .iter()
+        .filter(|&&id| store.fingerprint(id).is_ok_and(|fp| fp != fingerprint))
+        .count();
+    eprintln!(
+        "kvfs: text decoded with the tokenizer of {} (model {fingerprint}){}",
+        model.display(),
+        if other == 0 {
+            String::new()
+        } else {
+            format!(
+                "; {other} of {} contexts belong to another model and are not decoded (see their info)",
+                ids.len()
+            )
+        }
+    );
+    Ok(())
+}
+
 fn mount(
     store: PathBuf,
     mountpoint: PathBuf,
     read_only: bool,
     threads: usize,
     cache_dir_attrs: bool,
+    model: Option<&Path>,
 ) -> anyhow::Result<()> {
     let root = store.clone();
     let store = Arc::new(open(&store, read_only)?);
     for r in store.recovered() {
         eprintln!("recovery: {} {}: {}", r.action, r.path.display(), r.reason);
+    }
+    if let Some(model) = model {
+        decode_with(&store, model)?;
     }
     // Block the signals before the FUSE threads exist, so only `wait_for_termination` sees them.
     let signals = kvfs::fs::block_termination_signals().context("cannot block SIGINT/SIGTERM")?;
@@ -291,6 +366,7 @@ fn context_json(info: &kvfs::ContextInfo) -> serde_json::Value {
                     v["density"] = s.density.into();
                     v["raw_bytes"] = s.raw_len.into();
                     v["stored_bytes"] = s.stored_len.into();
+                    v["written"] = s.written.into();
                 }
                 ChunkState::Quarantined { reason } => v["reason"] = reason.as_str().into(),
                 ChunkState::Missing => {}

@@ -1,5 +1,6 @@
 //! `llms kvfs mount` and `llms kvfs inspect` as a user runs them: a real mount, unmounted cleanly
-//! on SIGINT and SIGTERM, and an inspection that changes nothing.
+//! on SIGINT and SIGTERM, decoding text with the tokenizer of the model it is given, and an
+//! inspection that changes nothing.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -180,6 +181,12 @@ fn inspect_json_is_the_same_inspection_on_stdout() {
     assert_eq!(chunks[0]["format"], "int4");
     assert_eq!(chunks[0]["tokens"], serde_json::json!([0, 16]));
     assert_eq!(chunks[0]["raw_bytes"], b"chunk zero".len());
+    let written = chunks[0]["written"].as_u64().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(written <= now && now - written < 600, "{written} {now}");
     assert_eq!(chunks[1]["state"], "missing");
     assert_eq!(chunks[1]["tokens"], serde_json::json!([16, 20]));
 
@@ -209,4 +216,195 @@ fn inspect_json_is_the_same_inspection_on_stdout() {
         (corrupt[0]["context"].as_u64(), corrupt[0]["chunk"].as_u64()),
         (Some(id.0), Some(0))
     );
+}
+
+/// `llms kvfs mount` running in the background until dropped (then SIGTERM, and it must unmount).
+struct Mounted {
+    child: std::process::Child,
+    mnt: std::path::PathBuf,
+    /// What it said on stderr up to "mounted at".
+    said: String,
+}
+
+impl Mounted {
+    fn start(store: &Path, mnt: &Path, extra: &[&std::ffi::OsStr]) -> Mounted {
+        let mut child = Command::new(LLMS)
+            .args(["kvfs", "mount", "--store"])
+            .arg(store)
+            .arg(mnt)
+            .args(extra)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut said = String::new();
+        while !said.contains("mounted at") {
+            assert!(
+                err.read_line(&mut said).unwrap() > 0,
+                "llms exited before mounting: {said}"
+            );
+        }
+        Mounted {
+            child,
+            mnt: mnt.to_owned(),
+            said,
+        }
+    }
+
+    fn read(&self, rel: String) -> String {
+        std::fs::read_to_string(self.mnt.join(rel)).unwrap()
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .arg(self.child.id().to_string())
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+/// `--model FILE` and `--model NAME` decode the contexts of that model with its tokenizer, control
+/// tokens visible; a context of another model is not decoded (its text and info say so); without
+/// a model, text says no tokenizer is loaded and points at `tokens`. Another uid reads nothing.
+#[test]
+fn mount_with_a_model_shows_its_contexts_as_text() {
+    use model::tiny::{TINY_CHATML, TinySpec, write_tiny_gguf};
+    use model::tokenizer::{Message, Tokenizer};
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // Other uids must reach the mount point for the ownership checks.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let models = dir.path().join("models");
+    std::fs::create_dir(&models).unwrap();
+    let gguf = models.join("tiny-chat.gguf");
+    write_tiny_gguf(
+        &gguf,
+        &TinySpec {
+            chat_template: Some(TINY_CHATML.into()),
+            ..TinySpec::default()
+        },
+    )
+    .unwrap();
+    let tok = Tokenizer::from_gguf_file(&gguf).unwrap();
+    let fp = service::source::model_fingerprint(&gguf).unwrap();
+    let said = tok
+        .encode_chat(&[Message::user("Remember: my secret is 4711.")], true)
+        .unwrap();
+    let store_dir = dir.path().join("store");
+    let (mine, nobodys, foreign) = {
+        let store = Store::open(&store_dir, StoreOptions::default()).unwrap();
+        let context = |owner: u32, fingerprint: Fingerprint, tokens: &[u32]| {
+            let id = store
+                .create_context(NewContext {
+                    owner_uid: owner,
+                    app: "cli".into(),
+                    fingerprint,
+                    chunk_tokens: 16,
+                })
+                .unwrap();
+            store.append_tokens(id, tokens).unwrap();
+            store
+                .write_chunk(id, 0, &fingerprint, KvFormat::Int8, 0.5, b"sixteen tokens")
+                .unwrap();
+            id
+        };
+        (
+            context(0, fp, &said),
+            context(65534, fp, &said),
+            context(0, Fingerprint([fp.0[0] ^ 1; 32]), &said),
+        )
+    };
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let name = std::ffi::OsStr::new("tiny-chat");
+    for model in [gguf.as_os_str(), name] {
+        let m = Mounted::start(
+            &store_dir,
+            &mnt,
+            &[
+                "--model".as_ref(),
+                model,
+                "--models-dir".as_ref(),
+                models.as_os_str(),
+            ],
+        );
+        assert!(
+            m.said.contains("1 of 3 contexts belong to another model"),
+            "{}",
+            m.said
+        );
+        let text = m.read(format!("{mine}/text"));
+        assert_eq!(text, tok.decode(&said));
+        assert!(
+            text.starts_with(
+                "<|im_start|>user\nRemember: my secret is 4711.<|im_end|>\n<|im_start|>assistant\n"
+            ),
+            "{text}"
+        );
+        let ids: Vec<String> = said.iter().map(u32::to_string).collect();
+        assert_eq!(
+            m.read(format!("{mine}/tokens")),
+            format!("{}\n", ids.join(" "))
+        );
+        assert!(
+            m.read(format!("{mine}/info"))
+                .contains("decoded by this model's tokenizer")
+        );
+        // The same tokens under another model: never decoded with this tokenizer.
+        let text = m.read(format!("{foreign}/text"));
+        assert!(text.contains("not decoded"), "{text}");
+        assert!(!text.contains("Remember"), "{text}");
+        let info = m.read(format!("{foreign}/info"));
+        assert!(
+            info.lines()
+                .any(|l| l.starts_with("note") && l.contains(&fp.to_string())),
+            "{info}"
+        );
+        // Another uid reads nothing of root's context; its own, it does (the control).
+        let nobody = |rel: String| {
+            use std::os::unix::process::CommandExt;
+            Command::new("cat")
+                .arg(mnt.join(rel))
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap()
+        };
+        for f in ["text", "tokens", "info"] {
+            let out = nobody(format!("{mine}/{f}"));
+            assert!(
+                !out.status.success() && out.stdout.is_empty(),
+                "{f}: {out:?}"
+            );
+        }
+        let out = nobody(format!("{nobodys}/text"));
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), tok.decode(&said));
+    }
+    // No model: text says so and where the ids are.
+    let m = Mounted::start(&store_dir, &mnt, &[]);
+    let text = m.read(format!("{mine}/text"));
+    assert!(
+        text.contains("no tokenizer is loaded") && text.contains("`tokens`"),
+        "{text}"
+    );
+    drop(m);
+    // A model that is neither a file nor cached: a clear error, nothing mounted.
+    let out = Command::new(LLMS)
+        .args(["kvfs", "mount", "--model", "no-such-model", "--models-dir"])
+        .arg(&models)
+        .arg("--store")
+        .arg(&store_dir)
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("no model no-such-model") && !err.contains("panicked"),
+        "{err}"
+    );
+    assert!(!is_mounted(&mnt));
 }

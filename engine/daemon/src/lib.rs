@@ -173,6 +173,8 @@ impl Daemon {
         tokenizer: Arc<Tokenizer>,
         cfg: DaemonConfig,
     ) -> Result<Daemon, DaemonError> {
+        // People who mount kvfs read each context as the model's text.
+        manager.show_text_with(Arc::clone(&tokenizer));
         let model_name = manager
             .model()
             .path()

@@ -5,7 +5,8 @@
 //! [`memory`] puts a context's chunks in the pager's userfaultfd slots; [`writer`] writes chunks
 //! to kvfs ahead of time; [`source`] reads them back on a fault; [`config`] holds the settings and the named
 //! managers (LLMS and the paper's baselines); [`chooser`] lets the policy crate's LCTRU queue pick the pager's victims; [`pressure`] moves the budget with the system's
-//! memory pressure; [`profile`] is the planner's cost profile. docs/service.md gives the
+//! memory pressure; [`profile`] is the planner's cost profile; [`inspect`] shows people who
+//! mount kvfs the contexts' text and which chunks are in memory. docs/service.md gives the
 //! numbered flows.
 //!
 //! This crate owns contexts, their owners and their chunks' whereabouts (memory, kvfs, queued
@@ -16,6 +17,7 @@
 pub mod chooser;
 pub mod chunk_io;
 pub mod config;
+pub mod inspect;
 pub mod load;
 pub mod manager;
 pub mod memory;

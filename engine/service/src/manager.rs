@@ -346,6 +346,13 @@ impl Manager {
             source,
             chooser,
         )?);
+        store.set_residency(
+            super::inspect::residency(Arc::downgrade(&pager)).map_err(|e| {
+                ServiceError::Internal {
+                    what: format!("starting the residency thread: {e}"),
+                }
+            })?,
+        );
         let versions = Arc::new(Versions::default());
         let writer = Writer::spawn(
             Arc::clone(&io),
@@ -1063,6 +1070,13 @@ impl Manager {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Shows each context's text in the store's `text` files (and so in the mount) as `tokenizer`,
+    /// this model's, decodes it; contexts of another model are not decoded.
+    pub fn show_text_with(&self, tokenizer: Arc<model::tokenizer::Tokenizer>) {
+        self.store
+            .set_decoder(self.fingerprint, super::inspect::decoder(tokenizer));
     }
 
     /// Where the store is mounted (chunks move through the mount), if it is.
