@@ -5,28 +5,18 @@
 
 use clap::{Parser, Subcommand};
 
-mod bench_crash;
-mod bench_engine;
-mod bench_kv;
-mod bench_load;
-mod bench_pager;
-mod bench_peer;
-mod bench_switch;
-mod bench_switch_plot;
-mod bench_weights;
-mod chat_cmd;
-mod ctx_cmd;
-mod daemon_proc;
-mod disk;
-mod engine_cmd;
-mod kv_mix_cmd;
-mod kvfs_cmd;
-mod model_cmd;
-mod pixel_font;
-mod profile_cmd;
+mod args;
+mod cmd;
 mod report;
-mod serve_cmd;
-mod trace_cmd;
+
+use cmd::bench::{
+    crash as bench_crash, engine as bench_engine, kv as bench_kv, load as bench_load,
+    pager as bench_pager, switch as bench_switch, weights as bench_weights,
+};
+use cmd::{
+    chat as chat_cmd, ctx as ctx_cmd, engine as engine_cmd, kv_mix as kv_mix_cmd, kvfs as kvfs_cmd,
+    model as model_cmd, profile as profile_cmd, serve as serve_cmd, trace as trace_cmd,
+};
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
 #[derive(Parser)]

@@ -29,26 +29,28 @@ use crate::types::{ChunkState, PagerError, RecomputeReason, RecomputeRequest};
 /// Start the fault thread; `bufs` are its copy and move buffers, sized for the largest slot.
 /// With it starts its write-back thread, which writes the victims a fault needs written before
 /// it has room (the fault thread never waits on that I/O), and ends when the fault thread does.
+/// Returns both threads: the fault thread's, then the write-back thread's.
 pub(crate) fn spawn(
     shared: Arc<Shared>,
     bufs: (Staging, Staging),
-) -> Result<JoinHandle<()>, SysError> {
+) -> Result<(JoinHandle<()>, JoinHandle<()>), SysError> {
     let (writer, jobs) = channel();
     let for_writer = Arc::clone(&shared);
-    std::thread::Builder::new()
+    let write_back = std::thread::Builder::new()
         .name("uffd-pager-writeback".into())
         .spawn(move || write_victims(&for_writer, &jobs))
         .map_err(|source| SysError::Call {
             op: "spawning the write-back thread",
             source,
         })?;
-    std::thread::Builder::new()
+    let fault = std::thread::Builder::new()
         .name("uffd-pager-fault".into())
         .spawn(move || run(shared, bufs, writer))
         .map_err(|source| SysError::Call {
             op: "spawning the fault thread",
             source,
-        })
+        })?;
+    Ok((fault, write_back))
 }
 
 /// The write-back thread: writes each batch of victims the fault thread hands it, with the

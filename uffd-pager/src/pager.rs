@@ -25,6 +25,8 @@ use crate::{ChunkKey, ChunkSource, ContextId};
 pub struct Pager {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The fault thread's write-back thread; it ends once the fault thread has.
+    write_back: Mutex<Option<JoinHandle<()>>>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -91,7 +93,7 @@ impl Pager {
             watch_cv: Condvar::new(),
         });
         let bufs = (Staging::new(max_slot)?, Staging::new(max_slot)?);
-        let thread = crate::fault::spawn(Arc::clone(&shared), bufs)
+        let (thread, write_back) = crate::fault::spawn(Arc::clone(&shared), bufs)
             .map_err(|source| PagerError::Setup { source })?;
         let watchdog = match config.source_deadline {
             Some(deadline) => Some(spawn_watchdog(Arc::clone(&shared), deadline)?),
@@ -100,6 +102,7 @@ impl Pager {
         Ok(Pager {
             shared,
             thread: Mutex::new(Some(thread)),
+            write_back: Mutex::new(Some(write_back)),
             watchdog: Mutex::new(watchdog),
         })
     }
@@ -663,6 +666,27 @@ impl Pager {
                 .unwrap_or_else(|e| e.into_inner());
             if *exited {
                 let _ = h.join();
+                // The fault thread is gone, so the write-back thread's queue is closed: it ends
+                // after the write in hand, if any. Joined too, so nothing the source holds (a
+                // store and its lock) outlives the pager; a write that hangs is left behind.
+                let write_back = self
+                    .write_back
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                if let Some(w) = write_back {
+                    let t = Instant::now();
+                    while !w.is_finished() && t.elapsed() < Duration::from_secs(5) {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    if w.is_finished() {
+                        let _ = w.join();
+                    } else {
+                        warn!(
+                            "the write-back thread did not stop within 5 s (a chunk source hangs); leaving it"
+                        );
+                    }
+                }
             } else {
                 warn!(
                     "the fault thread did not stop within 5 s (a chunk source hangs); leaving it"

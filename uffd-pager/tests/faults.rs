@@ -933,3 +933,22 @@ fn a_write_back_that_never_returns_trips_the_watchdog_instead_of_hanging_faults(
     src.release_writes();
     p.shutdown();
 }
+
+#[test]
+fn shutdown_leaves_no_thread_holding_the_source() {
+    // A source may hold a store and its lock: once the pager is shut down, nothing of it (the
+    // fault thread, the write-back thread, the watchdog) may keep the source alive.
+    let src = Arc::new(PatternSource::new());
+    for _ in 0..20 {
+        let p = pager(6, src.clone());
+        let k = ChunkKey::new(1, 0);
+        p.populate(k, SLOT, &pattern(k, SLOT)).unwrap();
+        p.shutdown();
+        drop(p);
+        assert_eq!(
+            Arc::strong_count(&src),
+            1,
+            "a pager thread outlived shutdown"
+        );
+    }
+}

@@ -17,6 +17,7 @@ pub mod generate;
 pub mod int8gemm;
 pub mod kernels;
 pub mod kv;
+mod load;
 pub mod qmatrix;
 pub mod simd;
 pub mod stream;

@@ -2,15 +2,15 @@
 //! streaming iterator. `llms chat`, `llms ctx` and `llms stats` use it.
 //!
 //! ```no_run
-//! use crate::client::{CallParams, Client};
+//! use protocol::client::{CallParams, Client};
 //! let mut c = Client::connect("/run/llms/llms.sock".as_ref(), "notes")?;
 //! let ctx = c.new_context(None, Default::default())?;
 //! for ev in c.call(ctx, "What is the capital of France?", &CallParams::default())? {
-//!     if let crate::client::CallEvent::Token { text, .. } = ev? {
+//!     if let protocol::client::CallEvent::Token { text, .. } = ev? {
 //!         print!("{text}");
 //!     }
 //! }
-//! # Ok::<(), crate::client::ClientError>(())
+//! # Ok::<(), protocol::client::ClientError>(())
 //! ```
 
 use std::io::{BufRead, BufReader, Read, Write};

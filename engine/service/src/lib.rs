@@ -1,7 +1,8 @@
 //! service: the context manager that runs each call of each context against managed memory
 //! (Load, Run, Compress, AoT write-out, Reclaim; paper §3 and DESIGN.md "the four primitives").
 //!
-//! Read it top-down: [`manager`] runs a call; [`load`] brings a context's missing chunks back;
+//! Read it top-down: [`manager`] holds the contexts and starts each call, which [`call`] runs
+//! step by step; [`load`] brings a context's missing chunks back;
 //! [`memory`] puts a context's chunks in the pager's userfaultfd slots; [`writer`] writes chunks
 //! to kvfs ahead of time; [`source`] reads them back on a fault; [`config`] holds the settings and the named
 //! managers (LLMS and the paper's baselines); [`chooser`] lets the policy crate's LCTRU queue pick the pager's victims; [`pressure`] moves the budget with the system's
@@ -14,6 +15,7 @@
 //! measures a workload (the bench crate does), and reaches chunk bytes only through the pager
 //! and kvfs.
 
+pub mod call;
 pub mod chooser;
 pub mod chunk_io;
 pub mod config;
@@ -26,9 +28,10 @@ pub mod profile;
 pub mod source;
 pub mod writer;
 
+pub use call::{CallOptions, CallReport, Owner, Prompt};
 pub use config::{DEFAULT_KV_BITS, ManagerConfig, ManagerKind, VictimPolicy, WriteOut};
 pub use load::{LoadMode, LoadReport};
-pub use manager::{CallOptions, CallReport, ContextSummary, Manager, Owner, Prompt};
+pub use manager::{ContextSummary, Manager};
 pub use protocol::{Latency, ServiceStats, ServiceWeights};
 
 /// What went wrong in the service; [`ServiceError::code`] is the stable name clients match on.

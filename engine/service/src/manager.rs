@@ -26,117 +26,16 @@ use uffd_pager::{
 };
 
 use crate::ServiceError;
+use crate::call::{Call, CallOptions, CallReport, Compression, Context, Owner, Prompt, Ran};
 use crate::chooser::PolicyChooser;
 use crate::chunk_io::ChunkIo;
 use crate::config::{ManagerConfig, VictimPolicy, WriteOut};
 use crate::load::{self, LoadMode, LoadReport, StoredChunk};
 use crate::memory::{PagerChunks, Versions};
 use crate::source::{Expected, FormatLevels, StoreSource, from_store, model_fingerprint};
-use crate::writer::{WriteJob, Writer};
+use crate::writer::Writer;
 use model::Model;
-use model::generate::{Generation, Sampler, SamplingParams, StopReason, generate};
 use model::kv::KvCache;
-
-/// The compression levels and the policy's global ratio the bit budget comes to, fixed at open.
-#[derive(Clone, Debug)]
-struct Compression {
-    levels: FormatLevels,
-    ratio: Option<f64>,
-}
-
-/// Who owns a context: the peer's uid and the app name it gave.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Owner {
-    pub uid: u32,
-    pub app: String,
-}
-
-/// One call's options.
-#[derive(Clone, Debug)]
-pub struct CallOptions {
-    pub max_tokens: usize,
-    pub sampling: SamplingParams,
-    /// Token ids that end the answer (not included in it).
-    pub stop: Vec<u32>,
-}
-
-impl Default for CallOptions {
-    fn default() -> Self {
-        Self {
-            max_tokens: 64,
-            sampling: SamplingParams::default(),
-            stop: Vec::new(),
-        }
-    }
-}
-
-/// A call's prompt: its tokens, or text the engine thread encodes while the Load's reads are in
-/// flight, so a switch costs the longer of the two rather than their sum (encoding a few hundred
-/// tokens takes about as long as reading a few chunks). The window is decided after the Load, on
-/// the real length.
-pub enum Prompt<'a> {
-    Tokens(&'a [u32]),
-    Later(Box<dyn FnOnce() -> Vec<u32> + 'a>),
-}
-
-impl<'a> Prompt<'a> {
-    /// A prompt encoded by `encode` during the Load.
-    pub fn later(encode: impl FnOnce() -> Vec<u32> + 'a) -> Prompt<'a> {
-        Prompt::Later(Box::new(encode))
-    }
-
-    fn into_tokens(self) -> std::borrow::Cow<'a, [u32]> {
-        match self {
-            Prompt::Tokens(t) => t.into(),
-            Prompt::Later(encode) => encode().into(),
-        }
-    }
-}
-
-impl std::fmt::Debug for Prompt<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Prompt::Tokens(t) => f.debug_tuple("Tokens").field(&t.len()).finish(),
-            Prompt::Later(_) => f.write_str("Later"),
-        }
-    }
-}
-
-/// How `run_call` ended.
-enum Ran {
-    Done(CallReport),
-    /// The prompt, encoded during the Load, does not fit beside the context; nothing changed but
-    /// the chunks the Load brought back.
-    Full {
-        tokens: Vec<u32>,
-        load: LoadReport,
-    },
-}
-
-/// What a call did.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct CallReport {
-    /// The generated tokens.
-    pub tokens: Vec<u32>,
-    /// Why generation stopped.
-    pub stop: &'static str,
-    /// Request received to every chunk of the context resident, seconds.
-    pub switch_secs: f64,
-    /// The Load's parts and the plan's prediction.
-    pub load: LoadReport,
-    /// The prompt's tokens.
-    pub prompt_tokens: usize,
-    /// Tokens prefilled (the previous call's open tail and the prompt).
-    pub prefill_tokens: usize,
-    pub prefill_secs: f64,
-    pub decode_secs: f64,
-    /// Chunks moved down a level at the end of the call.
-    pub recompressed: usize,
-    /// Chunks queued for write-out.
-    pub queued_writes: usize,
-    /// Tokens the sliding window dropped before this call (0 when the context had room).
-    pub window_dropped: usize,
-}
 
 /// A context as `list` shows it.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -162,17 +61,6 @@ pub fn latency(h: HistogramSummary) -> Latency {
         p99_ms: ms(h.p99_ns),
         max_ms: ms(h.max_ns),
     }
-}
-
-struct Context {
-    owner: Owner,
-    cache: KvCache,
-    /// Tokens said but not in the cache: the open tail of the last call.
-    pending: Vec<u32>,
-    /// What the store holds of each sealed chunk.
-    stored: Vec<Option<StoredChunk>>,
-    density: DensityTracker,
-    calls: u64,
 }
 
 /// Measured points for the cost model.
@@ -647,24 +535,19 @@ impl Manager {
             streamed += 1;
             on_token(t)
         };
-        let r = Self::run_call(
-            &self.model,
-            &self.cfg,
-            &self.io,
-            &self.pager,
-            &self.cost,
-            &self.versions,
-            &self.writer,
-            &self.expected,
-            &self.compression,
-            &mut self.readers,
+        let call = Call {
+            model: &self.model,
+            cfg: &self.cfg,
+            io: &self.io,
+            pager: &self.pager,
+            cost: &self.cost,
+            versions: &self.versions,
+            writer: &self.writer,
+            expected: &self.expected,
+            compression: &self.compression,
             id,
-            ctx,
-            prompt,
-            opts,
-            received,
-            counted,
-        );
+        };
+        let r = call.run(&mut self.readers, ctx, prompt, opts, received, counted);
         if streamed > 1 {
             self.decode_tokens += streamed - 1;
             self.decode_read_bytes += last - first;
@@ -722,199 +605,6 @@ impl Manager {
             );
         }
         self.profile.refit(&mut self.cost);
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn run_call(
-        model: &Model,
-        cfg: &ManagerConfig,
-        io: &ChunkIo,
-        pager: &Pager,
-        cost: &CostModel,
-        versions: &Versions,
-        writer: &Writer,
-        expected: &Expected,
-        compression: &Compression,
-        readers: &mut load::Readers,
-        id: u64,
-        ctx: &mut Context,
-        prompt: Prompt<'_>,
-        opts: &CallOptions,
-        received: Instant,
-        on_token: impl FnMut(u32) -> bool,
-    ) -> Result<Ran, ServiceError> {
-        // 1. Load. Chunks the pager wrote out when it reclaimed them are in the store now.
-        for i in expected.take_written(id) {
-            if let Some(slot) = ctx.stored.get_mut(i as usize)
-                && let Ok(kvfs::ChunkState::Stored(s)) =
-                    io.store().chunk_state(kvfs::ContextId(id), i)
-            {
-                *slot = Some(StoredChunk {
-                    format: from_store(s.format),
-                    bytes: u64::from(s.stored_len),
-                });
-            }
-        }
-        let mut tokens = None;
-        let load = load::load(
-            model,
-            io,
-            pager,
-            id,
-            &mut ctx.cache,
-            &ctx.stored,
-            cfg.load,
-            cost,
-            readers,
-            || tokens = Some(prompt.into_tokens()),
-        )?;
-        let prompt = tokens.expect("the Load encodes the prompt");
-        for &i in &load.failed_reads {
-            ctx.stored[i as usize] = None;
-        }
-        if ctx.cache.len() + ctx.pending.len() + prompt.len() >= cfg.max_tokens {
-            return Ok(Ran::Full {
-                tokens: prompt.into_owned(),
-                load,
-            });
-        }
-        let switch_secs = received.elapsed().as_secs_f64();
-
-        // 2. Run.
-        let mut input = std::mem::take(&mut ctx.pending);
-        input.extend_from_slice(&prompt);
-        let mut said: Vec<u32> = ctx.cache.tokens().to_vec();
-        said.extend_from_slice(&input);
-        let mut sampler = Sampler::new(opts.sampling.clone());
-        let run = generate(
-            model,
-            &mut ctx.cache,
-            &input,
-            opts.max_tokens,
-            &opts.stop,
-            &mut sampler,
-            on_token,
-        );
-        let run: Generation = run?;
-        said.extend_from_slice(&run.tokens);
-
-        // 3. Compress.
-        let hl = (model.cfg.n_heads * model.cfg.n_layers) as u32;
-        ctx.pending = ctx.cache.drop_open();
-        ctx.pending
-            .extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);
-        let attention = ctx.cache.take_attention(hl);
-        ctx.density
-            .merge(&attention)
-            .map_err(|e| ServiceError::Internal {
-                what: e.to_string(),
-            })?;
-        let sealed = ctx.cache.chunk_formats().len();
-        ctx.stored.resize(sealed, None);
-        let mut recompressed = 0;
-        let levels = &compression.levels;
-        if let Some(ratio) = compression.ratio
-            && sealed > 0
-        {
-            let densities = ctx.density.chunk_densities();
-            let floors: Vec<Level> = ctx
-                .cache
-                .chunk_formats()
-                .iter()
-                .map(|&f| levels.floor(f).unwrap_or(Level(0)))
-                .collect();
-            let a = policy::assign_levels(&densities[..sealed], Some(&floors), levels.set(), ratio)
-                .map_err(|e| ServiceError::Internal {
-                    what: e.to_string(),
-                })?;
-            let shape = *ctx.cache.shape();
-            for (i, &to) in a.levels.iter().enumerate() {
-                // A chunk above the levels (sealed in int8) moves to its level even at level 0.
-                let from = ctx.cache.chunk_formats()[i];
-                if let Some(f) = levels.format(to)
-                    && model::kv::codec::moves_down(&shape, from, f)
-                {
-                    ctx.cache.recompress(i, f)?;
-                    recompressed += 1;
-                }
-            }
-        }
-        expected.set(
-            id,
-            ctx.cache.chunk_formats(),
-            &ctx.density.chunk_densities(),
-        );
-
-        // 4. AoT write-out: the tokens first (a chunk is valid only with its tokens), then the
-        // chunks, in the background.
-        let kid = kvfs::ContextId(id);
-        let stored_tokens = io.store().tokens(kid)?.len();
-        if said.len() > stored_tokens {
-            io.store().append_tokens(kid, &said[stored_tokens..])?;
-        }
-        let shape = *ctx.cache.shape();
-        let states: Vec<policy::ChunkState> = (0..sealed)
-            .map(|i| {
-                let f = ctx.cache.chunk_formats()[i];
-                policy::ChunkState {
-                    index: i as u32,
-                    level: levels.floor(f).unwrap_or(Level(0)),
-                    stored: ctx.stored[i].and_then(|s| levels.floor(s.format)),
-                    modified: false,
-                    bytes: shape.chunk_bytes(f) as u64,
-                }
-            })
-            .collect();
-        let writes = match cfg.write_out {
-            WriteOut::Aot => {
-                policy::plan_writeout(&states).map_err(|e| ServiceError::Internal {
-                    what: e.to_string(),
-                })?
-            }
-            WriteOut::OnReclaim | WriteOut::Never => Vec::new(),
-        };
-        let densities = ctx.density.chunk_densities();
-        for w in &writes {
-            let i = w.index as usize;
-            let f = ctx.cache.chunk_formats()[i];
-            let Some(bytes) = ctx.cache.chunk_bytes(i) else {
-                continue;
-            };
-            let key = ChunkKey {
-                ctx: ContextId(id),
-                index: w.index,
-            };
-            writer.submit(WriteJob {
-                key,
-                format: f,
-                density: densities.get(i).copied().unwrap_or(0.0) as f32,
-                bytes: bytes.to_vec(),
-                version: versions.get(key),
-            });
-            ctx.stored[i] = Some(StoredChunk {
-                format: f,
-                bytes: shape.chunk_bytes(f) as u64,
-            });
-        }
-        ctx.calls += 1;
-        Ok(Ran::Done(CallReport {
-            tokens: run.tokens,
-            stop: match run.stop {
-                StopReason::Stop => "stop",
-                StopReason::MaxTokens => "max_tokens",
-                StopReason::Cancelled => "cancelled",
-                StopReason::ContextFull => "context_full",
-            },
-            switch_secs,
-            load,
-            prompt_tokens: prompt.len(),
-            prefill_tokens: run.prompt_tokens,
-            prefill_secs: run.prefill_secs,
-            decode_secs: run.decode_secs,
-            recompressed,
-            queued_writes: writes.len(),
-            window_dropped: 0,
-        }))
     }
 
     /// Deletes a context: its memory, its store directory.

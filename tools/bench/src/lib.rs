@@ -6,5 +6,11 @@
 //! here, and `llms bench ...` prints what it returns.
 
 pub mod cgroup;
+pub mod daemon_proc;
+pub mod disk;
 pub mod load;
+pub mod peer;
+pub mod pixel_font;
+pub mod plot;
+pub mod switch;
 pub mod trace;

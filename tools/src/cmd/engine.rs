@@ -2,155 +2,17 @@
 //! no daemon.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use model::fetch;
+use model::Logits;
 use model::generate::{Sampler, SamplingParams, generate};
-use model::int8gemm::PrefillActs;
-use model::kv::{HeapChunks, KvCache, KvFormat};
-use model::qmatrix::Activations;
-use model::tokenizer::{Message, StreamDecoder, Tokenizer};
-use model::{Logits, Model, WeightOptions};
+use model::kv::KvCache;
+use model::tokenizer::{Message, StreamDecoder};
 
-use crate::model_cmd::ModelsDirArg;
-
-/// Which model to run and how.
-#[derive(Args, Debug, Clone)]
-pub struct EngineOpts {
-    /// A llama-family GGUF file [default: the default model, fetched into the cache if missing]
-    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
-    pub model: Option<PathBuf>,
-    #[command(flatten)]
-    pub dir: ModelsDirArg,
-    /// Threads for the engine's kernels [default: the number of CPUs]
-    #[arg(long, value_name = "N")]
-    pub threads: Option<usize>,
-    /// Format of sealed KV chunks
-    #[arg(long, default_value = "f16", value_name = "FORMAT", value_parser = ["f16", "int8", "int4", "int2", "k8v8", "k4v4", "k4v3"])]
-    pub kv_format: String,
-    /// Tokens per KV chunk (1 to 256)
-    #[arg(long, default_value_t = 16, value_name = "N",
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
-    pub chunk_tokens: usize,
-    /// Tokens per prefill step (one set of shapes serves every prompt length)
-    #[arg(long, default_value_t = 256, value_name = "N")]
-    pub prefill_chunk: usize,
-    /// Activations of single-token products: f32 (exact) or int8 (8 bits per 32 values)
-    #[arg(long, default_value = "f32", value_name = "KIND", value_parser = ["f32", "int8"])]
-    pub activations: String,
-    /// Activations of batched products (prefill, recompute): f32 GEMM over dequantized weight
-    /// tiles (the reference), or int8 codes per 32 values multiplied in integers (about 2x faster
-    /// prefill with AVX-512 VNNI, portable and slow without; perplexity +0.1-0.4%, but a
-    /// near-tied first token can flip); auto is int8 where the CPU has VNNI, f32 elsewhere
-    #[arg(long, default_value = "f32", value_name = "KIND", value_parser = ["auto", "f32", "int8"])]
-    pub prefill_activations: String,
-    /// Bytes of weights held in memory (suffixes K, M, G): the matrices that do not fit are read
-    /// from the model file for every token, ahead of the compute [default: all resident]
-    #[arg(long, env = "LLMS_WEIGHT_BUDGET", value_name = "BYTES")]
-    pub weight_budget: Option<String>,
-}
-
-impl EngineOpts {
-    /// How to hold the weights: `--weight-budget`, else all resident.
-    pub fn weight_options(&self) -> anyhow::Result<WeightOptions> {
-        let budget = self
-            .weight_budget
-            .as_deref()
-            .map(crate::serve_cmd::parse_bytes)
-            .transpose()
-            .context("--weight-budget")?;
-        Ok(WeightOptions {
-            budget,
-            ..WeightOptions::default()
-        })
-    }
-}
-
-/// A loaded model with its tokenizer.
-pub struct Loaded {
-    pub model: Model,
-    pub tokenizer: Tokenizer,
-    pub format: KvFormat,
-    pub chunk_tokens: usize,
-}
-
-impl Loaded {
-    /// An empty KV cache for one context of up to the model's maximum length.
-    pub fn new_cache(&self) -> KvCache {
-        KvCache::new(
-            self.model.chunk_shape(self.chunk_tokens),
-            self.format,
-            self.model.cfg.max_ctx,
-            Box::new(HeapChunks::default()),
-        )
-    }
-}
-
-/// Sets the engine's thread count once per process.
-pub fn init_threads(threads: Option<usize>) -> anyhow::Result<usize> {
-    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    if !(1..=1024).contains(&n) {
-        bail!("--threads must be from 1 to 1024");
-    }
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .build_global()
-        .context("cannot start the engine's thread pool")?;
-    Ok(n)
-}
-
-/// The model file: `--model`, else the default model, fetched if missing.
-pub fn model_path(opts: &EngineOpts) -> anyhow::Result<PathBuf> {
-    match &opts.model {
-        Some(p) => Ok(p.clone()),
-        None => fetch::default_model_path(&opts.dir.fetch_options())
-            .context("cannot get the default model (try `llms model fetch`)"),
-    }
-}
-
-/// Loads the model and its tokenizer as `opts` says.
-pub fn load(opts: &EngineOpts) -> anyhow::Result<Loaded> {
-    init_threads(opts.threads)?;
-    if !(1..=256).contains(&opts.chunk_tokens) || opts.prefill_chunk == 0 {
-        bail!("--chunk-tokens must be from 1 to 256 and --prefill-chunk at least 1");
-    }
-    opts.weight_options()?;
-    let path = model_path(opts)?;
-    load_path(&path, opts)
-}
-
-fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
-    let t = Instant::now();
-    let mut model = Model::load_with(path, &opts.weight_options()?)
-        .with_context(|| format!("cannot load {}", path.display()))?;
-    model.prefill_chunk = opts.prefill_chunk;
-    model.set_activations(match opts.activations.as_str() {
-        "int8" => Activations::Int8,
-        _ => Activations::F32,
-    });
-    model.set_prefill_activations(prefill_acts(&opts.prefill_activations));
-    let tokenizer = Tokenizer::from_gguf_file(path)
-        .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
-    tracing::info!(secs = t.elapsed().as_secs_f64(), "loaded");
-    Ok(Loaded {
-        model,
-        tokenizer,
-        format: opts.kv_format.parse()?,
-        chunk_tokens: opts.chunk_tokens,
-    })
-}
-
-/// `--prefill-activations` as the engine's setting.
-pub fn prefill_acts(kind: &str) -> PrefillActs {
-    match kind {
-        "int8" => PrefillActs::Int8,
-        "f32" => PrefillActs::F32,
-        _ => PrefillActs::Auto,
-    }
-}
+use crate::args::{EngineOpts, Loaded, load, load_path, model_path};
 
 /// How to sample.
 #[derive(Args, Debug, Clone)]
@@ -238,7 +100,7 @@ pub struct ChatArgs {
     #[arg(long)]
     pub local: bool,
     #[command(flatten)]
-    pub socket: crate::serve_cmd::SocketArg,
+    pub socket: crate::args::SocketArg,
     /// Continue this context of the daemon (see `llms ctx ls`) instead of a new one
     #[arg(long, value_name = "ID", conflicts_with_all = ["local", "system"])]
     pub context: Option<u64>,
@@ -484,14 +346,14 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
             false => a.kv_mix.clone(),
         };
         let name = a.text.display().to_string();
-        let run = crate::kv_mix_cmd::MixRun {
+        let run = crate::cmd::kv_mix::MixRun {
             text: &name,
             tokens: &tokens,
             ctx: a.ctx,
             max_windows: a.max_windows,
             kl: reference.as_ref().or(a.kl.then_some(&l.model)),
         };
-        return crate::kv_mix_cmd::run(&l, &run, &mixes, &a.report);
+        return crate::cmd::kv_mix::run(&l, &run, &mixes, &a.report);
     }
     let t = Instant::now();
     eprint!(

@@ -15,7 +15,7 @@ use model::kv::{HeapChunks, KvCache};
 use model::stream::Residency;
 use model::{Logits, Model, WeightHolding, WeightOptions, WeightSource};
 
-use crate::engine_cmd::{EngineOpts, init_threads, model_path};
+use crate::args::{EngineOpts, init_threads, model_path};
 use crate::report::table;
 
 /// `llms bench weights`.
@@ -167,7 +167,7 @@ pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
     let throttle = a
         .read_bps
         .as_deref()
-        .map(crate::serve_cmd::parse_bytes)
+        .map(crate::args::parse_bytes)
         .transpose()
         .context("--read-bps")?;
     let path = model_path(&a.engine)?;
@@ -192,7 +192,7 @@ pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
     };
     // The model's disk: 64 MiB of the file in 1 MiB `O_DIRECT` reads, one at a time (as the
     // stream reads).
-    let disk_read_bps = crate::disk::direct_read_bps(&path, 64 << 20, 1)?;
+    let disk_read_bps = bench::disk::direct_read_bps(&path, 64 << 20, 1)?;
     let threads = rayon::current_num_threads();
     eprintln!(
         "bench weights: {:.1} MiB of weights, {threads} threads, disk {:.2} GB/s with O_DIRECT{}",

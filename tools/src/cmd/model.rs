@@ -1,30 +1,9 @@
 //! `llms model`: fetch the default model into the cache and list what the cache holds.
 
-use std::path::PathBuf;
-
+use crate::args::ModelsDirArg;
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use model::fetch::{self, DEFAULT_MODEL, FetchOptions, Progress};
-
-/// Where models are cached, for every command that needs one.
-#[derive(Args, Debug, Clone)]
-pub struct ModelsDirArg {
-    /// The models cache [default: $LLMS_MODELS_DIR, else $XDG_CACHE_HOME/llms/models,
-    /// else ~/.cache/llms/models]
-    #[arg(long, global = true, value_name = "DIR")]
-    pub models_dir: Option<PathBuf>,
-}
-
-impl ModelsDirArg {
-    /// Fetch options for this directory, with progress on stderr.
-    pub fn fetch_options(&self) -> FetchOptions {
-        FetchOptions {
-            models_dir: self.models_dir.clone(),
-            progress: Progress::Stderr,
-            ..FetchOptions::default()
-        }
-    }
-}
+use model::fetch::{self, DEFAULT_MODEL};
 
 #[derive(Args, Debug)]
 pub struct ModelArgs {

@@ -8,8 +8,8 @@ use anyhow::Context;
 use protocol::PromptFormat;
 use protocol::client::{CallEvent, Client, ClientError};
 
-use crate::engine_cmd::ChatArgs;
-use crate::serve_cmd::start_background;
+use crate::cmd::engine::ChatArgs;
+use crate::cmd::serve::start_background;
 
 fn connect_or_start(a: &ChatArgs) -> anyhow::Result<Client> {
     let path = a.socket.path();
@@ -44,7 +44,7 @@ fn connect_or_start(a: &ChatArgs) -> anyhow::Result<Client> {
 /// Runs `llms chat`.
 pub fn run(a: ChatArgs) -> anyhow::Result<()> {
     if a.local {
-        return crate::engine_cmd::run_chat(a);
+        return crate::cmd::engine::run_chat(a);
     }
     let params = a.sample.params()?;
     let mut client = match connect_or_start(&a) {
@@ -53,7 +53,7 @@ pub fn run(a: ChatArgs) -> anyhow::Result<()> {
         // gets its answer, from the model in this process.
         Err(e) if a.context.is_none() => {
             eprintln!("llms chat: {e:#}; answering in this process instead (--local)");
-            return crate::engine_cmd::run_chat(a);
+            return crate::cmd::engine::run_chat(a);
         }
         Err(e) => return Err(e),
     };
@@ -108,5 +108,5 @@ fn chat(
         }
         Ok(())
     };
-    crate::engine_cmd::converse(a.prompt.as_deref(), turn)
+    crate::cmd::engine::converse(a.prompt.as_deref(), turn)
 }

@@ -12,7 +12,7 @@ use model::kv::{KvCache, KvFormat};
 use policy::LinearCost;
 use service::profile::{CostProfile, IoOptions, LinearFit, RecomputePoint, fit_io, measure_io};
 
-use crate::bench_kv::{ModelInput, median_secs, prefilled};
+use crate::cmd::bench::kv::{ModelInput, median_secs, prefilled};
 use crate::report::table;
 
 #[derive(Args, Debug)]
@@ -123,7 +123,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
             .collect(),
         counts: io_counts,
         reps: args.reps,
-        mount_guard: Some(crate::kvfs_cmd::guard_command()?),
+        mount_guard: Some(crate::args::guard_command()?),
     };
     let io_points = measure_io(&model, &cache, &io_opts, |p| {
         eprintln!(

@@ -9,7 +9,7 @@ use model::Logits;
 use model::generate::argmax;
 use uffd_pager::median;
 
-use crate::engine_cmd::{EngineOpts, load};
+use crate::args::{EngineOpts, load};
 use crate::report::table;
 
 /// `llms bench engine`.

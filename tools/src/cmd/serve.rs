@@ -22,29 +22,7 @@ use service::chunk_io::default_mountpoint;
 use service::pressure::{PressureFiles, PressureWatch};
 use service::{Manager, ManagerConfig, ManagerKind};
 
-use crate::model_cmd::ModelsDirArg;
-
-fn is_root() -> bool {
-    nix::unistd::geteuid().is_root()
-}
-
-fn env_dir(var: &str) -> Option<PathBuf> {
-    std::env::var_os(var)
-        .map(PathBuf::from)
-        .filter(|p| p.is_absolute())
-}
-
-/// The socket when none is given: `/run/llms/llms.sock` as root, else
-/// `$XDG_RUNTIME_DIR/llms/llms.sock`, else `/tmp/llms-UID/llms.sock`.
-pub fn default_socket() -> PathBuf {
-    if is_root() {
-        return PathBuf::from("/run/llms/llms.sock");
-    }
-    match env_dir("XDG_RUNTIME_DIR") {
-        Some(d) => d.join("llms/llms.sock"),
-        None => PathBuf::from(format!("/tmp/llms-{}/llms.sock", nix::unistd::getuid())),
-    }
-}
+use crate::args::{ModelsDirArg, default_socket, env_dir, is_root, parse_bytes};
 
 /// The store when none is given: `/var/lib/llms/store` as root, else
 /// `$XDG_DATA_HOME/llms/store`, else `~/.local/share/llms/store`.
@@ -58,21 +36,6 @@ pub fn default_store() -> anyhow::Result<PathBuf> {
     match env_dir("HOME") {
         Some(h) => Ok(h.join(".local/share/llms/store")),
         None => bail!("no place for the store: set XDG_DATA_HOME or HOME, or pass --store"),
-    }
-}
-
-/// The socket option every client command shares.
-#[derive(Args, Debug, Clone)]
-pub struct SocketArg {
-    /// The daemon's socket [default: $XDG_RUNTIME_DIR/llms/llms.sock, /run/llms/llms.sock as
-    /// root]
-    #[arg(long, env = "LLMS_SOCKET", value_name = "PATH")]
-    pub socket: Option<PathBuf>,
-}
-
-impl SocketArg {
-    pub fn path(&self) -> PathBuf {
-        self.socket.clone().unwrap_or_else(default_socket)
     }
 }
 
@@ -215,25 +178,6 @@ fn default_config_file() -> Option<PathBuf> {
             .join("llms/serve.toml")
     };
     p.exists().then_some(p)
-}
-
-/// Parses `512M`, `1G`, `1048576`, `256MiB`.
-pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
-    let t = s.trim();
-    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(digits);
-    let n: u64 = num
-        .parse()
-        .with_context(|| format!("{s:?} is not a size (try 512M or 1G)"))?;
-    let mul: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        _ => bail!("{s:?} is not a size (suffixes K, M, G)"),
-    };
-    n.checked_mul(mul)
-        .with_context(|| format!("{s:?} is too large"))
 }
 
 /// Settings after flags, variables, the file and defaults.
@@ -469,7 +413,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         .context("cannot block SIGTERM and SIGINT")?;
     let t0 = Instant::now();
     let s = resolve(a)?;
-    crate::engine_cmd::init_threads(s.threads)?;
+    crate::args::init_threads(s.threads)?;
     if !kvfs::Store::exists(&s.store) {
         if !s.create_store {
             bail!(
@@ -504,7 +448,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     );
     let mut mc = ManagerConfig::new(&s.store, s.kv_budget);
     mc.mount = s.mount.clone();
-    mc.mount_guard = Some(crate::kvfs_cmd::guard_command()?);
+    mc.mount_guard = Some(crate::args::guard_command()?);
     mc.kv_format = s.kv_format;
     s.manager.apply(&mut mc);
     mc.window = s.window;

@@ -13,6 +13,14 @@ use std::sync::Mutex;
 
 use candle_core::quantized::gguf_file;
 
+mod chat;
+mod split;
+mod stream;
+
+pub use chat::{ChatTemplate, Message};
+use split::{PreTokenizer, Splitter};
+pub use stream::StreamDecoder;
+
 /// What can go wrong while building a tokenizer or using its chat template.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -80,116 +88,6 @@ impl TokenType {
             5 => TokenType::Unused,
             6 => TokenType::Byte,
             _ => TokenType::Normal,
-        }
-    }
-}
-
-/// One message of a conversation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Message {
-    /// `system`, `user`, `assistant`, or any role the model knows.
-    pub role: String,
-    pub content: String,
-}
-
-impl Message {
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Message {
-        Message {
-            role: role.into(),
-            content: content.into(),
-        }
-    }
-    pub fn system(content: impl Into<String>) -> Message {
-        Message::new("system", content)
-    }
-    pub fn user(content: impl Into<String>) -> Message {
-        Message::new("user", content)
-    }
-    pub fn assistant(content: impl Into<String>) -> Message {
-        Message::new("assistant", content)
-    }
-}
-
-/// The chat format the model's `tokenizer.chat_template` describes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ChatTemplate {
-    /// `<|im_start|>{role}\n{content}<|im_end|>\n` per message, with the template's system prompt (if it
-    /// has one) put first when the conversation does not start with a system message.
-    ChatMl { default_system: Option<String> },
-    /// The model has no template, or one this crate does not render; the text is kept for the error.
-    Unsupported { template: Option<String> },
-}
-
-impl ChatTemplate {
-    /// Recognises the template from its Jinja source (which this crate does not execute).
-    pub fn from_jinja(template: Option<&str>) -> ChatTemplate {
-        let Some(t) = template else {
-            return ChatTemplate::Unsupported { template: None };
-        };
-        if !t.contains("<|im_start|>") || !t.contains("<|im_end|>") {
-            return ChatTemplate::Unsupported {
-                template: Some(t.to_owned()),
-            };
-        }
-        // A default system prompt appears as a literal `<|im_start|>system\n...<|im_end|>` in the template;
-        // the newline may be written raw or as a `\n` escape in the Jinja string literal.
-        let marker = "<|im_start|>system";
-        let default_system = t.find(marker).and_then(|at| {
-            let rest = &t[at + marker.len()..];
-            let rest = rest
-                .strip_prefix('\n')
-                .or_else(|| rest.strip_prefix("\\n"))?;
-            let end = rest.find("<|im_end|>")?;
-            let text = rest[..end].replace("\\n", "\n");
-            // A template that writes the system message from a variable has no literal default.
-            (!text.contains("{{") && !text.contains('\'')).then_some(text)
-        });
-        ChatTemplate::ChatMl { default_system }
-    }
-}
-
-/// The split patterns of a pre-tokenizer, applied in sequence; each splits the pieces of the previous one,
-/// and text between matches stays a piece of its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PreTokenizer {
-    /// GPT-2's pattern.
-    Gpt2,
-    /// Every digit on its own, then GPT-2's pattern (SmolLM, StarCoder and friends).
-    DigitsThenGpt2,
-    /// Llama 3's pattern (numbers in groups of up to three).
-    Llama3,
-    /// Qwen 2's pattern (single digits).
-    Qwen2,
-}
-
-const GPT2_PATTERN: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
-const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-impl PreTokenizer {
-    /// The pre-tokenizer for a `tokenizer.ggml.pre` name, following llama.cpp's table.
-    fn from_name(pre: &str) -> Option<PreTokenizer> {
-        Some(match pre {
-            "gpt-2" | "gpt2" | "mpt" | "olmo" | "jais" | "trillion" | "exaone4" => {
-                PreTokenizer::Gpt2
-            }
-            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone"
-            | "minerva-7b" => PreTokenizer::DigitsThenGpt2,
-            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe" => {
-                PreTokenizer::Llama3
-            }
-            "qwen2" | "stablelm2" | "deepseek-r1-qwen" | "hunyuan" => PreTokenizer::Qwen2,
-            _ => return None,
-        })
-    }
-
-    fn patterns(self) -> &'static [&'static str] {
-        match self {
-            PreTokenizer::Gpt2 => &[GPT2_PATTERN],
-            PreTokenizer::DigitsThenGpt2 => &[r"\p{N}", GPT2_PATTERN],
-            PreTokenizer::Llama3 => &[LLAMA3_PATTERN],
-            PreTokenizer::Qwen2 => &[QWEN2_PATTERN],
         }
     }
 }
@@ -879,167 +777,9 @@ enum Segment {
 /// lowest rank first, leftmost first among equal ranks.
 type MergeCandidate = Reverse<(u32, usize, u32, u32, u32)>;
 
-/// The alternatives that end every GPT-2-like pattern; the lookahead needs a backtracking engine.
-const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
-
-/// One split pattern of a pre-tokenizer, run by the fastest engine that gives the same pieces.
-enum Splitter {
-    /// A pattern the `regex` crate runs as it is.
-    Plain(regex::Regex),
-    /// A pattern ending in `\s+(?!\S)|\s+`, run as `...|\s+` by the `regex` crate with the lookahead done
-    /// by hand: a run of several whitespace characters followed by a non-space leaves its last character
-    /// to the next piece. `newline_alt` says the pattern has a `\s*[\r\n]+` alternative before the tail.
-    WhitespaceLookahead { re: regex::Regex, newline_alt: bool },
-    /// Anything else, by backtracking.
-    Fancy(fancy_regex::Regex),
-}
-
-impl Splitter {
-    fn new(pattern: &str) -> Result<Splitter> {
-        let err = |reason: String| TokenizerError::Regex {
-            pattern: pattern.to_owned(),
-            reason,
-        };
-        if let Some(head) = pattern.strip_suffix(LOOKAHEAD_TAIL) {
-            let re = regex::Regex::new(&format!(r"{head}|\s+")).map_err(|e| err(e.to_string()))?;
-            return Ok(Splitter::WhitespaceLookahead {
-                re,
-                newline_alt: head.contains(r"\s*[\r\n]+"),
-            });
-        }
-        if let Ok(re) = regex::Regex::new(pattern) {
-            return Ok(Splitter::Plain(re));
-        }
-        fancy_regex::Regex::new(pattern)
-            .map(Splitter::Fancy)
-            .map_err(|e| err(e.to_string()))
-    }
-
-    /// Splits `text` by the matches, keeping both the matches and the text between them as pieces.
-    fn split<'t>(&self, text: &'t str, out: &mut Vec<&'t str>) {
-        let mut last = 0;
-        let mut piece = |out: &mut Vec<&'t str>, start: usize, end: usize| {
-            if start > last {
-                out.push(&text[last..start]);
-            }
-            if end > start {
-                out.push(&text[start..end]);
-            }
-            last = end;
-        };
-        match self {
-            Splitter::Plain(re) => {
-                for m in re.find_iter(text) {
-                    piece(out, m.start(), m.end());
-                }
-            }
-            Splitter::WhitespaceLookahead { re, newline_alt } => {
-                let mut pos = 0;
-                while pos < text.len() {
-                    let Some(m) = re.find_at(text, pos) else {
-                        break;
-                    };
-                    let s = m.as_str();
-                    let mut end = m.end();
-                    // Only the final `\s+` yields all-whitespace matches, except `\s*[\r\n]+`, whose
-                    // matches end in a line break (and `\s+` cannot match a run holding one after it).
-                    let from_tail = s.chars().all(char::is_whitespace)
-                        && !(*newline_alt && s.ends_with(['\r', '\n']));
-                    if from_tail && end < text.len() && s.chars().nth(1).is_some() {
-                        // `\s+` stopped at a non-space: `\s+(?!\S)` would leave that run's last character.
-                        end -= s.chars().next_back().map_or(0, char::len_utf8);
-                    }
-                    piece(out, m.start(), end);
-                    // No alternative matches empty text; advance anyway rather than loop.
-                    pos = if end > m.start() {
-                        end
-                    } else {
-                        end + text[end..].chars().next().map_or(1, char::len_utf8)
-                    };
-                }
-            }
-            Splitter::Fancy(re) => {
-                for m in re.find_iter(text) {
-                    match m {
-                        Ok(m) => piece(out, m.start(), m.end()),
-                        Err(e) => {
-                            // Only a backtracking limit on pathological input gets here.
-                            tracing::warn!(error = %e, "pre-tokenizer gave up on a piece; it is kept whole");
-                            break;
-                        }
-                    }
-                }
-            }
-        }
-        if last < text.len() {
-            out.push(&text[last..]);
-        }
-    }
-}
-
-/// Turns tokens into text as they are generated, never emitting half a UTF-8 character:
-/// bytes of an incomplete character wait for the next token.
-#[derive(Debug, Clone, Default)]
-pub struct StreamDecoder {
-    pending: Vec<u8>,
-    skip_control: bool,
-}
-
-impl StreamDecoder {
-    /// A decoder; with `skip_control` control tokens (e.g. `<|im_end|>`) produce no text.
-    pub fn new(skip_control: bool) -> StreamDecoder {
-        StreamDecoder {
-            pending: Vec::new(),
-            skip_control,
-        }
-    }
-
-    /// Adds one token and returns the text that is complete now (possibly empty).
-    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> String {
-        if self.skip_control && tokenizer.is_control(id) {
-            return String::new();
-        }
-        if let Some(b) = tokenizer.token_bytes(id) {
-            self.pending.extend_from_slice(b);
-        }
-        let mut text = String::new();
-        loop {
-            match std::str::from_utf8(&self.pending) {
-                Ok(s) => {
-                    text.push_str(s);
-                    self.pending.clear();
-                    return text;
-                }
-                Err(e) => {
-                    let valid = e.valid_up_to();
-                    text.push_str(&String::from_utf8_lossy(&self.pending[..valid]));
-                    match e.error_len() {
-                        // An incomplete character at the end: wait for more bytes.
-                        None => {
-                            self.pending.drain(..valid);
-                            return text;
-                        }
-                        // Bytes that can never become valid: replace them and go on.
-                        Some(bad) => {
-                            text.push('\u{FFFD}');
-                            self.pending.drain(..valid + bad);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// Ends the stream: whatever incomplete bytes are left come out as U+FFFD.
-    pub fn finish(&mut self) -> String {
-        let text = String::from_utf8_lossy(&self.pending).into_owned();
-        self.pending.clear();
-        text
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::split::*;
     use super::*;
     use gguf_file::Value;
 

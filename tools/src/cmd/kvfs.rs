@@ -39,7 +39,7 @@ pub enum KvfsCommand {
         #[arg(long, value_name = "NAME|FILE")]
         model: Option<String>,
         #[command(flatten)]
-        dir: crate::model_cmd::ModelsDirArg,
+        dir: crate::args::ModelsDirArg,
     },
     /// Print a store's contexts and chunks without mounting it (changes nothing)
     Inspect {
@@ -68,14 +68,6 @@ pub enum KvfsCommand {
         #[arg(long)]
         connection: u32,
     },
-}
-
-/// How `llms` starts its mount guard: this same program, `kvfs guard`.
-pub fn guard_command() -> anyhow::Result<kvfs::guard::GuardCommand> {
-    Ok(kvfs::guard::GuardCommand {
-        program: std::env::current_exe().context("cannot find this program to run its guard")?,
-        args: vec!["kvfs".into(), "guard".into()],
-    })
 }
 
 /// Arguments of `llms bench kvfs`.
@@ -173,7 +165,7 @@ fn open(path: &std::path::Path, read_only: bool) -> anyhow::Result<Store> {
 }
 
 /// The GGUF file `--model` names: a file, else a model of that name in the models cache.
-fn model_file(name: &str, dir: &crate::model_cmd::ModelsDirArg) -> anyhow::Result<PathBuf> {
+fn model_file(name: &str, dir: &crate::args::ModelsDirArg) -> anyhow::Result<PathBuf> {
     let path = Path::new(name);
     if path.is_file() {
         return Ok(path.to_owned());

@@ -9,7 +9,7 @@ use model::kv::KvFormat;
 use model::kv::eval::{Compression, MAX_MIX_LEVELS, PplReport, Stored, evaluate};
 use model::kv::sim::SimFormat;
 
-use crate::engine_cmd::Loaded;
+use crate::args::Loaded;
 use crate::report::table;
 
 /// One level of a budget mix: a format name or a simulated candidate (`k4+v4+kc8`, ...).
@@ -193,7 +193,7 @@ pub fn run(
 #[derive(clap::Args, Debug)]
 pub struct SweepArgs {
     #[command(flatten)]
-    pub engine: crate::engine_cmd::EngineOpts,
+    pub engine: crate::args::EngineOpts,
     /// The text to score (UTF-8)
     #[arg(long, value_name = "FILE")]
     pub text: PathBuf,
@@ -246,7 +246,7 @@ struct SweepReport<'a> {
 /// PNG of perplexity (relative to f16) against all-in stored bits per value.
 pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
     a.report.begin();
-    let l = crate::engine_cmd::load(&a.engine)?;
+    let l = crate::args::load(&a.engine)?;
     let body = std::fs::read_to_string(&a.text)
         .with_context(|| format!("cannot read {} as UTF-8 text", a.text.display()))?;
     let tokens = l.tokenizer.encode(&body);

@@ -10,8 +10,8 @@ use anyhow::anyhow;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::bench_switch::{Active, Run};
 use crate::pixel_font::{Align, draw as text};
+use crate::switch::{Active, Run};
 
 /// Each manager's colour: the paper's system in blues, greens and purple, the baselines in
 /// warm colours and black, the llama.cpp peer rows in olive and pink.

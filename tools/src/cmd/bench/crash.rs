@@ -14,8 +14,8 @@ use protocol::client::{CallEvent, CallParams, Client};
 use rand::{Rng, SeedableRng};
 use uffd_pager::median;
 
-use crate::daemon_proc::{Daemon, DaemonSpec};
-use crate::model_cmd::ModelsDirArg;
+use crate::args::ModelsDirArg;
+use bench::daemon_proc::{Daemon, DaemonSpec};
 
 /// Options of `llms bench crash`.
 #[derive(clap::Args, Debug)]

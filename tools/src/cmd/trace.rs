@@ -10,7 +10,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use model::fetch;
 use model::tokenizer::Tokenizer;
 
-use crate::model_cmd::ModelsDirArg;
+use crate::args::ModelsDirArg;
 
 /// `writeln!` into a `String` (which cannot fail).
 macro_rules! outln {

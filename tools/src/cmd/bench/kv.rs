@@ -14,7 +14,7 @@ use model::tokenizer::Tokenizer;
 use model::{Logits, Model};
 use serde::Serialize;
 
-use crate::model_cmd::ModelsDirArg;
+use crate::args::ModelsDirArg;
 use crate::report::table;
 
 /// Where the model and the context's tokens come from, shared with `llms profile`.

@@ -6,7 +6,7 @@ use clap::{Args, Subcommand};
 use protocol::ContextInfo;
 use protocol::client::Client;
 
-use crate::serve_cmd::SocketArg;
+use crate::args::SocketArg;
 
 /// The app name these commands give the daemon.
 const APP: &str = "llms-cli";

@@ -10,7 +10,7 @@ use bench::cgroup::Joined;
 use bench::load::{LoadBenchOptions, run};
 use model::kv::KvFormat;
 
-use crate::bench_kv::ModelInput;
+use crate::cmd::bench::kv::ModelInput;
 
 /// Options of `llms bench load`.
 #[derive(clap::Args, Debug)]
@@ -61,7 +61,7 @@ pub struct BenchLoadArgs {
 
 /// Runs the benchmark, prints the table, writes the JSON.
 pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
-    crate::engine_cmd::init_threads(args.threads)?;
+    crate::args::init_threads(args.threads)?;
     anyhow::ensure!(
         !args.lengths.is_empty() && args.lengths.iter().all(|&n| n >= 16),
         "--lengths must list context lengths of at least 16 tokens"
@@ -74,7 +74,7 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
     let cost = args
         .profile
         .as_deref()
-        .map(crate::serve_cmd::read_profile)
+        .map(crate::cmd::serve::read_profile)
         .transpose()?;
     args.report.begin();
     // Entered before the model loads, so the peak counts everything the benchmark holds.
@@ -107,7 +107,7 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         dir,
         throttles,
         mount: !args.no_mount,
-        mount_guard: Some(crate::kvfs_cmd::guard_command()?),
+        mount_guard: Some(crate::args::guard_command()?),
         io_threads: args.io_threads,
         cost,
     };

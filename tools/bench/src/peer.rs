@@ -13,12 +13,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::cgroup::Group;
+use crate::trace::TraceRow;
 use anyhow::{Context, bail, ensure};
-use bench::cgroup::Group;
-use bench::trace::TraceRow;
 use model::config::ModelConfig;
 
-use crate::bench_switch::{Budget, CallRecord, Run, Setup};
+use crate::switch::{Budget, CallRecord, Run, Setup};
 
 /// llama.cpp's KV cache types compared: q8_0 (about the bytes of the service's int8 chunks) and
 /// f16.
@@ -390,7 +390,7 @@ impl Drop for Server {
 /// Replays `rows` against a fresh llama-server with KV type `kv`, as many slots of the trace's
 /// cap as fit `budget`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn replay(
+pub fn replay(
     s: &Setup<'_>,
     exe: &Path,
     cfg: &ModelConfig,
@@ -586,14 +586,13 @@ pub(crate) fn replay(
     }
     let secs = t0.elapsed().as_secs_f64();
     let (disk_read_bytes, disk_written_bytes) = blkio.io_bytes(s.device)?;
-    let peak_rss_bytes = crate::bench_switch::peak_rss(server.child.id());
+    let peak_rss_bytes = crate::switch::peak_rss(server.child.id());
     server.stop()?;
     drop(server);
     let peak_memory_bytes = memory.read_u64("memory.max_usage_in_bytes")?;
     drop((memory, blkio));
     let _ = std::fs::remove_dir_all(&dir);
-    let mut run =
-        crate::bench_switch::summarize(kv.row(), budget, contexts, log, s.read_bps, s.disk_bps);
+    let mut run = crate::switch::summarize(kv.row(), budget, contexts, log, s.read_bps, s.disk_bps);
     run.daemon_manager = kv.row().to_owned();
     run.disk_read_bytes = disk_read_bytes;
     run.disk_written_bytes = disk_written_bytes;

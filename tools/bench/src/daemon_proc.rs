@@ -136,25 +136,25 @@ impl Drop for Daemon {
 /// Spawns `cmd` as a member of `cgroups` from its first instruction: this process joins them,
 /// forks the child (which inherits them) and goes back to its own groups at once. Only the
 /// moment of the fork is charged to the groups, and no `pre_exec` (unsafe) is needed.
-pub(crate) fn spawn_in(cmd: &mut Command, cgroups: &[PathBuf]) -> anyhow::Result<Child> {
+pub fn spawn_in(cmd: &mut Command, cgroups: &[PathBuf]) -> anyhow::Result<Child> {
     let me = std::process::id();
     let mut homes = Vec::new();
     for g in cgroups {
         // The controller is the first component under the cgroup root (`.../memory/...`).
         let controller = g
-            .strip_prefix(bench::cgroup::ROOT)
+            .strip_prefix(crate::cgroup::ROOT)
             .ok()
             .and_then(|p| p.components().next())
             .and_then(|c| c.as_os_str().to_str())
             .with_context(|| format!("{} is not a cgroup v1 group", g.display()))?;
-        homes.push(bench::cgroup::own_group(controller)?);
+        homes.push(crate::cgroup::own_group(controller)?);
     }
     let joined: anyhow::Result<()> = cgroups
         .iter()
-        .try_for_each(|g| Ok(bench::cgroup::move_to(g, me)?));
+        .try_for_each(|g| Ok(crate::cgroup::move_to(g, me)?));
     let child = joined.and_then(|()| cmd.spawn().context("cannot start the process"));
     for h in &homes {
-        bench::cgroup::move_to(h, me)?;
+        crate::cgroup::move_to(h, me)?;
     }
     child
 }

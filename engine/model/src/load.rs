@@ -1,0 +1,607 @@
+//! Loading a GGUF file into the engine's layout: each tensor read a piece at a time and held in
+//! its own blocks (or repacked to them), QKV and gate-up stacked, the weight budget planned
+//! (`policy::plan_weights`) and the matrices that do not fit handed to the weight stream.
+
+use crate::config::ModelConfig;
+use crate::kernels::Rope;
+use crate::qmatrix::{BLOCK, Kind, QMatrix};
+use crate::stream::{StreamUnit, WeightOptions, WeightSource, WeightStream};
+use candle_core::Device;
+use candle_core::quantized::{GgmlDType, gguf_file};
+use policy::{StreamModel, WeightPlanError, WeightTensor};
+use std::fs::File;
+use std::io::{BufReader, Read, Seek, SeekFrom};
+use std::path::Path;
+use std::time::Instant;
+
+use crate::forward::*;
+
+/// A streamable matrix's kind and pieces of the file (offset, bytes).
+type Located = (Kind, Vec<(u64, usize)>);
+
+/// A matrix the loader may stream: the file tensors it is stacked from.
+struct Candidate {
+    /// (tensor name, expected dims) of each part, stacked in order.
+    parts: Vec<(String, Vec<usize>)>,
+}
+
+/// The file's record of tensor `name`, checked to have the `expected` dims.
+fn tensor_info<'a>(
+    ct: &'a gguf_file::Content,
+    path: &Path,
+    name: &str,
+    expected: &[usize],
+) -> Result<&'a gguf_file::TensorInfo, ModelError> {
+    let info = ct
+        .tensor_infos
+        .get(name)
+        .ok_or_else(|| ModelError::MissingTensor {
+            path: path.into(),
+            name: name.into(),
+        })?;
+    let dims = info.shape.dims();
+    if dims != expected {
+        return Err(ModelError::Shape {
+            name: name.into(),
+            found: dims.to_vec(),
+            expected: expected.to_vec(),
+        });
+    }
+    Ok(info)
+}
+
+/// Where a tensor of `expected` dims lies and how it is stored, if the kernels read it as it is
+/// (Q4_1, Q8_0): (offset in the file, kind, bytes).
+fn locate(
+    ct: &gguf_file::Content,
+    path: &Path,
+    name: &str,
+    expected: &[usize],
+) -> Result<Option<(u64, Kind, usize)>, ModelError> {
+    let info = tensor_info(ct, path, name, expected)?;
+    let kind = match info.ggml_dtype {
+        GgmlDType::Q4_1 => Kind::Q4_1,
+        GgmlDType::Q8_0 => Kind::Q8_0,
+        _ => return Ok(None),
+    };
+    let n = info.shape.elem_count();
+    if !n.is_multiple_of(BLOCK) || expected.len() != 2 || !expected[1].is_multiple_of(BLOCK) {
+        return Ok(None);
+    }
+    let bytes = n / BLOCK * QMatrix::raw_unit(kind);
+    Ok(Some((ct.tensor_data_offset + info.offset, kind, bytes)))
+}
+
+/// Measures the read bandwidth of `path` with `O_DIRECT` reads of 1 MiB from `start`.
+fn probe_read_bps(path: &Path, start: u64, len: usize) -> Result<f64, ModelError> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let io = |source| ModelError::Io {
+        path: path.into(),
+        source,
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
+        .open(path)
+        .map_err(io)?;
+    const STEP: usize = 1 << 20;
+    let align = crate::stream::DIRECT_ALIGN;
+    let mut raw = vec![0u8; STEP + align];
+    let at = raw.as_ptr().align_offset(align);
+    let buf = &mut raw[at..at + STEP];
+    let mut off = start / align as u64 * align as u64;
+    let t = Instant::now();
+    let mut done = 0;
+    while done < len.max(STEP) {
+        let n = f.read_at(buf, off).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+        off += n as u64;
+    }
+    let secs = t.elapsed().as_secs_f64().max(1e-6);
+    Ok(done as f64 / secs)
+}
+
+/// Drops the file's pages from the page cache (what loading the resident weights read).
+fn drop_cache(path: &Path) {
+    if let Ok(f) = File::open(path) {
+        let _ = nix::fcntl::posix_fadvise(
+            &f,
+            0,
+            0,
+            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+        );
+    }
+}
+
+/// Reads one tensor of `expected` dims (`[rows, cols]` or `[cols]`) straight from the file into
+/// its blocks, a piece at a time, so no tensor is ever in memory twice; types the kernels do not
+/// read are dequantized by candle and requantized.
+fn read_weight(
+    ct: &gguf_file::Content,
+    file: &mut BufReader<File>,
+    path: &Path,
+    name: &str,
+    expected: &[usize],
+) -> Result<QMatrix, ModelError> {
+    let info = tensor_info(ct, path, name, expected)?;
+    let (rows, cols) = match *expected {
+        [r, c] => (r, c),
+        [c] => (1, c),
+        _ => (1, info.shape.elem_count()),
+    };
+    let dtype = info.ggml_dtype;
+    let kind = match dtype {
+        GgmlDType::Q4_1 => Some(Kind::Q4_1),
+        GgmlDType::Q8_0 => Some(Kind::Q8_0),
+        GgmlDType::F32 => Some(Kind::F32),
+        _ => None,
+    };
+    let gguf = |e: String| ModelError::Gguf {
+        path: path.into(),
+        reason: format!("tensor {name:?}: {e}"),
+    };
+    let Some(kind) = kind else {
+        let q = ct
+            .tensor(file, name, &Device::Cpu)
+            .map_err(|e| gguf(e.to_string()))?;
+        let f = q
+            .dequantize(&Device::Cpu)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| ModelError::TensorType {
+                name: name.into(),
+                dtype,
+                reason: e.to_string(),
+            })?;
+        return Ok(if rows == 1 {
+            QMatrix::from_f32(rows, cols, f)
+        } else {
+            requantize(rows, cols, f)
+        });
+    };
+    let units = if kind == Kind::F32 {
+        rows * cols
+    } else {
+        rows * cols / BLOCK
+    };
+    let unit = QMatrix::raw_unit(kind);
+    file.seek(SeekFrom::Start(ct.tensor_data_offset + info.offset))
+        .map_err(|e| gguf(e.to_string()))?;
+    let mut q = QMatrix::with_capacity(rows, cols, kind);
+    let mut buf = vec![0u8; unit * 4096];
+    let mut left = units;
+    while left > 0 {
+        let take = left.min(4096);
+        file.read_exact(&mut buf[..take * unit])
+            .map_err(|e| gguf(e.to_string()))?;
+        q.push_raw(&buf[..take * unit]);
+        left -= take;
+    }
+    Ok(q)
+}
+
+/// A norm's weights as f32.
+fn to_vector(w: QMatrix) -> Vec<f32> {
+    let mut f = vec![0.0; w.rows() * w.cols()];
+    w.dequant_rows(0, w.rows(), &mut f);
+    f
+}
+
+impl Model {
+    /// Loads a llama-family GGUF file, repacking its weights, all of them resident.
+    pub fn load(path: &Path) -> Result<Self, ModelError> {
+        Self::load_with(path, &WeightOptions::default())
+    }
+
+    /// Loads a llama-family GGUF file with its weights held as `opts` says: all resident, or
+    /// under a budget with the rest streamed (the module docs of [`crate::stream`]).
+    pub fn load_with(path: &Path, opts: &WeightOptions) -> Result<Self, ModelError> {
+        let io = |source| ModelError::Io {
+            path: path.into(),
+            source,
+        };
+        let f = File::open(path).map_err(io)?;
+        let len = f.metadata().map_err(io)?.len();
+        let mut file = BufReader::new(f);
+        let ct = gguf_file::Content::read(&mut file).map_err(|e| ModelError::Gguf {
+            path: path.into(),
+            reason: e.to_string(),
+        })?;
+        // Check every tensor lies inside the file before reading any.
+        let mut file_tensor_bytes = 0;
+        for (name, info) in &ct.tensor_infos {
+            let n = info.shape.elem_count() as u64;
+            let bs = info.ggml_dtype.block_size() as u64;
+            let bytes = n / bs * info.ggml_dtype.type_size() as u64;
+            file_tensor_bytes += bytes as usize;
+            let end = ct.tensor_data_offset + info.offset + bytes;
+            if end > len {
+                return Err(ModelError::Truncated {
+                    path: path.into(),
+                    tensor: name.clone(),
+                    end,
+                    len,
+                });
+            }
+        }
+        let cfg = ModelConfig::from_gguf(&ct).map_err(|source| ModelError::Config {
+            path: path.into(),
+            source,
+        })?;
+        let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
+        let tied = !ct.tensor_infos.contains_key("output.weight");
+        let head_name = if tied {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
+        // The matrices of a pass, in the order it uses them: four per layer, then the head.
+        let mut cands: Vec<Candidate> = Vec::new();
+        for l in 0..cfg.n_layers {
+            let p = |s: &str| format!("blk.{l}.{s}.weight");
+            cands.push(Candidate {
+                parts: vec![
+                    (p("attn_q"), vec![cfg.n_heads * hd, h]),
+                    (p("attn_k"), vec![kvd, h]),
+                    (p("attn_v"), vec![kvd, h]),
+                ],
+            });
+            cands.push(Candidate {
+                parts: vec![(p("attn_output"), vec![h, cfg.n_heads * hd])],
+            });
+            cands.push(Candidate {
+                parts: vec![
+                    (p("ffn_gate"), vec![cfg.ffn, h]),
+                    (p("ffn_up"), vec![cfg.ffn, h]),
+                ],
+            });
+            cands.push(Candidate {
+                parts: vec![(p("ffn_down"), vec![h, cfg.ffn])],
+            });
+        }
+        // Where each candidate lies, if every part can be streamed as it is, in one kind.
+        let mut located: Vec<Option<Located>> = Vec::new();
+        for c in &cands {
+            let mut pieces = Vec::new();
+            let mut kind = None;
+            for (name, dims) in &c.parts {
+                match locate(&ct, path, name, dims)? {
+                    Some((off, k, bytes)) if kind.is_none_or(|kk| kk == k) => {
+                        kind = Some(k);
+                        pieces.push((off, bytes));
+                    }
+                    _ => {
+                        kind = None;
+                        break;
+                    }
+                }
+            }
+            located.push(kind.map(|k| (k, pieces)));
+        }
+        let head_loc = locate(&ct, path, head_name, &[cfg.vocab, h])?;
+        let head_file = head_loc.map(|(off, kind, _)| (off, kind));
+        let rope = Rope::new(cfg.rope_dim, cfg.rope_base, cfg.max_ctx);
+        let norm_bytes =
+            ((cfg.n_layers * 2 + 1) * h * 4 + rope.max_pos() * cfg.rope_dim * 4) as u64;
+
+        // Which candidates are streamed (by index; the head's pieces after the layers').
+        let mut streamed = vec![false; cands.len()];
+        let mut head_pieces: Vec<(usize, usize)> = vec![(0, cfg.vocab)];
+        let mut head_streamed = vec![false];
+        let mut holding = WeightHolding {
+            budget: opts.budget,
+            residency: "all".into(),
+            ..WeightHolding::default()
+        };
+        let mut own_embed_from_file = false;
+        // The stream's staging buffer in huge pages (faster reads), unless only small pages fit.
+        let mut huge_staging = true;
+        if let Some(budget) = opts.budget {
+            let (mut fixed, mut total) = (norm_bytes, norm_bytes);
+            let mut sizes = Vec::new();
+            for (c, loc) in cands.iter().zip(&located) {
+                let bytes: u64 = match loc {
+                    Some((_, pieces)) => pieces.iter().map(|p| p.1 as u64).sum(),
+                    None => {
+                        // Held as read (or requantized): about its f32 size over 4 at most.
+                        let b: u64 = c
+                            .parts
+                            .iter()
+                            .map(|(n, _)| {
+                                ct.tensor_infos.get(n).map_or(0, |i| {
+                                    (i.shape.elem_count() / i.ggml_dtype.block_size()
+                                        * i.ggml_dtype.type_size())
+                                        as u64
+                                })
+                            })
+                            .sum();
+                        fixed += b;
+                        b
+                    }
+                };
+                total += bytes;
+                sizes.push(bytes);
+            }
+            let head_bytes = head_loc.map_or(0, |x| x.2 as u64);
+            total += head_bytes;
+            let embed_bytes = if tied {
+                0
+            } else {
+                ct.tensor_infos.get("token_embd.weight").map_or(0, |i| {
+                    (i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size())
+                        as u64
+                })
+            };
+            total += embed_bytes;
+            if head_loc.is_none() {
+                fixed += head_bytes;
+            }
+            if budget < total || opts.source == WeightSource::Mmap {
+                // A separate embedding is read a row at a time from the file when it can be.
+                own_embed_from_file =
+                    locate(&ct, path, "token_embd.weight", &[cfg.vocab, h])?.is_some();
+                if !own_embed_from_file {
+                    fixed += embed_bytes;
+                }
+                // The head in pieces of whole GEMM tiles no bigger than the largest layer
+                // matrix, so it streams like a layer's matrices and its buffers stay small.
+                if let Some((_, _, hb)) = head_loc {
+                    let row_bytes = hb / cfg.vocab;
+                    let biggest = sizes.iter().copied().max().unwrap_or(hb as u64) as usize;
+                    let tile = tile_rows(h);
+                    let rows = (biggest / row_bytes.max(1) / tile).max(1) * tile;
+                    head_pieces = (0..cfg.vocab)
+                        .step_by(rows)
+                        .map(|r| (r, (r + rows).min(cfg.vocab)))
+                        .collect();
+                }
+                // The planner's tensors: the streamable layer matrices, then the head pieces.
+                let mut tensors = Vec::new();
+                let mut which = Vec::new();
+                for (i, loc) in located.iter().enumerate() {
+                    if loc.is_some() {
+                        tensors.push(WeightTensor {
+                            kind: (i % 4) as u32,
+                            bytes: sizes[i],
+                            compute: sizes[i] as f64 / DECODE_COMPUTE_BPS,
+                            reuse: 1,
+                        });
+                        which.push(Some(i));
+                    }
+                }
+                if let Some((_, _, hb)) = head_loc {
+                    let row_bytes = (hb / cfg.vocab) as u64;
+                    for &(r0, r1) in &head_pieces {
+                        let b = (r1 - r0) as u64 * row_bytes;
+                        tensors.push(WeightTensor {
+                            kind: 4,
+                            bytes: b,
+                            compute: b as f64 / DECODE_COMPUTE_BPS,
+                            reuse: 1,
+                        });
+                        which.push(None);
+                    }
+                }
+                let read_bps = match opts.read_bps {
+                    Some(b) => b,
+                    None => probe_read_bps(
+                        path,
+                        ct.tensor_data_offset,
+                        PROBE_BYTES.min(file_tensor_bytes),
+                    )?,
+                };
+                let huge = StreamModel {
+                    read_bps,
+                    latency: 50e-6,
+                    slots: opts.slots.max(1),
+                    staging: 2,
+                    huge_page: kvfs::io::HUGE_PAGE as u64,
+                };
+                let small = StreamModel {
+                    huge_page: 0,
+                    ..huge
+                };
+                let resident: Vec<bool> = if opts.source == WeightSource::Mmap {
+                    vec![false; tensors.len()]
+                } else {
+                    let room = budget.checked_sub(fixed);
+                    let minimum = fixed + policy::min_budget(&tensors, &small);
+                    let plan_with = |model: &StreamModel| {
+                        room.ok_or(WeightPlanError::BelowMinimum { budget, minimum })
+                            .and_then(|room| {
+                                policy::plan_weights(&tensors, room, model, opts.residency)
+                            })
+                    };
+                    // A budget that leaves no room to round the staging up to huge pages gets
+                    // small ones.
+                    let plan = plan_with(&huge)
+                        .or_else(|e| match e {
+                            WeightPlanError::BelowMinimum { .. } => {
+                                huge_staging = false;
+                                plan_with(&small)
+                            }
+                            e => Err(e),
+                        })
+                        .map_err(|e| match e {
+                            WeightPlanError::BelowMinimum { .. } => ModelError::Budget {
+                                budget,
+                                minimum,
+                                fixed,
+                                stream: minimum - fixed,
+                            },
+                            e => ModelError::Plan(e),
+                        })?;
+                    holding.predicted_pass_secs = plan.predicted.pass_secs;
+                    holding.predicted_stall_secs = plan.predicted.stall_secs;
+                    plan.resident
+                };
+                holding.residency = match opts.source {
+                    WeightSource::Mmap => "mmap".into(),
+                    WeightSource::Direct => format!("{:?}", opts.residency).to_lowercase(),
+                };
+                holding.read_bps = read_bps;
+                holding.fixed_bytes = fixed;
+                head_streamed.clear();
+                for (&r, w) in resident.iter().zip(&which) {
+                    match w {
+                        Some(i) => streamed[*i] = !r,
+                        None => head_streamed.push(!r),
+                    }
+                }
+                if head_loc.is_none() {
+                    head_streamed = vec![false];
+                }
+            }
+        }
+
+        // Read what stays resident; describe what is streamed.
+        let mut units: Vec<StreamUnit> = Vec::new();
+        let mut rd = |name: &str, dims: &[usize]| read_weight(&ct, &mut file, path, name, dims);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        let mut layer_ids = Vec::new();
+        let mut mats: Vec<Linear> = Vec::with_capacity(4);
+        for (i, c) in cands.iter().enumerate() {
+            if streamed[i] {
+                let (kind, pieces) = located[i].clone().expect("only located matrices stream");
+                let rows = c.parts.iter().map(|(_, d)| d[0]).sum();
+                layer_ids.push(units.len());
+                mats.push(Linear::streamed(units.len()));
+                units.push(StreamUnit {
+                    kind,
+                    rows,
+                    cols: c.parts[0].1[1],
+                    pieces,
+                });
+            } else {
+                let parts = c
+                    .parts
+                    .iter()
+                    .map(|(n, d)| rd(n, d))
+                    .collect::<Result<Vec<_>, _>>()?;
+                mats.push(Linear::stack(parts));
+            }
+            if mats.len() == 4 {
+                let l = i / 4;
+                let p = |s: &str| format!("blk.{l}.{s}.weight");
+                let mut m = mats.drain(..);
+                let (qkv, wo, gate_up, down) = (
+                    m.next().expect("4 matrices"),
+                    m.next().expect("4 matrices"),
+                    m.next().expect("4 matrices"),
+                    m.next().expect("4 matrices"),
+                );
+                drop(m);
+                layers.push(Layer {
+                    attn_norm: to_vector(rd(&p("attn_norm"), &[h])?),
+                    qkv,
+                    wo,
+                    ffn_norm: to_vector(rd(&p("ffn_norm"), &[h])?),
+                    gate_up,
+                    down,
+                });
+            }
+        }
+        let out_norm = to_vector(rd("output_norm.weight", &[h])?);
+        let mut head = Vec::new();
+        let mut head_ids = Vec::new();
+        if head_pieces.len() == 1 && !head_streamed[0] {
+            head.push((0, Linear::stack(vec![rd(head_name, &[cfg.vocab, h])?])));
+        } else {
+            let (off, kind, hb) = head_loc.expect("only a located head is cut in pieces");
+            let row_bytes = hb / cfg.vocab;
+            for (&(r0, r1), &s) in head_pieces.iter().zip(&head_streamed) {
+                let piece = (off + (r0 * row_bytes) as u64, (r1 - r0) * row_bytes);
+                if s {
+                    head_ids.push(units.len());
+                    head.push((r0, Linear::streamed(units.len())));
+                    units.push(StreamUnit {
+                        kind,
+                        rows: r1 - r0,
+                        cols: h,
+                        pieces: vec![piece],
+                    });
+                } else {
+                    use std::os::unix::fs::FileExt;
+                    let mut raw = vec![0u8; piece.1];
+                    File::open(path)
+                        .and_then(|f| f.read_exact_at(&mut raw, piece.0))
+                        .map_err(io)?;
+                    let q = QMatrix::from_raw(r1 - r0, h, kind, &raw);
+                    head.push((r0, Linear::stack(vec![q])));
+                }
+            }
+        }
+        let embed = if tied {
+            Embed::Tied
+        } else if own_embed_from_file {
+            let (off, kind, _) =
+                locate(&ct, path, "token_embd.weight", &[cfg.vocab, h])?.expect("checked above");
+            Embed::File(off, kind)
+        } else {
+            Embed::Own(rd("token_embd.weight", &[cfg.vocab, h])?)
+        };
+        let stream = if !units.is_empty() || own_embed_from_file {
+            // What loading read through the page cache leaves it; streamed bytes never enter.
+            drop_cache(path);
+            holding.streamed_matrices = units.len();
+            holding.streamed_bytes_per_token = units.iter().map(|u| u.bytes() as u64).sum();
+            Some(WeightStream::start(
+                path,
+                units,
+                opts.source,
+                opts.slots,
+                huge_staging,
+            )?)
+        } else {
+            None
+        };
+        holding.buffer_bytes = stream.as_ref().map_or(0, |s| s.buffer_bytes() as u64);
+        tracing::info!(path = %path.display(), layers = cfg.n_layers, hidden = h, "model loaded");
+        let mut model = Self {
+            cfg,
+            path: path.into(),
+            embed,
+            layers,
+            out_norm,
+            head,
+            head_file,
+            rope,
+            prefill_chunk: 256,
+            file_tensor_bytes,
+            stream,
+            layer_ids,
+            head_ids,
+            holding,
+        };
+        let matrices: usize = model.matrices().map(QMatrix::bytes).sum::<usize>()
+            + match &model.embed {
+                Embed::Own(q) => q.bytes(),
+                _ => 0,
+            };
+        model.holding.resident_bytes = matrices as u64;
+        if let Some(budget) = opts.budget {
+            let held = model.weight_bytes() as u64 + model.holding.buffer_bytes;
+            tracing::info!(
+                budget,
+                held,
+                resident = model.holding.resident_bytes,
+                buffers = model.holding.buffer_bytes,
+                streamed = model.holding.streamed_bytes_per_token,
+                residency = %model.holding.residency,
+                "weights under a budget"
+            );
+            if held > budget && opts.source == WeightSource::Direct {
+                return Err(ModelError::Budget {
+                    budget,
+                    minimum: held,
+                    fixed: model.holding.fixed_bytes,
+                    stream: model.holding.buffer_bytes,
+                });
+            }
+        }
+        Ok(model)
+    }
+}

@@ -1,0 +1,372 @@
+//! One call of one context, in the order docs/service.md numbers its steps: Load (the context's
+//! missing chunks back, the prompt encoded meanwhile), Run (prefill and generate), Compress (the
+//! attention received moves chunks down a level, Eq. 1-3) and AoT write-out (the tokens made
+//! durable, then the chunks queued for the writer). `Manager::call` pins the context and hands
+//! this module the manager's parts ([`Call`]); the context's own state is [`Context`].
+
+use std::time::Instant;
+
+use kvfs::ChunkState as StoreState;
+use model::Model;
+use model::generate::{Generation, Sampler, SamplingParams, StopReason, generate};
+use model::kv::KvCache;
+use policy::{CostModel, DensityTracker, Level};
+use uffd_pager::{ChunkKey, ContextId, Pager};
+
+use crate::ServiceError;
+use crate::chunk_io::ChunkIo;
+use crate::config::{ManagerConfig, WriteOut};
+use crate::load::{self, LoadReport, StoredChunk};
+use crate::memory::Versions;
+use crate::source::{Expected, FormatLevels, from_store};
+use crate::writer::{WriteJob, Writer};
+
+/// The compression levels and the policy's global ratio the bit budget comes to, fixed at open.
+#[derive(Clone, Debug)]
+pub(crate) struct Compression {
+    pub(crate) levels: FormatLevels,
+    pub(crate) ratio: Option<f64>,
+}
+
+/// Who owns a context: the peer's uid and the app name it gave.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub uid: u32,
+    pub app: String,
+}
+
+/// One call's options.
+#[derive(Clone, Debug)]
+pub struct CallOptions {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Token ids that end the answer (not included in it).
+    pub stop: Vec<u32>,
+}
+
+impl Default for CallOptions {
+    fn default() -> Self {
+        Self {
+            max_tokens: 64,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// A call's prompt: its tokens, or text the engine thread encodes while the Load's reads are in
+/// flight, so a switch costs the longer of the two rather than their sum (encoding a few hundred
+/// tokens takes about as long as reading a few chunks). The window is decided after the Load, on
+/// the real length.
+pub enum Prompt<'a> {
+    Tokens(&'a [u32]),
+    Later(Box<dyn FnOnce() -> Vec<u32> + 'a>),
+}
+
+impl<'a> Prompt<'a> {
+    /// A prompt encoded by `encode` during the Load.
+    pub fn later(encode: impl FnOnce() -> Vec<u32> + 'a) -> Prompt<'a> {
+        Prompt::Later(Box::new(encode))
+    }
+
+    pub(crate) fn into_tokens(self) -> std::borrow::Cow<'a, [u32]> {
+        match self {
+            Prompt::Tokens(t) => t.into(),
+            Prompt::Later(encode) => encode().into(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Prompt<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Prompt::Tokens(t) => f.debug_tuple("Tokens").field(&t.len()).finish(),
+            Prompt::Later(_) => f.write_str("Later"),
+        }
+    }
+}
+
+/// How a call ended.
+pub(crate) enum Ran {
+    Done(CallReport),
+    /// The prompt, encoded during the Load, does not fit beside the context; nothing changed but
+    /// the chunks the Load brought back.
+    Full {
+        tokens: Vec<u32>,
+        load: LoadReport,
+    },
+}
+
+/// What a call did.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CallReport {
+    /// The generated tokens.
+    pub tokens: Vec<u32>,
+    /// Why generation stopped.
+    pub stop: &'static str,
+    /// Request received to every chunk of the context resident, seconds.
+    pub switch_secs: f64,
+    /// The Load's parts and the plan's prediction.
+    pub load: LoadReport,
+    /// The prompt's tokens.
+    pub prompt_tokens: usize,
+    /// Tokens prefilled (the previous call's open tail and the prompt).
+    pub prefill_tokens: usize,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    /// Chunks moved down a level at the end of the call.
+    pub recompressed: usize,
+    /// Chunks queued for write-out.
+    pub queued_writes: usize,
+    /// Tokens the sliding window dropped before this call (0 when the context had room).
+    pub window_dropped: usize,
+}
+
+/// One context as the manager holds it.
+pub(crate) struct Context {
+    pub(crate) owner: Owner,
+    pub(crate) cache: KvCache,
+    /// Tokens said but not in the cache: the open tail of the last call.
+    pub(crate) pending: Vec<u32>,
+    /// What the store holds of each sealed chunk.
+    pub(crate) stored: Vec<Option<StoredChunk>>,
+    pub(crate) density: DensityTracker,
+    pub(crate) calls: u64,
+}
+
+/// The manager's parts a call works with, borrowed for the call (the context itself is borrowed
+/// mutably beside them).
+pub(crate) struct Call<'a> {
+    pub(crate) model: &'a Model,
+    pub(crate) cfg: &'a ManagerConfig,
+    pub(crate) io: &'a ChunkIo,
+    pub(crate) pager: &'a Pager,
+    pub(crate) cost: &'a CostModel,
+    pub(crate) versions: &'a Versions,
+    pub(crate) writer: &'a Writer,
+    pub(crate) expected: &'a Expected,
+    pub(crate) compression: &'a Compression,
+    /// The context's id.
+    pub(crate) id: u64,
+}
+
+impl Call<'_> {
+    /// Runs the call on the pinned context `ctx`: Load, Run, Compress, AoT write-out.
+    pub(crate) fn run(
+        &self,
+        readers: &mut load::Readers,
+        ctx: &mut Context,
+        prompt: Prompt<'_>,
+        opts: &CallOptions,
+        received: Instant,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<Ran, ServiceError> {
+        let (prompt, load) = self.load(readers, ctx, prompt)?;
+        if ctx.cache.len() + ctx.pending.len() + prompt.len() >= self.cfg.max_tokens {
+            return Ok(Ran::Full {
+                tokens: prompt,
+                load,
+            });
+        }
+        let switch_secs = received.elapsed().as_secs_f64();
+        let (run, said) = self.generate(ctx, &prompt, opts, on_token)?;
+        let recompressed = self.compress(ctx, &said)?;
+        let queued_writes = self.write_out(ctx, &said)?;
+        ctx.calls += 1;
+        Ok(Ran::Done(CallReport {
+            tokens: run.tokens,
+            stop: match run.stop {
+                StopReason::Stop => "stop",
+                StopReason::MaxTokens => "max_tokens",
+                StopReason::Cancelled => "cancelled",
+                StopReason::ContextFull => "context_full",
+            },
+            switch_secs,
+            load,
+            prompt_tokens: prompt.len(),
+            prefill_tokens: run.prompt_tokens,
+            prefill_secs: run.prefill_secs,
+            decode_secs: run.decode_secs,
+            recompressed,
+            queued_writes,
+            window_dropped: 0,
+        }))
+    }
+
+    /// Step 1, Load: the context's missing chunks back (chunks the pager wrote back when it reclaimed
+    /// them are in the store now), the prompt encoded while the reads are in flight.
+    fn load(
+        &self,
+        readers: &mut load::Readers,
+        ctx: &mut Context,
+        prompt: Prompt<'_>,
+    ) -> Result<(Vec<u32>, LoadReport), ServiceError> {
+        let id = self.id;
+        for i in self.expected.take_written(id) {
+            if let Some(slot) = ctx.stored.get_mut(i as usize)
+                && let Ok(StoreState::Stored(s)) =
+                    self.io.store().chunk_state(kvfs::ContextId(id), i)
+            {
+                *slot = Some(StoredChunk {
+                    format: from_store(s.format),
+                    bytes: u64::from(s.stored_len),
+                });
+            }
+        }
+        let mut tokens = None;
+        let load = load::load(
+            self.model,
+            self.io,
+            self.pager,
+            id,
+            &mut ctx.cache,
+            &ctx.stored,
+            self.cfg.load,
+            self.cost,
+            readers,
+            || tokens = Some(prompt.into_tokens()),
+        )?;
+        let prompt = tokens.expect("the Load encodes the prompt").into_owned();
+        for &i in &load.failed_reads {
+            ctx.stored[i as usize] = None;
+        }
+        Ok((prompt, load))
+    }
+
+    /// Step 2, Run: the open tail of the last call and the prompt prefilled, the answer generated.
+    /// Returns the generation and every token said so far (the context's whole text).
+    fn generate(
+        &self,
+        ctx: &mut Context,
+        prompt: &[u32],
+        opts: &CallOptions,
+        on_token: impl FnMut(u32) -> bool,
+    ) -> Result<(Generation, Vec<u32>), ServiceError> {
+        let mut input = std::mem::take(&mut ctx.pending);
+        input.extend_from_slice(prompt);
+        let mut said: Vec<u32> = ctx.cache.tokens().to_vec();
+        said.extend_from_slice(&input);
+        let mut sampler = Sampler::new(opts.sampling.clone());
+        let run = generate(
+            self.model,
+            &mut ctx.cache,
+            &input,
+            opts.max_tokens,
+            &opts.stop,
+            &mut sampler,
+            on_token,
+        )?;
+        said.extend_from_slice(&run.tokens);
+        Ok((run, said))
+    }
+
+    /// Step 3, Compress: the call's attention merged into the densities (Eq. 1), and the chunks the
+    /// policy assigns a lighter level (Eq. 2-3) recompressed. Returns how many moved.
+    fn compress(&self, ctx: &mut Context, said: &[u32]) -> Result<usize, ServiceError> {
+        let model = self.model;
+        let hl = (model.cfg.n_heads * model.cfg.n_layers) as u32;
+        ctx.pending = ctx.cache.drop_open();
+        ctx.pending
+            .extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);
+        let attention = ctx.cache.take_attention(hl);
+        ctx.density
+            .merge(&attention)
+            .map_err(|e| ServiceError::Internal {
+                what: e.to_string(),
+            })?;
+        let sealed = ctx.cache.chunk_formats().len();
+        ctx.stored.resize(sealed, None);
+        let mut recompressed = 0;
+        let levels = &self.compression.levels;
+        if let Some(ratio) = self.compression.ratio
+            && sealed > 0
+        {
+            let densities = ctx.density.chunk_densities();
+            let floors: Vec<Level> = ctx
+                .cache
+                .chunk_formats()
+                .iter()
+                .map(|&f| levels.floor(f).unwrap_or(Level(0)))
+                .collect();
+            let a = policy::assign_levels(&densities[..sealed], Some(&floors), levels.set(), ratio)
+                .map_err(|e| ServiceError::Internal {
+                    what: e.to_string(),
+                })?;
+            let shape = *ctx.cache.shape();
+            for (i, &to) in a.levels.iter().enumerate() {
+                // A chunk above the levels (sealed in int8) moves to its level even at level 0.
+                let from = ctx.cache.chunk_formats()[i];
+                if let Some(f) = levels.format(to)
+                    && model::kv::codec::moves_down(&shape, from, f)
+                {
+                    ctx.cache.recompress(i, f)?;
+                    recompressed += 1;
+                }
+            }
+        }
+        self.expected.set(
+            self.id,
+            ctx.cache.chunk_formats(),
+            &ctx.density.chunk_densities(),
+        );
+        Ok(recompressed)
+    }
+
+    /// Step 4, AoT write-out: the tokens first (a chunk is valid only with its tokens), then the
+    /// chunks `policy::plan_writeout` lists, queued for the writer thread. Returns how many.
+    fn write_out(&self, ctx: &mut Context, said: &[u32]) -> Result<usize, ServiceError> {
+        let id = self.id;
+        let kid = kvfs::ContextId(id);
+        let stored_tokens = self.io.store().tokens(kid)?.len();
+        if said.len() > stored_tokens {
+            self.io.store().append_tokens(kid, &said[stored_tokens..])?;
+        }
+        let levels = &self.compression.levels;
+        let sealed = ctx.cache.chunk_formats().len();
+        let shape = *ctx.cache.shape();
+        let states: Vec<policy::ChunkState> = (0..sealed)
+            .map(|i| {
+                let f = ctx.cache.chunk_formats()[i];
+                policy::ChunkState {
+                    index: i as u32,
+                    level: levels.floor(f).unwrap_or(Level(0)),
+                    stored: ctx.stored[i].and_then(|s| levels.floor(s.format)),
+                    modified: false,
+                    bytes: shape.chunk_bytes(f) as u64,
+                }
+            })
+            .collect();
+        let writes = match self.cfg.write_out {
+            WriteOut::Aot => {
+                policy::plan_writeout(&states).map_err(|e| ServiceError::Internal {
+                    what: e.to_string(),
+                })?
+            }
+            WriteOut::OnReclaim | WriteOut::Never => Vec::new(),
+        };
+        let densities = ctx.density.chunk_densities();
+        for w in &writes {
+            let i = w.index as usize;
+            let f = ctx.cache.chunk_formats()[i];
+            let Some(bytes) = ctx.cache.chunk_bytes(i) else {
+                continue;
+            };
+            let key = ChunkKey {
+                ctx: ContextId(id),
+                index: w.index,
+            };
+            self.writer.submit(WriteJob {
+                key,
+                format: f,
+                density: densities.get(i).copied().unwrap_or(0.0) as f32,
+                bytes: bytes.to_vec(),
+                version: self.versions.get(key),
+            });
+            ctx.stored[i] = Some(StoredChunk {
+                format: f,
+                bytes: shape.chunk_bytes(f) as u64,
+            });
+        }
+        Ok(writes.len())
+    }
+}
