@@ -9,13 +9,16 @@ use super::{
     StoredChunk, lock, slot_offset, span, stored_of, unix_seconds,
 };
 use crate::format::{ChunkHeader, Codec, Fingerprint, KvFormat, tokens_crc};
-use crate::io::{IoError, drop_range, punch};
+use crate::io::{IoError, drop_range, failpoint, punch};
 
 impl Store {
     /// Writes chunk `index` of a context crash-safely, replacing any previous version: the payload
     /// goes to the chunk's free slot of the data file and is made durable, then its header, then
     /// the old copy's slot is freed; the pages written are dropped from the page cache.
     /// The tokens the chunk covers must already be stored ([`Store::append_tokens`]).
+    /// A write that fails leaves the chunk as it was: the slot it was writing is freed. Each step
+    /// has a failpoint, `kvfs::chunk::{payload_written,payload_synced,header_written,header_synced,
+    /// old_punched}` (docs/kvfs.md, "Failpoints").
     pub fn write_chunk(
         &self,
         id: ContextId,
@@ -83,30 +86,48 @@ impl Store {
         };
         let path = ctx.dir.join("data");
         let at = slot_offset(index, copy);
-        let sync = |what| {
-            nix::unistd::fdatasync(&ctx.data).map_err(|e| IoError::new(what, &path, e.into()))
+        let write = |bytes: &[u8], offset| {
+            ctx.data
+                .write_all_at(bytes, offset)
+                .map_err(|e| IoError::new("write", &path, e))
         };
-        // 1. The payload, durable before any header names it.
-        ctx.data
-            .write_all_at(payload, at + HEADER_PAGE as u64)
-            .map_err(|e| IoError::new("write", &path, e))?;
-        sync("fdatasync")?;
-        // 2. The header: from here on this copy is the newest complete one.
-        ctx.data
-            .write_all_at(&header.encode(), at)
-            .map_err(|e| IoError::new("write", &path, e))?;
-        sync("fdatasync")?;
+        let sync = || {
+            nix::unistd::fdatasync(&ctx.data)
+                .map_err(|e| IoError::new("fdatasync", &path, e.into()))
+        };
+        let put = || -> Result<(), IoError> {
+            // 1. The payload, durable before any header names it.
+            let written = write(payload, at + HEADER_PAGE as u64);
+            failpoint!("kvfs::chunk::payload_written", "write", &path, written)?;
+            failpoint!("kvfs::chunk::payload_synced", "fdatasync", &path, sync())?;
+            // 2. The header: from here on this copy is the newest complete one.
+            let written = write(&header.encode(), at);
+            failpoint!("kvfs::chunk::header_written", "write", &path, written)?;
+            failpoint!("kvfs::chunk::header_synced", "fdatasync", &path, sync())
+        };
+        if let Err(e) = put() {
+            // A write that fails leaves the chunk as it was: the slot it was writing is freed,
+            // durably, so that the next open cannot find its copy there as the newest one.
+            let undone = punch(&ctx.data, at, SLOT_BYTES)
+                .and_then(|()| nix::unistd::fdatasync(&ctx.data).map_err(Into::into));
+            if let Err(undo) = undone {
+                tracing::warn!(path = %path.display(), index, error = %undo, "could not free the slot of a failed chunk write; the next open may find its copy");
+            }
+            return Err(e.into());
+        }
         drop_range(&ctx.data, at, HEADER_PAGE + payload.len());
         let stored = stored_of(&header, copy);
         lock(&ctx.state)
             .chunks
             .insert(index, ChunkState::Stored(stored.clone()));
         // 3. The old copy's slot is freed (not synced: after a crash the open frees it again, as
-        //    the older of two copies).
-        if let Some(old) = previous
-            && let Err(e) = punch(&ctx.data, slot_offset(index, old), SLOT_BYTES)
-        {
-            tracing::warn!(path = %path.display(), index, error = %e, "could not free a replaced copy");
+        //    the older of two copies); a failure only costs the space until then.
+        if let Some(old) = previous {
+            let freed = punch(&ctx.data, slot_offset(index, old), SLOT_BYTES)
+                .map_err(|e| IoError::new("punch", &path, e));
+            if let Err(e) = failpoint!("kvfs::chunk::old_punched", "punch", &path, freed) {
+                tracing::warn!(path = %path.display(), index, error = %e, "could not free a replaced copy");
+            }
         }
         let c = &self.counters;
         c.chunk_writes.fetch_add(1, Ordering::Relaxed);
