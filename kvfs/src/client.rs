@@ -20,9 +20,9 @@ use std::path::{Path, PathBuf};
 use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
 use crate::fs::kv_offset;
 use crate::io::{DIRECT_ALIGN, IoError, read_slot};
+use crate::store::read::{Check, decode_payload, read_raw_slot, with_scratch};
 use crate::store::{
-    Check, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk, decode_payload,
-    read_raw_slot, slot_offset, with_scratch,
+    ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk, slot_offset,
 };
 
 /// How many times a read that finds the chunk moved by a concurrent rewrite is retried.

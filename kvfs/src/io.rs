@@ -33,11 +33,48 @@ impl IoError {
     }
 }
 
+/// A step's result, passed through the named failpoint `$name` (the `fail` crate) when kvfs is
+/// built with its `failpoints` feature: there a test can make the step fail (`return`: an error
+/// for `$op` on `$path`, after the step itself ran) or the process crash right after it (`panic`).
+/// Without the feature the name is not even evaluated and the result is passed on as it is.
+/// The failpoints are listed in docs/kvfs.md ("Failpoints").
+macro_rules! failpoint {
+    ($name:expr, $op:expr, $path:expr, $result:expr) => {{
+        let result = $result;
+        #[cfg(feature = "failpoints")]
+        let result = $crate::io::inject(&$name, $op, $path, result);
+        #[cfg(not(feature = "failpoints"))]
+        let _ = || ($name, $op, $path);
+        result
+    }};
+}
+pub(crate) use failpoint;
+
+/// The `failpoint!` of a step: `result`, or the error the failpoint `name` is told to return.
+#[cfg(feature = "failpoints")]
+pub(crate) fn inject<T>(
+    name: &str,
+    op: &'static str,
+    path: &Path,
+    result: Result<T, IoError>,
+) -> Result<T, IoError> {
+    match fail::eval(name, |_| ()) {
+        Some(()) => Err(IoError::new(
+            op,
+            path,
+            io::Error::other(format!("failpoint {name}")),
+        )),
+        None => result,
+    }
+}
+
 /// Writes `parts` as the whole content of `dir/name`, crash-safely.
 ///
 /// The bytes go to `dir/tmp_name` first, which is fsynced and dropped from the page cache,
 /// then renamed over `dir/name`, then `dir` is fsynced so the rename itself is durable.
 /// After a crash at any point `dir/name` is either the old file or the new one, never a mix.
+/// An error before the rename leaves the old file; from the directory's fsync, the new one.
+/// Each step has a failpoint, `kvfs::replace::<name>::{written,synced,renamed,dir_synced}`.
 pub fn write_atomic(
     dir: &Path,
     name: &str,
@@ -46,6 +83,7 @@ pub fn write_atomic(
 ) -> Result<(), IoError> {
     let tmp = dir.join(tmp_name);
     let dst = dir.join(name);
+    let point = |step: &str| format!("kvfs::replace::{name}::{step}");
     let mut f = OpenOptions::new()
         .write(true)
         .create(true)
@@ -53,15 +91,18 @@ pub fn write_atomic(
         .mode(0o600)
         .open(&tmp)
         .map_err(|e| IoError::new("create", &tmp, e))?;
-    for part in parts {
-        f.write_all(part)
-            .map_err(|e| IoError::new("write", &tmp, e))?;
-    }
-    nix::unistd::fdatasync(&f).map_err(|e| IoError::new("fdatasync", &tmp, e.into()))?;
+    let written = parts
+        .iter()
+        .try_for_each(|part| f.write_all(part))
+        .map_err(|e| IoError::new("write", &tmp, e));
+    failpoint!(point("written"), "write", &tmp, written)?;
+    let synced = nix::unistd::fdatasync(&f).map_err(|e| IoError::new("fdatasync", &tmp, e.into()));
+    failpoint!(point("synced"), "fdatasync", &tmp, synced)?;
     drop_cache(&f);
     drop(f);
-    std::fs::rename(&tmp, &dst).map_err(|e| IoError::new("rename", &tmp, e))?;
-    sync_dir(dir)
+    let renamed = std::fs::rename(&tmp, &dst).map_err(|e| IoError::new("rename", &tmp, e));
+    failpoint!(point("renamed"), "rename", &tmp, renamed)?;
+    failpoint!(point("dir_synced"), "fsync dir", dir, sync_dir(dir))
 }
 
 /// Makes the entries of `dir` (creations, renames, removals) durable.

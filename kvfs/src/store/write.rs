@@ -1,0 +1,148 @@
+//! Chunk writes: a new copy to the slot the chunk does not occupy, payload durable before header,
+//! then the old slot freed (docs/kvfs.md, "Crash safety").
+
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::Ordering;
+
+use super::{
+    ChunkState, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, MAX_CHUNKS, SLOT_BYTES, Store, StoreError,
+    StoredChunk, lock, slot_offset, span, stored_of, unix_seconds,
+};
+use crate::format::{ChunkHeader, Codec, Fingerprint, KvFormat, tokens_crc};
+use crate::io::{IoError, drop_range, failpoint, punch};
+
+impl Store {
+    /// Writes chunk `index` of a context crash-safely, replacing any previous version: the payload
+    /// goes to the chunk's free slot of the data file and is made durable, then its header, then
+    /// the old copy's slot is freed; the pages written are dropped from the page cache.
+    /// The tokens the chunk covers must already be stored ([`Store::append_tokens`]).
+    /// A write that fails leaves the chunk as it was: the slot it was writing is freed. Each step
+    /// has a failpoint, `kvfs::chunk::{payload_written,payload_synced,header_written,header_synced,
+    /// old_punched}` (docs/kvfs.md, "Failpoints").
+    pub fn write_chunk(
+        &self,
+        id: ContextId,
+        index: u32,
+        fingerprint: &Fingerprint,
+        format: KvFormat,
+        density: f32,
+        data: &[u8],
+    ) -> Result<StoredChunk, StoreError> {
+        let _span = tracing::debug_span!("kvfs_write_chunk", context = %id, index).entered();
+        self.writable()?;
+        if data.len() > MAX_CHUNK_BYTES {
+            return Err(StoreError::TooLarge { len: data.len() });
+        }
+        if index >= MAX_CHUNKS {
+            return Err(StoreError::Invalid {
+                what: "chunk index",
+                why: format!("{index}, a context holds at most {MAX_CHUNKS} chunks"),
+            });
+        }
+        let ctx = self.ctx_of_model(id, fingerprint)?;
+        let _w = self.write_lock(&ctx)?;
+        let (range, tcrc) = {
+            let st = lock(&ctx.state);
+            let range = span(index, ctx.meta.chunk_tokens, st.tokens.len());
+            if range.is_empty() {
+                return Err(StoreError::BeyondTokens {
+                    context: id,
+                    index,
+                    start: index as u64 * ctx.meta.chunk_tokens as u64,
+                    tokens: st.tokens.len(),
+                });
+            }
+            let crc = tokens_crc(&st.tokens[range.start as usize..range.end as usize]);
+            (range, crc)
+        };
+        let compressed = self.compress(data);
+        let (codec, payload) = match &compressed {
+            Some(c) => (Codec::Zstd, c.as_slice()),
+            None => (Codec::Raw, data),
+        };
+        // The new copy goes to the slot the chunk does not occupy: the current one stays whole
+        // (and readable) until the new one is durable.
+        let previous = match lock(&ctx.state).chunks.get(&index) {
+            Some(ChunkState::Stored(s)) => Some(s.copy),
+            _ => None,
+        };
+        let copy = previous.map_or(0, |c| 1 - c);
+        let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+        let header = ChunkHeader {
+            format,
+            codec,
+            context: id.0,
+            index,
+            token_start: range.start,
+            token_end: range.end,
+            tokens_crc: tcrc,
+            density,
+            raw_len: data.len() as u32,
+            stored_len: payload.len() as u32,
+            payload_crc: crc32c::crc32c(payload),
+            generation,
+            fingerprint: ctx.meta.fingerprint,
+            written: unix_seconds(),
+        };
+        let path = ctx.dir.join("data");
+        let at = slot_offset(index, copy);
+        let write = |bytes: &[u8], offset| {
+            ctx.data
+                .write_all_at(bytes, offset)
+                .map_err(|e| IoError::new("write", &path, e))
+        };
+        let sync = || {
+            nix::unistd::fdatasync(&ctx.data)
+                .map_err(|e| IoError::new("fdatasync", &path, e.into()))
+        };
+        let put = || -> Result<(), IoError> {
+            // 1. The payload, durable before any header names it.
+            let written = write(payload, at + HEADER_PAGE as u64);
+            failpoint!("kvfs::chunk::payload_written", "write", &path, written)?;
+            failpoint!("kvfs::chunk::payload_synced", "fdatasync", &path, sync())?;
+            // 2. The header: from here on this copy is the newest complete one.
+            let written = write(&header.encode(), at);
+            failpoint!("kvfs::chunk::header_written", "write", &path, written)?;
+            failpoint!("kvfs::chunk::header_synced", "fdatasync", &path, sync())
+        };
+        if let Err(e) = put() {
+            // A write that fails leaves the chunk as it was: the slot it was writing is freed,
+            // durably, so that the next open cannot find its copy there as the newest one.
+            let undone = punch(&ctx.data, at, SLOT_BYTES)
+                .and_then(|()| nix::unistd::fdatasync(&ctx.data).map_err(Into::into));
+            if let Err(undo) = undone {
+                tracing::warn!(path = %path.display(), index, error = %undo, "could not free the slot of a failed chunk write; the next open may find its copy");
+            }
+            return Err(e.into());
+        }
+        drop_range(&ctx.data, at, HEADER_PAGE + payload.len());
+        let stored = stored_of(&header, copy);
+        lock(&ctx.state)
+            .chunks
+            .insert(index, ChunkState::Stored(stored.clone()));
+        // 3. The old copy's slot is freed (not synced: after a crash the open frees it again, as
+        //    the older of two copies); a failure only costs the space until then.
+        if let Some(old) = previous {
+            let freed = punch(&ctx.data, slot_offset(index, old), SLOT_BYTES)
+                .map_err(|e| IoError::new("punch", &path, e));
+            if let Err(e) = failpoint!("kvfs::chunk::old_punched", "punch", &path, freed) {
+                tracing::warn!(path = %path.display(), index, error = %e, "could not free a replaced copy");
+            }
+        }
+        let c = &self.counters;
+        c.chunk_writes.fetch_add(1, Ordering::Relaxed);
+        c.chunk_write_raw_bytes
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        c.chunk_write_stored_bytes
+            .fetch_add(payload.len() as u64, Ordering::Relaxed);
+        Ok(stored)
+    }
+
+    fn compress(&self, data: &[u8]) -> Option<Vec<u8>> {
+        if !self.options.min_ratio.is_finite() || data.is_empty() {
+            return None;
+        }
+        let c = zstd::bulk::compress(data, self.options.zstd_level).ok()?;
+        (data.len() as f64 >= self.options.min_ratio * c.len() as f64).then_some(c)
+    }
+}
