@@ -3,6 +3,10 @@
 //! [`Store`] is the Rust API the service uses (it works with or without a mount);
 //! [`fs::mount`] exposes a store as a filesystem, and [`MountReader`] moves chunks through a mount's
 //! per-context `data` file (read, passed through to the disk) and `kv` file (written).
+//!
+//! This crate owns the bytes on disk and their crash safety; it never knows a model (a format is
+//! a label, the model an opaque fingerprint, text comes from a decoder the service registers), a
+//! pager, or who computes a chunk.
 
 pub mod bench;
 pub mod client;

@@ -1,4 +1,7 @@
 //! Pure policy decisions of llms: information density, bit-width assignment, the LCTRU queue, AoT write-out, the swapping-recompute planner and the weight residency planner. No I/O.
+//!
+//! This crate owns the decisions and nothing else: no clock, no thread, no file, and no type of
+//! the pager, kvfs or the model; chunks are ids, levels, sizes and densities.
 
 pub mod assign;
 pub mod cost;

@@ -1,6 +1,9 @@
 //! `llms`: the one command-line tool of the project: the service and its clients, the model,
 //! generation and chat, evaluation and benchmarks. The binary (`main.rs`) calls [`main`]; the
 //! end-to-end tests run the same code as their own binary.
+//!
+//! This crate holds no mechanism: each command parses its arguments ([`args`] holds the shared
+//! ones), calls a library crate, and prints; it is the only crate that prints.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
 use clap::{Parser, Subcommand};
