@@ -77,18 +77,29 @@ impl fmt::Display for Fingerprint {
     }
 }
 
-/// The quantization format of a KV chunk's bytes; kvfs only records it.
+/// The quantization format of a KV chunk's bytes: the one type every crate names formats by
+/// (the engine re-exports it as `model::kv::KvFormat`). kvfs records it and knows what its name
+/// says (bits per key and per value); the byte layouts are the engine's (`kv::codec`).
 ///
-/// `K8v8`, `K4v4` and `K4v3` are the engine's formats with 8-bit coded parameters (key bits,
-/// value bits); the engine's `kv::codec` documents every layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// `K8v8`, `K4v4` and `K4v3` are the formats with 8-bit coded parameters (key bits, value bits).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum KvFormat {
+    /// IEEE half precision: the reference and the uncompressed baseline.
     F16,
+    /// 8-bit: the base format; keys per channel, values per token, symmetric, f32 scales.
     Int8,
+    /// 4-bit packed: asymmetric, keys per channel, values per token, f16 min and scale.
     Int4,
+    /// 2-bit packed: as int4 with four levels.
     Int2,
+    /// 8-bit keys and values, asymmetric, with 8-bit coded parameters.
     K8v8,
+    /// 4-bit keys and values with 8-bit coded parameters.
     K4v4,
+    /// 4-bit keys and 3-bit values with 8-bit coded parameters.
     K4v3,
 }
 
@@ -103,6 +114,45 @@ impl KvFormat {
         KvFormat::K4v4,
         KvFormat::K4v3,
     ];
+
+    /// The coded formats, the levels of the tolerance-aware mix, heaviest first.
+    pub const CODED: [KvFormat; 3] = [KvFormat::K8v8, KvFormat::K4v4, KvFormat::K4v3];
+
+    /// Bits per stored key, not counting parameters.
+    pub fn key_bits(self) -> u32 {
+        match self {
+            KvFormat::F16 => 16,
+            KvFormat::Int8 | KvFormat::K8v8 => 8,
+            KvFormat::Int4 | KvFormat::K4v4 | KvFormat::K4v3 => 4,
+            KvFormat::Int2 => 2,
+        }
+    }
+
+    /// Bits per stored value, not counting parameters.
+    pub fn value_bits(self) -> u32 {
+        match self {
+            KvFormat::K4v3 => 3,
+            f => f.key_bits(),
+        }
+    }
+
+    /// Mean bits per stored K/V value, not counting parameters.
+    pub fn bits(self) -> f64 {
+        f64::from(self.key_bits() + self.value_bits()) / 2.0
+    }
+
+    /// The format of a bit width among f16, int8, int4 and int2 (the paper's levels).
+    pub fn from_bits(bits: u32) -> Option<KvFormat> {
+        KvFormat::ALL[..4]
+            .iter()
+            .copied()
+            .find(|f| f.key_bits() == bits)
+    }
+
+    /// Whether the group parameters are 8-bit codes against a per-head `amax`.
+    pub fn coded(self) -> bool {
+        matches!(self, KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3)
+    }
 
     /// The on-disk tag.
     pub fn tag(self) -> u8 {

@@ -1,6 +1,5 @@
 //! The pager: context regions, chunk slots, the resident-byte budget, and the populate / reclaim / load / lock primitives.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
@@ -64,16 +63,7 @@ impl Pager {
         let max_slot = page_round(config.max_slot_bytes.max(1));
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
-                book: Book {
-                    ctxs: HashMap::new(),
-                    by_addr: BTreeMap::new(),
-                    resident: 0,
-                    recompute: VecDeque::new(),
-                    dead: false,
-                    next_epoch: 1,
-                    deferred: 0,
-                    writes: HashMap::new(),
-                },
+                book: Book::new(),
                 chooser,
             }),
             populated: Condvar::new(),

@@ -190,6 +190,20 @@ impl ResidentView for Book {
 }
 
 impl Book {
+    /// No context, nothing resident.
+    pub(crate) fn new() -> Book {
+        Book {
+            ctxs: HashMap::new(),
+            by_addr: BTreeMap::new(),
+            resident: 0,
+            recompute: VecDeque::new(),
+            dead: false,
+            next_epoch: 1,
+            deferred: 0,
+            writes: HashMap::new(),
+        }
+    }
+
     pub(crate) fn slot(&self, key: ChunkKey) -> Result<(&Ctx, &Slot), PagerError> {
         let c = self
             .ctxs
@@ -880,16 +894,7 @@ mod tests {
     #[test]
     fn calling_the_source_with_the_state_lock_held_is_caught_in_debug_builds() {
         let state = Mutex::new(State {
-            book: Book {
-                ctxs: HashMap::new(),
-                by_addr: BTreeMap::new(),
-                resident: 0,
-                recompute: VecDeque::new(),
-                dead: false,
-                next_epoch: 1,
-                deferred: 0,
-                writes: HashMap::new(),
-            },
+            book: Book::new(),
             chooser: Box::new(LruChooser::new()),
         });
         let guard = StateGuard {

@@ -18,7 +18,7 @@ use crate::chunk_io::ChunkIo;
 use crate::config::{ManagerConfig, WriteOut};
 use crate::load::{self, LoadReport, StoredChunk};
 use crate::memory::Versions;
-use crate::source::{Expected, FormatLevels, from_store};
+use crate::source::{Expected, FormatLevels};
 use crate::writer::{WriteJob, Writer};
 
 /// The compression levels and the policy's global ratio the bit budget comes to, fixed at open.
@@ -208,7 +208,7 @@ impl Call<'_> {
                     self.io.store().chunk_state(kvfs::ContextId(id), i)
             {
                 *slot = Some(StoredChunk {
-                    format: from_store(s.format),
+                    format: s.format,
                     bytes: u64::from(s.stored_len),
                 });
             }
@@ -269,11 +269,7 @@ impl Call<'_> {
         ctx.pending
             .extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);
         let attention = ctx.cache.take_attention(hl);
-        ctx.density
-            .merge(&attention)
-            .map_err(|e| ServiceError::Internal {
-                what: e.to_string(),
-            })?;
+        ctx.density.merge(&attention)?;
         let sealed = ctx.cache.chunk_formats().len();
         ctx.stored.resize(sealed, None);
         let mut recompressed = 0;
@@ -288,10 +284,8 @@ impl Call<'_> {
                 .iter()
                 .map(|&f| levels.floor(f).unwrap_or(Level(0)))
                 .collect();
-            let a = policy::assign_levels(&densities[..sealed], Some(&floors), levels.set(), ratio)
-                .map_err(|e| ServiceError::Internal {
-                    what: e.to_string(),
-                })?;
+            let a =
+                policy::assign_levels(&densities[..sealed], Some(&floors), levels.set(), ratio)?;
             let shape = *ctx.cache.shape();
             for (i, &to) in a.levels.iter().enumerate() {
                 // A chunk above the levels (sealed in int8) moves to its level even at level 0.
@@ -337,11 +331,7 @@ impl Call<'_> {
             })
             .collect();
         let writes = match self.cfg.write_out {
-            WriteOut::Aot => {
-                policy::plan_writeout(&states).map_err(|e| ServiceError::Internal {
-                    what: e.to_string(),
-                })?
-            }
+            WriteOut::Aot => policy::plan_writeout(&states)?,
             WriteOut::OnReclaim | WriteOut::Never => Vec::new(),
         };
         let densities = ctx.density.chunk_densities();

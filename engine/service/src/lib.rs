@@ -58,6 +58,15 @@ pub enum ServiceError {
     Pager(#[from] uffd_pager::PagerError),
     #[error("planning the load: {0}")]
     Plan(#[from] policy::planner::PlanError),
+    /// The call's attention could not be merged into the context's densities (paper Eq. 1).
+    #[error("merging the call's attention into the densities: {0}")]
+    Density(#[from] policy::density::DensityError),
+    /// The compression levels could not be assigned (paper Eq. 2-3).
+    #[error("assigning compression levels: {0}")]
+    Assign(#[from] policy::assign::AssignError),
+    /// The write-out could not be planned.
+    #[error("planning the write-out: {0}")]
+    WriteOut(#[from] policy::writeout::WriteOutError),
     #[error("{what}")]
     Internal { what: String },
 }

@@ -22,7 +22,6 @@ use uffd_pager::{ChunkKey, Pager, ReadRing};
 
 use crate::ServiceError;
 use crate::chunk_io::ChunkIo;
-use crate::source::from_store;
 use model::Model;
 use model::kv::recompute::{RecomputeError, recompute_chunks};
 use model::kv::{ChunkShape, KvCache, KvFormat};
@@ -620,7 +619,7 @@ fn install(
     bytes: &[u8],
     recompressed: &mut Vec<u8>,
 ) -> Result<u64, ServiceError> {
-    let have = from_store(stored);
+    let have = stored;
     let n = bytes.len() as u64;
     let data: &[u8] = if have == want {
         bytes

@@ -32,7 +32,7 @@ use crate::chunk_io::ChunkIo;
 use crate::config::{ManagerConfig, VictimPolicy, WriteOut};
 use crate::load::{self, LoadMode, LoadReport, StoredChunk};
 use crate::memory::{PagerChunks, Versions};
-use crate::source::{Expected, FormatLevels, StoreSource, from_store, model_fingerprint};
+use crate::source::{Expected, FormatLevels, StoreSource, model_fingerprint};
 use crate::writer::Writer;
 use model::Model;
 use model::kv::KvCache;
@@ -320,7 +320,7 @@ impl Manager {
                 (&c.state, stored.get_mut(c.index as usize))
                 && s.tokens.len() == t
             {
-                let f = from_store(s.format);
+                let f = s.format;
                 *slot = Some(StoredChunk {
                     format: f,
                     bytes: u64::from(s.stored_len),

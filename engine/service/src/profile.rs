@@ -18,7 +18,7 @@ use uffd_pager::median;
 
 use crate::ServiceError;
 use crate::chunk_io::ChunkIo;
-use crate::source::{model_fingerprint, to_store};
+use crate::source::model_fingerprint;
 use model::Model;
 use model::kv::{KvCache, KvFormat, codec};
 
@@ -225,7 +225,7 @@ pub fn measure_io(
                         have.name()
                     )));
                 };
-                io.write(ctx.0, i as u32, to_store(format), 0.0, data)?;
+                io.write(ctx.0, i as u32, format, 0.0, data)?;
             }
             contexts.push((format, ctx.0));
         }

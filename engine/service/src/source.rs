@@ -14,32 +14,6 @@ use uffd_pager::{ChunkKey, ChunkSource, SourceError};
 use crate::chunk_io::ChunkIo;
 use model::kv::{ChunkShape, KvFormat};
 
-/// The engine's format as kvfs records it.
-pub fn to_store(f: KvFormat) -> kvfs::KvFormat {
-    match f {
-        KvFormat::F16 => kvfs::KvFormat::F16,
-        KvFormat::Int8 => kvfs::KvFormat::Int8,
-        KvFormat::Int4 => kvfs::KvFormat::Int4,
-        KvFormat::Int2 => kvfs::KvFormat::Int2,
-        KvFormat::K8v8 => kvfs::KvFormat::K8v8,
-        KvFormat::K4v4 => kvfs::KvFormat::K4v4,
-        KvFormat::K4v3 => kvfs::KvFormat::K4v3,
-    }
-}
-
-/// A format kvfs recorded, as the engine knows it.
-pub fn from_store(f: kvfs::KvFormat) -> KvFormat {
-    match f {
-        kvfs::KvFormat::F16 => KvFormat::F16,
-        kvfs::KvFormat::Int8 => KvFormat::Int8,
-        kvfs::KvFormat::Int4 => KvFormat::Int4,
-        kvfs::KvFormat::Int2 => KvFormat::Int2,
-        kvfs::KvFormat::K8v8 => KvFormat::K8v8,
-        kvfs::KvFormat::K4v4 => KvFormat::K4v4,
-        kvfs::KvFormat::K4v3 => KvFormat::K4v3,
-    }
-}
-
 /// Why compression levels were refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LevelsError {
@@ -244,7 +218,7 @@ impl ChunkSource for StoreSource {
         let id = kvfs::ContextId(key.ctx.0);
         let want = self.expected.get(key).ok_or(SourceError::Missing { key })?;
         match self.io.store().chunk_state(id, key.index) {
-            Ok(kvfs::ChunkState::Stored(s)) if from_store(s.format) == want => {}
+            Ok(kvfs::ChunkState::Stored(s)) if s.format == want => {}
             Ok(kvfs::ChunkState::Stored(s)) => {
                 return Err(SourceError::Corrupt {
                     key,
@@ -297,7 +271,7 @@ impl ChunkSource for StoreSource {
             });
         };
         self.io
-            .write(key.ctx.0, key.index, to_store(format), density, bytes)
+            .write(key.ctx.0, key.index, format, density, bytes)
             .map_err(|e| classify(key, &e))?;
         if let Some(e) = self.expected.lock().get_mut(&key.ctx.0) {
             e.written.push(key.index);
@@ -358,10 +332,6 @@ mod tests {
         let paper = [KvFormat::Int8, KvFormat::Int4, KvFormat::Int2];
         let l = FormatLevels::new(&s, &paper).unwrap();
         assert_eq!(l.format(Level(2)), Some(KvFormat::Int2));
-        for f in KvFormat::ALL {
-            assert_eq!(from_store(to_store(f)), f);
-            assert_eq!(to_store(f).name(), f.name());
-        }
     }
 
     proptest! {

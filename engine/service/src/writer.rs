@@ -15,7 +15,6 @@ use uffd_pager::{ChunkKey, Pager};
 
 use crate::chunk_io::ChunkIo;
 use crate::memory::Versions;
-use crate::source::to_store;
 use model::kv::KvFormat;
 
 /// One chunk to write.
@@ -159,13 +158,9 @@ fn run(ctx: &Ctx, rx: &Receiver<WriteJob>) {
 fn write_one(ctx: &Ctx, job: &WriteJob) {
     let key = job.key;
     let _span = tracing::debug_span!("aot_write", chunk = %key).entered();
-    let r = ctx.io.write(
-        key.ctx.0,
-        key.index,
-        to_store(job.format),
-        job.density,
-        &job.bytes,
-    );
+    let r = ctx
+        .io
+        .write(key.ctx.0, key.index, job.format, job.density, &job.bytes);
     match r {
         Ok(_) => {
             ctx.stats.written.fetch_add(1, Relaxed);

@@ -25,8 +25,6 @@
 //! docs/kv-formats.md has the measured errors on the real model.
 
 use half::f16;
-use std::fmt;
-use std::str::FromStr;
 
 use crate::kernels::{decode_coded_params, decode_codes};
 use crate::qmatrix::f16_bytes_to_f32;
@@ -65,124 +63,33 @@ pub enum CodecError {
     NotDown { from: KvFormat, to: KvFormat },
 }
 
-/// How a sealed chunk's K and V values are stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KvFormat {
-    /// IEEE half precision: the reference and the uncompressed baseline.
-    F16,
-    /// 8-bit: the base format; keys per channel, values per token, symmetric, f32 scales.
-    Int8,
-    /// 4-bit packed: asymmetric, keys per channel, values per token, f16 min and scale.
-    Int4,
-    /// 2-bit packed: as int4 with four levels.
-    Int2,
-    /// 8-bit keys and values, asymmetric, with 8-bit coded parameters (see the module doc).
-    K8v8,
-    /// 4-bit keys and values with 8-bit coded parameters.
-    K4v4,
-    /// 4-bit keys and 3-bit values with 8-bit coded parameters.
-    K4v3,
-}
+/// How a sealed chunk's K and V values are stored: kvfs's format label, the one type every crate
+/// names formats by; its byte layouts are this module's.
+pub use kvfs::KvFormat;
 
-impl KvFormat {
-    /// Every format: the four of the paper, best fidelity first, then the coded ones.
-    pub const ALL: [KvFormat; 7] = [
-        KvFormat::F16,
-        KvFormat::Int8,
-        KvFormat::Int4,
-        KvFormat::Int2,
-        KvFormat::K8v8,
-        KvFormat::K4v4,
-        KvFormat::K4v3,
-    ];
-
-    /// The coded formats, the levels of the tolerance-aware mix, heaviest first.
-    pub const CODED: [KvFormat; 3] = [KvFormat::K8v8, KvFormat::K4v4, KvFormat::K4v3];
-
-    /// The name used on the command line and in files.
-    pub fn name(self) -> &'static str {
-        match self {
-            KvFormat::F16 => "f16",
-            KvFormat::Int8 => "int8",
-            KvFormat::Int4 => "int4",
-            KvFormat::Int2 => "int2",
-            KvFormat::K8v8 => "k8v8",
-            KvFormat::K4v4 => "k4v4",
-            KvFormat::K4v3 => "k4v3",
-        }
-    }
-
-    /// Bits per stored key, not counting parameters.
-    pub fn key_bits(self) -> u32 {
-        match self {
-            KvFormat::F16 => 16,
-            KvFormat::Int8 | KvFormat::K8v8 => 8,
-            KvFormat::Int4 | KvFormat::K4v4 | KvFormat::K4v3 => 4,
-            KvFormat::Int2 => 2,
-        }
-    }
-
-    /// Bits per stored value, not counting parameters.
-    pub fn value_bits(self) -> u32 {
-        match self {
-            KvFormat::K4v3 => 3,
-            f => f.key_bits(),
-        }
-    }
-
-    /// Mean bits per stored K/V value, not counting parameters.
-    pub fn bits(self) -> f64 {
-        f64::from(self.key_bits() + self.value_bits()) / 2.0
-    }
-
-    /// The format of a policy level's bit width among f16, int8, int4 and int2.
-    pub fn from_bits(bits: u32) -> Option<KvFormat> {
-        KvFormat::ALL[..4]
-            .iter()
-            .copied()
-            .find(|f| f.key_bits() == bits)
-    }
-
-    /// Whether the group parameters are 8-bit codes against a per-head `amax`.
-    pub fn coded(self) -> bool {
-        matches!(self, KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3)
-    }
-
-    /// Bytes of parameters per group (a channel of keys or a token of values).
-    fn param_bytes(self) -> usize {
-        match self {
-            KvFormat::F16 => 0,
-            KvFormat::Int8 | KvFormat::Int4 | KvFormat::Int2 => 4,
-            KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3 => 2,
-        }
-    }
-
-    /// Bytes of parameters per head and section besides its groups' (the coded `amax`).
-    fn head_param_bytes(self) -> usize {
-        if self.coded() { 2 } else { 0 }
-    }
-
-    /// What the head dimension must be a multiple of, for packed rows to start on a byte.
-    fn head_dim_multiple(self) -> usize {
-        if self.value_bits() == 3 { 8 } else { 4 }
+/// Bytes of parameters per group (a channel of keys or a token of values).
+fn param_bytes(f: KvFormat) -> usize {
+    match f {
+        KvFormat::F16 => 0,
+        KvFormat::Int8 | KvFormat::Int4 | KvFormat::Int2 => 4,
+        KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3 => 2,
     }
 }
 
-impl fmt::Display for KvFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
+/// Bytes of parameters per head and section besides its groups' (the coded `amax`).
+fn head_param_bytes(f: KvFormat) -> usize {
+    if f.coded() { 2 } else { 0 }
 }
 
-impl FromStr for KvFormat {
-    type Err = CodecError;
-    fn from_str(s: &str) -> Result<Self, CodecError> {
-        KvFormat::ALL
-            .into_iter()
-            .find(|f| f.name() == s)
-            .ok_or_else(|| CodecError::UnknownFormat { name: s.into() })
-    }
+/// What the head dimension must be a multiple of, for packed rows to start on a byte.
+fn head_dim_multiple(f: KvFormat) -> usize {
+    if f.value_bits() == 3 { 8 } else { 4 }
+}
+
+/// A format's name parsed, with the codec's error.
+pub fn parse_format(name: &str) -> Result<KvFormat, CodecError> {
+    name.parse()
+        .map_err(|_| CodecError::UnknownFormat { name: name.into() })
 }
 
 /// Page size chunk slots are rounded to.
@@ -230,13 +137,13 @@ impl ChunkShape {
     /// Bytes of the K section of one layer in `f` (values then parameters).
     pub fn k_bytes(&self, f: KvFormat) -> usize {
         self.k_values_bytes(f)
-            + self.n_kv_heads * (self.head_dim * f.param_bytes() + f.head_param_bytes())
+            + self.n_kv_heads * (self.head_dim * param_bytes(f) + head_param_bytes(f))
     }
 
     /// Bytes of the V section of one layer in `f`.
     pub fn v_bytes(&self, f: KvFormat) -> usize {
         self.v_values_bytes(f)
-            + self.n_kv_heads * (self.tokens * f.param_bytes() + f.head_param_bytes())
+            + self.n_kv_heads * (self.tokens * param_bytes(f) + head_param_bytes(f))
     }
 
     /// Bytes of one layer of a chunk in `f`.
@@ -495,10 +402,10 @@ pub fn encode_layer(
     v: &[f32],
     out: &mut [u8],
 ) -> Result<(), CodecError> {
-    if !shape.head_dim.is_multiple_of(f.head_dim_multiple()) {
+    if !shape.head_dim.is_multiple_of(head_dim_multiple(f)) {
         return Err(CodecError::HeadDim {
             head_dim: shape.head_dim,
-            multiple: f.head_dim_multiple(),
+            multiple: head_dim_multiple(f),
             format: f,
         });
     }
@@ -1361,7 +1268,7 @@ mod tests {
         }
         assert_eq!("int2".parse::<KvFormat>().unwrap(), KvFormat::Int2);
         assert!(matches!(
-            "int3".parse::<KvFormat>(),
+            parse_format("int3"),
             Err(CodecError::UnknownFormat { .. })
         ));
     }
