@@ -24,7 +24,8 @@ pub struct IoError {
 }
 
 impl IoError {
-    pub(crate) fn new(op: &'static str, path: &Path, source: io::Error) -> Self {
+    /// An error of `op` (a verb: "open", "read" ...) on `path`.
+    pub fn new(op: &'static str, path: &Path, source: io::Error) -> Self {
         IoError {
             op,
             path: path.to_owned(),

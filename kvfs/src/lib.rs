@@ -8,7 +8,6 @@
 //! a label, the model an opaque fingerprint, text comes from a decoder the service registers), a
 //! pager, or who computes a chunk.
 
-pub mod bench;
 pub mod client;
 pub mod format;
 pub mod fs;

@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use bench::kvfs::{BenchConfig, IoRow, LoadRow, LoadSet};
 use clap::{Args, Subcommand};
-use kvfs::bench::{BenchConfig, IoRow, LoadRow, LoadSet};
 use kvfs::{ChunkState, ContextId, Store, StoreOptions};
 
 use crate::report::table;
@@ -406,7 +406,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         rounds: args.rounds,
         write_chunks: args.write_chunks,
     };
-    let r = kvfs::bench::run(&config).context("kvfs benchmark failed")?;
+    let r = bench::kvfs::run(&config).context("kvfs benchmark failed")?;
     table!(
         "kvfs benchmark ({}), one thread, cold page cache",
         if r.direct_io {
@@ -685,7 +685,7 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
 /// The mount's data path (its `data` files passed through to the store's data files) against the
 /// disk, against the same file served by the daemon, and over zstd payloads, read off the load
 /// rows; and what zstd made of the chunks.
-fn passthrough_tables(r: &kvfs::bench::Report) {
+fn passthrough_tables(r: &bench::kvfs::Report) {
     table!("\nzstd payloads of the `mount kv zstd` rows (level 1, kept whenever smaller)");
     for z in &r.load_zstd {
         table!(

@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::client::MountReader;
-use crate::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
-use crate::fs::{Mount, MountConfig, MountError, mount};
-use crate::io::{AlignedBuf, IoError, read_slot};
-use crate::store::{
+use kvfs::client::MountReader;
+use kvfs::format::{ChunkHeader, Codec, Fingerprint, HEADER_LEN, KvFormat};
+use kvfs::fs::{Mount, MountConfig, MountError, mount};
+use kvfs::io::{AlignedBuf, IoError, read_slot};
+use kvfs::store::{
     ContextId, HEADER_PAGE, NewContext, Store, StoreError, StoreOptions, slot_offset,
 };
 
@@ -815,7 +815,7 @@ fn zstd_row(source: &str, format: &str, chunks: &[Vec<u8>], level: i32) -> ZstdR
 
 /// Synthetic data shaped like KV chunks, for when real ones are not at hand.
 pub mod synth {
-    use crate::format::KvFormat;
+    use kvfs::format::KvFormat;
 
     /// K and V channels of one token over all layers of SmolLM2-135M: 30 layers × 3 KV heads × 64 × 2.
     pub const SMOLLM2_CHANNELS: usize = 30 * 3 * 64 * 2;
