@@ -288,174 +288,27 @@ impl Model {
             ((cfg.n_layers * 2 + 1) * h * 4 + rope.max_pos() * cfg.rope_dim * 4) as u64;
 
         // Which candidates are streamed (by index; the head's pieces after the layers').
-        let mut streamed = vec![false; cands.len()];
-        let mut head_pieces: Vec<(usize, usize)> = vec![(0, cfg.vocab)];
-        let mut head_streamed = vec![false];
-        let mut holding = WeightHolding {
-            budget: opts.budget,
-            residency: "all".into(),
-            ..WeightHolding::default()
-        };
-        let mut own_embed_from_file = false;
-        // The stream's staging buffer in huge pages (faster reads), unless only small pages fit.
-        let mut huge_staging = true;
-        if let Some(budget) = opts.budget {
-            let (mut fixed, mut total) = (norm_bytes, norm_bytes);
-            let mut sizes = Vec::new();
-            for (c, loc) in cands.iter().zip(&located) {
-                let bytes: u64 = match loc {
-                    Some((_, pieces)) => pieces.iter().map(|p| p.1 as u64).sum(),
-                    None => {
-                        // Held as read (or requantized): about its f32 size over 4 at most.
-                        let b: u64 = c
-                            .parts
-                            .iter()
-                            .map(|(n, _)| {
-                                ct.tensor_infos.get(n).map_or(0, |i| {
-                                    (i.shape.elem_count() / i.ggml_dtype.block_size()
-                                        * i.ggml_dtype.type_size())
-                                        as u64
-                                })
-                            })
-                            .sum();
-                        fixed += b;
-                        b
-                    }
-                };
-                total += bytes;
-                sizes.push(bytes);
-            }
-            let head_bytes = head_loc.map_or(0, |x| x.2 as u64);
-            total += head_bytes;
-            let embed_bytes = if tied {
-                0
-            } else {
-                ct.tensor_infos.get("token_embd.weight").map_or(0, |i| {
-                    (i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size())
-                        as u64
-                })
-            };
-            total += embed_bytes;
-            if head_loc.is_none() {
-                fixed += head_bytes;
-            }
-            if budget < total || opts.source == WeightSource::Mmap {
-                // A separate embedding is read a row at a time from the file when it can be.
-                own_embed_from_file =
-                    locate(&ct, path, "token_embd.weight", &[cfg.vocab, h])?.is_some();
-                if !own_embed_from_file {
-                    fixed += embed_bytes;
-                }
-                // The head in pieces of whole GEMM tiles no bigger than the largest layer
-                // matrix, so it streams like a layer's matrices and its buffers stay small.
-                if let Some((_, _, hb)) = head_loc {
-                    let row_bytes = hb / cfg.vocab;
-                    let biggest = sizes.iter().copied().max().unwrap_or(hb as u64) as usize;
-                    let tile = tile_rows(h);
-                    let rows = (biggest / row_bytes.max(1) / tile).max(1) * tile;
-                    head_pieces = (0..cfg.vocab)
-                        .step_by(rows)
-                        .map(|r| (r, (r + rows).min(cfg.vocab)))
-                        .collect();
-                }
-                // The planner's tensors: the streamable layer matrices, then the head pieces.
-                let mut tensors = Vec::new();
-                let mut which = Vec::new();
-                for (i, loc) in located.iter().enumerate() {
-                    if loc.is_some() {
-                        tensors.push(WeightTensor {
-                            kind: (i % 4) as u32,
-                            bytes: sizes[i],
-                            compute: sizes[i] as f64 / DECODE_COMPUTE_BPS,
-                            reuse: 1,
-                        });
-                        which.push(Some(i));
-                    }
-                }
-                if let Some((_, _, hb)) = head_loc {
-                    let row_bytes = (hb / cfg.vocab) as u64;
-                    for &(r0, r1) in &head_pieces {
-                        let b = (r1 - r0) as u64 * row_bytes;
-                        tensors.push(WeightTensor {
-                            kind: 4,
-                            bytes: b,
-                            compute: b as f64 / DECODE_COMPUTE_BPS,
-                            reuse: 1,
-                        });
-                        which.push(None);
-                    }
-                }
-                let read_bps = match opts.read_bps {
-                    Some(b) => b,
-                    None => probe_read_bps(
-                        path,
-                        ct.tensor_data_offset,
-                        PROBE_BYTES.min(file_tensor_bytes),
-                    )?,
-                };
-                let huge = StreamModel {
-                    read_bps,
-                    latency: 50e-6,
-                    slots: opts.slots.max(1),
-                    staging: 2,
-                    huge_page: kvfs::io::HUGE_PAGE as u64,
-                };
-                let small = StreamModel {
-                    huge_page: 0,
-                    ..huge
-                };
-                let resident: Vec<bool> = if opts.source == WeightSource::Mmap {
-                    vec![false; tensors.len()]
-                } else {
-                    let room = budget.checked_sub(fixed);
-                    let minimum = fixed + policy::min_budget(&tensors, &small);
-                    let plan_with = |model: &StreamModel| {
-                        room.ok_or(WeightPlanError::BelowMinimum { budget, minimum })
-                            .and_then(|room| {
-                                policy::plan_weights(&tensors, room, model, opts.residency)
-                            })
-                    };
-                    // A budget that leaves no room to round the staging up to huge pages gets
-                    // small ones.
-                    let plan = plan_with(&huge)
-                        .or_else(|e| match e {
-                            WeightPlanError::BelowMinimum { .. } => {
-                                huge_staging = false;
-                                plan_with(&small)
-                            }
-                            e => Err(e),
-                        })
-                        .map_err(|e| match e {
-                            WeightPlanError::BelowMinimum { .. } => ModelError::Budget {
-                                budget,
-                                minimum,
-                                fixed,
-                                stream: minimum - fixed,
-                            },
-                            e => ModelError::Plan(e),
-                        })?;
-                    holding.predicted_pass_secs = plan.predicted.pass_secs;
-                    holding.predicted_stall_secs = plan.predicted.stall_secs;
-                    plan.resident
-                };
-                holding.residency = match opts.source {
-                    WeightSource::Mmap => "mmap".into(),
-                    WeightSource::Direct => format!("{:?}", opts.residency).to_lowercase(),
-                };
-                holding.read_bps = read_bps;
-                holding.fixed_bytes = fixed;
-                head_streamed.clear();
-                for (&r, w) in resident.iter().zip(&which) {
-                    match w {
-                        Some(i) => streamed[*i] = !r,
-                        None => head_streamed.push(!r),
-                    }
-                }
-                if head_loc.is_none() {
-                    head_streamed = vec![false];
-                }
-            }
-        }
+        let Residency {
+            streamed,
+            head_pieces,
+            head_streamed,
+            mut holding,
+            own_embed_from_file,
+            huge_staging,
+        } = plan_residency(
+            &Layout {
+                ct: &ct,
+                path,
+                cfg: &cfg,
+                cands: &cands,
+                located: &located,
+                head_loc,
+                tied,
+                norm_bytes,
+                file_tensor_bytes,
+            },
+            opts,
+        )?;
 
         // Read what stays resident; describe what is streamed.
         let mut units: Vec<StreamUnit> = Vec::new();
@@ -604,4 +457,227 @@ impl Model {
         }
         Ok(model)
     }
+}
+
+/// What the loader knows of the file when it plans which matrices stay resident.
+struct Layout<'a> {
+    ct: &'a gguf_file::Content,
+    path: &'a Path,
+    cfg: &'a ModelConfig,
+    /// The matrices of a pass, in the order it uses them: four per layer.
+    cands: &'a [Candidate],
+    /// Where each candidate lies, if it can be streamed as it is.
+    located: &'a [Option<Located>],
+    /// The output head in the file: offset, kind and bytes, if it can be streamed.
+    head_loc: Option<(u64, Kind, usize)>,
+    /// Whether the head is the token embedding.
+    tied: bool,
+    /// Norms and RoPE tables: always resident.
+    norm_bytes: u64,
+    file_tensor_bytes: usize,
+}
+
+/// Which matrices a pass streams, and how the weights are held.
+struct Residency {
+    /// Per candidate.
+    streamed: Vec<bool>,
+    /// The head's row ranges, each streamed or not (`head_streamed`).
+    head_pieces: Vec<(usize, usize)>,
+    head_streamed: Vec<bool>,
+    holding: WeightHolding,
+    /// A separate embedding read a row at a time from the file.
+    own_embed_from_file: bool,
+    /// The stream's staging buffer in huge pages (faster reads), unless only small pages fit.
+    huge_staging: bool,
+}
+
+/// Plans the weights' residency under `opts.budget` (`policy::plan_weights`, FlexInfer's
+/// balanced locking or preservation), or everything resident without a budget.
+fn plan_residency(l: &Layout<'_>, opts: &WeightOptions) -> Result<Residency, ModelError> {
+    let Layout {
+        ct,
+        path,
+        cfg,
+        cands,
+        located,
+        head_loc,
+        tied,
+        norm_bytes,
+        file_tensor_bytes,
+    } = *l;
+    let h = cfg.hidden;
+    let mut streamed = vec![false; cands.len()];
+    let mut head_pieces: Vec<(usize, usize)> = vec![(0, cfg.vocab)];
+    let mut head_streamed = vec![false];
+    let mut holding = WeightHolding {
+        budget: opts.budget,
+        residency: "all".into(),
+        ..WeightHolding::default()
+    };
+    let mut own_embed_from_file = false;
+    // The stream's staging buffer in huge pages (faster reads), unless only small pages fit.
+    let mut huge_staging = true;
+    if let Some(budget) = opts.budget {
+        let (mut fixed, mut total) = (norm_bytes, norm_bytes);
+        let mut sizes = Vec::new();
+        for (c, loc) in cands.iter().zip(located) {
+            let bytes: u64 = match loc {
+                Some((_, pieces)) => pieces.iter().map(|p| p.1 as u64).sum(),
+                None => {
+                    // Held as read (or requantized): about its f32 size over 4 at most.
+                    let b: u64 = c
+                        .parts
+                        .iter()
+                        .map(|(n, _)| {
+                            ct.tensor_infos.get(n).map_or(0, |i| {
+                                (i.shape.elem_count() / i.ggml_dtype.block_size()
+                                    * i.ggml_dtype.type_size())
+                                    as u64
+                            })
+                        })
+                        .sum();
+                    fixed += b;
+                    b
+                }
+            };
+            total += bytes;
+            sizes.push(bytes);
+        }
+        let head_bytes = head_loc.map_or(0, |x| x.2 as u64);
+        total += head_bytes;
+        let embed_bytes = if tied {
+            0
+        } else {
+            ct.tensor_infos.get("token_embd.weight").map_or(0, |i| {
+                (i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()) as u64
+            })
+        };
+        total += embed_bytes;
+        if head_loc.is_none() {
+            fixed += head_bytes;
+        }
+        if budget < total || opts.source == WeightSource::Mmap {
+            // A separate embedding is read a row at a time from the file when it can be.
+            own_embed_from_file = locate(ct, path, "token_embd.weight", &[cfg.vocab, h])?.is_some();
+            if !own_embed_from_file {
+                fixed += embed_bytes;
+            }
+            // The head in pieces of whole GEMM tiles no bigger than the largest layer
+            // matrix, so it streams like a layer's matrices and its buffers stay small.
+            if let Some((_, _, hb)) = head_loc {
+                let row_bytes = hb / cfg.vocab;
+                let biggest = sizes.iter().copied().max().unwrap_or(hb as u64) as usize;
+                let tile = tile_rows(h);
+                let rows = (biggest / row_bytes.max(1) / tile).max(1) * tile;
+                head_pieces = (0..cfg.vocab)
+                    .step_by(rows)
+                    .map(|r| (r, (r + rows).min(cfg.vocab)))
+                    .collect();
+            }
+            // The planner's tensors: the streamable layer matrices, then the head pieces.
+            let mut tensors = Vec::new();
+            let mut which = Vec::new();
+            for (i, loc) in located.iter().enumerate() {
+                if loc.is_some() {
+                    tensors.push(WeightTensor {
+                        kind: (i % 4) as u32,
+                        bytes: sizes[i],
+                        compute: sizes[i] as f64 / DECODE_COMPUTE_BPS,
+                        reuse: 1,
+                    });
+                    which.push(Some(i));
+                }
+            }
+            if let Some((_, _, hb)) = head_loc {
+                let row_bytes = (hb / cfg.vocab) as u64;
+                for &(r0, r1) in &head_pieces {
+                    let b = (r1 - r0) as u64 * row_bytes;
+                    tensors.push(WeightTensor {
+                        kind: 4,
+                        bytes: b,
+                        compute: b as f64 / DECODE_COMPUTE_BPS,
+                        reuse: 1,
+                    });
+                    which.push(None);
+                }
+            }
+            let read_bps = match opts.read_bps {
+                Some(b) => b,
+                None => probe_read_bps(
+                    path,
+                    ct.tensor_data_offset,
+                    PROBE_BYTES.min(file_tensor_bytes),
+                )?,
+            };
+            let huge = StreamModel {
+                read_bps,
+                latency: 50e-6,
+                slots: opts.slots.max(1),
+                staging: 2,
+                huge_page: kvfs::io::HUGE_PAGE as u64,
+            };
+            let small = StreamModel {
+                huge_page: 0,
+                ..huge
+            };
+            let resident: Vec<bool> = if opts.source == WeightSource::Mmap {
+                vec![false; tensors.len()]
+            } else {
+                let room = budget.checked_sub(fixed);
+                let minimum = fixed + policy::min_budget(&tensors, &small);
+                let plan_with = |model: &StreamModel| {
+                    room.ok_or(WeightPlanError::BelowMinimum { budget, minimum })
+                        .and_then(|room| {
+                            policy::plan_weights(&tensors, room, model, opts.residency)
+                        })
+                };
+                // A budget that leaves no room to round the staging up to huge pages gets
+                // small ones.
+                let plan = plan_with(&huge)
+                    .or_else(|e| match e {
+                        WeightPlanError::BelowMinimum { .. } => {
+                            huge_staging = false;
+                            plan_with(&small)
+                        }
+                        e => Err(e),
+                    })
+                    .map_err(|e| match e {
+                        WeightPlanError::BelowMinimum { .. } => ModelError::Budget {
+                            budget,
+                            minimum,
+                            fixed,
+                            stream: minimum - fixed,
+                        },
+                        e => ModelError::Plan(e),
+                    })?;
+                holding.predicted_pass_secs = plan.predicted.pass_secs;
+                holding.predicted_stall_secs = plan.predicted.stall_secs;
+                plan.resident
+            };
+            holding.residency = match opts.source {
+                WeightSource::Mmap => "mmap".into(),
+                WeightSource::Direct => format!("{:?}", opts.residency).to_lowercase(),
+            };
+            holding.read_bps = read_bps;
+            holding.fixed_bytes = fixed;
+            head_streamed.clear();
+            for (&r, w) in resident.iter().zip(&which) {
+                match w {
+                    Some(i) => streamed[*i] = !r,
+                    None => head_streamed.push(!r),
+                }
+            }
+            if head_loc.is_none() {
+                head_streamed = vec![false];
+            }
+        }
+    }
+    Ok(Residency {
+        streamed,
+        head_pieces,
+        head_streamed,
+        holding,
+        own_embed_from_file,
+        huge_staging,
+    })
 }
