@@ -25,11 +25,11 @@ pub fn decoder(tokenizer: Arc<Tokenizer>) -> kvfs::Decoder {
 
 type Question = (ContextId, SyncSender<Option<Vec<bool>>>);
 
-/// The pager's residency as a kvfs hook. The pager's lock can be held while a victim is written
-/// back through the mount, which one of the mount's threads must serve, so a mount thread never
-/// waits on the pager itself: it hands the question to a thread of its own and waits at most
-/// [`RESIDENCY_WAIT`]. That thread holds the pager weakly (the mount never keeps it alive) and ends
-/// when the hook is dropped.
+/// The pager's residency as a kvfs hook. A mount thread never waits on the pager itself: it
+/// hands the question to a thread of its own and waits at most [`RESIDENCY_WAIT`], so a busy
+/// pager never holds a thread the mount needs (the chunk reads and write-backs go through it).
+/// That thread holds the pager weakly (the mount never keeps it alive) and ends when the hook is
+/// dropped.
 pub fn residency(pager: Weak<Pager>) -> std::io::Result<kvfs::Residency> {
     let (ask, questions) = mpsc::sync_channel::<Question>(RESIDENCY_QUEUE);
     std::thread::Builder::new()
