@@ -67,7 +67,8 @@ pub(crate) struct State {
 
 pub(crate) struct Shared {
     pub(crate) state: Mutex<State>,
-    /// Signalled whenever a populate finishes (waiters on a `Populating` slot).
+    /// Signalled whenever a populate or a write-back ends, and at shutdown (waiters on a slot
+    /// being populated or written, on room, or on a context's write-backs).
     pub(crate) populated: Condvar,
     pub(crate) uffd: Uffd,
     pub(crate) source: Arc<dyn ChunkSource>,
@@ -97,6 +98,14 @@ thread_local! {
     /// whenever the pager calls its source (a `fill` or a `write_back` is I/O, and a source may
     /// take locks of its own), so the lock order "the pager's state lock last" holds.
     static STATE_HELD: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Counts a state-lock guard taken (`+1`) or given up (`-1`) by this thread; debug builds only,
+/// so release builds do no work per lock for a check they do not make.
+fn count_held(delta: i32) {
+    if cfg!(debug_assertions) {
+        STATE_HELD.with(|h| h.set(h.get().wrapping_add_signed(delta)));
+    }
 }
 
 /// Panics in debug builds if this thread holds a pager's state lock.
@@ -134,7 +143,7 @@ impl DerefMut for StateGuard<'_> {
 impl Drop for StateGuard<'_> {
     fn drop(&mut self) {
         if self.inner.take().is_some() {
-            STATE_HELD.with(|h| h.set(h.get() - 1));
+            count_held(-1);
         }
     }
 }
@@ -445,7 +454,7 @@ impl Shared {
         // The chooser is the only foreign code run under the lock, and it runs before any change
         // to the book, so a poisoned lock still guards a consistent book.
         let inner = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        STATE_HELD.with(|h| h.set(h.get() + 1));
+        count_held(1);
         StateGuard { inner: Some(inner) }
     }
 
@@ -456,12 +465,12 @@ impl Shared {
             .inner
             .take()
             .expect("a guard holds its lock until dropped");
-        STATE_HELD.with(|h| h.set(h.get() - 1));
+        count_held(-1);
         let inner = self
             .populated
             .wait(inner)
             .unwrap_or_else(|e| e.into_inner());
-        STATE_HELD.with(|h| h.set(h.get() + 1));
+        count_held(1);
         StateGuard { inner: Some(inner) }
     }
 
@@ -900,7 +909,7 @@ mod tests {
         let guard = StateGuard {
             inner: Some(state.lock().unwrap()),
         };
-        STATE_HELD.with(|h| h.set(h.get() + 1));
+        count_held(1);
         let caught = catch_unwind(|| assert_state_unlocked("a test's source call"));
         assert_eq!(caught.is_err(), cfg!(debug_assertions));
         drop(guard);
