@@ -13,8 +13,12 @@ const PAGE: usize = 4096;
 const SLOT: usize = 3 * PAGE;
 
 fn pager(budget_pages: u64, source: Arc<dyn ChunkSource>) -> Pager {
-    let p = Pager::new(PagerConfig::new(budget_pages * PAGE as u64, SLOT), source)
-        .expect("open the pager (needs root and /dev/userfaultfd)");
+    pager_with(PagerConfig::new(budget_pages * PAGE as u64, SLOT), source)
+}
+
+/// A pager with `config` and contexts 1 and 2.
+fn pager_with(config: PagerConfig, source: Arc<dyn ChunkSource>) -> Pager {
+    let p = Pager::new(config, source).expect("open the pager (needs root and /dev/userfaultfd)");
     for ctx in 1..=2 {
         p.add_context(
             ContextId(ctx),
@@ -807,11 +811,7 @@ fn a_fault_does_not_wait_for_another_contexts_write_back() {
     // Context 1 faults `a` in: it needs room, which a stored chunk of context 3 gives, and it
     // resolves while `b`'s write still waits (before, the write held the pager's lock and this
     // touch hung until it ended).
-    let (tx, rx) = mpsc::channel();
-    {
-        let p = Arc::clone(&p);
-        std::thread::spawn(move || tx.send(touch_read(&p, a, SLOT)).unwrap());
-    }
+    let rx = touch_in_background(&p, a);
     assert_eq!(within(&rx, "the fault on context 1"), pattern(a, SLOT));
     p.check(a).unwrap();
     assert_eq!(p.chunk_info(x).unwrap().state, ChunkState::Reclaimed);
@@ -843,25 +843,35 @@ fn a_fault_does_not_wait_for_another_contexts_write_back() {
     p.shutdown();
 }
 
+/// In a pager with room for two chunks: `a` (context 1) stored and reclaimed, `b` and `c`
+/// (context 2) resident and never written out, so room for `a` needs one of them written first.
+fn stored_one_and_two_unwritten(p: &Pager) -> (ChunkKey, ChunkKey, ChunkKey) {
+    let a = ChunkKey::new(1, 0);
+    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
+    p.mark_persisted(a).unwrap();
+    p.reclaim(a).unwrap();
+    let (b, c) = (ChunkKey::new(2, 0), ChunkKey::new(2, 1));
+    p.populate(b, SLOT, &pattern(b, SLOT)).unwrap();
+    p.populate(c, SLOT, &pattern(c, SLOT)).unwrap();
+    (a, b, c)
+}
+
+/// Touches all of `key` on a thread of its own; its bytes arrive on the channel.
+fn touch_in_background(p: &Arc<Pager>, key: ChunkKey) -> mpsc::Receiver<Vec<u8>> {
+    let (tx, rx) = mpsc::channel();
+    let p = Arc::clone(p);
+    std::thread::spawn(move || tx.send(touch_read(&p, key, SLOT)).unwrap());
+    rx
+}
+
 #[test]
 fn a_fault_that_needs_a_victim_written_hands_it_to_the_write_back_thread() {
     let src = Arc::new(GatedSource::writing_back());
     // Room for two chunks.
     let p = Arc::new(pager(6, src.clone()));
-    let a = ChunkKey::new(1, 0);
-    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
-    p.mark_persisted(a).unwrap();
-    p.reclaim(a).unwrap();
-    // Both resident chunks are unwritten: room for `a` needs one of them written first.
-    let (b, c) = (ChunkKey::new(2, 0), ChunkKey::new(2, 1));
-    p.populate(b, SLOT, &pattern(b, SLOT)).unwrap();
-    p.populate(c, SLOT, &pattern(c, SLOT)).unwrap();
+    let (a, b, c) = stored_one_and_two_unwritten(&p);
     src.hold_writes();
-    let (tx, rx) = mpsc::channel();
-    {
-        let p = Arc::clone(&p);
-        std::thread::spawn(move || tx.send(touch_read(&p, a, SLOT)).unwrap());
-    }
+    let rx = touch_in_background(&p, a);
     let victim = src.wait_for_held_write();
     assert_eq!(victim, b, "the least recently used victim");
     // The fault waits for its room, set aside; the fault thread is free meanwhile: a fault on a
@@ -887,40 +897,17 @@ fn a_fault_that_needs_a_victim_written_hands_it_to_the_write_back_thread() {
 #[test]
 fn a_write_back_that_never_returns_trips_the_watchdog_instead_of_hanging_faults() {
     let src = Arc::new(GatedSource::writing_back());
-    let p = Arc::new(
-        Pager::new(
-            PagerConfig {
-                source_deadline: Some(Duration::from_millis(300)),
-                ..PagerConfig::new(2 * SLOT as u64, SLOT)
-            },
-            src.clone(),
-        )
-        .unwrap(),
-    );
-    for ctx in 1..=2 {
-        p.add_context(
-            ContextId(ctx),
-            ContextSpec {
-                max_chunks: 16,
-                max_slot_bytes: SLOT,
-            },
-        )
-        .unwrap();
-    }
-    let a = ChunkKey::new(1, 0);
-    p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
-    p.mark_persisted(a).unwrap();
-    p.reclaim(a).unwrap();
-    let (b, c) = (ChunkKey::new(2, 0), ChunkKey::new(2, 1));
-    p.populate(b, SLOT, &pattern(b, SLOT)).unwrap();
-    p.populate(c, SLOT, &pattern(c, SLOT)).unwrap();
+    let p = Arc::new(pager_with(
+        PagerConfig {
+            source_deadline: Some(Duration::from_millis(300)),
+            ..PagerConfig::new(2 * SLOT as u64, SLOT)
+        },
+        src.clone(),
+    ));
+    let (a, b, _) = stored_one_and_two_unwritten(&p);
     // The write the fault's room needs never returns.
     src.hold_writes();
-    let (tx, rx) = mpsc::channel();
-    {
-        let p = Arc::clone(&p);
-        std::thread::spawn(move || tx.send(touch_read(&p, a, SLOT)).unwrap());
-    }
+    let rx = touch_in_background(&p, a);
     assert_eq!(src.wait_for_held_write(), b);
     // The watchdog stops the pager: the faulting thread is released with zeros, and told why.
     let got = within(&rx, "the fault behind a hung write-back");
