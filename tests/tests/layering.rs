@@ -198,8 +198,8 @@ fn crate_paths(text: &str) -> Vec<Vec<String>> {
     let mut rest = text;
     while let Some(i) = rest.find("crate::") {
         let tail = &rest[i + "crate::".len()..];
-        let preceded_by_use =
-            rest[..i].trim_end().ends_with("use") || rest[..i].ends_with("pub(crate) use ");
+        // `use crate::...;` (any visibility before `use`) takes the whole tree up to `;`.
+        let preceded_by_use = rest[..i].trim_end().ends_with("use");
         let end = if preceded_by_use {
             tail.find(';').unwrap_or(tail.len())
         } else {
