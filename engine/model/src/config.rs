@@ -99,53 +99,14 @@ impl ModelConfig {
         if arch != "llama" {
             return Err(ConfigError::UnsupportedArch { arch });
         }
-        let get = |suffix: &str| -> Result<&Value, ConfigError> {
-            let key = format!("{arch}.{suffix}");
-            md.get(&key).ok_or(ConfigError::MissingKey { key })
-        };
-        let int = |suffix: &str| -> Result<usize, ConfigError> {
-            let v = get(suffix)?;
-            let n = match v {
-                Value::U8(x) => u64::from(*x),
-                Value::U16(x) => u64::from(*x),
-                Value::U32(x) => u64::from(*x),
-                Value::U64(x) => *x,
-                Value::I32(x) if *x >= 0 => *x as u64,
-                Value::I64(x) if *x >= 0 => *x as u64,
-                _ => {
-                    return Err(ConfigError::BadValue {
-                        key: format!("{arch}.{suffix}"),
-                        reason: format!("expected a non-negative integer, found {v:?}"),
-                    });
-                }
-            };
-            if n == 0 || n > (1 << 24) {
-                return Err(ConfigError::BadValue {
-                    key: format!("{arch}.{suffix}"),
-                    reason: format!("{n} is out of range"),
-                });
-            }
-            Ok(n as usize)
-        };
-        let float = |suffix: &str| -> Result<Option<f32>, ConfigError> {
-            match md.get(&format!("{arch}.{suffix}")) {
-                None => Ok(None),
-                Some(Value::F32(x)) => Ok(Some(*x)),
-                Some(Value::F64(x)) => Ok(Some(*x as f32)),
-                Some(v) => Err(ConfigError::BadValue {
-                    key: format!("{arch}.{suffix}"),
-                    reason: format!("expected a float, found {v:?}"),
-                }),
-            }
-        };
+        let keys = Keys { md, arch: &arch };
+        let int = |suffix: &str| keys.int(suffix);
+        let float = |suffix: &str| keys.float(suffix);
         let n_layers = int("block_count")?;
         let hidden = int("embedding_length")?;
         let ffn = int("feed_forward_length")?;
         let n_heads = int("attention.head_count")?;
-        let n_kv_heads = match get("attention.head_count_kv") {
-            Ok(_) => int("attention.head_count_kv")?,
-            Err(_) => n_heads,
-        };
+        let n_kv_heads = keys.int_or("attention.head_count_kv", n_heads)?;
         let max_ctx = int("context_length")?;
         if hidden % n_heads != 0 || n_heads % n_kv_heads != 0 {
             return Err(ConfigError::BadValue {
@@ -156,10 +117,7 @@ impl ModelConfig {
             });
         }
         let head_dim = hidden / n_heads;
-        let rope_dim = match get("rope.dimension_count") {
-            Ok(_) => int("rope.dimension_count")?,
-            Err(_) => head_dim,
-        };
+        let rope_dim = keys.int_or("rope.dimension_count", head_dim)?;
         if rope_dim > head_dim || rope_dim % 2 != 0 {
             return Err(ConfigError::BadValue {
                 key: format!("{arch}.rope.dimension_count"),
@@ -196,5 +154,70 @@ impl ModelConfig {
     /// Width of the K (or V) projection: `n_kv_heads * head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+}
+
+/// The `<arch>.*` keys of a GGUF file's metadata, read with their types and ranges checked.
+struct Keys<'a> {
+    md: &'a std::collections::HashMap<String, Value>,
+    arch: &'a str,
+}
+
+impl Keys<'_> {
+    /// The full key of `suffix`.
+    fn key(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.arch)
+    }
+
+    /// A positive integer (at most 2^24).
+    fn int(&self, suffix: &str) -> Result<usize, ConfigError> {
+        let key = self.key(suffix);
+        let v = self
+            .md
+            .get(&key)
+            .ok_or(ConfigError::MissingKey { key: key.clone() })?;
+        let n = match v {
+            Value::U8(x) => u64::from(*x),
+            Value::U16(x) => u64::from(*x),
+            Value::U32(x) => u64::from(*x),
+            Value::U64(x) => *x,
+            Value::I32(x) if *x >= 0 => *x as u64,
+            Value::I64(x) if *x >= 0 => *x as u64,
+            _ => {
+                return Err(ConfigError::BadValue {
+                    key,
+                    reason: format!("expected a non-negative integer, found {v:?}"),
+                });
+            }
+        };
+        if n == 0 || n > (1 << 24) {
+            return Err(ConfigError::BadValue {
+                key,
+                reason: format!("{n} is out of range"),
+            });
+        }
+        Ok(n as usize)
+    }
+
+    /// A positive integer, or `default` when the key is absent.
+    fn int_or(&self, suffix: &str, default: usize) -> Result<usize, ConfigError> {
+        if self.md.contains_key(&self.key(suffix)) {
+            self.int(suffix)
+        } else {
+            Ok(default)
+        }
+    }
+
+    /// A float, if the key is present.
+    fn float(&self, suffix: &str) -> Result<Option<f32>, ConfigError> {
+        match self.md.get(&self.key(suffix)) {
+            None => Ok(None),
+            Some(Value::F32(x)) => Ok(Some(*x)),
+            Some(Value::F64(x)) => Ok(Some(*x as f32)),
+            Some(v) => Err(ConfigError::BadValue {
+                key: self.key(suffix),
+                reason: format!("expected a float, found {v:?}"),
+            }),
+        }
     }
 }

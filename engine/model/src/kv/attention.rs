@@ -24,7 +24,7 @@ use crate::kernels::{
 use crate::kv::codec::{
     decode_k, decode_v, f16_keys, f16_values, int8_keys, int8_values, packed_keys, packed_values,
 };
-use crate::kv::{KvCache, KvError, KvFormat, LayerView};
+use crate::kv::{ChunkShape, KvCache, KvError, KvFormat, LayerView};
 use crate::simd::prefetch_l2;
 use rayon::prelude::*;
 
@@ -125,27 +125,8 @@ pub fn attend_chunks(
     let cs = *cache.shape();
     let t = cs.tokens;
 
-    // Phase 1: every KV head's sealed keys and values of chunks 0..=last, as f32 [pos][dim]. A
-    // chunk with no sealed form stays zero: only its own queries read it, from its f32 staging.
-    let gathered: Vec<(Vec<f32>, Vec<f32>)> = {
-        let cache = &*cache;
-        (0..n_kv_heads)
-            .into_par_iter()
-            .map(|g| -> Result<_, KvError> {
-                let mut ka = vec![0.0; (last + 1) * t * hd];
-                let mut va = vec![0.0; (last + 1) * t * hd];
-                for c in 0..=last {
-                    if let Some((f, bytes)) = cache.sealed_layer(layer, c)? {
-                        decode_k(&cs, f, bytes, g, &mut ka[c * t * hd..(c + 1) * t * hd]);
-                        decode_v(&cs, f, bytes, g, &mut va[c * t * hd..(c + 1) * t * hd]);
-                    } else if rows.iter().any(|r| r.chunk > c) {
-                        return Err(KvError::NotResident { index: c });
-                    }
-                }
-                Ok((ka, va))
-            })
-            .collect::<Result<_, _>>()?
-    };
+    // Phase 1: every KV head's sealed keys and values of chunks 0..=last, as f32 [pos][dim].
+    let gathered = gather_sealed(cache, layer, shape, rows, last)?;
 
     // Phase 2: per (KV head, chunk with queries): all the chunk's query rows at once, padded to
     // the full chunk so the shapes depend on the chunk's index alone. Row r is the chunk's
@@ -154,12 +135,11 @@ pub fn attend_chunks(
     let tasks: Vec<(usize, usize)> = (0..n_kv_heads)
         .flat_map(|g| (0..rows.len()).map(move |i| (g, i)))
         .collect();
-    type Done = (usize, usize, Vec<f32>, Vec<f32>);
-    let results: Vec<Done> = {
+    let results: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = {
         let cache = &*cache;
         tasks
             .into_par_iter()
-            .map(|(g, i)| -> Done {
+            .map(|(g, i)| {
                 let r = rows[i];
                 let base = r.chunk * t;
                 let width = base + t;
@@ -218,32 +198,79 @@ pub fn attend_chunks(
     };
 
     for (g, i, o, col) in results {
-        let r = rows[i];
-        for tok in r.lo..r.lo + r.n {
-            for j in 0..group {
-                let src = (tok * group + j) * hd;
-                let dst = (r.first + tok - r.lo) * n_heads * hd + (g * group + j) * hd;
-                out[dst..dst + hd].copy_from_slice(&o[src..src + hd]);
-            }
-        }
+        scatter_rows(shape, rows[i], g, &o, out);
         cache.add_attention(&col);
     }
-    if cache.recording() {
-        // Key p is seen by every query at or after it, once per head.
-        let mut seen = vec![0u32; (last + 1) * t];
-        for r in rows {
-            for tok in r.lo..r.lo + r.n {
-                seen[r.chunk * t + tok] += 1;
-            }
-        }
-        let mut after = 0;
-        for v in seen.iter_mut().rev() {
-            after += *v;
-            *v = after * n_heads as u32;
-        }
-        cache.add_rows(&seen);
-    }
+    record_seen(cache, rows, last, n_heads);
     Ok(())
+}
+
+/// Copies KV head `g`'s outputs for chunk rows `r` (`o`: `[token * group + j][head_dim]`) to
+/// their query rows of `out`.
+fn scatter_rows(shape: AttnShape, r: ChunkRows, g: usize, o: &[f32], out: &mut [f32]) {
+    let (n_heads, hd) = (shape.n_heads, shape.head_dim);
+    let group = n_heads / shape.n_kv_heads;
+    for tok in r.lo..r.lo + r.n {
+        for j in 0..group {
+            let src = (tok * group + j) * hd;
+            let dst = (r.first + tok - r.lo) * n_heads * hd + (g * group + j) * hd;
+            out[dst..dst + hd].copy_from_slice(&o[src..src + hd]);
+        }
+    }
+}
+
+/// Each KV head's keys and values, f32 `[pos][dim]`.
+type Gathered = Vec<(Vec<f32>, Vec<f32>)>;
+
+/// Every KV head's sealed keys and values of chunks `0..=last`, as f32 `[pos][dim]`. A chunk
+/// with no sealed form stays zero: only its own queries read it, from its f32 staging; a chunk
+/// later queries need without a sealed form is an error.
+fn gather_sealed(
+    cache: &KvCache,
+    layer: usize,
+    shape: AttnShape,
+    rows: &[ChunkRows],
+    last: usize,
+) -> Result<Gathered, KvError> {
+    let cs = *cache.shape();
+    let (t, hd) = (cs.tokens, shape.head_dim);
+    (0..shape.n_kv_heads)
+        .into_par_iter()
+        .map(|g| -> Result<_, KvError> {
+            let mut ka = vec![0.0; (last + 1) * t * hd];
+            let mut va = vec![0.0; (last + 1) * t * hd];
+            for c in 0..=last {
+                if let Some((f, bytes)) = cache.sealed_layer(layer, c)? {
+                    decode_k(&cs, f, bytes, g, &mut ka[c * t * hd..(c + 1) * t * hd]);
+                    decode_v(&cs, f, bytes, g, &mut va[c * t * hd..(c + 1) * t * hd]);
+                } else if rows.iter().any(|r| r.chunk > c) {
+                    return Err(KvError::NotResident { index: c });
+                }
+            }
+            Ok((ka, va))
+        })
+        .collect()
+}
+
+/// Records, when the cache records, how many query rows saw each key of chunks `0..=last`: key
+/// p is seen by every query at or after it, once per head.
+fn record_seen(cache: &mut KvCache, rows: &[ChunkRows], last: usize, n_heads: usize) {
+    if !cache.recording() {
+        return;
+    }
+    let t = cache.shape().tokens;
+    let mut seen = vec![0u32; (last + 1) * t];
+    for r in rows {
+        for tok in r.lo..r.lo + r.n {
+            seen[r.chunk * t + tok] += 1;
+        }
+    }
+    let mut after = 0;
+    for v in seen.iter_mut().rev() {
+        after += *v;
+        *v = after * n_heads as u32;
+    }
+    cache.add_rows(&seen);
 }
 
 /// How many chunks ahead of the one in work decode attention asks for a chunk's layer.
@@ -315,162 +342,109 @@ fn attend_packed_split(
     splits: usize,
     out: &mut [f32],
 ) -> Result<(), KvError> {
-    let AttnShape {
-        n_heads,
-        n_kv_heads,
-        head_dim: hd,
-    } = shape;
-    let group = n_heads / n_kv_heads;
     let total = p0 + n;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let cs = *cache.shape();
-    let t = cs.tokens;
     let chunks = cache.chunks_upto(total);
-    let rows = n * group;
     let per = chunks.div_ceil(splits).max(1);
-    let tasks: Vec<(usize, usize, usize)> = (0..n_kv_heads)
+    let tasks: Vec<(usize, usize, usize)> = (0..shape.n_kv_heads)
         .flat_map(|g| {
             (0..chunks)
                 .step_by(per)
                 .map(move |c0| (g, c0, (c0 + per).min(chunks)))
         })
         .collect();
-    let view = &*cache;
-    let piece = |&(g, c0, c1): &(usize, usize, usize)| -> Result<Piece, KvError> {
-        // Row r is query token r / group, head g * group + r % group.
-        let qrow = |r: usize| {
-            let src = (r / group) * n_heads * hd + (g * group + r % group) * hd;
-            &q[src..src + hd]
-        };
-        let (start, end) = (c0 * t, (c1 * t).min(total));
+    let work = PieceWork {
+        view: cache,
+        cs: *cache.shape(),
+        layer,
+        shape,
+        q,
+        p0,
+        total,
+        group: shape.n_heads / shape.n_kv_heads,
+        rows: n * (shape.n_heads / shape.n_kv_heads),
+    };
+    let pieces: Vec<Piece> = if tasks.len() > 1 {
+        tasks
+            .par_iter()
+            .map(|&t| work.run(t))
+            .collect::<Result<_, _>>()?
+    } else {
+        tasks
+            .iter()
+            .map(|&t| work.run(t))
+            .collect::<Result<_, _>>()?
+    };
+    let col = merge_pieces(&pieces, &work, out);
+    cache.add_attention(&col);
+    add_seen(cache, shape.n_heads, p0, n);
+    Ok(())
+}
+
+/// What every piece of one [`attend_packed_split`] shares.
+struct PieceWork<'a> {
+    view: &'a KvCache,
+    cs: ChunkShape,
+    layer: usize,
+    shape: AttnShape,
+    /// `[n][n_heads * head_dim]`, after RoPE.
+    q: &'a [f32],
+    /// The first query's position.
+    p0: usize,
+    /// Positions attended to: `p0 + n`.
+    total: usize,
+    /// Query heads per KV head.
+    group: usize,
+    /// Query rows per KV head: `n * group`.
+    rows: usize,
+}
+
+/// A piece's scratch rows: the chunk's minimums and scales, each row's query (or weights)
+/// times the scales, and each row's bias (its dot product with the minimums).
+struct Scratch {
+    mins: Vec<f32>,
+    scales: Vec<f32>,
+    qsr: Vec<f32>,
+    wsr: Vec<f32>,
+    bias: Vec<f32>,
+}
+
+impl PieceWork<'_> {
+    /// Query row `r` of KV head `g`: query token `r / group`, head `g * group + r % group`.
+    fn qrow(&self, g: usize, r: usize) -> &[f32] {
+        let hd = self.shape.head_dim;
+        let src =
+            (r / self.group) * self.shape.n_heads * hd + (g * self.group + r % self.group) * hd;
+        &self.q[src..src + hd]
+    }
+
+    /// KV head `g`'s chunks `c0..c1` against its query rows: scores, exponentials against the
+    /// piece's largest, and the values weighted by them.
+    fn run(&self, (g, c0, c1): (usize, usize, usize)) -> Result<Piece, KvError> {
+        let (hd, t) = (self.shape.head_dim, self.cs.tokens);
+        let rows = self.rows;
+        let (start, end) = (c0 * t, (c1 * t).min(self.total));
         let width = end - start;
         let mut e = vec![0.0f32; rows * width];
-        // Chunks of codes (int8, and the formats of unsigned codes with a minimum and a scale
-        // per group: per channel for keys, per token for values) are read for every row of the
-        // head at once, never decoded to f32: each row's query times the keys' scales (or its
-        // weights times the values' scales), and its dot product with their minimums as a bias.
-        let (mut mins, mut scales) = (vec![0.0f32; hd.max(t)], vec![0.0f32; hd.max(t)]);
-        let (mut qsr, mut wsr, mut bias) = (
-            vec![0.0f32; rows * hd],
-            vec![0.0f32; rows * t],
-            vec![0.0f32; rows],
-        );
-        // Chunks are separate slots of memory, each read in pieces of a few KiB: ask for a
-        // chunk's layer a few chunks before its keys are read (its values follow from cache).
-        let ahead = |c: usize| {
-            if c < c1
-                && let Ok(LayerView::Sealed(_, bytes)) = view.layer_view(layer, c)
-            {
-                prefetch_l2(bytes);
-            }
+        let mut s = Scratch {
+            mins: vec![0.0; hd.max(t)],
+            scales: vec![0.0; hd.max(t)],
+            qsr: vec![0.0; rows * hd],
+            wsr: vec![0.0; rows * t],
+            bias: vec![0.0; rows],
         };
-        for c in c0..c0 + PREFETCH_CHUNKS {
-            ahead(c);
-        }
-        for c in c0..c1 {
-            ahead(c + PREFETCH_CHUNKS);
-            let live = t.min(total - c * t);
-            let off = c * t - start;
-            let keys = match view.layer_view(layer, c)? {
-                // f16 keys are read as stored, converted in registers where the CPU can.
-                LayerView::Sealed(KvFormat::F16, bytes) => {
-                    let k = &f16_keys(&cs, bytes, g)[..live * hd * 2];
-                    for (r, qr) in qsr.chunks_exact_mut(hd).enumerate() {
-                        qr.copy_from_slice(qrow(r));
-                    }
-                    bias.fill(0.0);
-                    let out = &mut e[off..];
-                    dot_rows_codes(&qsr, &bias, k, 0, Codes::F16, hd, out, width, live);
-                    continue;
-                }
-                // int8 keys too, each row's query scaled by the channels' scales instead.
-                LayerView::Sealed(KvFormat::Int8, bytes) => {
-                    let k = &int8_keys(&cs, bytes, g, &mut scales)[..live * hd];
-                    for (r, qr) in qsr.chunks_exact_mut(hd).enumerate() {
-                        for ((s, &q), &sc) in qr.iter_mut().zip(qrow(r)).zip(&scales) {
-                            *s = q * sc;
-                        }
-                    }
-                    bias.fill(0.0);
-                    let out = &mut e[off..];
-                    dot_rows_codes(&qsr, &bias, k, 0, Codes::Signed8, hd, out, width, live);
-                    continue;
-                }
-                // Every other format: unsigned codes with a minimum and a scale per channel.
-                LayerView::Sealed(f, bytes) => {
-                    let (codes, first) = packed_keys(&cs, f, bytes, g, &mut mins, &mut scales);
-                    for (r, (qr, b)) in qsr.chunks_exact_mut(hd).zip(&mut bias).enumerate() {
-                        let q = qrow(r);
-                        *b = dot(q, &mins[..hd]);
-                        for ((s, &q), &sc) in qr.iter_mut().zip(q).zip(&scales) {
-                            *s = q * sc;
-                        }
-                    }
-                    let kind = Codes::Unsigned(f.key_bits() as usize);
-                    let out = &mut e[off..];
-                    dot_rows_codes(&qsr, &bias, codes, first, kind, hd, out, width, live);
-                    continue;
-                }
-                LayerView::Open(b) => &b[g * t * hd..(g + 1) * t * hd],
-            };
-            for (r, srow) in e.chunks_exact_mut(width).enumerate() {
-                dot_rows(qrow(r), &keys[..live * hd], &mut srow[off..off + live]);
-            }
-        }
+        self.scores(g, c0, c1, start, width, &mut e, &mut s)?;
+        let scale = 1.0 / (hd as f32).sqrt();
         let mut max = vec![f32::NEG_INFINITY; rows];
         let mut sum = vec![0.0f32; rows];
         for (r, srow) in e.chunks_exact_mut(width).enumerate() {
-            let visible = (p0 + r / group + 1).min(end).saturating_sub(start);
+            let visible = (self.p0 + r / self.group + 1)
+                .min(end)
+                .saturating_sub(start);
             let (live, masked) = srow.split_at_mut(visible);
             masked.fill(0.0);
             (max[r], sum[r]) = softmax_exp(live, scale);
         }
-        let mut o = vec![0.0f32; rows * hd];
-        for c in c0..c1 {
-            let live = t.min(total - c * t);
-            let off = c * t - start;
-            let values = match view.layer_view(layer, c)? {
-                LayerView::Sealed(KvFormat::F16, bytes) => {
-                    let v = &f16_values(&cs, bytes, g)[..live * hd * 2];
-                    bias.fill(0.0);
-                    let w = &e[off..];
-                    axpy_rows_codes(&mut o, &bias, w, width, live, v, 0, Codes::F16, hd);
-                    continue;
-                }
-                // int8 values, each weight scaled by its token's scale instead.
-                LayerView::Sealed(KvFormat::Int8, bytes) => {
-                    let v = &int8_values(&cs, bytes, g, &mut scales)[..live * hd];
-                    for (erow, wr) in e.chunks_exact(width).zip(wsr.chunks_exact_mut(t)) {
-                        for ((x, &w), &sc) in wr.iter_mut().zip(&erow[off..off + live]).zip(&scales)
-                        {
-                            *x = w * sc;
-                        }
-                    }
-                    bias.fill(0.0);
-                    axpy_rows_codes(&mut o, &bias, &wsr, t, live, v, 0, Codes::Signed8, hd);
-                    continue;
-                }
-                // Every other format: unsigned codes with a minimum and a scale per token.
-                LayerView::Sealed(f, bytes) => {
-                    let (codes, first) = packed_values(&cs, f, bytes, g, &mut mins, &mut scales);
-                    let weights = e.chunks_exact(width).zip(wsr.chunks_exact_mut(t));
-                    for ((erow, wr), b) in weights.zip(&mut bias) {
-                        let w = &erow[off..off + live];
-                        *b = dot(w, &mins[..live]);
-                        for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&scales) {
-                            *x = w * sc;
-                        }
-                    }
-                    let kind = Codes::Unsigned(f.value_bits() as usize);
-                    axpy_rows_codes(&mut o, &bias, &wsr, t, live, codes, first, kind, hd);
-                    continue;
-                }
-                LayerView::Open(b) => &b[(n_kv_heads + g) * t * hd..][..t * hd],
-            };
-            for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
-                axpy_rows(orow, &erow[off..off + live], &values[..live * hd]);
-            }
-        }
+        let o = self.weighted_values(g, c0, c1, start, width, &e, &mut s)?;
         Ok(Piece {
             g,
             start,
@@ -480,17 +454,170 @@ fn attend_packed_split(
             sum,
             o,
         })
-    };
-    let pieces: Vec<Piece> = if tasks.len() > 1 {
-        tasks.par_iter().map(piece).collect::<Result<_, _>>()?
-    } else {
-        tasks.iter().map(piece).collect::<Result<_, _>>()?
-    };
-    let mut col = vec![0.0f32; total];
+    }
+
+    /// Each query row's scores against the keys of chunks `c0..c1` into `e` (`[rows][width]`).
+    ///
+    /// Chunks of codes (int8, and the formats of unsigned codes with a minimum and a scale per
+    /// group: per channel for keys) are read for every row of the head at once, never decoded
+    /// to f32: each row's query times the keys' scales, and its dot product with their minimums
+    /// as a bias.
+    #[allow(clippy::too_many_arguments)]
+    fn scores(
+        &self,
+        g: usize,
+        c0: usize,
+        c1: usize,
+        start: usize,
+        width: usize,
+        e: &mut [f32],
+        s: &mut Scratch,
+    ) -> Result<(), KvError> {
+        let (hd, t, cs, layer) = (self.shape.head_dim, self.cs.tokens, &self.cs, self.layer);
+        // Chunks are separate slots of memory, each read in pieces of a few KiB: ask for a
+        // chunk's layer a few chunks before its keys are read (its values follow from cache).
+        let ahead = |c: usize| {
+            if c < c1
+                && let Ok(LayerView::Sealed(_, bytes)) = self.view.layer_view(layer, c)
+            {
+                prefetch_l2(bytes);
+            }
+        };
+        for c in c0..c0 + PREFETCH_CHUNKS {
+            ahead(c);
+        }
+        for c in c0..c1 {
+            ahead(c + PREFETCH_CHUNKS);
+            let live = t.min(self.total - c * t);
+            let off = c * t - start;
+            let out = &mut e[off..];
+            let (codes, first, kind) = match self.view.layer_view(layer, c)? {
+                // f16 keys are read as stored, converted in registers where the CPU can.
+                LayerView::Sealed(KvFormat::F16, bytes) => {
+                    for (r, qr) in s.qsr.chunks_exact_mut(hd).enumerate() {
+                        qr.copy_from_slice(self.qrow(g, r));
+                    }
+                    s.bias.fill(0.0);
+                    (&f16_keys(cs, bytes, g)[..live * hd * 2], 0, Codes::F16)
+                }
+                // int8 keys too, each row's query scaled by the channels' scales instead.
+                LayerView::Sealed(KvFormat::Int8, bytes) => {
+                    let k = &int8_keys(cs, bytes, g, &mut s.scales)[..live * hd];
+                    for (r, qr) in s.qsr.chunks_exact_mut(hd).enumerate() {
+                        for ((x, &q), &sc) in qr.iter_mut().zip(self.qrow(g, r)).zip(&s.scales) {
+                            *x = q * sc;
+                        }
+                    }
+                    s.bias.fill(0.0);
+                    (k, 0, Codes::Signed8)
+                }
+                // Every other format: unsigned codes with a minimum and a scale per channel.
+                LayerView::Sealed(f, bytes) => {
+                    let (codes, first) = packed_keys(cs, f, bytes, g, &mut s.mins, &mut s.scales);
+                    for (r, (qr, b)) in s.qsr.chunks_exact_mut(hd).zip(&mut s.bias).enumerate() {
+                        let q = self.qrow(g, r);
+                        *b = dot(q, &s.mins[..hd]);
+                        for ((x, &q), &sc) in qr.iter_mut().zip(q).zip(&s.scales) {
+                            *x = q * sc;
+                        }
+                    }
+                    (codes, first, Codes::Unsigned(f.key_bits() as usize))
+                }
+                LayerView::Open(b) => {
+                    let keys = &b[g * t * hd..(g + 1) * t * hd];
+                    for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+                        dot_rows(
+                            self.qrow(g, r),
+                            &keys[..live * hd],
+                            &mut srow[off..off + live],
+                        );
+                    }
+                    continue;
+                }
+            };
+            dot_rows_codes(&s.qsr, &s.bias, codes, first, kind, hd, out, width, live);
+        }
+        Ok(())
+    }
+
+    /// Σ e v over the values of chunks `c0..c1`, per query row (`[rows][head_dim]`). Codes are
+    /// read as for keys, with each row's weights times the values' scales (per token) and their
+    /// dot product with the minimums as the bias.
+    #[allow(clippy::too_many_arguments)]
+    fn weighted_values(
+        &self,
+        g: usize,
+        c0: usize,
+        c1: usize,
+        start: usize,
+        width: usize,
+        e: &[f32],
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, KvError> {
+        let (hd, t, cs) = (self.shape.head_dim, self.cs.tokens, &self.cs);
+        let mut o = vec![0.0f32; self.rows * hd];
+        for c in c0..c1 {
+            let live = t.min(self.total - c * t);
+            let off = c * t - start;
+            match self.view.layer_view(self.layer, c)? {
+                LayerView::Sealed(KvFormat::F16, bytes) => {
+                    let v = &f16_values(cs, bytes, g)[..live * hd * 2];
+                    s.bias.fill(0.0);
+                    let w = &e[off..];
+                    axpy_rows_codes(&mut o, &s.bias, w, width, live, v, 0, Codes::F16, hd);
+                }
+                // int8 values, each weight scaled by its token's scale instead.
+                LayerView::Sealed(KvFormat::Int8, bytes) => {
+                    let v = &int8_values(cs, bytes, g, &mut s.scales)[..live * hd];
+                    for (erow, wr) in e.chunks_exact(width).zip(s.wsr.chunks_exact_mut(t)) {
+                        let w = &erow[off..off + live];
+                        for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&s.scales) {
+                            *x = w * sc;
+                        }
+                    }
+                    s.bias.fill(0.0);
+                    axpy_rows_codes(&mut o, &s.bias, &s.wsr, t, live, v, 0, Codes::Signed8, hd);
+                }
+                // Every other format: unsigned codes with a minimum and a scale per token.
+                LayerView::Sealed(f, bytes) => {
+                    let (codes, first) = packed_values(cs, f, bytes, g, &mut s.mins, &mut s.scales);
+                    let weights = e.chunks_exact(width).zip(s.wsr.chunks_exact_mut(t));
+                    for ((erow, wr), b) in weights.zip(&mut s.bias) {
+                        let w = &erow[off..off + live];
+                        *b = dot(w, &s.mins[..live]);
+                        for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&s.scales) {
+                            *x = w * sc;
+                        }
+                    }
+                    let kind = Codes::Unsigned(f.value_bits() as usize);
+                    axpy_rows_codes(&mut o, &s.bias, &s.wsr, t, live, codes, first, kind, hd);
+                }
+                LayerView::Open(b) => {
+                    let values = &b[(self.shape.n_kv_heads + g) * t * hd..][..t * hd];
+                    for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
+                        axpy_rows(orow, &erow[off..off + live], &values[..live * hd]);
+                    }
+                }
+            }
+        }
+        Ok(o)
+    }
+}
+
+/// Merges each KV head's pieces into `out` (one softmax over the whole row, flash-decoding's
+/// rescaling) and returns the attention each position received, summed over rows.
+fn merge_pieces(pieces: &[Piece], w: &PieceWork<'_>, out: &mut [f32]) -> Vec<f32> {
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+    } = w.shape;
+    let group = w.group;
+    let mut col = vec![0.0f32; w.total];
     let mut f = Vec::new();
     for g in 0..n_kv_heads {
         let head: Vec<&Piece> = pieces.iter().filter(|p| p.g == g).collect();
-        for r in 0..rows {
+        for r in 0..w.rows {
             // The row's largest over its pieces; a piece it sees none of weighs 0.
             let m = head
                 .iter()
@@ -519,9 +646,7 @@ fn attend_packed_split(
             }
         }
     }
-    cache.add_attention(&col);
-    add_seen(cache, n_heads, p0, n);
-    Ok(())
+    col
 }
 
 /// Attention of many query rows: gather to f32, then GEMM per block of rows.
@@ -542,28 +667,10 @@ pub fn attend_gathered(
     let group = n_heads / n_kv_heads;
     let total = p0 + n;
     let scale = 1.0 / (hd as f32).sqrt();
-    let t = cache.shape().tokens;
     let chunks = cache.chunks_upto(total);
 
     // Phase 1: every KV head's keys and values for positions 0..total, as f32 [pos][dim].
-    let gathered: Vec<(Vec<f32>, Vec<f32>)> = {
-        let cache = &*cache;
-        (0..n_kv_heads)
-            .into_par_iter()
-            .map(|g| -> Result<_, KvError> {
-                let mut ka = vec![0.0; chunks * t * hd];
-                let mut va = vec![0.0; chunks * t * hd];
-                let mut kb = vec![0.0; t * hd];
-                let mut vb = vec![0.0; t * hd];
-                for c in 0..chunks {
-                    let (k, v) = cache.block(layer, g, c, &mut kb, &mut vb)?;
-                    ka[c * t * hd..(c + 1) * t * hd].copy_from_slice(k);
-                    va[c * t * hd..(c + 1) * t * hd].copy_from_slice(v);
-                }
-                Ok((ka, va))
-            })
-            .collect::<Result<_, _>>()?
-    };
+    let gathered = gather_blocks(cache, layer, shape, chunks)?;
 
     // Phase 2: per (KV head, block of query rows): scores, masked softmax, weighted values.
     // Row r of head g's block is query token r / group, head g * group + r % group.
@@ -635,6 +742,31 @@ pub fn attend_gathered(
     }
     add_seen(cache, n_heads, p0, n);
     Ok(())
+}
+
+/// Every KV head's keys and values of chunks `0..chunks`, decoded to f32 `[pos][dim]`.
+fn gather_blocks(
+    cache: &KvCache,
+    layer: usize,
+    shape: AttnShape,
+    chunks: usize,
+) -> Result<Gathered, KvError> {
+    let (t, hd) = (cache.shape().tokens, shape.head_dim);
+    (0..shape.n_kv_heads)
+        .into_par_iter()
+        .map(|g| -> Result<_, KvError> {
+            let mut ka = vec![0.0; chunks * t * hd];
+            let mut va = vec![0.0; chunks * t * hd];
+            let mut kb = vec![0.0; t * hd];
+            let mut vb = vec![0.0; t * hd];
+            for c in 0..chunks {
+                let (k, v) = cache.block(layer, g, c, &mut kb, &mut vb)?;
+                ka[c * t * hd..(c + 1) * t * hd].copy_from_slice(k);
+                va[c * t * hd..(c + 1) * t * hd].copy_from_slice(v);
+            }
+            Ok((ka, va))
+        })
+        .collect()
 }
 
 /// Counts, once per key, the query rows of every head that saw it: key p is seen by every

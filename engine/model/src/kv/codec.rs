@@ -413,102 +413,18 @@ pub fn encode_layer(
     check_finite("key", k)?;
     check_finite("value", v)?;
     let (ko, vo) = out[..shape.layer_bytes(f)].split_at_mut(shape.k_bytes(f));
-    let (d, hd, t) = (shape.section(), shape.head_dim, shape.tokens);
     let (kvals, vvals) = (shape.k_values_bytes(f), shape.v_values_bytes(f));
     match f {
         KvFormat::F16 => {
-            for (section, xs, o) in [("key", k, ko), ("value", v, vo)] {
-                for (i, (o, x)) in o.chunks_exact_mut(2).zip(xs).enumerate() {
-                    let h = f16::from_f32(*x);
-                    if !h.is_finite() {
-                        return Err(CodecError::OutOfRange {
-                            section,
-                            group: i,
-                            lo: *x,
-                            hi: *x,
-                            format: f,
-                        });
-                    }
-                    o.copy_from_slice(&h.to_le_bytes());
-                }
-            }
+            encode_f16(f, "key", k, ko)?;
+            encode_f16(f, "value", v, vo)?;
         }
-        KvFormat::Int8 => {
-            // Keys: one scale per (head, channel) over the chunk's tokens.
-            let (kq, ks) = ko.split_at_mut(d);
-            for h in 0..shape.n_kv_heads {
-                let blk = &k[h * t * hd..(h + 1) * t * hd];
-                for c in 0..hd {
-                    let amax = (0..t).map(|i| blk[i * hd + c].abs()).fold(0.0f32, f32::max);
-                    let scale = amax / 127.0;
-                    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                    for i in 0..t {
-                        kq[h * t * hd + i * hd + c] = (blk[i * hd + c] * inv).round() as i8 as u8;
-                    }
-                    let s = (h * hd + c) * 4;
-                    ks[s..s + 4].copy_from_slice(&scale.to_le_bytes());
-                }
-            }
-            // Values: one scale per (head, token) over the head's channels.
-            let (vq, vs) = vo.split_at_mut(d);
-            for (row, (q, x)) in vq.chunks_exact_mut(hd).zip(v.chunks_exact(hd)).enumerate() {
-                let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let scale = amax / 127.0;
-                let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-                for (q, x) in q.iter_mut().zip(x) {
-                    *q = (x * inv).round() as i8 as u8;
-                }
-                vs[row * 4..row * 4 + 4].copy_from_slice(&scale.to_le_bytes());
-            }
-        }
+        KvFormat::Int8 => encode_int8(shape, k, v, ko, vo),
         KvFormat::Int4 | KvFormat::Int2 => {
-            let bits = f.key_bits() as usize;
-            let levels = ((1u32 << bits) - 1) as f32;
             let (kq, kp) = ko.split_at_mut(kvals);
-            kq.fill(0);
-            for h in 0..shape.n_kv_heads {
-                let blk = &k[h * t * hd..(h + 1) * t * hd];
-                for c in 0..hd {
-                    let col = (0..t).map(|i| blk[i * hd + c]);
-                    let lo = col.clone().fold(f32::INFINITY, f32::min);
-                    let hi = col.fold(f32::NEG_INFINITY, f32::max);
-                    let group = h * hd + c;
-                    let (min, scale) =
-                        asym_params(lo, hi, levels).ok_or(CodecError::OutOfRange {
-                            section: "key",
-                            group,
-                            lo,
-                            hi,
-                            format: f,
-                        })?;
-                    let (m, s) = (min.to_f32(), scale.to_f32());
-                    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-                    for i in 0..t {
-                        let q = quant_asym(blk[i * hd + c], m, inv, levels);
-                        pack(kq, h * t * hd + i * hd + c, bits, q);
-                    }
-                    put_pair(kp, group, min, scale);
-                }
-            }
+            encode_asym_keys(shape, f, k, kq, kp)?;
             let (vq, vp) = vo.split_at_mut(vvals);
-            vq.fill(0);
-            for (row, x) in v.chunks_exact(hd).enumerate() {
-                let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
-                let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let (min, scale) = asym_params(lo, hi, levels).ok_or(CodecError::OutOfRange {
-                    section: "value",
-                    group: row,
-                    lo,
-                    hi,
-                    format: f,
-                })?;
-                let (m, s) = (min.to_f32(), scale.to_f32());
-                let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-                for (c, x) in x.iter().enumerate() {
-                    pack(vq, row * hd + c, bits, quant_asym(*x, m, inv, levels));
-                }
-                put_pair(vp, row, min, scale);
-            }
+            encode_asym_values(shape, f, v, vq, vp)?;
         }
         KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3 => {
             let (kq, kp) = ko.split_at_mut(kvals);
@@ -516,6 +432,129 @@ pub fn encode_layer(
             let (vq, vp) = vo.split_at_mut(vvals);
             encode_coded(shape, f, false, v, vq, vp)?;
         }
+    }
+    Ok(())
+}
+
+/// A section as f16; a value f16 cannot hold is refused.
+fn encode_f16(
+    f: KvFormat,
+    section: &'static str,
+    xs: &[f32],
+    o: &mut [u8],
+) -> Result<(), CodecError> {
+    for (i, (o, x)) in o.chunks_exact_mut(2).zip(xs).enumerate() {
+        let h = f16::from_f32(*x);
+        if !h.is_finite() {
+            return Err(CodecError::OutOfRange {
+                section,
+                group: i,
+                lo: *x,
+                hi: *x,
+                format: f,
+            });
+        }
+        o.copy_from_slice(&h.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// int8: keys with one scale per (head, channel) over the chunk's tokens, values with one per
+/// (head, token) over the head's channels.
+fn encode_int8(shape: &ChunkShape, k: &[f32], v: &[f32], ko: &mut [u8], vo: &mut [u8]) {
+    let (d, hd, t) = (shape.section(), shape.head_dim, shape.tokens);
+    let (kq, ks) = ko.split_at_mut(d);
+    for h in 0..shape.n_kv_heads {
+        let blk = &k[h * t * hd..(h + 1) * t * hd];
+        for c in 0..hd {
+            let amax = (0..t).map(|i| blk[i * hd + c].abs()).fold(0.0f32, f32::max);
+            let scale = amax / 127.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            for i in 0..t {
+                kq[h * t * hd + i * hd + c] = (blk[i * hd + c] * inv).round() as i8 as u8;
+            }
+            let s = (h * hd + c) * 4;
+            ks[s..s + 4].copy_from_slice(&scale.to_le_bytes());
+        }
+    }
+    let (vq, vs) = vo.split_at_mut(d);
+    for (row, (q, x)) in vq.chunks_exact_mut(hd).zip(v.chunks_exact(hd)).enumerate() {
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        for (q, x) in q.iter_mut().zip(x) {
+            *q = (x * inv).round() as i8 as u8;
+        }
+        vs[row * 4..row * 4 + 4].copy_from_slice(&scale.to_le_bytes());
+    }
+}
+
+/// Int4/Int2 keys: unsigned codes with an f16 minimum and scale per (head, channel).
+fn encode_asym_keys(
+    shape: &ChunkShape,
+    f: KvFormat,
+    k: &[f32],
+    kq: &mut [u8],
+    kp: &mut [u8],
+) -> Result<(), CodecError> {
+    let (hd, t) = (shape.head_dim, shape.tokens);
+    let bits = f.key_bits() as usize;
+    let levels = ((1u32 << bits) - 1) as f32;
+    kq.fill(0);
+    for h in 0..shape.n_kv_heads {
+        let blk = &k[h * t * hd..(h + 1) * t * hd];
+        for c in 0..hd {
+            let col = (0..t).map(|i| blk[i * hd + c]);
+            let lo = col.clone().fold(f32::INFINITY, f32::min);
+            let hi = col.fold(f32::NEG_INFINITY, f32::max);
+            let group = h * hd + c;
+            let (min, scale) = asym_params(lo, hi, levels).ok_or(CodecError::OutOfRange {
+                section: "key",
+                group,
+                lo,
+                hi,
+                format: f,
+            })?;
+            let (m, s) = (min.to_f32(), scale.to_f32());
+            let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+            for i in 0..t {
+                let q = quant_asym(blk[i * hd + c], m, inv, levels);
+                pack(kq, h * t * hd + i * hd + c, bits, q);
+            }
+            put_pair(kp, group, min, scale);
+        }
+    }
+    Ok(())
+}
+
+/// Int4/Int2 values: unsigned codes with an f16 minimum and scale per (head, token).
+fn encode_asym_values(
+    shape: &ChunkShape,
+    f: KvFormat,
+    v: &[f32],
+    vq: &mut [u8],
+    vp: &mut [u8],
+) -> Result<(), CodecError> {
+    let hd = shape.head_dim;
+    let bits = f.value_bits() as usize;
+    let levels = ((1u32 << bits) - 1) as f32;
+    vq.fill(0);
+    for (row, x) in v.chunks_exact(hd).enumerate() {
+        let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+        let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let (min, scale) = asym_params(lo, hi, levels).ok_or(CodecError::OutOfRange {
+            section: "value",
+            group: row,
+            lo,
+            hi,
+            format: f,
+        })?;
+        let (m, s) = (min.to_f32(), scale.to_f32());
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        for (c, x) in x.iter().enumerate() {
+            pack(vq, row * hd + c, bits, quant_asym(*x, m, inv, levels));
+        }
+        put_pair(vp, row, min, scale);
     }
     Ok(())
 }

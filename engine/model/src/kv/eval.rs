@@ -302,43 +302,8 @@ pub fn evaluate(
     kl: Option<&Model>,
 ) -> Result<Vec<PplReport>, EvalMixError> {
     let chunk = 16;
-    if window < 2 * chunk || !window.is_multiple_of(2 * chunk) {
-        return Err(EvalMixError::BadWindow { window, chunk });
-    }
-    if tokens.len() < window {
-        return Err(EvalMixError::TooShort {
-            tokens: tokens.len(),
-            window,
-        });
-    }
-    for c in compressions {
-        if let Compression::Fractions(f) = *c
-            && (f.iter().any(|x| !x.is_finite() || *x < 0.0)
-                || (f.iter().sum::<f64>() - 1.0).abs() > 1e-6)
-        {
-            return Err(EvalMixError::BadMix { fractions: f });
-        }
-    }
+    check_inputs(model, tokens, compressions, window, chunk)?;
     let shape = model.chunk_shape(chunk);
-    for c in compressions {
-        let sims = match c {
-            Compression::Sim(f) => vec![*f],
-            Compression::Budget { levels, .. } => levels
-                .iter()
-                .filter_map(|l| match l {
-                    Some(Stored::Sim(f)) => Some(*f),
-                    _ => None,
-                })
-                .collect(),
-            _ => vec![],
-        };
-        if let Some(f) = sims.into_iter().find(|f| !f.fits(&shape)) {
-            return Err(EvalMixError::BadSim {
-                format: f,
-                head_dim: shape.head_dim,
-            });
-        }
-    }
     let vocab = model.cfg.vocab;
     let mut sums: Vec<Sums> = compressions.iter().map(|_| Sums::default()).collect();
     let reference = Compression::Uniform(KvFormat::F16);
@@ -396,6 +361,55 @@ pub fn evaluate(
             }
         })
         .collect())
+}
+
+/// Checks `evaluate`'s inputs: a window of whole chunk pairs, enough tokens, mixes that sum to
+/// one, simulated formats the model's heads fit.
+fn check_inputs(
+    model: &Model,
+    tokens: &[u32],
+    compressions: &[Compression],
+    window: usize,
+    chunk: usize,
+) -> Result<(), EvalMixError> {
+    if window < 2 * chunk || !window.is_multiple_of(2 * chunk) {
+        return Err(EvalMixError::BadWindow { window, chunk });
+    }
+    if tokens.len() < window {
+        return Err(EvalMixError::TooShort {
+            tokens: tokens.len(),
+            window,
+        });
+    }
+    for c in compressions {
+        if let Compression::Fractions(f) = *c
+            && (f.iter().any(|x| !x.is_finite() || *x < 0.0)
+                || (f.iter().sum::<f64>() - 1.0).abs() > 1e-6)
+        {
+            return Err(EvalMixError::BadMix { fractions: f });
+        }
+    }
+    let shape = model.chunk_shape(chunk);
+    for c in compressions {
+        let sims = match c {
+            Compression::Sim(f) => vec![*f],
+            Compression::Budget { levels, .. } => levels
+                .iter()
+                .filter_map(|l| match l {
+                    Some(Stored::Sim(f)) => Some(*f),
+                    _ => None,
+                })
+                .collect(),
+            _ => vec![],
+        };
+        if let Some(f) = sims.into_iter().find(|f| !f.fits(&shape)) {
+            return Err(EvalMixError::BadSim {
+                format: f,
+                head_dim: shape.head_dim,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Prefills `ctx`, compresses its chunks as `compression` says, and returns the logits of every

@@ -254,46 +254,9 @@ impl Tokenizer {
                 model: model.to_owned(),
             });
         }
-        let (pre, pre_name) = match md.get("tokenizer.ggml.pre") {
-            Some(v) => {
-                let name = as_str(v, "tokenizer.ggml.pre")?;
-                let pre = PreTokenizer::from_name(name).ok_or_else(|| {
-                    TokenizerError::UnsupportedPreTokenizer {
-                        pre: name.to_owned(),
-                    }
-                })?;
-                (pre, name.to_owned())
-            }
-            None => {
-                tracing::warn!("GGUF has no tokenizer.ggml.pre; using GPT-2's pre-tokenizer");
-                (PreTokenizer::Gpt2, "gpt-2".to_owned())
-            }
-        };
-
-        let key = "tokenizer.ggml.tokens";
-        let tokens = as_array(get(md, key)?, key)?
-            .iter()
-            .map(|v| as_str(v, key).map(str::to_owned))
-            .collect::<Result<Vec<String>>>()?;
+        let (pre, pre_name) = pre_tokenizer(md)?;
+        let (tokens, mut types) = vocabulary(md)?;
         let n = tokens.len();
-        let key = "tokenizer.ggml.token_type";
-        let types = match md.get(key) {
-            Some(v) => {
-                let a = as_array(v, key)?;
-                if a.len() != n {
-                    return Err(TokenizerError::LengthMismatch {
-                        key,
-                        len: a.len(),
-                        vocab_size: n,
-                    });
-                }
-                a.iter()
-                    .map(|v| as_int(v, key).map(TokenType::from_gguf))
-                    .collect::<Result<_>>()?
-            }
-            None => vec![TokenType::Normal; n],
-        };
-
         let bos = optional_id(md, "tokenizer.ggml.bos_token_id", n)?;
         let eos = optional_id(md, "tokenizer.ggml.eos_token_id", n)?;
         let unknown = optional_id(md, "tokenizer.ggml.unknown_token_id", n)?;
@@ -312,79 +275,22 @@ impl Tokenizer {
             Some(v) => Some(as_str(v, "tokenizer.chat_template")?),
             None => None,
         };
-
-        let mut types = types;
         // Without explicit types, the declared special ids are still special.
-        for id in [bos, eos, unknown, padding].into_iter().flatten() {
-            if types[id as usize] == TokenType::Normal
-                && !md.contains_key("tokenizer.ggml.token_type")
-            {
-                types[id as usize] = TokenType::Control;
+        if !md.contains_key("tokenizer.ggml.token_type") {
+            for id in [bos, eos, unknown, padding].into_iter().flatten() {
+                if types[id as usize] == TokenType::Normal {
+                    types[id as usize] = TokenType::Control;
+                }
             }
         }
-
         let table = byte_to_char_table();
-        let mut char_to_byte = HashMap::with_capacity(256);
-        for (b, &c) in table.iter().enumerate() {
-            char_to_byte.insert(c, b as u8);
-        }
-        let token_bytes: Vec<Vec<u8>> = tokens
-            .iter()
-            .zip(&types)
-            .map(|(t, ty)| match ty {
-                TokenType::Control | TokenType::UserDefined => t.as_bytes().to_vec(),
-                _ => {
-                    let mut out = Vec::with_capacity(t.len());
-                    for c in t.chars() {
-                        match char_to_byte.get(&c) {
-                            Some(&b) => out.push(b),
-                            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
-                        }
-                    }
-                    out
-                }
-            })
-            .collect();
-
+        let token_bytes = token_bytes(&tokens, &types, &table);
         let mut token_to_id = HashMap::with_capacity(n);
         for (id, t) in tokens.iter().enumerate() {
             // The first of duplicate spellings wins, as in llama.cpp.
             token_to_id.entry(t.clone()).or_insert(id as u32);
         }
-
-        let key = "tokenizer.ggml.merges";
-        let merge_values = as_array(get(md, key)?, key)?;
-        let mut merges =
-            foldhash::HashMap::with_capacity_and_hasher(merge_values.len(), Default::default());
-        for (index, v) in merge_values.iter().enumerate() {
-            let m = as_str(v, key)?;
-            let bad = || TokenizerError::BadMerge {
-                index,
-                merge: m.to_owned(),
-            };
-            let (left, right) = m.split_once(' ').ok_or_else(bad)?;
-            if left.is_empty() || right.is_empty() || right.contains(' ') {
-                return Err(bad());
-            }
-            let (Some(&l), Some(&r)) = (token_to_id.get(left), token_to_id.get(right)) else {
-                tracing::debug!(
-                    index,
-                    merge = m,
-                    "merge of tokens outside the vocabulary, skipped"
-                );
-                continue;
-            };
-            let Some(&merged) = token_to_id.get(&format!("{left}{right}")) else {
-                tracing::debug!(
-                    index,
-                    merge = m,
-                    "merge result outside the vocabulary, skipped"
-                );
-                continue;
-            };
-            merges.entry((l, r)).or_insert((index as u32, merged));
-        }
-
+        let merges = merges(md, &token_to_id)?;
         let mut byte_tokens = [0u32; 256];
         for (b, &c) in table.iter().enumerate() {
             byte_tokens[b] = match token_to_id.get(c.encode_utf8(&mut [0; 4]) as &str) {
@@ -392,26 +298,13 @@ impl Tokenizer {
                 None => unknown.ok_or(TokenizerError::MissingByteToken { byte: b as u8 })?,
             };
         }
-
         let splitters = pre
             .patterns()
             .iter()
             .map(|p| Splitter::new(p))
             .collect::<Result<Vec<_>>>()?;
-
-        let specials_of = |ty: TokenType| {
-            let mut v: Vec<(String, u32)> = tokens
-                .iter()
-                .enumerate()
-                .filter(|&(id, t)| types[id] == ty && !t.is_empty())
-                .map(|(id, t)| (t.clone(), id as u32))
-                .collect();
-            v.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-            v
-        };
-        let control = specials_of(TokenType::Control);
-        let user_defined = specials_of(TokenType::UserDefined);
-
+        let control = specials_of(&tokens, &types, TokenType::Control);
+        let user_defined = specials_of(&tokens, &types, TokenType::UserDefined);
         Ok(Tokenizer {
             tokens,
             types,
@@ -776,6 +669,129 @@ enum Segment {
 /// A possible merge in [`Tokenizer::bpe`]: (rank, left position, left id, right id, merged id),
 /// lowest rank first, leftmost first among equal ranks.
 type MergeCandidate = Reverse<(u32, usize, u32, u32, u32)>;
+
+/// The pre-tokenizer the metadata names (`tokenizer.ggml.pre`), GPT-2's when it names none;
+/// with the name as given.
+fn pre_tokenizer(md: &HashMap<String, gguf_file::Value>) -> Result<(PreTokenizer, String)> {
+    let Some(v) = md.get("tokenizer.ggml.pre") else {
+        tracing::warn!("GGUF has no tokenizer.ggml.pre; using GPT-2's pre-tokenizer");
+        return Ok((PreTokenizer::Gpt2, "gpt-2".to_owned()));
+    };
+    let name = as_str(v, "tokenizer.ggml.pre")?;
+    let pre =
+        PreTokenizer::from_name(name).ok_or_else(|| TokenizerError::UnsupportedPreTokenizer {
+            pre: name.to_owned(),
+        })?;
+    Ok((pre, name.to_owned()))
+}
+
+/// The vocabulary's spellings and each token's type (all normal when the file gives none).
+fn vocabulary(md: &HashMap<String, gguf_file::Value>) -> Result<(Vec<String>, Vec<TokenType>)> {
+    let key = "tokenizer.ggml.tokens";
+    let tokens = as_array(get(md, key)?, key)?
+        .iter()
+        .map(|v| as_str(v, key).map(str::to_owned))
+        .collect::<Result<Vec<String>>>()?;
+    let n = tokens.len();
+    let key = "tokenizer.ggml.token_type";
+    let types = match md.get(key) {
+        Some(v) => {
+            let a = as_array(v, key)?;
+            if a.len() != n {
+                return Err(TokenizerError::LengthMismatch {
+                    key,
+                    len: a.len(),
+                    vocab_size: n,
+                });
+            }
+            a.iter()
+                .map(|v| as_int(v, key).map(TokenType::from_gguf))
+                .collect::<Result<_>>()?
+        }
+        None => vec![TokenType::Normal; n],
+    };
+    Ok((tokens, types))
+}
+
+/// Each token's bytes: special tokens as spelled, the others through GPT-2's byte-to-char table
+/// (`table`) in reverse.
+fn token_bytes(tokens: &[String], types: &[TokenType], table: &[char; 256]) -> Vec<Vec<u8>> {
+    let mut char_to_byte = HashMap::with_capacity(256);
+    for (b, &c) in table.iter().enumerate() {
+        char_to_byte.insert(c, b as u8);
+    }
+    tokens
+        .iter()
+        .zip(types)
+        .map(|(t, ty)| match ty {
+            TokenType::Control | TokenType::UserDefined => t.as_bytes().to_vec(),
+            _ => {
+                let mut out = Vec::with_capacity(t.len());
+                for c in t.chars() {
+                    match char_to_byte.get(&c) {
+                        Some(&b) => out.push(b),
+                        None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                    }
+                }
+                out
+            }
+        })
+        .collect()
+}
+
+/// The BPE merges (`tokenizer.ggml.merges`): each pair of ids to its rank and merged id; merges
+/// of or into tokens outside the vocabulary are skipped, the first of duplicates wins.
+fn merges(
+    md: &HashMap<String, gguf_file::Value>,
+    token_to_id: &HashMap<String, u32>,
+) -> Result<foldhash::HashMap<(u32, u32), (u32, u32)>> {
+    let key = "tokenizer.ggml.merges";
+    let merge_values = as_array(get(md, key)?, key)?;
+    let mut merges =
+        foldhash::HashMap::with_capacity_and_hasher(merge_values.len(), Default::default());
+    for (index, v) in merge_values.iter().enumerate() {
+        let m = as_str(v, key)?;
+        let bad = || TokenizerError::BadMerge {
+            index,
+            merge: m.to_owned(),
+        };
+        let (left, right) = m.split_once(' ').ok_or_else(bad)?;
+        if left.is_empty() || right.is_empty() || right.contains(' ') {
+            return Err(bad());
+        }
+        let (Some(&l), Some(&r)) = (token_to_id.get(left), token_to_id.get(right)) else {
+            tracing::debug!(
+                index,
+                merge = m,
+                "merge of tokens outside the vocabulary, skipped"
+            );
+            continue;
+        };
+        let Some(&merged) = token_to_id.get(&format!("{left}{right}")) else {
+            tracing::debug!(
+                index,
+                merge = m,
+                "merge result outside the vocabulary, skipped"
+            );
+            continue;
+        };
+        merges.entry((l, r)).or_insert((index as u32, merged));
+    }
+    Ok(merges)
+}
+
+/// The non-empty tokens of type `ty` with their ids, longest first (so matching them in text
+/// prefers the longest), ties by id.
+fn specials_of(tokens: &[String], types: &[TokenType], ty: TokenType) -> Vec<(String, u32)> {
+    let mut v: Vec<(String, u32)> = tokens
+        .iter()
+        .enumerate()
+        .filter(|&(id, t)| types[id] == ty && !t.is_empty())
+        .map(|(id, t)| (t.clone(), id as u32))
+        .collect();
+    v.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+    v
+}
 
 #[cfg(test)]
 mod tests {
