@@ -278,6 +278,8 @@ fn ls_cat_and_stat_agree_on_sizes() {
 /// What a person inspecting sees: `text` decoded by the decoder registered for the context's
 /// model (never by another model's), `tokens`, and per chunk its format, bytes, density, when it
 /// was written and whether the registered residency says it is in memory, in `info` and as xattrs.
+/// Kept whole: one scenario through one mount, read top to bottom; each check reads the
+/// state the steps before it left.
 #[test]
 fn inspection_shows_text_tokens_and_each_chunks_state() {
     let fx = Fixture::new(false);
@@ -713,6 +715,9 @@ fn noise(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// The whole-context `kv` file and the per-chunk views give the same bytes, for every format.
+///
+/// Kept whole: one scenario through one mount, read top to bottom.
 #[test]
 fn the_kv_file_and_the_chunk_view_agree_byte_for_byte() {
     let fx = Fixture::new(false);

@@ -52,36 +52,7 @@ pub fn assign_levels(
     global_ratio: f64,
 ) -> Result<Assignment, AssignError> {
     let n = densities.len();
-    if !(global_ratio > 0.0 && global_ratio <= 1.0) {
-        return Err(AssignError::BadRatio {
-            ratio: global_ratio,
-        });
-    }
-    if let Some((chunk, &density)) = densities
-        .iter()
-        .enumerate()
-        .find(|(_, d)| !d.is_finite() || **d < 0.0)
-    {
-        return Err(AssignError::BadDensity { chunk, density });
-    }
-    if let Some(f) = floors {
-        if f.len() != n {
-            return Err(AssignError::FloorCount {
-                floors: f.len(),
-                chunks: n,
-            });
-        }
-        if let Some((chunk, &level)) = f.iter().enumerate().find(|(_, l)| !set.contains(**l)) {
-            return Err(AssignError::UnknownLevel { chunk, level });
-        }
-    }
-    let lightest = set.ratio(set.lightest()).unwrap_or(1.0);
-    if global_ratio + 1e-12 < lightest {
-        return Err(AssignError::RatioTooLow {
-            ratio: global_ratio,
-            lightest,
-        });
-    }
+    check_inputs(densities, floors, set, global_ratio)?;
     let k = set.len();
     let bits = set.costs();
     let base = f64::from(set.base_cost());
@@ -146,6 +117,48 @@ pub fn assign_levels(
             bits_total as f64 / base / n as f64
         },
     })
+}
+
+/// Checks [`assign_levels`]' inputs: a ratio in (0, 1] that affords the lightest level, finite
+/// non-negative densities, one known floor per chunk.
+fn check_inputs(
+    densities: &[f64],
+    floors: Option<&[Level]>,
+    set: &LevelSet,
+    global_ratio: f64,
+) -> Result<(), AssignError> {
+    let n = densities.len();
+    if !(global_ratio > 0.0 && global_ratio <= 1.0) {
+        return Err(AssignError::BadRatio {
+            ratio: global_ratio,
+        });
+    }
+    if let Some((chunk, &density)) = densities
+        .iter()
+        .enumerate()
+        .find(|(_, d)| !d.is_finite() || **d < 0.0)
+    {
+        return Err(AssignError::BadDensity { chunk, density });
+    }
+    if let Some(f) = floors {
+        if f.len() != n {
+            return Err(AssignError::FloorCount {
+                floors: f.len(),
+                chunks: n,
+            });
+        }
+        if let Some((chunk, &level)) = f.iter().enumerate().find(|(_, l)| !set.contains(**l)) {
+            return Err(AssignError::UnknownLevel { chunk, level });
+        }
+    }
+    let lightest = set.ratio(set.lightest()).unwrap_or(1.0);
+    if global_ratio + 1e-12 < lightest {
+        return Err(AssignError::RatioTooLow {
+            ratio: global_ratio,
+            lightest,
+        });
+    }
+    Ok(())
 }
 
 struct Search<'a> {

@@ -194,6 +194,9 @@ impl Raw {
     }
 }
 
+/// Every kind of bad request gets its error code, and the daemon's state is as before.
+///
+/// Kept whole: a table of bad requests against one daemon, then one check that nothing changed.
 #[test]
 fn bad_input_gets_an_error_and_changes_nothing() {
     let w = world();
@@ -433,6 +436,8 @@ fn another_uid_finds_nothing() {
 /// `tokens` the ids; `info` and the chunks' attributes show each chunk's bytes, when it was
 /// written and whether it is in the daemon's memory (after a restart, none is). Another uid reads
 /// none of it.
+///
+/// Kept whole: one scenario against one daemon, restart included, read top to bottom.
 #[test]
 fn the_daemons_mount_shows_contexts_as_the_models_text() {
     let w = tests::World::chat(env!("CARGO_BIN_EXE_llms-e2e"));

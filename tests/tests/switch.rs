@@ -26,6 +26,10 @@ fn f(v: &Value, k: &str) -> f64 {
     v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"))
 }
 
+/// A short generated trace replayed by `llms bench switch` under every manager and two budgets:
+/// every call answered, each run's totals equal to the sums over its calls.
+///
+/// Kept whole: one replay, then the checks of its counters against each other.
 #[test]
 fn a_short_replay_answers_every_call_and_its_counters_agree() {
     let w = tests::World::new(env!("CARGO_BIN_EXE_llms-e2e"));

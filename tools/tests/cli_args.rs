@@ -34,6 +34,9 @@ fn refused(dir: &Path, args: &[&str], says: &str) -> String {
     err
 }
 
+/// Each bad value of each command's options is a clear error, never a panic.
+///
+/// Kept whole: a table of bad command lines, each with the words its error must hold.
 #[test]
 fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
     let dir = tempfile::tempdir().unwrap();

@@ -268,6 +268,8 @@ impl Drop for Mounted {
 /// `--model FILE` and `--model NAME` decode the contexts of that model with its tokenizer, control
 /// tokens visible; a context of another model is not decoded (its text and info say so); without
 /// a model, text says no tokenizer is loaded and points at `tokens`. Another uid reads nothing.
+///
+/// Kept whole: one scenario through the real CLI's mounts, read top to bottom.
 #[test]
 fn mount_with_a_model_shows_its_contexts_as_text() {
     use model::tiny::{TINY_CHATML, TinySpec, write_tiny_gguf};

@@ -186,6 +186,9 @@ impl Harness {
         BUDGET_PAGES * PAGE - self.model.resident() + self.model.evictable() >= need
     }
 
+    /// Applies one operation to the pager and the model, and checks they agree.
+    ///
+    /// Kept whole: one arm per operation, each beside the model's transition it must match.
     fn step(&mut self, op: &Op, rss: bool) {
         let p = &self.pager;
         match *op {

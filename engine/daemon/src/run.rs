@@ -14,7 +14,7 @@ use protocol::{
     ChunkCounts, ContextInfo, Done, ErrorBody, Event, PromptFormat, Reply, Request, Stats, Timings,
     codes,
 };
-use service::{CallOptions, ContextSummary, Manager, Owner, Prompt, ServiceError};
+use service::{CallOptions, CallReport, ContextSummary, Manager, Owner, Prompt, ServiceError};
 
 /// Serves requests until the queue closes, then flushes the AoT writes.
 pub fn engine_loop(mut m: Manager, tok: &Tokenizer, shared: &Shared) {
@@ -228,11 +228,8 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
             !job.cancel.load(Ordering::Acquire)
         })
         .map_err(service_error)?;
-    let total = job.received.elapsed().as_secs_f64();
     let ms = |s: f64| s * 1e3;
-    let l = &report.load;
     let generated = report.tokens.len();
-    let decoded = generated.saturating_sub(1);
     let context_tokens = m.info(o, *context).map(|c| c.tokens).unwrap_or(0);
     tracing::info!(
         context,
@@ -251,31 +248,45 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
         tokens: generated,
         context_tokens,
         window_dropped: report.window_dropped,
-        timings: Timings {
-            switch_ms: ms(report.switch_secs),
-            queue_ms: ms(started.duration_since(job.received).as_secs_f64()),
-            load_ms: ms(l.total_secs),
-            load_predicted_ms: ms(l.predicted_secs),
-            plan_ms: ms(l.plan_secs),
-            io_ms: ms(l.io_secs),
-            recompute_ms: ms(l.recompute_secs),
-            prefill_tokens: report.prefill_tokens,
-            prefill_ms: ms(report.prefill_secs),
-            prefill_tps: rate(report.prefill_tokens, report.prefill_secs),
-            decode_ms: ms(report.decode_secs),
-            decode_tps: rate(decoded, report.decode_secs),
-            total_ms: ms(total),
-        },
-        chunks: ChunkCounts {
-            missing: l.missing,
-            read: l.read.len(),
-            recomputed: l.recomputed.len(),
-            failed_reads: l.failed_reads.len(),
-            read_bytes: l.read_bytes,
-            recompressed: report.recompressed,
-            queued_writes: report.queued_writes,
-        },
+        timings: timings(&report, job, started),
+        chunks: chunk_counts(&report),
     })
+}
+
+/// A call's timings, in milliseconds, from its report and the job's arrival.
+fn timings(report: &CallReport, job: &Job, started: Instant) -> Timings {
+    let ms = |s: f64| s * 1e3;
+    let l = &report.load;
+    let decoded = report.tokens.len().saturating_sub(1);
+    Timings {
+        switch_ms: ms(report.switch_secs),
+        queue_ms: ms(started.duration_since(job.received).as_secs_f64()),
+        load_ms: ms(l.total_secs),
+        load_predicted_ms: ms(l.predicted_secs),
+        plan_ms: ms(l.plan_secs),
+        io_ms: ms(l.io_secs),
+        recompute_ms: ms(l.recompute_secs),
+        prefill_tokens: report.prefill_tokens,
+        prefill_ms: ms(report.prefill_secs),
+        prefill_tps: rate(report.prefill_tokens, report.prefill_secs),
+        decode_ms: ms(report.decode_secs),
+        decode_tps: rate(decoded, report.decode_secs),
+        total_ms: ms(job.received.elapsed().as_secs_f64()),
+    }
+}
+
+/// What a call's Load and write-out did with its chunks.
+fn chunk_counts(report: &CallReport) -> ChunkCounts {
+    let l = &report.load;
+    ChunkCounts {
+        missing: l.missing,
+        read: l.read.len(),
+        recomputed: l.recomputed.len(),
+        failed_reads: l.failed_reads.len(),
+        read_bytes: l.read_bytes,
+        recompressed: report.recompressed,
+        queued_writes: report.queued_writes,
+    }
 }
 
 fn rate(n: usize, secs: f64) -> f64 {

@@ -38,6 +38,8 @@ fn check(text: &str, expected: &[u32]) {
 /// (read with the `gguf` package 0.19.0), SmolLM2's pre-tokenizer (`Digits(individual_digits=True)`
 /// then `ByteLevel(add_prefix_space=False)`), and the 17 control tokens added as special tokens;
 /// `tokenizer.encode(text, add_special_tokens=False).ids`.
+///
+/// Kept whole: a table of strings and their reference ids.
 #[test]
 fn known_strings_match_the_reference_ids() {
     check("Hello, world!", &[19556, 28, 905, 17]);

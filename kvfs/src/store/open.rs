@@ -259,21 +259,7 @@ impl Store {
                 touched = true;
                 continue;
             }
-            let checked = ChunkHeader::decode(head)
-                .map_err(|e| e.to_string())
-                .and_then(|h| check_identity(&h, id, index, &meta).map(|()| h))
-                .and_then(|h| {
-                    if h.stored_len as usize > MAX_CHUNK_BYTES {
-                        return Err(format!("header says {} stored bytes", h.stored_len));
-                    }
-                    if self.options.verify_on_open {
-                        let payload = bytes
-                            .get(HEADER_PAGE..HEADER_PAGE + h.stored_len as usize)
-                            .ok_or("payload cut short")?;
-                        h.check_payload(payload).map_err(|e| e.to_string())?;
-                    }
-                    Ok(h)
-                });
+            let checked = self.check_found_slot(head, bytes, id, index, &meta);
             match checked {
                 Ok(h) => found.entry(index).or_default().push((copy, h)),
                 Err(reason) => {
@@ -291,29 +277,7 @@ impl Store {
                 }
             }
         }
-        for (index, mut copies) in found {
-            // The newest copy wins; an older one is what a crash between a rewrite and the
-            // freeing of the slot it replaced leaves behind.
-            copies.sort_by_key(|(_, h)| std::cmp::Reverse(h.generation));
-            for (copy, _) in copies.iter().skip(1) {
-                self.free_slot(&data, &data_path, index, *copy, "older copy")?;
-                touched = true;
-            }
-            let (copy, h) = &copies[0];
-            if !covers(&tokens, &(h.token_start..h.token_end), h.tokens_crc) {
-                self.free_slot(
-                    &data,
-                    &data_path,
-                    index,
-                    *copy,
-                    "stale: its tokens were replaced",
-                )?;
-                touched = true;
-                continue;
-            }
-            *max_gen = (*max_gen).max(h.generation);
-            chunks.insert(index, ChunkState::Stored(stored_of(h, *copy)));
-        }
+        touched |= self.keep_newest(&data, &data_path, &tokens, found, &mut chunks, max_gen)?;
         if touched && !self.options.read_only {
             nix::unistd::fdatasync(&data).map_err(|e| format!("fdatasync data: {e}"))?;
         }
@@ -327,6 +291,67 @@ impl Store {
             state: Mutex::new(CtxState { tokens, chunks }),
             deleted: AtomicBool::new(false),
         })
+    }
+
+    /// A slot's header (and, with `verify_on_open`, its payload in `bytes`) checked against the
+    /// context it is in; an `Err` is the reason to quarantine it.
+    fn check_found_slot(
+        &self,
+        head: &[u8],
+        bytes: &[u8],
+        id: ContextId,
+        index: u32,
+        meta: &ContextMeta,
+    ) -> Result<ChunkHeader, String> {
+        let h = ChunkHeader::decode(head).map_err(|e| e.to_string())?;
+        check_identity(&h, id, index, meta)?;
+        if h.stored_len as usize > MAX_CHUNK_BYTES {
+            return Err(format!("header says {} stored bytes", h.stored_len));
+        }
+        if self.options.verify_on_open {
+            let payload = bytes
+                .get(HEADER_PAGE..HEADER_PAGE + h.stored_len as usize)
+                .ok_or("payload cut short")?;
+            h.check_payload(payload).map_err(|e| e.to_string())?;
+        }
+        Ok(h)
+    }
+
+    /// Keeps each chunk's newest copy that still covers its tokens, freeing the others (an older
+    /// copy is what a crash between a rewrite and the freeing of the slot it replaced leaves
+    /// behind); returns whether it freed any.
+    fn keep_newest(
+        &mut self,
+        data: &File,
+        data_path: &Path,
+        tokens: &[u32],
+        found: BTreeMap<u32, Vec<(u8, ChunkHeader)>>,
+        chunks: &mut BTreeMap<u32, ChunkState>,
+        max_gen: &mut u64,
+    ) -> Result<bool, String> {
+        let mut touched = false;
+        for (index, mut copies) in found {
+            copies.sort_by_key(|(_, h)| std::cmp::Reverse(h.generation));
+            for (copy, _) in copies.iter().skip(1) {
+                self.free_slot(data, data_path, index, *copy, "older copy")?;
+                touched = true;
+            }
+            let (copy, h) = &copies[0];
+            if !covers(tokens, &(h.token_start..h.token_end), h.tokens_crc) {
+                self.free_slot(
+                    data,
+                    data_path,
+                    index,
+                    *copy,
+                    "stale: its tokens were replaced",
+                )?;
+                touched = true;
+                continue;
+            }
+            *max_gen = (*max_gen).max(h.generation);
+            chunks.insert(index, ChunkState::Stored(stored_of(h, *copy)));
+        }
+        Ok(touched)
     }
 
     /// Frees a slot at open (a leftover of an interrupted write, or a stale chunk) and notes why.

@@ -1,12 +1,14 @@
 //! Chunk writes: a new copy to the slot the chunk does not occupy, payload durable before header,
 //! then the old slot freed (docs/kvfs.md, "Crash safety").
 
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
+use std::path::Path;
 use std::sync::atomic::Ordering;
 
 use super::{
-    ChunkState, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, MAX_CHUNKS, SLOT_BYTES, Store, StoreError,
-    StoredChunk, lock, slot_offset, span, stored_of, unix_seconds,
+    ChunkState, ContextId, Ctx, HEADER_PAGE, MAX_CHUNK_BYTES, MAX_CHUNKS, SLOT_BYTES, Store,
+    StoreError, StoredChunk, lock, slot_offset, span, stored_of, unix_seconds,
 };
 use crate::format::{ChunkHeader, Codec, Fingerprint, KvFormat, tokens_crc};
 use crate::io::{IoError, drop_range, failpoint, punch};
@@ -41,20 +43,7 @@ impl Store {
         }
         let ctx = self.ctx_of_model(id, fingerprint)?;
         let _w = self.write_lock(&ctx)?;
-        let (range, tcrc) = {
-            let st = lock(&ctx.state);
-            let range = span(index, ctx.meta.chunk_tokens, st.tokens.len());
-            if range.is_empty() {
-                return Err(StoreError::BeyondTokens {
-                    context: id,
-                    index,
-                    start: index as u64 * ctx.meta.chunk_tokens as u64,
-                    tokens: st.tokens.len(),
-                });
-            }
-            let crc = tokens_crc(&st.tokens[range.start as usize..range.end as usize]);
-            (range, crc)
-        };
+        let (range, tcrc) = chunk_tokens(&ctx, id, index)?;
         let compressed = self.compress(data);
         let (codec, payload) = match &compressed {
             Some(c) => (Codec::Zstd, c.as_slice()),
@@ -86,35 +75,7 @@ impl Store {
         };
         let path = ctx.dir.join("data");
         let at = slot_offset(index, copy);
-        let write = |bytes: &[u8], offset| {
-            ctx.data
-                .write_all_at(bytes, offset)
-                .map_err(|e| IoError::new("write", &path, e))
-        };
-        let sync = || {
-            nix::unistd::fdatasync(&ctx.data)
-                .map_err(|e| IoError::new("fdatasync", &path, e.into()))
-        };
-        let put = || -> Result<(), IoError> {
-            // 1. The payload, durable before any header names it.
-            let written = write(payload, at + HEADER_PAGE as u64);
-            failpoint!("kvfs::chunk::payload_written", "write", &path, written)?;
-            failpoint!("kvfs::chunk::payload_synced", "fdatasync", &path, sync())?;
-            // 2. The header: from here on this copy is the newest complete one.
-            let written = write(&header.encode(), at);
-            failpoint!("kvfs::chunk::header_written", "write", &path, written)?;
-            failpoint!("kvfs::chunk::header_synced", "fdatasync", &path, sync())
-        };
-        if let Err(e) = put() {
-            // A write that fails leaves the chunk as it was: the slot it was writing is freed,
-            // durably, so that the next open cannot find its copy there as the newest one.
-            let undone = punch(&ctx.data, at, SLOT_BYTES)
-                .and_then(|()| nix::unistd::fdatasync(&ctx.data).map_err(Into::into));
-            if let Err(undo) = undone {
-                tracing::warn!(path = %path.display(), index, error = %undo, "could not free the slot of a failed chunk write; the next open may find its copy");
-            }
-            return Err(e.into());
-        }
+        put_copy(&ctx, &path, at, index, &header, payload)?;
         drop_range(&ctx.data, at, HEADER_PAGE + payload.len());
         let stored = stored_of(&header, copy);
         lock(&ctx.state)
@@ -145,4 +106,60 @@ impl Store {
         let c = zstd::bulk::compress(data, self.options.zstd_level).ok()?;
         (data.len() as f64 >= self.options.min_ratio * c.len() as f64).then_some(c)
     }
+}
+
+/// The token range chunk `index` covers and its checksum; a chunk beyond the stored tokens is
+/// refused.
+fn chunk_tokens(ctx: &Ctx, id: ContextId, index: u32) -> Result<(Range<u32>, u32), StoreError> {
+    let st = lock(&ctx.state);
+    let range = span(index, ctx.meta.chunk_tokens, st.tokens.len());
+    if range.is_empty() {
+        return Err(StoreError::BeyondTokens {
+            context: id,
+            index,
+            start: index as u64 * ctx.meta.chunk_tokens as u64,
+            tokens: st.tokens.len(),
+        });
+    }
+    let crc = tokens_crc(&st.tokens[range.start as usize..range.end as usize]);
+    Ok((range, crc))
+}
+
+/// Steps 1 and 2 of a chunk write: the payload into the slot at `at`, durable before its
+/// header, then the header, durable. A write that fails leaves the chunk as it was: the slot is
+/// freed, durably, so that the next open cannot find its copy there as the newest one.
+fn put_copy(
+    ctx: &Ctx,
+    path: &Path,
+    at: u64,
+    index: u32,
+    header: &ChunkHeader,
+    payload: &[u8],
+) -> Result<(), StoreError> {
+    let write = |bytes: &[u8], offset| {
+        ctx.data
+            .write_all_at(bytes, offset)
+            .map_err(|e| IoError::new("write", path, e))
+    };
+    let sync =
+        || nix::unistd::fdatasync(&ctx.data).map_err(|e| IoError::new("fdatasync", path, e.into()));
+    let put = || -> Result<(), IoError> {
+        // 1. The payload, durable before any header names it.
+        let written = write(payload, at + HEADER_PAGE as u64);
+        failpoint!("kvfs::chunk::payload_written", "write", path, written)?;
+        failpoint!("kvfs::chunk::payload_synced", "fdatasync", path, sync())?;
+        // 2. The header: from here on this copy is the newest complete one.
+        let written = write(&header.encode(), at);
+        failpoint!("kvfs::chunk::header_written", "write", path, written)?;
+        failpoint!("kvfs::chunk::header_synced", "fdatasync", path, sync())
+    };
+    if let Err(e) = put() {
+        let undone = punch(&ctx.data, at, SLOT_BYTES)
+            .and_then(|()| nix::unistd::fdatasync(&ctx.data).map_err(Into::into));
+        if let Err(undo) = undone {
+            tracing::warn!(path = %path.display(), index, error = %undo, "could not free the slot of a failed chunk write; the next open may find its copy");
+        }
+        return Err(e.into());
+    }
+    Ok(())
 }
