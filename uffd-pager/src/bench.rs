@@ -295,40 +295,8 @@ fn one_run(
     out[0] = median(v);
 
     // The bare ioctls on a range of our own.
-    let uffd = Uffd::open().map_err(setup)?;
-    let region = Mapping::reserve(size).map_err(setup)?;
-    uffd.register(region.addr(), region.len()).map_err(setup)?;
-    let (mut copy, mut mv, mut dn) = (Vec::new(), Vec::new(), Vec::new());
     let mut staging = Staging::new(size)?;
-    for _ in 0..iters {
-        let t = Instant::now();
-        uffd.copy(region.addr(), data, true).map_err(setup)?;
-        copy.push(ns(t));
-        let t = Instant::now();
-        region.dontneed(0, size).map_err(setup)?;
-        dn.push(ns(t));
-        if uffd.move_supported() {
-            staging.as_mut_slice()[..size].copy_from_slice(data);
-            let t = Instant::now();
-            // SAFETY: the staging buffer is private anonymous, ours, fully written, and its
-            // contents are given up.
-            unsafe {
-                uffd.move_pages(
-                    region.addr(),
-                    staging.as_slice().as_ptr() as usize,
-                    size,
-                    true,
-                )
-            }
-            .map_err(setup)?;
-            mv.push(ns(t));
-            region.dontneed(0, size).map_err(setup)?;
-        }
-    }
-    out[1] = median(copy);
-    out[2] = median(mv);
-    out[6] = median(dn);
-    drop(region);
+    [out[1], out[2], out[6]] = raw_ioctls(size, data, iters, &mut staging)?;
 
     // The pager's populate (COPY, MOVE) and reclaim.
     let (mut pc, mut pm, mut refill, mut rc) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -381,6 +349,46 @@ fn one_run(
     out[9] = median(fill);
     out[10] = raw_fault(size, data, iters)?;
     Ok(out)
+}
+
+/// The medians of the bare ioctls on a registered range of our own: UFFDIO_COPY, UFFDIO_MOVE
+/// (0 where the kernel lacks it, moving from `staging`) and MADV_DONTNEED.
+fn raw_ioctls(
+    size: usize,
+    data: &[u8],
+    iters: usize,
+    staging: &mut Staging,
+) -> Result<[u64; 3], PagerError> {
+    let uffd = Uffd::open().map_err(setup)?;
+    let region = Mapping::reserve(size).map_err(setup)?;
+    uffd.register(region.addr(), region.len()).map_err(setup)?;
+    let (mut copy, mut mv, mut dn) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..iters {
+        let t = Instant::now();
+        uffd.copy(region.addr(), data, true).map_err(setup)?;
+        copy.push(ns(t));
+        let t = Instant::now();
+        region.dontneed(0, size).map_err(setup)?;
+        dn.push(ns(t));
+        if uffd.move_supported() {
+            staging.as_mut_slice()[..size].copy_from_slice(data);
+            let t = Instant::now();
+            // SAFETY: the staging buffer is private anonymous, ours, fully written, and its
+            // contents are given up.
+            unsafe {
+                uffd.move_pages(
+                    region.addr(),
+                    staging.as_slice().as_ptr() as usize,
+                    size,
+                    true,
+                )
+            }
+            .map_err(setup)?;
+            mv.push(ns(t));
+            region.dontneed(0, size).map_err(setup)?;
+        }
+    }
+    Ok([median(copy), median(mv), median(dn)])
 }
 
 /// The median time from the first touch of a reclaimed chunk to the touch returning; `idle`

@@ -172,25 +172,7 @@ impl Manager {
                 ),
             });
         }
-        let levels =
-            FormatLevels::new(&model.chunk_shape(cfg.chunk_tokens), &cfg.levels).map_err(|e| {
-                ServiceError::BadRequest {
-                    what: e.to_string(),
-                }
-            })?;
-        // A budget the levels cannot reach (a small model's chunks amortize kvfs's header over
-        // few values) puts every chunk at the lightest level.
-        let ratio = match cfg.compress_bits {
-            Some(bits) if levels.floor(cfg.kv_format).is_some() => {
-                Some(levels.ratio_for_bits(bits).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "every chunk compressed to the lightest level");
-                    let set = levels.set();
-                    set.ratio(set.lightest()).unwrap_or(1.0)
-                }))
-            }
-            _ => None,
-        };
-        let compression = Compression { levels, ratio };
+        let compression = compression_of(&model, &cfg)?;
         let fingerprint = model_fingerprint(model.path()).map_err(|e| ServiceError::Internal {
             what: format!("reading {} to fingerprint it: {e}", model.path().display()),
         })?;
@@ -208,32 +190,8 @@ impl Manager {
             None => ChunkIo::direct(Arc::clone(&store), fingerprint),
         });
         let shape = model.chunk_shape(cfg.chunk_tokens);
-        let slot = shape.slot_bytes(cfg.kv_format);
         let expected = Arc::new(Expected::default());
-        let source = Arc::new(StoreSource::new(
-            Arc::clone(&io),
-            Arc::clone(&expected),
-            shape,
-            cfg.write_out != WriteOut::Never,
-        ));
-        let sizes: Vec<(u64, Level)> = cfg
-            .levels
-            .iter()
-            .enumerate()
-            .map(|(l, &f)| (shape.slot_bytes(f) as u64, Level(l as u8)))
-            .collect();
-        let chooser = Box::new(match cfg.victims {
-            VictimPolicy::Lctru => PolicyChooser::new(Box::new(policy::LctruQueue::new()), sizes),
-            VictimPolicy::Lru => PolicyChooser::new(Box::new(policy::ChunkLru::new()), sizes),
-            VictimPolicy::Context => {
-                PolicyChooser::whole_contexts(Box::new(policy::WholeContextLru::swapping()), sizes)
-            }
-        });
-        let pager = Arc::new(Pager::with_chooser(
-            PagerConfig::new(cfg.kv_budget, slot),
-            source,
-            chooser,
-        )?);
+        let pager = start_pager(&cfg, shape, &io, &expected)?;
         store.set_residency(
             super::inspect::residency(Arc::downgrade(&pager)).map_err(|e| {
                 ServiceError::Internal {
@@ -493,26 +451,8 @@ impl Manager {
         on_token: impl FnMut(u32) -> bool,
     ) -> Result<CallReport, ServiceError> {
         let _span = tracing::info_span!("call", ctx = id).entered();
-        let ctx = self.owned(owner, id)?;
-        let said = ctx.cache.len() + ctx.pending.len();
-        let mut window_dropped = 0;
-        // A prompt known too long slides the window first; one encoded during the Load is decided
-        // after it (`run_call` hands it back, and the call starts again from here).
-        if let Prompt::Tokens(t) = &prompt
-            && said + t.len() >= self.cfg.max_tokens
-        {
-            let n = t.len();
-            // The window keeps at least the sink chunk beside the prompt.
-            let sink = self.cfg.chunk_tokens.min(said);
-            if !self.cfg.window || sink + n + 1 > self.cfg.max_tokens {
-                return Err(ServiceError::Kv(model::kv::KvError::Full {
-                    len: said,
-                    adding: n + 1,
-                    max: self.cfg.max_tokens,
-                }));
-            }
-            window_dropped = self.slide(id, n, opts.max_tokens)?;
-        }
+        self.owned(owner, id)?;
+        let window_dropped = self.slide_if_full(id, &prompt, opts.max_tokens)?;
         let ctx = self.contexts.get_mut(&id).expect("owned checked it");
         ctx.cache.pin()?;
         // Weight reads per decode token: between two streamed tokens the engine runs exactly one
@@ -591,6 +531,37 @@ impl Manager {
             .record(std::time::Duration::from_secs_f64(report.switch_secs));
         self.learn(&report.load);
         Ok(report)
+    }
+
+    /// Slides context `id`'s window when a prompt known too long would not fit beside it (one
+    /// encoded during the Load is decided after it: `run_call` hands it back, and the call starts
+    /// again); returns the tokens dropped. A prompt that cannot fit even beside the sink chunk,
+    /// or any overflow without the window, is refused.
+    fn slide_if_full(
+        &mut self,
+        id: u64,
+        prompt: &Prompt<'_>,
+        max_tokens: usize,
+    ) -> Result<usize, ServiceError> {
+        let ctx = self.contexts.get(&id).expect("owned checked it");
+        let said = ctx.cache.len() + ctx.pending.len();
+        let Prompt::Tokens(t) = prompt else {
+            return Ok(0);
+        };
+        if said + t.len() < self.cfg.max_tokens {
+            return Ok(0);
+        }
+        let n = t.len();
+        // The window keeps at least the sink chunk beside the prompt.
+        let sink = self.cfg.chunk_tokens.min(said);
+        if !self.cfg.window || sink + n + 1 > self.cfg.max_tokens {
+            return Err(ServiceError::Kv(model::kv::KvError::Full {
+                len: said,
+                adding: n + 1,
+                max: self.cfg.max_tokens,
+            }));
+        }
+        self.slide(id, n, max_tokens)
     }
 
     fn learn(&mut self, load: &LoadReport) {
@@ -783,6 +754,65 @@ impl Manager {
     pub fn model(&self) -> &Model {
         &self.model
     }
+}
+
+/// The compression of sealed chunks `cfg` asks for: its levels, and the ratio of stored bits
+/// to the base format's that the density assignment meets (none without `compress_bits`).
+fn compression_of(model: &Model, cfg: &ManagerConfig) -> Result<Compression, ServiceError> {
+    let levels =
+        FormatLevels::new(&model.chunk_shape(cfg.chunk_tokens), &cfg.levels).map_err(|e| {
+            ServiceError::BadRequest {
+                what: e.to_string(),
+            }
+        })?;
+    // A budget the levels cannot reach (a small model's chunks amortize kvfs's header over
+    // few values) puts every chunk at the lightest level.
+    let ratio = match cfg.compress_bits {
+        Some(bits) if levels.floor(cfg.kv_format).is_some() => {
+            Some(levels.ratio_for_bits(bits).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "every chunk compressed to the lightest level");
+                let set = levels.set();
+                set.ratio(set.lightest()).unwrap_or(1.0)
+            }))
+        }
+        _ => None,
+    };
+    Ok(Compression { levels, ratio })
+}
+
+/// The pager over the store's chunks: its source reads them through `io` (and writes them back
+/// unless write-out is off), its chooser picks victims by `cfg.victims`.
+fn start_pager(
+    cfg: &ManagerConfig,
+    shape: model::kv::ChunkShape,
+    io: &Arc<ChunkIo>,
+    expected: &Arc<Expected>,
+) -> Result<Arc<Pager>, ServiceError> {
+    let slot = shape.slot_bytes(cfg.kv_format);
+    let source = Arc::new(StoreSource::new(
+        Arc::clone(io),
+        Arc::clone(expected),
+        shape,
+        cfg.write_out != WriteOut::Never,
+    ));
+    let sizes: Vec<(u64, Level)> = cfg
+        .levels
+        .iter()
+        .enumerate()
+        .map(|(l, &f)| (shape.slot_bytes(f) as u64, Level(l as u8)))
+        .collect();
+    let chooser = Box::new(match cfg.victims {
+        VictimPolicy::Lctru => PolicyChooser::new(Box::new(policy::LctruQueue::new()), sizes),
+        VictimPolicy::Lru => PolicyChooser::new(Box::new(policy::ChunkLru::new()), sizes),
+        VictimPolicy::Context => {
+            PolicyChooser::whole_contexts(Box::new(policy::WholeContextLru::swapping()), sizes)
+        }
+    });
+    Ok(Arc::new(Pager::with_chooser(
+        PagerConfig::new(cfg.kv_budget, slot),
+        source,
+        chooser,
+    )?))
 }
 
 #[cfg(test)]
