@@ -355,7 +355,12 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
                 continue;
             }
             progress.set_prefix(format!("{m}, {}, {n} contexts", budget.label()));
-            let r = bench::peer::replay(&setup, exe, &cfg, *kv, *budget, *n, rows, &progress)
+            let peer = bench::peer::Peer {
+                exe,
+                cfg: &cfg,
+                kv: *kv,
+            };
+            let r = bench::peer::replay(&setup, &peer, *budget, *n, rows, &progress)
                 .with_context(|| format!("the {m} row"))?;
             report_line(&progress, &r);
             runs.push(r);
