@@ -157,65 +157,110 @@ pub fn run(
     model: Arc<Model>,
     opts: &LoadBenchOptions,
     memory: Option<&cgroup::Group>,
-    mut progress: impl FnMut(&str),
+    progress: impl FnMut(&str),
 ) -> Result<LoadBenchReport, ServiceError> {
-    let cgroup_err = |e: cgroup::CgroupError| ServiceError::Internal {
-        what: e.to_string(),
+    let mut bench = LoadBench {
+        opts,
+        peaks: Peaks {
+            memory,
+            overall: None,
+        },
+        progress,
+        owner: Owner {
+            uid: 0,
+            app: "bench".into(),
+        },
     };
-    let mut overall: Option<u64> = None;
-    // The peak since the last reset, kept in the run's peak, and a fresh start.
-    let mut peak_and_reset = || -> Result<Option<u64>, ServiceError> {
-        let Some(g) = memory else { return Ok(None) };
-        let peak = g.peak_memory().map_err(cgroup_err)?;
-        g.reset_peak().map_err(cgroup_err)?;
-        overall = Some(overall.unwrap_or(0).max(peak));
-        Ok(Some(peak))
-    };
-    peak_and_reset()?;
+    bench.peaks.take()?;
     let mut rows = Vec::new();
     let mut prefill_tps = Vec::new();
-    let owner = Owner {
-        uid: 0,
-        app: "bench".into(),
-    };
-    let max_len = opts.lengths.iter().copied().max().unwrap_or(16);
-    let vocab = model.cfg.vocab as u64;
     let mut buffers = (0, 0);
     let mut io_uring = false;
     for &n in &opts.lengths {
+        let length = bench.length(&model, n)?;
+        rows.extend(length.rows);
+        prefill_tps.push((n, length.prefill_tps));
+        io_uring |= length.stats.load_io_uring;
+        if length.stats.load_buffer_bytes >= buffers.0 {
+            buffers = (
+                length.stats.load_buffer_bytes,
+                length.stats.load_buffer_huge_bytes,
+            );
+        }
+    }
+    bench.peaks.take()?;
+    Ok(LoadBenchReport {
+        mount: opts.mount,
+        rows,
+        prefill_tps,
+        memory_cgroup: memory.map(|g| g.path().to_owned()),
+        peak_memory_bytes: bench.peaks.overall,
+        load_buffer_bytes: buffers.0,
+        load_buffer_huge_bytes: buffers.1,
+        load_io_uring: io_uring,
+    })
+}
+
+/// The memory group's peaks: each taken since the last, and the largest over the run.
+struct Peaks<'a> {
+    memory: Option<&'a cgroup::Group>,
+    overall: Option<u64>,
+}
+
+impl Peaks<'_> {
+    /// The peak since the last reset, kept in the run's peak, and a fresh start; `None` without
+    /// a group.
+    fn take(&mut self) -> Result<Option<u64>, ServiceError> {
+        let Some(g) = self.memory else {
+            return Ok(None);
+        };
+        let cgroup_err = |e: cgroup::CgroupError| ServiceError::Internal {
+            what: e.to_string(),
+        };
+        let peak = g.peak_memory().map_err(cgroup_err)?;
+        g.reset_peak().map_err(cgroup_err)?;
+        self.overall = Some(self.overall.unwrap_or(0).max(peak));
+        Ok(Some(peak))
+    }
+}
+
+/// What one context length gave: its rows, its first call's prefill throughput (tokens/s), and
+/// the manager's counters at the end.
+struct Length {
+    rows: Vec<LoadRow>,
+    prefill_tps: f64,
+    stats: service::ServiceStats,
+}
+
+/// A run in progress: its options, the memory group's peaks, where progress is told, and the
+/// owner of every context.
+struct LoadBench<'a, P> {
+    opts: &'a LoadBenchOptions,
+    peaks: Peaks<'a>,
+    progress: P,
+    owner: Owner,
+}
+
+impl<P: FnMut(&str)> LoadBench<'_, P> {
+    /// One context of `n` tokens in a manager of its own over a fresh store: prefilled by a
+    /// first call, then swapped out and loaded in every mode at every storage speed; the store
+    /// is removed at the end.
+    fn length(&mut self, model: &Arc<Model>, n: usize) -> Result<Length, ServiceError> {
+        let opts = self.opts;
         let store = opts.dir.join(format!("load-{n}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&store);
-        let mut cfg = ManagerConfig::new(&store, 1 << 34);
-        cfg.mount = opts.mount.then(|| store.with_extension("mnt"));
-        cfg.mount_guard = opts.mount_guard.clone();
-        cfg.kv_format = opts.format;
-        cfg.io_threads = opts.io_threads;
-        cfg.max_tokens = (max_len + 64).div_ceil(16) * 16;
-        if !opts.compress {
-            cfg.compress_bits = None;
-        }
-        if let Some(cost) = opts.cost {
-            cfg.cost = cost;
-        }
-        let mut m = Manager::open(Arc::clone(&model), cfg)?;
-        let mut x = 0x2545_f491_4f6c_dd1du64 ^ n as u64;
-        let tokens: Vec<u32> = (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x % vocab) as u32
-            })
-            .collect();
-        let id = m.create(&owner, &[])?;
-        progress(&format!("prefilling {n} tokens"));
+        let mut m = Manager::open(Arc::clone(model), manager_config(opts, &store))?;
+        let tokens = pseudo_tokens(n, model.cfg.vocab as u64);
+        let id = m.create(&self.owner, &[])?;
+        (self.progress)(&format!("prefilling {n} tokens"));
         let opts1 = CallOptions {
             max_tokens: 1,
             ..CallOptions::default()
         };
-        let r = m.call(&owner, id, &tokens, &opts1, Instant::now(), |_| true)?;
-        prefill_tps.push((n, r.prefill_tokens as f64 / r.prefill_secs.max(1e-9)));
+        let r = m.call(&self.owner, id, &tokens, &opts1, Instant::now(), |_| true)?;
+        let prefill_tps = r.prefill_tokens as f64 / r.prefill_secs.max(1e-9);
         m.flush();
+        let mut rows = Vec::new();
         for &throttle in &opts.throttles {
             let guard = match throttle {
                 Some(bps) => Some(Throttle::start(&store, bps)?),
@@ -226,74 +271,121 @@ pub fn run(
                 (LoadMode::RecomputeOnly, "recompute"),
                 (LoadMode::Planned, "planned"),
             ] {
-                progress(&format!(
+                (self.progress)(&format!(
                     "{n} tokens, {name}, disk {}",
                     throttle.map_or("full".into(), |b| format!("{} MiB/s", b >> 20))
                 ));
                 m.set_load_mode(mode);
-                peak_and_reset()?;
-                let mut samples: Vec<service::LoadReport> = Vec::new();
-                for _ in 0..opts.runs.max(1) {
-                    m.flush();
-                    m.swap_out(&owner, id)?;
-                    if guard.is_some() {
-                        // Every throttled Load starts from the same state of the throttle.
-                        std::thread::sleep(Throttle::SETTLE);
-                    }
-                    // One token in, none out: the call is its Load plus one token of prefill.
-                    let opts0 = CallOptions {
-                        max_tokens: 0,
-                        ..CallOptions::default()
-                    };
-                    let r = m.call(&owner, id, &[], &opts0, Instant::now(), |_| true)?;
-                    samples.push(r.load);
-                }
-                let med = |f: &dyn Fn(&service::LoadReport) -> f64| median(samples.iter().map(f));
-                let last = samples.last().cloned().unwrap_or_default();
-                let re_tokens = last.recomputed.len() * 16;
-                let re_ms = med(&|l| l.recompute_secs * 1e3);
-                rows.push(LoadRow {
-                    tokens: n,
-                    throttle_mib_s: throttle.map(|b| b as f64 / f64::from(1 << 20)),
-                    mode: name,
-                    chunks: last.missing,
-                    read: last.read.len(),
-                    recomputed: last.recomputed.len(),
-                    read_bytes: last.read_bytes,
-                    load_ms: med(&|l| l.total_secs * 1e3),
-                    io_ms: med(&|l| l.io_secs * 1e3),
-                    recompute_ms: re_ms,
-                    predicted_ms: med(&|l| l.predicted_secs * 1e3),
-                    recompute_tps: if re_ms > 0.0 {
-                        re_tokens as f64 / (re_ms / 1e3)
-                    } else {
-                        0.0
-                    },
-                    peak_memory_bytes: peak_and_reset()?,
-                });
+                self.peaks.take()?;
+                let samples = self.loads(&mut m, id, guard.is_some())?;
+                let peak = self.peaks.take()?;
+                rows.push(load_row(n, throttle, name, &samples, peak));
             }
             drop(guard);
         }
-        let st = m.stats();
-        io_uring |= st.load_io_uring;
-        if st.load_buffer_bytes >= buffers.0 {
-            buffers = (st.load_buffer_bytes, st.load_buffer_huge_bytes);
-        }
+        let stats = m.stats();
         drop(m);
         let _ = std::fs::remove_dir_all(&store);
         let _ = std::fs::remove_dir(store.with_extension("mnt"));
+        Ok(Length {
+            rows,
+            prefill_tps,
+            stats,
+        })
     }
-    peak_and_reset()?;
-    Ok(LoadBenchReport {
-        mount: opts.mount,
-        rows,
-        prefill_tps,
-        memory_cgroup: memory.map(|g| g.path().to_owned()),
-        peak_memory_bytes: overall,
-        load_buffer_bytes: buffers.0,
-        load_buffer_huge_bytes: buffers.1,
-        load_io_uring: io_uring,
-    })
+
+    /// --runs rounds of context `id` swapped out and brought back by a call (one token in, none
+    /// out: the call is its Load plus one token of prefill); each round's Load report.
+    fn loads(
+        &self,
+        m: &mut Manager,
+        id: u64,
+        throttled: bool,
+    ) -> Result<Vec<service::LoadReport>, ServiceError> {
+        let mut samples = Vec::new();
+        for _ in 0..self.opts.runs.max(1) {
+            m.flush();
+            m.swap_out(&self.owner, id)?;
+            if throttled {
+                // Every throttled Load starts from the same state of the throttle.
+                std::thread::sleep(Throttle::SETTLE);
+            }
+            let opts0 = CallOptions {
+                max_tokens: 0,
+                ..CallOptions::default()
+            };
+            let r = m.call(&self.owner, id, &[], &opts0, Instant::now(), |_| true)?;
+            samples.push(r.load);
+        }
+        Ok(samples)
+    }
+}
+
+/// The manager of one length's run: its store at `store` (and its mount beside it, with
+/// --mount), room for the longest context, the options' format, compression, I/O threads and
+/// starting costs.
+fn manager_config(opts: &LoadBenchOptions, store: &Path) -> ManagerConfig {
+    let max_len = opts.lengths.iter().copied().max().unwrap_or(16);
+    let mut cfg = ManagerConfig::new(store, 1 << 34);
+    cfg.mount = opts.mount.then(|| store.with_extension("mnt"));
+    cfg.mount_guard = opts.mount_guard.clone();
+    cfg.kv_format = opts.format;
+    cfg.io_threads = opts.io_threads;
+    cfg.max_tokens = (max_len + 64).div_ceil(16) * 16;
+    if !opts.compress {
+        cfg.compress_bits = None;
+    }
+    if let Some(cost) = opts.cost {
+        cfg.cost = cost;
+    }
+    cfg
+}
+
+/// `n` pseudo-random token ids below `vocab`, the same for the same `n`.
+fn pseudo_tokens(n: usize, vocab: u64) -> Vec<u32> {
+    let mut x = 0x2545_f491_4f6c_dd1du64 ^ n as u64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab) as u32
+        })
+        .collect()
+}
+
+/// One row from a mode's Load reports: the medians of their times, the last one's chunk
+/// counts, and the memory group's `peak` over them.
+fn load_row(
+    n: usize,
+    throttle: Option<u64>,
+    mode: &'static str,
+    samples: &[service::LoadReport],
+    peak: Option<u64>,
+) -> LoadRow {
+    let med = |f: &dyn Fn(&service::LoadReport) -> f64| median(samples.iter().map(f));
+    let last = samples.last().cloned().unwrap_or_default();
+    let re_tokens = last.recomputed.len() * 16;
+    let re_ms = med(&|l| l.recompute_secs * 1e3);
+    LoadRow {
+        tokens: n,
+        throttle_mib_s: throttle.map(|b| b as f64 / f64::from(1 << 20)),
+        mode,
+        chunks: last.missing,
+        read: last.read.len(),
+        recomputed: last.recomputed.len(),
+        read_bytes: last.read_bytes,
+        load_ms: med(&|l| l.total_secs * 1e3),
+        io_ms: med(&|l| l.io_secs * 1e3),
+        recompute_ms: re_ms,
+        predicted_ms: med(&|l| l.predicted_secs * 1e3),
+        recompute_tps: if re_ms > 0.0 {
+            re_tokens as f64 / (re_ms / 1e3)
+        } else {
+            0.0
+        },
+        peak_memory_bytes: peak,
+    }
 }
 
 /// This process in a cgroup v1 blkio group that limits reads from the store's disk; dropping it

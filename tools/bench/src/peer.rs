@@ -11,14 +11,14 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
-use crate::cgroup::Group;
 use crate::trace::TraceRow;
 use anyhow::{Context, bail, ensure};
 use model::config::ModelConfig;
 
-use crate::switch::{Budget, CallRecord, Run, Setup};
+use crate::switch::{Budget, CallRecord, Run, Sandbox, Setup};
 
 /// llama.cpp's KV cache types compared: q8_0 (about the bytes of the service's int8 chunks) and
 /// f16.
@@ -387,44 +387,90 @@ impl Drop for Server {
     }
 }
 
-/// Replays `rows` against a fresh llama-server with KV type `kv`, as many slots of the trace's
-/// cap as fit `budget`.
-#[allow(clippy::too_many_arguments)]
+/// The llama.cpp row: which llama-server, the model's shape (a token's KV bytes) and the KV
+/// type.
+pub struct Peer<'a> {
+    pub exe: &'a Path,
+    pub cfg: &'a ModelConfig,
+    pub kv: KvType,
+}
+
+/// Replays `rows` against a fresh llama-server with the peer's KV type, as many slots of the
+/// trace's cap as fit `budget`.
 pub fn replay(
     s: &Setup<'_>,
-    exe: &Path,
-    cfg: &ModelConfig,
-    kv: KvType,
+    peer: &Peer<'_>,
     budget: Budget,
     contexts: usize,
     rows: &[TraceRow],
     progress: &indicatif::ProgressBar,
 ) -> anyhow::Result<Run> {
-    let n = slots_for(budget.bytes, s.max_context, kv.token_bytes(cfg));
+    let kv = peer.kv;
+    let n = slots_for(budget.bytes, s.max_context, kv.token_bytes(peer.cfg));
     ensure!(
         n > 0,
         "{}: not one slot of {} tokens ({} bytes of {} KV) fits the budget of {}",
         kv.row(),
         s.max_context,
-        u64::from(s.max_context) * kv.token_bytes(cfg),
+        u64::from(s.max_context) * kv.token_bytes(peer.cfg),
         kv.name(),
         budget.label()
     );
-    static REPLAYS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let nth = REPLAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let name = format!("llms-peer-{}-{nth}", std::process::id());
-    let dir = s.scratch.join(&name);
-    let _ = std::fs::remove_dir_all(&dir);
-    let slots_dir = dir.join("slots");
+    static REPLAYS: AtomicUsize = AtomicUsize::new(0);
+    let sandbox = Sandbox::create(s, "llms-peer", &REPLAYS)?;
+    let slots_dir = sandbox.dir.join("slots");
     std::fs::create_dir_all(&slots_dir)
         .with_context(|| format!("cannot create {}", slots_dir.display()))?;
-    let memory = Group::create("memory", &name)?;
-    let blkio = Group::create("blkio", &name)?;
-    blkio.throttle(s.device, s.read_bps, s.write_bps)?;
+    let t0 = Instant::now();
+    let (mut server, start_ms) = Server::start(
+        peer.exe,
+        &server_args(s, kv, n, &slots_dir),
+        &sandbox.cgroups(),
+        &sandbox.dir.join("llama-server.log"),
+    )?;
+    let mut calls = PeerCalls {
+        addr: server.addr,
+        kv,
+        slots_dir,
+        lru: SlotLru::new(n),
+        texts: vec![String::new(); contexts],
+        saved: vec![false; contexts],
+        previous: None,
+        evictions: 0,
+        saves: 0,
+    };
+    let mut log = Vec::with_capacity(rows.len());
+    for row in rows {
+        log.push(calls.call(row)?);
+        progress.inc(1);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let (disk_read_bytes, disk_written_bytes) = sandbox.blkio.io_bytes(s.device)?;
+    let peak_rss_bytes = crate::switch::peak_rss(server.child.id());
+    server.stop()?;
+    drop(server);
+    let peak_memory_bytes = sandbox.remove()?;
+    let mut run = crate::switch::summarize(kv.row(), budget, contexts, log, s.read_bps, s.disk_bps);
+    run.daemon_manager = kv.row().to_owned();
+    run.disk_read_bytes = disk_read_bytes;
+    run.disk_written_bytes = disk_written_bytes;
+    run.reclaims = calls.evictions;
+    run.writes = calls.saves;
+    run.peak_memory_bytes = peak_memory_bytes;
+    run.peak_rss_bytes = peak_rss_bytes;
+    run.start_ms = start_ms;
+    run.secs = secs;
+    run.slots = Some(n);
+    Ok(run)
+}
+
+/// llama-server's arguments: the model, `slots` slots of the trace's cap each, KV of type
+/// `kv`, slot files under `slots_dir`, nothing kept outside the slots.
+fn server_args(s: &Setup<'_>, kv: KvType, slots: usize, slots_dir: &Path) -> Vec<String> {
     let threads = s.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
-    let args: Vec<String> = [
+    [
         "--model",
         &s.model.display().to_string(),
         "--threads",
@@ -432,9 +478,9 @@ pub fn replay(
         "--threads-batch",
         &threads.to_string(),
         "--parallel",
-        &n.to_string(),
+        &slots.to_string(),
         "--ctx-size",
-        &(n * s.max_context as usize).to_string(),
+        &(slots * s.max_context as usize).to_string(),
         // One slot per context: each slot holds --ctx-size / --parallel tokens, no more.
         "--no-kv-unified",
         "--cache-type-k",
@@ -452,86 +498,73 @@ pub fn replay(
     ]
     .into_iter()
     .map(str::to_owned)
-    .collect();
-    let t0 = Instant::now();
-    let (mut server, start_ms) = Server::start(
-        exe,
-        &args,
-        &[memory.path().to_owned(), blkio.path().to_owned()],
-        &dir.join("llama-server.log"),
-    )?;
-    let addr = server.addr;
-    let mut lru = SlotLru::new(n);
-    let mut texts: Vec<String> = vec![String::new(); contexts];
-    // Contexts whose last call's state is in their slot file.
-    let mut saved = vec![false; contexts];
-    let mut log = Vec::with_capacity(rows.len());
-    let mut previous: Option<u32> = None;
-    let (mut evictions, mut saves) = (0u64, 0u64);
-    for row in rows {
+    .collect()
+}
+
+/// A restore's figures: llama-server's own `restore_ms`, the harness's clock around the
+/// request, and the bytes it read.
+#[derive(Clone, Copy, Debug)]
+struct Restore {
+    ms: f64,
+    wall_ms: f64,
+    bytes: u64,
+}
+
+/// The calls of one llama.cpp replay: which context each slot holds, each context's text so
+/// far, and which contexts' last state is in their slot file.
+struct PeerCalls {
+    addr: SocketAddr,
+    kv: KvType,
+    slots_dir: PathBuf,
+    lru: SlotLru,
+    texts: Vec<String>,
+    /// Contexts whose last call's state is in their slot file.
+    saved: Vec<bool>,
+    /// The previous call's context.
+    previous: Option<u32>,
+    /// Contexts evicted from their slot, and slots saved.
+    evictions: u64,
+    saves: u64,
+}
+
+impl PeerCalls {
+    /// One call: its context brought into a slot (restored from its file, or the slot erased
+    /// for a start), the completion, and the slot saved. A request llama-server refused is a
+    /// failed call's record; a server gone, or a save refused, is an error.
+    fn call(&mut self, row: &TraceRow) -> anyhow::Result<CallRecord> {
         let k = row.context as usize;
-        let switched = previous.is_some_and(|p| p != row.context);
-        previous = Some(row.context);
+        let switched = self.previous.is_some_and(|p| p != row.context);
+        self.previous = Some(row.context);
         if row.start {
-            texts[k].clear();
-            saved[k] = false;
+            self.texts[k].clear();
+            self.saved[k] = false;
         }
-        let place = lru.place(row.context);
-        evictions += u64::from(place.evicted.is_some());
+        let place = self.lru.place(row.context);
+        self.evictions += u64::from(place.evicted.is_some());
         let t = Instant::now();
-        let mut restore = None;
-        if !place.hit {
-            let file = slot_file(row.context);
-            let action = if saved[k] {
-                // Cold: the page cache was dropped after the save; again in case anything read it.
-                drop_cached(&slots_dir.join(&file))?;
-                "restore"
-            } else {
-                // A start: an empty slot, so nothing of the evicted context is reused.
-                "erase"
-            };
-            let tr = Instant::now();
-            let path = format!("/slots/{}?action={action}", place.slot);
-            let answer = call_json(addr, "POST", &path, &slot_body(&file))?;
-            let wall = tr.elapsed().as_secs_f64() * 1e3;
-            match answer {
-                Ok(v) if action == "restore" => {
-                    let ms = v
-                        .pointer("/timings/restore_ms")
-                        .and_then(serde_json::Value::as_f64)
-                        .context("a restore without timings.restore_ms")?;
-                    let bytes = v.get("n_read").and_then(serde_json::Value::as_u64);
-                    restore = Some((ms, wall, bytes.unwrap_or(0)));
-                }
-                Ok(_) => {}
+        let restore = if place.hit {
+            None
+        } else {
+            match self.switch_in(row.context, place.slot)? {
+                Ok(restore) => restore,
                 Err(e) => {
-                    lru.forget(row.context);
+                    self.lru.forget(row.context);
                     let e2e = t.elapsed().as_secs_f64() * 1e3;
-                    tracing::warn!(context = row.context, error = %e, "a slot {action} failed");
-                    log.push(CallRecord::failed(
-                        row,
-                        switched,
-                        e2e,
-                        format!("{action}: {e}"),
-                    ));
-                    progress.inc(1);
-                    continue;
+                    return Ok(CallRecord::failed(row, switched, e2e, e));
                 }
             }
-        }
-        texts[k].push_str(&row.prompt);
-        let body = completion_body(&texts[k], place.slot, row.max_tokens);
-        let answer = call_json(addr, "POST", "/completion", &body)?;
+        };
+        self.texts[k].push_str(&row.prompt);
+        let body = completion_body(&self.texts[k], place.slot, row.max_tokens);
+        let answer = call_json(self.addr, "POST", "/completion", &body)?;
         let e2e_ms = t.elapsed().as_secs_f64() * 1e3;
         let v = match answer {
             Ok(v) => v,
             Err(e) => {
-                lru.forget(row.context);
-                saved[k] = false;
+                self.lru.forget(row.context);
+                self.saved[k] = false;
                 tracing::warn!(context = row.context, error = %e, "a completion failed");
-                log.push(CallRecord::failed(row, switched, e2e_ms, e));
-                progress.inc(1);
-                continue;
+                return Ok(CallRecord::failed(row, switched, e2e_ms, e));
             }
         };
         tracing::debug!(
@@ -541,69 +574,101 @@ pub fn replay(
             "completion"
         );
         let content = v.get("content").and_then(|c| c.as_str()).unwrap_or("");
-        texts[k].push_str(content);
-        let tokens = v
-            .get("tokens_predicted")
-            .and_then(serde_json::Value::as_u64)
-            .unwrap_or(0) as usize;
-        let evaluated = v
-            .get("tokens_evaluated")
-            .and_then(serde_json::Value::as_u64)
-            .unwrap_or(0) as usize;
-        // At the call's end, off the switch's path (as the service's ahead-of-time write-out):
-        // the slot is saved, and its file leaves the page cache.
-        let file = slot_file(row.context);
-        let path = format!("/slots/{}?action=save", place.slot);
-        match call_json(addr, "POST", &path, &slot_body(&file))? {
-            Ok(_) => {
-                drop_cached(&slots_dir.join(&file))?;
-                saved[k] = true;
-                saves += 1;
-            }
-            Err(e) => bail!("{}: saving slot {} failed: {e}", kv.row(), place.slot),
-        }
-        let (switch_ms, _, bytes) = restore.unwrap_or((0.0, 0.0, 0));
-        log.push(CallRecord {
-            context: row.context,
-            start: row.start,
-            switched,
-            switch_ms,
-            queue_ms: 0.0,
-            load_ms: switch_ms,
-            io_ms: switch_ms,
-            recompute_ms: 0.0,
-            e2e_ms,
-            chunks_missing: 0,
-            chunks_read: 0,
-            chunks_recomputed: 0,
-            read_bytes: bytes,
-            tokens,
-            context_tokens: evaluated + tokens,
-            error: None,
-            restore_wall_ms: restore.map(|r| r.1),
-        });
-        progress.inc(1);
+        self.texts[k].push_str(content);
+        self.save(row.context, place.slot)?;
+        Ok(answered(row, switched, e2e_ms, restore, &v))
     }
-    let secs = t0.elapsed().as_secs_f64();
-    let (disk_read_bytes, disk_written_bytes) = blkio.io_bytes(s.device)?;
-    let peak_rss_bytes = crate::switch::peak_rss(server.child.id());
-    server.stop()?;
-    drop(server);
-    let peak_memory_bytes = memory.read_u64("memory.max_usage_in_bytes")?;
-    drop((memory, blkio));
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut run = crate::switch::summarize(kv.row(), budget, contexts, log, s.read_bps, s.disk_bps);
-    run.daemon_manager = kv.row().to_owned();
-    run.disk_read_bytes = disk_read_bytes;
-    run.disk_written_bytes = disk_written_bytes;
-    run.reclaims = evictions;
-    run.writes = saves;
-    run.peak_memory_bytes = peak_memory_bytes;
-    run.peak_rss_bytes = peak_rss_bytes;
-    run.start_ms = start_ms;
-    run.secs = secs;
-    run.slots = Some(n);
-    Ok(run)
+
+    /// Brings `context` into `slot`: its file restored, from a cold page cache, when its last
+    /// call was saved, else the slot erased (a start reuses nothing of the evicted context).
+    /// The restore's figures, or why llama-server refused.
+    fn switch_in(
+        &mut self,
+        context: u32,
+        slot: usize,
+    ) -> anyhow::Result<Result<Option<Restore>, String>> {
+        let file = slot_file(context);
+        let action = if self.saved[context as usize] {
+            // Cold: the page cache was dropped after the save; again in case anything read it.
+            drop_cached(&self.slots_dir.join(&file))?;
+            "restore"
+        } else {
+            "erase"
+        };
+        let t = Instant::now();
+        let path = format!("/slots/{slot}?action={action}");
+        let answer = call_json(self.addr, "POST", &path, &slot_body(&file))?;
+        let wall_ms = t.elapsed().as_secs_f64() * 1e3;
+        match answer {
+            Ok(v) if action == "restore" => {
+                let ms = v
+                    .pointer("/timings/restore_ms")
+                    .and_then(serde_json::Value::as_f64)
+                    .context("a restore without timings.restore_ms")?;
+                let bytes = v.get("n_read").and_then(serde_json::Value::as_u64);
+                Ok(Ok(Some(Restore {
+                    ms,
+                    wall_ms,
+                    bytes: bytes.unwrap_or(0),
+                })))
+            }
+            Ok(_) => Ok(Ok(None)),
+            Err(e) => {
+                tracing::warn!(context, error = %e, "a slot {action} failed");
+                Ok(Err(format!("{action}: {e}")))
+            }
+        }
+    }
+
+    /// At the call's end, off the switch's path (as the service's ahead-of-time write-out): the
+    /// slot is saved to `context`'s file, and the file leaves the page cache.
+    fn save(&mut self, context: u32, slot: usize) -> anyhow::Result<()> {
+        let file = slot_file(context);
+        let path = format!("/slots/{slot}?action=save");
+        match call_json(self.addr, "POST", &path, &slot_body(&file))? {
+            Ok(_) => {
+                drop_cached(&self.slots_dir.join(&file))?;
+                self.saved[context as usize] = true;
+                self.saves += 1;
+                Ok(())
+            }
+            Err(e) => bail!("{}: saving slot {slot} failed: {e}", self.kv.row()),
+        }
+    }
+}
+
+/// An answered call's record: the restore as its switch (none when the context was in its
+/// slot), the tokens from the completion's answer `v`.
+fn answered(
+    row: &TraceRow,
+    switched: bool,
+    e2e_ms: f64,
+    restore: Option<Restore>,
+    v: &serde_json::Value,
+) -> CallRecord {
+    let count = |key: &str| v.get(key).and_then(serde_json::Value::as_u64).unwrap_or(0) as usize;
+    let tokens = count("tokens_predicted");
+    let evaluated = count("tokens_evaluated");
+    let (switch_ms, bytes) = restore.map_or((0.0, 0), |r| (r.ms, r.bytes));
+    CallRecord {
+        context: row.context,
+        start: row.start,
+        switched,
+        switch_ms,
+        queue_ms: 0.0,
+        load_ms: switch_ms,
+        io_ms: switch_ms,
+        recompute_ms: 0.0,
+        e2e_ms,
+        chunks_missing: 0,
+        chunks_read: 0,
+        chunks_recomputed: 0,
+        read_bytes: bytes,
+        tokens,
+        context_tokens: evaluated + tokens,
+        error: None,
+        restore_wall_ms: restore.map(|r| r.wall_ms),
+    }
 }
 
 /// Which llama.cpp rows to run.

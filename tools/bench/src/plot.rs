@@ -255,128 +255,165 @@ pub fn draw(
     let Some(first) = runs.first() else {
         return Ok(Vec::new());
     };
-    let most = runs.iter().map(|r| r.contexts).max().unwrap_or(0);
-    let legend: Vec<(String, RGBColor)> = managers.iter().map(|m| (m.clone(), colour(m))).collect();
-    let in_contexts = first.budget.contexts.is_some();
-    let mut paths = Vec::new();
+    let plots = Plots {
+        out,
+        runs,
+        active,
+        managers,
+        first,
+        most: runs.iter().map(|r| r.contexts).max().unwrap_or(0),
+        legend: managers.iter().map(|m| (m.clone(), colour(m))).collect(),
+        in_contexts: first.budget.contexts.is_some(),
+    };
+    Ok(vec![
+        plots.cdf()?,
+        plots.latency_vs_budget()?,
+        plots.active_vs_budget()?,
+    ])
+}
 
-    // 1. The CDF of switch latency: the first budget, the most contexts.
-    let path = out.join("switch-cdf.png");
-    let sel: Vec<&Run> = runs
-        .iter()
-        .filter(|r| r.budget.bytes == first.budget.bytes && r.contexts == most)
-        .collect();
-    let x = Axis::log(
-        sel.iter().flat_map(|r| switch_samples(r)),
-        "switch latency, ms (log scale)",
-    );
-    let mut y = Axis::linear(
-        0.0,
-        1.0,
-        &[0.0, 0.25, 0.5, 0.75, 0.9, 1.0],
-        "share of switches",
-    );
-    y.ticks.push((0.99, String::new(), false));
-    let title = format!(
-        "switch latency cdf: {}, {most} contexts",
-        first.budget.label()
-    );
-    plot(&path, &title, &x, &y, &legend, |chart| {
-        for r in &sel {
-            let v = switch_samples(r);
-            let n = v.len() as f64;
-            let pts: Vec<(f64, f64)> = v
-                .iter()
-                .enumerate()
-                .flat_map(|(i, &ms)| {
-                    let lx = ms.log10().clamp(x.lo, x.hi);
-                    [(lx, i as f64 / n), (lx, (i + 1) as f64 / n)]
-                })
-                .collect();
-            chart
-                .draw_series(LineSeries::new(pts, colour(&r.manager).stroke_width(3)))
-                .map_err(err(&path))?;
-        }
-        Ok(())
-    })?;
-    paths.push(path);
+/// What the three plots share: the runs, the first one (its budget is the CDF's), the most
+/// contexts of any run, and each manager's line in the legend.
+struct Plots<'a> {
+    out: &'a Path,
+    runs: &'a [Run],
+    active: &'a [Active],
+    managers: &'a [String],
+    first: &'a Run,
+    most: usize,
+    legend: Vec<(String, RGBColor)>,
+    /// Whether the budgets are in contexts' worth (else MiB).
+    in_contexts: bool,
+}
 
-    // 2. Average switch latency against the budget, the most contexts.
-    let path = out.join("switch-vs-budget.png");
-    let sel: Vec<&Run> = runs.iter().filter(|r| r.contexts == most).collect();
-    let xs: Vec<f64> = sel.iter().map(|r| r.budget.x()).collect();
-    let x = budget_axis(&xs, in_contexts);
-    let y = Axis::log(
-        sel.iter().map(|r| r.switch_avg_ms.max(1e-3)),
-        "average switch latency, ms (log scale)",
-    );
-    let title = format!("average switch latency against the kv budget, {most} contexts");
-    plot(&path, &title, &x, &y, &legend, |chart| {
-        for m in managers {
-            let mut pts: Vec<(f64, f64)> = sel
-                .iter()
-                .filter(|r| &r.manager == m && r.switches > 0)
-                .map(|r| {
-                    (
-                        r.budget.x(),
-                        r.switch_avg_ms.max(1e-3).log10().clamp(y.lo, y.hi),
-                    )
-                })
-                .collect();
-            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            let c = colour(m);
-            chart
-                .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
-                .map_err(err(&path))?;
-            chart
-                .draw_series(pts.iter().map(|&p| Circle::new(p, 6, c.filled())))
-                .map_err(err(&path))?;
-        }
-        Ok(())
-    })?;
-    paths.push(path);
-
-    // 3. The most active contexts under 10 ms (filled, thick) and 25 ms (hollow, thin).
-    let path = out.join("active-vs-budget.png");
-    let xs: Vec<f64> = active.iter().map(|a| a.budget.x()).collect();
-    let x = budget_axis(&xs, in_contexts);
-    let at: Vec<f64> = (0..=most).map(|n| n as f64).collect();
-    let y = Axis::linear(-0.5, most.max(1) as f64 + 0.5, &at, "active contexts");
-    let title = "most active contexts: avg switch < 10 ms (filled), < 25 ms (hollow)";
-    plot(&path, title, &x, &y, &legend, |chart| {
-        for (k, m) in managers.iter().enumerate() {
-            // Managers tied at a point are nudged apart so each stays visible.
-            let dy = (k as f64 - managers.len() as f64 / 2.0) * 0.04;
-            let c = colour(m);
-            for filled in [true, false] {
-                let mut pts: Vec<(f64, f64)> = active
+impl Plots<'_> {
+    /// 1. The CDF of switch latency: the first budget, the most contexts.
+    fn cdf(&self) -> anyhow::Result<PathBuf> {
+        let (first, most) = (self.first, self.most);
+        let path = self.out.join("switch-cdf.png");
+        let sel: Vec<&Run> = self
+            .runs
+            .iter()
+            .filter(|r| r.budget.bytes == first.budget.bytes && r.contexts == most)
+            .collect();
+        let x = Axis::log(
+            sel.iter().flat_map(|r| switch_samples(r)),
+            "switch latency, ms (log scale)",
+        );
+        let mut y = Axis::linear(
+            0.0,
+            1.0,
+            &[0.0, 0.25, 0.5, 0.75, 0.9, 1.0],
+            "share of switches",
+        );
+        y.ticks.push((0.99, String::new(), false));
+        let title = format!(
+            "switch latency cdf: {}, {most} contexts",
+            first.budget.label()
+        );
+        plot(&path, &title, &x, &y, &self.legend, |chart| {
+            for r in &sel {
+                let v = switch_samples(r);
+                let n = v.len() as f64;
+                let pts: Vec<(f64, f64)> = v
                     .iter()
-                    .filter(|a| &a.manager == m)
-                    .map(|a| {
-                        let n = if filled { a.under_10ms } else { a.under_25ms };
-                        (a.budget.x(), n as f64 + dy)
+                    .enumerate()
+                    .flat_map(|(i, &ms)| {
+                        let lx = ms.log10().clamp(x.lo, x.hi);
+                        [(lx, i as f64 / n), (lx, (i + 1) as f64 / n)]
+                    })
+                    .collect();
+                chart
+                    .draw_series(LineSeries::new(pts, colour(&r.manager).stroke_width(3)))
+                    .map_err(err(&path))?;
+            }
+            Ok(())
+        })?;
+        Ok(path)
+    }
+
+    /// 2. Average switch latency against the budget, the most contexts.
+    fn latency_vs_budget(&self) -> anyhow::Result<PathBuf> {
+        let most = self.most;
+        let path = self.out.join("switch-vs-budget.png");
+        let sel: Vec<&Run> = self.runs.iter().filter(|r| r.contexts == most).collect();
+        let xs: Vec<f64> = sel.iter().map(|r| r.budget.x()).collect();
+        let x = budget_axis(&xs, self.in_contexts);
+        let y = Axis::log(
+            sel.iter().map(|r| r.switch_avg_ms.max(1e-3)),
+            "average switch latency, ms (log scale)",
+        );
+        let title = format!("average switch latency against the kv budget, {most} contexts");
+        plot(&path, &title, &x, &y, &self.legend, |chart| {
+            for m in self.managers {
+                let mut pts: Vec<(f64, f64)> = sel
+                    .iter()
+                    .filter(|r| &r.manager == m && r.switches > 0)
+                    .map(|r| {
+                        (
+                            r.budget.x(),
+                            r.switch_avg_ms.max(1e-3).log10().clamp(y.lo, y.hi),
+                        )
                     })
                     .collect();
                 pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-                let style = c.stroke_width(if filled { 2 } else { 1 });
+                let c = colour(m);
                 chart
-                    .draw_series(LineSeries::new(pts.clone(), style))
+                    .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
                     .map_err(err(&path))?;
                 chart
-                    .draw_series(pts.iter().map(|&p| {
-                        if filled {
-                            Circle::new(p, 6, c.filled())
-                        } else {
-                            Circle::new(p, 9, c.stroke_width(2))
-                        }
-                    }))
+                    .draw_series(pts.iter().map(|&p| Circle::new(p, 6, c.filled())))
                     .map_err(err(&path))?;
             }
-        }
-        Ok(())
-    })?;
-    paths.push(path);
-    Ok(paths)
+            Ok(())
+        })?;
+        Ok(path)
+    }
+
+    /// 3. The most active contexts under 10 ms (filled, thick) and 25 ms (hollow, thin).
+    fn active_vs_budget(&self) -> anyhow::Result<PathBuf> {
+        let (managers, most) = (self.managers, self.most);
+        let path = self.out.join("active-vs-budget.png");
+        let xs: Vec<f64> = self.active.iter().map(|a| a.budget.x()).collect();
+        let x = budget_axis(&xs, self.in_contexts);
+        let at: Vec<f64> = (0..=most).map(|n| n as f64).collect();
+        let y = Axis::linear(-0.5, most.max(1) as f64 + 0.5, &at, "active contexts");
+        let title = "most active contexts: avg switch < 10 ms (filled), < 25 ms (hollow)";
+        plot(&path, title, &x, &y, &self.legend, |chart| {
+            for (k, m) in managers.iter().enumerate() {
+                // Managers tied at a point are nudged apart so each stays visible.
+                let dy = (k as f64 - managers.len() as f64 / 2.0) * 0.04;
+                let c = colour(m);
+                for filled in [true, false] {
+                    let mut pts: Vec<(f64, f64)> = self
+                        .active
+                        .iter()
+                        .filter(|a| &a.manager == m)
+                        .map(|a| {
+                            let n = if filled { a.under_10ms } else { a.under_25ms };
+                            (a.budget.x(), n as f64 + dy)
+                        })
+                        .collect();
+                    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+                    let style = c.stroke_width(if filled { 2 } else { 1 });
+                    chart
+                        .draw_series(LineSeries::new(pts.clone(), style))
+                        .map_err(err(&path))?;
+                    chart
+                        .draw_series(pts.iter().map(|&p| {
+                            if filled {
+                                Circle::new(p, 6, c.filled())
+                            } else {
+                                Circle::new(p, 9, c.stroke_width(2))
+                            }
+                        }))
+                        .map_err(err(&path))?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(path)
+    }
 }
 
 #[cfg(test)]

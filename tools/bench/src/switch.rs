@@ -5,7 +5,8 @@
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -272,27 +273,50 @@ pub fn drain(c: &mut Client) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Replays `rows` against a fresh daemon running `manager` under `budget`.
-pub fn replay(
-    s: &Setup<'_>,
-    manager: &str,
-    budget: Budget,
-    contexts: usize,
-    rows: &[TraceRow],
-    progress: &indicatif::ProgressBar,
-) -> anyhow::Result<Run> {
-    // A fresh name per replay: a group left behind (its removal failed) never lends its peak
-    // or its byte counts to the next replay.
-    static REPLAYS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let nth = REPLAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let name = format!("llms-switch-{}-{nth}", std::process::id());
-    let dir = s.scratch.join(&name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let memory = Group::create("memory", &name)?;
-    let blkio = Group::create("blkio", &name)?;
-    blkio.throttle(s.device, s.read_bps, s.write_bps)?;
-    let mut spec = DaemonSpec::new(s.model, &dir);
+/// A replay's own scratch directory and cgroup v1 memory and blkio groups (the blkio group
+/// throttled as the setup says), under a name no earlier replay of this process used: a group
+/// left behind (its removal failed) never lends its peak or its byte counts to the next replay.
+pub struct Sandbox {
+    pub dir: PathBuf,
+    pub memory: Group,
+    pub blkio: Group,
+}
+
+impl Sandbox {
+    /// Makes `<scratch>/<prefix>-<pid>-<nth>` afresh and the groups of that name, `nth` counted
+    /// by `replays`.
+    pub fn create(s: &Setup<'_>, prefix: &str, replays: &AtomicUsize) -> anyhow::Result<Sandbox> {
+        let nth = replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("{prefix}-{}-{nth}", std::process::id());
+        let dir = s.scratch.join(&name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+        let memory = Group::create("memory", &name)?;
+        let blkio = Group::create("blkio", &name)?;
+        blkio.throttle(s.device, s.read_bps, s.write_bps)?;
+        Ok(Sandbox { dir, memory, blkio })
+    }
+
+    /// The groups' directories, for the replayed server to start in.
+    pub fn cgroups(&self) -> Vec<PathBuf> {
+        vec![self.memory.path().to_owned(), self.blkio.path().to_owned()]
+    }
+
+    /// Once the server has stopped: the memory group's peak, then the groups and the directory
+    /// removed.
+    pub fn remove(self) -> anyhow::Result<u64> {
+        let peak = self.memory.peak_memory()?;
+        let Sandbox { dir, memory, blkio } = self;
+        drop((memory, blkio));
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(peak)
+    }
+}
+
+/// The daemon of one replay: `manager` under `budget`, in the sandbox's directory and groups.
+fn daemon_spec(s: &Setup<'_>, manager: &str, budget: Budget, sandbox: &Sandbox) -> DaemonSpec {
+    let mut spec = DaemonSpec::new(s.model, &sandbox.dir);
     spec.args = vec![
         "--manager".into(),
         manager.into(),
@@ -306,32 +330,76 @@ pub fn replay(
     if let Some(t) = s.threads {
         spec.args.extend(["--threads".into(), t.to_string()]);
     }
-    spec.cgroups = vec![memory.path().to_owned(), blkio.path().to_owned()];
+    spec.cgroups = sandbox.cgroups();
+    spec
+}
+
+/// Replays `rows` against a fresh daemon running `manager` under `budget`.
+pub fn replay(
+    s: &Setup<'_>,
+    manager: &str,
+    budget: Budget,
+    contexts: usize,
+    rows: &[TraceRow],
+    progress: &indicatif::ProgressBar,
+) -> anyhow::Result<Run> {
+    static REPLAYS: AtomicUsize = AtomicUsize::new(0);
+    let sandbox = Sandbox::create(s, "llms-switch", &REPLAYS)?;
+    let spec = daemon_spec(s, manager, budget, &sandbox);
     let t0 = Instant::now();
     let (mut daemon, start_ms) =
         Daemon::start(&spec).with_context(|| format!("starting llms serve --manager {manager}"))?;
     let socket = spec.socket();
-    let mut clients: BTreeMap<String, Client> = BTreeMap::new();
-    let mut ids: Vec<Option<u64>> = vec![None; contexts];
+    let mut calls = Calls {
+        socket: &socket,
+        manager,
+        clients: BTreeMap::new(),
+        ids: vec![None; contexts],
+        previous: None,
+    };
     let mut log = Vec::with_capacity(rows.len());
-    let mut previous: Option<u32> = None;
     for row in rows {
-        let c = match clients.entry(row.app.clone()) {
-            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(e) => e.insert(
-                Client::connect(&socket, &row.app)
-                    .with_context(|| format!("connecting as {}", row.app))?,
-            ),
-        };
-        let k = row.context as usize;
-        if row.start || ids[k].is_none() {
-            if let Some(id) = ids[k].take() {
-                c.delete(id)
-                    .with_context(|| format!("deleting context {k} to restart it"))?;
-            }
-            ids[k] = Some(c.new_context(None, PromptFormat::Raw)?);
-        }
-        let id = ids[k].context("a context without an id")?;
+        log.push(calls.call(row, s.drain)?);
+        progress.inc(1);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let stats = calls.stats()?;
+    let (disk_read_bytes, disk_written_bytes) = sandbox.blkio.io_bytes(s.device)?;
+    let peak_rss_bytes = peak_rss(daemon.pid());
+    drop(calls);
+    daemon.term()?;
+    let peak_memory_bytes = sandbox.remove()?;
+
+    let mut run = summarize(manager, budget, contexts, log, s.read_bps, s.disk_bps);
+    add_daemon_stats(&mut run, &stats);
+    run.disk_read_bytes = disk_read_bytes;
+    run.disk_written_bytes = disk_written_bytes;
+    run.peak_memory_bytes = peak_memory_bytes;
+    run.peak_rss_bytes = peak_rss_bytes;
+    run.start_ms = start_ms;
+    run.secs = secs;
+    Ok(run)
+}
+
+/// The calls of one replay: a connection per app, made at its first call, and the daemon's id
+/// of each of the trace's contexts.
+struct Calls<'a> {
+    socket: &'a Path,
+    manager: &'a str,
+    clients: BTreeMap<String, Client>,
+    ids: Vec<Option<u64>>,
+    /// The previous call's context.
+    previous: Option<u32>,
+}
+
+impl Calls<'_> {
+    /// Sends `row`'s call on its app's connection (its context made first, or deleted and made
+    /// again when the row restarts it) and records what came back; with `drain`, then waits for
+    /// the daemon's ahead-of-time writes. A call the daemon refused is a record; a connection
+    /// or daemon gone is an error.
+    fn call(&mut self, row: &TraceRow, drain_after: bool) -> anyhow::Result<CallRecord> {
+        let c = client(&mut self.clients, self.socket, &row.app)?;
+        let id = context_id(c, &mut self.ids[row.context as usize], row)?;
         let params = CallParams {
             format: PromptFormat::Raw,
             max_tokens: row.max_tokens as usize,
@@ -342,28 +410,11 @@ pub fn replay(
             .call(id, &row.prompt, &params)
             .and_then(|s| s.collect_answer());
         let e2e_ms = t.elapsed().as_secs_f64() * 1e3;
-        let switched = previous.is_some_and(|p| p != row.context);
-        previous = Some(row.context);
+        let switched = self.previous.is_some_and(|p| p != row.context);
+        self.previous = Some(row.context);
+        let manager = self.manager;
         let record = match answer {
-            Ok(a) => CallRecord {
-                context: row.context,
-                start: row.start,
-                switched,
-                switch_ms: a.done.timings.switch_ms,
-                queue_ms: a.done.timings.queue_ms,
-                load_ms: a.done.timings.load_ms,
-                io_ms: a.done.timings.io_ms,
-                recompute_ms: a.done.timings.recompute_ms,
-                e2e_ms,
-                chunks_missing: a.done.chunks.missing,
-                chunks_read: a.done.chunks.read,
-                chunks_recomputed: a.done.chunks.recomputed,
-                read_bytes: a.done.chunks.read_bytes,
-                tokens: a.done.tokens,
-                context_tokens: a.done.context_tokens,
-                error: None,
-                restore_wall_ms: None,
-            },
+            Ok(a) => answered(row, switched, e2e_ms, &a.done),
             Err(e) => {
                 let code = e.code().map_or_else(|| e.to_string(), str::to_owned);
                 if e.code().is_none() {
@@ -374,31 +425,77 @@ pub fn replay(
                 CallRecord::failed(row, switched, e2e_ms, code)
             }
         };
-        log.push(record);
-        if s.drain {
+        if drain_after {
             drain(c)?;
         }
-        progress.inc(1);
+        Ok(record)
     }
-    let secs = t0.elapsed().as_secs_f64();
-    let stats = match clients.values_mut().next() {
-        Some(c) => c.stats()?.service,
-        None => Client::connect(&socket, "bench")?.stats()?.service,
-    };
-    let daemon_manager = stats.manager.clone();
-    let (disk_read_bytes, disk_written_bytes) = blkio.io_bytes(s.device)?;
-    let peak_rss_bytes = peak_rss(daemon.pid());
-    drop(clients);
-    daemon.term()?;
-    let peak_memory_bytes = memory.peak_memory()?;
-    drop((memory, blkio));
-    let _ = std::fs::remove_dir_all(&dir);
 
-    let mut run = summarize(manager, budget, contexts, log, s.read_bps, s.disk_bps);
+    /// The daemon's figures at the replay's end, asked on any connection (a new one when no
+    /// call was made).
+    fn stats(&mut self) -> anyhow::Result<protocol::ServiceStats> {
+        Ok(match self.clients.values_mut().next() {
+            Some(c) => c.stats()?.service,
+            None => Client::connect(self.socket, "bench")?.stats()?.service,
+        })
+    }
+}
+
+/// `app`'s connection, made at its first call.
+fn client<'c>(
+    clients: &'c mut BTreeMap<String, Client>,
+    socket: &Path,
+    app: &str,
+) -> anyhow::Result<&'c mut Client> {
+    Ok(match clients.entry(app.to_owned()) {
+        std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::btree_map::Entry::Vacant(e) => {
+            e.insert(Client::connect(socket, app).with_context(|| format!("connecting as {app}"))?)
+        }
+    })
+}
+
+/// The daemon's id of `row`'s context: made at its first call, deleted and made again when the
+/// row starts its conversation over.
+fn context_id(c: &mut Client, id: &mut Option<u64>, row: &TraceRow) -> anyhow::Result<u64> {
+    if row.start || id.is_none() {
+        if let Some(old) = id.take() {
+            c.delete(old)
+                .with_context(|| format!("deleting context {} to restart it", row.context))?;
+        }
+        *id = Some(c.new_context(None, PromptFormat::Raw)?);
+    }
+    id.context("a context without an id")
+}
+
+/// An answered call's record, from its `done`.
+fn answered(row: &TraceRow, switched: bool, e2e_ms: f64, done: &protocol::Done) -> CallRecord {
+    CallRecord {
+        context: row.context,
+        start: row.start,
+        switched,
+        switch_ms: done.timings.switch_ms,
+        queue_ms: done.timings.queue_ms,
+        load_ms: done.timings.load_ms,
+        io_ms: done.timings.io_ms,
+        recompute_ms: done.timings.recompute_ms,
+        e2e_ms,
+        chunks_missing: done.chunks.missing,
+        chunks_read: done.chunks.read,
+        chunks_recomputed: done.chunks.recomputed,
+        read_bytes: done.chunks.read_bytes,
+        tokens: done.tokens,
+        context_tokens: done.context_tokens,
+        error: None,
+        restore_wall_ms: None,
+    }
+}
+
+/// The daemon's own counters into `run`: the manager it ran, chunks read and recomputed, and
+/// its reclaims, faults and writes.
+fn add_daemon_stats(run: &mut Run, stats: &protocol::ServiceStats) {
     let brought = stats.chunks_read + stats.chunks_recomputed;
-    run.daemon_manager = daemon_manager;
-    run.disk_read_bytes = disk_read_bytes;
-    run.disk_written_bytes = disk_written_bytes;
+    run.daemon_manager = stats.manager.clone();
     run.chunks_read = stats.chunks_read;
     run.chunks_recomputed = stats.chunks_recomputed;
     run.recompute_share = if brought > 0 {
@@ -411,11 +508,6 @@ pub fn replay(
     run.reclaims = stats.reclaims;
     run.faults = stats.faults;
     run.writes = stats.writes;
-    run.peak_memory_bytes = peak_memory_bytes;
-    run.peak_rss_bytes = peak_rss_bytes;
-    run.start_ms = start_ms;
-    run.secs = secs;
-    Ok(run)
 }
 
 /// A replay's figures from its calls: switches (calls to another context than the previous

@@ -381,14 +381,38 @@ fn context_json(info: &kvfs::ContextInfo) -> serde_json::Value {
     })
 }
 
-/// Runs `llms bench kvfs`.
+/// Runs `llms bench kvfs`: measures, prints the tables, writes the JSON report.
 pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let report = args.report;
-    report.begin();
-    let config = BenchConfig {
+    args.report.begin();
+    let report = args.report.clone();
+    let config = bench_config(args)?;
+    let r = bench::kvfs::run(&config).context("kvfs benchmark failed")?;
+    io_tables(&r, &config.sizes_kib);
+    if !r.loads.is_empty() {
+        load_tables(&r.loads, &r.load_writes);
+        passthrough_tables(&r);
+    }
+    table!("\npage cache after the I/O (fincore)");
+    for c in &r.cache {
+        table!(
+            "  {:<34} {} of {} bytes resident",
+            c.after,
+            c.resident_bytes,
+            c.file_bytes
+        );
+    }
+    zstd_table(&r.zstd);
+    zstd_verdicts(&r);
+    report.write("kvfs", &report_json(&r))?;
+    Ok(())
+}
+
+/// What `llms bench kvfs` measures, from its arguments.
+fn bench_config(args: BenchArgs) -> anyhow::Result<BenchConfig> {
+    Ok(BenchConfig {
         dir: args
             .scratch
-            .unwrap_or_else(|| report.scratch("kvfs-scratch")),
+            .unwrap_or_else(|| args.report.scratch("kvfs-scratch")),
         sizes_kib: args.sizes,
         bytes_per_size: args
             .mib
@@ -405,8 +429,12 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         readers: args.readers,
         rounds: args.rounds,
         write_chunks: args.write_chunks,
-    };
-    let r = bench::kvfs::run(&config).context("kvfs benchmark failed")?;
+    })
+}
+
+/// The read and write tables, with each mount path's reads against the store API's at every
+/// chunk size of `sizes_kib`.
+fn io_tables(r: &bench::kvfs::Report, sizes_kib: &[usize]) {
     table!(
         "kvfs benchmark ({}), one thread, cold page cache",
         if r.direct_io {
@@ -417,7 +445,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     );
     table!("\nreads");
     io_table(&r.reads);
-    for kib in &config.sizes_kib {
+    for kib in sizes_kib {
         let get = |p: &str| r.reads.iter().find(|x| x.size_kib == *kib && x.path == p);
         if let Some(d) = get("store api") {
             for m in ["mount, direct_io", "mount, dirs cached"]
@@ -435,19 +463,10 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
     }
     table!("\nwrites (each chunk's payload, then its header, fdatasynced)");
     io_table(&r.writes);
-    if !r.loads.is_empty() {
-        load_tables(&r.loads, &r.load_writes);
-        passthrough_tables(&r);
-    }
-    table!("\npage cache after the I/O (fincore)");
-    for c in &r.cache {
-        table!(
-            "  {:<34} {} of {} bytes resident",
-            c.after,
-            c.resident_bytes,
-            c.file_bytes
-        );
-    }
+}
+
+/// zstd's ratio and speed per source, format and level.
+fn zstd_table(rows: &[bench::kvfs::ZstdRow]) {
     table!("\nzstd (one core)");
     table!(
         "  {:<12} {:<6} {:>6} {:>9} {:>5} {:>7} {:>11} {:>13}",
@@ -460,7 +479,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         "comp MB/s",
         "decomp MB/s"
     );
-    for z in &r.zstd {
+    for z in rows {
         table!(
             "  {:<12} {:<6} {:>6} {:>9} {:>5} {:>7.3} {:>11.0} {:>13.0}",
             z.source,
@@ -473,6 +492,11 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             z.decompress_mb_per_s
         );
     }
+}
+
+/// Whether zstd pays for reads, per zstd row, against the disk's O_DIRECT reads at the size
+/// nearest 192 KiB (nothing without such a read row).
+fn zstd_verdicts(r: &bench::kvfs::Report) {
     // Reading a chunk costs stored/disk + raw/decompression with zstd and raw/disk without, so
     // zstd pays when ratio > 1 / (1 - disk/decompression).
     let disk = r
@@ -481,30 +505,35 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .filter(|x| x.path == "raw file O_DIRECT")
         .min_by_key(|x| x.size_kib.abs_diff(192))
         .map(|x| (x.size_kib, x.mb_per_s));
-    if let Some((kib, disk)) = disk {
-        table!(
-            "\nzstd pays for reads when ratio > 1 / (1 - disk / decompression); disk = {disk:.0} MB/s ({kib} KiB O_DIRECT)"
-        );
-        for z in &r.zstd {
-            let verdict = if disk >= z.decompress_mb_per_s {
-                "never (decompression is slower than the disk)".to_owned()
+    let Some((kib, disk)) = disk else {
+        return;
+    };
+    table!(
+        "\nzstd pays for reads when ratio > 1 / (1 - disk / decompression); disk = {disk:.0} MB/s ({kib} KiB O_DIRECT)"
+    );
+    for z in &r.zstd {
+        let verdict = if disk >= z.decompress_mb_per_s {
+            "never (decompression is slower than the disk)".to_owned()
+        } else {
+            let need = 1.0 / (1.0 - disk / z.decompress_mb_per_s);
+            let pays = if z.ratio > need {
+                "pays"
             } else {
-                let need = 1.0 / (1.0 - disk / z.decompress_mb_per_s);
-                let pays = if z.ratio > need {
-                    "pays"
-                } else {
-                    "does not pay"
-                };
-                format!("needs {need:.2}, has {:.3}: {pays}", z.ratio)
+                "does not pay"
             };
-            table!(
-                "  {:<12} {:<6} level {}: {verdict}",
-                z.source,
-                z.format,
-                z.level
-            );
-        }
+            format!("needs {need:.2}, has {:.3}: {pays}", z.ratio)
+        };
+        table!(
+            "  {:<12} {:<6} level {}: {verdict}",
+            z.source,
+            z.format,
+            z.level
+        );
     }
+}
+
+/// The JSON report of `llms bench kvfs`: every row the benchmark measured.
+fn report_json(r: &bench::kvfs::Report) -> serde_json::Value {
     let io = |rows: &[IoRow]| {
         rows.iter()
             .map(|x| {
@@ -525,7 +554,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             })
             .collect::<Vec<_>>()
     };
-    let json = serde_json::json!({
+    serde_json::json!({
         "direct_io": r.direct_io,
         "reads": io(&r.reads),
         "writes": io(&r.writes),
@@ -545,9 +574,7 @@ pub fn bench(args: BenchArgs) -> anyhow::Result<()> {
             "level": z.level, "ratio": z.ratio, "compress_mb_per_s": z.compress_mb_per_s,
             "decompress_mb_per_s": z.decompress_mb_per_s,
         })).collect::<Vec<_>>(),
-    });
-    report.write("kvfs", &json)?;
-    Ok(())
+    })
 }
 
 fn io_table(rows: &[IoRow]) {
@@ -575,6 +602,15 @@ fn io_table(rows: &[IoRow]) {
 
 /// Prints the chunk-load and write-out tables and the targets of issue 10 against them.
 fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
+    load_table(loads);
+    let mut sets: Vec<&str> = loads.iter().map(|x| x.set.as_str()).collect();
+    sets.dedup();
+    load_targets(loads, &sets);
+    write_table(writes, &sets);
+}
+
+/// The chunk loads, a row per set, path and number of readers.
+fn load_table(loads: &[LoadRow]) {
     table!(
         "\nchunk loads at real sizes (cold page cache; KV-shaped payloads, raw unless the path says zstd; MB/s is chunk bytes delivered, the aggregate of all readers)"
     );
@@ -600,17 +636,20 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
             x.mb_per_s
         );
     }
+}
+
+/// Each set's loads against issue 10's targets: the mount against the store with one reader,
+/// huge pages against 4K pages, and the mount against the disk's limit with 2 to 4 readers.
+fn load_targets(loads: &[LoadRow], sets: &[&str]) {
     let get = |set: &str, path: &str, n: usize| {
         loads
             .iter()
             .find(|x| x.set == set && x.path == path && x.readers == n)
     };
-    let mut sets: Vec<&str> = loads.iter().map(|x| x.set.as_str()).collect();
-    sets.dedup();
     table!(
         "\n  targets: one reader, mount >= 80% of the store path; 2-4 readers, mount >= 70% of the disk limit"
     );
-    for set in &sets {
+    for set in sets {
         if let (Some(m), Some(d)) = (
             get(set, "mount kv passthrough", 1),
             get(set, "store read_chunk_into", 1),
@@ -650,6 +689,10 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
             }
         }
     }
+}
+
+/// The chunk write-out, a row per set and path, and each set's mount against the store.
+fn write_table(writes: &[LoadRow], sets: &[&str]) {
     table!("\nchunk write-out at real sizes (one writer, each chunk durable before the next)");
     table!(
         "  {:<13} {:<24} {:>6} {:>8} {:>8} {:>8}",
@@ -671,7 +714,7 @@ fn load_tables(loads: &[LoadRow], writes: &[LoadRow]) {
             x.mb_per_s
         );
     }
-    for set in &sets {
+    for set in sets {
         let w = |p: &str| writes.iter().find(|x| x.set == *set && x.path == p);
         if let (Some(m), Some(d)) = (w("mount kv pwrite"), w("store write_chunk")) {
             table!(

@@ -290,6 +290,8 @@ fn duration(s: f64) -> String {
     }
 }
 
+/// `llms trace show`: the summary as JSON, or as text: its counts, then a table per context
+/// and per source.
 fn run_show(a: &ShowArgs) -> anyhow::Result<()> {
     let t = trace::read(&a.file)?;
     let s = Summary::of(&t);
@@ -297,7 +299,17 @@ fn run_show(a: &ShowArgs) -> anyhow::Result<()> {
         return emit(&format!("{}\n", serde_json::to_string_pretty(&s)?));
     }
     let mut o = String::new();
-    let h = &t.header;
+    outln!(o, "{}", a.file.display());
+    show_counts(&mut o, &t.header, &s);
+    outln!(o);
+    show_contexts(&mut o, &s);
+    outln!(o);
+    show_sources(&mut o, &s);
+    emit(&o)
+}
+
+/// The summary's counts: calls and contexts, time and rate, the caps, and how calls switch.
+fn show_counts(o: &mut String, h: &trace::TraceHeader, s: &Summary) {
     let pattern = match h.pattern {
         Pattern::Random => "random".to_string(),
         Pattern::Markov { stay, neighbour } => {
@@ -305,7 +317,6 @@ fn run_show(a: &ShowArgs) -> anyhow::Result<()> {
         }
         Pattern::Gaussian { sigma } => format!("gaussian (sigma {sigma} x contexts)"),
     };
-    outln!(o, "{}", a.file.display());
     outln!(
         o,
         "  {} calls, {} contexts ({} called), pattern {pattern}, seed {}",
@@ -349,7 +360,10 @@ fn run_show(a: &ShowArgs) -> anyhow::Result<()> {
         out!(o, "  {b}: {c}");
     }
     outln!(o);
-    outln!(o);
+}
+
+/// A row per context: its app, source, calls, starts, prompt lengths and tokens.
+fn show_contexts(o: &mut String, s: &Summary) {
     outln!(
         o,
         "{:>7}  {:<10} {:<14} {:>6} {:>6} {:>6} {:>8}  {:>18}  {:>8} {:>7}",
@@ -383,7 +397,10 @@ fn run_show(a: &ShowArgs) -> anyhow::Result<()> {
             c.final_tokens
         );
     }
-    outln!(o);
+}
+
+/// A row per source: its Table 3 range, contexts, calls and prompt lengths.
+fn show_sources(o: &mut String, s: &Summary) {
     outln!(
         o,
         "{:<14} {:>10} {:>8} {:>6}  {:>18}",
@@ -407,7 +424,6 @@ fn run_show(a: &ShowArgs) -> anyhow::Result<()> {
             )
         );
     }
-    emit(&o)
 }
 
 /// Writes `text` to stdout; a reader that went away (`| head`) is not an error.

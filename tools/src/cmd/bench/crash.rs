@@ -81,7 +81,9 @@ fn quarantined(mnt: &Path) -> anyhow::Result<u64> {
         .context("no quarantined line in the mount's stats")
 }
 
-/// Runs the benchmark.
+/// Runs the benchmark: the daemon started, checked, called and killed, --kills times, then
+/// started a last time, checked and stopped; the report printed and written. A context lost
+/// or diverged, or a chunk quarantined, fails the run.
 pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
     args.report.begin();
     let model = match &args.model {
@@ -100,76 +102,149 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
     {
         eprintln!("bench crash: seed {seed} (replay with --seed {seed})");
     }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let dir = args
         .scratch
         .as_ref()
         .unwrap_or(&args.report.out)
         .join(format!("crash-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let spec = DaemonSpec::new(&model, &dir);
-    let mnt = spec.mountpoint();
-    let socket = spec.socket();
-    let params = |max_tokens| CallParams {
+    let mut crashes = Crashes {
+        args,
+        tok,
+        spec: DaemonSpec::new(&model, &dir),
+        rng: rand::rngs::StdRng::seed_from_u64(seed),
+        report: CrashReport {
+            seed,
+            ..CrashReport::default()
+        },
+        restarts: Vec::new(),
+        expected: BTreeMap::new(),
+    };
+    for round in 0..args.kills {
+        crashes.round(round)?;
+    }
+    crashes.last_round(args.kills)?;
+    let mut report = crashes.report;
+    report.restart_ms_max = crashes.restarts.iter().copied().fold(0.0, f64::max);
+    report.restart_ms_median = median(crashes.restarts.iter().copied());
+    print_report(&report);
+    args.report.write("crash", &report)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    ensure!(
+        report.diverged == 0 && report.lost == 0 && report.quarantined == 0,
+        "the daemon lost or damaged state across kills (seed {seed})"
+    );
+    Ok(())
+}
+
+/// The parameters of a replayed call: a raw prompt, at most `max_tokens` generated.
+fn params(max_tokens: usize) -> CallParams {
+    CallParams {
         format: PromptFormat::Raw,
         max_tokens,
         ..CallParams::default()
-    };
-    let mut report = CrashReport {
-        seed,
-        ..CrashReport::default()
-    };
-    let mut restarts = Vec::new();
-    // Context id -> the lengths it may have after a restart.
-    let mut expected: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-    for round in 0..=args.kills {
-        let (mut d, ms) = Daemon::start(&spec)?;
-        restarts.push(ms);
-        let mut c = Client::connect(&socket, "crash").context("connecting to the daemon")?;
-        for (&ctx, may) in expected.iter_mut() {
+    }
+}
+
+/// A run in progress: the replay's random draws, what was found so far, and what each
+/// context may hold after the next restart.
+struct Crashes<'a> {
+    args: &'a BenchCrashArgs,
+    tok: Tokenizer,
+    spec: DaemonSpec,
+    rng: rand::rngs::StdRng,
+    report: CrashReport,
+    /// Each start's spawn to listening, ms.
+    restarts: Vec<f64>,
+    /// Context id -> the lengths it may have after a restart.
+    expected: BTreeMap<u64, Vec<usize>>,
+}
+
+impl Crashes<'_> {
+    /// Starts the daemon and checks what survived the last kill: each context's length, and the
+    /// mount's count of quarantined chunks.
+    fn restart(&mut self, round: usize) -> anyhow::Result<(Daemon, Client)> {
+        let (d, ms) = Daemon::start(&self.spec)?;
+        self.restarts.push(ms);
+        let mut c =
+            Client::connect(&self.spec.socket(), "crash").context("connecting to the daemon")?;
+        for (&ctx, may) in self.expected.iter_mut() {
             match c.info(ctx) {
                 Ok(info) if may.contains(&info.tokens) => *may = vec![info.tokens],
                 Ok(info) => {
-                    report.diverged += 1;
+                    self.report.diverged += 1;
                     tracing::error!(ctx, tokens = info.tokens, ?may, round, "a context diverged");
                     *may = vec![info.tokens];
                 }
                 Err(e) => {
-                    report.lost += 1;
+                    self.report.lost += 1;
                     tracing::error!(ctx, error = %e, round, "a context was lost");
                 }
             }
         }
-        report.quarantined = quarantined(&mnt)?;
-        if round == args.kills {
-            // The last restart: every context answers once more, then a clean stop.
-            for &ctx in expected.keys() {
-                c.call(ctx, PROMPTS[0], &params(2))?.collect_answer()?;
-            }
-            drop(c);
-            d.term()?;
-            break;
+        self.report.quarantined = quarantined(&self.spec.mountpoint())?;
+        Ok((d, c))
+    }
+
+    /// The last restart: every context answers once more, then a clean stop.
+    fn last_round(&mut self, round: usize) -> anyhow::Result<()> {
+        let (mut d, mut c) = self.restart(round)?;
+        for &ctx in self.expected.keys() {
+            c.call(ctx, PROMPTS[0], &params(2))?.collect_answer()?;
         }
-        while expected.len() < args.contexts {
+        drop(c);
+        d.term()
+    }
+
+    /// One round: a restart and its checks, the contexts made up to --contexts, 0 to 2 calls
+    /// that complete, and one that a kill interrupts.
+    fn round(&mut self, round: usize) -> anyhow::Result<()> {
+        let (mut d, mut c) = self.restart(round)?;
+        while self.expected.len() < self.args.contexts {
             let ctx = c.new_context(None, PromptFormat::Raw)?;
-            expected.insert(ctx, vec![0]);
+            self.expected.insert(ctx, vec![0]);
         }
-        let ids: Vec<u64> = expected.keys().copied().collect();
-        for _ in 0..rng.random_range(0..3) {
-            let ctx = ids[rng.random_range(0..ids.len())];
-            let prompt = PROMPTS[rng.random_range(0..PROMPTS.len())];
-            let a = c
-                .call(ctx, prompt, &params(rng.random_range(1..=args.max_tokens)))?
-                .collect_answer()?;
-            expected.insert(ctx, vec![a.done.context_tokens]);
-            report.calls_completed += 1;
+        let ids: Vec<u64> = self.expected.keys().copied().collect();
+        for _ in 0..self.rng.random_range(0..3) {
+            let ctx = ids[self.rng.random_range(0..ids.len())];
+            let prompt = PROMPTS[self.rng.random_range(0..PROMPTS.len())];
+            let max_tokens = self.rng.random_range(1..=self.args.max_tokens);
+            let a = c.call(ctx, prompt, &params(max_tokens))?.collect_answer()?;
+            self.expected.insert(ctx, vec![a.done.context_tokens]);
+            self.report.calls_completed += 1;
         }
-        // One call that the kill interrupts after some of its tokens (or none).
-        let ctx = ids[rng.random_range(0..ids.len())];
-        let prompt = PROMPTS[rng.random_range(0..PROMPTS.len())];
-        let before = expected[&ctx][0];
-        let mut stream = c.call(ctx, prompt, &params(args.max_tokens.max(2) * 4))?;
-        let wait_for = rng.random_range(0..args.max_tokens * 2);
+        self.interrupted_call(&mut c, &mut d, &ids, round)?;
+        self.report.kills += 1;
+        let kills = self.args.kills;
+        if self.report.kills.is_multiple_of(10) || self.report.kills == kills {
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!(
+                    "bench crash: {}/{kills} kills, {} diverged, {} lost",
+                    self.report.kills, self.report.diverged, self.report.lost
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// One call of a context of `ids` that the kill interrupts after some of its tokens (or
+    /// none): what the context may hold after the restart is what it held before, or the call's
+    /// whole prompt and what was streamed; a call that finished before the kill holds exactly
+    /// that.
+    fn interrupted_call(
+        &mut self,
+        c: &mut Client,
+        d: &mut Daemon,
+        ids: &[u64],
+        round: usize,
+    ) -> anyhow::Result<()> {
+        let max_tokens = self.args.max_tokens;
+        let ctx = ids[self.rng.random_range(0..ids.len())];
+        let prompt = PROMPTS[self.rng.random_range(0..PROMPTS.len())];
+        let before = self.expected[&ctx][0];
+        let mut stream = c.call(ctx, prompt, &params(max_tokens.max(2) * 4))?;
+        let wait_for = self.rng.random_range(0..max_tokens * 2);
         let (mut streamed, mut done) = (0, None);
         while streamed < wait_for && done.is_none() {
             match stream.next() {
@@ -187,13 +262,13 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
                 _ => break,
             }
         }
-        let completed = before + tok.encode(prompt).len() + streamed;
+        let completed = before + self.tok.encode(prompt).len() + streamed;
         match done {
             Some(n) => {
-                report.calls_completed += 1;
+                self.report.calls_completed += 1;
                 // A finished call holds what it was told plus what it streamed.
                 if n != completed {
-                    report.diverged += 1;
+                    self.report.diverged += 1;
                     tracing::error!(
                         ctx,
                         tokens = n,
@@ -202,26 +277,19 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
                         "a call's length diverged"
                     );
                 }
-                expected.insert(ctx, vec![n]);
+                self.expected.insert(ctx, vec![n]);
             }
             None => {
-                report.calls_interrupted += 1;
-                expected.insert(ctx, vec![before, completed]);
+                self.report.calls_interrupted += 1;
+                self.expected.insert(ctx, vec![before, completed]);
             }
         }
-        report.kills += 1;
-        if report.kills.is_multiple_of(10) || report.kills == args.kills {
-            #[allow(clippy::print_stderr)]
-            {
-                eprintln!(
-                    "bench crash: {}/{} kills, {} diverged, {} lost",
-                    report.kills, args.kills, report.diverged, report.lost
-                );
-            }
-        }
+        Ok(())
     }
-    report.restart_ms_max = restarts.iter().copied().fold(0.0, f64::max);
-    report.restart_ms_median = median(restarts.iter().copied());
+}
+
+/// The run's counts and restart times.
+fn print_report(report: &CrashReport) {
     crate::report::table!(
         "kills {}  calls completed {}  interrupted {}  contexts diverged {}  lost {}  chunks quarantined {}",
         report.kills,
@@ -236,11 +304,4 @@ pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
         report.restart_ms_median,
         report.restart_ms_max
     );
-    args.report.write("crash", &report)?;
-    let _ = std::fs::remove_dir_all(&dir);
-    ensure!(
-        report.diverged == 0 && report.lost == 0 && report.quarantined == 0,
-        "the daemon lost or damaged state across kills (seed {seed})"
-    );
-    Ok(())
 }

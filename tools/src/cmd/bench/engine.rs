@@ -9,7 +9,7 @@ use model::Logits;
 use model::generate::argmax;
 use uffd_pager::median;
 
-use crate::args::{EngineOpts, load};
+use crate::args::{EngineOpts, Loaded, load};
 use crate::report::table;
 
 /// `llms bench engine`.
@@ -115,12 +115,54 @@ fn read_bandwidth(model: &model::Model, runs: usize) -> f64 {
     bytes / median(secs)
 }
 
-/// Runs `llms bench engine`.
+/// Runs `llms bench engine`: prefill at each length, the read bandwidth over the decode
+/// weights, decode at each depth against its bandwidth bound; a table and JSON.
 pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
     a.report.begin();
     let l = load(&a.engine)?;
-    let runs = a.runs;
-    let max_ctx = l.model.cfg.max_ctx;
+    check_lengths(&a, l.model.cfg.max_ctx)?;
+    let tokens = bench_tokens(&a, &l)?;
+    let threads = rayon::current_num_threads();
+    let kernels = kernels(&l.model);
+    eprintln!(
+        "bench engine: {} threads, kernels {kernels}, kv {}, prefill chunk {}, {} runs each",
+        threads, l.format, l.model.prefill_chunk, a.runs
+    );
+    let prefill = measure_prefill(&a, &l, &tokens)?;
+    let bandwidth = read_bandwidth(&l.model, a.runs);
+    eprintln!(
+        "  read bandwidth over the decode weights ({:.1} MiB): {:.2} GB/s",
+        l.model.decode_weight_bytes() as f64 / 1048576.0,
+        bandwidth / 1e9
+    );
+    let decode = a
+        .decode_at
+        .iter()
+        .map(|&depth| measure_decode(&a, &l, &tokens, depth, bandwidth))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let report = Report {
+        model: l.model.path().display().to_string(),
+        threads,
+        kv_format: l.format.to_string(),
+        prefill_chunk: l.model.prefill_chunk,
+        runs: a.runs,
+        kernels,
+        prefill,
+        decode,
+        weight_bytes: l.model.weight_bytes(),
+        file_tensor_bytes: l.model.file_tensor_bytes(),
+        decode_weight_bytes: l.model.decode_weight_bytes(),
+        read_bandwidth_bytes_per_sec: bandwidth,
+        rss_bytes: rss_bytes(),
+        peak_rss_bytes: peak_rss_bytes(),
+    };
+    print_table(&report);
+    a.report.write("engine", &report)?;
+    Ok(())
+}
+
+/// Every prefill length, and every decode depth with its tokens, must fit the model's context.
+fn check_lengths(a: &BenchEngineArgs, max_ctx: usize) -> anyhow::Result<()> {
     if let Some(n) = a.prefill.iter().find(|&&n| n > max_ctx) {
         anyhow::bail!("--prefill {n} is longer than the model's context of {max_ctx} tokens");
     }
@@ -134,6 +176,11 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
             a.decode
         );
     }
+    Ok(())
+}
+
+/// The text's tokens, repeated to one more than the longest prefill or depth.
+fn bench_tokens(a: &BenchEngineArgs, l: &Loaded) -> anyhow::Result<Vec<u32>> {
     let text = std::fs::read_to_string(&a.text)
         .with_context(|| format!("cannot read {}", a.text.display()))?;
     let base = l.tokenizer.encode(&text);
@@ -146,26 +193,30 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         .max()
         .unwrap_or(0)
         + 1;
-    let tokens: Vec<u32> = base.iter().copied().cycle().take(need).collect();
-    let threads = rayon::current_num_threads();
-    let kernels = format!(
+    Ok(base.iter().copied().cycle().take(need).collect())
+}
+
+/// The kernels in use: the decode's instruction set, and the prefill's activations (with the
+/// int8 path's kernels).
+fn kernels(model: &model::Model) -> String {
+    format!(
         "{:?}, prefill {}",
         model::qmatrix::Isa::best(),
-        match l.model.prefill_activations() {
+        match model.prefill_activations() {
             model::int8gemm::PrefillActs::Int8 => {
                 format!("int8 ({:?})", model::int8gemm::Path::best())
             }
             _ => "f32".to_owned(),
         }
-    );
-    eprintln!(
-        "bench engine: {} threads, kernels {kernels}, kv {}, prefill chunk {}, {runs} runs each",
-        threads, l.format, l.model.prefill_chunk
-    );
+    )
+}
+
+/// Each --prefill length into a fresh cache, --runs times; the median.
+fn measure_prefill(a: &BenchEngineArgs, l: &Loaded, tokens: &[u32]) -> anyhow::Result<Vec<Row>> {
     let mut prefill = Vec::new();
     for &n in &a.prefill {
         let mut secs = Vec::new();
-        for _ in 0..runs {
+        for _ in 0..a.runs {
             let mut cache = l.new_cache();
             let t = Instant::now();
             l.model.forward(&mut cache, &tokens[..n], Logits::Last)?;
@@ -180,73 +231,64 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
             all_secs: secs,
         });
     }
-    let bandwidth = read_bandwidth(&l.model, runs);
-    let weights_read = l.model.decode_weight_bytes() as f64;
-    eprintln!(
-        "  read bandwidth over the decode weights ({:.1} MiB): {:.2} GB/s",
-        weights_read / 1048576.0,
-        bandwidth / 1e9
-    );
-    let mut decode = Vec::new();
-    for &depth in &a.decode_at {
-        let mut secs = Vec::new();
-        let mut kv_bytes = 0;
-        for _ in 0..runs {
-            let mut cache = l.new_cache();
-            // Depth 0 still needs one token to start from.
-            let start = depth.max(1);
-            let mut logits = l
-                .model
-                .forward(&mut cache, &tokens[..start], Logits::Last)?;
-            let t = Instant::now();
-            for _ in 0..a.decode {
-                let next = argmax(&logits);
-                logits = l.model.forward(&mut cache, &[next], Logits::Last)?;
-            }
-            secs.push(t.elapsed().as_secs_f64());
-            kv_bytes = cache.resident_bytes();
+    Ok(prefill)
+}
+
+/// --decode tokens after a prefill of `depth` of `tokens`, --runs times; the median against
+/// the bound of reading the decode weights and the KV at `bandwidth`.
+fn measure_decode(
+    a: &BenchEngineArgs,
+    l: &Loaded,
+    tokens: &[u32],
+    depth: usize,
+    bandwidth: f64,
+) -> anyhow::Result<DecodeRow> {
+    let mut secs = Vec::new();
+    let mut kv_bytes = 0;
+    for _ in 0..a.runs {
+        let mut cache = l.new_cache();
+        // Depth 0 still needs one token to start from.
+        let start = depth.max(1);
+        let mut logits = l
+            .model
+            .forward(&mut cache, &tokens[..start], Logits::Last)?;
+        let t = Instant::now();
+        for _ in 0..a.decode {
+            let next = argmax(&logits);
+            logits = l.model.forward(&mut cache, &[next], Logits::Last)?;
         }
-        let m = median(secs.iter().copied());
-        let tps = a.decode as f64 / m;
-        // The KV read per token grows from the depth to the end; take its middle.
-        let kv_per_token = kv_bytes as f64 / (depth.max(1) + a.decode) as f64;
-        let per_token = weights_read + kv_per_token * (depth as f64 + a.decode as f64 / 2.0);
-        let bound = bandwidth / per_token;
-        eprintln!(
-            "  decode  {:>5} tokens at depth {depth:>5}: {tps:>8.1} t/s ({:.0}% of the bandwidth bound {bound:.1})",
-            a.decode,
-            100.0 * tps / bound
-        );
-        decode.push(DecodeRow {
-            depth,
-            row: Row {
-                tokens: a.decode,
-                median_secs: m,
-                tokens_per_sec: tps,
-                all_secs: secs,
-            },
-            kv_bytes,
-            bytes_per_token: per_token,
-            bandwidth_bound_tokens_per_sec: bound,
-            bandwidth_ratio: tps / bound,
-        });
+        secs.push(t.elapsed().as_secs_f64());
+        kv_bytes = cache.resident_bytes();
     }
-    let report = Report {
-        model: l.model.path().display().to_string(),
-        threads,
-        kv_format: l.format.to_string(),
-        prefill_chunk: l.model.prefill_chunk,
-        runs,
-        kernels,
-        prefill,
-        decode,
-        weight_bytes: l.model.weight_bytes(),
-        file_tensor_bytes: l.model.file_tensor_bytes(),
-        decode_weight_bytes: l.model.decode_weight_bytes(),
-        read_bandwidth_bytes_per_sec: bandwidth,
-        rss_bytes: rss_bytes(),
-        peak_rss_bytes: peak_rss_bytes(),
-    };
+    let m = median(secs.iter().copied());
+    let tps = a.decode as f64 / m;
+    // The KV read per token grows from the depth to the end; take its middle.
+    let kv_per_token = kv_bytes as f64 / (depth.max(1) + a.decode) as f64;
+    let weights_read = l.model.decode_weight_bytes() as f64;
+    let per_token = weights_read + kv_per_token * (depth as f64 + a.decode as f64 / 2.0);
+    let bound = bandwidth / per_token;
+    eprintln!(
+        "  decode  {:>5} tokens at depth {depth:>5}: {tps:>8.1} t/s ({:.0}% of the bandwidth bound {bound:.1})",
+        a.decode,
+        100.0 * tps / bound
+    );
+    Ok(DecodeRow {
+        depth,
+        row: Row {
+            tokens: a.decode,
+            median_secs: m,
+            tokens_per_sec: tps,
+            all_secs: secs,
+        },
+        kv_bytes,
+        bytes_per_token: per_token,
+        bandwidth_bound_tokens_per_sec: bound,
+        bandwidth_ratio: tps / bound,
+    })
+}
+
+/// The report's table: a row per prefill and decode, then the weights and memory.
+fn print_table(report: &Report) {
     table!("| phase | tokens | median s | tokens/s | bandwidth bound | ratio |");
     table!("|---|---:|---:|---:|---:|---:|");
     for r in &report.prefill {
@@ -273,10 +315,8 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         report.weight_bytes as f64 / 1048576.0,
         report.weight_bytes as f64 / report.file_tensor_bytes as f64,
         report.file_tensor_bytes as f64 / 1048576.0,
-        bandwidth / 1e9,
+        report.read_bandwidth_bytes_per_sec / 1e9,
         report.rss_bytes as f64 / 1048576.0,
         report.peak_rss_bytes as f64 / 1048576.0
     );
-    a.report.write("engine", &report)?;
-    Ok(())
 }

@@ -243,7 +243,9 @@ fn synthetic(
     Ok(c)
 }
 
-/// Runs `llms bench kv`.
+/// Runs `llms bench kv`: the codecs on real K/V of a prefilled context, attention per decode
+/// step at each context length and format, and recompute of some chunks of an int8 context;
+/// the tables, then JSON.
 pub fn run(args: KvArgs) -> anyhow::Result<()> {
     if let Some(n) = args.contexts.iter().find(|&&n| n > MAX_BENCH_CONTEXT) {
         anyhow::bail!("--contexts {n} is longer than {MAX_BENCH_CONTEXT} tokens");
@@ -251,21 +253,44 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     args.report.begin();
     let model = args.input.load()?;
     let s = model.chunk_shape(16);
-    let cfg = &model.cfg;
-    let reps = args.reps;
     let most = args.recompute.iter().copied().max().unwrap_or(1);
     anyhow::ensure!(
-        most.saturating_mul(16).saturating_add(16) <= cfg.max_ctx,
+        most.saturating_mul(16).saturating_add(16) <= model.cfg.max_ctx,
         "--recompute {most} needs a context of {} tokens, longer than the model's {}",
         most.saturating_mul(16).saturating_add(16),
-        cfg.max_ctx
+        model.cfg.max_ctx
     );
     eprintln!("prefilling 256 tokens for real K/V");
     let tokens = args.input.tokens(&model, 257)?;
     let base = prefilled(&model, &tokens[..256], KvFormat::F16)?;
     let real = real_layers(&base, 16);
     let codec = codec_rows(&s, &real)?;
+    let attention = attention_rows(&model, &args, &real)?;
+    let ctx_len = most * 16 + 16;
+    let recompute = recompute_rows(&model, &args, ctx_len)?;
+    codec_table(&codec, real.len() / s.n_layers, s.n_layers);
+    attention_table(&attention, s.n_layers);
+    recompute_table(&recompute, ctx_len);
+    let report = Report {
+        model: model.path().display().to_string(),
+        threads: model::kernels::threads(),
+        codec,
+        attention,
+        recompute,
+    };
+    args.report.write("kv", &report)?;
+    Ok(())
+}
 
+/// Attention of one decode step over every layer, packed and gathered, for each context
+/// length and format: caches whose chunks repeat the `real` K/V, the median of --reps.
+fn attention_rows(
+    model: &Model,
+    args: &KvArgs,
+    real: &[(Vec<f32>, Vec<f32>)],
+) -> anyhow::Result<Vec<AttnRow>> {
+    let s = model.chunk_shape(16);
+    let cfg = &model.cfg;
     let shape = AttnShape {
         n_heads: cfg.n_heads,
         n_kv_heads: cfg.n_kv_heads,
@@ -279,9 +304,9 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     let mut attention = Vec::new();
     for &len in &args.contexts {
         for f in KvFormat::ALL {
-            let mut c = synthetic(s, f, len, &real)?;
+            let mut c = synthetic(s, f, len, real)?;
             let mut step = |packed: bool| {
-                median_secs(reps, || {
+                median_secs(args.reps, || {
                     for l in 0..s.n_layers {
                         if packed {
                             attend_packed(&mut c, l, shape, &q, len - 1, 1, &mut out)?;
@@ -302,22 +327,30 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
             });
         }
     }
+    Ok(attention)
+}
 
+/// Recompute of each --recompute count of chunks, spread over an int8 context of `ctx_len`
+/// tokens, the last chunk included; the median of at most 3 runs.
+fn recompute_rows(
+    model: &Model,
+    args: &KvArgs,
+    ctx_len: usize,
+) -> anyhow::Result<Vec<RecomputeRow>> {
     let mut recompute = Vec::new();
-    let ctx_len = most * 16 + 16;
     eprintln!("prefilling {ctx_len} tokens for recompute");
-    let tokens = args.input.tokens(&model, ctx_len)?;
-    let mut c = prefilled(&model, &tokens, KvFormat::Int8)?;
+    let tokens = args.input.tokens(model, ctx_len)?;
+    let mut c = prefilled(model, &tokens, KvFormat::Int8)?;
     let sealed = c.chunk_formats().len();
     for &x in &args.recompute {
         let x = x.min(sealed);
         // Spread the chunks over the context, the last one included.
         let set: Vec<usize> = (0..x).map(|i| sealed - 1 - i * sealed / x.max(1)).collect();
-        let secs = median_secs(reps.min(3), || {
+        let secs = median_secs(args.reps.min(3), || {
             for &i in &set {
                 c.evict(i)?;
             }
-            recompute_chunks(&model, &mut c, &set)?;
+            recompute_chunks(model, &mut c, &set)?;
             Ok(())
         })?;
         recompute.push(RecomputeRow {
@@ -327,12 +360,12 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
             tokens_per_sec: (x * 16) as f64 / secs,
         });
     }
+    Ok(recompute)
+}
 
-    table!(
-        "codec (real K/V of {} chunks x {} layers)",
-        real.len() / s.n_layers,
-        s.n_layers
-    );
+/// The codec table: real K/V of `chunks` chunks of `n_layers` layers each.
+fn codec_table(codec: &[CodecRow], chunks: usize, n_layers: usize) {
+    table!("codec (real K/V of {chunks} chunks x {n_layers} layers)");
     table!(
         "{:<6} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8}",
         "format",
@@ -343,7 +376,7 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
         "bits",
         "slot KB"
     );
-    for r in &codec {
+    for r in codec {
         table!(
             "{:<6} {:>10.2} {:>10.2} {:>10.5} {:>10.5} {:>8.2} {:>8}",
             r.format.name(),
@@ -355,7 +388,11 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
             r.slot_bytes / 1024
         );
     }
-    table!("\nattention per decode step ({} layers, ms)", s.n_layers);
+}
+
+/// The attention table: ms per decode step over `n_layers` layers.
+fn attention_table(attention: &[AttnRow], n_layers: usize) {
+    table!("\nattention per decode step ({n_layers} layers, ms)");
     table!(
         "{:<6} {:>8} {:>10} {:>12}",
         "format",
@@ -363,7 +400,7 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
         "packed",
         "gathered"
     );
-    for r in &attention {
+    for r in attention {
         table!(
             "{:<6} {:>8} {:>10.3} {:>12.3}",
             r.format.name(),
@@ -372,9 +409,13 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
             r.gathered_ms
         );
     }
+}
+
+/// The recompute table, over an int8 context of `ctx_len` tokens.
+fn recompute_table(recompute: &[RecomputeRow], ctx_len: usize) {
     table!("\nrecompute (int8 context of {ctx_len} tokens)");
     table!("{:>7} {:>10} {:>10}", "chunks", "seconds", "tokens/s");
-    for r in &recompute {
+    for r in recompute {
         table!(
             "{:>7} {:>10.3} {:>10.1}",
             r.chunks,
@@ -382,13 +423,4 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
             r.tokens_per_sec
         );
     }
-    let report = Report {
-        model: model.path().display().to_string(),
-        threads: model::kernels::threads(),
-        codec,
-        attention,
-        recompute,
-    };
-    args.report.write("kv", &report)?;
-    Ok(())
 }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail, ensure};
 use bench::cgroup::Device;
-use bench::trace::{PastCap, TraceRow};
+use bench::trace::{PastCap, Trace, TraceRow};
 use model::config::ModelConfig;
 use model::kv::KvFormat;
 use service::ManagerKind;
@@ -163,12 +163,69 @@ fn print_line(progress: &indicatif::ProgressBar, line: String) {
     }
 }
 
-/// Runs the benchmark.
+/// Runs the benchmark: reads the trace and the model, plans the replays, measures the scratch
+/// disk, replays, and writes the tables, CSV, plots and JSON.
 pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
     args.report.begin();
     if let Some(json) = &args.replot {
         return replot(args, json);
     }
+    let input = read_input(args)?;
+    let plan = plan(args, &input)?;
+    let disk = scratch_disk(args, &input.model)?;
+    let h = &input.trace.header;
+    let setup = Setup {
+        model: &input.model,
+        scratch: &disk.scratch,
+        device: disk.device,
+        read_bps: args.read_bps,
+        write_bps: args.write_bps,
+        disk_bps: disk.bps,
+        max_context: h.max_context,
+        apps_contexts: most_contexts_per_app(&input.trace),
+        threads: args.threads,
+        drain: !args.no_drain,
+    };
+    let runs = replay_all(args, &input, &plan, &setup)?;
+    let names = plan.row_names();
+    let active = active_rows(&runs, &plan.budgets, &names);
+    let mut report = SwitchReport {
+        trace: input.trace_path.display().to_string(),
+        model: input.model_name,
+        context_bytes: plan.context_bytes,
+        max_context: h.max_context,
+        read_bps: args.read_bps,
+        write_bps: args.write_bps,
+        disk_mib_s: disk.bps / f64::from(1 << 20),
+        device: disk.device.to_string(),
+        drained: !args.no_drain,
+        runs,
+        active,
+        plots: Vec::new(),
+        colours: names
+            .iter()
+            .map(|m| (m.clone(), bench::plot::colour_name(m).to_owned()))
+            .collect(),
+    };
+    write_outputs(args, &mut report, &names, plan.ns.len() > 1)?;
+    print_failures(&report.runs);
+    Ok(())
+}
+
+/// What a run replays: the trace, and the model its token counts are for.
+struct Input {
+    trace_path: PathBuf,
+    trace: Trace,
+    /// The model file, absolute.
+    model: PathBuf,
+    /// Its file name, which the trace's header names.
+    model_name: String,
+    cfg: ModelConfig,
+}
+
+/// Reads the trace and the model's shape, and checks that the service can replay the trace:
+/// its contexts fit the model's context, and none slides past its cap.
+fn read_input(args: &BenchSwitchArgs) -> anyhow::Result<Input> {
     let trace_path = args.trace.as_deref().context("no trace to replay")?;
     let trace = bench::trace::read(trace_path)?;
     let h = &trace.header;
@@ -209,6 +266,43 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
             h.max_context
         );
     }
+    Ok(Input {
+        trace_path: trace_path.to_owned(),
+        trace,
+        model,
+        model_name,
+        cfg,
+    })
+}
+
+/// The replays asked for: each budget with each number of contexts, for each manager and
+/// llama.cpp row.
+struct Plan {
+    /// Numbers of contexts, ascending.
+    ns: Vec<usize>,
+    managers: Vec<String>,
+    /// The llama.cpp rows' KV types (none without --llama-server).
+    peers: Vec<bench::peer::KvType>,
+    /// Bytes of one context's worth.
+    context_bytes: u64,
+    budgets: Vec<Budget>,
+}
+
+impl Plan {
+    /// Every row's name: the managers, then the llama.cpp rows.
+    fn row_names(&self) -> Vec<String> {
+        self.managers
+            .iter()
+            .cloned()
+            .chain(self.peers.iter().map(|k| k.row().to_owned()))
+            .collect()
+    }
+}
+
+/// The plan of `args` for `input`'s trace; a number of contexts larger than the trace's is an
+/// error.
+fn plan(args: &BenchSwitchArgs, input: &Input) -> anyhow::Result<Plan> {
+    let h = &input.trace.header;
     let all = h.contexts.len();
     let mut ns = if args.contexts.is_empty() {
         vec![all]
@@ -228,34 +322,56 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
     } else {
         args.managers.clone()
     };
-    let shape = cfg.chunk_shape(CHUNK_TOKENS);
+    let shape = input.cfg.chunk_shape(CHUNK_TOKENS);
     let context_bytes = (h.max_context as usize).div_ceil(CHUNK_TOKENS) as u64
         * shape.slot_bytes(KvFormat::Int8) as u64;
-    let budgets: Vec<Budget> = if !args.kv_budget.is_empty() {
-        args.kv_budget
+    let peers: Vec<bench::peer::KvType> = if args.llama_server.is_some() {
+        let mut v = args.llama_kv.clone();
+        v.dedup();
+        v
+    } else {
+        Vec::new()
+    };
+    Ok(Plan {
+        ns,
+        managers,
+        peers,
+        context_bytes,
+        budgets: budgets(args, context_bytes),
+    })
+}
+
+/// The KV budgets: --kv-budget's bytes, else --budget-contexts (2 by default) times a context's
+/// worth.
+fn budgets(args: &BenchSwitchArgs, context_bytes: u64) -> Vec<Budget> {
+    if !args.kv_budget.is_empty() {
+        return args
+            .kv_budget
             .iter()
             .map(|&bytes| Budget {
                 bytes,
                 contexts: None,
             })
-            .collect()
+            .collect();
+    }
+    let worth = if args.budget_contexts.is_empty() {
+        vec![2.0]
     } else {
-        let worth = if args.budget_contexts.is_empty() {
-            vec![2.0]
-        } else {
-            args.budget_contexts.clone()
-        };
-        worth
-            .iter()
-            .map(|&c| Budget {
-                bytes: ((c * context_bytes as f64) as u64).max(1),
-                contexts: Some(c),
-            })
-            .collect()
+        args.budget_contexts.clone()
     };
-    let scratch = args.report.scratch_dir(args.scratch.as_deref())?;
-    let device = Device::of(&scratch)?;
-    let per_app = h
+    worth
+        .iter()
+        .map(|&c| Budget {
+            bytes: ((c * context_bytes as f64) as u64).max(1),
+            contexts: Some(c),
+        })
+        .collect()
+}
+
+/// The most contexts one app of the trace keeps (the daemon's --max-contexts-per-app).
+fn most_contexts_per_app(trace: &Trace) -> usize {
+    trace
+        .header
         .contexts
         .iter()
         .fold(BTreeMap::<&str, usize>::new(), |mut m, c| {
@@ -264,15 +380,29 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         })
         .into_values()
         .max()
-        .unwrap_or(1);
-    // The I/O lower bound's bandwidth: what the disk gives O_DIRECT reads, 4 at a time (the
-    // Load's I/O threads), measured now, before the replays. The model file is read when it is
-    // on that disk and large enough: a file written just before reads back faster than the disk
-    // (3.3 GB/s against 1.2 here: the virtual disk's host keeps what was just written).
+        .unwrap_or(1)
+}
+
+/// Where the replays' stores go, and what its disk reads.
+struct ScratchDisk {
+    scratch: PathBuf,
+    device: Device,
+    /// `O_DIRECT` read bandwidth, bytes/s.
+    bps: f64,
+}
+
+/// The scratch directory and the I/O lower bound's bandwidth: what its disk gives O_DIRECT
+/// reads, 4 at a time (the Load's I/O threads), measured now, before the replays, and printed.
+/// The model file is read when it is on that disk and large enough: a file written just before
+/// reads back faster than the disk (3.3 GB/s against 1.2 here: the virtual disk's host keeps
+/// what was just written).
+fn scratch_disk(args: &BenchSwitchArgs, model: &Path) -> anyhow::Result<ScratchDisk> {
+    let scratch = args.report.scratch_dir(args.scratch.as_deref())?;
+    let device = Device::of(&scratch)?;
     let probe_bytes = 64 << 20;
-    let model_bytes = std::fs::metadata(&model).map_or(0, |m| m.len());
-    let disk_bps = if Device::of(&model)? == device && model_bytes >= probe_bytes as u64 {
-        bench::disk::direct_read_bps(&model, probe_bytes, 4)?
+    let model_bytes = std::fs::metadata(model).map_or(0, |m| m.len());
+    let bps = if Device::of(model)? == device && model_bytes >= probe_bytes as u64 {
+        bench::disk::direct_read_bps(model, probe_bytes, 4)?
     } else {
         bench::disk::probe_dir(&scratch, probe_bytes, 4)?
     };
@@ -280,52 +410,49 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         &indicatif::ProgressBar::hidden(),
         format!(
             "bench switch: the scratch disk reads {:.0} MiB/s with O_DIRECT (the I/O lower bound's)",
-            disk_bps / f64::from(1 << 20)
+            bps / f64::from(1 << 20)
         ),
     );
-    let setup = Setup {
-        model: &model,
-        scratch: &scratch,
+    Ok(ScratchDisk {
+        scratch,
         device,
-        read_bps: args.read_bps,
-        write_bps: args.write_bps,
-        disk_bps,
-        max_context: h.max_context,
-        apps_contexts: per_app,
-        threads: args.threads,
-        drain: !args.no_drain,
-    };
-    let plan: Vec<(Budget, usize, Vec<TraceRow>)> = budgets
+        bps,
+    })
+}
+
+/// One cell of the plan: a budget and a number of contexts, with the rows replayed.
+struct Cell {
+    budget: Budget,
+    n: usize,
+    rows: Vec<TraceRow>,
+}
+
+/// Every replay of the plan, budget by budget and number of contexts by number: each manager,
+/// then each llama.cpp row; a progress bar counts the calls.
+fn replay_all(
+    args: &BenchSwitchArgs,
+    input: &Input,
+    plan: &Plan,
+    setup: &Setup<'_>,
+) -> anyhow::Result<Vec<Run>> {
+    let cells: Vec<Cell> = plan
+        .budgets
         .iter()
-        .flat_map(|&b| ns.iter().map(move |&n| (b, n)).collect::<Vec<_>>())
-        .map(|(b, n)| (b, n, cut(&trace.rows, n, args.calls)))
+        .flat_map(|&b| plan.ns.iter().map(move |&n| (b, n)).collect::<Vec<_>>())
+        .map(|(budget, n)| Cell {
+            budget,
+            n,
+            rows: cut(&input.trace.rows, n, args.calls),
+        })
         .collect();
-    let peers: Vec<bench::peer::KvType> = if args.llama_server.is_some() {
-        let mut v = args.llama_kv.clone();
-        v.dedup();
-        v
-    } else {
-        Vec::new()
-    };
-    // Every row's name: the managers, then the llama.cpp rows.
-    let names: Vec<String> = managers
-        .iter()
-        .cloned()
-        .chain(peers.iter().map(|k| k.row().to_owned()))
-        .collect();
-    let total: u64 = plan.iter().map(|p| p.2.len() as u64).sum::<u64>() * names.len() as u64;
-    let progress = indicatif::ProgressBar::new(total).with_style(
-        indicatif::ProgressStyle::with_template(
-            "{prefix} [{bar:30}] {pos}/{len} calls {elapsed_precise} (eta {eta})",
-        )
-        .map_err(|e| anyhow::anyhow!("{e}"))?
-        .progress_chars("=> "),
-    );
+    let total: u64 =
+        cells.iter().map(|c| c.rows.len() as u64).sum::<u64>() * plan.row_names().len() as u64;
+    let progress = progress_bar(total)?;
     let mut runs = Vec::new();
-    for (budget, n, rows) in &plan {
-        for m in &managers {
-            progress.set_prefix(format!("{m}, {}, {n} contexts", budget.label()));
-            let r = replay(&setup, m, *budget, *n, rows, &progress)?;
+    for cell in &cells {
+        for m in &plan.managers {
+            progress.set_prefix(format!("{m}, {}, {} contexts", cell.budget.label(), cell.n));
+            let r = replay(setup, m, cell.budget, cell.n, &cell.rows, &progress)?;
             ensure!(
                 &r.daemon_manager == m,
                 "asked the daemon for --manager {m}; its stats say it ran {}",
@@ -337,36 +464,73 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         let Some(exe) = &args.llama_server else {
             continue;
         };
-        for kv in &peers {
-            let m = kv.row();
-            let slots = bench::peer::slots_for(budget.bytes, h.max_context, kv.token_bytes(&cfg));
-            if slots == 0 {
-                progress.inc(rows.len() as u64);
-                print_line(
-                    &progress,
-                    format!(
-                        "{m}, {}, {n} contexts: skipped, not one slot of {} tokens of {} KV fits \
-                         the budget",
-                        budget.label(),
-                        h.max_context,
-                        kv.name()
-                    ),
-                );
-                continue;
+        for &kv in &plan.peers {
+            let peer = bench::peer::Peer {
+                exe,
+                cfg: &input.cfg,
+                kv,
+            };
+            if let Some(r) = replay_peer(setup, &peer, cell, &progress)? {
+                runs.push(r);
             }
-            progress.set_prefix(format!("{m}, {}, {n} contexts", budget.label()));
-            let r = bench::peer::replay(&setup, exe, &cfg, *kv, *budget, *n, rows, &progress)
-                .with_context(|| format!("the {m} row"))?;
-            report_line(&progress, &r);
-            runs.push(r);
         }
     }
     progress.finish_and_clear();
-    let managers = names;
-    let mut active = Vec::new();
+    Ok(runs)
+}
 
-    for b in &budgets {
-        for m in &managers {
+/// The bar the replays count their calls on.
+fn progress_bar(total: u64) -> anyhow::Result<indicatif::ProgressBar> {
+    Ok(indicatif::ProgressBar::new(total).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{prefix} [{bar:30}] {pos}/{len} calls {elapsed_precise} (eta {eta})",
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .progress_chars("=> "),
+    ))
+}
+
+/// One llama.cpp row of a cell; `None` (its calls counted, a line printed) when not one slot of
+/// the trace's cap fits the budget.
+fn replay_peer(
+    setup: &Setup<'_>,
+    peer: &bench::peer::Peer<'_>,
+    cell: &Cell,
+    progress: &indicatif::ProgressBar,
+) -> anyhow::Result<Option<Run>> {
+    let m = peer.kv.row();
+    let (budget, n) = (cell.budget, cell.n);
+    let slots = bench::peer::slots_for(
+        budget.bytes,
+        setup.max_context,
+        peer.kv.token_bytes(peer.cfg),
+    );
+    if slots == 0 {
+        progress.inc(cell.rows.len() as u64);
+        print_line(
+            progress,
+            format!(
+                "{m}, {}, {n} contexts: skipped, not one slot of {} tokens of {} KV fits \
+                 the budget",
+                budget.label(),
+                setup.max_context,
+                peer.kv.name()
+            ),
+        );
+        return Ok(None);
+    }
+    progress.set_prefix(format!("{m}, {}, {n} contexts", budget.label()));
+    let r = bench::peer::replay(setup, peer, budget, n, &cell.rows, progress)
+        .with_context(|| format!("the {m} row"))?;
+    report_line(progress, &r);
+    Ok(Some(r))
+}
+
+/// The most active contexts under each latency bound, per budget and row.
+fn active_rows(runs: &[Run], budgets: &[Budget], names: &[String]) -> Vec<Active> {
+    let mut active = Vec::new();
+    for b in budgets {
+        for m in names {
             let rs: Vec<&Run> = runs
                 .iter()
                 .filter(|r| &r.manager == m && r.budget.bytes == b.bytes)
@@ -379,38 +543,37 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
             });
         }
     }
-    print_tables(&runs, &active, ns.len() > 1);
+    active
+}
+
+/// The tables, then under --out the CSV, the plots (their paths put in `report`) and the JSON
+/// report; `names` are the rows in the plots' legend.
+fn write_outputs(
+    args: &BenchSwitchArgs,
+    report: &mut SwitchReport,
+    names: &[String],
+    several_n: bool,
+) -> anyhow::Result<()> {
+    print_tables(&report.runs, &report.active, several_n);
     std::fs::create_dir_all(&args.report.out)
         .with_context(|| format!("cannot create {}", args.report.out.display()))?;
     let csv = args.report.out.join("switch.csv");
-    write_csv(&csv, &runs)?;
-    let plots = bench::plot::draw(&args.report.out, &runs, &active, &managers)?;
-    let report = SwitchReport {
-        trace: trace_path.display().to_string(),
-        model: model_name,
-        context_bytes,
-        max_context: h.max_context,
-        read_bps: args.read_bps,
-        write_bps: args.write_bps,
-        disk_mib_s: disk_bps / f64::from(1 << 20),
-        device: device.to_string(),
-        drained: !args.no_drain,
-        runs,
-        active,
-        plots: plots.iter().map(|p| p.display().to_string()).collect(),
-        colours: managers
-            .iter()
-            .map(|m| (m.clone(), bench::plot::colour_name(m).to_owned()))
-            .collect(),
-    };
-    args.report.write("switch", &report)?;
+    write_csv(&csv, &report.runs)?;
+    let plots = bench::plot::draw(&args.report.out, &report.runs, &report.active, names)?;
+    report.plots = plots.iter().map(|p| p.display().to_string()).collect();
+    args.report.write("switch", &*report)?;
     eprintln!("wrote {}", csv.display());
     for p in &plots {
         eprintln!("wrote {}", p.display());
     }
-    // Failed calls are a result (an f16 context larger than the budget cannot run): the table
-    // shows them, the JSON has their codes, and their replays count for no latency bound.
-    for r in report.runs.iter().filter(|r| r.errors > 0) {
+    Ok(())
+}
+
+/// Failed calls are a result (an f16 context larger than the budget cannot run): the table
+/// shows them, the JSON has their codes, and their replays count for no latency bound; this
+/// prints each replay's count of each code.
+fn print_failures(runs: &[Run]) {
+    for r in runs.iter().filter(|r| r.errors > 0) {
         let mut codes: BTreeMap<&str, usize> = BTreeMap::new();
         for c in &r.call_log {
             if let Some(e) = &c.error {
@@ -426,7 +589,6 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
             r.calls
         );
     }
-    Ok(())
 }
 
 /// `--replot`: the table, CSV and plots of an earlier report, and the report again with its new
@@ -448,19 +610,7 @@ fn replot(args: &BenchSwitchArgs, json: &Path) -> anyhow::Result<()> {
             .first()
             .is_some_and(|f| f.contexts != r.contexts)
     });
-    print_tables(&report.runs, &report.active, several_n);
-    std::fs::create_dir_all(&args.report.out)
-        .with_context(|| format!("cannot create {}", args.report.out.display()))?;
-    let csv = args.report.out.join("switch.csv");
-    write_csv(&csv, &report.runs)?;
-    let plots = bench::plot::draw(&args.report.out, &report.runs, &report.active, &managers)?;
-    report.plots = plots.iter().map(|p| p.display().to_string()).collect();
-    args.report.write("switch", &report)?;
-    eprintln!("wrote {}", csv.display());
-    for p in &plots {
-        eprintln!("wrote {}", p.display());
-    }
-    Ok(())
+    write_outputs(args, &mut report, &managers, several_n)
 }
 
 fn mib(b: u64) -> f64 {

@@ -146,7 +146,9 @@ const PREFILL_SLACK: u64 = 32 << 20;
 /// 1 MiB was too little: an all-resident engine at a 100% budget was killed by the OOM killer.
 const DECODE_SLACK: u64 = 4 << 20;
 
-/// Runs `llms bench weights`.
+/// Runs `llms bench weights`: as a child, one measurement; as the parent, the arguments
+/// checked, the model's weight bytes and the prompt, the all-resident reference, every method
+/// at every budget, each in a child, then the table, plot and JSON.
 pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
     if let Some(spec) = &a.child {
         let spec: Spec = serde_json::from_str(spec).context("bad child spec")?;
@@ -155,41 +157,10 @@ pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     a.report.begin();
-    if a.engine.weight_budget.is_some() {
-        bail!("bench weights sets the budget itself: use --budgets, not --weight-budget");
-    }
-    if let Some(b) = a.budgets.iter().find(|&&b| !(1..=100).contains(&b)) {
-        bail!("--budgets takes percentages from 1 to 100, not {b}");
-    }
-    for m in &a.methods {
-        method(m, None, 1)?;
-    }
-    let throttle = a
-        .read_bps
-        .as_deref()
-        .map(crate::args::parse_bytes)
-        .transpose()
-        .context("--read-bps")?;
+    let throttle = check_args(&a)?;
     let path = model_path(&a.engine)?;
     init_threads(a.engine.threads)?;
-    let (weight_bytes, prompt) = {
-        let model =
-            Model::load(&path).with_context(|| format!("cannot load {}", path.display()))?;
-        let tok = model::tokenizer::Tokenizer::from_gguf_file(&path)?;
-        let text = std::fs::read_to_string(&a.text)
-            .with_context(|| format!("cannot read {}", a.text.display()))?;
-        let toks = tok.encode(&text);
-        anyhow::ensure!(
-            toks.len() >= a.prefill,
-            "{} has fewer than {} tokens",
-            a.text.display(),
-            a.prefill
-        );
-        if a.prefill + a.warmup + a.decode + 1 > model.cfg.max_ctx {
-            bail!("--prefill, --warmup and --decode exceed the model's context");
-        }
-        (model.weight_bytes() as u64, toks[..a.prefill].to_vec())
-    };
+    let (weight_bytes, prompt) = weights_and_prompt(&a, &path)?;
     // The model's disk: 64 MiB of the file in 1 MiB `O_DIRECT` reads, one at a time (as the
     // stream reads).
     let disk_read_bps = bench::disk::direct_read_bps(&path, 64 << 20, 1)?;
@@ -203,96 +174,19 @@ pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
             b as f64 / 1048576.0
         ))
     );
-    let spec = |method: &str, budget: Option<u64>| Spec {
-        model: path.clone(),
-        threads: a.engine.threads,
-        kv_format: a.engine.kv_format.clone(),
-        chunk_tokens: a.engine.chunk_tokens,
-        prefill_chunk: a.engine.prefill_chunk,
-        method: method.into(),
-        budget,
-        prompt: prompt.clone(),
-        decode: a.decode,
-        warmup: a.warmup,
-        slots: a.slots,
-        memory_cgroup: None,
-        blkio_cgroup: None,
+    let mut children = Children {
+        args: &a,
+        model: &path,
+        prompt,
+        throttle,
+        weight_bytes,
+        n: 0,
     };
-    let mut n = 0;
-    let mut go = |s: Spec| -> anyhow::Result<Measured> {
-        n += 1;
-        let r = spawn(s, n, &path, throttle);
-        match &r {
-            Ok(m) => eprintln!(
-                "  {:>9} {:>6.1} MiB: prefill {:>7.1} t/s, decode {:>7.2} t/s, {:.1} MiB streamed/token, peak {:.1} MiB",
-                m.method,
-                m.budget.unwrap_or(weight_bytes) as f64 / 1048576.0,
-                m.prefill_tokens_per_sec,
-                m.decode_tokens_per_sec,
-                m.streamed_bytes_per_token / 1048576.0,
-                m.peak_bytes as f64 / 1048576.0
-            ),
-            Err(e) => eprintln!("  failed: {e:#}"),
-        }
-        r
-    };
-    let reference = go(spec("resident", None))?;
-    let mut rows: Vec<Row> = Vec::new();
-    for &pct in &a.budgets {
-        let budget = weight_bytes * u64::from(pct) / 100;
-        for m in &a.methods {
-            // A failed run (an OOM kill, say) is reported above and leaves a gap in the table.
-            let Ok(r) = go(spec(m, Some(budget))) else {
-                continue;
-            };
-            let bound = (r.streamed_bytes_per_token > 0.0).then(|| {
-                let bps = throttle.map_or(disk_read_bps, |t| (t as f64).min(disk_read_bps));
-                bps / r.streamed_bytes_per_token
-            });
-            rows.push(Row {
-                budget_percent: pct,
-                vs_mmap: None,
-                of_bound: bound.map(|b| r.decode_tokens_per_sec / b),
-                bound_tokens_per_sec: bound,
-                same_tokens: r.tokens == reference.tokens,
-                m: r,
-            });
-        }
-    }
-    for i in 0..rows.len() {
-        let mmap = rows
-            .iter()
-            .find(|r| r.budget_percent == rows[i].budget_percent && r.m.method == "mmap")
-            .map(|r| r.m.decode_tokens_per_sec);
-        rows[i].vs_mmap = mmap.map(|m| rows[i].m.decode_tokens_per_sec / m);
-    }
-    table!(
-        "| budget | method | prefill t/s | decode t/s | × mmap | streamed MiB/token | bound t/s | of bound | wait ms/token | peak − base MiB | same tokens |"
-    );
-    table!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
-    let f = |x: Option<f64>, p: usize| x.map_or("".to_string(), |v| format!("{v:.p$}"));
-    table!(
-        "| all resident | today's engine | {:.1} | {:.2} | | 0 | | | | {:.1} | |",
-        reference.prefill_tokens_per_sec,
-        reference.decode_tokens_per_sec,
-        reference.peak_bytes as f64 / 1048576.0
-    );
-    for r in &rows {
-        table!(
-            "| {}% | {} | {:.1} | {:.2} | {} | {:.1} | {} | {} | {:.1} | {:.1} | {} |",
-            r.budget_percent,
-            r.m.method,
-            r.m.prefill_tokens_per_sec,
-            r.m.decode_tokens_per_sec,
-            f(r.vs_mmap, 2),
-            r.m.streamed_bytes_per_token / 1048576.0,
-            f(r.bound_tokens_per_sec, 1),
-            f(r.of_bound, 2),
-            r.m.wait_secs_per_token * 1e3,
-            r.m.peak_bytes.saturating_sub(r.m.base_bytes) as f64 / 1048576.0,
-            if r.same_tokens { "yes" } else { "NO" }
-        );
-    }
+    let reference = children.measure("resident", None)?;
+    // The stream's bound: the disk's bandwidth, or the throttle when it is slower.
+    let bps = throttle.map_or(disk_read_bps, |t| (t as f64).min(disk_read_bps));
+    let rows = budget_rows(&mut children, &reference, bps);
+    print_table(&reference, &rows);
     std::fs::create_dir_all(&a.report.out)
         .with_context(|| format!("cannot create {}", a.report.out.display()))?;
     let name = if throttle.is_some() {
@@ -317,6 +211,162 @@ pub fn run(a: BenchWeightsArgs) -> anyhow::Result<()> {
     a.report.write(name, &report)?;
     eprintln!("wrote {}", plot.display());
     Ok(())
+}
+
+/// Checks the arguments the parser cannot (the budgets, the methods, no --weight-budget) and
+/// returns the read throttle, bytes/s.
+fn check_args(a: &BenchWeightsArgs) -> anyhow::Result<Option<u64>> {
+    if a.engine.weight_budget.is_some() {
+        bail!("bench weights sets the budget itself: use --budgets, not --weight-budget");
+    }
+    if let Some(b) = a.budgets.iter().find(|&&b| !(1..=100).contains(&b)) {
+        bail!("--budgets takes percentages from 1 to 100, not {b}");
+    }
+    for m in &a.methods {
+        method(m, None, 1)?;
+    }
+    a.read_bps
+        .as_deref()
+        .map(crate::args::parse_bytes)
+        .transpose()
+        .context("--read-bps")
+}
+
+/// The model's weight bytes (all resident) and the prompt: the first --prefill tokens of the
+/// text; the prompt, warm-up and decode must fit the model's context.
+fn weights_and_prompt(a: &BenchWeightsArgs, path: &Path) -> anyhow::Result<(u64, Vec<u32>)> {
+    let model = Model::load(path).with_context(|| format!("cannot load {}", path.display()))?;
+    let tok = model::tokenizer::Tokenizer::from_gguf_file(path)?;
+    let text = std::fs::read_to_string(&a.text)
+        .with_context(|| format!("cannot read {}", a.text.display()))?;
+    let toks = tok.encode(&text);
+    anyhow::ensure!(
+        toks.len() >= a.prefill,
+        "{} has fewer than {} tokens",
+        a.text.display(),
+        a.prefill
+    );
+    if a.prefill + a.warmup + a.decode + 1 > model.cfg.max_ctx {
+        bail!("--prefill, --warmup and --decode exceed the model's context");
+    }
+    Ok((model.weight_bytes() as u64, toks[..a.prefill].to_vec()))
+}
+
+/// The parent's side of the measurements: what every child's spec shares, and how many
+/// children ran (each one's cgroups are named by its number).
+struct Children<'a> {
+    args: &'a BenchWeightsArgs,
+    model: &'a Path,
+    prompt: Vec<u32>,
+    throttle: Option<u64>,
+    weight_bytes: u64,
+    n: usize,
+}
+
+impl Children<'_> {
+    /// The spec of `method` at `budget` bytes (`None`: no budget).
+    fn spec(&self, method: &str, budget: Option<u64>) -> Spec {
+        let a = self.args;
+        Spec {
+            model: self.model.to_owned(),
+            threads: a.engine.threads,
+            kv_format: a.engine.kv_format.clone(),
+            chunk_tokens: a.engine.chunk_tokens,
+            prefill_chunk: a.engine.prefill_chunk,
+            method: method.into(),
+            budget,
+            prompt: self.prompt.clone(),
+            decode: a.decode,
+            warmup: a.warmup,
+            slots: a.slots,
+            memory_cgroup: None,
+            blkio_cgroup: None,
+        }
+    }
+
+    /// Runs `method` at `budget` in a child and prints its line, or its failure.
+    fn measure(&mut self, method: &str, budget: Option<u64>) -> anyhow::Result<Measured> {
+        self.n += 1;
+        let r = spawn(self.spec(method, budget), self.n, self.model, self.throttle);
+        match &r {
+            Ok(m) => eprintln!(
+                "  {:>9} {:>6.1} MiB: prefill {:>7.1} t/s, decode {:>7.2} t/s, {:.1} MiB streamed/token, peak {:.1} MiB",
+                m.method,
+                m.budget.unwrap_or(self.weight_bytes) as f64 / 1048576.0,
+                m.prefill_tokens_per_sec,
+                m.decode_tokens_per_sec,
+                m.streamed_bytes_per_token / 1048576.0,
+                m.peak_bytes as f64 / 1048576.0
+            ),
+            Err(e) => eprintln!("  failed: {e:#}"),
+        }
+        r
+    }
+}
+
+/// Every method at every budget, against the reference and against its bound (its streamed
+/// bytes at `bps`), and against mmap at the same budget. A failed run (an OOM kill, say) is
+/// reported as it happens and leaves a gap.
+fn budget_rows(children: &mut Children<'_>, reference: &Measured, bps: f64) -> Vec<Row> {
+    let a = children.args;
+    let mut rows: Vec<Row> = Vec::new();
+    for &pct in &a.budgets {
+        let budget = children.weight_bytes * u64::from(pct) / 100;
+        for m in &a.methods {
+            let Ok(r) = children.measure(m, Some(budget)) else {
+                continue;
+            };
+            let bound =
+                (r.streamed_bytes_per_token > 0.0).then(|| bps / r.streamed_bytes_per_token);
+            rows.push(Row {
+                budget_percent: pct,
+                vs_mmap: None,
+                of_bound: bound.map(|b| r.decode_tokens_per_sec / b),
+                bound_tokens_per_sec: bound,
+                same_tokens: r.tokens == reference.tokens,
+                m: r,
+            });
+        }
+    }
+    for i in 0..rows.len() {
+        let mmap = rows
+            .iter()
+            .find(|r| r.budget_percent == rows[i].budget_percent && r.m.method == "mmap")
+            .map(|r| r.m.decode_tokens_per_sec);
+        rows[i].vs_mmap = mmap.map(|m| rows[i].m.decode_tokens_per_sec / m);
+    }
+    rows
+}
+
+/// The report's table: the reference, then a row per method and budget.
+fn print_table(reference: &Measured, rows: &[Row]) {
+    table!(
+        "| budget | method | prefill t/s | decode t/s | × mmap | streamed MiB/token | bound t/s | of bound | wait ms/token | peak − base MiB | same tokens |"
+    );
+    table!("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    let f = |x: Option<f64>, p: usize| x.map_or("".to_string(), |v| format!("{v:.p$}"));
+    table!(
+        "| all resident | today's engine | {:.1} | {:.2} | | 0 | | | | {:.1} | |",
+        reference.prefill_tokens_per_sec,
+        reference.decode_tokens_per_sec,
+        reference.peak_bytes as f64 / 1048576.0
+    );
+    for r in rows {
+        table!(
+            "| {}% | {} | {:.1} | {:.2} | {} | {:.1} | {} | {} | {:.1} | {:.1} | {} |",
+            r.budget_percent,
+            r.m.method,
+            r.m.prefill_tokens_per_sec,
+            r.m.decode_tokens_per_sec,
+            f(r.vs_mmap, 2),
+            r.m.streamed_bytes_per_token / 1048576.0,
+            f(r.bound_tokens_per_sec, 1),
+            f(r.of_bound, 2),
+            r.m.wait_secs_per_token * 1e3,
+            r.m.peak_bytes.saturating_sub(r.m.base_bytes) as f64 / 1048576.0,
+            if r.same_tokens { "yes" } else { "NO" }
+        );
+    }
 }
 
 /// The weight options of a method (`None`: every weight resident).
@@ -419,7 +469,9 @@ fn blkio_read(dir: &Path) -> Option<u64> {
     )
 }
 
-/// One measurement, in this (child) process.
+/// One measurement, in this (child) process: it joins its cgroups, loads the model with the
+/// method's options, warms up, prefills under the prefill's limit, and decodes under the
+/// decode's, counting what the stream and the disk read.
 fn child(s: &Spec) -> anyhow::Result<Measured> {
     let me = std::process::id().to_string();
     for dir in s.memory_cgroup.iter().chain(&s.blkio_cgroup) {
@@ -433,61 +485,113 @@ fn child(s: &Spec) -> anyhow::Result<Measured> {
     let load_secs = t.elapsed().as_secs_f64();
     model.prefill_chunk = s.prefill_chunk;
     let format: model::kv::KvFormat = s.kv_format.parse()?;
-    let cache = || {
-        KvCache::new(
-            model.chunk_shape(s.chunk_tokens),
-            format,
-            model.cfg.max_ctx,
-            Box::new(HeapChunks::default()),
-        )
-    };
-    let decode = |c: &mut KvCache, mut logits: Vec<f32>, n: usize| -> anyhow::Result<Vec<u32>> {
-        let mut toks = Vec::with_capacity(n);
-        for _ in 0..n {
-            let t = argmax(&logits);
-            toks.push(t);
-            logits = model.forward(c, &[t], Logits::Last)?;
-        }
-        Ok(toks)
-    };
     // Warm-up: the allocations of a run, and mmap's page cache as full as the budget lets it be.
     {
-        let mut c = cache();
+        let mut c = new_cache(&model, s, format);
         let l = model.forward(&mut c, &s.prompt, Logits::Last)?;
-        decode(&mut c, l, s.warmup)?;
+        decode(&model, &mut c, l, s.warmup)?;
     }
     let holding = model.holding();
     let held = model.weight_bytes() as u64 + holding.buffer_bytes;
-    // The limit: what the process holds besides weights (the cgroup's anonymous memory minus
-    // the weights the engine holds), plus the budget, plus a fixed slack; the page cache counts
-    // against it, so mmap's cached pages get the budget.
-    let limit = |slack: u64| -> anyhow::Result<(u64, Option<u64>)> {
-        let Some(dir) = &s.memory_cgroup else {
-            return Ok((0, None));
-        };
-        // Usage counts anonymous memory, page cache and kernel memory (page tables, slabs);
-        // the page cache is what mmap's weights live in, so it is left out of the base.
-        let usage: u64 = cg_read(dir, "memory.usage_in_bytes")?.trim().parse()?;
-        let base = usage
-            .saturating_sub(cg_stat(dir, "cache")?)
-            .saturating_sub(held);
-        let Some(budget) = s.budget else {
-            return Ok((base, None));
-        };
-        let limit = base + budget + slack;
-        std::fs::write(dir.join("memory.limit_in_bytes"), limit.to_string())
-            .with_context(|| format!("limiting {} to {limit} bytes", dir.display()))?;
-        Ok((base, Some(limit)))
-    };
-    limit(PREFILL_SLACK)?;
-    let mut c = cache();
+    set_limit(s, held, PREFILL_SLACK)?;
+    let mut c = new_cache(&model, s, format);
     let t = Instant::now();
     let logits = model.forward(&mut c, &s.prompt, Logits::Last)?;
     let prefill_secs = t.elapsed().as_secs_f64();
-    let (base_bytes, limit_bytes) = limit(DECODE_SLACK)?;
+    let (base_bytes, limit_bytes) = set_limit(s, held, DECODE_SLACK)?;
     if let Some(dir) = &s.memory_cgroup {
         std::fs::write(dir.join("memory.max_usage_in_bytes"), "0")?;
     }
+    let d = measure_decode(&model, s, &mut c, logits)?;
+    let peak_bytes = match &s.memory_cgroup {
+        Some(d) => cg_read(d, "memory.max_usage_in_bytes")?.trim().parse()?,
+        None => 0,
+    };
+    let per = s.decode as f64;
+    Ok(Measured {
+        method: s.method.clone(),
+        budget: s.budget,
+        load_secs,
+        prefill_tokens_per_sec: s.prompt.len() as f64 / prefill_secs,
+        decode_tokens_per_sec: per / d.secs,
+        tokens: d.tokens,
+        streamed_bytes_per_token: d.streamed_bytes as f64 / per,
+        wait_secs_per_token: d.wait_nanos as f64 / 1e9 / per,
+        holding,
+        base_bytes,
+        limit_bytes,
+        peak_bytes,
+        disk_bytes_per_token: d.disk_bytes.map(|b| b as f64 / per),
+    })
+}
+
+/// An empty KV cache of the spec's format for `model`.
+fn new_cache(model: &Model, s: &Spec, format: model::kv::KvFormat) -> KvCache {
+    KvCache::new(
+        model.chunk_shape(s.chunk_tokens),
+        format,
+        model.cfg.max_ctx,
+        Box::new(HeapChunks::default()),
+    )
+}
+
+/// Decodes `n` greedy tokens from `logits` on.
+fn decode(
+    model: &Model,
+    c: &mut KvCache,
+    mut logits: Vec<f32>,
+    n: usize,
+) -> anyhow::Result<Vec<u32>> {
+    let mut toks = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = argmax(&logits);
+        toks.push(t);
+        logits = model.forward(c, &[t], Logits::Last)?;
+    }
+    Ok(toks)
+}
+
+/// Sets the memory cgroup's limit: what the process holds besides weights (the cgroup's
+/// anonymous memory minus the `held` weight bytes the engine holds), plus the budget, plus
+/// `slack`; the page cache counts against it, so mmap's cached pages get the budget. Returns
+/// that base and the limit (none without a budget; both 0 and none without a cgroup).
+fn set_limit(s: &Spec, held: u64, slack: u64) -> anyhow::Result<(u64, Option<u64>)> {
+    let Some(dir) = &s.memory_cgroup else {
+        return Ok((0, None));
+    };
+    // Usage counts anonymous memory, page cache and kernel memory (page tables, slabs);
+    // the page cache is what mmap's weights live in, so it is left out of the base.
+    let usage: u64 = cg_read(dir, "memory.usage_in_bytes")?.trim().parse()?;
+    let base = usage
+        .saturating_sub(cg_stat(dir, "cache")?)
+        .saturating_sub(held);
+    let Some(budget) = s.budget else {
+        return Ok((base, None));
+    };
+    let limit = base + budget + slack;
+    std::fs::write(dir.join("memory.limit_in_bytes"), limit.to_string())
+        .with_context(|| format!("limiting {} to {limit} bytes", dir.display()))?;
+    Ok((base, Some(limit)))
+}
+
+/// What the measured decode did.
+struct DecodeFigures {
+    tokens: Vec<u32>,
+    secs: f64,
+    /// Bytes the weight stream read, and nanoseconds the compute waited for it.
+    streamed_bytes: u64,
+    wait_nanos: u64,
+    /// Bytes the blkio cgroup read from the disk, when there is one.
+    disk_bytes: Option<u64>,
+}
+
+/// The spec's decode after `logits`, timed, with the stream's and the disk's counters around it.
+fn measure_decode(
+    model: &Model,
+    s: &Spec,
+    c: &mut KvCache,
+    logits: Vec<f32>,
+) -> anyhow::Result<DecodeFigures> {
     let counters = model.stream_counters();
     let snap = || {
         counters.map_or((0, 0), |c| {
@@ -500,29 +604,16 @@ fn child(s: &Spec) -> anyhow::Result<Measured> {
     let disk0 = s.blkio_cgroup.as_deref().and_then(blkio_read);
     let (b0, w0) = snap();
     let t = Instant::now();
-    let tokens = decode(&mut c, logits, s.decode)?;
-    let decode_secs = t.elapsed().as_secs_f64();
+    let tokens = decode(model, c, logits, s.decode)?;
+    let secs = t.elapsed().as_secs_f64();
     let (b1, w1) = snap();
     let disk1 = s.blkio_cgroup.as_deref().and_then(blkio_read);
-    let peak_bytes = match &s.memory_cgroup {
-        Some(d) => cg_read(d, "memory.max_usage_in_bytes")?.trim().parse()?,
-        None => 0,
-    };
-    let per = s.decode as f64;
-    Ok(Measured {
-        method: s.method.clone(),
-        budget: s.budget,
-        load_secs,
-        prefill_tokens_per_sec: s.prompt.len() as f64 / prefill_secs,
-        decode_tokens_per_sec: per / decode_secs,
+    Ok(DecodeFigures {
         tokens,
-        streamed_bytes_per_token: (b1 - b0) as f64 / per,
-        wait_secs_per_token: (w1 - w0) as f64 / 1e9 / per,
-        holding,
-        base_bytes,
-        limit_bytes,
-        peak_bytes,
-        disk_bytes_per_token: disk0.zip(disk1).map(|(a, b)| (b - a) as f64 / per),
+        secs,
+        streamed_bytes: b1 - b0,
+        wait_nanos: w1 - w0,
+        disk_bytes: disk0.zip(disk1).map(|(a, b)| b - a),
     })
 }
 

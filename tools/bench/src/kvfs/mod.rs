@@ -19,6 +19,8 @@ use kvfs::store::{
     ContextId, HEADER_PAGE, NewContext, Store, StoreError, StoreOptions, slot_offset,
 };
 
+pub mod synth;
+
 /// What went wrong running the benchmark.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
@@ -391,7 +393,7 @@ fn parallel_pass<S>(
     threads: usize,
     make: impl Fn() -> S + Sync,
     per_chunk: impl Fn(&mut S, u32) -> Result<usize, BenchError> + Sync,
-) -> Result<(Vec<Duration>, usize, Duration), BenchError> {
+) -> Result<Pass, BenchError> {
     let start = Instant::now();
     let results: Vec<Result<(Vec<Duration>, usize), BenchError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
@@ -426,12 +428,7 @@ fn parallel_pass<S>(
     Ok((lat, bytes, wall))
 }
 
-fn load_row(
-    set: &str,
-    path: &'static str,
-    readers: usize,
-    runs: &[(Vec<Duration>, usize, Duration)],
-) -> LoadRow {
+fn load_row(set: &str, path: &'static str, readers: usize, runs: &[Pass]) -> LoadRow {
     let mut us: Vec<f64> = runs
         .iter()
         .flat_map(|r| r.0.iter().map(|d| d.as_secs_f64() * 1e6))
@@ -461,151 +458,334 @@ fn load_row(
 
 /// Chunk loads and writes at real chunk sizes through every path, with 1 to 4 readers.
 fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchError> {
-    let max_readers = config.readers.iter().copied().max().unwrap_or(1).max(1);
-    let mcfg = MountConfig {
-        threads: max_readers.max(MountConfig::default().threads),
-        ..MountConfig::default()
+    let mounts = LoadMounts::open(config)?;
+    for set in &config.load_sets {
+        load_set(config, &mounts, set, report)?;
+    }
+    mounts.unmount()
+}
+
+/// One pass of [`parallel_pass`]: every chunk's latency, the bytes moved and the wall time.
+type Pass = (Vec<Duration>, usize, Duration);
+
+/// The stores and mounts the load measurement goes through: a store of raw payloads mounted
+/// with passthrough, and again served by the daemon alone (for the cost of a FUSE round trip
+/// per chunk), and a store of zstd payloads (whenever zstd shrinks a chunk at all) mounted with
+/// passthrough. Fields in the order they are dropped, the daemon's mount first.
+struct LoadMounts {
+    daemon: Mount,
+    zstd: Mount,
+    zstore: Arc<Store>,
+    raw: Mount,
+    store: Arc<Store>,
+}
+
+impl LoadMounts {
+    /// Opens and mounts the stores under the scratch directory, each mount with a FUSE thread
+    /// per reader at least.
+    fn open(config: &BenchConfig) -> Result<LoadMounts, BenchError> {
+        let max_readers = config.readers.iter().copied().max().unwrap_or(1).max(1);
+        let mcfg = MountConfig {
+            threads: max_readers.max(MountConfig::default().threads),
+            ..MountConfig::default()
+        };
+        let (store, raw) = open_mounted(config, "load", f64::INFINITY, &mcfg)?;
+        let (zstore, zstd) = open_mounted(config, "load-zstd", 1.0, &mcfg)?;
+        let dmnt = config.dir.join("load-daemon-mnt");
+        std::fs::create_dir_all(&dmnt).map_err(|e| IoError::new("mkdir", &dmnt, e))?;
+        let daemon = mount(
+            store.clone(),
+            &dmnt,
+            &MountConfig {
+                passthrough: false,
+                ..mcfg.clone()
+            },
+        )?;
+        Ok(LoadMounts {
+            daemon,
+            zstd,
+            zstore,
+            raw,
+            store,
+        })
+    }
+
+    /// Passthrough opens of the two passthrough mounts so far.
+    fn passthrough_opens(&self) -> u64 {
+        self.raw
+            .counters()
+            .passthrough_opens
+            .load(Ordering::Relaxed)
+            + self
+                .zstd
+                .counters()
+                .passthrough_opens
+                .load(Ordering::Relaxed)
+    }
+
+    /// `READ` requests the two passthrough mounts' daemon saw so far.
+    fn daemon_reads(&self) -> u64 {
+        self.raw.counters().kv_reads.load(Ordering::Relaxed)
+            + self.zstd.counters().kv_reads.load(Ordering::Relaxed)
+    }
+
+    /// Unmounts the daemon's mount, then the zstd and the raw ones.
+    fn unmount(self) -> Result<(), BenchError> {
+        self.daemon.unmount()?;
+        self.zstd.unmount()?;
+        self.raw.unmount()?;
+        Ok(())
+    }
+}
+
+/// Opens the store `<dir>/<name>-store` (payloads kept compressed when zstd reaches
+/// `min_ratio`) and mounts it at `<dir>/<name>-mnt`.
+fn open_mounted(
+    config: &BenchConfig,
+    name: &str,
+    min_ratio: f64,
+    mcfg: &MountConfig,
+) -> Result<(Arc<Store>, Mount), BenchError> {
+    let store = Arc::new(Store::open(
+        &config.dir.join(format!("{name}-store")),
+        StoreOptions {
+            min_ratio,
+            ..StoreOptions::default()
+        },
+    )?);
+    let mnt = config.dir.join(format!("{name}-mnt"));
+    std::fs::create_dir_all(&mnt).map_err(|e| IoError::new("mkdir", &mnt, e))?;
+    let m = mount(store.clone(), &mnt, mcfg)?;
+    Ok((store, m))
+}
+
+/// One load set: its chunks written to both stores, loaded by every path with each number of
+/// readers, written out by every path with one writer; then what the page cache holds of its
+/// data files, and its contexts deleted.
+fn load_set(
+    config: &BenchConfig,
+    mounts: &LoadMounts,
+    set: &LoadSet,
+    report: &mut Report,
+) -> Result<(), BenchError> {
+    let n = config.load_chunks.max(8) as u32;
+    let datas = set.data();
+    let (id, zid) = store_set(mounts, set, &datas, n, report)?;
+    let opens = mounts.passthrough_opens();
+    let readers = SetReaders::open(mounts, set, &datas, (id, zid), n)?;
+    let daemon_reads = mounts.daemon_reads();
+    for &r in &config.readers {
+        let mut runs: [Vec<Pass>; 7] = Default::default();
+        for _round in 0..config.rounds.max(1) {
+            readers.read_round(r, &mut runs)?;
+        }
+        for (path, runs) in LOAD_PATHS.into_iter().zip(&runs) {
+            report.loads.push(load_row(&set.name, path, r, runs));
+        }
+    }
+    // The passthrough rows' reads never reached a daemon: only the per-chunk view's did.
+    report.passthrough_opens += mounts.passthrough_opens() - opens;
+    report.passthrough_daemon_reads += mounts.daemon_reads() - daemon_reads;
+    // Write-out: one writer, each chunk durable before the next.
+    let runs = readers.write_runs((config.write_chunks as u32).clamp(1, n))?;
+    for (path, runs) in WRITE_PATHS.into_iter().zip(&runs) {
+        report.load_writes.push(load_row(&set.name, path, 1, runs));
+    }
+    drop(readers);
+    report.cache.push(cache_row_named(
+        &mounts.store,
+        id,
+        n as usize,
+        format!("{} written and loaded", set.name),
+    )?);
+    report.cache.push(cache_row_named(
+        &mounts.zstore,
+        zid,
+        n as usize,
+        format!("{} zstd, loaded", set.name),
+    )?);
+    mounts.store.delete_context(id)?;
+    mounts.zstore.delete_context(zid)?;
+    Ok(())
+}
+
+/// A context of `n` chunks in each store, its chunks `datas` written through the store API;
+/// what zstd made of them goes in the report. Returns the raw and the zstd store's context.
+fn store_set(
+    mounts: &LoadMounts,
+    set: &LoadSet,
+    datas: &[Vec<u8>],
+    n: u32,
+    report: &mut Report,
+) -> Result<(ContextId, ContextId), BenchError> {
+    let new_context = |store: &Store| -> Result<ContextId, BenchError> {
+        let id = store.create_context(NewContext {
+            owner_uid: 0,
+            app: "bench".into(),
+            fingerprint: FP,
+            chunk_tokens: 16,
+        })?;
+        store.append_tokens(id, &vec![1; 16 * n as usize])?;
+        Ok(id)
     };
-    let open_store = |name: &str, min_ratio: f64| -> Result<(Arc<Store>, Mount), BenchError> {
-        let store = Arc::new(Store::open(
-            &config.dir.join(format!("{name}-store")),
-            StoreOptions {
-                min_ratio,
-                ..StoreOptions::default()
+    let id = new_context(&mounts.store)?;
+    let zid = new_context(&mounts.zstore)?;
+    let mut z = LoadZstd {
+        set: set.name.clone(),
+        chunks: n as usize,
+        zstd_chunks: 0,
+        raw_bytes: 0,
+        stored_bytes: 0,
+    };
+    for i in 0..n {
+        let data = &datas[i as usize % datas.len()][..];
+        mounts
+            .store
+            .write_chunk(id, i, &FP, KvFormat::Int8, 0.0, data)?;
+        let s = mounts
+            .zstore
+            .write_chunk(zid, i, &FP, KvFormat::Int8, 0.0, data)?;
+        z.zstd_chunks += usize::from(s.codec == Codec::Zstd);
+        z.raw_bytes += u64::from(s.raw_len);
+        z.stored_bytes += u64::from(s.stored_len);
+    }
+    report.load_zstd.push(z);
+    Ok((id, zid))
+}
+
+/// One set's chunks in both stores and what reads and writes them: the mounts' `kv` files
+/// (raw, zstd, and raw served by the daemon) and the raw store's data file.
+struct SetReaders<'a> {
+    mounts: &'a LoadMounts,
+    set: &'a LoadSet,
+    datas: &'a [Vec<u8>],
+    id: ContextId,
+    n: u32,
+    /// Bytes of a read buffer: the longest chunk, page-aligned.
+    slot: usize,
+    max_len: usize,
+    kv: MountReader,
+    zkv: MountReader,
+    dkv: MountReader,
+    data_path: PathBuf,
+    data_file: std::fs::File,
+}
+
+impl<'a> SetReaders<'a> {
+    /// Opens the `kv` files of the raw context `ids.0` (read-write, through the passthrough
+    /// mount, and read-only through the daemon's) and of the zstd context `ids.1`, and the raw
+    /// context's data file.
+    fn open(
+        mounts: &'a LoadMounts,
+        set: &'a LoadSet,
+        datas: &'a [Vec<u8>],
+        ids: (ContextId, ContextId),
+        n: u32,
+    ) -> Result<SetReaders<'a>, BenchError> {
+        let (id, zid) = ids;
+        let max_len = set.lens.iter().copied().max().unwrap_or(0);
+        let kv = MountReader::open_rw(mounts.raw.path(), id, FP)?;
+        let zkv = MountReader::open(mounts.zstd.path(), zid, FP)?;
+        let dkv = MountReader::open(mounts.daemon.path(), id, FP)?;
+        let data_path = mounts.store.data_path(id);
+        let data_file = open_data_file(&mounts.store, &data_path)?;
+        Ok(SetReaders {
+            mounts,
+            set,
+            datas,
+            id,
+            n,
+            slot: max_len.next_multiple_of(ALIGN),
+            max_len,
+            kv,
+            zkv,
+            dkv,
+            data_path,
+            data_file,
+        })
+    }
+
+    /// Chunk `i`'s bytes.
+    fn data(&self, i: u32) -> &[u8] {
+        &self.datas[i as usize % self.datas.len()][..]
+    }
+
+    /// Chunk `i`'s file in the passthrough mount's per-chunk view.
+    fn chunk_file(&self, i: u32) -> PathBuf {
+        self.mounts
+            .raw
+            .path()
+            .join(self.id.to_string())
+            .join("chunks")
+            .join(i.to_string())
+    }
+
+    /// One round of every load path ([`LOAD_PATHS`], whose order `runs` follows) with `readers`
+    /// parallel readers, each pass from a cold page cache.
+    fn read_round(&self, readers: usize, runs: &mut [Vec<Pass>; 7]) -> Result<(), BenchError> {
+        let (n, slot, id) = (self.n, self.slot, self.id);
+        let (store, zstore) = (&*self.mounts.store, &*self.mounts.zstore);
+        drop_caches();
+        let bare = |buf: &mut AlignedBuf, i| {
+            let at = store.locate(id, i, &FP)?;
+            let len = HEADER_PAGE + at.stored_len as usize;
+            let off = slot_offset(i, at.copy);
+            let r = read_slot(&self.data_file, store.direct_io(), off, len, buf)
+                .map_err(|e| IoError::new("read", &self.data_path, e))?;
+            Ok(r.len() - HEADER_PAGE)
+        };
+        runs[0].push(parallel_pass(n, readers, || AlignedBuf::huge(slot), bare)?);
+        drop_caches();
+        runs[6].push(parallel_pass(n, readers, || AlignedBuf::new(slot), bare)?);
+        drop_caches();
+        runs[1].push(parallel_pass(
+            n,
+            readers,
+            || AlignedBuf::huge(slot),
+            |buf, i| Ok(store.read_chunk_into(id, i, &FP, buf.get(slot))?.raw_len as usize),
+        )?);
+        for (r, reader, st) in [
+            (2, &self.kv, store),
+            (3, &self.zkv, zstore),
+            (4, &self.dkv, store),
+        ] {
+            drop_caches();
+            runs[r].push(parallel_pass(
+                n,
+                readers,
+                || AlignedBuf::huge(slot),
+                |buf, i| Ok(reader.read_chunk_into(st, i, buf.get(slot))?.raw_len as usize),
+            )?);
+        }
+        drop_caches();
+        runs[5].push(parallel_pass(
+            n,
+            readers,
+            || vec![0u8; self.max_len],
+            |buf, i| {
+                let p = self.chunk_file(i);
+                let mut f = std::fs::File::open(&p).map_err(|e| IoError::new("open", &p, e))?;
+                let len = self.set.len(i);
+                f.read_exact(&mut buf[..len])
+                    .map_err(|e| IoError::new("read", &p, e))?;
+                Ok(len)
             },
         )?);
-        let mnt = config.dir.join(format!("{name}-mnt"));
-        std::fs::create_dir_all(&mnt).map_err(|e| IoError::new("mkdir", &mnt, e))?;
-        let m = mount(store.clone(), &mnt, &mcfg)?;
-        Ok((store, m))
-    };
-    // Raw payloads, and zstd payloads whenever zstd shrinks a chunk at all.
-    let (store, m) = open_store("load", f64::INFINITY)?;
-    let (zstore, zm) = open_store("load-zstd", 1.0)?;
-    // The same raw store served by the daemon alone, for the cost of a FUSE round trip per chunk.
-    let dmnt = config.dir.join("load-daemon-mnt");
-    std::fs::create_dir_all(&dmnt).map_err(|e| IoError::new("mkdir", &dmnt, e))?;
-    let dm = mount(
-        store.clone(),
-        &dmnt,
-        &MountConfig {
-            passthrough: false,
-            ..mcfg.clone()
-        },
-    )?;
-    let mnt = m.path().to_owned();
-    let n = config.load_chunks.max(8) as u32;
-    for set in &config.load_sets {
-        let new_context = |store: &Store| -> Result<ContextId, BenchError> {
-            let id = store.create_context(NewContext {
-                owner_uid: 0,
-                app: "bench".into(),
-                fingerprint: FP,
-                chunk_tokens: 16,
-            })?;
-            store.append_tokens(id, &vec![1; 16 * n as usize])?;
-            Ok(id)
-        };
-        let id = new_context(&store)?;
-        let zid = new_context(&zstore)?;
-        let max_len = set.lens.iter().copied().max().unwrap_or(0);
-        let datas = set.data();
-        let data = |i: u32| &datas[i as usize % datas.len()][..];
-        let mut z = LoadZstd {
-            set: set.name.clone(),
-            chunks: n as usize,
-            zstd_chunks: 0,
-            raw_bytes: 0,
-            stored_bytes: 0,
-        };
-        for i in 0..n {
-            store.write_chunk(id, i, &FP, KvFormat::Int8, 0.0, data(i))?;
-            let s = zstore.write_chunk(zid, i, &FP, KvFormat::Int8, 0.0, data(i))?;
-            z.zstd_chunks += usize::from(s.codec == Codec::Zstd);
-            z.raw_bytes += u64::from(s.raw_len);
-            z.stored_bytes += u64::from(s.stored_len);
-        }
-        report.load_zstd.push(z);
-        let slot = max_len.next_multiple_of(ALIGN);
-        let opens = m.counters().passthrough_opens.load(Ordering::Relaxed)
-            + zm.counters().passthrough_opens.load(Ordering::Relaxed);
-        let kv = MountReader::open_rw(&mnt, id, FP)?;
-        let zkv = MountReader::open(zm.path(), zid, FP)?;
-        let dkv = MountReader::open(dm.path(), id, FP)?;
-        let chunk_file =
-            |root: &Path, i: u32| root.join(id.to_string()).join("chunks").join(i.to_string());
-        let data_path = store.data_path(id);
-        let data_file = open_data_file(&store, &data_path)?;
-        let daemon_reads = m.counters().kv_reads.load(Ordering::Relaxed)
-            + zm.counters().kv_reads.load(Ordering::Relaxed);
-        for &readers in &config.readers {
-            let mut runs: [Vec<_>; 7] = Default::default();
-            for _round in 0..config.rounds.max(1) {
-                drop_caches();
-                let bare = |buf: &mut AlignedBuf, i| {
-                    let at = store.locate(id, i, &FP)?;
-                    let len = HEADER_PAGE + at.stored_len as usize;
-                    let off = slot_offset(i, at.copy);
-                    let r = read_slot(&data_file, store.direct_io(), off, len, buf)
-                        .map_err(|e| IoError::new("read", &data_path, e))?;
-                    Ok(r.len() - HEADER_PAGE)
-                };
-                runs[0].push(parallel_pass(n, readers, || AlignedBuf::huge(slot), bare)?);
-                drop_caches();
-                runs[6].push(parallel_pass(n, readers, || AlignedBuf::new(slot), bare)?);
-                drop_caches();
-                runs[1].push(parallel_pass(
-                    n,
-                    readers,
-                    || AlignedBuf::huge(slot),
-                    |buf, i| Ok(store.read_chunk_into(id, i, &FP, buf.get(slot))?.raw_len as usize),
-                )?);
-                for (r, reader, st) in [(2, &kv, &store), (3, &zkv, &zstore), (4, &dkv, &store)] {
-                    drop_caches();
-                    runs[r].push(parallel_pass(
-                        n,
-                        readers,
-                        || AlignedBuf::huge(slot),
-                        |buf, i| Ok(reader.read_chunk_into(st, i, buf.get(slot))?.raw_len as usize),
-                    )?);
-                }
-                drop_caches();
-                runs[5].push(parallel_pass(
-                    n,
-                    readers,
-                    || vec![0u8; max_len],
-                    |buf, i| {
-                        let p = chunk_file(&mnt, i);
-                        let mut f =
-                            std::fs::File::open(&p).map_err(|e| IoError::new("open", &p, e))?;
-                        let len = set.len(i);
-                        f.read_exact(&mut buf[..len])
-                            .map_err(|e| IoError::new("read", &p, e))?;
-                        Ok(len)
-                    },
-                )?);
-            }
-            for (path, runs) in LOAD_PATHS.into_iter().zip(&runs) {
-                report.loads.push(load_row(&set.name, path, readers, runs));
-            }
-        }
-        // The passthrough rows' reads never reached a daemon: only the per-chunk view's did.
-        report.passthrough_opens += m.counters().passthrough_opens.load(Ordering::Relaxed)
-            + zm.counters().passthrough_opens.load(Ordering::Relaxed)
-            - opens;
-        report.passthrough_daemon_reads += m.counters().kv_reads.load(Ordering::Relaxed)
-            + zm.counters().kv_reads.load(Ordering::Relaxed)
-            - daemon_reads;
-        // Write-out: one writer, each chunk durable before the next.
-        let w = (config.write_chunks as u32).clamp(1, n);
-        let mut runs: [Vec<_>; 3] = Default::default();
+        Ok(())
+    }
+
+    /// The write-out of the first `w` chunks by every path ([`WRITE_PATHS`], in order), one
+    /// writer, each chunk durable before the next.
+    fn write_runs(&self, w: u32) -> Result<[Vec<Pass>; 3], BenchError> {
+        let store = &*self.mounts.store;
+        let mut runs: [Vec<Pass>; 3] = Default::default();
         runs[0].push(parallel_pass(
             w,
             1,
             || (),
             |_, i| {
-                store.write_chunk(id, i, &FP, KvFormat::Int8, 0.0, data(i))?;
-                Ok(set.len(i))
+                store.write_chunk(self.id, i, &FP, KvFormat::Int8, 0.0, self.data(i))?;
+                Ok(self.set.len(i))
             },
         )?);
         runs[1].push(parallel_pass(
@@ -613,8 +793,8 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
             1,
             || (),
             |_, i| {
-                kv.write_chunk(i, KvFormat::Int8, 0.0, data(i))?;
-                Ok(set.len(i))
+                self.kv.write_chunk(i, KvFormat::Int8, 0.0, self.data(i))?;
+                Ok(self.set.len(i))
             },
         )?);
         runs[2].push(parallel_pass(
@@ -622,36 +802,13 @@ fn load_report(config: &BenchConfig, report: &mut Report) -> Result<(), BenchErr
             1,
             || (),
             |_, i| {
-                let p = chunk_file(&mnt, i);
-                std::fs::write(&p, data(i)).map_err(|e| IoError::new("write", &p, e))?;
-                Ok(set.len(i))
+                let p = self.chunk_file(i);
+                std::fs::write(&p, self.data(i)).map_err(|e| IoError::new("write", &p, e))?;
+                Ok(self.set.len(i))
             },
         )?);
-        for (path, runs) in WRITE_PATHS.into_iter().zip(&runs) {
-            report.load_writes.push(load_row(&set.name, path, 1, runs));
-        }
-        drop(kv);
-        drop(zkv);
-        drop(dkv);
-        report.cache.push(cache_row_named(
-            &store,
-            id,
-            n as usize,
-            format!("{} written and loaded", set.name),
-        )?);
-        report.cache.push(cache_row_named(
-            &zstore,
-            zid,
-            n as usize,
-            format!("{} zstd, loaded", set.name),
-        )?);
-        store.delete_context(id)?;
-        zstore.delete_context(zid)?;
+        Ok(runs)
     }
-    dm.unmount()?;
-    zm.unmount()?;
-    m.unmount()?;
-    Ok(())
 }
 
 /// Opens a context's data file for bare reads of its slots: with O_DIRECT where the store uses it.
@@ -810,174 +967,6 @@ fn zstd_row(source: &str, format: &str, chunks: &[Vec<u8>], level: i32) -> ZstdR
         ratio: raw as f64 / stored.max(1) as f64,
         compress_mb_per_s: total / ct / 1e6,
         decompress_mb_per_s: total / dt / 1e6,
-    }
-}
-
-/// Synthetic data shaped like KV chunks, for when real ones are not at hand.
-pub mod synth {
-    use kvfs::format::KvFormat;
-
-    /// K and V channels of one token over all layers of SmolLM2-135M: 30 layers × 3 KV heads × 64 × 2.
-    pub const SMOLLM2_CHANNELS: usize = 30 * 3 * 64 * 2;
-
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-
-        fn uniform(&mut self) -> f64 {
-            ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        }
-
-        fn gauss(&mut self) -> f32 {
-            let (u, v) = (self.uniform(), self.uniform());
-            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
-        }
-    }
-
-    /// `len` bytes of KV-shaped chunks in `format` (SmolLM2-135M's channels, 16 tokens each),
-    /// one after another from `seed` on, cut at `len`: what a real chunk's payload compresses like.
-    pub fn kv_bytes(format: KvFormat, len: usize, seed: u64) -> Vec<u8> {
-        let mut out = Vec::with_capacity(len);
-        let mut s = seed;
-        while out.len() < len {
-            out.extend(kv_chunk(format, 16, SMOLLM2_CHANNELS, s));
-            s += 1;
-        }
-        out.truncate(len);
-        out
-    }
-
-    /// Incompressible bytes.
-    pub fn noise(len: usize, seed: u64) -> Vec<u8> {
-        let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-        (0..len).map(|_| (r.next() >> 24) as u8).collect()
-    }
-
-    /// One chunk of `tokens` tokens × `channels` channels in `format`: Gaussian activations whose
-    /// channels have log-normal scales with a few outlier channels; keys (the first half of the
-    /// channels) quantized per channel and values per token, as KIVI does; int8 symmetric, int4 and
-    /// int2 asymmetric (min/max) and packed two or four to a byte; f16 plain. The scales (and minima)
-    /// follow the codes as f32, as a real chunk carries them.
-    pub fn kv_chunk(format: KvFormat, tokens: usize, channels: usize, seed: u64) -> Vec<u8> {
-        let mut r = Rng(seed.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1);
-        let scale: Vec<f32> = (0..channels)
-            .map(|c| {
-                let s = (0.5 * r.gauss()).exp();
-                if c % 97 == 0 { s * 8.0 } else { s }
-            })
-            .collect();
-        let x: Vec<f32> = (0..tokens * channels)
-            .map(|i| r.gauss() * scale[i % channels])
-            .collect();
-        // The coded-parameter formats are laid out as their f32-parameter neighbours here.
-        let format = match format {
-            KvFormat::K8v8 => KvFormat::Int8,
-            KvFormat::K4v4 | KvFormat::K4v3 => KvFormat::Int4,
-            f => f,
-        };
-        if format == KvFormat::F16 {
-            return x.iter().flat_map(|v| f16_bits(*v).to_le_bytes()).collect();
-        }
-        let half = channels / 2;
-        // Groups: one per key channel (over tokens), one per token's values.
-        let mut groups: Vec<Vec<usize>> = (0..half)
-            .map(|c| (0..tokens).map(|t| t * channels + c).collect())
-            .collect();
-        groups.extend((0..tokens).map(|t| (half..channels).map(|c| t * channels + c).collect()));
-        let mut codes = vec![0u8; tokens * channels];
-        let mut params = Vec::new();
-        for g in &groups {
-            let (lo, hi) = g.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &i| {
-                (lo.min(x[i]), hi.max(x[i]))
-            });
-            match format {
-                KvFormat::Int8 => {
-                    let s = lo.abs().max(hi.abs()) / 127.0;
-                    for &i in g {
-                        codes[i] = ((x[i] / s).round().clamp(-127.0, 127.0) as i8) as u8;
-                    }
-                    params.extend_from_slice(&s.to_le_bytes());
-                }
-                _ => {
-                    let levels = if format == KvFormat::Int4 { 15.0 } else { 3.0 };
-                    let s = (hi - lo).max(f32::MIN_POSITIVE) / levels;
-                    for &i in g {
-                        codes[i] = ((x[i] - lo) / s).round().clamp(0.0, levels) as u8;
-                    }
-                    params.extend_from_slice(&s.to_le_bytes());
-                    params.extend_from_slice(&lo.to_le_bytes());
-                }
-            }
-        }
-        let mut out = match format {
-            KvFormat::Int4 => codes
-                .chunks(2)
-                .map(|p| p[0] | p.get(1).map_or(0, |b| b << 4))
-                .collect(),
-            KvFormat::Int2 => codes
-                .chunks(4)
-                .map(|p| {
-                    p.iter()
-                        .enumerate()
-                        .fold(0u8, |acc, (k, b)| acc | (b << (2 * k)))
-                })
-                .collect(),
-            _ => codes,
-        };
-        out.extend(params);
-        out
-    }
-
-    /// IEEE half-precision bits of `v` (round to nearest; subnormals flushed to zero).
-    fn f16_bits(v: f32) -> u16 {
-        let b = v.to_bits();
-        let sign = ((b >> 16) & 0x8000) as u16;
-        let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
-        if exp <= 0 {
-            return sign;
-        }
-        if exp >= 31 {
-            return sign | 0x7c00;
-        }
-        let mant = b & 0x7f_ffff;
-        let half = ((exp as u32) << 10) | (mant >> 13);
-        let round = (mant >> 12) & 1;
-        sign | (half + round).min(0x7bff) as u16
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn sizes_follow_the_format() {
-            let len = |f| kv_chunk(f, 16, 256, 1).len();
-            let groups = 128 + 16;
-            assert_eq!(len(KvFormat::F16), 16 * 256 * 2);
-            assert_eq!(len(KvFormat::Int8), 16 * 256 + groups * 4);
-            assert_eq!(len(KvFormat::Int4), 16 * 256 / 2 + groups * 8);
-            assert_eq!(len(KvFormat::Int2), 16 * 256 / 4 + groups * 8);
-        }
-
-        #[test]
-        fn f16_conversion() {
-            fn check(v: f32, bits: u16) {
-                assert_eq!(f16_bits(v), bits, "{v}");
-            }
-            check(0.0, 0);
-            check(1.0, 0x3c00);
-            check(-2.0, 0xc000);
-            check(0.5, 0x3800);
-            check(65504.0, 0x7bff);
-            check(1e9, 0x7c00);
-            check(1e-9, 0);
-        }
     }
 }
 
