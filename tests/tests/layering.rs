@@ -414,3 +414,213 @@ fn every_source_file_says_what_it_is_for_and_stays_short() {
         long.join("\n")
     );
 }
+
+/// The longest a function may be (its `fn` line to its closing brace) without a reason.
+const MAX_FN_LINES: usize = 100;
+
+/// The functions of `text` longer than [`MAX_FN_LINES`] whose doc gives no reason (a `///`
+/// line with `Kept whole:`): each one's name, first line (1-based) and length in lines.
+///
+/// A small lexer, enough for this tree: it skips comments, strings (raw ones too) and char
+/// literals, so braces inside them do not count, and tells a body (`{`) from a declaration
+/// without one (`;` outside the signature's brackets).
+fn long_functions(text: &str) -> Vec<(String, usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let b = text.as_bytes();
+    let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
+    // Functions whose body is open: (name, fn line, brace depth inside the body).
+    let mut open: Vec<(String, usize, usize)> = Vec::new();
+    // A `fn name` seen, its body not begun: (name, line, bracket nesting at the `fn`).
+    let mut pending: Option<(String, usize, usize)> = None;
+    let (mut depth, mut nest, mut line) = (0usize, 0usize, 1usize);
+    let mut found = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        let next = b.get(i + 1).copied().unwrap_or(0);
+        if c == b'\n' {
+            line += 1;
+        } else if c == b'/' && next == b'/' {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+            continue;
+        } else if c == b'/' && next == b'*' {
+            let mut level = 0;
+            while i < b.len() {
+                if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+                    level += 1;
+                    i += 1;
+                } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
+                    level -= 1;
+                    i += 1;
+                    if level == 0 {
+                        i += 1;
+                        break;
+                    }
+                } else if b[i] == b'\n' {
+                    line += 1;
+                }
+                i += 1;
+            }
+            continue;
+        } else if c == b'r'
+            && (next == b'"' || next == b'#')
+            && (i == 0 || !is_ident(b[i - 1]) || b[i - 1] == b'b')
+        {
+            // A raw string: r"..." or r#"..."#.
+            let mut j = i + 1;
+            let mut hashes = 0;
+            while b.get(j) == Some(&b'#') {
+                hashes += 1;
+                j += 1;
+            }
+            if b.get(j) == Some(&b'"') {
+                let close: Vec<u8> = std::iter::once(b'"')
+                    .chain(std::iter::repeat_n(b'#', hashes))
+                    .collect();
+                j += 1;
+                while j < b.len() && !b[j..].starts_with(&close) {
+                    if b[j] == b'\n' {
+                        line += 1;
+                    }
+                    j += 1;
+                }
+                i = j + close.len();
+                continue;
+            }
+        } else if c == b'"' {
+            i += 1;
+            while i < b.len() && b[i] != b'"' {
+                if b[i] == b'\\' {
+                    i += 1;
+                }
+                if b.get(i) == Some(&b'\n') {
+                    line += 1;
+                }
+                i += 1;
+            }
+        } else if c == b'\'' {
+            // A char literal ('x', '\n', '{'), not a lifetime ('a).
+            if next == b'\\' {
+                i += 3;
+                while i < b.len() && b[i] != b'\'' {
+                    i += 1;
+                }
+            } else if b.get(i + 2) == Some(&b'\'') {
+                i += 2;
+            } else if next >= 0x80 {
+                // A multi-byte char: skip to its closing quote on this line.
+                let mut j = i + 1;
+                while j < b.len() && b[j] != b'\'' && b[j] != b'\n' {
+                    j += 1;
+                }
+                if b.get(j) == Some(&b'\'') {
+                    i = j;
+                }
+            }
+        } else if c == b'(' || c == b'[' {
+            nest += 1;
+        } else if c == b')' || c == b']' {
+            nest = nest.saturating_sub(1);
+        } else if c == b';' {
+            if pending.as_ref().is_some_and(|p| p.2 == nest) {
+                pending = None;
+            }
+        } else if c == b'{' {
+            depth += 1;
+            if let Some((name, at, _)) = pending.take() {
+                open.push((name, at, depth));
+            }
+        } else if c == b'}' {
+            if open.last().is_some_and(|f| f.2 == depth) {
+                let (name, at, _) = open.pop().unwrap();
+                let len = line - at + 1;
+                let reason = lines[..at - 1]
+                    .iter()
+                    .rev()
+                    .map(|l| l.trim_start())
+                    .take_while(|l| l.starts_with("///") || l.starts_with("#["))
+                    .any(|l| l.contains("Kept whole:"));
+                if len > MAX_FN_LINES && !reason {
+                    found.push((name, at, len));
+                }
+            }
+            depth = depth.saturating_sub(1);
+        } else if c == b'f'
+            && next == b'n'
+            && (i == 0 || !is_ident(b[i - 1]))
+            && b.get(i + 2).is_some_and(|c| c.is_ascii_whitespace())
+        {
+            let mut j = i + 2;
+            while b.get(j).is_some_and(|c| c.is_ascii_whitespace()) {
+                j += 1;
+            }
+            let start = j;
+            while b.get(j).is_some_and(|&c| is_ident(c)) {
+                j += 1;
+            }
+            if j > start {
+                pending = Some((text[start..j].to_string(), line, nest));
+            }
+        }
+        i += 1;
+    }
+    found
+}
+
+#[test]
+fn every_function_is_short_or_says_why() {
+    let mut long = Vec::new();
+    for (_, dir) in crates() {
+        for sub in ["src", "tests", "benches"] {
+            for f in rust_files(&dir.join(sub)) {
+                let text = std::fs::read_to_string(&f).unwrap();
+                let text = if sub == "src" {
+                    before_tests(&text)
+                } else {
+                    &text
+                };
+                let rel = f.strip_prefix(root()).unwrap().display().to_string();
+                for (name, at, len) in long_functions(text) {
+                    long.push(format!("{rel}:{at} {name}: {len} lines"));
+                }
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "functions over {MAX_FN_LINES} lines without `Kept whole:` and a reason in their doc:\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn the_function_lengths_are_measured_past_strings_comments_and_chars() {
+    let body = |n: usize| "    let x = 1;\n".repeat(n);
+    let long = format!(
+        "/// Doc.\nfn long() {{\n    let s = \"}}\"; let c = '}}'; let r = r#\"}}\"#;\n    // }}\n{}}}\n",
+        body(100)
+    );
+    assert_eq!(long_functions(&long), vec![("long".to_string(), 2, 104)]);
+    let kept = format!(
+        "/// Kept whole: a reason.\n#[inline]\nfn kept() {{\n{}}}\n",
+        body(100)
+    );
+    assert!(long_functions(&kept).is_empty());
+    let short = format!(
+        "trait T {{ fn decl(a: [u8; 4]); }}\nfn short<'a>(x: &'a str) {{\n{}}}\n",
+        body(98)
+    );
+    assert!(
+        long_functions(&short).is_empty(),
+        "{:?}",
+        long_functions(&short)
+    );
+    let nested = format!(
+        "fn outer() {{\n    fn inner() {{\n{}    }}\n}}\n",
+        body(100)
+    );
+    let names: Vec<String> = long_functions(&nested).into_iter().map(|f| f.0).collect();
+    assert_eq!(names, ["inner", "outer"]);
+}

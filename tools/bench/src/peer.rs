@@ -583,7 +583,7 @@ impl PeerCalls {
     /// call was saved, else the slot erased (a start reuses nothing of the evicted context).
     /// The restore's figures, or why llama-server refused.
     fn switch_in(
-        &mut self,
+        &self,
         context: u32,
         slot: usize,
     ) -> anyhow::Result<Result<Option<Restore>, String>> {
