@@ -10,7 +10,7 @@
 //! mount kvfs the contexts' text and which chunks are in memory; [`sync`] is what the
 //! hand-made concurrent pieces lock with (std's, or shuttle's in their models) and
 //! [`write_queue`] the writer's queue and flush. docs/service.md gives the numbered flows, and
-//! its "Concurrency models" the models.
+//! its "Failpoints" and "Models" the failure tests.
 //!
 //! This crate owns contexts, their owners and their chunks' whereabouts (memory, kvfs, queued
 //! for write-out). It never reads a socket or parses a request (the daemon crate does), never
@@ -21,6 +21,7 @@ pub mod call;
 pub mod chooser;
 pub mod chunk_io;
 pub mod config;
+mod failpoints;
 pub mod inspect;
 pub mod load;
 pub mod manager;

@@ -7,6 +7,10 @@
 //! did not change while it was being written (its version, [`Versions::if_current`]). A write
 //! that fails, or panics, leaves its chunk resident and unpersisted: the pager writes it when it
 //! reclaims it, and it is never counted as persisted.
+//!
+//! Failpoints (the `failpoints` feature, docs/service.md "Failpoints"): `service::writer::write`
+//! before a chunk's write, `service::writer::written` after the store took it and before it is
+//! marked persisted, `service::writer::marked` after.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -16,6 +20,7 @@ use kvfs::StoreError;
 use uffd_pager::{ChunkKey, Pager};
 
 use crate::chunk_io::ChunkIo;
+use crate::failpoints::check;
 use crate::memory::Versions;
 use crate::write_queue::WriteQueue;
 use model::kv::KvFormat;
@@ -130,12 +135,24 @@ impl Drop for Writer {
     }
 }
 
+/// The error the failpoint `name` injects into a chunk's write.
+fn injected(name: &'static str, job: &WriteJob) -> StoreError {
+    StoreError::Io(kvfs::io::IoError::new(
+        "write",
+        std::path::Path::new(&format!("chunk {}", job.key)),
+        std::io::Error::other(format!("failpoint {name}")),
+    ))
+}
+
 fn write_one(ctx: &Ctx, job: &WriteJob) {
     let key = job.key;
     let _span = tracing::debug_span!("aot_write", chunk = %key).entered();
-    let r = ctx
-        .io
-        .write(key.ctx.0, key.index, job.format, job.density, &job.bytes);
+    let r = check("service::writer::write", |name| injected(name, job))
+        .and_then(|()| {
+            ctx.io
+                .write(key.ctx.0, key.index, job.format, job.density, &job.bytes)
+        })
+        .and_then(|_| check("service::writer::written", |name| injected(name, job)));
     match r {
         Ok(()) => {
             ctx.stats.written.fetch_add(1, Relaxed);
@@ -148,6 +165,7 @@ fn write_one(ctx: &Ctx, job: &WriteJob) {
             if !current {
                 ctx.stats.stale.fetch_add(1, Relaxed);
             }
+            let _ = check("service::writer::marked", |_| ());
         }
         // The context was deleted while its chunks waited in the queue: nothing to write. (Through
         // the mount that shows as a failed write of a file that is gone, not as this error.)
