@@ -566,12 +566,13 @@ impl Pager {
     }
 
     /// Write bytes into a resident chunk in place (a recompute, or a shrink's repacking).
-    /// The context must be locked.
+    /// The context must be locked. The chunk is no longer persisted: its bytes are new.
     pub fn write(&self, key: ChunkKey, offset: usize, data: &[u8]) -> Result<(), PagerError> {
         let (p, _) = self.locked_range(key, offset, data.len())?;
-        let st = self.shared.lock();
-        let bytes = st.book.slot(key)?.1.bytes;
-        if st.book.slot(key)?.1.state != ChunkState::Resident {
+        let mut st = self.shared.lock();
+        let (slot, _, _, _) = st.book.slot_mut(key)?;
+        let bytes = slot.bytes;
+        if slot.state != ChunkState::Resident {
             return Err(PagerError::NotResident { key });
         }
         if offset + data.len() > bytes {
@@ -582,6 +583,7 @@ impl Pager {
                 bytes,
             });
         }
+        slot.persisted = false;
         drop(st);
         // SAFETY: as in `read`; the chunk is resident and the range lies within its pages, so the
         // write touches memory the budget already counts.

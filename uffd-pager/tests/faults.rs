@@ -89,6 +89,22 @@ fn populate_copies_the_bytes_and_rss_matches() {
     p.check(k).unwrap();
 }
 
+/// A chunk's bytes rewritten in place are no longer those written out: `write` clears the mark,
+/// so the engine's change after a write-out marked the old bytes persisted is written again
+/// (docs/service.md, "Concurrency models", the versions).
+#[test]
+fn a_write_in_place_unmarks_a_persisted_chunk() {
+    let p = pager(64, Arc::new(PatternSource::new()));
+    let k = ChunkKey::new(1, 3);
+    p.populate(k, SLOT, &pattern(k, SLOT)).unwrap();
+    p.mark_persisted(k).unwrap();
+    assert!(p.chunk_info(k).unwrap().persisted);
+    p.lock_context(ContextId(1)).unwrap();
+    p.write(k, 0, &[7; 16]).unwrap();
+    assert!(!p.chunk_info(k).unwrap().persisted);
+    p.unlock_context(ContextId(1)).unwrap();
+}
+
 #[test]
 fn reclaim_returns_memory_and_a_touch_faults_the_chunk_back() {
     let src = Arc::new(PatternSource::new());

@@ -2,10 +2,14 @@
 //! across apps (not first-come across connections), so one busy app cannot starve the others;
 //! quick requests (new, list, info, stats, delete) go in a control lane served first. A full lane
 //! refuses (the caller answers `busy`) instead of growing.
+//!
+//! Generic over its [`Primitives`] (std's by default) so that `engine/daemon/tests/models.rs`
+//! drives this same code under shuttle's scheduler.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
-use std::sync::{Condvar, Mutex, MutexGuard};
+
+use service::sync::{Primitives, Std};
 
 /// Why a push was refused; the item comes back to be answered.
 #[derive(Debug, PartialEq, Eq)]
@@ -26,30 +30,30 @@ struct State<K, T> {
 }
 
 /// A bounded queue, fair across keys.
-pub struct FairQueue<K, T> {
-    state: Mutex<State<K, T>>,
-    ready: Condvar,
+pub struct FairQueue<K: Send, T: Send, S: Primitives = Std> {
+    state: S::Mutex<State<K, T>>,
+    ready: S::Condvar,
     capacity: usize,
 }
 
-impl<K: Eq + Hash + Clone, T> FairQueue<K, T> {
+impl<K: Eq + Hash + Clone + Send, T: Send, S: Primitives> FairQueue<K, T, S> {
     /// A queue holding at most `capacity` calls and `capacity` control requests.
     pub fn new(capacity: usize) -> Self {
         Self {
-            state: Mutex::new(State {
+            state: S::mutex(State {
                 control: VecDeque::new(),
                 lanes: HashMap::new(),
                 ring: VecDeque::new(),
                 calls: 0,
                 closed: false,
             }),
-            ready: Condvar::new(),
+            ready: S::condvar(),
             capacity,
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State<K, T>> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> S::Guard<'_, State<K, T>> {
+        S::lock(&self.state)
     }
 
     /// Queues a control request (`key` None) or a call of app `key`.
@@ -78,7 +82,7 @@ impl<K: Eq + Hash + Clone, T> FairQueue<K, T> {
             }
         }
         drop(s);
-        self.ready.notify_one();
+        S::notify_one(&self.ready);
         Ok(())
     }
 
@@ -108,7 +112,7 @@ impl<K: Eq + Hash + Clone, T> FairQueue<K, T> {
             if let Some(t) = Self::take(&mut s) {
                 return Some(t);
             }
-            s = self.ready.wait(s).unwrap_or_else(|p| p.into_inner());
+            s = S::wait(&self.ready, s);
         }
     }
 
@@ -126,7 +130,7 @@ impl<K: Eq + Hash + Clone, T> FairQueue<K, T> {
             left.push(t);
         }
         drop(s);
-        self.ready.notify_all();
+        S::notify_all(&self.ready);
         left
     }
 
@@ -148,7 +152,7 @@ mod tests {
 
     #[test]
     fn round_robin_across_apps() {
-        let q = FairQueue::new(100);
+        let q: FairQueue<_, _> = FairQueue::new(100);
         for i in 0..4 {
             q.push(Some("a"), format!("a{i}")).unwrap();
         }
@@ -162,7 +166,7 @@ mod tests {
 
     #[test]
     fn full_and_closed() {
-        let q = FairQueue::new(2);
+        let q: FairQueue<_, _> = FairQueue::new(2);
         q.push(Some(1), 1).unwrap();
         q.push(Some(2), 2).unwrap();
         assert_eq!(q.push(Some(3), 3), Err((3, Refused::Busy)));
@@ -178,7 +182,7 @@ mod tests {
         /// (in first-queued order) that has something queued.
         #[test]
         fn matches_oracle(ops in proptest::collection::vec((0u8..4, any::<bool>()), 0..200)) {
-            let q = FairQueue::new(8);
+            let q: FairQueue<_, _> = FairQueue::new(8);
             let mut control: VecDeque<u32> = VecDeque::new();
             let mut lanes: Vec<(u8, VecDeque<u32>)> = Vec::new();
             for (n, (app, pop)) in ops.into_iter().enumerate() {

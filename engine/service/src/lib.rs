@@ -7,8 +7,10 @@
 //! to kvfs ahead of time; [`source`] reads them back on a fault; [`config`] holds the settings and the named
 //! managers (LLMS and the paper's baselines); [`chooser`] lets the policy crate's LCTRU queue pick the pager's victims; [`pressure`] moves the budget with the system's
 //! memory pressure; [`profile`] is the planner's cost profile; [`inspect`] shows people who
-//! mount kvfs the contexts' text and which chunks are in memory. docs/service.md gives the
-//! numbered flows.
+//! mount kvfs the contexts' text and which chunks are in memory; [`sync`] is what the
+//! hand-made concurrent pieces lock with (std's, or shuttle's in their models) and
+//! [`write_queue`] the writer's queue and flush. docs/service.md gives the numbered flows, and
+//! its "Failpoints" and "Models" the failure tests.
 //!
 //! This crate owns contexts, their owners and their chunks' whereabouts (memory, kvfs, queued
 //! for write-out). It never reads a socket or parses a request (the daemon crate does), never
@@ -19,6 +21,7 @@ pub mod call;
 pub mod chooser;
 pub mod chunk_io;
 pub mod config;
+mod failpoints;
 pub mod inspect;
 pub mod load;
 pub mod manager;
@@ -26,6 +29,8 @@ pub mod memory;
 pub mod pressure;
 pub mod profile;
 pub mod source;
+pub mod sync;
+pub mod write_queue;
 pub mod writer;
 
 pub use call::{CallOptions, CallReport, Owner, Prompt};

@@ -11,8 +11,9 @@
 //!    done, when every chunk it depends on is resident.
 
 use std::os::fd::AsFd;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Instant;
 
 use kvfs::io::AlignedBuf;
@@ -22,6 +23,7 @@ use uffd_pager::{ChunkKey, Pager, ReadRing};
 
 use crate::ServiceError;
 use crate::chunk_io::ChunkIo;
+use crate::failpoints::{check, injected};
 use model::Model;
 use model::kv::recompute::{RecomputeError, recompute_chunks};
 use model::kv::{ChunkShape, KvCache, KvFormat};
@@ -147,6 +149,17 @@ impl Readers {
 /// recomputed, one otherwise), each into its own part of their buffer. `during` is the caller's
 /// own work (encoding the prompt): it runs on the calling thread once the reads are under way and
 /// before any recompute, and has run when the Load returns `Ok`.
+///
+/// The steps, one function each: [`plan`], [`read_and_recompute`], [`gather`] and
+/// [`recompute_failed`]. An error at any step leaves the chunks already populated resident and
+/// the rest missing: the caller reloads the context from the store (`Manager::call`), which
+/// forgets both, so a failed Load leaves the context as loadable as before.
+/// Failpoints (the `failpoints` feature; docs/service.md, "Failpoints"): `service::load::planned`
+/// once the plan is made; `service::load::chunk_read` when a chunk's bytes are read and checked,
+/// before its slot is populated, and `service::load::chunk_populated` right after (before it is
+/// marked persisted), both on the thread that reads; `service::load::recompute` before the planned
+/// recompute, while reads may be in flight; `service::load::reads_done` once every read has
+/// ended; `service::load::done` with every chunk resident.
 #[allow(clippy::too_many_arguments)]
 pub fn load(
     model: &Model,
@@ -162,15 +175,57 @@ pub fn load(
 ) -> Result<LoadReport, ServiceError> {
     let t0 = Instant::now();
     let missing = cache.missing_chunks();
-    let mut report = LoadReport {
-        missing: missing.len(),
-        ..LoadReport::default()
-    };
     if missing.is_empty() {
         during();
-        return Ok(report);
+        return Ok(LoadReport::default());
     }
     let _span = tracing::debug_span!("load", ctx, missing = missing.len()).entered();
+    let plan = plan(&missing, stored, mode, cost)?;
+    let mut report = LoadReport {
+        missing: missing.len(),
+        predicted_secs: plan.predicted.total,
+        plan_secs: t0.elapsed().as_secs_f64(),
+        ..LoadReport::default()
+    };
+    check("service::load::planned", injected)?;
+    let shape = *cache.shape();
+    let formats = cache.chunk_formats().to_vec();
+    let (first_done, wait_first) = mpsc::channel();
+    let reads = Reads::new(io, pager, ctx, &shape, &formats, &plan, first_done);
+    let recompute: Vec<usize> = plan.recompute.iter().map(|&i| i as usize).collect();
+    let (threads, recomputed) = read_and_recompute(
+        model,
+        cache,
+        &reads,
+        &recompute,
+        readers,
+        &wait_first,
+        during,
+    );
+    let io_out = gather(threads, &mut readers.ring)?;
+    check("service::load::reads_done", injected)?;
+    report.recompute_secs = recompute_failed(model, cache, &io_out.failed, &recompute, recomputed)?;
+    check("service::load::done", injected)?;
+    report.read_bytes = io_out.bytes;
+    report.io_secs = io_out.secs;
+    report.recomputed = plan.recompute;
+    report.recomputed.extend(&io_out.failed);
+    report.recomputed.sort_unstable();
+    report.read = io_out.ok;
+    report.failed_reads = io_out.failed;
+    report.total_secs = t0.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Step 1: which of the `missing` chunks are read and which recomputed. Of those the store holds,
+/// `policy::plan_load` splits them (paper Eq. 4), or `mode` reads or recomputes them all; the
+/// others must be recomputed.
+fn plan(
+    missing: &[usize],
+    stored: &[Option<StoredChunk>],
+    mode: LoadMode,
+    cost: &CostModel,
+) -> Result<LoadPlan, ServiceError> {
     let readable: Vec<MissingChunk> = missing
         .iter()
         .filter_map(|&i| {
@@ -194,191 +249,7 @@ pub fn load(
         }
     };
     force_recompute(&mut plan, &unreadable);
-    report.predicted_secs = plan.predicted.total;
-    report.plan_secs = t0.elapsed().as_secs_f64();
-
-    let shape = *cache.shape();
-    let formats = cache.chunk_formats().to_vec();
-    let (first_done, wait_first) = mpsc::channel::<()>();
-    // The reads, blocking ones first, pulled by the I/O threads from one shared cursor; the
-    // thread that finishes the last blocking read lets the recompute start.
-    let order: Vec<u32> = plan
-        .read_first
-        .iter()
-        .chain(&plan.read_after)
-        .copied()
-        .collect();
-    let blocking = plan.read_first.len();
-    let cursor = AtomicUsize::new(0);
-    let first_left = AtomicUsize::new(blocking);
-    if blocking == 0 {
-        let _ = first_done.send(());
-    }
-    // Counts a chunk done; the last blocking one lets the recompute start.
-    let chunk_done = |n: usize| {
-        if n < blocking && first_left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let _ = first_done.send(());
-        }
-    };
-    let thread_reads = |buf: &mut [u8]| -> IoOut {
-        let t = Instant::now();
-        let mut out = IoOut::default();
-        let mut spare = Spare::default();
-        loop {
-            let n = cursor.fetch_add(1, Ordering::Relaxed);
-            let Some(&i) = order.get(n) else { break };
-            let key = ChunkKey::new(ctx, i);
-            let r = read_one(
-                io,
-                pager,
-                &shape,
-                formats[i as usize],
-                key,
-                &mut *buf,
-                &mut spare,
-            );
-            out.record(key, r);
-            chunk_done(n);
-        }
-        out.secs = t.elapsed().as_secs_f64();
-        out
-    };
-    let recompute = plan
-        .recompute
-        .iter()
-        .map(|&i| i as usize)
-        .collect::<Vec<_>>();
-    let Readers {
-        pool,
-        buf,
-        ring: ring_state,
-    } = readers;
-    // Through a mount, one thread keeps the reads in flight on the io_uring.
-    let ring = if io.mountpoint().is_some() {
-        ring_state.as_deref_mut()
-    } else {
-        None
-    };
-    // Otherwise, with nothing to recompute the engine thread is idle: every core reads.
-    let threads = if ring.is_some() || !recompute.is_empty() {
-        1
-    } else {
-        pool.current_num_threads().max(1)
-    }
-    .min(order.len().max(1));
-    // The largest chunk of this Load in the formats the cache records: each thread reads into a
-    // part of the readers' buffer that size (a heavier stored copy, rare, goes through the
-    // thread's spare buffer).
-    let part = order
-        .iter()
-        .map(|&i| shape.chunk_bytes(formats[i as usize]))
-        .max()
-        .unwrap_or(0);
-    let done = std::sync::Mutex::new(Vec::with_capacity(threads));
-    let (thread_reads, chunk_done) = (&thread_reads, &chunk_done);
-    let reads = RingReads {
-        io,
-        pager,
-        shape: &shape,
-        formats: &formats,
-        ctx,
-        part,
-        order: &order,
-    };
-    let reads = &reads;
-    let finish = |r: std::thread::Result<IoOut>| {
-        if r.is_err() {
-            // Never leave the recompute waiting for a signal that will not come.
-            let _ = first_done.send(());
-        }
-        done.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-    };
-    let finish = &finish;
-    let (io_out, re_out) = match ring {
-        Some(ring) if recompute.is_empty() => {
-            // Nothing to recompute: the engine thread keeps the reads in flight itself, with no
-            // hand-off to an I/O thread, and encodes the prompt once they are under way.
-            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                reads.run(ring, chunk_done, Some(during))
-            }));
-            done.lock().unwrap_or_else(|e| e.into_inner()).push(out);
-            (Ok(()), Ok(0.0))
-        }
-        ring => pool.in_place_scope(|s| {
-            if let Some(ring) = ring {
-                s.spawn(move |_| {
-                    finish(std::panic::catch_unwind(std::panic::AssertUnwindSafe(
-                        || reads.run(ring, chunk_done, None::<fn()>),
-                    )))
-                });
-            } else {
-                for part in buf.parts(threads, part) {
-                    s.spawn(move |_| {
-                        finish(std::panic::catch_unwind(std::panic::AssertUnwindSafe(
-                            || thread_reads(part),
-                        )))
-                    });
-                }
-            }
-            during();
-            let _ = wait_first.recv();
-            let t_re = Instant::now();
-            let re = if recompute.is_empty() {
-                Ok(0.0)
-            } else {
-                recompute_chunks(model, cache, &recompute).map(|_| t_re.elapsed().as_secs_f64())
-            };
-            (Ok::<_, ServiceError>(()), re)
-        }),
-    };
-    let io_out = io_out.and_then(|()| {
-        let mut all = IoOut::default();
-        for r in done.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            let out = r.map_err(|_| {
-                // A panic may have left reads of this Load in flight on the ring: never reap
-                // them into another.
-                *ring_state = None;
-                ServiceError::Internal {
-                    what: "a load I/O thread panicked".into(),
-                }
-            })?;
-            all.ok.extend(out.ok);
-            all.failed.extend(out.failed);
-            all.bytes += out.bytes;
-            all.secs = f64::max(all.secs, out.secs);
-            all.ring_failed |= out.ring_failed;
-        }
-        all.ok.sort_unstable();
-        all.failed.sort_unstable();
-        if all.ring_failed {
-            // Reads of this Load may still be in flight on it: never reap them into another.
-            *ring_state = None;
-        }
-        Ok((all.ok, all.failed, all.bytes, all.secs))
-    });
-    let (read, failed, read_bytes, io_secs) = io_out?;
-    // A blocking read that failed leaves the planned recompute short of a chunk it attends to:
-    // then the planned set is recomputed with the failed reads, now that the rest is resident.
-    let mut again: Vec<usize> = failed.iter().map(|&i| i as usize).collect();
-    match re_out {
-        Ok(secs) => report.recompute_secs = secs,
-        Err(RecomputeError::Dependency { .. }) if !failed.is_empty() => again.extend(&recompute),
-        Err(e) => return Err(e.into()),
-    }
-    if !again.is_empty() {
-        let t = Instant::now();
-        recompute_chunks(model, cache, &again)?;
-        report.recompute_secs += t.elapsed().as_secs_f64();
-    }
-    report.read = read;
-    report.read_bytes = read_bytes;
-    report.io_secs = io_secs;
-    report.recomputed = plan.recompute.clone();
-    report.recomputed.extend(&failed);
-    report.recomputed.sort_unstable();
-    report.failed_reads = failed;
-    report.total_secs = t0.elapsed().as_secs_f64();
-    Ok(report)
+    Ok(plan)
 }
 
 /// Adds chunks that cannot be read to the plan's recompute set, and moves the reads they now
@@ -394,6 +265,145 @@ fn force_recompute(plan: &mut LoadPlan, unreadable: &[u32]) {
     plan.read_first.extend(before);
     plan.read_first.sort_unstable();
     plan.read_after = after;
+}
+
+/// Step 2: the reads and the recompute at once. Through a mount one thread keeps the reads in
+/// flight on the io_uring: the engine thread itself when nothing is recomputed (it runs `during`
+/// once they are under way), else an I/O thread. Without the ring the I/O threads pull the reads
+/// from one shared cursor: all of them when nothing is recomputed (the engine thread is idle),
+/// one otherwise. The engine thread runs `during`, waits for the blocking reads and recomputes.
+/// Returns what each reading thread did (a panic caught) and the recompute's time.
+fn read_and_recompute(
+    model: &Model,
+    cache: &mut KvCache,
+    reads: &Reads<'_>,
+    recompute: &[usize],
+    readers: &mut Readers,
+    wait_first: &mpsc::Receiver<()>,
+    during: impl FnOnce(),
+) -> (Vec<std::thread::Result<IoOut>>, Result<f64, ServiceError>) {
+    let Readers { pool, buf, ring } = readers;
+    let ring = if reads.io.mountpoint().is_some() {
+        ring.as_deref_mut()
+    } else {
+        None
+    };
+    let threads = if ring.is_some() || !recompute.is_empty() {
+        1
+    } else {
+        pool.current_num_threads().max(1)
+    }
+    .min(reads.order.len().max(1));
+    let done = Mutex::new(Vec::with_capacity(threads));
+    let finish = |r: std::thread::Result<IoOut>| {
+        if r.is_err() {
+            reads.abandon();
+        }
+        done.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+    };
+    let finish = &finish;
+    let recomputed = match ring {
+        Some(ring) if recompute.is_empty() => {
+            // Nothing to recompute: the engine thread keeps the reads in flight itself, with no
+            // hand-off to an I/O thread, and encodes the prompt once they are under way.
+            finish(catch_unwind(AssertUnwindSafe(|| {
+                reads.ring(ring, Some(during))
+            })));
+            Ok(0.0)
+        }
+        ring => pool.in_place_scope(|s| {
+            if let Some(ring) = ring {
+                s.spawn(move |_| {
+                    finish(catch_unwind(AssertUnwindSafe(|| {
+                        reads.ring(ring, None::<fn()>)
+                    })))
+                });
+            } else {
+                for part in buf.parts(threads, reads.part) {
+                    s.spawn(move |_| finish(catch_unwind(AssertUnwindSafe(|| reads.pull(part)))));
+                }
+            }
+            during();
+            let _ = wait_first.recv();
+            recompute_planned(model, cache, recompute)
+        }),
+    };
+    (
+        done.into_inner().unwrap_or_else(|e| e.into_inner()),
+        recomputed,
+    )
+}
+
+/// The planned recompute, on the engine thread once the blocking reads are resident; its time.
+fn recompute_planned(
+    model: &Model,
+    cache: &mut KvCache,
+    recompute: &[usize],
+) -> Result<f64, ServiceError> {
+    if recompute.is_empty() {
+        return Ok(0.0);
+    }
+    check("service::load::recompute", injected)?;
+    let t = Instant::now();
+    recompute_chunks(model, cache, recompute)?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Joins what the reading threads did. A thread that panicked fails the Load. The ring is given
+/// up when a panic, or a failure of the ring itself, may have left reads of this Load in flight
+/// on it: they must never be reaped into another Load.
+fn gather(
+    threads: Vec<std::thread::Result<IoOut>>,
+    ring: &mut Option<Box<ReadRing>>,
+) -> Result<IoOut, ServiceError> {
+    let mut all = IoOut::default();
+    for r in threads {
+        let Ok(out) = r else {
+            *ring = None;
+            return Err(ServiceError::Internal {
+                what: "a load I/O thread panicked".into(),
+            });
+        };
+        all.ok.extend(out.ok);
+        all.failed.extend(out.failed);
+        all.bytes += out.bytes;
+        all.secs = f64::max(all.secs, out.secs);
+        all.ring_failed |= out.ring_failed;
+    }
+    all.ok.sort_unstable();
+    all.failed.sort_unstable();
+    if all.ring_failed {
+        *ring = None;
+    }
+    Ok(all)
+}
+
+/// Step 3: the chunks whose read failed (missing, corrupt: kvfs quarantined them, other model),
+/// recomputed now that every other chunk is resident. A blocking read that failed leaves the
+/// planned recompute short of a chunk it attends to (`recomputed` is a dependency error): then
+/// the planned set is recomputed with them. Returns the whole recompute time.
+fn recompute_failed(
+    model: &Model,
+    cache: &mut KvCache,
+    failed: &[u32],
+    planned: &[usize],
+    recomputed: Result<f64, ServiceError>,
+) -> Result<f64, ServiceError> {
+    let mut again: Vec<usize> = failed.iter().map(|&i| i as usize).collect();
+    let mut secs = 0.0;
+    match recomputed {
+        Ok(s) => secs = s,
+        Err(ServiceError::Recompute(RecomputeError::Dependency { .. })) if !failed.is_empty() => {
+            again.extend(planned);
+        }
+        Err(e) => return Err(e),
+    }
+    if !again.is_empty() {
+        let t = Instant::now();
+        recompute_chunks(model, cache, &again)?;
+        secs += t.elapsed().as_secs_f64();
+    }
+    Ok(secs)
 }
 
 /// What an I/O thread did: the chunks it brought back, those whose read failed (to recompute),
@@ -431,30 +441,109 @@ struct Spare {
     recompressed: Vec<u8>,
 }
 
-/// One Load's reads on the io_uring, in `order`.
-struct RingReads<'a> {
+/// One Load's reads, and what the threads that make them share.
+struct Reads<'a> {
     io: &'a ChunkIo,
     pager: &'a Pager,
     shape: &'a ChunkShape,
     formats: &'a [KvFormat],
     ctx: u64,
-    /// The largest chunk of the Load, for a read that does not go through the ring.
+    /// The chunks to read, blocking ones (those the recompute attends to) first.
+    order: Vec<u32>,
+    /// How many of `order` are blocking.
+    blocking: usize,
+    /// The largest chunk of the Load in the formats the cache records: each thread reads into a
+    /// part of the readers' buffer that size (a heavier stored copy, rare, goes through the
+    /// thread's spare buffer), and so does a read that does not go through the ring.
     part: usize,
-    order: &'a [u32],
+    /// The next read of `order`, for the threads that pull them.
+    cursor: AtomicUsize,
+    /// Blocking reads not done yet.
+    first_left: AtomicUsize,
+    /// Told when the last blocking read is done, or a reading thread died: the recompute starts.
+    first_done: mpsc::Sender<()>,
 }
 
-impl RingReads<'_> {
-    /// Keeps as many reads in flight as the ring's buffer holds, populates each chunk as its read
-    /// ends, and calls `done(n)` for the `n`th chunk of `order` once it is resident or has failed.
+impl<'a> Reads<'a> {
+    fn new(
+        io: &'a ChunkIo,
+        pager: &'a Pager,
+        ctx: u64,
+        shape: &'a ChunkShape,
+        formats: &'a [KvFormat],
+        plan: &LoadPlan,
+        first_done: mpsc::Sender<()>,
+    ) -> Self {
+        let order: Vec<u32> = plan
+            .read_first
+            .iter()
+            .chain(&plan.read_after)
+            .copied()
+            .collect();
+        let blocking = plan.read_first.len();
+        if blocking == 0 {
+            let _ = first_done.send(());
+        }
+        let part = order
+            .iter()
+            .map(|&i| shape.chunk_bytes(formats[i as usize]))
+            .max()
+            .unwrap_or(0);
+        Reads {
+            io,
+            pager,
+            shape,
+            formats,
+            ctx,
+            order,
+            blocking,
+            part,
+            cursor: AtomicUsize::new(0),
+            first_left: AtomicUsize::new(blocking),
+            first_done,
+        }
+    }
+
+    /// Counts the `n`th read of `order` done (resident, or failed); the last blocking one lets
+    /// the recompute start.
+    fn done(&self, n: usize) {
+        if n < self.blocking && self.first_left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _ = self.first_done.send(());
+        }
+    }
+
+    /// A reading thread died: never leave the recompute waiting for a signal that will not come.
+    fn abandon(&self) {
+        let _ = self.first_done.send(());
+    }
+
+    /// One thread's reads without the ring: it pulls the next read from the shared cursor, reads
+    /// it into `buf` (its part of the readers' buffer) and populates the slot, until none is left.
+    fn pull(&self, buf: &mut [u8]) -> IoOut {
+        let t = Instant::now();
+        let mut out = IoOut::default();
+        let mut spare = Spare::default();
+        loop {
+            let n = self.cursor.fetch_add(1, Ordering::Relaxed);
+            let Some(&i) = self.order.get(n) else { break };
+            let key = ChunkKey::new(self.ctx, i);
+            let want = self.formats[i as usize];
+            let r = read_one(
+                self.io, self.pager, self.shape, want, key, &mut *buf, &mut spare,
+            );
+            out.record(key, r);
+            self.done(n);
+        }
+        out.secs = t.elapsed().as_secs_f64();
+        out
+    }
+
+    /// The reads on the io_uring: keeps as many in flight as the ring's buffer holds, populates
+    /// each chunk as its read ends, and counts it done once it is resident or has failed.
     /// A chunk the ring cannot read (not stored raw, larger than the ring's buffer, a read or a
     /// check that fails) is read the usual way ([`read_one`]), which retries a chunk a rewrite
     /// moved and quarantines a bad one. `during` runs once the first reads are under way.
-    fn run(
-        &self,
-        ring: &mut ReadRing,
-        done: &(dyn Fn(usize) + Sync),
-        mut during: Option<impl FnOnce()>,
-    ) -> IoOut {
+    fn ring(&self, ring: &mut ReadRing, mut during: Option<impl FnOnce()>) -> IoOut {
         let t = Instant::now();
         let mut out = IoOut::default();
         let mut spare = Spare::default();
@@ -485,7 +574,7 @@ impl RingReads<'_> {
                     _ => false,
                 };
                 if !started {
-                    self.read_alone(n, &mut out, &mut fallback, &mut spare, done);
+                    self.read_alone(n, &mut out, &mut fallback, &mut spare);
                 }
                 next += 1;
             }
@@ -500,7 +589,7 @@ impl RingReads<'_> {
                 Ok(None) => break,
                 Err(e) => {
                     // The ring failed: read what it had in flight the usual way, and the rest;
-                    // the Load's caller then gives the ring up.
+                    // the Load then gives the ring up.
                     tracing::warn!(error = %e, "io_uring failed; reading the Load's chunks one by one");
                     out.ring_failed = true;
                     let left = slots
@@ -508,7 +597,7 @@ impl RingReads<'_> {
                         .enumerate()
                         .filter_map(|(n, s)| s.take().map(|_| n));
                     for n in left.chain(next..self.order.len()).collect::<Vec<_>>() {
-                        self.read_alone(n, &mut out, &mut fallback, &mut spare, done);
+                        self.read_alone(n, &mut out, &mut fallback, &mut spare);
                     }
                     break;
                 }
@@ -533,7 +622,7 @@ impl RingReads<'_> {
             };
             ring.release(read);
             out.record(key, r);
-            done(n);
+            self.done(n);
         }
         out.secs = t.elapsed().as_secs_f64() - aside;
         out
@@ -541,18 +630,11 @@ impl RingReads<'_> {
 
     /// Reads the `n`th chunk of `order` the usual way ([`read_one`]), records it and counts it
     /// done.
-    fn read_alone(
-        &self,
-        n: usize,
-        out: &mut IoOut,
-        buf: &mut AlignedBuf,
-        spare: &mut Spare,
-        done: &(dyn Fn(usize) + Sync),
-    ) {
+    fn read_alone(&self, n: usize, out: &mut IoOut, buf: &mut AlignedBuf, spare: &mut Spare) {
         let i = self.order[n];
         let r = self.read_one(i, buf, spare);
         out.record(ChunkKey::new(self.ctx, i), r);
-        done(n);
+        self.done(n);
     }
 
     fn read_one(
@@ -619,6 +701,7 @@ fn install(
     bytes: &[u8],
     recompressed: &mut Vec<u8>,
 ) -> Result<u64, ServiceError> {
+    check("service::load::chunk_read", injected)?;
     let have = stored;
     let n = bytes.len() as u64;
     let data: &[u8] = if have == want {
@@ -649,6 +732,7 @@ fn install(
         });
     }
     pager.populate(key, data.len(), data)?;
+    check("service::load::chunk_populated", injected)?;
     if have == want {
         // The slot holds exactly what the store does: reclaiming it again needs no write.
         pager.mark_persisted(key)?;

@@ -2,19 +2,27 @@
 //! are written to kvfs by this background thread, off the caller's critical path; once written,
 //! a chunk is marked persisted in the pager and can be reclaimed without I/O.
 //!
-//! The queue is bounded (a call that outruns the disk waits for room), and a chunk is marked
-//! persisted only if its bytes did not change while it was being written (its version).
+//! The queue is bounded (a call that outruns the disk waits for room) and its flush waits for
+//! every chunk queued before it ([`WriteQueue`]); a chunk is marked persisted only if its bytes
+//! did not change while it was being written (its version, [`Versions::if_current`]). A write
+//! that fails, or panics, leaves its chunk resident and unpersisted: the pager writes it when it
+//! reclaims it, and it is never counted as persisted.
+//!
+//! Failpoints (the `failpoints` feature, docs/service.md "Failpoints"): `service::writer::write`
+//! before a chunk's write, `service::writer::written` after the store took it and before it is
+//! marked persisted, `service::writer::marked` after.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
-use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use kvfs::StoreError;
 use uffd_pager::{ChunkKey, Pager};
 
 use crate::chunk_io::ChunkIo;
+use crate::failpoints::check;
 use crate::memory::Versions;
+use crate::write_queue::WriteQueue;
 use model::kv::KvFormat;
 
 /// One chunk to write.
@@ -33,22 +41,16 @@ pub struct WriteJob {
 pub struct WriterStats {
     pub written: AtomicU64,
     pub bytes: AtomicU64,
+    /// Writes that failed (or panicked): their chunks stay resident, not persisted.
     pub failed: AtomicU64,
     /// Written, but changed in memory meanwhile: not marked persisted.
     pub stale: AtomicU64,
 }
 
-#[derive(Default)]
-struct Pending {
-    queued: Mutex<u64>,
-    done: Condvar,
-}
-
 /// The background writer.
 pub struct Writer {
-    tx: Option<SyncSender<WriteJob>>,
+    queue: Arc<WriteQueue<WriteJob>>,
     thread: Option<JoinHandle<()>>,
-    pending: Arc<Pending>,
     stats: Arc<WriterStats>,
 }
 
@@ -62,7 +64,6 @@ struct Ctx {
     io: Arc<ChunkIo>,
     pager: Arc<Pager>,
     versions: Arc<Versions>,
-    pending: Arc<Pending>,
     stats: Arc<WriterStats>,
 }
 
@@ -74,57 +75,48 @@ impl Writer {
         versions: Arc<Versions>,
         capacity: usize,
     ) -> std::io::Result<Writer> {
-        let (tx, rx) = sync_channel(capacity.max(1));
-        let pending = Arc::new(Pending::default());
+        let queue = Arc::new(WriteQueue::new(capacity));
         let stats = Arc::new(WriterStats::default());
         let ctx = Ctx {
             io,
             pager,
             versions,
-            pending: Arc::clone(&pending),
             stats: Arc::clone(&stats),
         };
+        let served = Arc::clone(&queue);
         let thread = std::thread::Builder::new()
             .name("llms-aot-writer".into())
-            .spawn(move || run(&ctx, &rx))?;
+            .spawn(move || {
+                served.serve(
+                    |job| write_one(&ctx, &job),
+                    || {
+                        ctx.stats.failed.fetch_add(1, Relaxed);
+                        tracing::error!("an AoT write panicked; the chunk stays in memory");
+                    },
+                );
+            })?;
         Ok(Writer {
-            tx: Some(tx),
+            queue,
             thread: Some(thread),
-            pending,
             stats,
         })
     }
 
     /// Queues a chunk; waits for room when the queue is full.
     pub fn submit(&self, job: WriteJob) {
-        *lock(&self.pending.queued) += 1;
-        if let Some(tx) = &self.tx
-            && tx.send(job).is_err()
-        {
-            tracing::error!("the AoT writer thread is gone; chunk not written");
-            self.finish_one();
+        if let Err(job) = self.queue.submit(job) {
+            tracing::error!(chunk = %job.key, "the AoT writer is closed; chunk not written");
         }
     }
 
-    fn finish_one(&self) {
-        let mut q = lock(&self.pending.queued);
-        *q -= 1;
-        self.pending.done.notify_all();
-    }
-
-    /// Waits until every queued chunk is written.
+    /// Waits until every chunk queued before this call is written (or its write failed).
     pub fn flush(&self) {
-        let q = lock(&self.pending.queued);
-        let _q = self
-            .pending
-            .done
-            .wait_while(q, |q| *q > 0)
-            .unwrap_or_else(|e| e.into_inner());
+        self.queue.flush();
     }
 
     /// Chunks queued and not yet written.
     pub fn queued(&self) -> u64 {
-        *lock(&self.pending.queued)
+        self.queue.pending()
     }
 
     /// The counters.
@@ -134,35 +126,35 @@ impl Writer {
 }
 
 impl Drop for Writer {
+    /// Writes what is queued, then stops the thread.
     fn drop(&mut self) {
-        self.tx = None;
+        self.queue.close();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn run(ctx: &Ctx, rx: &Receiver<WriteJob>) {
-    while let Ok(job) = rx.recv() {
-        write_one(ctx, &job);
-        let mut q = lock(&ctx.pending.queued);
-        *q -= 1;
-        ctx.pending.done.notify_all();
-    }
+/// The error the failpoint `name` injects into a chunk's write.
+fn injected(name: &'static str, job: &WriteJob) -> StoreError {
+    StoreError::Io(kvfs::io::IoError::new(
+        "write",
+        std::path::Path::new(&format!("chunk {}", job.key)),
+        std::io::Error::other(format!("failpoint {name}")),
+    ))
 }
 
 fn write_one(ctx: &Ctx, job: &WriteJob) {
     let key = job.key;
     let _span = tracing::debug_span!("aot_write", chunk = %key).entered();
-    let r = ctx
-        .io
-        .write(key.ctx.0, key.index, job.format, job.density, &job.bytes);
+    let r = check("service::writer::write", |name| injected(name, job))
+        .and_then(|()| {
+            ctx.io
+                .write(key.ctx.0, key.index, job.format, job.density, &job.bytes)
+        })
+        .and_then(|_| check("service::writer::written", |name| injected(name, job)));
     match r {
-        Ok(_) => {
+        Ok(()) => {
             ctx.stats.written.fetch_add(1, Relaxed);
             ctx.stats.bytes.fetch_add(job.bytes.len() as u64, Relaxed);
             let current = ctx.versions.if_current(key, job.version, || {
@@ -173,6 +165,7 @@ fn write_one(ctx: &Ctx, job: &WriteJob) {
             if !current {
                 ctx.stats.stale.fetch_add(1, Relaxed);
             }
+            let _ = check("service::writer::marked", |_| ());
         }
         // The context was deleted while its chunks waited in the queue: nothing to write. (Through
         // the mount that shows as a failed write of a file that is gone, not as this error.)
