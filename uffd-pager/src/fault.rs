@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tracing::{error, warn};
 
 use crate::ChunkKey;
-use crate::shared::{Reserved, Shared, WriteBack};
+use crate::shared::{Reservation, Reserved, Shared, StateGuard, WriteBack};
 use crate::staging::Staging;
 use crate::sys::{Fault, PAGE_SIZE, SysError, poll2};
 use crate::types::{ChunkState, PagerError, RecomputeReason, RecomputeRequest};
@@ -286,73 +286,13 @@ impl Runtime {
                     }
                     Ok(Reserved::Slot(r)) => {
                         drop(st);
-                        let by_move =
-                            shared.uffd.move_supported() && self.move_warm >= self.move_buf.len();
-                        let buf = if by_move {
-                            &mut self.move_buf
-                        } else {
-                            &mut self.copy_buf
-                        };
-                        shared.fill_mark(true);
-                        let filled = shared.fill(key, &mut buf.as_mut_slice()[..r.bytes]);
-                        shared.fill_mark(false);
-                        let copied = if by_move {
-                            // The pages go to the slot; the buffer is cold until warmed again.
-                            self.move_warm = 0;
-                            shared.stats.faults_moved.fetch_add(1, Relaxed);
-                            shared.move_in(&r, &mut self.move_buf)
-                        } else {
-                            shared.copy_in(&r, &self.copy_buf.as_slice()[..r.bytes])
-                        };
-                        if copied.is_ok() {
-                            shared.stats.fault_latency.record(t.elapsed());
-                        }
-                        let reason = filled.as_ref().err().cloned().map(RecomputeReason::Source);
-                        let (ok, persisted) = (copied.is_ok(), filled.is_ok());
-                        shared.finish(shared.lock(), &r, ok, persisted, reason);
-                        if let Err(e) = &filled {
-                            self.warn(
-                                Some(key),
-                                "chunk source failed; zero-filled for recompute",
-                                e,
-                            );
-                        }
-                        if let Err(e) = copied {
-                            self.warn(Some(key), "populating a faulting chunk failed", &e);
-                            // Release the faulting thread; the slot is back to non-resident.
-                            self.zero_or_wake(key, page, PAGE_SIZE);
-                        }
+                        self.fill_faulting(key, page, &r, t);
                     }
                     Err(
                         e @ (PagerError::BudgetExhausted { .. }
                         | PagerError::LargerThanBudget { .. }),
                     ) => {
-                        // No room: map the zero page over the whole slot (it costs no memory), and
-                        // have the engine recompute the chunk once it has made room.
-                        let c = st
-                            .book
-                            .ctxs
-                            .get_mut(&ctx)
-                            .expect("looked up under this lock");
-                        let slot = &mut c.slots[index];
-                        slot.state = ChunkState::ZeroMapped;
-                        if slot.bytes == 0 {
-                            slot.bytes = stride;
-                        }
-                        slot.needs_recompute = true;
-                        st.book.recompute.retain(|q| q.key != key);
-                        st.book.recompute.push_back(RecomputeRequest {
-                            key,
-                            reason: RecomputeReason::BudgetExhausted,
-                        });
-                        shared.stats.recompute_requests.fetch_add(1, Relaxed);
-                        drop(st);
-                        self.warn(
-                            Some(key),
-                            "fault with the budget exhausted; zero page mapped",
-                            &e,
-                        );
-                        self.zero_or_wake(key, base + index * stride, stride);
+                        self.zero_map_for_recompute(st, key, (base + index * stride, stride), &e);
                     }
                     Err(e) => {
                         drop(st);
@@ -362,6 +302,84 @@ impl Runtime {
                 }
             }
         }
+    }
+
+    /// Fills a faulting chunk's reserved slot from the source and maps it in (by move when the
+    /// move buffer is warm, else by copy); a source failure zero-fills it for recompute, a
+    /// failed map releases the faulting thread with the zero page.
+    fn fill_faulting(&mut self, key: ChunkKey, page: usize, r: &Reservation, t: Instant) {
+        let shared = Arc::clone(&self.shared);
+        let by_move = shared.uffd.move_supported() && self.move_warm >= self.move_buf.len();
+        let buf = if by_move {
+            &mut self.move_buf
+        } else {
+            &mut self.copy_buf
+        };
+        shared.fill_mark(true);
+        let filled = shared.fill(key, &mut buf.as_mut_slice()[..r.bytes]);
+        shared.fill_mark(false);
+        let copied = if by_move {
+            // The pages go to the slot; the buffer is cold until warmed again.
+            self.move_warm = 0;
+            shared.stats.faults_moved.fetch_add(1, Relaxed);
+            shared.move_in(r, &mut self.move_buf)
+        } else {
+            shared.copy_in(r, &self.copy_buf.as_slice()[..r.bytes])
+        };
+        if copied.is_ok() {
+            shared.stats.fault_latency.record(t.elapsed());
+        }
+        let reason = filled.as_ref().err().cloned().map(RecomputeReason::Source);
+        let (ok, persisted) = (copied.is_ok(), filled.is_ok());
+        shared.finish(shared.lock(), r, ok, persisted, reason);
+        if let Err(e) = &filled {
+            self.warn(
+                Some(key),
+                "chunk source failed; zero-filled for recompute",
+                e,
+            );
+        }
+        if let Err(e) = copied {
+            self.warn(Some(key), "populating a faulting chunk failed", &e);
+            // Release the faulting thread; the slot is back to non-resident.
+            self.zero_or_wake(key, page, PAGE_SIZE);
+        }
+    }
+
+    /// No room for a faulting chunk: map the zero page over its whole slot (`at`, `stride`
+    /// bytes; it costs no memory), and have the engine recompute the chunk once it has made
+    /// room.
+    fn zero_map_for_recompute(
+        &mut self,
+        mut st: StateGuard<'_>,
+        key: ChunkKey,
+        (at, stride): (usize, usize),
+        e: &PagerError,
+    ) {
+        let c = st
+            .book
+            .ctxs
+            .get_mut(&key.ctx)
+            .expect("looked up under this lock");
+        let slot = &mut c.slots[key.index as usize];
+        slot.state = ChunkState::ZeroMapped;
+        if slot.bytes == 0 {
+            slot.bytes = stride;
+        }
+        slot.needs_recompute = true;
+        st.book.recompute.retain(|q| q.key != key);
+        st.book.recompute.push_back(RecomputeRequest {
+            key,
+            reason: RecomputeReason::BudgetExhausted,
+        });
+        self.shared.stats.recompute_requests.fetch_add(1, Relaxed);
+        drop(st);
+        self.warn(
+            Some(key),
+            "fault with the budget exhausted; zero page mapped",
+            e,
+        );
+        self.zero_or_wake(key, at, stride);
     }
 
     /// Fault one more slice of the move buffer in; returns whether a fault is pending (stop
