@@ -72,7 +72,7 @@ impl Drop for ExitGuard {
             error!("the fault thread panicked; releasing every faulting thread");
         }
         self.0.kill();
-        let mut exited = self.0.exited.lock().unwrap_or_else(|e| e.into_inner());
+        let mut exited = self.0.exited.lock();
         *exited = true;
         self.0.exited_cv.notify_all();
     }

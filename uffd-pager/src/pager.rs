@@ -1,12 +1,13 @@
 //! The pager: context regions, chunk slots, the resident-byte budget, and the populate / reclaim / load / lock primitives.
 
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use parking_lot::{Condvar, Mutex};
 use tracing::{debug, warn};
 
 use crate::shared::{
@@ -638,32 +639,22 @@ impl Pager {
     /// or left behind after 5 s if a chunk source never returns.
     pub fn shutdown(&self) {
         self.shared.kill();
-        let watchdog = self
-            .watchdog
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let watchdog = self.watchdog.lock().take();
         if let Some(w) = watchdog {
             let _ = w.join();
         }
-        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let handle = self.thread.lock().take();
         if let Some(h) = handle {
-            let exited = self.shared.exited.lock().unwrap_or_else(|e| e.into_inner());
-            let (exited, _) = self
-                .shared
+            let mut exited = self.shared.exited.lock();
+            self.shared
                 .exited_cv
-                .wait_timeout_while(exited, Duration::from_secs(5), |e| !*e)
-                .unwrap_or_else(|e| e.into_inner());
+                .wait_while_for(&mut exited, |e| !*e, Duration::from_secs(5));
             if *exited {
                 let _ = h.join();
                 // The fault thread is gone, so the write-back thread's queue is closed: it ends
                 // after the write in hand, if any. Joined too, so nothing the source holds (a
                 // store and its lock) outlives the pager; a write that hangs is left behind.
-                let write_back = self
-                    .write_back
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take();
+                let write_back = self.write_back.lock().take();
                 if let Some(w) = write_back {
                     let t = Instant::now();
                     while !w.is_finished() && t.elapsed() < Duration::from_secs(5) {

@@ -7,12 +7,13 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::{Deref, DerefMut};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use tracing::{debug, warn};
 
 use crate::staging::Staging;
@@ -119,32 +120,26 @@ fn assert_state_unlocked(what: &str) {
 
 /// The state lock's guard, counted per thread while held (`STATE_HELD`).
 pub(crate) struct StateGuard<'a> {
-    inner: Option<MutexGuard<'a, State>>,
+    inner: MutexGuard<'a, State>,
 }
 
 impl Deref for StateGuard<'_> {
     type Target = State;
 
     fn deref(&self) -> &State {
-        self.inner
-            .as_deref()
-            .expect("a guard holds its lock until dropped")
+        &self.inner
     }
 }
 
 impl DerefMut for StateGuard<'_> {
     fn deref_mut(&mut self) -> &mut State {
-        self.inner
-            .as_deref_mut()
-            .expect("a guard holds its lock until dropped")
+        &mut self.inner
     }
 }
 
 impl Drop for StateGuard<'_> {
     fn drop(&mut self) {
-        if self.inner.take().is_some() {
-            count_held(-1);
-        }
+        count_held(-1);
     }
 }
 
@@ -452,26 +447,17 @@ pub(crate) enum Reserved {
 impl Shared {
     pub(crate) fn lock(&self) -> StateGuard<'_> {
         // The chooser is the only foreign code run under the lock, and it runs before any change
-        // to the book, so a poisoned lock still guards a consistent book.
-        let inner = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        // to the book, so a panic in it leaves a consistent book (and the lock does not poison).
+        let inner = self.state.lock();
         count_held(1);
-        StateGuard { inner: Some(inner) }
+        StateGuard { inner }
     }
 
     /// Wait on `populated` (a populate, a write-back or a shutdown ended), the lock released
-    /// meanwhile.
+    /// meanwhile. The guard stays counted while its thread sleeps here: it calls no source.
     pub(crate) fn wait<'a>(&'a self, mut guard: StateGuard<'a>) -> StateGuard<'a> {
-        let inner = guard
-            .inner
-            .take()
-            .expect("a guard holds its lock until dropped");
-        count_held(-1);
-        let inner = self
-            .populated
-            .wait(inner)
-            .unwrap_or_else(|e| e.into_inner());
-        count_held(1);
-        StateGuard { inner: Some(inner) }
+        self.populated.wait(&mut guard.inner);
+        guard
     }
 
     /// Turn a non-resident slot into `Populating` with its bytes reserved (state lock held).
@@ -815,7 +801,7 @@ impl Shared {
         self.populated.notify_all();
         drop(st);
         self.wake.signal();
-        *self.watch_stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self.watch_stop.lock() = true;
         self.watch_cv.notify_all();
     }
 
@@ -842,7 +828,7 @@ pub(crate) fn spawn_watchdog(
     std::thread::Builder::new()
         .name("uffd-pager-watchdog".into())
         .spawn(move || {
-            let mut stop = shared.watch_stop.lock().unwrap_or_else(|e| e.into_inner());
+            let mut stop = shared.watch_stop.lock();
             while !*stop {
                 let since = shared.fill_since.load(Relaxed);
                 let now = u64::try_from(shared.born.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -867,11 +853,7 @@ pub(crate) fn spawn_watchdog(
                     shared.kill();
                     return;
                 }
-                stop = shared
-                    .watch_cv
-                    .wait_timeout(stop, tick)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
+                shared.watch_cv.wait_for(&mut stop, tick);
             }
         })
         .map_err(|source| PagerError::Setup {
@@ -907,7 +889,7 @@ mod tests {
             chooser: Box::new(LruChooser::new()),
         });
         let guard = StateGuard {
-            inner: Some(state.lock().unwrap()),
+            inner: state.lock(),
         };
         count_held(1);
         let caught = catch_unwind(|| assert_state_unlocked("a test's source call"));

@@ -697,13 +697,13 @@ fn a_source_that_hangs_past_its_deadline_stops_the_pager_and_releases_the_fault(
 /// A source that keeps what it is given to write back, and serves only that.
 #[derive(Default)]
 struct KeepingSource {
-    kept: std::sync::Mutex<std::collections::HashMap<ChunkKey, Vec<u8>>>,
+    kept: parking_lot::Mutex<std::collections::HashMap<ChunkKey, Vec<u8>>>,
     writes: std::sync::atomic::AtomicU64,
 }
 
 impl ChunkSource for KeepingSource {
     fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
-        let kept = self.kept.lock().unwrap();
+        let kept = self.kept.lock();
         let data = kept.get(&key).ok_or(SourceError::Missing { key })?;
         dst[..data.len()].copy_from_slice(data);
         dst[data.len()..].fill(0);
@@ -713,7 +713,7 @@ impl ChunkSource for KeepingSource {
     fn write_back(&self, key: ChunkKey, data: &[u8]) -> Result<bool, SourceError> {
         self.writes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.kept.lock().unwrap().insert(key, data.to_vec());
+        self.kept.lock().insert(key, data.to_vec());
         Ok(true)
     }
 

@@ -5,7 +5,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
-use std::sync::{Condvar, Mutex, MutexGuard};
+
+use parking_lot::{Condvar, Mutex};
 
 /// Why a push was refused; the item comes back to be answered.
 #[derive(Debug, PartialEq, Eq)]
@@ -48,13 +49,9 @@ impl<K: Eq + Hash + Clone, T> FairQueue<K, T> {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State<K, T>> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Queues a control request (`key` None) or a call of app `key`.
     pub fn push(&self, key: Option<K>, item: T) -> Result<(), (T, Refused)> {
-        let mut s = self.lock();
+        let mut s = self.state.lock();
         if s.closed {
             return Err((item, Refused::Closed));
         }
@@ -100,7 +97,7 @@ impl<K: Eq + Hash + Clone, T> FairQueue<K, T> {
 
     /// The next item, waiting for one; `None` once the queue is closed.
     pub fn pop(&self) -> Option<T> {
-        let mut s = self.lock();
+        let mut s = self.state.lock();
         loop {
             if s.closed {
                 return None;
@@ -108,18 +105,18 @@ impl<K: Eq + Hash + Clone, T> FairQueue<K, T> {
             if let Some(t) = Self::take(&mut s) {
                 return Some(t);
             }
-            s = self.ready.wait(s).unwrap_or_else(|p| p.into_inner());
+            self.ready.wait(&mut s);
         }
     }
 
     /// The next item if there is one.
     pub fn try_pop(&self) -> Option<T> {
-        Self::take(&mut self.lock())
+        Self::take(&mut self.state.lock())
     }
 
     /// Closes the queue and returns what was still queued, to be answered.
     pub fn close(&self) -> Vec<T> {
-        let mut s = self.lock();
+        let mut s = self.state.lock();
         s.closed = true;
         let mut left = Vec::new();
         while let Some(t) = Self::take(&mut s) {
@@ -132,7 +129,7 @@ impl<K: Eq + Hash + Clone, T> FairQueue<K, T> {
 
     /// Items queued now.
     pub fn len(&self) -> usize {
-        let s = self.lock();
+        let s = self.state.lock();
         s.control.len() + s.calls
     }
 

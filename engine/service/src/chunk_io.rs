@@ -11,13 +11,14 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use kvfs::guard::GuardCommand;
 use kvfs::{
     ContextId, Fingerprint, KvFormat, Mount, MountConfig, MountReader, RawSlot, Store, StoreError,
     StoredChunk,
 };
+use parking_lot::Mutex;
 
 use crate::ServiceError;
 
@@ -171,7 +172,7 @@ impl ChunkIo {
 
     /// Closes `ctx`'s file (call it when the context is deleted).
     pub fn forget(&self, ctx: u64) {
-        self.lock().files.remove(&ctx);
+        self.files.lock().files.remove(&ctx);
     }
 
     /// The open mount files of `ctx`, opened now if it is not.
@@ -179,7 +180,7 @@ impl ChunkIo {
         let Route::Mount(mount) = &self.route else {
             unreachable!("only the mounted path opens files")
         };
-        let mut open = self.lock();
+        let mut open = self.files.lock();
         open.tick += 1;
         let tick = open.tick;
         if let Some((f, used)) = open.files.get_mut(&ctx) {
@@ -204,10 +205,6 @@ impl ChunkIo {
         }
         open.files.insert(ctx, (Arc::clone(&f), tick));
         Ok(f)
-    }
-
-    fn lock(&self) -> MutexGuard<'_, OpenFiles> {
-        self.files.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

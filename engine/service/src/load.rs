@@ -274,7 +274,7 @@ pub fn load(
         .map(|&i| shape.chunk_bytes(formats[i as usize]))
         .max()
         .unwrap_or(0);
-    let done = std::sync::Mutex::new(Vec::with_capacity(threads));
+    let done = parking_lot::Mutex::new(Vec::with_capacity(threads));
     let (thread_reads, chunk_done) = (&thread_reads, &chunk_done);
     let reads = RingReads {
         io,
@@ -291,7 +291,7 @@ pub fn load(
             // Never leave the recompute waiting for a signal that will not come.
             let _ = first_done.send(());
         }
-        done.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        done.lock().push(r);
     };
     let finish = &finish;
     let (io_out, re_out) = match ring {
@@ -301,7 +301,7 @@ pub fn load(
             let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 reads.run(ring, chunk_done, Some(during))
             }));
-            done.lock().unwrap_or_else(|e| e.into_inner()).push(out);
+            done.lock().push(out);
             (Ok(()), Ok(0.0))
         }
         ring => pool.in_place_scope(|s| {
@@ -333,7 +333,7 @@ pub fn load(
     };
     let io_out = io_out.and_then(|()| {
         let mut all = IoOut::default();
-        for r in done.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        for r in done.into_inner() {
             let out = r.map_err(|_| {
                 // A panic may have left reads of this Load in flight on the ring: never reap
                 // them into another.

@@ -6,8 +6,9 @@
 //! the bytes it wrote are still the chunk's bytes.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use parking_lot::Mutex;
 use uffd_pager::{ChunkKey, ContextId, ContextLock, Pager, PagerError};
 
 use model::kv::{ChunkMemory, KvError};
@@ -21,17 +22,17 @@ pub struct Versions {
 impl Versions {
     /// The chunk's current version.
     pub fn get(&self, key: ChunkKey) -> u64 {
-        *self.lock().get(&key).unwrap_or(&0)
+        *self.map.lock().get(&key).unwrap_or(&0)
     }
 
     fn bump(&self, key: ChunkKey) {
-        *self.lock().entry(key).or_insert(0) += 1;
+        *self.map.lock().entry(key).or_insert(0) += 1;
     }
 
     /// Runs `f` if the chunk is still at `version`, with the versions held so no store can
     /// change the chunk meanwhile.
     pub fn if_current(&self, key: ChunkKey, version: u64, f: impl FnOnce()) -> bool {
-        let map = self.lock();
+        let map = self.map.lock();
         let current = *map.get(&key).unwrap_or(&0) == version;
         if current {
             f();
@@ -41,11 +42,7 @@ impl Versions {
 
     /// Forgets every chunk of `ctx`.
     pub fn forget(&self, ctx: ContextId) {
-        self.lock().retain(|k, _| k.ctx != ctx);
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ChunkKey, u64>> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
+        self.map.lock().retain(|k, _| k.ctx != ctx);
     }
 }
 

@@ -5,12 +5,13 @@
 //! The queue is bounded (a call that outruns the disk waits for room), and a chunk is marked
 //! persisted only if its bytes did not change while it was being written (its version).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
-use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use kvfs::StoreError;
+use parking_lot::{Condvar, Mutex};
 use uffd_pager::{ChunkKey, Pager};
 
 use crate::chunk_io::ChunkIo;
@@ -97,7 +98,7 @@ impl Writer {
 
     /// Queues a chunk; waits for room when the queue is full.
     pub fn submit(&self, job: WriteJob) {
-        *lock(&self.pending.queued) += 1;
+        *self.pending.queued.lock() += 1;
         if let Some(tx) = &self.tx
             && tx.send(job).is_err()
         {
@@ -107,24 +108,20 @@ impl Writer {
     }
 
     fn finish_one(&self) {
-        let mut q = lock(&self.pending.queued);
+        let mut q = self.pending.queued.lock();
         *q -= 1;
         self.pending.done.notify_all();
     }
 
     /// Waits until every queued chunk is written.
     pub fn flush(&self) {
-        let q = lock(&self.pending.queued);
-        let _q = self
-            .pending
-            .done
-            .wait_while(q, |q| *q > 0)
-            .unwrap_or_else(|e| e.into_inner());
+        let mut q = self.pending.queued.lock();
+        self.pending.done.wait_while(&mut q, |q| *q > 0);
     }
 
     /// Chunks queued and not yet written.
     pub fn queued(&self) -> u64 {
-        *lock(&self.pending.queued)
+        *self.pending.queued.lock()
     }
 
     /// The counters.
@@ -142,14 +139,10 @@ impl Drop for Writer {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn run(ctx: &Ctx, rx: &Receiver<WriteJob>) {
     while let Ok(job) = rx.recv() {
         write_one(ctx, &job);
-        let mut q = lock(&ctx.pending.queued);
+        let mut q = ctx.pending.queued.lock();
         *q -= 1;
         ctx.pending.done.notify_all();
     }

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use fuser::{BackingId, Errno, FileHandle, FopenFlags, ReplyData, ReplyOpen};
 
-use super::state::{Handle, KvFs, Partial, errno, lock, store_err};
+use super::state::{Handle, KvFs, Partial, errno, store_err};
 use crate::format::{ChunkHeader, Codec, HEADER_LEN};
 use crate::store::{ChunkState, ContextId, MAX_CHUNK_BYTES, SLOT_BYTES, StoreError, slot_offset};
 
@@ -126,7 +126,7 @@ impl KvFs {
         c: ContextId,
         reply: &ReplyOpen,
     ) -> std::io::Result<Arc<BackingId>> {
-        let mut backing = lock(&self.backing);
+        let mut backing = self.backing.lock();
         if let Some((id, users)) = backing.get_mut(&c) {
             *users += 1;
             return Ok(Arc::clone(id));
@@ -139,7 +139,7 @@ impl KvFs {
 
     /// Drops a passthrough handle's reference to its context's registration.
     pub(super) fn release_backing(&self, c: ContextId) {
-        let mut backing = lock(&self.backing);
+        let mut backing = self.backing.lock();
         if let Some((_, users)) = backing.get_mut(&c) {
             *users -= 1;
             if *users == 0 {
@@ -206,7 +206,7 @@ impl KvFs {
             if data.len() < total {
                 let mut image = Vec::with_capacity(total);
                 image.extend_from_slice(data);
-                let mut handles = lock(&self.handles);
+                let mut handles = self.handles.lock();
                 let Some(Handle::Kv { partial }) = handles.get_mut(&fh.0) else {
                     return Err(Errno::EBADF);
                 };
@@ -222,7 +222,7 @@ impl KvFs {
         }
         // A later piece of a split image: gather it, commit when whole.
         let done = {
-            let mut handles = lock(&self.handles);
+            let mut handles = self.handles.lock();
             let Some(Handle::Kv { partial }) = handles.get_mut(&fh.0) else {
                 return Err(Errno::EBADF);
             };

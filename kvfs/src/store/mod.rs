@@ -28,9 +28,11 @@ use std::fmt;
 use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Mutex, MutexGuard, RwLock};
 
 use crate::format::{ChunkHeader, Codec, ContextMeta, Fingerprint, KvFormat, tokens_crc};
 use crate::io::{IoError, punch, write_atomic};
@@ -321,10 +323,6 @@ impl fmt::Debug for Store {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 fn now_nanos() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -386,7 +384,7 @@ impl Store {
     }
 
     fn ctx(&self, id: ContextId) -> Result<Arc<Ctx>, StoreError> {
-        let map = self.contexts.read().unwrap_or_else(|p| p.into_inner());
+        let map = self.contexts.read();
         map.get(&id)
             .cloned()
             .ok_or(StoreError::NoSuchContext { context: id })
@@ -419,7 +417,7 @@ impl Store {
     }
 
     fn write_lock<'a>(&self, ctx: &'a Ctx) -> Result<MutexGuard<'a, ()>, StoreError> {
-        let w = lock(&ctx.write);
+        let w = ctx.write.lock();
         if ctx.deleted.load(Ordering::SeqCst) {
             return Err(StoreError::NoSuchContext { context: ctx.id });
         }
@@ -428,12 +426,7 @@ impl Store {
 
     /// Every context's id, in id order.
     pub fn list_contexts(&self) -> Vec<ContextId> {
-        self.contexts
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .copied()
-            .collect()
+        self.contexts.read().keys().copied().collect()
     }
 
     /// A context's fixed metadata.
@@ -454,13 +447,13 @@ impl Store {
 
     /// A context's token ids.
     pub fn tokens(&self, id: ContextId) -> Result<Vec<u32>, StoreError> {
-        Ok(lock(&self.ctx(id)?.state).tokens.clone())
+        Ok(self.ctx(id)?.state.lock().tokens.clone())
     }
 
     /// A context's metadata, token count and chunk states.
     pub fn context(&self, id: ContextId) -> Result<ContextInfo, StoreError> {
         let ctx = self.ctx(id)?;
-        let st = lock(&ctx.state);
+        let st = ctx.state.lock();
         let ct = ctx.meta.chunk_tokens;
         let slots = st.tokens.len().div_ceil(ct as usize) as u32;
         let last = st.chunks.keys().next_back().map_or(0, |i| i + 1);
@@ -486,7 +479,7 @@ impl Store {
     /// The state of one chunk slot.
     pub fn chunk_state(&self, id: ContextId, index: u32) -> Result<ChunkState, StoreError> {
         let ctx = self.ctx(id)?;
-        let st = lock(&ctx.state);
+        let st = ctx.state.lock();
         Ok(st
             .chunks
             .get(&index)

@@ -5,8 +5,10 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+
+use parking_lot::{Mutex, RwLock};
 
 use super::contexts::{create_data, open_data};
 use super::{
@@ -201,7 +203,7 @@ impl Store {
         if !self.options.read_only {
             sync_dir(&contexts_dir)?;
         }
-        *self.contexts.get_mut().unwrap_or_else(|p| p.into_inner()) = loaded;
+        *self.contexts.get_mut() = loaded;
         self.next_id = AtomicU64::new(max_id + 1);
         self.next_generation = AtomicU64::new(max_gen + 1);
         for r in &self.recovered {

@@ -13,32 +13,24 @@ impl Store {
     /// model `model`: a context of another model is never decoded by it (its `text` and `info`
     /// say so), since another model's ids mean other words.
     pub fn set_decoder(&self, model: Fingerprint, decoder: Decoder) {
-        *self.decoder.write().unwrap_or_else(|p| p.into_inner()) = Some((model, decoder));
+        *self.decoder.write() = Some((model, decoder));
     }
 
     /// The model whose decoder is registered, if one is.
     pub fn decoder_model(&self) -> Option<Fingerprint> {
-        self.decoder
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|(fp, _)| *fp)
+        self.decoder.read().as_ref().map(|(fp, _)| *fp)
     }
 
     /// Registers the function that says whether a chunk is resident in memory (shown in `info`
     /// and the chunk's `user.kvfs.resident`).
     pub fn set_residency(&self, residency: Residency) {
-        *self.residency.write().unwrap_or_else(|p| p.into_inner()) = Some(residency);
+        *self.residency.write() = Some(residency);
     }
 
     /// Which chunks of `id` are resident, as the registered [`Residency`] says; `None` without
     /// one, or when it does not know.
     pub fn residency(&self, id: ContextId) -> Option<Vec<bool>> {
-        let r = self
-            .residency
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()?;
+        let r = self.residency.read().clone()?;
         r(id)
     }
 
@@ -149,11 +141,7 @@ impl Store {
     /// one, or with another model's, a line that says why there is no text and where the ids are.
     pub fn render_text(&self, id: ContextId) -> Result<String, StoreError> {
         let tokens = self.tokens(id)?;
-        let decoder = self
-            .decoder
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let decoder = self.decoder.read().clone();
         let n = tokens.len();
         Ok(match (self.text_view(id)?, decoder) {
             (TextView::Decoded, Some((_, d))) => d(&tokens),

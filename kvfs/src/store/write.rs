@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use super::{
     ChunkState, ContextId, HEADER_PAGE, MAX_CHUNK_BYTES, MAX_CHUNKS, SLOT_BYTES, Store, StoreError,
-    StoredChunk, lock, slot_offset, span, stored_of, unix_seconds,
+    StoredChunk, slot_offset, span, stored_of, unix_seconds,
 };
 use crate::format::{ChunkHeader, Codec, Fingerprint, KvFormat, tokens_crc};
 use crate::io::{IoError, drop_range, failpoint, punch};
@@ -42,7 +42,7 @@ impl Store {
         let ctx = self.ctx_of_model(id, fingerprint)?;
         let _w = self.write_lock(&ctx)?;
         let (range, tcrc) = {
-            let st = lock(&ctx.state);
+            let st = ctx.state.lock();
             let range = span(index, ctx.meta.chunk_tokens, st.tokens.len());
             if range.is_empty() {
                 return Err(StoreError::BeyondTokens {
@@ -62,7 +62,7 @@ impl Store {
         };
         // The new copy goes to the slot the chunk does not occupy: the current one stays whole
         // (and readable) until the new one is durable.
-        let previous = match lock(&ctx.state).chunks.get(&index) {
+        let previous = match ctx.state.lock().chunks.get(&index) {
             Some(ChunkState::Stored(s)) => Some(s.copy),
             _ => None,
         };
@@ -117,7 +117,8 @@ impl Store {
         }
         drop_range(&ctx.data, at, HEADER_PAGE + payload.len());
         let stored = stored_of(&header, copy);
-        lock(&ctx.state)
+        ctx.state
+            .lock()
             .chunks
             .insert(index, ChunkState::Stored(stored.clone()));
         // 3. The old copy's slot is freed (not synced: after a crash the open frees it again, as
