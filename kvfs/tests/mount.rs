@@ -15,6 +15,7 @@ use kvfs::{
     ChunkState, ContextId, Fingerprint, HEADER_PAGE, KvFormat, Mount, MountConfig, MountReader,
     NewContext, Store, StoreError, StoreOptions, kv_offset, slot_offset,
 };
+use strum::VariantArray;
 
 const FP: Fingerprint = Fingerprint([3; 32]);
 
@@ -161,7 +162,7 @@ fn every_format_round_trips_through_the_mount() {
     let fx = Fixture::new(false);
     // Chunks 0..7 through the mount, 4..11 through the API: 11 chunks of tokens.
     let id = fx.context(0, 16 * 11);
-    for (i, f) in KvFormat::ALL.into_iter().enumerate() {
+    for (i, f) in KvFormat::VARIANTS.iter().copied().enumerate() {
         // Written through the mount, format set while the file is open, committed on close.
         let data = bytes(i as u64, 16384 << i);
         let p = fx.path(format!("{id}/chunks/{i}"));

@@ -8,6 +8,7 @@ use kvfs::{
     ChunkState, Codec, ContextId, Fingerprint, HEADER_PAGE, KvFormat, NewContext, Store,
     StoreError, StoreOptions, slot_offset,
 };
+use strum::VariantArray;
 
 const FP: Fingerprint = Fingerprint([7; 32]);
 
@@ -97,8 +98,8 @@ fn quarantined_as(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
 fn every_format_round_trips_and_survives_reopen() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
-    let id = new_ctx(&store, 16 * KvFormat::ALL.len());
-    for (i, f) in KvFormat::ALL.into_iter().enumerate() {
+    let id = new_ctx(&store, 16 * KvFormat::VARIANTS.len());
+    for (i, f) in KvFormat::VARIANTS.iter().copied().enumerate() {
         let data = chunk_bytes(i as u32, 4096 << i);
         let meta = store.write_chunk(id, i as u32, &FP, f, 0.5, &data).unwrap();
         assert_eq!(meta.format, f);
@@ -107,7 +108,7 @@ fn every_format_round_trips_and_survives_reopen() {
     drop(store);
     let store = open(dir.path());
     assert!(store.recovered().is_empty(), "{:?}", store.recovered());
-    for (i, f) in KvFormat::ALL.into_iter().enumerate() {
+    for (i, f) in KvFormat::VARIANTS.iter().copied().enumerate() {
         assert_eq!(
             store.read_chunk(id, i as u32, &FP).unwrap(),
             chunk_bytes(i as u32, 4096 << i)
@@ -121,7 +122,7 @@ fn every_format_round_trips_and_survives_reopen() {
             other => panic!("chunk {i} is {other:?}"),
         }
     }
-    let n = 16 * KvFormat::ALL.len() as u32;
+    let n = 16 * KvFormat::VARIANTS.len() as u32;
     assert_eq!(store.tokens(id).unwrap(), (0..n).collect::<Vec<u32>>());
 }
 
@@ -282,9 +283,9 @@ fn check_every_read_path(store: &Store, id: ContextId, index: u32, data: &[u8]) 
 fn reads_into_a_caller_buffer_equal_read_chunk_for_every_format_and_codec() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
-    let id = new_ctx(&store, 16 * 4 * KvFormat::ALL.len());
+    let id = new_ctx(&store, 16 * 4 * KvFormat::VARIANTS.len());
     let mut index = 0;
-    for f in KvFormat::ALL {
+    for &f in KvFormat::VARIANTS {
         // Skewed bytes compress (zstd), noise does not (raw); sizes around the O_DIRECT alignment
         // (a payload of one whole page, and slots that end mid-page).
         for (data, codec) in [

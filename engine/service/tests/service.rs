@@ -11,6 +11,7 @@ use model::tiny::{TinySpec, write_tiny_gguf};
 use service::{
     CallOptions, CallReport, LoadMode, Manager, ManagerConfig, Owner, Prompt, ServiceError,
 };
+use strum::VariantArray;
 use uffd_pager::{ChunkKey, ContextId};
 
 struct Tiny {
@@ -428,7 +429,7 @@ fn every_manager_answers_under_pressure_as_without_and_moves_chunks_its_own_way(
         (answers, s, whole)
     };
     let mut f16_answers = None;
-    for kind in ManagerKind::ALL {
+    for &kind in ManagerKind::VARIANTS {
         let (free, _, _) = run(kind, 1 << 30);
         let (pressed, s, whole) = run(kind, 2 * per_ctx);
         assert_eq!(free, pressed, "{kind}: pressure changed the answers");

@@ -219,7 +219,8 @@ pub struct StoredChunk {
 }
 
 /// The state of one chunk slot of a context.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, strum::IntoStaticStr)]
+#[strum(serialize_all = "lowercase")]
 pub enum ChunkState {
     /// In the store, readable.
     Stored(StoredChunk),
@@ -232,11 +233,7 @@ pub enum ChunkState {
 impl ChunkState {
     /// A short name for listings.
     pub fn name(&self) -> &'static str {
-        match self {
-            ChunkState::Stored(_) => "stored",
-            ChunkState::Missing => "missing",
-            ChunkState::Quarantined { .. } => "quarantined",
-        }
+        self.into()
     }
 }
 

@@ -3,6 +3,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use strum::VariantArray;
+
 use super::{
     ChunkState, ContextId, ContextInfo, Decoder, Residency, Store, StoreError, TextView, utc,
 };
@@ -227,7 +229,7 @@ struct Totals {
     stored: usize,
     missing: usize,
     quarantined: usize,
-    by_format: [usize; KvFormat::ALL.len()],
+    by_format: [usize; KvFormat::VARIANTS.len()],
     raw: u64,
     stored_bytes: u64,
     density_sum: f64,
@@ -239,7 +241,7 @@ impl Totals {
             stored: 0,
             missing: 0,
             quarantined: 0,
-            by_format: [0; KvFormat::ALL.len()],
+            by_format: [0; KvFormat::VARIANTS.len()],
             raw: 0,
             stored_bytes: 0,
             density_sum: 0.0,
@@ -267,7 +269,7 @@ impl Totals {
             "chunks       {} stored, {} missing, {} quarantined",
             self.stored, self.missing, self.quarantined
         );
-        let formats: Vec<String> = KvFormat::ALL
+        let formats: Vec<String> = KvFormat::VARIANTS
             .iter()
             .map(|f| format!("{} {}", f.name(), self.by_format[f.tag() as usize]))
             .collect();

@@ -8,6 +8,7 @@ use super::rng::TraceRng;
 use super::text::{Corpus, TextError};
 use super::{ContextInfo, FORMAT, PastCap, Pattern, Source, Trace, TraceHeader, TraceRow, VERSION};
 use model::tokenizer::Tokenizer;
+use strum::VariantArray;
 
 /// What to generate. Equal specs (and the same text files and tokenizer) give equal traces.
 #[derive(Debug, Clone)]
@@ -50,7 +51,7 @@ impl TraceSpec {
                 stay: super::DEFAULT_STAY,
                 neighbour: super::DEFAULT_NEIGHBOUR,
             },
-            sources: Source::ALL.to_vec(),
+            sources: Source::VARIANTS.to_vec(),
             max_context: 2048,
             past_cap: PastCap::Slide,
             max_tokens: 32,

@@ -15,6 +15,7 @@ use bench::trace::{PastCap, TraceRow};
 use model::config::ModelConfig;
 use model::kv::KvFormat;
 use service::ManagerKind;
+use strum::VariantArray;
 
 use crate::args::ModelsDirArg;
 use crate::args::parse_bytes;
@@ -221,7 +222,7 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         bail!("--contexts {n}: the trace has {all} contexts");
     }
     let managers: Vec<String> = if args.managers.is_empty() {
-        ManagerKind::ALL
+        ManagerKind::VARIANTS
             .iter()
             .map(|m| m.name().to_owned())
             .collect()
