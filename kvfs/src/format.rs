@@ -7,6 +7,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use strum::VariantArray;
+
 /// Magic bytes at the start of every chunk header.
 pub const CHUNK_MAGIC: [u8; 8] = *b"KVFSCHNK";
 /// Magic bytes at the start of every context metadata file.
@@ -82,10 +84,25 @@ impl fmt::Display for Fingerprint {
 /// says (bits per key and per value); the byte layouts are the engine's (`kv::codec`).
 ///
 /// `K8v8`, `K4v4` and `K4v3` are the formats with 8-bit coded parameters (key bits, value bits).
+/// Every format is in `<KvFormat as strum::VariantArray>::VARIANTS`, in tag order; its name
+/// ([`KvFormat::name`], `Display`, serde) is the variant's in lowercase.
 #[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::VariantArray,
 )]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum KvFormat {
     /// IEEE half precision: the reference and the uncompressed baseline.
     F16,
@@ -104,17 +121,6 @@ pub enum KvFormat {
 }
 
 impl KvFormat {
-    /// Every format, in tag order.
-    pub const ALL: [KvFormat; 7] = [
-        KvFormat::F16,
-        KvFormat::Int8,
-        KvFormat::Int4,
-        KvFormat::Int2,
-        KvFormat::K8v8,
-        KvFormat::K4v4,
-        KvFormat::K4v3,
-    ];
-
     /// The coded formats, the levels of the tolerance-aware mix, heaviest first.
     pub const CODED: [KvFormat; 3] = [KvFormat::K8v8, KvFormat::K4v4, KvFormat::K4v3];
 
@@ -143,7 +149,7 @@ impl KvFormat {
 
     /// The format of a bit width among f16, int8, int4 and int2 (the paper's levels).
     pub fn from_bits(bits: u32) -> Option<KvFormat> {
-        KvFormat::ALL[..4]
+        KvFormat::VARIANTS[..4]
             .iter()
             .copied()
             .find(|f| f.key_bits() == bits)
@@ -169,8 +175,9 @@ impl KvFormat {
 
     /// The format of an on-disk tag.
     pub fn from_tag(tag: u8) -> Result<Self, FormatError> {
-        Self::ALL
-            .into_iter()
+        Self::VARIANTS
+            .iter()
+            .copied()
             .find(|f| f.tag() == tag)
             .ok_or(FormatError::UnknownTag {
                 what: "kv format",
@@ -180,21 +187,7 @@ impl KvFormat {
 
     /// The name used in `info`, xattrs and the command line.
     pub fn name(self) -> &'static str {
-        match self {
-            KvFormat::F16 => "f16",
-            KvFormat::Int8 => "int8",
-            KvFormat::Int4 => "int4",
-            KvFormat::Int2 => "int2",
-            KvFormat::K8v8 => "k8v8",
-            KvFormat::K4v4 => "k4v4",
-            KvFormat::K4v3 => "k4v3",
-        }
-    }
-}
-
-impl fmt::Display for KvFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+        self.into()
     }
 }
 
@@ -208,15 +201,17 @@ pub struct UnknownFormat {
 impl FromStr for KvFormat {
     type Err = UnknownFormat;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
+        Self::VARIANTS
+            .iter()
+            .copied()
             .find(|f| f.name() == s.trim())
             .ok_or_else(|| UnknownFormat { name: s.to_owned() })
     }
 }
 
 /// How a chunk's payload is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "lowercase")]
 pub enum Codec {
     /// The plain bytes, when compression would not pay.
     Raw,
@@ -242,10 +237,7 @@ impl Codec {
 
     /// The name used in `info`.
     pub fn name(self) -> &'static str {
-        match self {
-            Codec::Raw => "raw",
-            Codec::Zstd => "zstd",
-        }
+        self.into()
     }
 }
 
@@ -667,13 +659,13 @@ mod tests {
 
     #[test]
     fn format_names_parse_back() {
-        for f in KvFormat::ALL {
+        for &f in KvFormat::VARIANTS {
             assert_eq!(f.name().parse::<KvFormat>().unwrap(), f);
             assert_eq!(KvFormat::from_tag(f.tag()).unwrap(), f);
         }
         assert!("int3".parse::<KvFormat>().is_err());
         assert!(KvFormat::from_tag(7).is_err());
-        let tags: Vec<u8> = KvFormat::ALL.iter().map(|f| f.tag()).collect();
+        let tags: Vec<u8> = KvFormat::VARIANTS.iter().map(|f| f.tag()).collect();
         assert_eq!(tags, [0, 1, 2, 3, 4, 5, 6]);
     }
 

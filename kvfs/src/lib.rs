@@ -19,7 +19,7 @@ pub use client::{MountReader, RawSlot};
 pub use format::{Codec, ContextMeta, Fingerprint, KvFormat};
 pub use fs::{Mount, MountConfig, MountCounters, MountError, kv_offset, mount};
 pub use store::{
-    ChunkMeta, ChunkState, ContextId, ContextInfo, Decoder, HEADER_PAGE, MAX_CHUNK_BYTES,
-    NewContext, Residency, SLOT_BYTES, Store, StoreError, StoreOptions, StoredChunk, TextView,
-    slot_offset, utc,
+    ChunkMeta, ContextId, Decoder, HEADER_PAGE, MAX_CHUNK_BYTES, NewContext, Residency, SLOT_BYTES,
+    Store, StoreError, StoreOptions, StoreState, StoredChunk, StoredContext, TextView, slot_offset,
+    utc,
 };

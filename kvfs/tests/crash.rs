@@ -7,7 +7,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use kvfs::{ChunkState, ContextId, Fingerprint, KvFormat, NewContext, Store, StoreOptions};
+use kvfs::{ContextId, Fingerprint, KvFormat, NewContext, Store, StoreOptions, StoreState};
+use strum::VariantArray;
 
 const CHILD: &str = "KVFS_CRASH_WRITER";
 const FP: Fingerprint = Fingerprint([0xc5; 32]);
@@ -75,7 +76,7 @@ fn writer(dir: &Path, run: u64) {
                 .unwrap();
         } else {
             let index = (rng.next() % (n / CHUNK_TOKENS) as u64) as u32;
-            let format = KvFormat::ALL[(seq % 4) as usize];
+            let format = KvFormat::VARIANTS[(seq % 4) as usize];
             store
                 .write_chunk(id, index, &FP, format, 0.5, &content(index, seq))
                 .unwrap();
@@ -135,7 +136,7 @@ fn check(dir: &Path, run: u64) {
     let info = store.context(id).unwrap();
     for c in &info.chunks {
         match &c.state {
-            ChunkState::Stored(_) => {
+            StoreState::Stored(_) => {
                 let data = store
                     .read_chunk(id, c.index, &FP)
                     .unwrap_or_else(|e| panic!("run {run}: {e}"));

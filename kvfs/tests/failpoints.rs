@@ -12,7 +12,7 @@ use std::path::Path;
 
 use kvfs::format::HEADER_LEN;
 use kvfs::{
-    ChunkState, ContextId, Fingerprint, KvFormat, NewContext, Store, StoreError, StoreOptions,
+    ContextId, Fingerprint, KvFormat, NewContext, Store, StoreError, StoreOptions, StoreState,
     slot_offset,
 };
 
@@ -73,10 +73,10 @@ fn model_of(store: &Store) -> Model {
         for c in &info.chunks {
             let read = store.read_chunk(id, c.index, &FP);
             match (&c.state, read) {
-                (ChunkState::Stored(_), Ok(b)) => {
+                (StoreState::Stored(_), Ok(b)) => {
                     chunks.insert(c.index, b);
                 }
-                (ChunkState::Missing | ChunkState::Quarantined { .. }, Err(e))
+                (StoreState::Missing | StoreState::Quarantined { .. }, Err(e))
                     if e.needs_recompute() => {}
                 (state, read) => panic!("chunk {} is {state:?} but reads {read:?}", c.index),
             }

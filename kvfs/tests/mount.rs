@@ -12,9 +12,10 @@ use std::sync::atomic::Ordering;
 
 use kvfs::io::AlignedBuf;
 use kvfs::{
-    ChunkState, ContextId, Fingerprint, HEADER_PAGE, KvFormat, Mount, MountConfig, MountReader,
-    NewContext, Store, StoreError, StoreOptions, kv_offset, slot_offset,
+    ContextId, Fingerprint, HEADER_PAGE, KvFormat, Mount, MountConfig, MountReader, NewContext,
+    Store, StoreError, StoreOptions, StoreState, kv_offset, slot_offset,
 };
+use strum::VariantArray;
 
 const FP: Fingerprint = Fingerprint([3; 32]);
 
@@ -87,7 +88,7 @@ impl Fixture {
             .open(self.store.data_path(id))
             .unwrap();
         let stored = match self.store.chunk_state(id, index).unwrap() {
-            ChunkState::Stored(s) => s.stored_len as u64,
+            StoreState::Stored(s) => s.stored_len as u64,
             other => panic!("chunk {index}: {other:?}"),
         };
         let mut b = [0u8];
@@ -161,7 +162,7 @@ fn every_format_round_trips_through_the_mount() {
     let fx = Fixture::new(false);
     // Chunks 0..7 through the mount, 4..11 through the API: 11 chunks of tokens.
     let id = fx.context(0, 16 * 11);
-    for (i, f) in KvFormat::ALL.into_iter().enumerate() {
+    for (i, f) in KvFormat::VARIANTS.iter().copied().enumerate() {
         // Written through the mount, format set while the file is open, committed on close.
         let data = bytes(i as u64, 16384 << i);
         let p = fx.path(format!("{id}/chunks/{i}"));
@@ -173,7 +174,7 @@ fn every_format_round_trips_through_the_mount() {
         assert_eq!(std::fs::read(&p).unwrap(), data, "format {f}");
         assert_eq!(fx.store.read_chunk(id, i as u32, &FP).unwrap(), data);
         match fx.store.chunk_state(id, i as u32).unwrap() {
-            ChunkState::Stored(s) => {
+            StoreState::Stored(s) => {
                 assert_eq!((s.format, s.density), (f, 0.75));
             }
             other => panic!("{other:?}"),
@@ -339,7 +340,7 @@ fn inspection_shows_text_tokens_and_each_chunks_state() {
     for i in 0..2u32 {
         let p = fx.path(format!("{id}/chunks/{i}"));
         let s = match fx.store.chunk_state(id, i).unwrap() {
-            ChunkState::Stored(s) => s,
+            StoreState::Stored(s) => s,
             other => panic!("chunk {i}: {other:?}"),
         };
         assert_eq!(get_xattr(&p, "user.kvfs.format"), s.format.name());
@@ -774,7 +775,7 @@ fn the_kv_file_and_the_chunk_view_agree_byte_for_byte() {
         // The slot in the file: the header page, then the stored payload, the same bytes
         // whether the daemon serves them or the kernel reads the data file.
         let at = match fx.store.chunk_state(id, *i).unwrap() {
-            ChunkState::Stored(s) => s,
+            StoreState::Stored(s) => s,
             other => panic!("chunk {i}: {other:?}"),
         };
         let len = HEADER_PAGE + at.stored_len as usize;
@@ -868,7 +869,7 @@ fn without_passthrough_the_daemon_serves_the_same_chunks() {
     assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
     assert!(matches!(
         fx.store.chunk_state(id, 1).unwrap(),
-        ChunkState::Quarantined { .. }
+        StoreState::Quarantined { .. }
     ));
 }
 
@@ -886,7 +887,7 @@ fn writes_through_the_kv_file_are_checked_and_durable() {
         kv.write_chunk(i as u32, *f, 0.25, data).unwrap();
         // Durable and visible as soon as the write returned.
         match fx.store.chunk_state(id, i as u32).unwrap() {
-            ChunkState::Stored(s) => assert_eq!((s.format, s.density), (*f, 0.25)),
+            StoreState::Stored(s) => assert_eq!((s.format, s.density), (*f, 0.25)),
             other => panic!("chunk {i}: {other:?}"),
         }
         assert_eq!(&fx.store.read_chunk(id, i as u32, &FP).unwrap(), data);
@@ -997,7 +998,7 @@ fn a_corrupt_chunk_is_refused_with_eio_through_the_kv_file_and_quarantined() {
     for i in 0..3 {
         assert!(matches!(
             fx.store.chunk_state(id, i).unwrap(),
-            ChunkState::Quarantined { .. }
+            StoreState::Quarantined { .. }
         ));
         assert_eq!(fx.store.chunk_offset(id, i), None);
     }

@@ -5,9 +5,10 @@ use std::path::Path;
 
 use kvfs::format::{ChunkHeader, HEADER_LEN};
 use kvfs::{
-    ChunkState, Codec, ContextId, Fingerprint, HEADER_PAGE, KvFormat, NewContext, Store,
-    StoreError, StoreOptions, slot_offset,
+    Codec, ContextId, Fingerprint, HEADER_PAGE, KvFormat, NewContext, Store, StoreError,
+    StoreOptions, StoreState, slot_offset,
 };
+use strum::VariantArray;
 
 const FP: Fingerprint = Fingerprint([7; 32]);
 
@@ -97,8 +98,8 @@ fn quarantined_as(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
 fn every_format_round_trips_and_survives_reopen() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
-    let id = new_ctx(&store, 16 * KvFormat::ALL.len());
-    for (i, f) in KvFormat::ALL.into_iter().enumerate() {
+    let id = new_ctx(&store, 16 * KvFormat::VARIANTS.len());
+    for (i, f) in KvFormat::VARIANTS.iter().copied().enumerate() {
         let data = chunk_bytes(i as u32, 4096 << i);
         let meta = store.write_chunk(id, i as u32, &FP, f, 0.5, &data).unwrap();
         assert_eq!(meta.format, f);
@@ -107,13 +108,13 @@ fn every_format_round_trips_and_survives_reopen() {
     drop(store);
     let store = open(dir.path());
     assert!(store.recovered().is_empty(), "{:?}", store.recovered());
-    for (i, f) in KvFormat::ALL.into_iter().enumerate() {
+    for (i, f) in KvFormat::VARIANTS.iter().copied().enumerate() {
         assert_eq!(
             store.read_chunk(id, i as u32, &FP).unwrap(),
             chunk_bytes(i as u32, 4096 << i)
         );
         match store.chunk_state(id, i as u32).unwrap() {
-            ChunkState::Stored(s) => {
+            StoreState::Stored(s) => {
                 assert_eq!(s.format, f);
                 assert_eq!(s.density, 0.5);
                 assert_eq!(s.tokens, (i as u32 * 16)..(i as u32 * 16 + 16));
@@ -121,7 +122,7 @@ fn every_format_round_trips_and_survives_reopen() {
             other => panic!("chunk {i} is {other:?}"),
         }
     }
-    let n = 16 * KvFormat::ALL.len() as u32;
+    let n = 16 * KvFormat::VARIANTS.len() as u32;
     assert_eq!(store.tokens(id).unwrap(), (0..n).collect::<Vec<u32>>());
 }
 
@@ -202,7 +203,7 @@ fn flipped_bits_are_detected_quarantined_and_marked_for_recompute() {
         assert!(err.needs_recompute());
         assert!(matches!(
             store.chunk_state(id, index).unwrap(),
-            ChunkState::Quarantined { .. }
+            StoreState::Quarantined { .. }
         ));
         assert_eq!(store.chunk_offset(id, index), None);
         assert!(
@@ -282,9 +283,9 @@ fn check_every_read_path(store: &Store, id: ContextId, index: u32, data: &[u8]) 
 fn reads_into_a_caller_buffer_equal_read_chunk_for_every_format_and_codec() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
-    let id = new_ctx(&store, 16 * 4 * KvFormat::ALL.len());
+    let id = new_ctx(&store, 16 * 4 * KvFormat::VARIANTS.len());
     let mut index = 0;
-    for f in KvFormat::ALL {
+    for &f in KvFormat::VARIANTS {
         // Skewed bytes compress (zstd), noise does not (raw); sizes around the O_DIRECT alignment
         // (a payload of one whole page, and slots that end mid-page).
         for (data, codec) in [
@@ -342,7 +343,7 @@ fn a_buffer_too_small_is_an_error_that_quarantines_nothing() {
         assert!(!err.needs_recompute());
         assert!(matches!(
             store.chunk_state(id, i as u32).unwrap(),
-            ChunkState::Stored(_)
+            StoreState::Stored(_)
         ));
         assert_eq!(&store.read_chunk(id, i as u32, &FP).unwrap(), data);
     }
@@ -385,7 +386,7 @@ fn a_corrupt_chunk_is_refused_by_every_read_path_and_quarantined() {
             assert!(err.needs_recompute());
             assert!(matches!(
                 store.chunk_state(id, index).unwrap(),
-                ChunkState::Quarantined { .. }
+                StoreState::Quarantined { .. }
             ));
             assert!(
                 zeros(&read_at(&file, slot, len)),
@@ -444,7 +445,7 @@ fn flipped_bits_found_at_open_with_full_verification() {
     assert_eq!(store.recovered()[0].action, "quarantined");
     assert!(matches!(
         store.chunk_state(id, 1).unwrap(),
-        ChunkState::Quarantined { .. }
+        StoreState::Quarantined { .. }
     ));
     assert!(
         zeros(&read_at(&path, slot, len)),
@@ -521,7 +522,7 @@ fn recovery_removes_unfinished_writes_and_quarantines_torn_files() {
     // The torn header's slot is in quarantine/ and freed.
     assert!(matches!(
         store.chunk_state(id, 2).unwrap(),
-        ChunkState::Quarantined { .. }
+        StoreState::Quarantined { .. }
     ));
     assert_eq!(quarantined_as(dir.path(), &format!("{id}-2.0.")).len(), 1);
     assert!(zeros(&read_at(&data, slot_offset(2, 0), HEADER_PAGE)));
@@ -619,7 +620,7 @@ fn chunks_need_their_tokens_first_and_go_stale_when_tokens_change() {
     store.append_tokens(id, &[100, 101]).unwrap();
     assert_eq!(store.read_chunk(id, 1, &FP).unwrap(), b"partial");
     match store.chunk_state(id, 1).unwrap() {
-        ChunkState::Stored(s) => assert_eq!(s.tokens, 16..20),
+        StoreState::Stored(s) => assert_eq!(s.tokens, 16..20),
         other => panic!("{other:?}"),
     }
     // Replacing token 17 invalidates chunk 1 only.
@@ -707,7 +708,7 @@ fn a_rewrite_keeps_the_old_copy_until_the_new_one_is_whole() {
     assert!(rec[0].path.ends_with("0.0"), "{rec:?}");
     assert_eq!(
         store.chunk_state(id, 0).unwrap(),
-        ChunkState::Stored(second.clone())
+        StoreState::Stored(second.clone())
     );
     assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), v2);
     assert!(zeros(&read_at(&data, slot_offset(0, 0), first_slot.len())));
@@ -723,7 +724,7 @@ fn a_rewrite_keeps_the_old_copy_until_the_new_one_is_whole() {
     assert!(rec[0].path.ends_with("0.0"), "{rec:?}");
     assert_eq!(
         store.chunk_state(id, 0).unwrap(),
-        ChunkState::Stored(second.clone())
+        StoreState::Stored(second.clone())
     );
     assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), v2);
     assert!(zeros(&read_at(
@@ -748,7 +749,7 @@ fn a_rewrite_keeps_the_old_copy_until_the_new_one_is_whole() {
     assert_eq!(rec.len(), 1, "{rec:?}");
     assert_eq!(rec[0].action, "removed", "{rec:?}");
     assert!(rec[0].path.ends_with("0.1"), "{rec:?}");
-    assert_eq!(store.chunk_state(id, 0).unwrap(), ChunkState::Stored(third));
+    assert_eq!(store.chunk_state(id, 0).unwrap(), StoreState::Stored(third));
     assert_eq!(store.read_chunk(id, 0, &FP).unwrap(), v3);
     assert!(zeros(&read_at(&data, slot_offset(0, 1), second_slot.len())));
     drop(store);
@@ -1161,7 +1162,7 @@ fn raw_chunks_are_read_straight_into_an_aligned_buffer_and_bad_ones_still_quaran
     assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
     assert!(matches!(
         store.chunk_state(id, 3).unwrap(),
-        ChunkState::Quarantined { .. }
+        StoreState::Quarantined { .. }
     ));
     let kept = quarantined_as(dir.path(), &format!("{id}-3.{copy}."));
     assert!(

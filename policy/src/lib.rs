@@ -33,7 +33,7 @@ pub use weights::{
     plan_bytes, plan_weights, predict,
 };
 pub use whole::{WholeContextKind, WholeContextLru};
-pub use writeout::{ChunkState, Write, WriteOutError, WriteReason, plan_writeout};
+pub use writeout::{Write, WriteCandidate, WriteOutError, WriteReason, plan_writeout};
 
 #[cfg(test)]
 mod tests {

@@ -4,7 +4,7 @@ use crate::level::Level;
 
 /// A chunk of the context as the call leaves it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChunkState {
+pub struct WriteCandidate {
     /// Its position in the context.
     pub index: u32,
     /// The level it is assigned now (after [`assign_levels`](crate::assign_levels)).
@@ -61,7 +61,7 @@ pub enum WriteOutError {
 /// then by position.
 /// Recompressed chunks follow in the same order: their stored copy already allows reclaim.
 /// Unmodified chunks stored at their level are not written.
-pub fn plan_writeout(chunks: &[ChunkState]) -> Result<Vec<Write>, WriteOutError> {
+pub fn plan_writeout(chunks: &[WriteCandidate]) -> Result<Vec<Write>, WriteOutError> {
     let mut seen: Vec<u32> = chunks.iter().map(|c| c.index).collect();
     seen.sort_unstable();
     if let Some(w) = seen.windows(2).find(|w| w[0] == w[1]) {
@@ -97,8 +97,8 @@ pub fn plan_writeout(chunks: &[ChunkState]) -> Result<Vec<Write>, WriteOutError>
 mod tests {
     use super::*;
 
-    fn c(index: u32, level: u8, stored: Option<u8>, modified: bool) -> ChunkState {
-        ChunkState {
+    fn c(index: u32, level: u8, stored: Option<u8>, modified: bool) -> WriteCandidate {
+        WriteCandidate {
             index,
             level: Level(level),
             stored: stored.map(Level),
@@ -107,7 +107,7 @@ mod tests {
         }
     }
 
-    fn check(chunks: &[ChunkState], expected: &[(u32, WriteReason)]) {
+    fn check(chunks: &[WriteCandidate], expected: &[(u32, WriteReason)]) {
         let got: Vec<(u32, WriteReason)> = plan_writeout(chunks)
             .unwrap()
             .iter()

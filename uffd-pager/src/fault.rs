@@ -24,7 +24,7 @@ use crate::ChunkKey;
 use crate::shared::{Reservation, Reserved, Shared, StateGuard, WriteBack};
 use crate::staging::Staging;
 use crate::sys::{Fault, PAGE_SIZE, SysError, poll2};
-use crate::types::{ChunkState, PagerError, RecomputeReason, RecomputeRequest};
+use crate::types::{MemoryState, PagerError, RecomputeReason, RecomputeRequest};
 
 /// Start the fault thread; `bufs` are its copy and move buffers, sized for the largest slot.
 /// With it starts its write-back thread, which writes the victims a fault needs written before
@@ -72,7 +72,7 @@ impl Drop for ExitGuard {
             error!("the fault thread panicked; releasing every faulting thread");
         }
         self.0.kill();
-        let mut exited = self.0.exited.lock().unwrap_or_else(|e| e.into_inner());
+        let mut exited = self.0.exited.lock();
         *exited = true;
         self.0.exited_cv.notify_all();
     }
@@ -251,7 +251,7 @@ impl Runtime {
             return;
         };
         match state {
-            ChunkState::Resident | ChunkState::ZeroMapped => {
+            MemoryState::Resident | MemoryState::ZeroMapped => {
                 // Populated since the fault was queued (the populate's copy woke the thread
                 // already), or a touch past a shrunk chunk's end: map the zero page, which costs
                 // no memory, or just wake if a page is there.
@@ -259,11 +259,11 @@ impl Runtime {
                 shared.stats.faults_woken.fetch_add(1, Relaxed);
                 self.zero_or_wake(key, page, PAGE_SIZE);
             }
-            ChunkState::Populating => {
+            MemoryState::Populating => {
                 st.book.deferred += 1;
                 self.deferred.push(fault);
             }
-            ChunkState::Absent | ChunkState::Reclaimed => {
+            MemoryState::Absent | MemoryState::Reclaimed => {
                 match shared.reserve(&mut st, key, None) {
                     Ok(Reserved::Write(jobs)) => {
                         // Room needs victims written back first: the write-back thread writes
@@ -362,7 +362,7 @@ impl Runtime {
             .get_mut(&key.ctx)
             .expect("looked up under this lock");
         let slot = &mut c.slots[key.index as usize];
-        slot.state = ChunkState::ZeroMapped;
+        slot.state = MemoryState::ZeroMapped;
         if slot.bytes == 0 {
             slot.bytes = stride;
         }

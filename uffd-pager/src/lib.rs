@@ -28,7 +28,7 @@ pub use source::{ChunkSource, SourceError};
 pub use staging::Staging;
 pub use stats::{Histogram, HistogramSummary, Sample, Stats, StatsSnapshot, median};
 pub use types::{
-    ChunkInfo, ChunkState, ContextSpec, PagerConfig, PagerError, PopulateVia, RecomputeReason,
+    ChunkInfo, ContextSpec, MemoryState, PagerConfig, PagerError, PopulateVia, RecomputeReason,
     RecomputeRequest,
 };
 pub use victim::{Candidate, LruChooser, ResidentView, VictimChooser};

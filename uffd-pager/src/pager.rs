@@ -1,12 +1,13 @@
 //! The pager: context regions, chunk slots, the resident-byte budget, and the populate / reclaim / load / lock primitives.
 
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use parking_lot::{Condvar, Mutex};
 use tracing::{debug, warn};
 
 use crate::shared::{
@@ -189,7 +190,7 @@ impl Pager {
                 stride,
                 slots: vec![
                     Slot {
-                        state: ChunkState::Absent,
+                        state: MemoryState::Absent,
                         bytes: 0,
                         persisted: false,
                         needs_recompute: false,
@@ -227,7 +228,7 @@ impl Pager {
         st.book.by_addr.remove(&c.map.addr());
         let mut freed = 0;
         for (i, s) in c.slots.iter().enumerate() {
-            if s.state == ChunkState::Resident {
+            if s.state == MemoryState::Resident {
                 freed += s.bytes as u64;
                 st.chooser.on_reclaim(ChunkKey {
                     ctx,
@@ -387,16 +388,18 @@ impl Pager {
         }
         let needs_write = write_back
             && self.shared.source.writes_back()
-            && s.state == ChunkState::Resident
+            && s.state == MemoryState::Resident
             && !s.persisted
             && !s.needs_recompute;
         match s.state {
-            ChunkState::Resident if needs_write => {
+            MemoryState::Resident if needs_write => {
                 let job = st.mark_writing(key);
                 drop(st);
                 Ok(self.shared.write_back(vec![job]))
             }
-            ChunkState::Resident | ChunkState::ZeroMapped => st.drop_chunk(&self.shared.stats, key),
+            MemoryState::Resident | MemoryState::ZeroMapped => {
+                st.drop_chunk(&self.shared.stats, key)
+            }
             _ => Err(PagerError::NotResident { key }),
         }
     }
@@ -409,7 +412,7 @@ impl Pager {
         let mut st = self.shared.wait_populated(st, key)?;
         let new = page_round(new_bytes.max(1));
         let (slot, map, offset, _) = st.book.slot_mut(key)?;
-        if slot.state != ChunkState::Resident {
+        if slot.state != MemoryState::Resident {
             return Err(PagerError::NotResident { key });
         }
         if new >= slot.bytes {
@@ -448,7 +451,7 @@ impl Pager {
             .ok_or(PagerError::NoContext { ctx })?;
         Ok(c.slots
             .iter()
-            .filter(|s| s.state == ChunkState::Resident)
+            .filter(|s| s.state == MemoryState::Resident)
             .map(|s| s.bytes as u64)
             .sum())
     }
@@ -494,7 +497,7 @@ impl Pager {
     pub fn mark_recomputed(&self, key: ChunkKey) -> Result<(), PagerError> {
         let mut st = self.live()?;
         let (slot, _, _, _) = st.book.slot_mut(key)?;
-        if slot.state != ChunkState::Resident {
+        if slot.state != MemoryState::Resident {
             return Err(PagerError::NotResident { key });
         }
         slot.needs_recompute = false;
@@ -532,9 +535,9 @@ impl Pager {
         let st = self.shared.wait_populated(st, key)?;
         let (_, s) = st.book.slot(key)?;
         match s.state {
-            ChunkState::Resident if s.needs_recompute => Err(PagerError::NeedsRecompute { key }),
-            ChunkState::Resident => Ok(()),
-            ChunkState::ZeroMapped => Err(PagerError::NeedsRecompute { key }),
+            MemoryState::Resident if s.needs_recompute => Err(PagerError::NeedsRecompute { key }),
+            MemoryState::Resident => Ok(()),
+            MemoryState::ZeroMapped => Err(PagerError::NeedsRecompute { key }),
             _ => Err(PagerError::NotResident { key }),
         }
     }
@@ -572,7 +575,7 @@ impl Pager {
         let mut st = self.shared.lock();
         let (slot, _, _, _) = st.book.slot_mut(key)?;
         let bytes = slot.bytes;
-        if slot.state != ChunkState::Resident {
+        if slot.state != MemoryState::Resident {
             return Err(PagerError::NotResident { key });
         }
         if offset + data.len() > bytes {
@@ -640,32 +643,22 @@ impl Pager {
     /// or left behind after 5 s if a chunk source never returns.
     pub fn shutdown(&self) {
         self.shared.kill();
-        let watchdog = self
-            .watchdog
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let watchdog = self.watchdog.lock().take();
         if let Some(w) = watchdog {
             let _ = w.join();
         }
-        let handle = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let handle = self.thread.lock().take();
         if let Some(h) = handle {
-            let exited = self.shared.exited.lock().unwrap_or_else(|e| e.into_inner());
-            let (exited, _) = self
-                .shared
+            let mut exited = self.shared.exited.lock();
+            self.shared
                 .exited_cv
-                .wait_timeout_while(exited, Duration::from_secs(5), |e| !*e)
-                .unwrap_or_else(|e| e.into_inner());
+                .wait_while_for(&mut exited, |e| !*e, Duration::from_secs(5));
             if *exited {
                 let _ = h.join();
                 // The fault thread is gone, so the write-back thread's queue is closed: it ends
                 // after the write in hand, if any. Joined too, so nothing the source holds (a
                 // store and its lock) outlives the pager; a write that hangs is left behind.
-                let write_back = self
-                    .write_back
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take();
+                let write_back = self.write_back.lock().take();
                 if let Some(w) = write_back {
                     let t = Instant::now();
                     while !w.is_finished() && t.elapsed() < Duration::from_secs(5) {
@@ -732,11 +725,11 @@ impl ContextLock {
         let st = self.shared.wait_populated(st, key)?;
         let (c, s) = st.book.slot(key)?;
         match s.state {
-            ChunkState::Resident if s.needs_recompute => {
+            MemoryState::Resident if s.needs_recompute => {
                 return Err(PagerError::NeedsRecompute { key });
             }
-            ChunkState::Resident => {}
-            ChunkState::ZeroMapped => return Err(PagerError::NeedsRecompute { key }),
+            MemoryState::Resident => {}
+            MemoryState::ZeroMapped => return Err(PagerError::NeedsRecompute { key }),
             _ => return Err(PagerError::NotResident { key }),
         }
         // SAFETY: `index < max_chunks` (checked by `slot`), so the slot's `s.bytes <= stride`
@@ -763,7 +756,9 @@ impl ContextLock {
         let mut st = self.shared.wait_populated(st, key)?;
         let (_, s) = st.book.slot(key)?;
         match s.state {
-            ChunkState::Resident | ChunkState::ZeroMapped => st.drop_chunk(&self.shared.stats, key),
+            MemoryState::Resident | MemoryState::ZeroMapped => {
+                st.drop_chunk(&self.shared.stats, key)
+            }
             _ => Err(PagerError::NotResident { key }),
         }
     }

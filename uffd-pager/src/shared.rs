@@ -7,12 +7,13 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::{Deref, DerefMut};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use tracing::{debug, warn};
 
 use crate::staging::Staging;
@@ -24,7 +25,7 @@ use crate::{ChunkKey, ChunkSource, ContextId, SourceError};
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Slot {
-    pub(crate) state: ChunkState,
+    pub(crate) state: MemoryState,
     pub(crate) bytes: usize,
     pub(crate) persisted: bool,
     pub(crate) needs_recompute: bool,
@@ -119,32 +120,26 @@ fn assert_state_unlocked(what: &str) {
 
 /// The state lock's guard, counted per thread while held (`STATE_HELD`).
 pub(crate) struct StateGuard<'a> {
-    inner: Option<MutexGuard<'a, State>>,
+    inner: MutexGuard<'a, State>,
 }
 
 impl Deref for StateGuard<'_> {
     type Target = State;
 
     fn deref(&self) -> &State {
-        self.inner
-            .as_deref()
-            .expect("a guard holds its lock until dropped")
+        &self.inner
     }
 }
 
 impl DerefMut for StateGuard<'_> {
     fn deref_mut(&mut self) -> &mut State {
-        self.inner
-            .as_deref_mut()
-            .expect("a guard holds its lock until dropped")
+        &mut self.inner
     }
 }
 
 impl Drop for StateGuard<'_> {
     fn drop(&mut self) {
-        if self.inner.take().is_some() {
-            count_held(-1);
-        }
+        count_held(-1);
     }
 }
 
@@ -166,7 +161,7 @@ impl ResidentView for Book {
             return None;
         }
         let s = c.slots.get(key.index as usize)?;
-        (s.state == ChunkState::Resident && !s.writing).then_some(Candidate {
+        (s.state == MemoryState::Resident && !s.writing).then_some(Candidate {
             key,
             bytes: s.bytes as u64,
             persisted: s.persisted,
@@ -183,7 +178,7 @@ impl ResidentView for Book {
                 continue;
             }
             for (i, s) in c.slots.iter().enumerate() {
-                if s.state == ChunkState::Resident && !s.writing {
+                if s.state == MemoryState::Resident && !s.writing {
                     f(Candidate {
                         key: ChunkKey {
                             ctx: *id,
@@ -253,15 +248,15 @@ impl State {
         let bytes = slot.bytes;
         map.dontneed(offset, stride)
             .map_err(|source| PagerError::Reclaim { key, source })?;
-        let freed = if slot.state == ChunkState::Resident {
+        let freed = if slot.state == MemoryState::Resident {
             bytes as u64
         } else {
             0
         };
-        if slot.state == ChunkState::Resident && !slot.persisted {
+        if slot.state == MemoryState::Resident && !slot.persisted {
             stats.unpersisted_reclaims.fetch_add(1, Relaxed);
         }
-        slot.state = ChunkState::Reclaimed;
+        slot.state = MemoryState::Reclaimed;
         self.book.resident -= freed;
         self.chooser.on_reclaim(key);
         stats.reclaims.fetch_add(1, Relaxed);
@@ -402,7 +397,7 @@ impl State {
         let droppable = self
             .book
             .slot(key)
-            .is_ok_and(|(c, s)| c.locks == 0 && s.state == ChunkState::Resident);
+            .is_ok_and(|(c, s)| c.locks == 0 && s.state == MemoryState::Resident);
         if !droppable {
             return 0;
         }
@@ -452,26 +447,17 @@ pub(crate) enum Reserved {
 impl Shared {
     pub(crate) fn lock(&self) -> StateGuard<'_> {
         // The chooser is the only foreign code run under the lock, and it runs before any change
-        // to the book, so a poisoned lock still guards a consistent book.
-        let inner = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        // to the book, so a panic in it leaves a consistent book (and the lock does not poison).
+        let inner = self.state.lock();
         count_held(1);
-        StateGuard { inner: Some(inner) }
+        StateGuard { inner }
     }
 
     /// Wait on `populated` (a populate, a write-back or a shutdown ended), the lock released
-    /// meanwhile.
+    /// meanwhile. The guard stays counted while its thread sleeps here: it calls no source.
     pub(crate) fn wait<'a>(&'a self, mut guard: StateGuard<'a>) -> StateGuard<'a> {
-        let inner = guard
-            .inner
-            .take()
-            .expect("a guard holds its lock until dropped");
-        count_held(-1);
-        let inner = self
-            .populated
-            .wait(inner)
-            .unwrap_or_else(|e| e.into_inner());
-        count_held(1);
-        StateGuard { inner: Some(inner) }
+        self.populated.wait(&mut guard.inner);
+        guard
     }
 
     /// Turn a non-resident slot into `Populating` with its bytes reserved (state lock held).
@@ -488,7 +474,7 @@ impl Shared {
         let stride = c.stride;
         let bytes = match bytes {
             Some(b) => page_round(b.max(1)),
-            None if s.state == ChunkState::Reclaimed => s.bytes,
+            None if s.state == MemoryState::Reclaimed => s.bytes,
             None => stride,
         };
         if bytes > stride {
@@ -499,9 +485,9 @@ impl Shared {
             });
         }
         match s.state {
-            ChunkState::Resident => return Err(PagerError::AlreadyResident { key }),
-            ChunkState::Populating => return Err(PagerError::Busy { key }),
-            ChunkState::Absent | ChunkState::Reclaimed | ChunkState::ZeroMapped => {}
+            MemoryState::Resident => return Err(PagerError::AlreadyResident { key }),
+            MemoryState::Populating => return Err(PagerError::Busy { key }),
+            MemoryState::Absent | MemoryState::Reclaimed | MemoryState::ZeroMapped => {}
         }
         let budget = self.budget.load(Relaxed);
         let need = bytes as u64;
@@ -533,12 +519,12 @@ impl Shared {
         let offset = key.index as usize * c.stride;
         let slot = &mut c.slots[key.index as usize];
         let prev = *slot;
-        if prev.state == ChunkState::ZeroMapped {
+        if prev.state == MemoryState::ZeroMapped {
             c.map
                 .dontneed(offset, c.stride)
                 .map_err(|source| PagerError::Populate { key, source })?;
         }
-        slot.state = ChunkState::Populating;
+        slot.state = MemoryState::Populating;
         st.book.resident += bytes as u64;
         Ok(Reserved::Slot(Reservation {
             key,
@@ -614,7 +600,7 @@ impl Shared {
         let slot = &mut c.slots[r.key.index as usize];
         if ok {
             *slot = Slot {
-                state: ChunkState::Resident,
+                state: MemoryState::Resident,
                 bytes: r.bytes,
                 persisted,
                 needs_recompute: recompute.is_some(),
@@ -632,8 +618,8 @@ impl Shared {
             }
         } else {
             *slot = r.prev;
-            if slot.state == ChunkState::ZeroMapped {
-                slot.state = ChunkState::Reclaimed;
+            if slot.state == MemoryState::ZeroMapped {
+                slot.state = MemoryState::Reclaimed;
             }
             st.book.resident -= r.bytes as u64;
             // Pages copied before the failure must not linger uncounted.
@@ -739,7 +725,7 @@ impl Shared {
                 return Err(PagerError::ShutDown);
             }
             let (_, s) = st.book.slot(key)?;
-            if s.state != ChunkState::Populating && !s.writing {
+            if s.state != MemoryState::Populating && !s.writing {
                 return Ok(st);
             }
             st = self.wait(st);
@@ -782,7 +768,7 @@ impl Shared {
         let mut st = self.lock();
         loop {
             st = self.wait_populated(st, key)?;
-            if skip_resident && st.book.slot(key)?.1.state == ChunkState::Resident {
+            if skip_resident && st.book.slot(key)?.1.state == MemoryState::Resident {
                 return Ok(None);
             }
             match self.reserve(&mut st, key, bytes)? {
@@ -815,7 +801,7 @@ impl Shared {
         self.populated.notify_all();
         drop(st);
         self.wake.signal();
-        *self.watch_stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self.watch_stop.lock() = true;
         self.watch_cv.notify_all();
     }
 
@@ -842,7 +828,7 @@ pub(crate) fn spawn_watchdog(
     std::thread::Builder::new()
         .name("uffd-pager-watchdog".into())
         .spawn(move || {
-            let mut stop = shared.watch_stop.lock().unwrap_or_else(|e| e.into_inner());
+            let mut stop = shared.watch_stop.lock();
             while !*stop {
                 let since = shared.fill_since.load(Relaxed);
                 let now = u64::try_from(shared.born.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -867,11 +853,7 @@ pub(crate) fn spawn_watchdog(
                     shared.kill();
                     return;
                 }
-                stop = shared
-                    .watch_cv
-                    .wait_timeout(stop, tick)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
+                shared.watch_cv.wait_for(&mut stop, tick);
             }
         })
         .map_err(|source| PagerError::Setup {
@@ -907,7 +889,7 @@ mod tests {
             chooser: Box::new(LruChooser::new()),
         });
         let guard = StateGuard {
-            inner: Some(state.lock().unwrap()),
+            inner: state.lock(),
         };
         count_held(1);
         let caught = catch_unwind(|| assert_state_unlocked("a test's source call"));

@@ -8,8 +8,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Condvar, Mutex};
 use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
 
 use crate::{ChunkKey, ChunkSource, SourceError};
 
@@ -89,18 +90,12 @@ impl FaultySource {
 
     /// Misbehave on `key` from now on.
     pub fn break_chunk(&self, key: ChunkKey, how: Misbehavior) {
-        self.plan
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, how);
+        self.plan.lock().insert(key, how);
     }
 
     /// Serve `key` correctly again.
     pub fn heal(&self, key: ChunkKey) {
-        self.plan
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&key);
+        self.plan.lock().remove(&key);
     }
 
     /// How many fills were asked for.
@@ -112,12 +107,7 @@ impl FaultySource {
 impl ChunkSource for FaultySource {
     fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
         self.reads.fetch_add(1, Relaxed);
-        let how = self
-            .plan
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-            .cloned();
+        let how = self.plan.lock().get(&key).cloned();
         match how {
             None => {
                 fill_pattern(key, dst);
@@ -197,74 +187,70 @@ impl GatedSource {
         }
     }
 
-    fn gate(&self) -> std::sync::MutexGuard<'_, Gate> {
-        self.gate.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Make every later fill wait at the gate.
     pub fn hold(&self) {
-        self.gate().held = true;
+        self.gate.lock().held = true;
     }
 
     /// Let every waiting and later fill through.
     pub fn release(&self) {
-        self.gate().held = false;
+        self.gate.lock().held = false;
         self.changed.notify_all();
     }
 
     /// Wait until a fill waits at the gate, and return its chunk.
     pub fn wait_for_held_fill(&self) -> ChunkKey {
-        let mut g = self.gate();
+        let mut g = self.gate.lock();
         loop {
             if let Some(k) = g.waiting.first() {
                 return *k;
             }
-            g = self.changed.wait(g).unwrap_or_else(|e| e.into_inner());
+            self.changed.wait(&mut g);
         }
     }
 
     /// How many fills were asked for.
     pub fn reads(&self) -> u64 {
-        self.gate().reads
+        self.gate.lock().reads
     }
 
     /// Make every later write-back wait at the gate.
     pub fn hold_writes(&self) {
-        self.gate().writes_held = true;
+        self.gate.lock().writes_held = true;
     }
 
     /// Let every waiting and later write-back through.
     pub fn release_writes(&self) {
-        self.gate().writes_held = false;
+        self.gate.lock().writes_held = false;
         self.changed.notify_all();
     }
 
     /// Wait until a write-back waits at the gate, and return its chunk.
     pub fn wait_for_held_write(&self) -> ChunkKey {
-        let mut g = self.gate();
+        let mut g = self.gate.lock();
         loop {
             if let Some(k) = g.writing.first() {
                 return *k;
             }
-            g = self.changed.wait(g).unwrap_or_else(|e| e.into_inner());
+            self.changed.wait(&mut g);
         }
     }
 
     /// The names of the threads that called `write_back`, in order.
     pub fn writers(&self) -> Vec<String> {
-        self.gate().writers.clone()
+        self.gate.lock().writers.clone()
     }
 }
 
 impl ChunkSource for GatedSource {
     fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
-        let mut g = self.gate();
+        let mut g = self.gate.lock();
         g.reads += 1;
         if g.held {
             g.waiting.push(key);
             self.changed.notify_all();
             while g.held {
-                g = self.changed.wait(g).unwrap_or_else(|e| e.into_inner());
+                self.changed.wait(&mut g);
             }
             g.waiting.retain(|k| *k != key);
         }
@@ -274,7 +260,7 @@ impl ChunkSource for GatedSource {
     }
 
     fn write_back(&self, key: ChunkKey, _data: &[u8]) -> Result<bool, SourceError> {
-        let mut g = self.gate();
+        let mut g = self.gate.lock();
         let name = std::thread::current()
             .name()
             .unwrap_or("unnamed")
@@ -284,7 +270,7 @@ impl ChunkSource for GatedSource {
             g.writing.push(key);
             self.changed.notify_all();
             while g.writes_held {
-                g = self.changed.wait(g).unwrap_or_else(|e| e.into_inner());
+                self.changed.wait(&mut g);
             }
             g.writing.retain(|k| *k != key);
         }

@@ -125,7 +125,7 @@ pub struct ContextSpec {
 
 /// Where a chunk is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum ChunkState {
+pub enum MemoryState {
     /// Never populated.
     Absent,
     /// Being populated right now (by the fault thread or an API call).
@@ -143,7 +143,7 @@ pub enum ChunkState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChunkInfo {
     /// Where it is.
-    pub state: ChunkState,
+    pub state: MemoryState,
     /// Its slot size in bytes (page-rounded); meaningful once populated.
     pub bytes: usize,
     /// Whether the engine marked it written out, or it was loaded from the source.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use uffd_pager::testing::{FaultySource, GatedSource, Misbehavior, PatternSource, fill_pattern};
 use uffd_pager::{
-    ChunkKey, ChunkSource, ChunkState, ContextId, ContextSpec, Pager, PagerConfig, PagerError,
+    ChunkKey, ChunkSource, ContextId, ContextSpec, MemoryState, Pager, PagerConfig, PagerError,
     PopulateVia, RecomputeReason, ResidentView, SourceError, Staging, VictimChooser,
 };
 
@@ -84,7 +84,7 @@ fn populate_copies_the_bytes_and_rss_matches() {
         "the tail is zero-padded"
     );
     let info = p.chunk_info(k).unwrap();
-    assert_eq!(info.state, ChunkState::Resident);
+    assert_eq!(info.state, MemoryState::Resident);
     assert!(!info.persisted);
     p.check(k).unwrap();
 }
@@ -120,7 +120,7 @@ fn reclaim_returns_memory_and_a_touch_faults_the_chunk_back() {
         "MADV_DONTNEED gave the pages back"
     );
     assert_eq!(p.resident_bytes(), 0);
-    assert_eq!(p.chunk_info(k).unwrap().state, ChunkState::Reclaimed);
+    assert_eq!(p.chunk_info(k).unwrap().state, MemoryState::Reclaimed);
 
     // Touch one byte in the middle page: the fault thread brings the whole chunk back.
     let got = touch_read(&p, k, SLOT);
@@ -240,7 +240,7 @@ fn load_brings_a_chunk_back_in_the_calling_thread() {
     p.populate(k, SLOT, &pattern(k, SLOT)).unwrap();
     p.reclaim(k).unwrap();
     p.load(k, &mut staging).unwrap();
-    assert_eq!(p.chunk_info(k).unwrap().state, ChunkState::Resident);
+    assert_eq!(p.chunk_info(k).unwrap().state, MemoryState::Resident);
     assert!(p.chunk_info(k).unwrap().persisted);
     p.load(k, &mut staging).unwrap();
     assert_eq!(src.reads(), 1, "a resident chunk is not read again");
@@ -254,7 +254,7 @@ fn load_brings_a_chunk_back_in_the_calling_thread() {
             ..
         }
     ));
-    assert_eq!(p.chunk_info(k).unwrap().state, ChunkState::Reclaimed);
+    assert_eq!(p.chunk_info(k).unwrap().state, MemoryState::Reclaimed);
     assert_eq!(p.resident_bytes(), 0, "a failed load spends no budget");
 }
 
@@ -369,7 +369,7 @@ fn the_budget_reclaims_victims_and_refuses_when_everything_is_locked() {
     assert_eq!(p.resident_bytes(), 6 * PAGE as u64);
     // Full: the least recently used chunk (a) goes.
     p.populate(c, SLOT, &pattern(c, SLOT)).unwrap();
-    assert_eq!(p.chunk_info(a).unwrap().state, ChunkState::Reclaimed);
+    assert_eq!(p.chunk_info(a).unwrap().state, MemoryState::Reclaimed);
     assert_eq!(p.resident_bytes(), 6 * PAGE as u64);
     assert_eq!(
         p.region_rss(ContextId(1)).unwrap() + p.region_rss(ContextId(2)).unwrap(),
@@ -389,7 +389,7 @@ fn the_budget_reclaims_victims_and_refuses_when_everything_is_locked() {
     // A fault with no room maps the zero page (no memory) and asks for recompute.
     let got = touch_read(&p, a, SLOT);
     assert!(got.iter().all(|x| *x == 0));
-    assert_eq!(p.chunk_info(a).unwrap().state, ChunkState::ZeroMapped);
+    assert_eq!(p.chunk_info(a).unwrap().state, MemoryState::ZeroMapped);
     assert!(matches!(p.check(a), Err(PagerError::NeedsRecompute { .. })));
     let q = p.drain_recompute();
     assert_eq!(q.len(), 1);
@@ -402,7 +402,7 @@ fn the_budget_reclaims_victims_and_refuses_when_everything_is_locked() {
     // Once room is made, the chunk is populated for real.
     p.unlock_context(ContextId(2)).unwrap();
     p.populate(a, SLOT, &pattern(a, SLOT)).unwrap();
-    assert_eq!(p.chunk_info(c).unwrap().state, ChunkState::Reclaimed);
+    assert_eq!(p.chunk_info(c).unwrap().state, MemoryState::Reclaimed);
     p.check(a).unwrap();
     let mut out = vec![0u8; SLOT];
     p.read(a, 0, &mut out).unwrap();
@@ -504,7 +504,7 @@ fn remove_context_frees_everything() {
     .unwrap();
     assert_eq!(
         p.chunk_info(ChunkKey::new(1, 0)).unwrap().state,
-        ChunkState::Absent
+        MemoryState::Absent
     );
 }
 
@@ -522,7 +522,7 @@ fn a_fault_on_a_chunk_being_loaded_waits_for_that_load() {
         })
     };
     // Wait until the load has claimed the chunk, then touch it.
-    while p.chunk_info(k).unwrap().state != ChunkState::Populating {
+    while p.chunk_info(k).unwrap().state != MemoryState::Populating {
         std::thread::yield_now();
     }
     assert_eq!(touch_read(&p, k, SLOT), pattern(k, SLOT));
@@ -713,13 +713,13 @@ fn a_source_that_hangs_past_its_deadline_stops_the_pager_and_releases_the_fault(
 /// A source that keeps what it is given to write back, and serves only that.
 #[derive(Default)]
 struct KeepingSource {
-    kept: std::sync::Mutex<std::collections::HashMap<ChunkKey, Vec<u8>>>,
+    kept: parking_lot::Mutex<std::collections::HashMap<ChunkKey, Vec<u8>>>,
     writes: std::sync::atomic::AtomicU64,
 }
 
 impl ChunkSource for KeepingSource {
     fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
-        let kept = self.kept.lock().unwrap();
+        let kept = self.kept.lock();
         let data = kept.get(&key).ok_or(SourceError::Missing { key })?;
         dst[..data.len()].copy_from_slice(data);
         dst[data.len()..].fill(0);
@@ -729,7 +729,7 @@ impl ChunkSource for KeepingSource {
     fn write_back(&self, key: ChunkKey, data: &[u8]) -> Result<bool, SourceError> {
         self.writes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.kept.lock().unwrap().insert(key, data.to_vec());
+        self.kept.lock().insert(key, data.to_vec());
         Ok(true)
     }
 
@@ -753,7 +753,7 @@ fn a_victim_never_written_out_is_written_back_before_it_goes_and_faults_back_who
     p.populate(b, SLOT, &pattern(b, SLOT)).unwrap();
     // `a`, the oldest, is the victim and was never written: it is written back, then dropped.
     p.populate(c, SLOT, &pattern(c, SLOT)).unwrap();
-    assert_eq!(p.chunk_info(a).unwrap().state, ChunkState::Reclaimed);
+    assert_eq!(p.chunk_info(a).unwrap().state, MemoryState::Reclaimed);
     let s = p.stats();
     assert_eq!((s.sync_reclaims, s.unpersisted_reclaims), (1, 0), "{s:?}");
     // A touch faults it back from what was written (making room writes `b` back the same way);
@@ -830,9 +830,9 @@ fn a_fault_does_not_wait_for_another_contexts_write_back() {
     let rx = touch_in_background(&p, a);
     assert_eq!(within(&rx, "the fault on context 1"), pattern(a, SLOT));
     p.check(a).unwrap();
-    assert_eq!(p.chunk_info(x).unwrap().state, ChunkState::Reclaimed);
+    assert_eq!(p.chunk_info(x).unwrap().state, MemoryState::Reclaimed);
     // `b` is still resident, counted, and being written: no one has dropped it under the write.
-    assert_eq!(p.chunk_info(b).unwrap().state, ChunkState::Resident);
+    assert_eq!(p.chunk_info(b).unwrap().state, MemoryState::Resident);
     assert_eq!(p.resident_bytes(), 3 * SLOT as u64);
     // Locking context 2 waits for its chunk's write to end (nothing may change the slot it
     // reads); locking context 3 does not.
@@ -852,7 +852,7 @@ fn a_fault_does_not_wait_for_another_contexts_write_back() {
     within(&rx, "locking context 2").unwrap();
     p.unlock_context(ContextId(2)).unwrap();
     let info = p.chunk_info(b).unwrap();
-    assert_eq!((info.state, info.persisted), (ChunkState::Reclaimed, true));
+    assert_eq!((info.state, info.persisted), (MemoryState::Reclaimed, true));
     assert_eq!(p.stats().sync_reclaims, 1);
     // It comes back whole from what was written.
     assert_eq!(touch_read(&p, b, SLOT), pattern(b, SLOT));

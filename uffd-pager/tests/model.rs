@@ -6,7 +6,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use uffd_pager::testing::{PatternSource, fill_pattern, pattern_byte};
 use uffd_pager::{
-    ChunkKey, ChunkState, ContextId, ContextSpec, Pager, PagerConfig, PagerError, Staging,
+    ChunkKey, ContextId, ContextSpec, MemoryState, Pager, PagerConfig, PagerError, Staging,
 };
 
 const PAGE: u64 = 4096;
@@ -66,7 +66,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 
 /// The model: what each chunk should be, and each context's lock count.
 struct Model {
-    chunks: HashMap<ChunkKey, (ChunkState, u64)>,
+    chunks: HashMap<ChunkKey, (MemoryState, u64)>,
     locks: HashMap<u64, u32>,
 }
 
@@ -74,7 +74,7 @@ impl Model {
     fn resident(&self) -> u64 {
         self.chunks
             .values()
-            .filter(|(s, _)| *s == ChunkState::Resident)
+            .filter(|(s, _)| *s == MemoryState::Resident)
             .map(|(_, b)| b)
             .sum()
     }
@@ -82,7 +82,7 @@ impl Model {
     fn resident_in(&self, ctx: u64) -> u64 {
         self.chunks
             .iter()
-            .filter(|(k, (s, _))| k.ctx.0 == ctx && *s == ChunkState::Resident)
+            .filter(|(k, (s, _))| k.ctx.0 == ctx && *s == MemoryState::Resident)
             .map(|(_, (_, b))| b)
             .sum()
     }
@@ -90,16 +90,16 @@ impl Model {
     fn evictable(&self) -> u64 {
         self.chunks
             .iter()
-            .filter(|(k, (s, _))| *s == ChunkState::Resident && self.locks[&k.ctx.0] == 0)
+            .filter(|(k, (s, _))| *s == MemoryState::Resident && self.locks[&k.ctx.0] == 0)
             .map(|(_, (_, b))| b)
             .sum()
     }
 
-    fn state(&self, k: ChunkKey) -> (ChunkState, u64) {
+    fn state(&self, k: ChunkKey) -> (MemoryState, u64) {
         self.chunks[&k]
     }
 
-    fn set(&mut self, k: ChunkKey, s: ChunkState, bytes: u64) {
+    fn set(&mut self, k: ChunkKey, s: MemoryState, bytes: u64) {
         self.chunks.insert(k, (s, bytes));
     }
 }
@@ -133,7 +133,7 @@ impl Harness {
                 .expect("add a context");
             model.locks.insert(ctx, 0);
             for idx in 0..CHUNKS {
-                model.set(ChunkKey::new(ctx, idx), ChunkState::Absent, 0);
+                model.set(ChunkKey::new(ctx, idx), MemoryState::Absent, 0);
             }
         }
         Harness {
@@ -151,15 +151,15 @@ impl Harness {
                 let k = ChunkKey::new(ctx, idx);
                 let info = self.pager.chunk_info(k).expect("chunk info");
                 let (want, bytes) = self.model.state(k);
-                if want == ChunkState::Resident && info.state == ChunkState::Reclaimed {
+                if want == MemoryState::Resident && info.state == MemoryState::Reclaimed {
                     assert_eq!(
                         self.model.locks[&ctx], 0,
                         "{op:?}: evicted {k} of a locked context"
                     );
-                    self.model.set(k, ChunkState::Reclaimed, bytes);
+                    self.model.set(k, MemoryState::Reclaimed, bytes);
                 } else {
                     assert_eq!(info.state, want, "{op:?}: {k}");
-                    if want == ChunkState::Resident {
+                    if want == MemoryState::Resident {
                         assert_eq!(info.bytes as u64, bytes, "{op:?}: {k} bytes");
                     }
                 }
@@ -211,13 +211,13 @@ impl Harness {
                     p.populate(k, bytes as usize, &data)
                 };
                 match (state, r) {
-                    (ChunkState::Resident, Err(PagerError::AlreadyResident { .. })) => {}
-                    (_, Ok(())) if state != ChunkState::Resident => {
+                    (MemoryState::Resident, Err(PagerError::AlreadyResident { .. })) => {}
+                    (_, Ok(())) if state != MemoryState::Resident => {
                         assert!(room, "{op:?}: populated without room");
-                        self.model.set(k, ChunkState::Resident, bytes);
+                        self.model.set(k, MemoryState::Resident, bytes);
                     }
                     (_, Err(PagerError::BudgetExhausted { .. }))
-                        if state != ChunkState::Resident =>
+                        if state != MemoryState::Resident =>
                     {
                         assert!(!room, "{op:?}: refused with room");
                     }
@@ -231,18 +231,18 @@ impl Harness {
                 let locked = self.model.locks[&ctx] > 0;
                 match (state, r) {
                     (
-                        ChunkState::Resident | ChunkState::ZeroMapped,
+                        MemoryState::Resident | MemoryState::ZeroMapped,
                         Err(PagerError::Locked { .. }),
                     ) if locked => {}
-                    (ChunkState::Resident | ChunkState::ZeroMapped, Ok(_)) if !locked => {
-                        self.model.set(k, ChunkState::Reclaimed, bytes);
+                    (MemoryState::Resident | MemoryState::ZeroMapped, Ok(_)) if !locked => {
+                        self.model.set(k, MemoryState::Reclaimed, bytes);
                     }
                     (
-                        ChunkState::Absent | ChunkState::Reclaimed,
+                        MemoryState::Absent | MemoryState::Reclaimed,
                         Err(PagerError::Locked { .. }),
                     ) if locked => {}
                     (
-                        ChunkState::Absent | ChunkState::Reclaimed,
+                        MemoryState::Absent | MemoryState::Reclaimed,
                         Err(PagerError::NotResident { .. }),
                     ) => {}
                     (s, r) => panic!("{op:?}: state {s:?} gave {r:?}"),
@@ -269,7 +269,7 @@ impl Harness {
                 let k = ChunkKey::new(ctx, idx);
                 let (state, bytes) = self.model.state(k);
                 let stride = MAX_PAGES * PAGE;
-                let bytes_back = if state == ChunkState::Absent {
+                let bytes_back = if state == MemoryState::Absent {
                     stride
                 } else {
                     bytes
@@ -281,7 +281,7 @@ impl Harness {
                 p.read(k, 0, &mut first).expect("read");
                 let checked = p.check(k);
                 match state {
-                    ChunkState::Resident => {
+                    MemoryState::Resident => {
                         checked.expect("resident chunk usable");
                         assert!(
                             first
@@ -290,10 +290,10 @@ impl Harness {
                                 .all(|(i, b)| *b == pattern_byte(k, i))
                         );
                     }
-                    ChunkState::ZeroMapped => {
+                    MemoryState::ZeroMapped => {
                         assert!(matches!(checked, Err(PagerError::NeedsRecompute { .. })));
                     }
-                    ChunkState::Absent | ChunkState::Reclaimed if room => {
+                    MemoryState::Absent | MemoryState::Reclaimed if room => {
                         checked.expect("faulted-in chunk usable");
                         assert!(
                             first
@@ -302,18 +302,18 @@ impl Harness {
                                 .all(|(i, b)| *b == pattern_byte(k, i)),
                             "{op:?}: wrong bytes after a fault"
                         );
-                        self.model.set(k, ChunkState::Resident, bytes_back);
+                        self.model.set(k, MemoryState::Resident, bytes_back);
                     }
-                    ChunkState::Absent | ChunkState::Reclaimed => {
+                    MemoryState::Absent | MemoryState::Reclaimed => {
                         assert!(
                             matches!(checked, Err(PagerError::NeedsRecompute { .. })),
                             "{op:?}: {checked:?}"
                         );
                         assert!(first.iter().all(|b| *b == 0));
                         let b = if bytes == 0 { stride } else { bytes };
-                        self.model.set(k, ChunkState::ZeroMapped, b);
+                        self.model.set(k, MemoryState::ZeroMapped, b);
                     }
-                    ChunkState::Populating => unreachable!("the model never holds Populating"),
+                    MemoryState::Populating => unreachable!("the model never holds Populating"),
                 }
                 self.sync(op);
                 self.pager.unlock_context(ContextId(ctx)).expect("unlock");
@@ -325,12 +325,12 @@ impl Harness {
                 let (state, bytes) = self.model.state(k);
                 let r = p.shrink(k, (pages * PAGE) as usize);
                 match (state, r) {
-                    (ChunkState::Resident, Ok(freed)) => {
+                    (MemoryState::Resident, Ok(freed)) => {
                         let new = bytes.min(pages * PAGE);
                         assert_eq!(freed, bytes - new, "{op:?}");
-                        self.model.set(k, ChunkState::Resident, new);
+                        self.model.set(k, MemoryState::Resident, new);
                     }
-                    (ChunkState::Resident, r) => panic!("{op:?}: {r:?}"),
+                    (MemoryState::Resident, r) => panic!("{op:?}: {r:?}"),
                     (_, Err(PagerError::NotResident { .. })) => {}
                     (s, r) => panic!("{op:?}: state {s:?} gave {r:?}"),
                 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Barrier};
 
 use uffd_pager::testing::{GatedSource, PatternSource, fill_pattern, pattern_byte};
 use uffd_pager::{
-    ChunkKey, ChunkSource, ChunkState, ContextId, ContextSpec, Pager, PagerConfig, PagerError,
+    ChunkKey, ChunkSource, ContextId, ContextSpec, MemoryState, Pager, PagerConfig, PagerError,
     PopulateVia,
 };
 
@@ -127,8 +127,8 @@ fn run(fault_via: PopulateVia, source: Arc<dyn ChunkSource>) -> uffd_pager::Stat
         let mut in_ctx = 0;
         for i in 0..CHUNKS {
             let info = p.chunk_info(ChunkKey::new(ctx, i)).unwrap();
-            assert_ne!(info.state, ChunkState::Populating);
-            if info.state == ChunkState::Resident {
+            assert_ne!(info.state, MemoryState::Populating);
+            if info.state == MemoryState::Resident {
                 in_ctx += info.bytes as u64;
             }
         }

@@ -10,13 +10,14 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::queue::Refused;
 use crate::{Job, Shared};
+use parking_lot::Mutex;
 use protocol::{ErrorBody, Event, HelloReply, Reply, Request, VERSION, codes, parse_request};
 use service::Owner;
 
@@ -65,7 +66,7 @@ impl Conn {
         if self.gone.swap(true, Ordering::AcqRel) {
             return;
         }
-        for c in lock(&self.calls).values() {
+        for c in self.calls.lock().values() {
             c.store(true, Ordering::Release);
         }
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
@@ -78,12 +79,8 @@ impl Conn {
 
     /// The call `id` of this connection ended (answered).
     pub fn call_ended(&self, id: u64) {
-        lock(&self.calls).remove(&id);
+        self.calls.lock().remove(&id);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The peer's uid from SO_PEERCRED (never from what the client says).
@@ -116,7 +113,7 @@ pub fn spawn(
             let conn = Arc::downgrade(&conn);
             move || write_loop(write_half, rx, conn)
         })?;
-    lock(&shared.conns).insert(id, Arc::clone(&conn));
+    shared.conns.lock().insert(id, Arc::clone(&conn));
     let reader = std::thread::Builder::new()
         .name(format!("llms-conn{id}-r"))
         .spawn({
@@ -124,14 +121,14 @@ pub fn spawn(
             move || {
                 tracing::debug!(conn = id, uid, "connected");
                 read_loop(&shared, &conn, stream);
-                lock(&shared.conns).remove(&id);
+                shared.conns.lock().remove(&id);
                 tracing::debug!(conn = id, "reader done");
             }
         });
     match reader {
         Ok(r) => Ok(vec![writer, r]),
         Err(e) => {
-            lock(&shared.conns).remove(&id);
+            shared.conns.lock().remove(&id);
             Err(e)
         }
     }
@@ -307,7 +304,7 @@ fn dispatch(
     let cancel = Arc::new(AtomicBool::new(false));
     let lane = match &req {
         Request::Cancel { call, .. } => {
-            match lock(&conn.calls).get(call) {
+            match conn.calls.lock().get(call) {
                 Some(flag) => {
                     flag.store(true, Ordering::Release);
                     conn.send(&Reply::event(id, Event::Ok));
@@ -320,7 +317,7 @@ fn dispatch(
             return;
         }
         Request::Call { .. } => {
-            let mut calls = lock(&conn.calls);
+            let mut calls = conn.calls.lock();
             if calls.contains_key(&id) {
                 drop(calls);
                 return fail(

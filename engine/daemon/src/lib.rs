@@ -18,12 +18,13 @@ pub mod run;
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixListener;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use model::tokenizer::Tokenizer;
+use parking_lot::Mutex;
 use protocol::{DEFAULT_MAX_LINE, Request};
 use service::{Manager, Owner};
 
@@ -114,17 +115,13 @@ impl Shared {
     fn daemon_stats(&self) -> protocol::DaemonStats {
         protocol::DaemonStats {
             uptime_secs: self.started.elapsed().as_secs_f64(),
-            connections: lock(&self.conns).len(),
+            connections: self.conns.lock().len(),
             queued: self.queue.len(),
             requests: self.requests.load(Ordering::Relaxed),
             errors: self.errors.load(Ordering::Relaxed),
             busy: self.busy.load(Ordering::Relaxed),
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Asks a running daemon to drain and stop; cheap to clone, usable from a signal thread.
@@ -260,14 +257,14 @@ impl Daemon {
                 ),
             ));
         }
-        if let Some(c) = lock(&self.shared.running).as_ref() {
+        if let Some(c) = self.shared.running.lock().as_ref() {
             c.store(true, Ordering::Release);
         }
         let engine = self.engine.join();
-        for c in lock(&self.shared.conns).values() {
+        for c in self.shared.conns.lock().values() {
             c.stop_reading();
         }
-        let handles = std::mem::take(&mut *lock(&self.threads));
+        let handles = std::mem::take(&mut *self.threads.lock());
         for h in handles {
             let _ = h.join();
         }
@@ -316,9 +313,9 @@ fn accept_loop(
             }
         };
         next_id += 1;
-        let mut t = lock(threads);
+        let mut t = threads.lock();
         t.retain(|h| !h.is_finished());
-        if lock(&shared.conns).len() >= shared.cfg.max_connections {
+        if shared.conns.lock().len() >= shared.cfg.max_connections {
             shared.busy();
             let line = protocol::Reply::error(
                 None,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use crate::{Job, Shared, lock};
+use crate::{Job, Shared};
 use model::generate::SamplingParams;
 use model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use protocol::{
@@ -27,9 +27,9 @@ pub fn engine_loop(mut m: Manager, tok: &Tokenizer, shared: &Shared) {
                 "the call was cancelled before it started",
             ))
         } else {
-            *lock(&shared.running) = Some(Arc::clone(&job.cancel));
+            *shared.running.lock() = Some(Arc::clone(&job.cancel));
             let r = handle(&mut m, tok, shared, &job);
-            *lock(&shared.running) = None;
+            *shared.running.lock() = None;
             r
         };
         let reply = match reply {

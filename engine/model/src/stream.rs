@@ -22,12 +22,13 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, SyncSender, channel, sync_channel};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use kvfs::io::{AlignedBuf, HUGE_PAGE};
+use parking_lot::{Mutex, MutexGuard};
 
 pub use policy::Residency;
 
@@ -343,7 +344,7 @@ impl WeightStream {
 
     /// Starts a pass that will use the streamed matrices `ids`, in that order.
     pub fn begin(&self, ids: Vec<usize>) -> Result<Pass<'_>, StreamError> {
-        let backend = self.backend.lock().unwrap_or_else(|e| e.into_inner());
+        let backend = self.backend.lock();
         if let Backend::Direct(r) = &*backend
             && !ids.is_empty()
         {
@@ -361,7 +362,7 @@ impl WeightStream {
     /// Reads the raw bytes `len` at `offset` of the file (an embedding row), without the page
     /// cache, into `out`.
     pub fn read_raw(&self, offset: u64, len: usize, out: &mut Vec<u8>) -> Result<(), StreamError> {
-        let mut backend = self.backend.lock().unwrap_or_else(|e| e.into_inner());
+        let mut backend = self.backend.lock();
         out.clear();
         let buf = match &mut *backend {
             Backend::Mmap { map, .. } => {

@@ -3,12 +3,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use model::fetch::{
     self, DEFAULT_MODEL, FetchError, FetchEvent, FetchOptions, ModelSpec, Progress,
 };
+use parking_lot::Mutex;
 
 /// Set by `interrupted_fetch_leaves_nothing_that_passes_for_the_model` for the child it kills.
 const CHILD_DIR_ENV: &str = "LLMS_TEST_FETCH_CHILD_DIR";
@@ -18,9 +19,7 @@ fn recording(dir: &Path) -> (FetchOptions, Arc<Mutex<Vec<FetchEvent>>>) {
     let events = Arc::new(Mutex::new(Vec::new()));
     let sink = Arc::clone(&events);
     let progress = Progress::Callback(Arc::new(move |e: &FetchEvent| {
-        if let Ok(mut v) = sink.lock() {
-            v.push(e.clone());
-        }
+        sink.lock().push(e.clone());
     }));
     let opts = FetchOptions {
         models_dir: Some(dir.to_path_buf()),
@@ -31,7 +30,7 @@ fn recording(dir: &Path) -> (FetchOptions, Arc<Mutex<Vec<FetchEvent>>>) {
 }
 
 fn downloads(events: &Mutex<Vec<FetchEvent>>) -> usize {
-    let events = events.lock().map(|e| e.clone()).unwrap_or_default();
+    let events = events.lock().clone();
     events
         .iter()
         .filter(|e| matches!(e, FetchEvent::Downloading { .. }))
@@ -74,7 +73,7 @@ fn fetches_into_a_fresh_models_dir() {
         Some(DEFAULT_MODEL.sha256)
     );
     assert_eq!(downloads(&events), 1);
-    let recorded = events.lock().map(|e| e.clone()).unwrap_or_default();
+    let recorded = events.lock().clone();
     assert!(
         recorded.iter().any(|e| matches!(e, FetchEvent::Pip { .. })),
         "{recorded:?}"
@@ -202,7 +201,7 @@ fn corrupted_cached_file_is_detected_and_replaced() {
     assert_eq!(listed[0].sha256_ok, Some(false));
 
     assert_eq!(fetch::default_model_path(&opts).ok(), Some(path.clone()));
-    let recorded = events.lock().map(|e| e.clone()).unwrap_or_default();
+    let recorded = events.lock().clone();
     assert!(
         recorded
             .iter()

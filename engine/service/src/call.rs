@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use kvfs::ChunkState as StoreState;
+use kvfs::StoreState;
 use model::Model;
 use model::generate::{Generation, Sampler, SamplingParams, StopReason, generate};
 use model::kv::KvCache;
@@ -318,10 +318,10 @@ impl Call<'_> {
         let levels = &self.compression.levels;
         let sealed = ctx.cache.chunk_formats().len();
         let shape = *ctx.cache.shape();
-        let states: Vec<policy::ChunkState> = (0..sealed)
+        let states: Vec<policy::WriteCandidate> = (0..sealed)
             .map(|i| {
                 let f = ctx.cache.chunk_formats()[i];
-                policy::ChunkState {
+                policy::WriteCandidate {
                     index: i as u32,
                     level: levels.floor(f).unwrap_or(Level(0)),
                     stored: ctx.stored[i].and_then(|s| levels.floor(s.format)),

@@ -9,20 +9,31 @@
 //! ([`MAX_OPEN_FILES`]); the least recently used is closed first. Both paths run every check of the
 //! store (crc, identity, model, the generation the store names) and neither allocates per read.
 
-use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use kvfs::guard::GuardCommand;
 use kvfs::{
     ContextId, Fingerprint, KvFormat, Mount, MountConfig, MountReader, RawSlot, Store, StoreError,
     StoredChunk,
 };
+use lru::LruCache;
+use parking_lot::Mutex;
 
 use crate::ServiceError;
 
 /// Contexts whose mount files are kept open at most; a daemon holds them for its recently used contexts.
 pub const MAX_OPEN_FILES: usize = 256;
+
+/// Each context's open mount files, the least recently used closed first past [`MAX_OPEN_FILES`].
+type OpenFiles = LruCache<u64, Arc<MountReader>>;
+
+fn open_files() -> Mutex<OpenFiles> {
+    Mutex::new(LruCache::new(
+        NonZeroUsize::new(MAX_OPEN_FILES).expect("MAX_OPEN_FILES is not zero"),
+    ))
+}
 
 /// Reads and writes chunks of one store for one model.
 pub struct ChunkIo {
@@ -39,12 +50,6 @@ enum Route {
     Mount(Mount),
 }
 
-#[derive(Default)]
-struct OpenFiles {
-    files: HashMap<u64, (Arc<MountReader>, u64)>,
-    tick: u64,
-}
-
 impl std::fmt::Debug for ChunkIo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChunkIo")
@@ -57,7 +62,7 @@ impl ChunkIo {
     /// Chunk I/O straight through the store's API.
     pub fn direct(store: Arc<Store>, fingerprint: Fingerprint) -> ChunkIo {
         ChunkIo {
-            files: Mutex::default(),
+            files: open_files(),
             store,
             fingerprint,
             route: Route::Direct,
@@ -94,7 +99,7 @@ impl ChunkIo {
         }
         tracing::info!(mountpoint = %mountpoint.display(), "kvfs mounted");
         Ok(ChunkIo {
-            files: Mutex::default(),
+            files: open_files(),
             store,
             fingerprint,
             route: Route::Mount(mount),
@@ -171,7 +176,7 @@ impl ChunkIo {
 
     /// Closes `ctx`'s file (call it when the context is deleted).
     pub fn forget(&self, ctx: u64) {
-        self.lock().files.remove(&ctx);
+        self.files.lock().pop(&ctx);
     }
 
     /// The open mount files of `ctx`, opened now if it is not.
@@ -179,11 +184,8 @@ impl ChunkIo {
         let Route::Mount(mount) = &self.route else {
             unreachable!("only the mounted path opens files")
         };
-        let mut open = self.lock();
-        open.tick += 1;
-        let tick = open.tick;
-        if let Some((f, used)) = open.files.get_mut(&ctx) {
-            *used = tick;
+        let mut open = self.files.lock();
+        if let Some(f) = open.get(&ctx) {
             return Ok(Arc::clone(f));
         }
         // Opening is a few FUSE round trips, served by the mount's own threads: never by this
@@ -193,21 +195,8 @@ impl ChunkIo {
             ContextId(ctx),
             self.fingerprint,
         )?);
-        if open.files.len() >= MAX_OPEN_FILES
-            && let Some(&oldest) = open
-                .files
-                .iter()
-                .min_by_key(|(_, (_, used))| *used)
-                .map(|(k, _)| k)
-        {
-            open.files.remove(&oldest);
-        }
-        open.files.insert(ctx, (Arc::clone(&f), tick));
+        open.put(ctx, Arc::clone(&f));
         Ok(f)
-    }
-
-    fn lock(&self) -> MutexGuard<'_, OpenFiles> {
-        self.files.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

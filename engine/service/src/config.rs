@@ -4,12 +4,12 @@
 //! chunks come back. `llms serve --manager NAME` picks one; `llms bench switch` replays a trace
 //! against each.
 
-use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 
 use model::kv::KvFormat;
 use policy::{CostModel, LinearCost};
+use strum::VariantArray;
 
 use crate::load::LoadMode;
 
@@ -135,11 +135,25 @@ pub fn default_cost() -> CostModel {
     )
 }
 
-/// A context manager: LLMS, its ablations, and the baselines.
+/// A context manager: LLMS, its ablations, and the baselines. Every manager is in
+/// `<ManagerKind as strum::VariantArray>::VARIANTS`, LLMS first; its name on the command line
+/// and in reports ([`ManagerKind::name`], `Display`, serde) is the variant's in kebab case.
 #[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::VariantArray,
 )]
 #[serde(rename_all = "kebab-case")]
+#[strum(serialize_all = "kebab-case")]
 pub enum ManagerKind {
     /// Every technique: tolerance-aware compression, AoT write-out, LCTRU, the
     /// read-and-recompute pipeline.
@@ -163,30 +177,9 @@ pub enum ManagerKind {
 }
 
 impl ManagerKind {
-    /// Every manager, LLMS first.
-    pub const ALL: [ManagerKind; 8] = [
-        ManagerKind::Llms,
-        ManagerKind::LlmsNoCompression,
-        ManagerKind::LlmsNoPipeline,
-        ManagerKind::LlmsNoLifecycle,
-        ManagerKind::VllmSq,
-        ManagerKind::VllmS,
-        ManagerKind::Swapping,
-        ManagerKind::Lmk,
-    ];
-
     /// Its name on the command line and in reports.
     pub fn name(self) -> &'static str {
-        match self {
-            ManagerKind::Llms => "llms",
-            ManagerKind::LlmsNoCompression => "llms-no-compression",
-            ManagerKind::LlmsNoPipeline => "llms-no-pipeline",
-            ManagerKind::LlmsNoLifecycle => "llms-no-lifecycle",
-            ManagerKind::VllmSq => "vllm-sq",
-            ManagerKind::VllmS => "vllm-s",
-            ManagerKind::Swapping => "swapping",
-            ManagerKind::Lmk => "lmk",
-        }
+        self.into()
     }
 
     /// The chunk format a baseline is defined by (LLMS and its ablations seal in the configured
@@ -286,19 +279,13 @@ impl ManagerKind {
     }
 }
 
-impl fmt::Display for ManagerKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 /// An unknown manager name.
 #[derive(Debug, thiserror::Error)]
 #[error("no manager {0:?}; the managers are {names}", names = names())]
 pub struct UnknownManager(pub String);
 
 fn names() -> String {
-    ManagerKind::ALL
+    ManagerKind::VARIANTS
         .iter()
         .map(|k| k.name())
         .collect::<Vec<_>>()
@@ -310,8 +297,9 @@ impl FromStr for ManagerKind {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let t = s.trim().to_ascii_lowercase().replace('_', "-");
-        ManagerKind::ALL
-            .into_iter()
+        ManagerKind::VARIANTS
+            .iter()
+            .copied()
             .find(|k| k.name() == t)
             .ok_or_else(|| UnknownManager(s.to_string()))
     }
@@ -323,8 +311,11 @@ mod tests {
 
     #[test]
     fn names_round_trip_and_unknown_names_list_the_choices() {
-        for k in ManagerKind::ALL {
+        for &k in ManagerKind::VARIANTS {
             assert_eq!(k.name().parse::<ManagerKind>().unwrap(), k);
+            assert_eq!(k.to_string(), k.name());
+            let json = serde_json::to_string(&k).unwrap();
+            assert_eq!(json, format!("\"{}\"", k.name()));
         }
         assert_eq!(
             "VLLM_SQ".parse::<ManagerKind>().unwrap(),

@@ -4,9 +4,10 @@
 //! person inspecting sees").
 
 use std::sync::mpsc::{self, SyncSender};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use uffd_pager::{ChunkKey, ContextId, Pager};
 
 use model::tokenizer::Tokenizer;
@@ -43,10 +44,7 @@ pub fn residency(pager: Weak<Pager>) -> std::io::Result<kvfs::Residency> {
     let ask = Mutex::new(ask);
     Ok(Arc::new(move |ctx: kvfs::ContextId| {
         let (reply, answer) = mpsc::sync_channel(1);
-        ask.lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .try_send((ContextId(ctx.0), reply))
-            .ok()?;
+        ask.lock().try_send((ContextId(ctx.0), reply)).ok()?;
         answer.recv_timeout(RESIDENCY_WAIT).ok().flatten()
     }))
 }
@@ -59,7 +57,7 @@ fn resident_chunks(pager: &Pager, ctx: ContextId) -> Option<Vec<bool>> {
             .map(|index| {
                 pager
                     .chunk_info(ChunkKey { ctx, index })
-                    .is_ok_and(|c| c.state == uffd_pager::ChunkState::Resident)
+                    .is_ok_and(|c| c.state == uffd_pager::MemoryState::Resident)
             })
             .collect(),
     )

@@ -10,10 +10,11 @@
 //! 3. A read that fails its checks (missing, corrupt, other model) is recomputed after both are
 //!    done, when every chunk it depends on is resident.
 
+use parking_lot::Mutex;
 use std::os::fd::AsFd;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
 use kvfs::io::AlignedBuf;
@@ -299,7 +300,7 @@ fn read_and_recompute(
         if r.is_err() {
             reads.abandon();
         }
-        done.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        done.lock().push(r);
     };
     let finish = &finish;
     let recomputed = match ring {
@@ -328,10 +329,7 @@ fn read_and_recompute(
             recompute_planned(model, cache, recompute)
         }),
     };
-    (
-        done.into_inner().unwrap_or_else(|e| e.into_inner()),
-        recomputed,
-    )
+    (done.into_inner(), recomputed)
 }
 
 /// The planned recompute, on the engine thread once the blocking reads are resident; its time.

@@ -274,7 +274,7 @@ impl Manager {
         let mut seeds = Vec::new();
         let info = self.store.context(kvfs::ContextId(id)).ok();
         for c in info.iter().flat_map(|i| &i.chunks) {
-            if let (kvfs::ChunkState::Stored(s), Some(slot)) =
+            if let (kvfs::StoreState::Stored(s), Some(slot)) =
                 (&c.state, stored.get_mut(c.index as usize))
                 && s.tokens.len() == t
             {
@@ -618,7 +618,7 @@ impl Manager {
             .filter(|&i| {
                 self.pager
                     .chunk_info(ChunkKey::new(id, i as u32))
-                    .is_ok_and(|s| s.state == uffd_pager::ChunkState::Resident)
+                    .is_ok_and(|s| s.state == uffd_pager::MemoryState::Resident)
             })
             .count();
         ContextSummary {

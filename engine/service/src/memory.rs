@@ -107,7 +107,7 @@ impl PagerChunks {
             .pager
             .chunk_info(key)
             .map_err(|e| store_err(index, e))?;
-        let resident = info.state == uffd_pager::ChunkState::Resident;
+        let resident = info.state == uffd_pager::MemoryState::Resident;
         if resident && self.lock.is_some() && bytes.len() <= info.bytes {
             // Rewrite in place, then give back the pages past the end.
             self.pager
@@ -123,7 +123,7 @@ impl PagerChunks {
             }
             return Ok(());
         }
-        if resident || info.state == uffd_pager::ChunkState::ZeroMapped {
+        if resident || info.state == uffd_pager::MemoryState::ZeroMapped {
             self.reclaim(key)?;
         }
         self.pager
@@ -184,7 +184,7 @@ impl ChunkMemory for PagerChunks {
             if info.is_ok_and(|i| {
                 matches!(
                     i.state,
-                    uffd_pager::ChunkState::Resident | uffd_pager::ChunkState::ZeroMapped
+                    uffd_pager::MemoryState::Resident | uffd_pager::MemoryState::ZeroMapped
                 )
             }) {
                 self.evict(i)?;

@@ -6,11 +6,12 @@
 //! the contexts whose chunks go are loaded back by their next call.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
-use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use policy::{BudgetChange, BudgetConfig, BudgetController, PressureSignals};
 use uffd_pager::Pager;
 
@@ -199,7 +200,7 @@ impl PressureWatch {
 
     /// The last reading and the budget's moves.
     pub fn state(&self) -> PressureState {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.state.lock().clone()
     }
 }
 
@@ -233,7 +234,7 @@ fn watch(
             }
         };
         let change = controller.update(&s);
-        let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = state.lock();
         st.some_avg10 = s.some_avg10;
         st.full_avg10 = s.full_avg10;
         st.cgroup_limit_bytes = s.limit_bytes;

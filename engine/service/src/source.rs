@@ -4,9 +4,10 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kvfs::{Fingerprint, StoreError};
+use parking_lot::Mutex;
 use policy::{Level, LevelSet};
 use sha2::Digest;
 use uffd_pager::{ChunkKey, ChunkSource, SourceError};
@@ -138,7 +139,7 @@ struct CtxExpected {
 impl Expected {
     /// Records `ctx`'s chunk formats and densities.
     pub fn set(&self, ctx: u64, formats: &[KvFormat], densities: &[f64]) {
-        let mut m = self.lock();
+        let mut m = self.map.lock();
         let e = m.entry(ctx).or_default();
         e.formats = formats.to_vec();
         e.densities = densities.iter().map(|&d| d as f32).collect();
@@ -146,26 +147,24 @@ impl Expected {
 
     /// Forgets `ctx`.
     pub fn remove(&self, ctx: u64) {
-        self.lock().remove(&ctx);
+        self.map.lock().remove(&ctx);
     }
 
     /// The format chunk `key` is expected in.
     pub fn get(&self, key: ChunkKey) -> Option<KvFormat> {
-        self.lock()
+        self.map
+            .lock()
             .get(&key.ctx.0)
             .and_then(|e| e.formats.get(key.index as usize).copied())
     }
 
     /// The chunks of `ctx` written back on reclaim since the last call of this.
     pub fn take_written(&self, ctx: u64) -> Vec<u32> {
-        self.lock()
+        self.map
+            .lock()
             .get_mut(&ctx)
             .map(|e| std::mem::take(&mut e.written))
             .unwrap_or_default()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CtxExpected>> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -218,8 +217,8 @@ impl ChunkSource for StoreSource {
         let id = kvfs::ContextId(key.ctx.0);
         let want = self.expected.get(key).ok_or(SourceError::Missing { key })?;
         match self.io.store().chunk_state(id, key.index) {
-            Ok(kvfs::ChunkState::Stored(s)) if s.format == want => {}
-            Ok(kvfs::ChunkState::Stored(s)) => {
+            Ok(kvfs::StoreState::Stored(s)) if s.format == want => {}
+            Ok(kvfs::StoreState::Stored(s)) => {
                 return Err(SourceError::Corrupt {
                     key,
                     detail: format!("stored as {}, expected {}", s.format, want.name()),
@@ -247,7 +246,7 @@ impl ChunkSource for StoreSource {
             return Ok(false);
         }
         let (format, density) = {
-            let m = self.expected.lock();
+            let m = self.expected.map.lock();
             let Some(e) = m.get(&key.ctx.0) else {
                 return Ok(false);
             };
@@ -273,7 +272,7 @@ impl ChunkSource for StoreSource {
         self.io
             .write(key.ctx.0, key.index, format, density, bytes)
             .map_err(|e| classify(key, &e))?;
-        if let Some(e) = self.expected.lock().get_mut(&key.ctx.0) {
+        if let Some(e) = self.expected.map.lock().get_mut(&key.ctx.0) {
             e.written.push(key.index);
         }
         Ok(true)

@@ -1,13 +1,13 @@
 //! The synchronisation primitives the service's hand-made concurrent pieces are built on, as a
-//! type parameter: std's in production ([`Std`]), shuttle's in the model tests ([`Shuttle`], with
+//! type parameter: parking_lot's in production ([`Std`], the name of the default), shuttle's in the model tests ([`Shuttle`], with
 //! the `shuttle` feature), so a model test drives the very code that runs in production.
 //!
 //! The pieces generic over it: the AoT writer's queue and flush ([`crate::writer::WriteQueue`]),
 //! the chunk versions ([`crate::memory::Versions`]) and the daemon's fair queue
 //! (`daemon::queue::FairQueue`). Each defaults to [`Std`], so production code names none of this;
 //! `engine/service/tests/models.rs` and `engine/daemon/tests/models.rs` are the models.
-//! A poisoned lock is taken as it is: every piece keeps its state consistent between statements
-//! that could panic.
+//! parking_lot's locks do not poison; shuttle's poisoned lock is taken as it is: every piece keeps
+//! its state consistent between statements that could panic.
 
 use std::ops::DerefMut;
 
@@ -34,29 +34,33 @@ pub trait Primitives: 'static {
     fn notify_all(condvar: &Self::Condvar);
 }
 
-/// `std::sync`'s primitives: what production uses.
+/// parking_lot's primitives: what production uses (no poisoning to recover from).
 #[derive(Debug)]
 pub enum Std {}
 
 impl Primitives for Std {
-    type Mutex<T: Send> = std::sync::Mutex<T>;
-    type Guard<'a, T: Send + 'a> = std::sync::MutexGuard<'a, T>;
-    type Condvar = std::sync::Condvar;
+    type Mutex<T: Send> = parking_lot::Mutex<T>;
+    type Guard<'a, T: Send + 'a> = parking_lot::MutexGuard<'a, T>;
+    type Condvar = parking_lot::Condvar;
 
     fn mutex<T: Send>(value: T) -> Self::Mutex<T> {
-        std::sync::Mutex::new(value)
+        parking_lot::Mutex::new(value)
     }
 
     fn lock<T: Send>(mutex: &Self::Mutex<T>) -> Self::Guard<'_, T> {
-        mutex.lock().unwrap_or_else(|e| e.into_inner())
+        mutex.lock()
     }
 
     fn condvar() -> Self::Condvar {
-        std::sync::Condvar::new()
+        parking_lot::Condvar::new()
     }
 
-    fn wait<'a, T: Send>(condvar: &Self::Condvar, guard: Self::Guard<'a, T>) -> Self::Guard<'a, T> {
-        condvar.wait(guard).unwrap_or_else(|e| e.into_inner())
+    fn wait<'a, T: Send>(
+        condvar: &Self::Condvar,
+        mut guard: Self::Guard<'a, T>,
+    ) -> Self::Guard<'a, T> {
+        condvar.wait(&mut guard);
+        guard
     }
 
     fn notify_one(condvar: &Self::Condvar) {

@@ -31,7 +31,7 @@ use model::kv::KvFormat;
 use model::tiny::{TinySpec, write_tiny_gguf};
 use policy::{CostModel, LinearCost};
 use service::{CallOptions, CallReport, LoadMode, Manager, ManagerConfig, Owner, ServiceError};
-use uffd_pager::{ChunkKey, ChunkState};
+use uffd_pager::{ChunkKey, MemoryState};
 
 /// Calls in the conversation; each after the first finds its context swapped out.
 const CALLS: u32 = 3;
@@ -391,7 +391,7 @@ fn write_fails(point: &str) {
     for i in 0..SEALED {
         let c = run.chunk(i);
         assert!(
-            c.state == ChunkState::Resident && !c.persisted,
+            c.state == MemoryState::Resident && !c.persisted,
             "chunk {i}: {c:?}"
         );
     }

@@ -11,6 +11,7 @@ use model::tiny::{TinySpec, write_tiny_gguf};
 use service::{
     CallOptions, CallReport, LoadMode, Manager, ManagerConfig, Owner, Prompt, ServiceError,
 };
+use strum::VariantArray;
 use uffd_pager::{ChunkKey, ContextId};
 
 struct Tiny {
@@ -428,7 +429,7 @@ fn every_manager_answers_under_pressure_as_without_and_moves_chunks_its_own_way(
         (answers, s, whole)
     };
     let mut f16_answers = None;
-    for kind in ManagerKind::ALL {
+    for &kind in ManagerKind::VARIANTS {
         let (free, _, _) = run(kind, 1 << 30);
         let (pressed, s, whole) = run(kind, 2 * per_ctx);
         assert_eq!(free, pressed, "{kind}: pressure changed the answers");
@@ -576,7 +577,7 @@ fn the_llms_mix_stores_at_most_its_bit_budget_in_kvfs() {
     let (mut bytes, mut chunks) = (0u64, 0u64);
     let mut seen = std::collections::BTreeSet::new();
     for c in &info.chunks {
-        if let kvfs::ChunkState::Stored(s) = &c.state
+        if let kvfs::StoreState::Stored(s) = &c.state
             && s.tokens.len() == 16
         {
             assert!(

@@ -117,7 +117,7 @@ fn conversation(k: Keeping, swap: Option<LoadMode>) -> Vec<Vec<u32>> {
                 .chunks
                 .iter()
                 .filter_map(|c| match &c.state {
-                    kvfs::ChunkState::Stored(s) => Some(s.format.name().to_owned()),
+                    kvfs::StoreState::Stored(s) => Some(s.format.name().to_owned()),
                     _ => None,
                 })
                 .collect();

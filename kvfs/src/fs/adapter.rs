@@ -11,7 +11,7 @@ use fuser::{
 };
 
 use super::nodes::{ENTRY_TTL, Node, TTL, XATTRS, node_or_enoent};
-use super::state::{Handle, KvFs, lock};
+use super::state::{Handle, KvFs};
 
 impl Filesystem for KvFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
@@ -190,7 +190,7 @@ impl Filesystem for KvFs {
         reply: ReplyEmpty,
     ) {
         let opener = matches!(
-            lock(&self.handles).get(&fh.0),
+            self.handles.lock().get(&fh.0),
             Some(Handle::Write { opener, .. }) if *opener == req.pid()
         );
         // Another process's close (a forked child's, at exec) commits nothing; `release` will.
@@ -226,7 +226,7 @@ impl Filesystem for KvFs {
         reply: ReplyEmpty,
     ) {
         let res = self.commit(fh);
-        let handle = lock(&self.handles).remove(&fh.0);
+        let handle = self.handles.lock().remove(&fh.0);
         match handle {
             Some(Handle::Kv { partial: Some(p) }) => tracing::warn!(
                 index = p.index,

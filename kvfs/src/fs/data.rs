@@ -8,9 +8,9 @@ use std::sync::atomic::Ordering;
 
 use fuser::{BackingId, Errno, FileHandle, FopenFlags, ReplyData, ReplyOpen};
 
-use super::state::{Handle, KvFs, Partial, errno, lock, store_err};
+use super::state::{Handle, KvFs, Partial, errno, store_err};
 use crate::format::{ChunkHeader, Codec, HEADER_LEN};
-use crate::store::{ChunkState, ContextId, MAX_CHUNK_BYTES, SLOT_BYTES, StoreError, slot_offset};
+use crate::store::{ContextId, MAX_CHUNK_BYTES, SLOT_BYTES, StoreError, StoreState, slot_offset};
 
 /// Where a write of chunk `index`'s image goes in its context's `kv` file: the offset of the
 /// chunk's first slot ([`slot_offset`]). Reads of the `kv` file show the data file offset for
@@ -50,9 +50,9 @@ impl KvFs {
         let (index, copy) = (slot / 2, (slot % 2) as u8);
         let stored = match u32::try_from(index) {
             Ok(i) => match self.store.chunk_state(c, i) {
-                Ok(ChunkState::Stored(s)) if s.copy == copy => Some(i),
+                Ok(StoreState::Stored(s)) if s.copy == copy => Some(i),
                 // Refused again, as the store refuses it, until it is rewritten.
-                Ok(ChunkState::Quarantined { .. }) => return reply.error(Errno::EIO),
+                Ok(StoreState::Quarantined { .. }) => return reply.error(Errno::EIO),
                 Ok(_) => None,
                 Err(e) => return reply.error(store_err(e)),
             },
@@ -126,7 +126,7 @@ impl KvFs {
         c: ContextId,
         reply: &ReplyOpen,
     ) -> std::io::Result<Arc<BackingId>> {
-        let mut backing = lock(&self.backing);
+        let mut backing = self.backing.lock();
         if let Some((id, users)) = backing.get_mut(&c) {
             *users += 1;
             return Ok(Arc::clone(id));
@@ -139,7 +139,7 @@ impl KvFs {
 
     /// Drops a passthrough handle's reference to its context's registration.
     pub(super) fn release_backing(&self, c: ContextId) {
-        let mut backing = lock(&self.backing);
+        let mut backing = self.backing.lock();
         if let Some((_, users)) = backing.get_mut(&c) {
             *users -= 1;
             if *users == 0 {
@@ -206,7 +206,7 @@ impl KvFs {
             if data.len() < total {
                 let mut image = Vec::with_capacity(total);
                 image.extend_from_slice(data);
-                let mut handles = lock(&self.handles);
+                let mut handles = self.handles.lock();
                 let Some(Handle::Kv { partial }) = handles.get_mut(&fh.0) else {
                     return Err(Errno::EBADF);
                 };
@@ -222,7 +222,7 @@ impl KvFs {
         }
         // A later piece of a split image: gather it, commit when whole.
         let done = {
-            let mut handles = lock(&self.handles);
+            let mut handles = self.handles.lock();
             let Some(Handle::Kv { partial }) = handles.get_mut(&fh.0) else {
                 return Err(Errno::EBADF);
             };

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use fuser::{Errno, FileAttr, FileType, INodeNo};
 
 use super::state::{KvFs, store_err};
-use crate::store::{ChunkState, ContextId};
+use crate::store::{ContextId, StoreState};
 
 /// Attributes are not cached: sizes of `info`, `text`, `stats` and chunks change under writes, and a
 /// fresh `getattr` is where a uid that does not own a context is turned away.
@@ -183,7 +183,7 @@ impl KvFs {
                 let size = match self.pending_write_len(c, i) {
                     Some(len) => len,
                     None => match self.store.chunk_state(c, i).map_err(store_err)? {
-                        ChunkState::Stored(s) => s.raw_len as usize,
+                        StoreState::Stored(s) => s.raw_len as usize,
                         _ => return Err(Errno::ENOENT),
                     },
                 };
@@ -267,7 +267,7 @@ impl KvFs {
                 out[1].0 = Node::Dir(c).ino();
                 let info = self.store.context(c).map_err(store_err)?;
                 for m in info.chunks {
-                    if matches!(m.state, ChunkState::Stored(_)) && m.index <= MAX_INDEX {
+                    if matches!(m.state, StoreState::Stored(_)) && m.index <= MAX_INDEX {
                         out.push((
                             Node::Chunk(c, m.index).ino(),
                             FileType::RegularFile,

@@ -3,11 +3,12 @@
 //! the counters `/stats` shows.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{BackingId, Errno, FileHandle};
+use parking_lot::Mutex;
 
 use crate::format::KvFormat;
 use crate::store::{ContextId, Store, StoreError};
@@ -74,10 +75,6 @@ pub struct MountCounters {
     pub passthrough_opens: AtomicU64,
 }
 
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// The errno a store error becomes at the filesystem boundary.
 pub(super) fn errno(e: &StoreError) -> Errno {
     match e {
@@ -126,12 +123,12 @@ impl KvFs {
 
     pub(super) fn add_handle(&self, h: Handle) -> FileHandle {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        lock(&self.handles).insert(fh, h);
+        self.handles.lock().insert(fh, h);
         FileHandle(fh)
     }
 
     pub(super) fn pending_write_len(&self, ctx: ContextId, index: u32) -> Option<usize> {
-        lock(&self.handles).values().find_map(|h| match h {
+        self.handles.lock().values().find_map(|h| match h {
             Handle::Write {
                 ctx: c,
                 index: i,
@@ -144,7 +141,7 @@ impl KvFs {
 
     /// The bytes of a handle: shared for read handles (no copy), copied for write handles.
     pub(super) fn handle_bytes(&self, fh: FileHandle) -> Result<Arc<Vec<u8>>, Errno> {
-        match lock(&self.handles).get(&fh.0).ok_or(Errno::EBADF)? {
+        match self.handles.lock().get(&fh.0).ok_or(Errno::EBADF)? {
             Handle::Read(b) => Ok(b.clone()),
             Handle::Write { buf, .. } => Ok(Arc::new(buf.clone())),
             Handle::Kv { .. } | Handle::Passthrough(_) | Handle::Data => Err(Errno::EBADF),

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use fuser::{Errno, FileAttr, FileHandle, FileType, OpenAccMode, OpenFlags};
 
 use super::nodes::{Node, attr, parse_index};
-use super::state::{Handle, KvFs, errno, lock, store_err};
+use super::state::{Handle, KvFs, errno, store_err};
 use crate::format::KvFormat;
-use crate::store::{ChunkState, ContextId, MAX_CHUNK_BYTES, StoreError};
+use crate::store::{ContextId, MAX_CHUNK_BYTES, StoreError, StoreState};
 
 impl KvFs {
     pub(super) fn open_node(
@@ -126,7 +126,7 @@ impl KvFs {
         offset: u64,
         data: &[u8],
     ) -> Result<u32, Errno> {
-        let mut handles = lock(&self.handles);
+        let mut handles = self.handles.lock();
         let Some(Handle::Write { buf, dirty, .. }) = handles.get_mut(&fh.0) else {
             return Err(Errno::EBADF);
         };
@@ -159,7 +159,7 @@ impl KvFs {
         if size as usize > MAX_CHUNK_BYTES {
             return Err(Errno::EFBIG);
         }
-        let mut handles = lock(&self.handles);
+        let mut handles = self.handles.lock();
         let target = handles.iter_mut().find(|(k, h)| {
             matches!(h, Handle::Write { ctx, index, .. } if *ctx == c && *index == i)
                 && fh.is_none_or(|f| f.0 == **k)
@@ -178,7 +178,7 @@ impl KvFs {
     /// Writes a dirty handle's bytes to the store as the chunk's new version.
     pub(super) fn commit(&self, fh: FileHandle) -> Result<(), Errno> {
         let (ctx, index, buf) = {
-            let mut handles = lock(&self.handles);
+            let mut handles = self.handles.lock();
             match handles.get_mut(&fh.0) {
                 Some(Handle::Write {
                     ctx,
@@ -195,12 +195,14 @@ impl KvFs {
                 None => return Err(Errno::EBADF),
             }
         };
-        let (pf, pd) = lock(&self.pending)
+        let (pf, pd) = self
+            .pending
+            .lock()
             .get(&(ctx, index))
             .copied()
             .unwrap_or((None, None));
         let (old_f, old_d) = match self.store.chunk_state(ctx, index) {
-            Ok(ChunkState::Stored(s)) => (Some(s.format), Some(s.density)),
+            Ok(StoreState::Stored(s)) => (Some(s.format), Some(s.density)),
             _ => (None, None),
         };
         let format = pf.or(old_f).unwrap_or(KvFormat::Int8);
@@ -209,7 +211,7 @@ impl KvFs {
             self.store
                 .write_chunk(ctx, index, &m.fingerprint, format, density, &buf)
         });
-        let mut handles = lock(&self.handles);
+        let mut handles = self.handles.lock();
         if let Some(Handle::Write { buf: b, dirty, .. }) = handles.get_mut(&fh.0) {
             *b = buf;
             if result.is_err() {
@@ -219,7 +221,7 @@ impl KvFs {
         drop(handles);
         match result {
             Ok(_) => {
-                lock(&self.pending).remove(&(ctx, index));
+                self.pending.lock().remove(&(ctx, index));
                 Ok(())
             }
             Err(e) => {
@@ -234,10 +236,10 @@ impl KvFs {
             return Err(Errno::from_i32(libc::ENODATA));
         };
         self.owner(uid, c)?;
-        let pending = lock(&self.pending).get(&(c, i)).copied();
+        let pending = self.pending.lock().get(&(c, i)).copied();
         let state = self.store.chunk_state(c, i).map_err(store_err)?;
         let stored = match &state {
-            ChunkState::Stored(s) => Some(s.clone()),
+            StoreState::Stored(s) => Some(s.clone()),
             _ => None,
         };
         let v = match name.to_str().unwrap_or("") {
@@ -285,7 +287,7 @@ impl KvFs {
         let value = std::str::from_utf8(value)
             .map_err(|_| Errno::EINVAL)?
             .trim_end_matches('\0');
-        let mut pending = lock(&self.pending);
+        let mut pending = self.pending.lock();
         let entry = pending.entry((c, i)).or_default();
         match name.to_str().unwrap_or("") {
             "user.kvfs.format" => entry.0 = Some(value.parse().map_err(|_| Errno::EINVAL)?),
@@ -297,7 +299,7 @@ impl KvFs {
         }
         drop(pending);
         // The label is part of what a write commits: open writers of the chunk commit again.
-        for h in lock(&self.handles).values_mut() {
+        for h in self.handles.lock().values_mut() {
             if let Handle::Write {
                 ctx, index, dirty, ..
             } = h

@@ -4,13 +4,15 @@
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use parking_lot::Mutex;
+
 use super::{
-    ChunkState, ContextId, Ctx, CtxState, MAX_APP_LEN, NewContext, SLOT_BYTES, Store, StoreError,
-    covers, io, lock, mkdir, now_nanos, slot_offset,
+    ContextId, Ctx, CtxState, MAX_APP_LEN, NewContext, SLOT_BYTES, Store, StoreError, StoreState,
+    covers, io, mkdir, now_nanos, slot_offset,
 };
 use crate::format::{ContextMeta, encode_tokens};
 use crate::io::{IoError, punch, sync_dir, write_atomic};
@@ -65,10 +67,7 @@ impl Store {
             state: Mutex::new(CtxState::default()),
             deleted: AtomicBool::new(false),
         };
-        self.contexts
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, Arc::new(ctx));
+        self.contexts.write().insert(id, Arc::new(ctx));
         tracing::debug!(context = %id, "context created");
         Ok(id)
     }
@@ -77,7 +76,7 @@ impl Store {
     pub fn delete_context(&self, id: ContextId) -> Result<(), StoreError> {
         self.writable()?;
         let ctx = self.ctx(id)?;
-        let _w = lock(&ctx.write);
+        let _w = ctx.write.lock();
         if ctx.deleted.swap(true, Ordering::SeqCst) {
             return Err(StoreError::NoSuchContext { context: id });
         }
@@ -90,10 +89,7 @@ impl Store {
             ctx.deleted.store(false, Ordering::SeqCst);
             return Err(e.into());
         }
-        self.contexts
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id);
+        self.contexts.write().remove(&id);
         sync_dir(&self.root.join("contexts"))?;
         sync_dir(&self.root.join("trash"))?;
         if let Err(e) = std::fs::remove_dir_all(&trash) {
@@ -108,7 +104,7 @@ impl Store {
         self.writable()?;
         let ctx = self.ctx(id)?;
         let _w = self.write_lock(&ctx)?;
-        let mut tokens = lock(&ctx.state).tokens.clone();
+        let mut tokens = ctx.state.lock().tokens.clone();
         tokens.extend_from_slice(more);
         write_atomic(
             &ctx.dir,
@@ -117,7 +113,7 @@ impl Store {
             &[&encode_tokens(&tokens)],
         )?;
         let n = tokens.len();
-        lock(&ctx.state).tokens = tokens;
+        ctx.state.lock().tokens = tokens;
         Ok(n)
     }
 
@@ -135,14 +131,14 @@ impl Store {
         let ct = ctx.meta.chunk_tokens;
         let slots = tokens.len().div_ceil(ct as usize) as u32;
         let stale: Vec<u32> = {
-            let mut st = lock(&ctx.state);
+            let mut st = ctx.state.lock();
             st.tokens = tokens;
             let st = &mut *st;
             let stale = st
                 .chunks
                 .iter()
                 .filter(|(i, s)| match s {
-                    ChunkState::Stored(c) => {
+                    StoreState::Stored(c) => {
                         **i >= slots || !covers(&st.tokens, &c.tokens, c.tokens_crc)
                     }
                     _ => **i >= slots,

@@ -28,9 +28,11 @@ use std::fmt;
 use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Mutex, MutexGuard, RwLock};
 
 use crate::format::{ChunkHeader, Codec, ContextMeta, Fingerprint, KvFormat, tokens_crc};
 use crate::io::{IoError, punch, write_atomic};
@@ -217,8 +219,9 @@ pub struct StoredChunk {
 }
 
 /// The state of one chunk slot of a context.
-#[derive(Clone, Debug, PartialEq)]
-pub enum ChunkState {
+#[derive(Clone, Debug, PartialEq, strum::IntoStaticStr)]
+#[strum(serialize_all = "lowercase")]
+pub enum StoreState {
     /// In the store, readable.
     Stored(StoredChunk),
     /// Never written, or dropped because its tokens changed: recompute.
@@ -227,14 +230,10 @@ pub enum ChunkState {
     Quarantined { reason: String },
 }
 
-impl ChunkState {
+impl StoreState {
     /// A short name for listings.
     pub fn name(&self) -> &'static str {
-        match self {
-            ChunkState::Stored(_) => "stored",
-            ChunkState::Missing => "missing",
-            ChunkState::Quarantined { .. } => "quarantined",
-        }
+        self.into()
     }
 }
 
@@ -244,12 +243,12 @@ pub struct ChunkMeta {
     pub index: u32,
     /// The token span of the slot given the context's current tokens.
     pub span: Range<u32>,
-    pub state: ChunkState,
+    pub state: StoreState,
 }
 
 /// A context's metadata and the state of each of its chunks.
 #[derive(Clone, Debug)]
-pub struct ContextInfo {
+pub struct StoredContext {
     pub id: ContextId,
     pub meta: ContextMeta,
     pub tokens: usize,
@@ -292,7 +291,7 @@ struct Ctx {
 #[derive(Default)]
 struct CtxState {
     tokens: Vec<u32>,
-    chunks: BTreeMap<u32, ChunkState>,
+    chunks: BTreeMap<u32, StoreState>,
 }
 
 /// The chunk store. Share it as `Arc<Store>`: every method takes `&self`.
@@ -319,10 +318,6 @@ impl fmt::Debug for Store {
             .field("root", &self.root)
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn now_nanos() -> u128 {
@@ -386,7 +381,7 @@ impl Store {
     }
 
     fn ctx(&self, id: ContextId) -> Result<Arc<Ctx>, StoreError> {
-        let map = self.contexts.read().unwrap_or_else(|p| p.into_inner());
+        let map = self.contexts.read();
         map.get(&id)
             .cloned()
             .ok_or(StoreError::NoSuchContext { context: id })
@@ -419,7 +414,7 @@ impl Store {
     }
 
     fn write_lock<'a>(&self, ctx: &'a Ctx) -> Result<MutexGuard<'a, ()>, StoreError> {
-        let w = lock(&ctx.write);
+        let w = ctx.write.lock();
         if ctx.deleted.load(Ordering::SeqCst) {
             return Err(StoreError::NoSuchContext { context: ctx.id });
         }
@@ -428,12 +423,7 @@ impl Store {
 
     /// Every context's id, in id order.
     pub fn list_contexts(&self) -> Vec<ContextId> {
-        self.contexts
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .copied()
-            .collect()
+        self.contexts.read().keys().copied().collect()
     }
 
     /// A context's fixed metadata.
@@ -454,13 +444,13 @@ impl Store {
 
     /// A context's token ids.
     pub fn tokens(&self, id: ContextId) -> Result<Vec<u32>, StoreError> {
-        Ok(lock(&self.ctx(id)?.state).tokens.clone())
+        Ok(self.ctx(id)?.state.lock().tokens.clone())
     }
 
     /// A context's metadata, token count and chunk states.
-    pub fn context(&self, id: ContextId) -> Result<ContextInfo, StoreError> {
+    pub fn context(&self, id: ContextId) -> Result<StoredContext, StoreError> {
         let ctx = self.ctx(id)?;
-        let st = lock(&ctx.state);
+        let st = ctx.state.lock();
         let ct = ctx.meta.chunk_tokens;
         let slots = st.tokens.len().div_ceil(ct as usize) as u32;
         let last = st.chunks.keys().next_back().map_or(0, |i| i + 1);
@@ -472,10 +462,10 @@ impl Store {
                     .chunks
                     .get(&index)
                     .cloned()
-                    .unwrap_or(ChunkState::Missing),
+                    .unwrap_or(StoreState::Missing),
             })
             .collect();
-        Ok(ContextInfo {
+        Ok(StoredContext {
             id,
             meta: ctx.meta.clone(),
             tokens: st.tokens.len(),
@@ -484,14 +474,14 @@ impl Store {
     }
 
     /// The state of one chunk slot.
-    pub fn chunk_state(&self, id: ContextId, index: u32) -> Result<ChunkState, StoreError> {
+    pub fn chunk_state(&self, id: ContextId, index: u32) -> Result<StoreState, StoreError> {
         let ctx = self.ctx(id)?;
-        let st = lock(&ctx.state);
+        let st = ctx.state.lock();
         Ok(st
             .chunks
             .get(&index)
             .cloned()
-            .unwrap_or(ChunkState::Missing))
+            .unwrap_or(StoreState::Missing))
     }
 
     /// A context's data file (for tools and tests that inspect the store itself).
@@ -503,7 +493,7 @@ impl Store {
     /// `+ HEADER_PAGE`), for tools and tests that inspect the store itself.
     pub fn chunk_offset(&self, id: ContextId, index: u32) -> Option<u64> {
         match self.chunk_state(id, index).ok()? {
-            ChunkState::Stored(s) => Some(slot_offset(index, s.copy)),
+            StoreState::Stored(s) => Some(slot_offset(index, s.copy)),
             _ => None,
         }
     }

@@ -5,13 +5,15 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+
+use parking_lot::{Mutex, RwLock};
 
 use super::contexts::{create_data, open_data};
 use super::{
-    ChunkState, ContextId, Counters, Ctx, CtxState, HEADER_PAGE, MARKER, MARKER_TEXT,
-    MARKER_TEXT_V1, MAX_CHUNK_BYTES, Recovered, SLOT_BYTES, Store, StoreError, StoreOptions,
+    ContextId, Counters, Ctx, CtxState, HEADER_PAGE, MARKER, MARKER_TEXT, MARKER_TEXT_V1,
+    MAX_CHUNK_BYTES, Recovered, SLOT_BYTES, Store, StoreError, StoreOptions, StoreState,
     check_identity, covers, io, mkdir, now_nanos, slot_offset, stored_of,
 };
 use crate::format::{ChunkHeader, ContextMeta, HEADER_LEN, decode_tokens};
@@ -201,7 +203,7 @@ impl Store {
         if !self.options.read_only {
             sync_dir(&contexts_dir)?;
         }
-        *self.contexts.get_mut().unwrap_or_else(|p| p.into_inner()) = loaded;
+        *self.contexts.get_mut() = loaded;
         self.next_id = AtomicU64::new(max_id + 1);
         self.next_generation = AtomicU64::new(max_gen + 1);
         for r in &self.recovered {
@@ -272,7 +274,7 @@ impl Store {
                         bytes,
                         reason.clone(),
                     )?;
-                    chunks.insert(index, ChunkState::Quarantined { reason });
+                    chunks.insert(index, StoreState::Quarantined { reason });
                     touched = true;
                 }
             }
@@ -326,7 +328,7 @@ impl Store {
         data_path: &Path,
         tokens: &[u32],
         found: BTreeMap<u32, Vec<(u8, ChunkHeader)>>,
-        chunks: &mut BTreeMap<u32, ChunkState>,
+        chunks: &mut BTreeMap<u32, StoreState>,
         max_gen: &mut u64,
     ) -> Result<bool, String> {
         let mut touched = false;
@@ -349,7 +351,7 @@ impl Store {
                 continue;
             }
             *max_gen = (*max_gen).max(h.generation);
-            chunks.insert(index, ChunkState::Stored(stored_of(h, *copy)));
+            chunks.insert(index, StoreState::Stored(stored_of(h, *copy)));
         }
         Ok(touched)
     }

@@ -7,8 +7,8 @@ use std::fs::File;
 use std::sync::atomic::Ordering;
 
 use super::{
-    ChunkState, ContextId, Ctx, HEADER_PAGE, MAX_CHUNK_BYTES, Store, StoreError, StoredChunk,
-    check_identity, covers, lock, slot_offset, stored_of,
+    ContextId, Ctx, HEADER_PAGE, MAX_CHUNK_BYTES, Store, StoreError, StoreState, StoredChunk,
+    check_identity, covers, slot_offset, stored_of,
 };
 use crate::format::{ChunkHeader, Codec, Fingerprint, FormatError};
 use crate::io::{AlignedBuf, DIRECT_ALIGN, IoError, read_slot};
@@ -80,8 +80,8 @@ impl Store {
     ) -> Option<StoredChunk> {
         let ctx = self.ctx_of_model(id, fingerprint).ok()?;
         let file = ctx.direct.as_ref()?;
-        let at = match lock(&ctx.state).chunks.get(&index) {
-            Some(ChunkState::Stored(s)) => s.clone(),
+        let at = match ctx.state.lock().chunks.get(&index) {
+            Some(StoreState::Stored(s)) => s.clone(),
             _ => return None,
         };
         let page = read_raw_slot(file, index, &at, buf)?.ok()?;
@@ -164,10 +164,10 @@ impl Store {
         fingerprint: &Fingerprint,
     ) -> Result<StoredChunk, StoreError> {
         let ctx = self.ctx_of_model(id, fingerprint)?;
-        let st = lock(&ctx.state);
+        let st = ctx.state.lock();
         match st.chunks.get(&index) {
-            Some(ChunkState::Stored(s)) => Ok(s.clone()),
-            Some(ChunkState::Quarantined { reason }) => Err(StoreError::Corrupt {
+            Some(StoreState::Stored(s)) => Ok(s.clone()),
+            Some(StoreState::Quarantined { reason }) => Err(StoreError::Corrupt {
                 context: id,
                 index,
                 reason: reason.clone(),
@@ -190,9 +190,9 @@ impl Store {
         let Ok(ctx) = self.ctx(id) else {
             return StoreError::NoSuchContext { context: id };
         };
-        let _w = lock(&ctx.write);
-        let (copy, stored_len) = match lock(&ctx.state).chunks.get(&index) {
-            Some(ChunkState::Stored(s)) if s.generation == generation => (s.copy, s.stored_len),
+        let _w = ctx.write.lock();
+        let (copy, stored_len) = match ctx.state.lock().chunks.get(&index) {
+            Some(StoreState::Stored(s)) if s.generation == generation => (s.copy, s.stored_len),
             _ => {
                 // Replaced or already quarantined: nothing of this generation is served.
                 return StoreError::Corrupt {
@@ -234,9 +234,9 @@ impl Store {
             .corrupt_detected
             .fetch_add(1, Ordering::Relaxed);
         tracing::warn!(context = %ctx.id, index, reason = %reason, "corrupt chunk quarantined");
-        lock(&ctx.state).chunks.insert(
+        ctx.state.lock().chunks.insert(
             index,
-            ChunkState::Quarantined {
+            StoreState::Quarantined {
                 reason: reason.to_owned(),
             },
         );
@@ -267,9 +267,9 @@ impl Store {
                 .map_err(|e| IoError::new("zstd context for", &self.root, e))?;
             // A concurrent write may replace the chunk while we read it; retry if it moved.
             for _ in 0..3 {
-                let (generation, copy, stored_len) = match lock(&ctx.state).chunks.get(&index) {
-                    Some(ChunkState::Stored(s)) => (s.generation, s.copy, s.stored_len),
-                    Some(ChunkState::Quarantined { reason }) => {
+                let (generation, copy, stored_len) = match ctx.state.lock().chunks.get(&index) {
+                    Some(StoreState::Stored(s)) => (s.generation, s.copy, s.stored_len),
+                    Some(StoreState::Quarantined { reason }) => {
                         return Err(StoreError::Corrupt {
                             context: id,
                             index,
@@ -304,9 +304,9 @@ impl Store {
                     }
                     Err(Check::Bad(reason)) => reason,
                 };
-                let _w = lock(&ctx.write);
-                let current = match lock(&ctx.state).chunks.get(&index) {
-                    Some(ChunkState::Stored(s)) => Some(s.generation),
+                let _w = ctx.write.lock();
+                let current = match ctx.state.lock().chunks.get(&index) {
+                    Some(StoreState::Stored(s)) => Some(s.generation),
                     _ => None,
                 };
                 if current != Some(generation) {
@@ -369,7 +369,7 @@ impl Store {
                 header.raw_len
             )));
         }
-        let st = lock(&ctx.state);
+        let st = ctx.state.lock();
         if !covers(
             &st.tokens,
             &(header.token_start..header.token_end),
@@ -388,7 +388,7 @@ impl Store {
         for id in self.list_contexts() {
             let Ok(info) = self.context(id) else { continue };
             for c in info.chunks {
-                if matches!(c.state, ChunkState::Stored(_))
+                if matches!(c.state, StoreState::Stored(_))
                     && let Err(e) = self.read_chunk(id, c.index, &info.meta.fingerprint)
                 {
                     bad.push((id, c.index, e));

@@ -3,8 +3,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use strum::VariantArray;
+
 use super::{
-    ChunkState, ContextId, ContextInfo, Decoder, Residency, Store, StoreError, TextView, utc,
+    ContextId, Decoder, Residency, Store, StoreError, StoreState, StoredContext, TextView, utc,
 };
 use crate::format::{Fingerprint, KvFormat};
 
@@ -13,32 +15,24 @@ impl Store {
     /// model `model`: a context of another model is never decoded by it (its `text` and `info`
     /// say so), since another model's ids mean other words.
     pub fn set_decoder(&self, model: Fingerprint, decoder: Decoder) {
-        *self.decoder.write().unwrap_or_else(|p| p.into_inner()) = Some((model, decoder));
+        *self.decoder.write() = Some((model, decoder));
     }
 
     /// The model whose decoder is registered, if one is.
     pub fn decoder_model(&self) -> Option<Fingerprint> {
-        self.decoder
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|(fp, _)| *fp)
+        self.decoder.read().as_ref().map(|(fp, _)| *fp)
     }
 
     /// Registers the function that says whether a chunk is resident in memory (shown in `info`
     /// and the chunk's `user.kvfs.resident`).
     pub fn set_residency(&self, residency: Residency) {
-        *self.residency.write().unwrap_or_else(|p| p.into_inner()) = Some(residency);
+        *self.residency.write() = Some(residency);
     }
 
     /// Which chunks of `id` are resident, as the registered [`Residency`] says; `None` without
     /// one, or when it does not know.
     pub fn residency(&self, id: ContextId) -> Option<Vec<bool>> {
-        let r = self
-            .residency
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()?;
+        let r = self.residency.read().clone()?;
         r(id)
     }
 
@@ -109,7 +103,7 @@ impl Store {
                 None => "-",
             };
             match &c.state {
-                ChunkState::Stored(sc) => {
+                StoreState::Stored(sc) => {
                     let _ = writeln!(
                         s,
                         "{:<6} {:<14} {:<12} {:<7} {:<8.4} {:<7} {:<8} {:<8} {:<9} {}",
@@ -149,11 +143,7 @@ impl Store {
     /// one, or with another model's, a line that says why there is no text and where the ids are.
     pub fn render_text(&self, id: ContextId) -> Result<String, StoreError> {
         let tokens = self.tokens(id)?;
-        let decoder = self
-            .decoder
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let decoder = self.decoder.read().clone();
         let n = tokens.len();
         Ok(match (self.text_view(id)?, decoder) {
             (TextView::Decoded, Some((_, d))) => d(&tokens),
@@ -186,7 +176,7 @@ impl Store {
     /// The store-wide `stats`.
     pub fn render_stats(&self) -> String {
         use std::fmt::Write;
-        let infos: Vec<ContextInfo> = self
+        let infos: Vec<StoredContext> = self
             .list_contexts()
             .into_iter()
             .filter_map(|id| self.context(id).ok())
@@ -239,34 +229,34 @@ struct Totals {
     stored: usize,
     missing: usize,
     quarantined: usize,
-    by_format: [usize; KvFormat::ALL.len()],
+    by_format: [usize; KvFormat::VARIANTS.len()],
     raw: u64,
     stored_bytes: u64,
     density_sum: f64,
 }
 
 impl Totals {
-    fn of(infos: &[ContextInfo]) -> Totals {
+    fn of(infos: &[StoredContext]) -> Totals {
         let mut t = Totals {
             stored: 0,
             missing: 0,
             quarantined: 0,
-            by_format: [0; KvFormat::ALL.len()],
+            by_format: [0; KvFormat::VARIANTS.len()],
             raw: 0,
             stored_bytes: 0,
             density_sum: 0.0,
         };
         for c in infos.iter().flat_map(|i| &i.chunks) {
             match &c.state {
-                ChunkState::Stored(s) => {
+                StoreState::Stored(s) => {
                     t.stored += 1;
                     t.by_format[s.format.tag() as usize] += 1;
                     t.raw += s.raw_len as u64;
                     t.stored_bytes += s.stored_len as u64;
                     t.density_sum += s.density as f64;
                 }
-                ChunkState::Missing => t.missing += 1,
-                ChunkState::Quarantined { .. } => t.quarantined += 1,
+                StoreState::Missing => t.missing += 1,
+                StoreState::Quarantined { .. } => t.quarantined += 1,
             }
         }
         t
@@ -279,7 +269,7 @@ impl Totals {
             "chunks       {} stored, {} missing, {} quarantined",
             self.stored, self.missing, self.quarantined
         );
-        let formats: Vec<String> = KvFormat::ALL
+        let formats: Vec<String> = KvFormat::VARIANTS
             .iter()
             .map(|f| format!("{} {}", f.name(), self.by_format[f.tag() as usize]))
             .collect();

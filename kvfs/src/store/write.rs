@@ -7,8 +7,8 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 
 use super::{
-    ChunkState, ContextId, Ctx, HEADER_PAGE, MAX_CHUNK_BYTES, MAX_CHUNKS, SLOT_BYTES, Store,
-    StoreError, StoredChunk, lock, slot_offset, span, stored_of, unix_seconds,
+    ContextId, Ctx, HEADER_PAGE, MAX_CHUNK_BYTES, MAX_CHUNKS, SLOT_BYTES, Store, StoreError,
+    StoreState, StoredChunk, slot_offset, span, stored_of, unix_seconds,
 };
 use crate::format::{ChunkHeader, Codec, Fingerprint, KvFormat, tokens_crc};
 use crate::io::{IoError, drop_range, failpoint, punch};
@@ -51,8 +51,8 @@ impl Store {
         };
         // The new copy goes to the slot the chunk does not occupy: the current one stays whole
         // (and readable) until the new one is durable.
-        let previous = match lock(&ctx.state).chunks.get(&index) {
-            Some(ChunkState::Stored(s)) => Some(s.copy),
+        let previous = match ctx.state.lock().chunks.get(&index) {
+            Some(StoreState::Stored(s)) => Some(s.copy),
             _ => None,
         };
         let copy = previous.map_or(0, |c| 1 - c);
@@ -78,9 +78,10 @@ impl Store {
         put_copy(&ctx, &path, at, index, &header, payload)?;
         drop_range(&ctx.data, at, HEADER_PAGE + payload.len());
         let stored = stored_of(&header, copy);
-        lock(&ctx.state)
+        ctx.state
+            .lock()
             .chunks
-            .insert(index, ChunkState::Stored(stored.clone()));
+            .insert(index, StoreState::Stored(stored.clone()));
         // 3. The old copy's slot is freed (not synced: after a crash the open frees it again, as
         //    the older of two copies); a failure only costs the space until then.
         if let Some(old) = previous {
@@ -111,7 +112,7 @@ impl Store {
 /// The token range chunk `index` covers and its checksum; a chunk beyond the stored tokens is
 /// refused.
 fn chunk_tokens(ctx: &Ctx, id: ContextId, index: u32) -> Result<(Range<u32>, u32), StoreError> {
-    let st = lock(&ctx.state);
+    let st = ctx.state.lock();
     let range = span(index, ctx.meta.chunk_tokens, st.tokens.len());
     if range.is_empty() {
         return Err(StoreError::BeyondTokens {

@@ -17,24 +17,24 @@ use std::time::{Duration, Instant};
 use crate::trace::TraceRow;
 use anyhow::{Context, bail, ensure};
 use model::config::ModelConfig;
+use strum::VariantArray;
 
 use crate::switch::{Budget, CallRecord, Run, Sandbox, Setup};
 
 /// llama.cpp's KV cache types compared: q8_0 (about the bytes of the service's int8 chunks) and
 /// f16.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::IntoStaticStr, strum::VariantArray)]
 pub enum KvType {
+    #[strum(serialize = "q8_0")]
     Q8_0,
+    #[strum(serialize = "f16")]
     F16,
 }
 
 impl KvType {
     /// The name `llama-server --cache-type-k` takes.
     pub fn name(self) -> &'static str {
-        match self {
-            KvType::Q8_0 => "q8_0",
-            KvType::F16 => "f16",
-        }
+        self.into()
     }
 
     /// The row's name in the report.
@@ -64,13 +64,18 @@ impl std::str::FromStr for KvType {
     type Err = String;
 
     fn from_str(s: &str) -> Result<KvType, String> {
-        match s.trim() {
-            "q8_0" => Ok(KvType::Q8_0),
-            "f16" => Ok(KvType::F16),
-            other => Err(format!(
-                "no llama.cpp KV type {other:?}: the types compared are q8_0, f16"
-            )),
-        }
+        let s = s.trim();
+        KvType::VARIANTS
+            .iter()
+            .copied()
+            .find(|t| t.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = KvType::VARIANTS.iter().map(|t| t.name()).collect();
+                format!(
+                    "no llama.cpp KV type {s:?}: the types compared are {}",
+                    names.join(", ")
+                )
+            })
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use bench::kvfs::{BenchConfig, IoRow, LoadRow, LoadSet};
 use clap::{Args, Subcommand};
-use kvfs::{ChunkState, ContextId, Store, StoreOptions};
+use kvfs::{ContextId, Store, StoreOptions, StoreState};
 
 use crate::report::table;
 
@@ -271,16 +271,16 @@ fn inspect(path: PathBuf, context: Option<u64>, verify: bool) -> anyhow::Result<
         for id in store.list_contexts() {
             let info = store.context(id)?;
             let count =
-                |f: fn(&ChunkState) -> bool| info.chunks.iter().filter(|c| f(&c.state)).count();
+                |f: fn(&StoreState) -> bool| info.chunks.iter().filter(|c| f(&c.state)).count();
             println!(
                 "{:<8} {:<6} {:<20} {:<7} {:<7} {:<8} {}",
                 id,
                 info.meta.owner_uid,
                 info.meta.app,
                 info.tokens,
-                count(|s| matches!(s, ChunkState::Stored(_))),
-                count(|s| matches!(s, ChunkState::Missing)),
-                count(|s| matches!(s, ChunkState::Quarantined { .. })),
+                count(|s| matches!(s, StoreState::Stored(_))),
+                count(|s| matches!(s, StoreState::Missing)),
+                count(|s| matches!(s, StoreState::Quarantined { .. })),
             );
         }
     }
@@ -340,8 +340,8 @@ fn inspect_json(path: PathBuf, context: Option<u64>, verify: bool) -> anyhow::Re
 }
 
 /// One context of `llms kvfs inspect --json`: its metadata, chunk counts and chunk table.
-fn context_json(info: &kvfs::ContextInfo) -> serde_json::Value {
-    let count = |f: fn(&ChunkState) -> bool| info.chunks.iter().filter(|c| f(&c.state)).count();
+fn context_json(info: &kvfs::StoredContext) -> serde_json::Value {
+    let count = |f: fn(&StoreState) -> bool| info.chunks.iter().filter(|c| f(&c.state)).count();
     let chunks: Vec<serde_json::Value> = info
         .chunks
         .iter()
@@ -352,7 +352,7 @@ fn context_json(info: &kvfs::ContextInfo) -> serde_json::Value {
                 "state": c.state.name(),
             });
             match &c.state {
-                ChunkState::Stored(s) => {
+                StoreState::Stored(s) => {
                     v["format"] = s.format.name().into();
                     v["codec"] = s.codec.name().into();
                     v["density"] = s.density.into();
@@ -360,8 +360,8 @@ fn context_json(info: &kvfs::ContextInfo) -> serde_json::Value {
                     v["stored_bytes"] = s.stored_len.into();
                     v["written"] = s.written.into();
                 }
-                ChunkState::Quarantined { reason } => v["reason"] = reason.as_str().into(),
-                ChunkState::Missing => {}
+                StoreState::Quarantined { reason } => v["reason"] = reason.as_str().into(),
+                StoreState::Missing => {}
             }
             v
         })
@@ -374,9 +374,9 @@ fn context_json(info: &kvfs::ContextInfo) -> serde_json::Value {
         "created": info.meta.created,
         "tokens": info.tokens,
         "chunk_tokens": info.meta.chunk_tokens,
-        "stored": count(|s| matches!(s, ChunkState::Stored(_))),
-        "missing": count(|s| matches!(s, ChunkState::Missing)),
-        "quarantined": count(|s| matches!(s, ChunkState::Quarantined { .. })),
+        "stored": count(|s| matches!(s, StoreState::Stored(_))),
+        "missing": count(|s| matches!(s, StoreState::Missing)),
+        "quarantined": count(|s| matches!(s, StoreState::Quarantined { .. })),
         "chunks": chunks,
     })
 }

@@ -9,6 +9,7 @@ use bench::trace::{self, PastCap, Pattern, Source, Summary, TraceSpec};
 use clap::{Args, Subcommand, ValueEnum};
 use model::fetch;
 use model::tokenizer::Tokenizer;
+use strum::VariantArray;
 
 use crate::args::ModelsDirArg;
 
@@ -171,8 +172,8 @@ fn parse_positive_f64(s: &str) -> Result<f64, String> {
 }
 
 fn parse_source(s: &str) -> Result<Source, String> {
-    Source::from_name(s.trim()).ok_or_else(|| {
-        let names: Vec<&str> = Source::ALL.iter().map(|s| s.name()).collect();
+    s.trim().parse().map_err(|_| {
+        let names: Vec<&str> = Source::VARIANTS.iter().map(|s| s.name()).collect();
         format!("unknown source '{s}' (known: {})", names.join(", "))
     })
 }

@@ -820,6 +820,7 @@ pub fn packed_value(values: &[u8], i: usize, bits: u32) -> u8 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use strum::VariantArray;
 
     fn le_pair(b: &[u8], i: usize) -> (f32, f32) {
         let min = f16::from_le_bytes([b[4 * i], b[4 * i + 1]]).to_f32();
@@ -926,7 +927,7 @@ mod tests {
     proptest! {
         #[test]
         fn every_codec_round_trips_within_its_bound(k in values(64), v in values(64)) {
-            for f in KvFormat::ALL {
+            for &f in KvFormat::VARIANTS {
                 check_round_trip(&shape(), f, &k, &v);
             }
         }
@@ -949,7 +950,7 @@ mod tests {
             // One token of values is constant, another carries an outlier.
             v[..8].fill(constant);
             v[9] = big;
-            for f in KvFormat::ALL {
+            for &f in KvFormat::VARIANTS {
                 check_round_trip(&s, f, &k, &v);
             }
         }
@@ -1096,7 +1097,7 @@ mod tests {
     #[test]
     fn non_finite_values_are_refused() {
         let s = shape();
-        for f in KvFormat::ALL {
+        for &f in KvFormat::VARIANTS {
             for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                 let mut k = vec![1.0; 64];
                 let v = vec![1.0; 64];
@@ -1216,7 +1217,7 @@ mod tests {
                 s.stored_bits(f)
             );
         }
-        for f in KvFormat::ALL {
+        for &f in KvFormat::VARIANTS {
             assert_eq!(s.slot_bytes(f) % PAGE, 0);
             assert!(s.slot_bytes(f) - s.chunk_bytes(f) < PAGE);
         }
@@ -1261,7 +1262,7 @@ mod tests {
                 })
                 .unwrap();
             store.append_tokens(id, &[1; 16]).unwrap();
-            for f in KvFormat::ALL {
+            for &f in KvFormat::VARIANTS {
                 let lb = s.layer_bytes(f);
                 let mut chunk = vec![0u8; s.chunk_bytes(f)];
                 for l in 0..s.n_layers {

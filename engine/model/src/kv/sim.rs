@@ -16,15 +16,19 @@ use half::f16;
 
 use crate::kv::codec::ChunkShape;
 
-/// How a quantization group's parameters are stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a quantization group's parameters are stored; named `f16`, `c8`, `s8` in a candidate's
+/// name (`Display`, `FromStr`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::Display, strum::EnumString)]
 pub enum Params {
     /// Minimum and scale in f16 (32 bits), as int4 and int2 store them.
+    #[strum(serialize = "f16")]
     F16,
     /// Minimum as an 8-bit multiple of `amax / 127` and scale as an 8-bit code `amax 2^(-j/8)`,
     /// `amax` being the head's largest magnitude in the section (one f16 per head): 16 bits.
+    #[strum(serialize = "c8")]
     Code8,
     /// Symmetric around zero: the 8-bit scale code only (8 bits).
+    #[strum(serialize = "s8")]
     Sym8,
 }
 
@@ -36,20 +40,6 @@ impl Params {
             Params::Code8 => 16,
             Params::Sym8 => 8,
         }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Params::F16 => "f16",
-            Params::Code8 => "c8",
-            Params::Sym8 => "s8",
-        }
-    }
-
-    fn parse(s: &str) -> Option<Params> {
-        [Params::F16, Params::Code8, Params::Sym8]
-            .into_iter()
-            .find(|p| p.name() == s)
     }
 }
 
@@ -99,14 +89,14 @@ impl std::str::FromStr for SimFormat {
             } else if let Some(p) = part.strip_prefix('o') {
                 f.outliers = num(p)?;
             } else if let Some(p) = part.strip_prefix('k') {
-                match Params::parse(p) {
-                    Some(q) => f.key_params = q,
-                    None => f.key_bits = bits(p)?,
+                match p.parse() {
+                    Ok(q) => f.key_params = q,
+                    Err(_) => f.key_bits = bits(p)?,
                 }
             } else if let Some(p) = part.strip_prefix('v') {
-                match Params::parse(p) {
-                    Some(q) => f.value_params = q,
-                    None => f.value_bits = bits(p)?,
+                match p.parse() {
+                    Ok(q) => f.value_params = q,
+                    Err(_) => f.value_bits = bits(p)?,
                 }
             } else {
                 return Err(bad());
@@ -121,10 +111,7 @@ impl fmt::Display for SimFormat {
         write!(
             f,
             "k{}+v{}+k{}+v{}",
-            self.key_bits,
-            self.value_bits,
-            self.key_params.name(),
-            self.value_params.name()
+            self.key_bits, self.value_bits, self.key_params, self.value_params
         )?;
         if self.value_group > 0 {
             write!(f, "+g{}", self.value_group)?;

@@ -9,9 +9,9 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use candle_core::quantized::gguf_file;
+use parking_lot::Mutex;
 
 mod chat;
 mod split;
@@ -395,10 +395,7 @@ impl Tokenizer {
 
     /// Drops the per-word BPE cache (it refills as text is encoded; for benchmarks and memory pressure).
     pub fn clear_cache(&self) {
-        match self.cache.lock() {
-            Ok(mut c) => c.clear(),
-            Err(poisoned) => poisoned.into_inner().clear(),
-        }
+        self.cache.lock().clear();
     }
 
     /// Encodes plain text: control tokens written in the text are encoded as the characters they are
@@ -469,11 +466,8 @@ impl Tokenizer {
             }
             pieces = next;
         }
-        let mut cache = match self.cache.lock() {
-            Ok(guard) => guard,
-            // The cache holds only finished entries; a panic elsewhere cannot leave one half-written.
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        // The cache holds only finished entries; a panic elsewhere cannot leave one half-written.
+        let mut cache = self.cache.lock();
         for word in pieces {
             if word.len() <= CACHE_MAX_WORD
                 && let Some(ids) = cache.get(word)

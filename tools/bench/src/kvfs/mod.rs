@@ -18,6 +18,7 @@ use kvfs::io::{AlignedBuf, IoError, read_slot};
 use kvfs::store::{
     ContextId, HEADER_PAGE, NewContext, Store, StoreError, StoreOptions, slot_offset,
 };
+use strum::VariantArray;
 
 pub mod synth;
 
@@ -872,7 +873,7 @@ type Group = (String, String, Vec<Vec<u8>>);
 fn zstd_report(config: &BenchConfig) -> Result<Vec<ZstdRow>, BenchError> {
     // Synthetic chunks of the four formats the synthesizer lays out (the coded ones only differ
     // in their parameters' bytes); real chunks of any format come from `chunks_dir`.
-    let mut groups: Vec<Group> = KvFormat::ALL[..4]
+    let mut groups: Vec<Group> = KvFormat::VARIANTS[..4]
         .iter()
         .map(|f| {
             let chunks = (0..24)

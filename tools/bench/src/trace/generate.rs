@@ -6,8 +6,11 @@ use std::path::PathBuf;
 use super::pattern::Switcher;
 use super::rng::TraceRng;
 use super::text::{Corpus, TextError};
-use super::{ContextInfo, FORMAT, PastCap, Pattern, Source, Trace, TraceHeader, TraceRow, VERSION};
+use super::{
+    FORMAT, PastCap, Pattern, Source, Trace, TraceContext, TraceHeader, TraceRow, VERSION,
+};
 use model::tokenizer::Tokenizer;
+use strum::VariantArray;
 
 /// What to generate. Equal specs (and the same text files and tokenizer) give equal traces.
 #[derive(Debug, Clone)]
@@ -50,7 +53,7 @@ impl TraceSpec {
                 stay: super::DEFAULT_STAY,
                 neighbour: super::DEFAULT_NEIGHBOUR,
             },
-            sources: Source::ALL.to_vec(),
+            sources: Source::VARIANTS.to_vec(),
             max_context: 2048,
             past_cap: PastCap::Slide,
             max_tokens: 32,
@@ -125,10 +128,10 @@ pub fn generate(spec: &TraceSpec, tokenizer: &Tokenizer) -> Result<Trace, Genera
     spec.check()?;
     let longest = spec.sources.iter().map(|s| s.delta().1).max().unwrap_or(0) as usize;
     let corpus = Corpus::load(&spec.text, tokenizer, 2 * longest)?;
-    let contexts: Vec<ContextInfo> = (0..spec.contexts)
+    let contexts: Vec<TraceContext> = (0..spec.contexts)
         .map(|i| {
             let source = spec.sources[i as usize % spec.sources.len()];
-            ContextInfo {
+            TraceContext {
                 context: i,
                 app: source.app().to_string(),
                 source,

@@ -31,8 +31,27 @@ pub const VERSION: u32 = 1;
 
 /// A source of calls: one of the paper's Table 3 datasets, which fixes each call's prompt growth
 /// (delta tokens), the app that makes such calls and the instruction its prompts start with.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// Every source is in `<Source as strum::VariantArray>::VARIANTS`, in Table 3's order; its name
+/// in traces and on the command line ([`Source::name`], `Display`, `FromStr`, serde) is the
+/// variant's in snake case.
+#[derive(
+    Serialize,
+    Deserialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    strum::Display,
+    strum::EnumString,
+    strum::IntoStaticStr,
+    strum::VariantArray,
+)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum Source {
     /// AG News, news classification: 200–500 tokens per call.
     AgNews,
@@ -49,31 +68,9 @@ pub enum Source {
 }
 
 impl Source {
-    /// Every source, in Table 3's order.
-    pub const ALL: [Source; 6] = [
-        Source::AgNews,
-        Source::Xsum,
-        Source::Samsum,
-        Source::CnnDailymail,
-        Source::Wmt,
-        Source::Sst2,
-    ];
-
     /// The name in traces and on the command line.
     pub fn name(self) -> &'static str {
-        match self {
-            Source::AgNews => "ag_news",
-            Source::Xsum => "xsum",
-            Source::Samsum => "samsum",
-            Source::CnnDailymail => "cnn_dailymail",
-            Source::Wmt => "wmt",
-            Source::Sst2 => "sst2",
-        }
-    }
-
-    /// The source named `name`.
-    pub fn from_name(name: &str) -> Option<Source> {
-        Source::ALL.into_iter().find(|s| s.name() == name)
+        self.into()
     }
 
     /// Prompt tokens per call, inclusive (paper Table 3, "delta length").
@@ -120,15 +117,10 @@ impl Source {
     }
 }
 
-impl std::fmt::Display for Source {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 /// What a context does when its next call would take it past `max_context` tokens.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
 #[serde(rename_all = "snake_case")]
+#[strum(serialize_all = "snake_case")]
 pub enum PastCap {
     /// The calls go on; the service keeps the last `max_context` tokens (a sliding window).
     /// Rows past the cap have `context_tokens > max_context`.
@@ -141,17 +133,14 @@ pub enum PastCap {
 impl PastCap {
     /// The name in traces and on the command line.
     pub fn name(self) -> &'static str {
-        match self {
-            PastCap::Slide => "slide",
-            PastCap::Restart => "restart",
-        }
+        self.into()
     }
 }
 
 /// One context of a trace: which app owns it and which source its calls come from.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-pub struct ContextInfo {
+pub struct TraceContext {
     /// The context's number in the trace's rows (0-based).
     pub context: u32,
     /// The app that owns it.
@@ -194,7 +183,7 @@ pub struct TraceHeader {
     /// SHA-256 of those files' bytes, concatenated in order (hex).
     pub text_sha256: String,
     /// Every context, in order: `contexts[i].context == i`.
-    pub contexts: Vec<ContextInfo>,
+    pub contexts: Vec<TraceContext>,
 }
 
 /// One call of a trace.
@@ -399,4 +388,43 @@ pub fn write_to(trace: &Trace, w: &mut impl Write) -> std::io::Result<()> {
         w.write_all(b"\n")?;
     }
     w.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strum::VariantArray;
+
+    fn json(v: &impl Serialize) -> String {
+        serde_json::to_string(v).unwrap()
+    }
+
+    #[test]
+    fn names_are_the_serde_names_and_parse_back() {
+        for &s in Source::VARIANTS {
+            assert_eq!(json(&s), format!("\"{}\"", s.name()));
+            assert_eq!(s.name().parse::<Source>().unwrap(), s);
+            assert_eq!(s.to_string(), s.name());
+        }
+        assert!("imdb".parse::<Source>().is_err());
+        for p in [PastCap::Slide, PastCap::Restart] {
+            assert_eq!(json(&p), format!("\"{}\"", p.name()));
+        }
+        let patterns = [
+            Pattern::Random,
+            Pattern::Markov {
+                stay: DEFAULT_STAY,
+                neighbour: DEFAULT_NEIGHBOUR,
+            },
+            Pattern::Gaussian {
+                sigma: DEFAULT_SIGMA,
+            },
+        ];
+        for p in patterns {
+            assert!(
+                json(&p).contains(&format!("\"kind\":\"{}\"", p.name())),
+                "{p:?}"
+            );
+        }
+    }
 }

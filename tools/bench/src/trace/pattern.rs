@@ -14,8 +14,9 @@ use serde::{Deserialize, Serialize};
 use super::rng::TraceRng;
 
 /// A switching pattern and its parameters, as the trace header records it.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, strum::IntoStaticStr)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+#[strum(serialize_all = "snake_case")]
 pub enum Pattern {
     /// Uniform: each call picks any context with probability 1/n.
     Random,
@@ -43,11 +44,7 @@ pub const DEFAULT_SIGMA: f64 = 0.25;
 impl Pattern {
     /// The name on the command line and in the header: `random`, `markov`, `gaussian`.
     pub fn name(&self) -> &'static str {
-        match self {
-            Pattern::Random => "random",
-            Pattern::Markov { .. } => "markov",
-            Pattern::Gaussian { .. } => "gaussian",
-        }
+        self.into()
     }
 
     /// Why these parameters make no pattern, if they do not.

@@ -13,6 +13,7 @@ use model::kv::{HeapChunks, KvCache};
 use model::tokenizer::Tokenizer;
 use model::{Logits, Model};
 use serde::Serialize;
+use strum::VariantArray;
 
 use crate::args::ModelsDirArg;
 use crate::report::table;
@@ -181,7 +182,7 @@ fn rel_rms(a: &[f32], b: &[f32]) -> (f64, f64) {
 fn codec_rows(s: &ChunkShape, layers: &[(Vec<f32>, Vec<f32>)]) -> anyhow::Result<Vec<CodecRow>> {
     let mut rows = Vec::new();
     let f32_bytes = (layers.len() * 2 * s.section() * 4) as f64;
-    for f in KvFormat::ALL {
+    for &f in KvFormat::VARIANTS {
         let lb = s.layer_bytes(f);
         let mut enc = vec![0u8; lb * layers.len()];
         let t = Instant::now();
@@ -303,7 +304,7 @@ fn attention_rows(
     let mut out = vec![0.0; qd];
     let mut attention = Vec::new();
     for &len in &args.contexts {
-        for f in KvFormat::ALL {
+        for &f in KvFormat::VARIANTS {
             let mut c = synthetic(s, f, len, real)?;
             let mut step = |packed: bool| {
                 median_secs(args.reps, || {

@@ -15,6 +15,7 @@ use bench::trace::{PastCap, Trace, TraceRow};
 use model::config::ModelConfig;
 use model::kv::KvFormat;
 use service::ManagerKind;
+use strum::VariantArray;
 
 use crate::args::ModelsDirArg;
 use crate::args::parse_bytes;
@@ -315,7 +316,7 @@ fn plan(args: &BenchSwitchArgs, input: &Input) -> anyhow::Result<Plan> {
         bail!("--contexts {n}: the trace has {all} contexts");
     }
     let managers: Vec<String> = if args.managers.is_empty() {
-        ManagerKind::ALL
+        ManagerKind::VARIANTS
             .iter()
             .map(|m| m.name().to_owned())
             .collect()
