@@ -184,6 +184,49 @@ impl SocketArg {
     }
 }
 
+/// A byte size as a flag or variable gives it ([`parse_bytes`]) or a config file does: a number
+/// of bytes, or a string [`parse_bytes`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bytes(pub u64);
+
+impl std::str::FromStr for Bytes {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> anyhow::Result<Bytes> {
+        parse_bytes(s).map(Bytes)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Bytes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
+        struct Size;
+
+        impl serde::de::Visitor<'_> for Size {
+            type Value = Bytes;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a size like \"512M\", or a number of bytes")
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Bytes, E> {
+                Ok(Bytes(n))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Bytes, E> {
+                u64::try_from(n)
+                    .map(Bytes)
+                    .map_err(|_| E::custom(format!("a size must not be negative, not {n}")))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Bytes, E> {
+                parse_bytes(s).map(Bytes).map_err(E::custom)
+            }
+        }
+
+        d.deserialize_any(Size)
+    }
+}
+
 /// Parses `512M`, `1G`, `1048576`, `256MiB`.
 pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
     let t = s.trim();

@@ -13,6 +13,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::Args;
 use daemon::{Daemon, DaemonConfig};
+use merge::Merge;
 use model::Model;
 use model::kv::KvFormat;
 use model::tokenizer::Tokenizer;
@@ -22,7 +23,7 @@ use service::chunk_io::default_mountpoint;
 use service::pressure::{PressureFiles, PressureWatch};
 use service::{Manager, ManagerConfig, ManagerKind};
 
-use crate::args::{ModelsDirArg, default_socket, env_dir, is_root, parse_bytes};
+use crate::args::{Bytes, ModelsDirArg, default_socket, env_dir, is_root};
 
 /// The store when none is given: `/var/lib/llms/store` as root, else
 /// `$XDG_DATA_HOME/llms/store`, else `~/.local/share/llms/store`.
@@ -39,8 +40,13 @@ pub fn default_store() -> anyhow::Result<PathBuf> {
     }
 }
 
+// One struct for the flags and `LLMS_*` variables (clap) and the keys of the TOML file (serde,
+// keys as the long flags), so a setting is declared once; the file's values fill what the flags
+// and variables left unset (`Merge`, in `resolve`).
 /// `llms serve`.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Default, serde::Deserialize, Merge)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+#[merge(strategy = merge::option::overwrite_none)]
 pub struct ServeArgs {
     /// Unix socket to listen on (mode 0666: any local user connects; contexts are per uid)
     /// [default: $XDG_RUNTIME_DIR/llms/llms.sock, /run/llms/llms.sock as root]
@@ -54,6 +60,7 @@ pub struct ServeArgs {
     /// Create the store named by --store (or LLMS_STORE, or the config file) if it does not
     /// exist yet; without it a mistyped path is an error, not a new empty store
     #[arg(long)]
+    #[merge(strategy = merge::bool::overwrite_false)]
     pub create: bool,
     /// Where the store is mounted as the kvfs filesystem: every chunk the daemon swaps in or out
     /// goes through it, and `ls`, `cat` and `getfattr` show the contexts (each uid sees its own);
@@ -68,16 +75,19 @@ pub struct ServeArgs {
     /// Serve without the kvfs mount (chunks move through the store's API directly): for machines
     /// without FUSE (/dev/fuse) or the right to mount
     #[arg(long, env = "LLMS_NO_MOUNT")]
+    #[merge(strategy = merge::bool::overwrite_false)]
     pub no_mount: bool,
     /// A llama-family GGUF file [default: the default model, fetched into the cache if missing]
     #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
     pub model: Option<PathBuf>,
-    #[command(flatten)]
-    pub dir: ModelsDirArg,
+    /// The models cache [default: $LLMS_MODELS_DIR, else $XDG_CACHE_HOME/llms/models,
+    /// else ~/.cache/llms/models]
+    #[arg(long, global = true, value_name = "DIR")]
+    pub models_dir: Option<PathBuf>,
     /// Bytes of KV chunks resident at once, across contexts (suffixes K, M, G: powers of 1024)
     /// [default: 256M]
     #[arg(long, env = "LLMS_KV_BUDGET", value_name = "BYTES")]
-    pub kv_budget: Option<String>,
+    pub kv_budget: Option<Bytes>,
     /// The context manager: `llms` (every technique of the paper), its ablations
     /// `llms-no-compression`, `llms-no-pipeline`, `llms-no-lifecycle`, or a baseline: `vllm-sq`
     /// (int8 chunks written and read on demand), `vllm-s` (the same in f16), `swapping` (whole
@@ -88,7 +98,7 @@ pub struct ServeArgs {
     /// Bytes of weights held in memory (suffixes K, M, G): the matrices that do not fit are read
     /// from the model file for every token, ahead of the compute [default: all resident]
     #[arg(long, env = "LLMS_WEIGHT_BUDGET", value_name = "BYTES")]
-    pub weight_budget: Option<String>,
+    pub weight_budget: Option<Bytes>,
     /// Format new KV chunks are sealed in: f16, int8 (then compressed by attention to k8v8,
     /// k4v4 and k4v3 at 4.5 stored bits per value on average), or any other format; the
     /// baselines fix their own [default: int8]
@@ -101,6 +111,7 @@ pub struct ServeArgs {
     /// window: by default a full context keeps its first 16 tokens (the attention sink) and its
     /// most recent ones, at most half its length, and prefills them again with the prompt
     #[arg(long, env = "LLMS_NO_WINDOW")]
+    #[merge(strategy = merge::bool::overwrite_false)]
     pub no_window: bool,
     /// Contexts one app may hold; the next `new` gets `too_many_contexts` [default: 8]
     #[arg(long, env = "LLMS_MAX_CONTEXTS_PER_APP", value_name = "N")]
@@ -117,7 +128,7 @@ pub struct ServeArgs {
     /// Lowest KV budget memory pressure may push it to (suffixes K, M, G) [default: a quarter of
     /// --kv-budget]
     #[arg(long, env = "LLMS_MIN_KV_BUDGET", value_name = "BYTES")]
-    pub min_kv_budget: Option<String>,
+    pub min_kv_budget: Option<Bytes>,
     /// Seconds between two readings of memory pressure (PSI, /proc/pressure/memory, and the
     /// memory cgroup's limit and usage): under pressure the KV budget shrinks by a quarter, and
     /// grows back by a sixteenth after three calm readings [default: 2]
@@ -125,6 +136,7 @@ pub struct ServeArgs {
     pub pressure_interval: Option<f64>,
     /// Keep the KV budget fixed: do not watch memory pressure
     #[arg(long, env = "LLMS_NO_PRESSURE")]
+    #[merge(strategy = merge::bool::overwrite_false)]
     pub no_pressure: bool,
     /// Threads for the engine's kernels [default: the number of CPUs]
     #[arg(long, env = "LLMS_THREADS", value_name = "N")]
@@ -138,35 +150,9 @@ pub struct ServeArgs {
     /// flags and variables win over it [default: $XDG_CONFIG_HOME/llms/serve.toml, or
     /// /etc/llms/serve.toml as root, when the file exists]
     #[arg(long, env = "LLMS_CONFIG", value_name = "FILE")]
+    #[serde(skip)]
+    #[merge(skip)]
     pub config: Option<PathBuf>,
-}
-
-/// The settings a TOML file may hold.
-#[derive(serde::Deserialize, Debug, Default)]
-#[serde(deny_unknown_fields, rename_all = "kebab-case")]
-struct ConfigFile {
-    socket: Option<PathBuf>,
-    store: Option<PathBuf>,
-    create: Option<bool>,
-    mount: Option<PathBuf>,
-    no_mount: Option<bool>,
-    model: Option<PathBuf>,
-    models_dir: Option<PathBuf>,
-    kv_budget: Option<toml::Value>,
-    weight_budget: Option<toml::Value>,
-    min_kv_budget: Option<toml::Value>,
-    pressure_interval: Option<f64>,
-    no_pressure: Option<bool>,
-    kv_format: Option<String>,
-    manager: Option<String>,
-    no_window: Option<bool>,
-    max_context: Option<usize>,
-    max_contexts_per_app: Option<usize>,
-    queue: Option<usize>,
-    max_line: Option<usize>,
-    max_connections: Option<usize>,
-    threads: Option<usize>,
-    profile: Option<PathBuf>,
 }
 
 fn default_config_file() -> Option<PathBuf> {
@@ -206,48 +192,41 @@ struct Settings {
     cost: Option<CostModel>,
 }
 
-fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
-    let file_path = a.config.clone().or_else(default_config_file);
-    let f: ConfigFile = match &file_path {
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read the config file {}", p.display()))?;
-            toml::from_str(&text)
-                .with_context(|| format!("the config file {} is not valid", p.display()))?
-        }
-        None => ConfigFile::default(),
-    };
-    let size = |name: &str, flag: Option<String>, file: Option<toml::Value>| {
-        Ok(match (flag, file) {
-            (Some(s), _) => Some(parse_bytes(&s)?),
-            (None, Some(toml::Value::Integer(n))) => {
-                Some(u64::try_from(n).with_context(|| format!("{name} must not be negative"))?)
-            }
-            (None, Some(toml::Value::String(s))) => Some(parse_bytes(&s)?),
-            (None, Some(v)) => bail!("{name} must be a size like \"512M\", not {v}"),
-            (None, None) => None,
-        })
-    };
-    let budget = size("kv-budget", a.kv_budget, f.kv_budget)?.unwrap_or(256 << 20);
-    let weight_budget = size("weight-budget", a.weight_budget, f.weight_budget)?;
-    let pressure = if a.no_pressure || f.no_pressure == Some(true) {
+/// Fills what the flags and variables (`a`) left unset from the config file's settings.
+fn layer(a: &mut ServeArgs, mut file: ServeArgs) {
+    // A mount named by a flag or a variable wins over the file's `no-mount`.
+    file.no_mount &= a.mount.is_none();
+    a.merge(file);
+}
+
+fn resolve(mut a: ServeArgs) -> anyhow::Result<Settings> {
+    if let Some(p) = a.config.clone().or_else(default_config_file) {
+        let text = std::fs::read_to_string(&p)
+            .with_context(|| format!("cannot read the config file {}", p.display()))?;
+        let file: ServeArgs = toml::from_str(&text)
+            .with_context(|| format!("the config file {} is not valid", p.display()))?;
+        layer(&mut a, file);
+    }
+    let budget = a.kv_budget.map_or(256 << 20, |b| b.0);
+    let weight_budget = a.weight_budget.map(|b| b.0);
+    let pressure = if a.no_pressure {
         None
     } else {
-        let min = size("min-kv-budget", a.min_kv_budget, f.min_kv_budget)?.unwrap_or(budget / 4);
+        let min = a.min_kv_budget.map_or(budget / 4, |b| b.0);
         if min > budget {
             bail!("--min-kv-budget ({min} bytes) is above --kv-budget ({budget} bytes)");
         }
-        let secs = a.pressure_interval.or(f.pressure_interval).unwrap_or(2.0);
+        let secs = a.pressure_interval.unwrap_or(2.0);
         if !(secs.is_finite() && (0.01..=3600.0).contains(&secs)) {
             bail!("--pressure-interval must be between 0.01 and 3600 seconds, not {secs}");
         }
         Some((min, std::time::Duration::from_secs_f64(secs)))
     };
-    let manager: ManagerKind = match a.manager.or(f.manager) {
+    let manager: ManagerKind = match a.manager {
         Some(m) => m.parse()?,
         None => ManagerKind::Llms,
     };
-    let kv_format: KvFormat = match (a.kv_format.or(f.kv_format), manager.fixed_format()) {
+    let kv_format: KvFormat = match (a.kv_format, manager.fixed_format()) {
         (Some(k), Some(fixed)) => {
             let k: KvFormat = k.parse()?;
             if k != fixed {
@@ -264,65 +243,49 @@ fn resolve(a: ServeArgs) -> anyhow::Result<Settings> {
         (None, None) => KvFormat::Int8,
     };
     let d = DaemonConfig::default();
-    let positive = |name: &str, v: usize| {
-        if v == 0 {
-            bail!("--{name} must be at least 1");
-        }
-        Ok(v)
+    let positive = |name: &str, v: Option<usize>, default: usize| match v.unwrap_or(default) {
+        0 => bail!("--{name} must be at least 1"),
+        v => Ok(v),
     };
     let daemon = DaemonConfig {
-        max_line: positive(
-            "max-line",
-            a.max_line.or(f.max_line).unwrap_or(DEFAULT_MAX_LINE),
-        )?,
-        queue: positive("queue", a.queue.or(f.queue).unwrap_or(d.queue))?,
-        max_connections: positive(
-            "max-connections",
-            a.max_connections
-                .or(f.max_connections)
-                .unwrap_or(d.max_connections),
-        )?,
+        max_line: positive("max-line", a.max_line, DEFAULT_MAX_LINE)?,
+        queue: positive("queue", a.queue, d.queue)?,
+        max_connections: positive("max-connections", a.max_connections, d.max_connections)?,
         max_contexts_per_app: positive(
             "max-contexts-per-app",
-            a.max_contexts_per_app
-                .or(f.max_contexts_per_app)
-                .unwrap_or(d.max_contexts_per_app),
+            a.max_contexts_per_app,
+            d.max_contexts_per_app,
         )?,
         ..d
     };
-    let cost = a
-        .profile
-        .or(f.profile)
-        .map(|p| read_profile(&p))
-        .transpose()?;
-    let socket = a.socket.or(f.socket).unwrap_or_else(default_socket);
-    let no_mount = a.no_mount || (a.mount.is_none() && f.no_mount == Some(true));
-    let mount = match (no_mount, a.mount.or(f.mount)) {
+    let cost = a.profile.map(|p| read_profile(&p)).transpose()?;
+    let socket = a.socket.unwrap_or_else(default_socket);
+    let mount = match (a.no_mount, a.mount) {
         (true, _) => None,
         (false, Some(m)) => Some(m),
         (false, None) => Some(default_mountpoint(&socket)),
     };
     Ok(Settings {
         socket,
-        create_store: a.create || f.create == Some(true) || a.store.is_none() && f.store.is_none(),
-        store: match a.store.or(f.store) {
+        create_store: a.create || a.store.is_none(),
+        store: match a.store {
             Some(s) => s,
             None => default_store()?,
         },
         mount,
-        model: a.model.or(f.model),
+        model: a.model,
         dir: ModelsDirArg {
-            models_dir: a.dir.models_dir.or(f.models_dir),
+            models_dir: a.models_dir,
         },
         kv_budget: budget,
         weight_budget,
         pressure,
         kv_format,
         manager,
-        window: !(a.no_window || f.no_window == Some(true)),
-        max_context: a.max_context.or(f.max_context),
+        window: !a.no_window,
+        max_context: a.max_context,
         daemon,
-        threads: a.threads.or(f.threads),
+        threads: a.threads,
         cost,
     })
 }
@@ -605,4 +568,39 @@ pub fn start_background(socket: &Path, model: Option<&Path>) -> anyhow::Result<(
         );
     }
     Ok((pid, log))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_file_fills_what_flags_and_variables_left_unset() {
+        let file = || {
+            toml::from_str::<ServeArgs>(
+                "kv-budget = 1024\nmin-kv-budget = \"1K\"\nqueue = 3\nno-mount = true\n\
+                 no-window = true\n",
+            )
+            .unwrap()
+        };
+        let mut a = ServeArgs {
+            kv_budget: Some(Bytes(1 << 30)),
+            mount: Some("/m".into()),
+            ..ServeArgs::default()
+        };
+        layer(&mut a, file());
+        assert_eq!(
+            (a.kv_budget, a.min_kv_budget, a.queue),
+            (Some(Bytes(1 << 30)), Some(Bytes(1024)), Some(3))
+        );
+        // A flag's mount beats the file's no-mount; the file's no-window holds.
+        assert_eq!(
+            (a.mount.as_deref(), a.no_mount),
+            (Some("/m".as_ref()), false)
+        );
+        assert!(a.no_window);
+        let mut a = ServeArgs::default();
+        layer(&mut a, file());
+        assert!(a.no_mount && a.mount.is_none());
+    }
 }
