@@ -392,34 +392,8 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     mkdir_for(&s.socket)?;
     clear_stale_socket(&s.socket)?;
 
-    let path = match &s.model {
-        Some(p) => p.clone(),
-        None => model::fetch::default_model_path(&s.dir.fetch_options())
-            .context("cannot get the default model (try `llms model fetch`)")?,
-    };
-    let weights = model::WeightOptions {
-        budget: s.weight_budget,
-        ..Default::default()
-    };
-    let model = Arc::new(
-        Model::load_with(&path, &weights)
-            .with_context(|| format!("cannot load {}", path.display()))?,
-    );
-    let tokenizer = Arc::new(
-        Tokenizer::from_gguf_file(&path)
-            .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?,
-    );
-    let mut mc = ManagerConfig::new(&s.store, s.kv_budget);
-    mc.mount = s.mount.clone();
-    mc.mount_guard = Some(crate::args::guard_command()?);
-    mc.kv_format = s.kv_format;
-    s.manager.apply(&mut mc);
-    mc.window = s.window;
-    tracing::info!(manager = %s.manager, "{}", s.manager.describe());
-    mc.max_tokens = s.max_context.unwrap_or(model.cfg.max_ctx.min(2048));
-    if let Some(cost) = s.cost {
-        mc.cost = cost;
-    }
+    let (path, model, tokenizer) = load_model(&s)?;
+    let mc = manager_config(&s, &model)?;
     let max_tokens = mc.max_tokens;
     let manager = Manager::open(Arc::clone(&model), mc)
         .with_context(|| format!("cannot open the contexts in {}", s.store.display()))?;
@@ -487,6 +461,46 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(&s.socket);
     r?;
     Ok(())
+}
+
+/// The model `s` names (the default model, fetched if missing, without one), under its weight
+/// budget, and its tokenizer.
+fn load_model(s: &Settings) -> anyhow::Result<(PathBuf, Arc<Model>, Arc<Tokenizer>)> {
+    let path = match &s.model {
+        Some(p) => p.clone(),
+        None => model::fetch::default_model_path(&s.dir.fetch_options())
+            .context("cannot get the default model (try `llms model fetch`)")?,
+    };
+    let weights = model::WeightOptions {
+        budget: s.weight_budget,
+        ..Default::default()
+    };
+    let model = Arc::new(
+        Model::load_with(&path, &weights)
+            .with_context(|| format!("cannot load {}", path.display()))?,
+    );
+    let tokenizer = Arc::new(
+        Tokenizer::from_gguf_file(&path)
+            .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?,
+    );
+    Ok((path, model, tokenizer))
+}
+
+/// The context manager's configuration: the store, budget and mount of `s`, its manager's
+/// settings, contexts of at most `--max-context` tokens (the model's, up to 2,048, by default).
+fn manager_config(s: &Settings, model: &Model) -> anyhow::Result<ManagerConfig> {
+    let mut mc = ManagerConfig::new(&s.store, s.kv_budget);
+    mc.mount = s.mount.clone();
+    mc.mount_guard = Some(crate::args::guard_command()?);
+    mc.kv_format = s.kv_format;
+    s.manager.apply(&mut mc);
+    mc.window = s.window;
+    tracing::info!(manager = %s.manager, "{}", s.manager.describe());
+    mc.max_tokens = s.max_context.unwrap_or(model.cfg.max_ctx.min(2048));
+    if let Some(cost) = s.cost {
+        mc.cost = cost;
+    }
+    Ok(mc)
 }
 
 /// Closes every file descriptor this process inherited beyond stdin, stdout and stderr (as
