@@ -20,6 +20,8 @@
 //!   as the reference does.
 #![cfg(feature = "failpoints")]
 
+mod common;
+use common::{owner, prompt};
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
@@ -30,7 +32,7 @@ use model::Model;
 use model::kv::KvFormat;
 use model::tiny::{TinySpec, write_tiny_gguf};
 use policy::{CostModel, LinearCost};
-use service::{CallOptions, CallReport, LoadMode, Manager, ManagerConfig, Owner, ServiceError};
+use service::{CallOptions, CallReport, LoadMode, Manager, ManagerConfig, ServiceError};
 use uffd_pager::{ChunkKey, MemoryState};
 
 /// Calls in the conversation; each after the first finds its context swapped out.
@@ -49,20 +51,6 @@ fn model() -> Arc<Model> {
         write_tiny_gguf(&path, &spec).unwrap();
         Arc::new(Model::load(&path).unwrap())
     }))
-}
-
-fn owner() -> Owner {
-    Owner {
-        uid: 1000,
-        app: "test".into(),
-    }
-}
-
-/// Deterministic prompt tokens (ids within the tiny vocabulary).
-fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 250 + 3)
-        .collect()
 }
 
 /// How a Load brings chunks back.

@@ -2,6 +2,8 @@
 //! the AoT writer, the Load pipeline. A context swapped out and brought back answers exactly as
 //! one never swapped.
 
+mod common;
+use common::{owner, prompt};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -29,20 +31,6 @@ fn tiny() -> Tiny {
     write_tiny_gguf(&path, &spec).unwrap();
     let model = Arc::new(Model::load(&path).unwrap());
     Tiny { _dir: dir, model }
-}
-
-fn owner() -> Owner {
-    Owner {
-        uid: 1000,
-        app: "test".into(),
-    }
-}
-
-/// Deterministic prompt tokens (ids within the tiny vocabulary).
-fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 250 + 3)
-        .collect()
 }
 
 fn opts(n: usize) -> CallOptions {
