@@ -52,8 +52,8 @@ const TILE_PANELS: usize = 2;
 /// How batched products take their activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrefillActs {
-    /// The fastest this CPU does: int8 where it has an 8-bit dot product (AVX-512 VNNI,
-    /// AVX-VNNI), else f32.
+    /// The fastest this CPU does: int8 on every vector path (AVX-512 VNNI, AVX-VNNI, AVX2),
+    /// f32 on the portable one.
     Auto,
     /// f32 GEMM over dequantized weight tiles: the reference, and the default (int8 is within
     /// 0.5% of its perplexity but flips near-tied first tokens; docs/bench-engine.md).
@@ -67,9 +67,9 @@ impl PrefillActs {
     /// What `Auto` means on this CPU.
     pub fn resolve(self) -> PrefillActs {
         match self {
-            PrefillActs::Auto if matches!(Path::best(), Path::Vnni | Path::AvxVnni) => {
-                PrefillActs::Int8
-            }
+            // Every vector path beats the f32 GEMM (docs/bench-engine.md: 1.1x on AVX2 alone)
+            // and gives the portable path's bits, hence its perplexity.
+            PrefillActs::Auto if Path::best() != Path::Portable => PrefillActs::Int8,
             PrefillActs::Auto => PrefillActs::F32,
             p => p,
         }

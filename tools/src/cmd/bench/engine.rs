@@ -48,6 +48,8 @@ struct Report {
     prefill_chunk: usize,
     runs: usize,
     kernels: String,
+    /// The kernel of each product, as chosen at run time.
+    chosen: Vec<model::chosen::Chosen>,
     prefill: Vec<Row>,
     decode: Vec<DecodeRow>,
     weight_bytes: usize,
@@ -162,6 +164,10 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         "bench engine: {} threads, kernels {kernels}, kv {}, prefill chunk {}, {runs} runs each",
         threads, l.format, l.model.prefill_chunk
     );
+    let chosen = model::chosen::engine(l.model.prefill_activations());
+    for c in &chosen {
+        eprintln!("  kernel: {}: {}", c.product, c.kernel);
+    }
     let mut prefill = Vec::new();
     for &n in &a.prefill {
         let mut secs = Vec::new();
@@ -238,6 +244,7 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         prefill_chunk: l.model.prefill_chunk,
         runs,
         kernels,
+        chosen,
         prefill,
         decode,
         weight_bytes: l.model.weight_bytes(),

@@ -143,6 +143,8 @@ struct RecomputeRow {
 struct Report {
     model: String,
     threads: usize,
+    /// The attention kernels, as chosen at run time.
+    kernels: Vec<model::chosen::Chosen>,
     codec: Vec<CodecRow>,
     attention: Vec<AttnRow>,
     recompute: Vec<RecomputeRow>,
@@ -260,6 +262,9 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
         most.saturating_mul(16).saturating_add(16),
         cfg.max_ctx
     );
+    for c in model::chosen::attention() {
+        eprintln!("kernel: {}: {}", c.product, c.kernel);
+    }
     eprintln!("prefilling 256 tokens for real K/V");
     let tokens = args.input.tokens(&model, 257)?;
     let base = prefilled(&model, &tokens[..256], KvFormat::F16)?;
@@ -385,6 +390,7 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     let report = Report {
         model: model.path().display().to_string(),
         threads: model::kernels::threads(),
+        kernels: model::chosen::attention(),
         codec,
         attention,
         recompute,
