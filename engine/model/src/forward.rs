@@ -398,7 +398,7 @@ impl Model {
     }
 
     /// How batched products (prefill, recompute, scoring) take their activations; `Auto` is
-    /// int8 where the CPU has 8-bit dot products (AVX-512 VNNI), f32 elsewhere.
+    /// int8 on every vector path (AVX-512 VNNI, AVX-VNNI, AVX2), f32 on the portable one.
     pub fn set_prefill_activations(&mut self, batch: PrefillActs) {
         let batch = batch.resolve();
         for l in &mut self.layers {

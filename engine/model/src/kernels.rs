@@ -457,6 +457,12 @@ pub fn dot_rows_with(isa: Isa, q: &[f32], keys: &[f32], out: &mut [f32]) {
         // length is a multiple of 16.
         return unsafe { simd::avx512::dot_rows(q, keys, out) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() && hd.is_multiple_of(8) {
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above), and q's length is a
+        // multiple of 8.
+        return unsafe { simd::avx2::kv::dot_rows(q, keys, out) };
+    }
     for (o, k) in out.iter_mut().zip(keys.chunks_exact(hd.max(1))) {
         *o = dot_with(isa, q, k);
     }
@@ -477,6 +483,12 @@ pub fn axpy_rows_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[f32]) {
         // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and o's
         // length is a multiple of 16.
         return unsafe { simd::avx512::axpy_rows(o, w, vals) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() && hd.is_multiple_of(8) {
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above), and o's length is a
+        // multiple of 8.
+        return unsafe { simd::avx2::kv::axpy_rows(o, w, vals) };
     }
     for (&a, v) in w.iter().zip(vals.chunks_exact(hd.max(1))) {
         axpy_with(isa, o, a, v);
@@ -544,6 +556,20 @@ pub fn decode_codes_with(
             return f(codes, first, hd, mins, scales, per_row, out);
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() && hd.is_multiple_of(8) {
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); the kernel checks the sizes
+        // itself.
+        unsafe {
+            let f = match bits {
+                2 => simd::avx2::kv::decode_codes::<2>,
+                3 => simd::avx2::kv::decode_codes::<3>,
+                4 => simd::avx2::kv::decode_codes::<4>,
+                _ => simd::avx2::kv::decode_codes::<8>,
+            };
+            return f(codes, first, hd, mins, scales, per_row, out);
+        }
+    }
     for (r, o) in out.chunks_exact_mut(hd).enumerate() {
         unpack_codes(codes, first + r * hd, bits, o);
         if per_row {
@@ -597,6 +623,11 @@ pub fn decode_coded_params_with(
         // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above); the kernel
         // checks the sizes itself.
         done = unsafe { simd::avx512::decode_coded_params(pairs, amax, step, steps, mins, scales) };
+    } else if isa.has_avx2() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); the kernel checks the sizes
+        // itself.
+        done =
+            unsafe { simd::avx2::kv::decode_coded_params(pairs, amax, step, steps, mins, scales) };
     }
     let (mins, scales, pairs) = (&mut mins[done..], &mut scales[done..], &pairs[2 * done..]);
     for (i, (m, s)) in mins.iter_mut().zip(scales.iter_mut()).enumerate() {
@@ -626,32 +657,33 @@ impl Codes {
     }
 }
 
-/// Calls the AVX-512 kernel `$f::<K, R>` for `$kind` (its `K`, see `simd::avx512::SIGNED8`)
-/// on `$k` rows (`R`, 1 to 3), with the arguments `$pre`, the rows' biases from `$b`, then
-/// `$post`.
+/// Calls the kernel `$m::$f::<K, R>` (`$m` the module of `simd::avx512` or `simd::avx2::kv`)
+/// for `$kind` (its `K`, see `simd::SIGNED8`) on `$k` rows (`R`, 1 to 3), with the arguments
+/// `$pre`, the rows' biases from `$b`, then `$post`.
 #[cfg(target_arch = "x86_64")]
 macro_rules! rows_kernel {
-    ($kind:expr, $k:expr, $b:expr, $f:ident, [$($pre:expr),*], [$($post:expr),*]) => {
+    ($m:path, $kind:expr, $k:expr, $b:expr, $f:ident, [$($pre:expr),*], [$($post:expr),*]) => {
         match $kind {
-            Codes::Unsigned(2) => rows_kernel!(@k $k, $b, $f, 2, [$($pre),*], [$($post),*]),
-            Codes::Unsigned(3) => rows_kernel!(@k $k, $b, $f, 3, [$($pre),*], [$($post),*]),
-            Codes::Unsigned(4) => rows_kernel!(@k $k, $b, $f, 4, [$($pre),*], [$($post),*]),
-            Codes::Unsigned(_) => rows_kernel!(@k $k, $b, $f, 8, [$($pre),*], [$($post),*]),
+            Codes::Unsigned(2) => rows_kernel!(@k $m, $k, $b, $f, 2, [$($pre),*], [$($post),*]),
+            Codes::Unsigned(3) => rows_kernel!(@k $m, $k, $b, $f, 3, [$($pre),*], [$($post),*]),
+            Codes::Unsigned(4) => rows_kernel!(@k $m, $k, $b, $f, 4, [$($pre),*], [$($post),*]),
+            Codes::Unsigned(_) => rows_kernel!(@k $m, $k, $b, $f, 8, [$($pre),*], [$($post),*]),
             Codes::Signed8 => {
-                rows_kernel!(@k $k, $b, $f, { simd::avx512::SIGNED8 }, [$($pre),*], [$($post),*])
+                rows_kernel!(@k $m, $k, $b, $f, { simd::SIGNED8 }, [$($pre),*], [$($post),*])
             }
             Codes::F16 => {
-                rows_kernel!(@k $k, $b, $f, { simd::avx512::HALF }, [$($pre),*], [$($post),*])
+                rows_kernel!(@k $m, $k, $b, $f, { simd::HALF }, [$($pre),*], [$($post),*])
             }
         }
     };
-    (@k $k:expr, $b:expr, $f:ident, $kind:tt, [$($pre:expr),*], [$($post:expr),*]) => {
+    (@k $m:path, $k:expr, $b:expr, $f:ident, $kind:tt, [$($pre:expr),*], [$($post:expr),*]) => {{
+        use $m as m;
         match $k {
-            3 => simd::avx512::$f::<$kind, 3>($($pre,)* [$b[0], $b[1], $b[2]], $($post),*),
-            2 => simd::avx512::$f::<$kind, 2>($($pre,)* [$b[0], $b[1]], $($post),*),
-            _ => simd::avx512::$f::<$kind, 1>($($pre,)* [$b[0]], $($post),*),
+            3 => m::$f::<$kind, 3>($($pre,)* [$b[0], $b[1], $b[2]], $($post),*),
+            2 => m::$f::<$kind, 2>($($pre,)* [$b[0], $b[1]], $($post),*),
+            _ => m::$f::<$kind, 1>($($pre,)* [$b[0]], $($post),*),
         }
-    };
+    }};
 }
 
 /// Scores of `rows` query rows against `n` keys stored as codes, without decoding the keys:
@@ -703,23 +735,37 @@ pub fn dot_rows_codes_with(
         "dot_rows_codes: bad sizes"
     );
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+    if isa.has_avx2() && hd.is_multiple_of(8) {
+        let wide = isa == Isa::Avx512 && hd.is_multiple_of(16);
         let mut r = 0;
         while r < rows {
             let k = (rows - r).min(3);
             let (q, out) = (&q[r * hd..], &mut out[r * stride..]);
             let b = &bias[r..r + k];
-            // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above); the
-            // kernel checks the sizes itself.
+            // SAFETY: the CPU has AVX2, FMA and F16C, and AVX-512 F, BW and VL if `wide`
+            // (asserted above); the kernels check the sizes themselves.
             unsafe {
-                rows_kernel!(
-                    kind,
-                    k,
-                    b,
-                    dot_rows_stored,
-                    [q, hd],
-                    [codes, first, out, stride, n]
-                )
+                if wide {
+                    rows_kernel!(
+                        simd::avx512,
+                        kind,
+                        k,
+                        b,
+                        dot_rows_stored,
+                        [q, hd],
+                        [codes, first, out, stride, n]
+                    )
+                } else {
+                    rows_kernel!(
+                        simd::avx2::kv,
+                        kind,
+                        k,
+                        b,
+                        dot_rows_stored,
+                        [q, hd],
+                        [codes, first, out, stride, n]
+                    )
+                }
             };
             r += k;
         }
@@ -783,7 +829,8 @@ pub fn axpy_rows_codes_with(
         "axpy_rows_codes: bad sizes"
     );
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+    if isa.has_avx2() && hd.is_multiple_of(8) {
+        let wide = isa == Isa::Avx512 && hd.is_multiple_of(16);
         let mut r = 0;
         while r < rows {
             let k = (rows - r).min(3);
@@ -791,14 +838,27 @@ pub fn axpy_rows_codes_with(
             let b = &bias[r..r + k];
             // SAFETY: as in `dot_rows_codes_with`.
             unsafe {
-                rows_kernel!(
-                    kind,
-                    k,
-                    b,
-                    axpy_rows_stored,
-                    [o, hd],
-                    [w, wstride, n, codes, first]
-                )
+                if wide {
+                    rows_kernel!(
+                        simd::avx512,
+                        kind,
+                        k,
+                        b,
+                        axpy_rows_stored,
+                        [o, hd],
+                        [w, wstride, n, codes, first]
+                    )
+                } else {
+                    rows_kernel!(
+                        simd::avx2::kv,
+                        kind,
+                        k,
+                        b,
+                        axpy_rows_stored,
+                        [o, hd],
+                        [w, wstride, n, codes, first]
+                    )
+                }
             };
             r += k;
         }

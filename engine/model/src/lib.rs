@@ -10,6 +10,7 @@
 //! service's threads or of the wire protocol. Where its chunks live is the caller's
 //! [`kv::ChunkMemory`]; it uses kvfs only for its buffer type and header size.
 
+pub mod chosen;
 pub mod config;
 pub mod fetch;
 pub mod forward;

@@ -27,14 +27,63 @@ pub enum Isa {
     Avx512,
 }
 
+/// The environment variable that caps the kernels' instruction set at run time, for measuring a
+/// smaller CPU's path on a larger one: `portable`, `avx2` (AVX2, FMA and F16C: AMD Zen 3),
+/// `avx2-vnni` (that and AVX-VNNI for the int8 products: Intel Alder Lake and later) or
+/// `avx512` (no cap). Read once, where [`Isa::best`] and [`crate::int8gemm::Path::best`] are
+/// decided; a cap above the CPU's own paths changes nothing.
+pub const ISA_ENV: &str = "LLMS_ISA";
+
+/// How far [`ISA_ENV`] lets the kernels go, in increasing order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum IsaCap {
+    /// Portable code only.
+    Portable,
+    /// AVX2, FMA and F16C; int8 products with `vpmaddubsw`/`vpmaddwd`.
+    Avx2,
+    /// [`IsaCap::Avx2`], and AVX-VNNI (`vpdpbusd` on 256 bits) for the int8 products.
+    Avx2Vnni,
+    /// Everything the CPU has.
+    Avx512,
+}
+
+impl IsaCap {
+    /// The cap [`ISA_ENV`] sets, read once (no cap when unset; an unknown value is logged and
+    /// ignored).
+    pub fn get() -> IsaCap {
+        static CAP: OnceLock<IsaCap> = OnceLock::new();
+        *CAP.get_or_init(|| {
+            let v = std::env::var(ISA_ENV).unwrap_or_default();
+            IsaCap::parse(&v).unwrap_or_else(|| {
+                tracing::warn!(
+                    "{ISA_ENV}={v:?} is none of portable, avx2, avx2-vnni, avx512: ignored"
+                );
+                IsaCap::Avx512
+            })
+        })
+    }
+
+    /// The cap a value of [`ISA_ENV`] names (the empty string: none).
+    pub fn parse(v: &str) -> Option<IsaCap> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "portable" => Some(IsaCap::Portable),
+            "avx2" => Some(IsaCap::Avx2),
+            "avx2-vnni" | "avxvnni" | "avx-vnni" => Some(IsaCap::Avx2Vnni),
+            "" | "avx512" | "native" => Some(IsaCap::Avx512),
+            _ => None,
+        }
+    }
+}
+
 impl Isa {
-    /// The best path this CPU supports, detected once at run time.
+    /// The best path this CPU supports within [`IsaCap::get`], detected once at run time.
     pub fn best() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| {
-            if Isa::Avx512.available() {
+            let cap = IsaCap::get();
+            if cap >= IsaCap::Avx512 && Isa::Avx512.available() {
                 Isa::Avx512
-            } else if Isa::Avx2.available() {
+            } else if cap >= IsaCap::Avx2 && Isa::Avx2.available() {
                 Isa::Avx2
             } else {
                 Isa::Portable
@@ -492,32 +541,36 @@ impl QMatrix {
     /// `out[i]` = row `r0 + i` · `x` (f32 activations) for every `i`.
     fn rows_dot(&self, isa: Isa, r0: usize, x: &[f32], xsum: &[f32], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 && self.kind != Kind::F32 {
+        if isa != Isa::Portable && self.kind != Kind::F32 {
             let nb = self.cols / BLOCK;
             let (b0, b1) = (r0 * nb, (r0 + out.len()) * nb);
-            match self.kind {
+            let (d, m) = (
+                &self.d[b0..b1],
+                &self.m[b0.min(self.m.len())..b1.min(self.m.len())],
+            );
+            match (self.kind, isa) {
                 // SAFETY: `matvec_with` checked that the CPU has the path's features; the slices
                 // hold nb blocks for each of the out.len() rows and x is cols = 32 nb long.
-                Kind::Q4_1 => unsafe {
-                    simd::avx512::matvec_q4_1(
-                        &self.d[b0..b1],
-                        &self.m[b0..b1],
-                        &self.qs[b0 * 16..b1 * 16],
-                        x,
-                        xsum,
-                        out,
-                    )
+                (Kind::Q4_1, Isa::Avx512) => unsafe {
+                    simd::avx512::matvec_q4_1(d, m, &self.qs[b0 * 16..b1 * 16], x, xsum, out)
                 },
                 // SAFETY: as above.
-                Kind::Q8_0 => unsafe {
-                    simd::avx512::matvec_q8_0(&self.d[b0..b1], &self.qs[b0 * 32..b1 * 32], x, out)
+                (Kind::Q4_1, _) => unsafe {
+                    simd::avx2::matvec::matvec_q4_1(d, m, &self.qs[b0 * 16..b1 * 16], x, xsum, out)
                 },
-                Kind::F32 => unreachable!("f32 matrices take the row loop"),
+                // SAFETY: as above.
+                (Kind::Q8_0, Isa::Avx512) => unsafe {
+                    simd::avx512::matvec_q8_0(d, &self.qs[b0 * 32..b1 * 32], x, out)
+                },
+                // SAFETY: as above.
+                (_, _) => unsafe {
+                    simd::avx2::matvec::matvec_q8_0(d, &self.qs[b0 * 32..b1 * 32], x, out)
+                },
             }
             return;
         }
         for (i, o) in out.iter_mut().enumerate() {
-            *o = self.row_dot(isa, r0 + i, x, xsum);
+            *o = self.row_dot(r0 + i, x, xsum);
         }
     }
 
@@ -577,7 +630,8 @@ impl QMatrix {
         }
     }
 
-    fn row_dot(&self, isa: Isa, r: usize, x: &[f32], xsum: &[f32]) -> f32 {
+    /// One row's product on the portable path (f32 matrices: on every path).
+    fn row_dot(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32 {
         let nb = self.cols / BLOCK;
         match self.kind {
             Kind::F32 => {
@@ -587,23 +641,12 @@ impl QMatrix {
             Kind::Q4_1 => {
                 let (d, m) = (&self.d[r * nb..(r + 1) * nb], &self.m[r * nb..(r + 1) * nb]);
                 let qs = &self.qs[r * nb * 16..(r + 1) * nb * 16];
-                match isa {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `matvec_with` checked that the CPU has the path's features; the
-                    // slices hold nb blocks and `x`, `xsum` cover them.
-                    Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::dot_q4_1(d, m, qs, x, xsum) },
-                    _ => dot_q4_1_portable(d, m, qs, x, xsum),
-                }
+                dot_q4_1_portable(d, m, qs, x, xsum)
             }
             Kind::Q8_0 => {
                 let d = &self.d[r * nb..(r + 1) * nb];
                 let qs = &self.qs[r * nb * 32..(r + 1) * nb * 32];
-                match isa {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: as above.
-                    Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::dot_q8_0(d, qs, x) },
-                    _ => dot_q8_0_portable(d, qs, x),
-                }
+                dot_q8_0_portable(d, qs, x)
             }
         }
     }
@@ -918,6 +961,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn isa_caps_parse() {
+        fn check(v: &str, want: Option<IsaCap>) {
+            assert_eq!(IsaCap::parse(v), want, "{v:?}");
+        }
+        check("", Some(IsaCap::Avx512));
+        check("portable", Some(IsaCap::Portable));
+        check(" AVX2 ", Some(IsaCap::Avx2));
+        check("avx2-vnni", Some(IsaCap::Avx2Vnni));
+        check("avx512", Some(IsaCap::Avx512));
+        check("sse2", None);
+        assert!(IsaCap::Portable < IsaCap::Avx2 && IsaCap::Avx2Vnni < IsaCap::Avx512);
     }
 
     #[test]

@@ -30,9 +30,11 @@
 //! recompute of any set of chunks stay exact).
 
 #[cfg(target_arch = "x86_64")]
+pub mod avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod vnni;
 
-use crate::qmatrix::{BLOCK, Kind, QMatrix};
+use crate::qmatrix::{BLOCK, IsaCap, Kind, QMatrix};
 use half::f16;
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -50,7 +52,8 @@ const TILE_PANELS: usize = 2;
 /// How batched products take their activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrefillActs {
-    /// The fastest this CPU does: int8 with VNNI, else f32.
+    /// The fastest this CPU does: int8 on every vector path (AVX-512 VNNI, AVX-VNNI, AVX2),
+    /// f32 on the portable one.
     Auto,
     /// f32 GEMM over dequantized weight tiles: the reference, and the default (int8 is within
     /// 0.5% of its perplexity but flips near-tied first tokens; docs/bench-engine.md).
@@ -64,7 +67,9 @@ impl PrefillActs {
     /// What `Auto` means on this CPU.
     pub fn resolve(self) -> PrefillActs {
         match self {
-            PrefillActs::Auto if Path::best() == Path::Vnni => PrefillActs::Int8,
+            // Every vector path beats the f32 GEMM (docs/bench-engine.md: 1.1x on AVX2 alone)
+            // and gives the portable path's bits, hence its perplexity.
+            PrefillActs::Auto if Path::best() != Path::Portable => PrefillActs::Int8,
             PrefillActs::Auto => PrefillActs::F32,
             p => p,
         }
@@ -76,17 +81,26 @@ impl PrefillActs {
 pub enum Path {
     /// Plain Rust, any CPU (slow: the tests' oracle and the fallback).
     Portable,
+    /// AVX2 alone: `vpmaddubsw` and `vpmaddwd` on 256 bits (AMD Zen 3).
+    Avx2,
+    /// AVX2 and AVX-VNNI: `vpdpbusd` on 256 bits (Intel Alder Lake and later).
+    AvxVnni,
     /// AVX-512 F/BW with VNNI.
     Vnni,
 }
 
 impl Path {
-    /// The best path this CPU supports, detected once at run time.
+    /// The best path this CPU supports within [`IsaCap::get`], detected once at run time.
     pub fn best() -> Path {
         static BEST: OnceLock<Path> = OnceLock::new();
         *BEST.get_or_init(|| {
-            if Path::Vnni.available() {
+            let cap = IsaCap::get();
+            if cap >= IsaCap::Avx512 && Path::Vnni.available() {
                 Path::Vnni
+            } else if cap >= IsaCap::Avx2Vnni && Path::AvxVnni.available() {
+                Path::AvxVnni
+            } else if cap >= IsaCap::Avx2 && Path::Avx2.available() {
+                Path::Avx2
             } else {
                 Path::Portable
             }
@@ -98,19 +112,25 @@ impl Path {
         match self {
             Path::Portable => true,
             #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => crate::qmatrix::Isa::Avx2.available(),
+            #[cfg(target_arch = "x86_64")]
+            Path::AvxVnni => {
+                Path::Avx2.available() && std::arch::is_x86_feature_detected!("avxvnni")
+            }
+            #[cfg(target_arch = "x86_64")]
             Path::Vnni => {
                 std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vnni")
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Path::Vnni => false,
+            Path::Avx2 | Path::AvxVnni | Path::Vnni => false,
         }
     }
 
     /// Every path this CPU can run, portable first.
     pub fn all_available() -> Vec<Path> {
-        [Path::Portable, Path::Vnni]
+        [Path::Portable, Path::Avx2, Path::AvxVnni, Path::Vnni]
             .into_iter()
             .filter(|p| p.available())
             .collect()
@@ -415,41 +435,56 @@ pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
                         let c0 = r0 + p * PANEL;
                         let lanes = (r1 - c0).min(PANEL);
                         let panel = &buf[p * panel_bytes..(p + 1) * panel_bytes];
-                        match path {
-                            #[cfg(target_arch = "x86_64")]
-                            Path::Vnni => {
-                                // SAFETY: the CPU has the path's features (asserted above);
-                                // the panel holds k / 32 blocks of `pb` bytes, x holds m rows
-                                // of k codes and their m * k / 32 block parameters, t1 <= m and
-                                // t1 - t0 <= TOKENS; `out` (at addr) holds m rows of n values
-                                // and c0 + lanes <= n; this task alone writes columns
-                                // c0..c0 + lanes (tasks cover disjoint row ranges of w), and
-                                // nothing else reads `out` while the tasks run.
-                                unsafe {
-                                    vnni::panel(
-                                        w.kind() == Kind::Q4_1,
-                                        panel,
-                                        x.parts(t0, t1),
-                                        (addr as *mut f32).add(t0 * n + c0),
-                                        n,
-                                        lanes,
-                                    )
-                                }
-                            }
-                            _ => {
-                                // SAFETY: as above: these columns of these rows are this
-                                // task's alone, and `out` outlives the tasks.
-                                let out = unsafe {
-                                    std::slice::from_raw_parts_mut(addr as *mut f32, m * n)
-                                };
-                                panel_portable(w.kind(), panel, x, (t0, t1), out, n, c0, lanes)
-                            }
-                        }
+                        // SAFETY: `product`'s checks and split: the task's own columns.
+                        unsafe {
+                            panel_on(path, w.kind(), panel, x, (t0, t1), (addr, n), c0, lanes)
+                        };
                     }
                 }
             });
             add_shadows(w, x, (r0, r1), addr, n);
         });
+}
+
+/// Runs one panel's kernel on `path` for tokens `t0..t1` into columns `c0..c0 + lanes` of
+/// `out` (at `addr`, rows of `n`).
+///
+/// # Safety
+/// The CPU must have the path's features; the panel must hold `x.cols / 32` blocks of `kind`,
+/// `t1 - t0 <= TOKENS` with `t1 <= x.rows`; `out` must hold `x.rows` rows of `n` values with
+/// `c0 + lanes <= n`, and no other thread may access those columns of those rows meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_on(
+    path: Path,
+    kind: Kind,
+    panel: &[u8],
+    x: &QuantRows,
+    (t0, t1): (usize, usize),
+    (addr, n): (usize, usize),
+    c0: usize,
+    lanes: usize,
+) {
+    let q4 = kind == Kind::Q4_1;
+    let at = (addr as *mut f32).wrapping_add(t0 * n + c0);
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the contract: the panel holds k / 32 blocks, x holds its tokens' codes and
+        // block parameters, `at` starts t1 - t0 rows of n values of which these columns are
+        // ours alone.
+        Path::Vnni => unsafe { vnni::panel(q4, panel, x.parts(t0, t1), at, n, lanes) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; the CPU has AVX-VNNI on that path.
+        Path::AvxVnni => unsafe { avx2::panel::<true>(q4, panel, x.parts(t0, t1), at, n, lanes) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Path::Avx2 => unsafe { avx2::panel::<false>(q4, panel, x.parts(t0, t1), at, n, lanes) },
+        _ => {
+            // SAFETY: as above: these columns of these rows are ours alone, `out` holds x.rows
+            // rows of n.
+            let out = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, x.rows * n) };
+            panel_portable(kind, panel, x, (t0, t1), out, n, c0, lanes)
+        }
+    }
 }
 
 /// Adds the shadow columns' products to rows `r0..r1` of `out` (at `addr`, rows of `n`): this
@@ -494,6 +529,21 @@ pub struct RowsView<'a> {
     pub d: &'a [f32],
     pub sum: &'a [f32],
     pub qsum: &'a [i32],
+}
+
+impl RowsView<'_> {
+    /// Tokens `t0..t1` of this view.
+    pub fn slice(&self, t0: usize, t1: usize) -> Self {
+        let nb = self.cols / BLOCK;
+        RowsView {
+            tokens: t1 - t0,
+            cols: self.cols,
+            q: &self.q[t0 * self.cols..t1 * self.cols],
+            d: &self.d[t0 * nb..t1 * nb],
+            sum: &self.sum[t0 * nb..t1 * nb],
+            qsum: &self.qsum[t0 * nb..t1 * nb],
+        }
+    }
 }
 
 impl QuantRows {

@@ -555,12 +555,7 @@ unsafe fn axpy_rows_multi_by<const R: usize>(
     }
 }
 
-/// Kinds of stored values for [`dot_rows_stored`] and [`axpy_rows_stored`]: 2, 3, 4 and 8 are
-/// packed unsigned codes of that many bits, [`SIGNED8`] signed bytes, [`HALF`] little-endian
-/// f16.
-pub const SIGNED8: usize = 9;
-/// See [`SIGNED8`].
-pub const HALF: usize = 16;
+pub use super::{HALF, SIGNED8};
 
 /// Sixteen stored values of kind `K` from value index `at` of `p` (on a byte), as f32.
 ///

@@ -13,6 +13,13 @@ pub fn prefetch_l2(bytes: &[u8]) {
     }
 }
 
+/// Kinds of stored KV values for the `dot_rows_stored` and `axpy_rows_stored` kernels: 2, 3,
+/// 4 and 8 are packed unsigned codes of that many bits, [`SIGNED8`] signed bytes, [`HALF`]
+/// little-endian f16.
+pub const SIGNED8: usize = 9;
+/// See [`SIGNED8`].
+pub const HALF: usize = 16;
+
 /// AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1).
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;

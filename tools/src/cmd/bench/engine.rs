@@ -128,6 +128,9 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         "bench engine: {} threads, kernels {kernels}, kv {}, prefill chunk {}, {} runs each",
         threads, l.format, l.model.prefill_chunk, a.runs
     );
+    for c in model::chosen::engine(l.model.prefill_activations()) {
+        eprintln!("  kernel: {}: {}", c.product, c.kernel);
+    }
     let prefill = measure_prefill(&a, &l, &tokens)?;
     let bandwidth = read_bandwidth(&l.model, a.runs);
     eprintln!(

@@ -253,6 +253,9 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     }
     args.report.begin();
     let model = args.input.load()?;
+    for c in model::chosen::attention() {
+        eprintln!("  kernel: {}: {}", c.product, c.kernel);
+    }
     let s = model.chunk_shape(16);
     let most = args.recompute.iter().copied().max().unwrap_or(1);
     anyhow::ensure!(

@@ -1,4 +1,9 @@
-//! AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1).
+//! AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1): single-row products,
+//! f16 conversion, softmax and SwiGLU here; the several-rows-per-pass decode products in
+//! [`matvec`] and the attention kernels in [`kv`], the 256-bit forms of `simd::avx512`'s.
+
+pub mod kv;
+pub mod matvec;
 
 use half::f16;
 use std::arch::x86_64::*;
@@ -27,149 +32,11 @@ fn unpack_q4(q: __m128i) -> [__m256; 4] {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
+pub(crate) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
     _mm_cvtss_f32(s)
-}
-
-/// Eight f16 at `p` as eight f32.
-///
-/// # Safety
-/// The CPU must have F16C; `p` must be valid for reads of 16 bytes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load8_f16(p: *const f16) -> __m256 {
-    // SAFETY: the caller guarantees 16 readable bytes at p; unaligned loads accept any address.
-    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p as *const __m128i) })
-}
-
-/// Σ q x over one Q4_1 block's 32 nibbles (`q`: its 16 bytes, `x`: its 32 activations).
-///
-/// Each half of the bytes is zero-extended to eight 32-bit lanes straight from memory; a
-/// lane's low nibble is value j and its high nibble value j + 16, so a mask and a shift
-/// give both without the byte shuffles of unpacking the whole block at once.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; `q` must be valid for reads of 16 bytes and `x` of
-/// 32 f32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_q4(q: *const u8, x: *const f32) -> __m256 {
-    let mask = _mm256_set1_epi32(0x0F);
-    // SAFETY: the caller guarantees 16 bytes at q and 32 f32 at x; unaligned loads accept
-    // any address.
-    unsafe {
-        let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q as *const __m128i));
-        let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(q.add(8) as *const __m128i));
-        let w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, mask));
-        let w1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, mask));
-        let w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v0));
-        let w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v1));
-        let t = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
-        let t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.add(8)), t);
-        let t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x.add(16)), t);
-        _mm256_fmadd_ps(w3, _mm256_loadu_ps(x.add(24)), t)
-    }
-}
-
-/// Σ q x over one Q8_0 block's 32 signed bytes.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; `q` must be valid for reads of 32 bytes and `x` of
-/// 32 f32.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_q8(q: *const u8, x: *const f32) -> __m256 {
-    // SAFETY: the caller guarantees 32 bytes at q and 32 f32 at x; unaligned loads accept
-    // any address.
-    unsafe {
-        let w = |o: usize| {
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                q.add(o) as *const __m128i
-            )))
-        };
-        let t = _mm256_mul_ps(w(0), _mm256_loadu_ps(x));
-        let t = _mm256_fmadd_ps(w(8), _mm256_loadu_ps(x.add(8)), t);
-        let t = _mm256_fmadd_ps(w(16), _mm256_loadu_ps(x.add(16)), t);
-        _mm256_fmadd_ps(w(24), _mm256_loadu_ps(x.add(24)), t)
-    }
-}
-
-/// Σ (d q + m) x over the blocks of one Q4_1 row (`xsum` holds Σ x per block).
-///
-/// Scales and minimums are converted eight blocks at a time, and the minimum term
-/// Σ m Σx is one vector product per eight blocks.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; `m` and `xsum` must hold `d.len()` values, `qs` 16
-/// bytes and `x` 32 values for each of the `d.len()` blocks.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1(d: &[f16], m: &[f16], qs: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
-    let nb = d.len();
-    assert!(m.len() >= nb && xsum.len() >= nb && qs.len() >= nb * 16 && x.len() >= nb * 32);
-    let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
-    let mut mins = _mm256_setzero_ps();
-    let mut ds = [0.0f32; 8];
-    let mut b = 0;
-    while b + 8 <= nb {
-        // SAFETY: b + 8 <= nb, so the eight f16 at d[b..], m[b..] and the eight f32 at
-        // xsum[b..] are inside their slices (assert above); ds holds eight f32.
-        unsafe {
-            _mm256_storeu_ps(ds.as_mut_ptr(), load8_f16(d.as_ptr().add(b)));
-            let mv = load8_f16(m.as_ptr().add(b));
-            mins = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum.as_ptr().add(b)), mins);
-        }
-        for (i, &db) in ds.iter().enumerate() {
-            let k = b + i;
-            // SAFETY: k < nb, so the block's 16 bytes at qs[16k..] and 32 f32 at x[32k..]
-            // are inside their slices by the assert above.
-            let t = unsafe { block_q4(qs.as_ptr().add(k * 16), x.as_ptr().add(k * 32)) };
-            acc[i & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(db), acc[i & 1]);
-        }
-        b += 8;
-    }
-    let mut tail = 0.0;
-    for k in b..nb {
-        // SAFETY: k < nb, as in the loop above.
-        let t = unsafe { block_q4(qs.as_ptr().add(k * 16), x.as_ptr().add(k * 32)) };
-        acc[k & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(h2f(d[k])), acc[k & 1]);
-        tail += h2f(m[k]) * xsum[k];
-    }
-    hsum(_mm256_add_ps(acc[0], acc[1])) + hsum(mins) + tail
-}
-
-/// Σ d q x over the blocks of one Q8_0 row (scales converted eight blocks at a time).
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; `qs` and `x` must hold 32 values for each of the
-/// `d.len()` blocks.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0(d: &[f16], qs: &[u8], x: &[f32]) -> f32 {
-    let nb = d.len();
-    assert!(qs.len() >= nb * 32 && x.len() >= nb * 32);
-    let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
-    let mut ds = [0.0f32; 8];
-    let mut b = 0;
-    while b + 8 <= nb {
-        // SAFETY: b + 8 <= nb: the eight f16 at d[b..] are inside `d`; ds holds eight f32.
-        unsafe { _mm256_storeu_ps(ds.as_mut_ptr(), load8_f16(d.as_ptr().add(b))) };
-        for (i, &db) in ds.iter().enumerate() {
-            let k = b + i;
-            // SAFETY: k < nb, so the block's 32 bytes at qs[32k..] and 32 f32 at x[32k..]
-            // are inside their slices by the assert above.
-            let t = unsafe { block_q8(qs.as_ptr().add(k * 32), x.as_ptr().add(k * 32)) };
-            acc[i & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(db), acc[i & 1]);
-        }
-        b += 8;
-    }
-    for k in b..nb {
-        // SAFETY: k < nb, as in the loop above.
-        let t = unsafe { block_q8(qs.as_ptr().add(k * 32), x.as_ptr().add(k * 32)) };
-        acc[k & 1] = _mm256_fmadd_ps(t, _mm256_set1_ps(h2f(d[k])), acc[k & 1]);
-    }
-    hsum(_mm256_add_ps(acc[0], acc[1]))
 }
 
 /// Dequantizes Q4_1 blocks into `out` (32 values per block).

@@ -1,0 +1,85 @@
+//! Which kernel runs each product on this CPU, as chosen at run time ([`Isa::best`],
+//! [`Path::best`], both within `LLMS_ISA`), named for benchmark reports.
+
+use crate::int8gemm::{Path, PrefillActs};
+use crate::qmatrix::Isa;
+
+/// One product and the kernel that runs it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Chosen {
+    /// What is computed.
+    pub product: &'static str,
+    /// The kernel that computes it here.
+    pub kernel: &'static str,
+}
+
+/// The kernels of the single-token (decode) products, with `prefill` the batched products'
+/// activations as the model resolved them.
+pub fn engine(prefill: PrefillActs) -> Vec<Chosen> {
+    let isa = Isa::best();
+    let mut out = vec![Chosen {
+        product: "decode Q4_1/Q8_0 matvec (f32 activations)",
+        kernel: match isa {
+            Isa::Avx512 => "avx512::matvec_q4_1/q8_0, 4 rows per pass, 512-bit",
+            Isa::Avx2 => "avx2::matvec::matvec_q4_1/q8_0, 4 rows per pass, 256-bit",
+            Isa::Portable => "portable, one row at a time",
+        },
+    }];
+    out.push(Chosen {
+        product: "prefill Q4_1/Q8_0 products",
+        kernel: match (prefill.resolve(), Path::best()) {
+            (PrefillActs::Int8, Path::Vnni) => "int8 panels, vpdpbusd 512-bit (AVX-512 VNNI)",
+            (PrefillActs::Int8, Path::AvxVnni) => "int8 panels, vpdpbusd 256-bit (AVX-VNNI)",
+            (PrefillActs::Int8, Path::Avx2) => "int8 panels, vpmaddubsw+vpmaddwd 256-bit (AVX2)",
+            (PrefillActs::Int8, _) => "int8 panels, portable",
+            _ if isa.has_avx2() => "f32 GEMM (gemm crate) over AVX2-dequantized tiles",
+            _ => "f32 GEMM (gemm crate) over portably dequantized tiles",
+        },
+    });
+    out.extend(attention());
+    out
+}
+
+/// The kernels of decode attention over the KV chunks.
+pub fn attention() -> Vec<Chosen> {
+    let isa = Isa::best();
+    let pick = |wide: &'static str, avx2: &'static str, portable: &'static str| match isa {
+        Isa::Avx512 => wide,
+        Isa::Avx2 => avx2,
+        Isa::Portable => portable,
+    };
+    vec![
+        Chosen {
+            product: "attention scores and value sums over f16/int8/packed codes",
+            kernel: pick(
+                "avx512::dot_rows_stored/axpy_rows_stored, 3 query rows, 16 lanes",
+                "avx2::kv::dot_rows_stored/axpy_rows_stored, 3 query rows, 8 lanes",
+                "portable, codes unpacked per key",
+            ),
+        },
+        Chosen {
+            product: "KV code and coded-parameter decode",
+            kernel: pick(
+                "avx512::decode_codes/decode_coded_params, 16 at a time",
+                "avx2::kv::decode_codes/decode_coded_params, 8 at a time",
+                "portable",
+            ),
+        },
+        Chosen {
+            product: "f32 key dot products and value sums",
+            kernel: pick(
+                "avx512::dot_rows/axpy_rows, 16 keys per pass",
+                "avx2::kv::dot_rows/axpy_rows, 8 keys per pass",
+                "portable",
+            ),
+        },
+        Chosen {
+            product: "softmax, SwiGLU",
+            kernel: if isa.has_avx2() {
+                "avx2::softmax/swiglu (polynomial e^x)"
+            } else {
+                "portable"
+            },
+        },
+    ]
+}
