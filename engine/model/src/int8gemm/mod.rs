@@ -548,15 +548,15 @@ impl RowsView<'_> {
 
 impl QuantRows {
     fn parts(&self, t0: usize, t1: usize) -> RowsView<'_> {
-        let nb = self.cols / BLOCK;
         RowsView {
-            tokens: t1 - t0,
+            tokens: self.rows,
             cols: self.cols,
-            q: &self.q[t0 * self.cols..t1 * self.cols],
-            d: &self.d[t0 * nb..t1 * nb],
-            sum: &self.sum[t0 * nb..t1 * nb],
-            qsum: &self.qsum[t0 * nb..t1 * nb],
+            q: &self.q,
+            d: &self.d,
+            sum: &self.sum,
+            qsum: &self.qsum,
         }
+        .slice(t0, t1)
     }
 }
 
