@@ -33,31 +33,5 @@ pub use types::{
 };
 pub use victim::{Candidate, LruChooser, ResidentView, VictimChooser};
 
-/// A context's id, as the engine numbers them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ContextId(pub u64);
-
-/// A chunk: its context and its index (chunk `i` holds tokens `16 i .. 16 i + 15`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ChunkKey {
-    /// The context the chunk belongs to.
-    pub ctx: ContextId,
-    /// The chunk's index in its context.
-    pub index: u32,
-}
-
-impl ChunkKey {
-    /// The key of chunk `index` of context `ctx`.
-    pub const fn new(ctx: u64, index: u32) -> ChunkKey {
-        ChunkKey {
-            ctx: ContextId(ctx),
-            index,
-        }
-    }
-}
-
-impl std::fmt::Display for ChunkKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ctx {} chunk {}", self.ctx.0, self.index)
-    }
-}
+/// The ids of contexts and chunks, shared with the store and the service.
+pub use ids::{ChunkKey, ContextId};

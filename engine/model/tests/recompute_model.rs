@@ -118,9 +118,9 @@ fn subsets() -> Vec<(&'static str, Vec<usize>)> {
     ]
 }
 
-fn evict_and_recompute(model: &Model, c: &mut KvCache, set: &[usize]) {
+fn reclaim_and_recompute(model: &Model, c: &mut KvCache, set: &[usize]) {
     for &i in set {
-        c.evict(i).unwrap();
+        c.reclaim(i).unwrap();
     }
     assert_eq!(c.missing_chunks().len(), set.len());
     let stats = recompute_chunks(model, c, set).unwrap();
@@ -135,7 +135,7 @@ fn f16_chunks_recompute_bit_exactly_and_the_next_logits_are_unchanged() {
     let original = snapshot(&c);
     let attention = c.attention_received().0.to_vec();
     for (name, set) in subsets() {
-        evict_and_recompute(m, &mut c, &set);
+        reclaim_and_recompute(m, &mut c, &set);
         for (i, want) in original.iter().enumerate() {
             assert!(
                 c.chunk_bytes(i).unwrap() == &want[..],
@@ -178,7 +178,7 @@ fn pieces_and_recompute_are_exact(m: &Model) {
     }
     let mut c = whole;
     for (name, set) in subsets() {
-        evict_and_recompute(m, &mut c, &set);
+        reclaim_and_recompute(m, &mut c, &set);
         for (i, want) in original.iter().enumerate() {
             assert!(
                 c.chunk_bytes(i).unwrap() == &want[..],
@@ -226,7 +226,7 @@ fn quantized_and_mixed_chunks_recompute_within_quantization_error() {
     let want = next_logits(m, &mut uninterrupted);
 
     let set = [0, 1, 3, 6, 9];
-    evict_and_recompute(m, &mut c, &set);
+    reclaim_and_recompute(m, &mut c, &set);
     assert_eq!(c.chunk_formats(), &formats[..]);
     for i in 0..CHUNKS {
         let d = relative_diff(&original[i], &decoded(&c, i));
@@ -266,8 +266,8 @@ fn recompute_refuses_what_it_cannot_do() {
             sealed: CHUNKS
         }
     ));
-    c.evict(2).unwrap();
-    c.evict(5).unwrap();
+    c.reclaim(2).unwrap();
+    c.reclaim(5).unwrap();
     let err = recompute_chunks(model, &mut c, &[5]).unwrap_err();
     assert!(matches!(
         err,

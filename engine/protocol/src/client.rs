@@ -70,7 +70,7 @@ impl Default for CallParams {
     fn default() -> Self {
         Self {
             format: PromptFormat::Chat,
-            max_tokens: 256,
+            max_tokens: crate::DEFAULT_MAX_TOKENS,
             temperature: 0.0,
             top_p: 1.0,
             top_k: 0,

@@ -113,8 +113,12 @@ pub enum Request {
     Stats { id: u64 },
 }
 
+/// The most tokens a call generates when it does not say: the wire's default, and the typed
+/// client's, the CLI's and the service's.
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
 fn default_max_tokens() -> usize {
-    256
+    DEFAULT_MAX_TOKENS
 }
 
 fn default_top_p() -> f32 {

@@ -6,7 +6,6 @@
 
 use std::time::Instant;
 
-use kvfs::StoreState;
 use model::Model;
 use model::generate::{Generation, Sampler, SamplingParams, StopReason, generate};
 use model::kv::KvCache;
@@ -15,10 +14,10 @@ use uffd_pager::{ChunkKey, ContextId, Pager};
 
 use crate::ServiceError;
 use crate::chunk_io::ChunkIo;
+use crate::chunks::{ChunkBook, StoredCopy};
 use crate::config::{ManagerConfig, WriteOut};
-use crate::load::{self, LoadReport, StoredChunk};
-use crate::memory::Versions;
-use crate::source::{Expected, FormatLevels};
+use crate::load::{self, LoadReport};
+use crate::source::FormatLevels;
 use crate::writer::{WriteJob, Writer};
 
 /// The compression levels and the policy's global ratio the bit budget comes to, fixed at open.
@@ -47,7 +46,7 @@ pub struct CallOptions {
 impl Default for CallOptions {
     fn default() -> Self {
         Self {
-            max_tokens: 64,
+            max_tokens: protocol::DEFAULT_MAX_TOKENS,
             sampling: SamplingParams::default(),
             stop: Vec::new(),
         }
@@ -128,8 +127,6 @@ pub(crate) struct Context {
     pub(crate) cache: KvCache,
     /// Tokens said but not in the cache: the open tail of the last call.
     pub(crate) pending: Vec<u32>,
-    /// What the store holds of each sealed chunk.
-    pub(crate) stored: Vec<Option<StoredChunk>>,
     pub(crate) density: DensityTracker,
     pub(crate) calls: u64,
 }
@@ -142,9 +139,9 @@ pub(crate) struct Call<'a> {
     pub(crate) io: &'a ChunkIo,
     pub(crate) pager: &'a Pager,
     pub(crate) cost: &'a CostModel,
-    pub(crate) versions: &'a Versions,
+    /// Each chunk's version, format, density and stored copy.
+    pub(crate) book: &'a ChunkBook,
     pub(crate) writer: &'a Writer,
-    pub(crate) expected: &'a Expected,
     pub(crate) compression: &'a Compression,
     /// The context's id.
     pub(crate) id: u64,
@@ -202,17 +199,9 @@ impl Call<'_> {
         prompt: Prompt<'_>,
     ) -> Result<(Vec<u32>, LoadReport), ServiceError> {
         let id = self.id;
-        for i in self.expected.take_written(id) {
-            if let Some(slot) = ctx.stored.get_mut(i as usize)
-                && let Ok(StoreState::Stored(s)) =
-                    self.io.store().chunk_state(kvfs::ContextId(id), i)
-            {
-                *slot = Some(StoredChunk {
-                    format: s.format,
-                    bytes: u64::from(s.stored_len),
-                });
-            }
-        }
+        let stored = self
+            .book
+            .stored(ContextId(id), ctx.cache.chunk_formats().len());
         let mut tokens = None;
         let load = load::load(
             self.model,
@@ -220,7 +209,7 @@ impl Call<'_> {
             self.pager,
             id,
             &mut ctx.cache,
-            &ctx.stored,
+            &stored,
             self.cfg.load,
             self.cost,
             readers,
@@ -228,7 +217,7 @@ impl Call<'_> {
         )?;
         let prompt = tokens.expect("the Load encodes the prompt").into_owned();
         for &i in &load.failed_reads {
-            ctx.stored[i as usize] = None;
+            self.book.set_stored(ChunkKey::new(id, i), None);
         }
         Ok((prompt, load))
     }
@@ -271,7 +260,6 @@ impl Call<'_> {
         let attention = ctx.cache.take_attention(hl);
         ctx.density.merge(&attention)?;
         let sealed = ctx.cache.chunk_formats().len();
-        ctx.stored.resize(sealed, None);
         let mut recompressed = 0;
         let levels = &self.compression.levels;
         if let Some(ratio) = self.compression.ratio
@@ -298,8 +286,8 @@ impl Call<'_> {
                 }
             }
         }
-        self.expected.set(
-            self.id,
+        self.book.set_formats(
+            ContextId(self.id),
             ctx.cache.chunk_formats(),
             &ctx.density.chunk_densities(),
         );
@@ -310,7 +298,7 @@ impl Call<'_> {
     /// chunks `policy::plan_writeout` lists, queued for the writer thread. Returns how many.
     fn write_out(&self, ctx: &mut Context, said: &[u32]) -> Result<usize, ServiceError> {
         let id = self.id;
-        let kid = kvfs::ContextId(id);
+        let kid = ContextId(id);
         let stored_tokens = self.io.store().tokens(kid)?.len();
         if said.len() > stored_tokens {
             self.io.store().append_tokens(kid, &said[stored_tokens..])?;
@@ -318,13 +306,14 @@ impl Call<'_> {
         let levels = &self.compression.levels;
         let sealed = ctx.cache.chunk_formats().len();
         let shape = *ctx.cache.shape();
+        let stored = self.book.stored(ContextId(id), sealed);
         let states: Vec<policy::WriteCandidate> = (0..sealed)
             .map(|i| {
                 let f = ctx.cache.chunk_formats()[i];
                 policy::WriteCandidate {
                     index: i as u32,
                     level: levels.floor(f).unwrap_or(Level(0)),
-                    stored: ctx.stored[i].and_then(|s| levels.floor(s.format)),
+                    stored: stored[i].and_then(|s| levels.floor(s.format)),
                     modified: false,
                     bytes: shape.chunk_bytes(f) as u64,
                 }
@@ -350,12 +339,13 @@ impl Call<'_> {
                 format: f,
                 density: densities.get(i).copied().unwrap_or(0.0) as f32,
                 bytes: bytes.to_vec(),
-                version: self.versions.get(key),
+                version: self.book.version(key),
             });
-            ctx.stored[i] = Some(StoredChunk {
+            let queued = StoredCopy {
                 format: f,
                 bytes: shape.chunk_bytes(f) as u64,
-            });
+            };
+            self.book.set_stored(key, Some(queued));
         }
         Ok(writes.len())
     }

@@ -22,6 +22,8 @@ use lru::LruCache;
 use parking_lot::Mutex;
 
 use crate::ServiceError;
+use crate::chunks::StoredCopy;
+use uffd_pager::ChunkKey;
 
 /// Contexts whose mount files are kept open at most; a daemon holds them for its recently used contexts.
 pub const MAX_OPEN_FILES: usize = 256;
@@ -171,6 +173,17 @@ impl ChunkIo {
                 )
                 .map(|_| ()),
             Route::Mount(_) => self.file(ctx)?.write_chunk(index, format, density, data),
+        }
+    }
+
+    /// What the store holds of chunk `key` now, as the service's book records it.
+    pub fn stored_copy(&self, key: ChunkKey) -> Option<StoredCopy> {
+        match self.store.chunk_state(key.ctx, key.index) {
+            Ok(kvfs::StoreState::Stored(s)) => Some(StoredCopy {
+                format: s.format,
+                bytes: u64::from(s.stored_len),
+            }),
+            _ => None,
         }
     }
 

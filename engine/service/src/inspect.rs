@@ -44,7 +44,7 @@ pub fn residency(pager: Weak<Pager>) -> std::io::Result<kvfs::Residency> {
     let ask = Mutex::new(ask);
     Ok(Arc::new(move |ctx: kvfs::ContextId| {
         let (reply, answer) = mpsc::sync_channel(1);
-        ask.lock().try_send((ContextId(ctx.0), reply)).ok()?;
+        ask.lock().try_send((ctx, reply)).ok()?;
         answer.recv_timeout(RESIDENCY_WAIT).ok().flatten()
     }))
 }

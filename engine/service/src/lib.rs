@@ -20,6 +20,7 @@
 pub mod call;
 pub mod chooser;
 pub mod chunk_io;
+pub mod chunks;
 pub mod config;
 mod failpoints;
 pub mod inspect;

@@ -24,6 +24,7 @@ use uffd_pager::{ChunkKey, Pager, ReadRing};
 
 use crate::ServiceError;
 use crate::chunk_io::ChunkIo;
+use crate::chunks::StoredCopy;
 use crate::failpoints::{check, injected};
 use model::Model;
 use model::kv::recompute::{RecomputeError, recompute_chunks};
@@ -65,13 +66,6 @@ pub struct LoadReport {
     pub total_secs: f64,
     /// What the plan predicted for the whole Load.
     pub predicted_secs: f64,
-}
-
-/// What the store holds of a context's chunk: its format there and its bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StoredChunk {
-    pub format: KvFormat,
-    pub bytes: u64,
 }
 
 /// The Load's I/O threads and their read buffers, kept between Loads: the threads wait parked,
@@ -168,7 +162,7 @@ pub fn load(
     pager: &Pager,
     ctx: u64,
     cache: &mut KvCache,
-    stored: &[Option<StoredChunk>],
+    stored: &[Option<StoredCopy>],
     mode: LoadMode,
     cost: &CostModel,
     readers: &mut Readers,
@@ -223,7 +217,7 @@ pub fn load(
 /// others must be recomputed.
 fn plan(
     missing: &[usize],
-    stored: &[Option<StoredChunk>],
+    stored: &[Option<StoredCopy>],
     mode: LoadMode,
     cost: &CostModel,
 ) -> Result<LoadPlan, ServiceError> {

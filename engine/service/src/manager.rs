@@ -29,10 +29,11 @@ use crate::ServiceError;
 use crate::call::{Call, CallOptions, CallReport, Compression, Context, Owner, Prompt, Ran};
 use crate::chooser::PolicyChooser;
 use crate::chunk_io::ChunkIo;
+use crate::chunks::{ChunkBook, StoredCopy};
 use crate::config::{ManagerConfig, VictimPolicy, WriteOut};
-use crate::load::{self, LoadMode, LoadReport, StoredChunk};
-use crate::memory::{PagerChunks, Versions};
-use crate::source::{Expected, FormatLevels, StoreSource, model_fingerprint};
+use crate::load::{self, LoadMode, LoadReport};
+use crate::memory::PagerChunks;
+use crate::source::{FormatLevels, StoreSource, model_fingerprint};
 use crate::writer::Writer;
 use model::Model;
 use model::kv::KvCache;
@@ -131,8 +132,9 @@ pub struct Manager {
     /// writer hold it too, and the mount goes when the last of them does.
     io: Arc<ChunkIo>,
     pager: Arc<Pager>,
-    versions: Arc<Versions>,
-    expected: Arc<Expected>,
+    /// Each chunk's version, format, density and stored copy; the pager's source and the writer
+    /// hold it too.
+    book: Arc<ChunkBook>,
     writer: Writer,
     compression: Compression,
     fingerprint: Fingerprint,
@@ -190,8 +192,8 @@ impl Manager {
             None => ChunkIo::direct(Arc::clone(&store), fingerprint),
         });
         let shape = model.chunk_shape(cfg.chunk_tokens);
-        let expected = Arc::new(Expected::default());
-        let pager = start_pager(&cfg, shape, &io, &expected)?;
+        let book = Arc::new(ChunkBook::default());
+        let pager = start_pager(&cfg, shape, &io, &book)?;
         store.set_residency(
             super::inspect::residency(Arc::downgrade(&pager)).map_err(|e| {
                 ServiceError::Internal {
@@ -199,11 +201,10 @@ impl Manager {
                 }
             })?,
         );
-        let versions = Arc::new(Versions::default());
         let writer = Writer::spawn(
             Arc::clone(&io),
             Arc::clone(&pager),
-            Arc::clone(&versions),
+            Arc::clone(&book),
             cfg.writer_queue,
         )
         .map_err(|e| ServiceError::Internal {
@@ -217,8 +218,7 @@ impl Manager {
             store,
             io,
             pager,
-            versions,
-            expected,
+            book,
             writer,
             compression,
             fingerprint,
@@ -260,7 +260,7 @@ impl Manager {
         let mem = Box::new(PagerChunks::new(
             Arc::clone(&self.pager),
             ContextId(id),
-            Arc::clone(&self.versions),
+            Arc::clone(&self.book),
         ));
         let hl = (self.model.cfg.n_heads * self.model.cfg.n_layers) as u32;
         let mut density =
@@ -269,20 +269,20 @@ impl Manager {
             })?;
         let t = self.cfg.chunk_tokens;
         let sealed = tokens.len() / t;
-        let mut stored = vec![None; sealed];
         let mut formats = vec![self.cfg.kv_format; sealed];
         let mut seeds = Vec::new();
-        let info = self.store.context(kvfs::ContextId(id)).ok();
+        let info = self.store.context(ContextId(id)).ok();
         for c in info.iter().flat_map(|i| &i.chunks) {
-            if let (kvfs::StoreState::Stored(s), Some(slot)) =
-                (&c.state, stored.get_mut(c.index as usize))
+            if let kvfs::StoreState::Stored(s) = &c.state
+                && (c.index as usize) < sealed
                 && s.tokens.len() == t
             {
                 let f = s.format;
-                *slot = Some(StoredChunk {
+                let copy = StoredCopy {
                     format: f,
                     bytes: u64::from(s.stored_len),
-                });
+                };
+                self.book.set_stored(ChunkKey::new(id, c.index), Some(copy));
                 formats[c.index as usize] = f;
                 seeds.push((c.index as usize, s.density));
             }
@@ -309,13 +309,15 @@ impl Manager {
             tokens[..sealed * t].to_vec(),
             formats,
         )?;
-        self.expected
-            .set(id, cache.chunk_formats(), &density.chunk_densities());
+        self.book.set_formats(
+            ContextId(id),
+            cache.chunk_formats(),
+            &density.chunk_densities(),
+        );
         Ok(Context {
             owner,
             cache,
             pending: tokens[sealed * t..].to_vec(),
-            stored,
             density,
             calls: 0,
         })
@@ -323,13 +325,13 @@ impl Manager {
 
     /// Takes back a context the store holds.
     fn resume(&mut self, id: u64) -> Result<(), ServiceError> {
-        let meta = self.store.meta(kvfs::ContextId(id))?;
+        let meta = self.store.meta(ContextId(id))?;
         if meta.fingerprint != self.fingerprint {
             return Err(ServiceError::Internal {
                 what: format!("context {id} was made with another model"),
             });
         }
-        let tokens = self.store.tokens(kvfs::ContextId(id))?;
+        let tokens = self.store.tokens(ContextId(id))?;
         let owner = Owner {
             uid: meta.owner_uid,
             app: meta.app.clone(),
@@ -366,13 +368,8 @@ impl Manager {
         );
         // A queued write of an old chunk must not land on the new tokens.
         self.writer.flush();
-        self.store
-            .replace_tokens(kvfs::ContextId(id), kept.clone())?;
-        self.contexts.remove(&id);
-        self.pager.remove_context(ContextId(id))?;
-        self.versions.forget(ContextId(id));
-        self.expected.remove(id);
-        self.io.forget(id);
+        self.store.replace_tokens(ContextId(id), kept.clone())?;
+        self.forget(id)?;
         let mut ctx = self.new_context(id, owner, kept[..sink].to_vec())?;
         ctx.pending = kept[sink..].to_vec();
         ctx.calls = calls;
@@ -383,12 +380,19 @@ impl Manager {
 
     /// Forgets a context's memory and takes it back from the store.
     fn reload(&mut self, id: u64) -> Result<(), ServiceError> {
-        self.contexts.remove(&id);
-        self.writer.flush();
-        self.pager.remove_context(ContextId(id))?;
-        self.versions.forget(ContextId(id));
-        self.expected.remove(id);
+        self.forget(id)?;
         self.resume(id)
+    }
+
+    /// Forgets context `id`'s memory (the store keeps it): its queued writes land first, then its
+    /// pager region, its chunks' book and its open mount files go.
+    fn forget(&mut self, id: u64) -> Result<Option<Context>, ServiceError> {
+        self.writer.flush();
+        let ctx = self.contexts.remove(&id);
+        self.pager.remove_context(ContextId(id))?;
+        self.book.forget(ContextId(id));
+        self.io.forget(id);
+        Ok(ctx)
     }
 
     /// Creates a context for `owner`, optionally starting with `system` tokens (prefilled with
@@ -481,9 +485,8 @@ impl Manager {
             io: &self.io,
             pager: &self.pager,
             cost: &self.cost,
-            versions: &self.versions,
+            book: &self.book,
             writer: &self.writer,
-            expected: &self.expected,
             compression: &self.compression,
             id,
         };
@@ -581,13 +584,8 @@ impl Manager {
     /// Deletes a context: its memory, its store directory.
     pub fn delete(&mut self, owner: &Owner, id: u64) -> Result<(), ServiceError> {
         self.owned(owner, id)?;
-        let ctx = self.contexts.remove(&id).expect("owned checked it");
-        drop(ctx);
-        self.pager.remove_context(ContextId(id))?;
-        self.versions.forget(ContextId(id));
-        self.expected.remove(id);
-        self.io.forget(id);
-        self.store.delete_context(kvfs::ContextId(id))?;
+        self.forget(id)?;
+        self.store.delete_context(ContextId(id))?;
         Ok(())
     }
 
@@ -786,12 +784,12 @@ fn start_pager(
     cfg: &ManagerConfig,
     shape: model::kv::ChunkShape,
     io: &Arc<ChunkIo>,
-    expected: &Arc<Expected>,
+    book: &Arc<ChunkBook>,
 ) -> Result<Arc<Pager>, ServiceError> {
     let slot = shape.slot_bytes(cfg.kv_format);
     let source = Arc::new(StoreSource::new(
         Arc::clone(io),
-        Arc::clone(expected),
+        Arc::clone(book),
         shape,
         cfg.write_out != WriteOut::Never,
     ));

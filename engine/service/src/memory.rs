@@ -2,91 +2,32 @@
 //!
 //! Chunks are read in place through a [`ContextLock`] held while the memory is pinned (a call
 //! runs on the context); unpinned, the pager may reclaim any chunk and `get` answers `None`.
-//! Every store bumps the chunk's version, so the AoT writer marks a chunk written out only if
-//! the bytes it wrote are still the chunk's bytes.
+//! Every store bumps the chunk's version in the [`ChunkBook`], so the AoT writer marks a chunk
+//! written out only if the bytes it wrote are still the chunk's bytes.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use uffd_pager::{ChunkKey, ContextId, ContextLock, Pager, PagerError};
 
 use model::kv::{ChunkMemory, KvError};
 
-use crate::sync::{Primitives, Std};
-
-/// Per chunk, a counter bumped whenever its bytes change in memory, so that the AoT writer marks
-/// a chunk persisted only if the bytes it wrote are still the chunk's.
-///
-/// The protocol: a change of a chunk's bytes goes through [`Versions::change`], which bumps the
-/// version *before* the bytes change and leaves the chunk unpersisted (the pager's `write`,
-/// `shrink` and `populate` all do); the writer marks a chunk persisted only inside
-/// [`Versions::if_current`], under the same lock. So a write-out of the old bytes that completes
-/// while the chunk changes either marks it before the bump (and the change then unmarks it) or
-/// finds the version moved and marks nothing: the new bytes are never taken as persisted.
-/// Generic over its [`Primitives`] for the shuttle model of this (`engine/service/tests/models.rs`).
-pub struct Versions<S: Primitives = Std> {
-    map: S::Mutex<HashMap<ChunkKey, u64>>,
-}
-
-impl<S: Primitives> Default for Versions<S> {
-    fn default() -> Self {
-        Self {
-            map: S::mutex(HashMap::new()),
-        }
-    }
-}
-
-impl<S: Primitives> std::fmt::Debug for Versions<S> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Versions").finish_non_exhaustive()
-    }
-}
-
-impl<S: Primitives> Versions<S> {
-    /// The chunk's current version.
-    pub fn get(&self, key: ChunkKey) -> u64 {
-        *S::lock(&self.map).get(&key).unwrap_or(&0)
-    }
-
-    /// Changes the chunk's bytes: bumps its version, then runs `change`, which must leave the
-    /// chunk unpersisted.
-    pub fn change<R>(&self, key: ChunkKey, change: impl FnOnce() -> R) -> R {
-        *S::lock(&self.map).entry(key).or_insert(0) += 1;
-        change()
-    }
-
-    /// Runs `f` if the chunk is still at `version`, with the versions held so no change can
-    /// begin meanwhile.
-    pub fn if_current(&self, key: ChunkKey, version: u64, f: impl FnOnce()) -> bool {
-        let map = S::lock(&self.map);
-        let current = *map.get(&key).unwrap_or(&0) == version;
-        if current {
-            f();
-        }
-        current
-    }
-
-    /// Forgets every chunk of `ctx`.
-    pub fn forget(&self, ctx: ContextId) {
-        S::lock(&self.map).retain(|k, _| k.ctx != ctx);
-    }
-}
+use crate::chunks::ChunkBook;
 
 /// One context's sealed chunks in the pager's slots.
 pub struct PagerChunks {
     pager: Arc<Pager>,
     ctx: ContextId,
-    versions: Arc<Versions>,
+    book: Arc<ChunkBook>,
     lock: Option<ContextLock>,
 }
 
 impl PagerChunks {
     /// The chunks of pager context `ctx` (already added to the pager).
-    pub fn new(pager: Arc<Pager>, ctx: ContextId, versions: Arc<Versions>) -> Self {
+    pub fn new(pager: Arc<Pager>, ctx: ContextId, book: Arc<ChunkBook>) -> Self {
         Self {
             pager,
             ctx,
-            versions,
+            book,
             lock: None,
         }
     }
@@ -124,23 +65,11 @@ impl PagerChunks {
             return Ok(());
         }
         if resident || info.state == uffd_pager::MemoryState::ZeroMapped {
-            self.reclaim(key)?;
+            ChunkMemory::reclaim(self, index)?;
         }
         self.pager
             .populate(key, bytes.len(), bytes)
             .map_err(|e| store_err(index, e))
-    }
-
-    /// Drops a chunk from memory (through the context's lock while pinned).
-    fn reclaim(&mut self, key: ChunkKey) -> Result<(), KvError> {
-        let r = match &mut self.lock {
-            Some(lock) => lock.reclaim(key.index),
-            None => self.pager.reclaim(key),
-        };
-        match r {
-            Ok(_) | Err(PagerError::NotResident { .. }) => Ok(()),
-            Err(e) => Err(store_err(key.index as usize, e)),
-        }
     }
 }
 
@@ -166,12 +95,21 @@ impl ChunkMemory for PagerChunks {
 
     fn put(&mut self, index: usize, bytes: &[u8]) -> Result<(), KvError> {
         let key = self.key(index);
-        let versions = Arc::clone(&self.versions);
-        versions.change(key, || self.store(index, bytes))
+        let book = Arc::clone(&self.book);
+        book.change(key, || self.store(index, bytes))
     }
 
-    fn evict(&mut self, index: usize) -> Result<(), KvError> {
-        self.reclaim(self.key(index))
+    /// Drops a chunk from memory (through the context's lock while pinned).
+    fn reclaim(&mut self, index: usize) -> Result<(), KvError> {
+        let key = self.key(index);
+        let r = match &mut self.lock {
+            Some(lock) => lock.reclaim(key.index),
+            None => self.pager.reclaim(key),
+        };
+        match r {
+            Ok(_) | Err(PagerError::NotResident { .. }) => Ok(()),
+            Err(e) => Err(store_err(index, e)),
+        }
     }
 
     fn truncate(&mut self, chunks: usize) -> Result<(), KvError> {
@@ -187,7 +125,7 @@ impl ChunkMemory for PagerChunks {
                     uffd_pager::MemoryState::Resident | uffd_pager::MemoryState::ZeroMapped
                 )
             }) {
-                self.evict(i)?;
+                ChunkMemory::reclaim(self, i)?;
             }
         }
         Ok(())

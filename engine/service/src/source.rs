@@ -1,18 +1,17 @@
 //! Where a swapped-out chunk comes from: the kvfs store, for the pager's fault path and for Load;
 //! and the one place the engine's, kvfs's and the policy's names for a chunk's format meet.
 
-use std::collections::HashMap;
 use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
 use kvfs::{Fingerprint, StoreError};
-use parking_lot::Mutex;
 use policy::{Level, LevelSet};
 use sha2::Digest;
 use uffd_pager::{ChunkKey, ChunkSource, SourceError};
 
 use crate::chunk_io::ChunkIo;
+use crate::chunks::ChunkBook;
 use model::kv::{ChunkShape, KvFormat};
 
 /// Why compression levels were refused.
@@ -120,60 +119,12 @@ pub fn model_fingerprint(path: &Path) -> std::io::Result<Fingerprint> {
     Ok(Fingerprint(h.finalize().into()))
 }
 
-/// The format each chunk of each context is expected in (what the engine's cache records), so a
-/// stored copy in another format is never handed to the engine as if it were the right one; with
-/// each chunk's density (for the header of a chunk written back on reclaim), and the chunks so
-/// written since the manager last asked.
-#[derive(Debug, Default)]
-pub struct Expected {
-    map: Mutex<HashMap<u64, CtxExpected>>,
-}
-
-#[derive(Debug, Default)]
-struct CtxExpected {
-    formats: Vec<KvFormat>,
-    densities: Vec<f32>,
-    written: Vec<u32>,
-}
-
-impl Expected {
-    /// Records `ctx`'s chunk formats and densities.
-    pub fn set(&self, ctx: u64, formats: &[KvFormat], densities: &[f64]) {
-        let mut m = self.map.lock();
-        let e = m.entry(ctx).or_default();
-        e.formats = formats.to_vec();
-        e.densities = densities.iter().map(|&d| d as f32).collect();
-    }
-
-    /// Forgets `ctx`.
-    pub fn remove(&self, ctx: u64) {
-        self.map.lock().remove(&ctx);
-    }
-
-    /// The format chunk `key` is expected in.
-    pub fn get(&self, key: ChunkKey) -> Option<KvFormat> {
-        self.map
-            .lock()
-            .get(&key.ctx.0)
-            .and_then(|e| e.formats.get(key.index as usize).copied())
-    }
-
-    /// The chunks of `ctx` written back on reclaim since the last call of this.
-    pub fn take_written(&self, ctx: u64) -> Vec<u32> {
-        self.map
-            .lock()
-            .get_mut(&ctx)
-            .map(|e| std::mem::take(&mut e.written))
-            .unwrap_or_default()
-    }
-}
-
 /// Reads chunks from kvfs (through the mount when there is one): the pager's source for faults.
 /// A chunk is read straight into the pager's buffer, with no allocation. Unless built not to,
 /// it also writes a victim that was never written out before the pager reclaims it.
 pub struct StoreSource {
     io: Arc<ChunkIo>,
-    expected: Arc<Expected>,
+    book: Arc<ChunkBook>,
     shape: ChunkShape,
     write_back: bool,
 }
@@ -182,13 +133,13 @@ impl StoreSource {
     /// A source over `io`; `write_back` lets it write victims out on reclaim.
     pub fn new(
         io: Arc<ChunkIo>,
-        expected: Arc<Expected>,
+        book: Arc<ChunkBook>,
         shape: ChunkShape,
         write_back: bool,
     ) -> Self {
         Self {
             io,
-            expected,
+            book,
             shape,
             write_back,
         }
@@ -214,9 +165,12 @@ pub fn classify(key: ChunkKey, e: &StoreError) -> SourceError {
 
 impl ChunkSource for StoreSource {
     fn fill(&self, key: ChunkKey, dst: &mut [u8]) -> Result<(), SourceError> {
-        let id = kvfs::ContextId(key.ctx.0);
-        let want = self.expected.get(key).ok_or(SourceError::Missing { key })?;
-        match self.io.store().chunk_state(id, key.index) {
+        let want = self
+            .book
+            .get(key)
+            .format
+            .ok_or(SourceError::Missing { key })?;
+        match self.io.store().chunk_state(key.ctx, key.index) {
             Ok(kvfs::StoreState::Stored(s)) if s.format == want => {}
             Ok(kvfs::StoreState::Stored(s)) => {
                 return Err(SourceError::Corrupt {
@@ -245,18 +199,9 @@ impl ChunkSource for StoreSource {
         if !self.write_back {
             return Ok(false);
         }
-        let (format, density) = {
-            let m = self.expected.map.lock();
-            let Some(e) = m.get(&key.ctx.0) else {
-                return Ok(false);
-            };
-            let Some(&f) = e.formats.get(key.index as usize) else {
-                return Ok(false);
-            };
-            (
-                f,
-                e.densities.get(key.index as usize).copied().unwrap_or(0.0),
-            )
+        let facts = self.book.get(key);
+        let Some(format) = facts.format else {
+            return Ok(false);
         };
         let len = self.shape.chunk_bytes(format);
         let Some(bytes) = data.get(..len) else {
@@ -270,11 +215,9 @@ impl ChunkSource for StoreSource {
             });
         };
         self.io
-            .write(key.ctx.0, key.index, format, density, bytes)
+            .write(key.ctx.0, key.index, format, facts.density, bytes)
             .map_err(|e| classify(key, &e))?;
-        if let Some(e) = self.expected.map.lock().get_mut(&key.ctx.0) {
-            e.written.push(key.index);
-        }
+        self.book.set_stored(key, self.io.stored_copy(key));
         Ok(true)
     }
 

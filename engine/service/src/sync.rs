@@ -3,7 +3,7 @@
 //! the `shuttle` feature), so a model test drives the very code that runs in production.
 //!
 //! The pieces generic over it: the AoT writer's queue and flush ([`crate::writer::WriteQueue`]),
-//! the chunk versions ([`crate::memory::Versions`]) and the daemon's fair queue
+//! the chunks' book ([`crate::chunks::ChunkBook`]) and the daemon's fair queue
 //! (`daemon::queue::FairQueue`). Each defaults to [`Std`], so production code names none of this;
 //! `engine/service/tests/models.rs` and `engine/daemon/tests/models.rs` are the models.
 //! parking_lot's locks do not poison; shuttle's poisoned lock is taken as it is: every piece keeps

@@ -4,7 +4,7 @@
 //!
 //! The queue is bounded (a call that outruns the disk waits for room) and its flush waits for
 //! every chunk queued before it ([`WriteQueue`]); a chunk is marked persisted only if its bytes
-//! did not change while it was being written (its version, [`Versions::if_current`]). A write
+//! did not change while it was being written (its version, [`ChunkBook::if_current`]). A write
 //! that fails, or panics, leaves its chunk resident and unpersisted: the pager writes it when it
 //! reclaims it, and it is never counted as persisted.
 //!
@@ -20,8 +20,8 @@ use kvfs::StoreError;
 use uffd_pager::{ChunkKey, Pager};
 
 use crate::chunk_io::ChunkIo;
+use crate::chunks::ChunkBook;
 use crate::failpoints::check;
-use crate::memory::Versions;
 use crate::write_queue::WriteQueue;
 use model::kv::KvFormat;
 
@@ -63,7 +63,7 @@ impl std::fmt::Debug for Writer {
 struct Ctx {
     io: Arc<ChunkIo>,
     pager: Arc<Pager>,
-    versions: Arc<Versions>,
+    book: Arc<ChunkBook>,
     stats: Arc<WriterStats>,
 }
 
@@ -72,7 +72,7 @@ impl Writer {
     pub fn spawn(
         io: Arc<ChunkIo>,
         pager: Arc<Pager>,
-        versions: Arc<Versions>,
+        book: Arc<ChunkBook>,
         capacity: usize,
     ) -> std::io::Result<Writer> {
         let queue = Arc::new(WriteQueue::new(capacity));
@@ -80,7 +80,7 @@ impl Writer {
         let ctx = Ctx {
             io,
             pager,
-            versions,
+            book,
             stats: Arc::clone(&stats),
         };
         let served = Arc::clone(&queue);
@@ -157,7 +157,9 @@ fn write_one(ctx: &Ctx, job: &WriteJob) {
         Ok(()) => {
             ctx.stats.written.fetch_add(1, Relaxed);
             ctx.stats.bytes.fetch_add(job.bytes.len() as u64, Relaxed);
-            let current = ctx.versions.if_current(key, job.version, || {
+            ctx.book
+                .settle_stored(key, job.format, ctx.io.stored_copy(key));
+            let current = ctx.book.if_current(key, job.version, || {
                 if let Err(e) = ctx.pager.mark_persisted(key) {
                     tracing::debug!(error = %e, "chunk written, not marked persisted");
                 }
@@ -170,8 +172,11 @@ fn write_one(ctx: &Ctx, job: &WriteJob) {
         // The context was deleted while its chunks waited in the queue: nothing to write. (Through
         // the mount that shows as a failed write of a file that is gone, not as this error.)
         Err(StoreError::NoSuchContext { .. }) => {}
-        Err(_) if ctx.io.store().meta(kvfs::ContextId(key.ctx.0)).is_err() => {}
+        Err(_) if ctx.io.store().meta(key.ctx).is_err() => {}
         Err(e) => {
+            // The store keeps the copy it had before a failed write, if it had one.
+            ctx.book
+                .settle_stored(key, job.format, ctx.io.stored_copy(key));
             ctx.stats.failed.fetch_add(1, Relaxed);
             tracing::warn!(error = %e, chunk = %key, "AoT write failed; the chunk stays in memory");
         }

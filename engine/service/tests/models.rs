@@ -11,8 +11,8 @@
 //!   thread had queued is written; every job the queue accepted is written exactly once and each
 //!   thread's in the order it queued them; a job refused because the queue closed is never
 //!   written; the worker ends; nothing deadlocks.
-//! - `a_write_out_of_an_old_version_never_marks_the_new_bytes_persisted`: the chunk versions
-//!   (`memory::Versions`) between the writer, which writes the copy it took at version v and marks
+//! - `a_write_out_of_an_old_version_never_marks_the_new_bytes_persisted`: the chunks' versions in
+//!   their book (`chunks::ChunkBook`) between the writer, which writes the copy it took at version v and marks
 //!   the chunk persisted through `if_current(v)`, and the engine, which changes the chunk meanwhile
 //!   through `change` (new bytes, left unpersisted, as `Pager::write` and `Pager::populate` leave
 //!   them), with stand-ins for the pager's slot and the store. Checks: once both are done, a chunk
@@ -21,7 +21,7 @@
 
 use std::sync::Arc;
 
-use service::memory::Versions;
+use service::chunks::ChunkBook;
 use service::sync::Shuttle;
 use service::write_queue::WriteQueue;
 use shuttle::scheduler::RandomScheduler;
@@ -99,16 +99,16 @@ struct Slot {
     persisted: bool,
 }
 
-/// One run of the versions model; `bump_first` is the protocol of `Versions::change` (the
+/// One run of the versions model; `bump_first` is the protocol of `ChunkBook::change` (the
 /// version bumped before the bytes change), false the broken one the control checks.
 fn versions_model(bump_first: bool) {
-    let versions = Arc::new(Versions::<Shuttle>::default());
+    let versions = Arc::new(ChunkBook::<Shuttle>::default());
     let key = ChunkKey::new(1, 0);
     let slot = Arc::new(Mutex::new(Slot::default()));
     let store = Arc::new(Mutex::new(None::<u32>));
     // A call stored the chunk (version 1), and its write-out took a copy at the call's end.
     versions.change(key, || slot.lock().unwrap().bytes = 1);
-    let (copy, version) = (slot.lock().unwrap().bytes, versions.get(key));
+    let (copy, version) = (slot.lock().unwrap().bytes, versions.version(key));
     let writer = {
         let (versions, slot, store) =
             (Arc::clone(&versions), Arc::clone(&slot), Arc::clone(&store));

@@ -60,15 +60,8 @@ pub fn slot_offset(index: u32, copy: u8) -> u64 {
 /// The longest app name.
 pub const MAX_APP_LEN: usize = 255;
 
-/// The id of a context, unique within its store.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ContextId(pub u64);
-
-impl fmt::Display for ContextId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
+/// The id of a context, unique within its store (the one id type the pager and the service use).
+pub use ids::ContextId;
 
 /// Turns a context's token ids into its text for the context's `text` file: registered by the
 /// service (or `llms kvfs mount --model`) for one model, with [`Store::set_decoder`].

@@ -18,7 +18,7 @@ use crate::args::{EngineOpts, Loaded, load, load_path, model_path};
 #[derive(Args, Debug, Clone)]
 pub struct SampleOpts {
     /// Most tokens to generate per answer
-    #[arg(long, default_value_t = 256, value_name = "N")]
+    #[arg(long, default_value_t = protocol::DEFAULT_MAX_TOKENS, value_name = "N")]
     pub max_tokens: usize,
     /// Sampling temperature; 0 is greedy
     #[arg(long, default_value_t = 0.0, value_name = "T")]

@@ -93,7 +93,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
             let set: Vec<usize> = (sealed - x..sealed).collect();
             let secs = median_secs(args.reps, || {
                 for &i in &set {
-                    cache.evict(i)?;
+                    cache.reclaim(i)?;
                 }
                 recompute_chunks(&model, &mut cache, &set)?;
                 Ok(())

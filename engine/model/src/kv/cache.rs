@@ -5,7 +5,7 @@
 //! [`crate::kv::codec`]. The last, partly filled chunk stays open in f32 until it is full: a chunk is
 //! encoded once, with all its tokens, so per-channel key scales never change after the fact.
 //! A sealed chunk may later move down a format ([`KvCache::recompress`]), be dropped from memory
-//! ([`KvCache::evict`]) and be rebuilt from its tokens ([`crate::kv::recompute`]).
+//! ([`KvCache::reclaim`]) and be rebuilt from its tokens ([`crate::kv::recompute`]).
 
 pub use crate::kv::codec::{
     ChunkShape, CodecError, KvFormat, PAGE, decode_k, decode_v, encode_layer,
@@ -55,7 +55,7 @@ pub trait ChunkMemory: Send + Sync {
     /// (a recompress to a lighter format gives back the pages it no longer needs).
     fn put(&mut self, index: usize, bytes: &[u8]) -> Result<(), KvError>;
     /// Drops chunk `index`'s bytes (reclaim); it is no longer resident.
-    fn evict(&mut self, index: usize) -> Result<(), KvError>;
+    fn reclaim(&mut self, index: usize) -> Result<(), KvError>;
     /// Drops chunk `index` and everything after it.
     fn truncate(&mut self, chunks: usize) -> Result<(), KvError>;
     /// Bytes resident now.
@@ -94,7 +94,7 @@ impl ChunkMemory for HeapChunks {
         Ok(())
     }
 
-    fn evict(&mut self, index: usize) -> Result<(), KvError> {
+    fn reclaim(&mut self, index: usize) -> Result<(), KvError> {
         if let Some(old) = self.slots.get_mut(index).and_then(Option::take) {
             self.resident -= old.len();
         }
@@ -540,9 +540,9 @@ impl KvCache {
     }
 
     /// Drops sealed chunk `index` from memory; its format and tokens are kept for recompute.
-    pub fn evict(&mut self, index: usize) -> Result<(), KvError> {
+    pub fn reclaim(&mut self, index: usize) -> Result<(), KvError> {
         self.check_sealed(index)?;
-        self.mem.evict(index)
+        self.mem.reclaim(index)
     }
 
     /// Puts back sealed chunk `index`'s encoded bytes (read from storage), in format `f`.
@@ -749,11 +749,11 @@ mod tests {
     }
 
     #[test]
-    fn evicted_chunks_are_missing_until_restored() {
+    fn reclaimed_chunks_are_missing_until_restored() {
         let s = shape();
         let mut c = filled(KvFormat::Int8, 12);
         let saved = c.chunk_bytes(1).unwrap().to_vec();
-        c.evict(1).unwrap();
+        c.reclaim(1).unwrap();
         assert_eq!(c.missing_chunks(), vec![1]);
         let (mut k, mut v) = (vec![0.0; s.block()], vec![0.0; s.block()]);
         assert!(matches!(
@@ -770,7 +770,7 @@ mod tests {
         let s = shape();
         let mut c = filled(KvFormat::F16, 8);
         let original = c.chunk_bytes(1).unwrap().to_vec();
-        c.evict(1).unwrap();
+        c.reclaim(1).unwrap();
         c.begin_recompute(&[1]).unwrap();
         assert!(!c.recording());
         for p in 4..8 {

@@ -196,7 +196,7 @@ fn simulate(
         encode_layer(&s, KvFormat::F16, &k, &v, &mut out[l * lt..(l + 1) * lt])
             .map_err(|source| KvError::Codec { index, source })?;
     }
-    cache.evict(index)?;
+    cache.reclaim(index)?;
     cache.restore(index, KvFormat::F16, &out)
 }
 

@@ -142,7 +142,7 @@ mod tests {
             vec![4, 2],
         ] {
             for &i in &set {
-                c.evict(i).unwrap();
+                c.reclaim(i).unwrap();
             }
             let stats = recompute_missing(&model, &mut c).unwrap();
             assert_eq!((stats.chunks, stats.tokens), (set.len(), set.len() * 16));
@@ -195,7 +195,7 @@ mod tests {
             let mut c = prefill(&model, &tokens, KvFormat::Int8);
             for set in &sets {
                 for &i in set {
-                    c.evict(i).unwrap();
+                    c.reclaim(i).unwrap();
                 }
                 let stats = recompute_chunks(&model, &mut c, set).unwrap();
                 assert_eq!(stats.chunks, set.len());

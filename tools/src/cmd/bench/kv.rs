@@ -352,7 +352,7 @@ fn recompute_rows(
         let set: Vec<usize> = (0..x).map(|i| sealed - 1 - i * sealed / x.max(1)).collect();
         let secs = median_secs(args.reps.min(3), || {
             for &i in &set {
-                c.evict(i)?;
+                c.reclaim(i)?;
             }
             recompute_chunks(model, &mut c, &set)?;
             Ok(())
