@@ -184,9 +184,19 @@ fn is_mount_point(path: &Path) -> bool {
 
 /// Detects a mount left behind by a killed server (its mount point answers ENOTCONN) and detaches it;
 /// refuses a mount point that is live.
+///
+/// The probe is `statfs`, which the kernel always asks the server: a `stat` of the mount's root can
+/// be answered from the attributes the kernel cached for [`super::nodes::ROOT_TTL`], so a server
+/// killed less than that ago would look alive (a restart right after a `kill -9` was refused so).
 pub fn clean_stale_mount(mountpoint: &Path) -> Result<(), MountError> {
     let path = mountpoint.to_owned();
-    match std::fs::metadata(mountpoint) {
+    let dead = nix::sys::statvfs::statvfs(mountpoint).err() == Some(nix::errno::Errno::ENOTCONN);
+    let probe = if dead {
+        Err(std::io::Error::from_raw_os_error(libc::ENOTCONN))
+    } else {
+        std::fs::metadata(mountpoint)
+    };
+    match probe {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
             nix::mount::umount2(mountpoint, nix::mount::MntFlags::MNT_DETACH).map_err(
                 |source| MountError::Stale {
