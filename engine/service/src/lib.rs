@@ -73,6 +73,26 @@ pub enum ServiceError {
     /// The write-out could not be planned.
     #[error("planning the write-out: {0}")]
     WriteOut(#[from] policy::writeout::WriteOutError),
+    /// A context the store holds was made with another model than the one loaded; it is kept.
+    #[error(
+        "context {id} was made with another model than the one this service runs; restart the \
+         service with that model to use it, or delete it (nothing was changed)"
+    )]
+    OtherModel { id: u64 },
+    /// A chunk the store gave back does not fit its context (its format or its size); the call
+    /// failed and the context is reloaded, so the chunk is recomputed.
+    #[error("{key}: {what}")]
+    ChunkMismatch {
+        key: uffd_pager::ChunkKey,
+        what: String,
+    },
+    /// A part of the service could not start (a thread, the store's directory, reading the model).
+    #[error("{what}: {source}")]
+    Start {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{what}")]
     Internal { what: String },
 }
@@ -100,7 +120,8 @@ impl ServiceError {
             ServiceError::Model(ModelError::BadToken { .. }) => "bad_request",
             ServiceError::Pager(uffd_pager::PagerError::BudgetExhausted { .. })
             | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => "over_budget",
-            ServiceError::Store(_) => "store",
+            ServiceError::Store(_) | ServiceError::ChunkMismatch { .. } => "store",
+            ServiceError::OtherModel { .. } => "other_model",
             _ => "internal",
         }
     }

@@ -102,8 +102,9 @@ impl Readers {
             .num_threads(threads.max(1))
             .thread_name(|i| format!("llms-load-{i}"))
             .build()
-            .map_err(|e| ServiceError::Internal {
-                what: format!("starting the Load's I/O threads: {e}"),
+            .map_err(|e| ServiceError::Start {
+                what: "starting the Load's I/O threads".into(),
+                source: std::io::Error::other(e),
             })?;
         let ring = ring
             .then(|| match ReadRing::new(RING_DEPTH, RING_BYTES) {
@@ -700,24 +701,27 @@ fn install(
         bytes
     } else if model::kv::codec::moves_down(shape, have, want) && have != KvFormat::F16 {
         model::kv::codec::recompress(shape, have, want, bytes, recompressed).map_err(|e| {
-            ServiceError::Internal {
-                what: format!("{key}: {e}"),
+            ServiceError::ChunkMismatch {
+                key,
+                what: e.to_string(),
             }
         })?;
         recompressed
     } else {
-        return Err(ServiceError::Internal {
+        return Err(ServiceError::ChunkMismatch {
+            key,
             what: format!(
-                "{key} is stored as {} but the context holds it as {}",
+                "stored as {} but the context holds it as {}",
                 have.name(),
                 want.name()
             ),
         });
     };
     if data.len() != shape.chunk_bytes(want) {
-        return Err(ServiceError::Internal {
+        return Err(ServiceError::ChunkMismatch {
+            key,
             what: format!(
-                "{key}: {} bytes stored for a {}-byte chunk",
+                "{} bytes stored for a {}-byte chunk",
                 data.len(),
                 shape.chunk_bytes(want)
             ),

@@ -139,6 +139,9 @@ pub struct Manager {
     compression: Compression,
     fingerprint: Fingerprint,
     contexts: BTreeMap<u64, Context>,
+    /// Contexts the store holds that another model made, with their owner's uid: kept untouched,
+    /// and a call on one answers [`ServiceError::OtherModel`].
+    other_model: BTreeMap<u64, u32>,
     /// The Load's I/O threads (`ManagerConfig::io_threads`), parked between Loads, and their
     /// read buffers.
     readers: load::Readers,
@@ -175,11 +178,14 @@ impl Manager {
             });
         }
         let compression = compression_of(&model, &cfg)?;
-        let fingerprint = model_fingerprint(model.path()).map_err(|e| ServiceError::Internal {
-            what: format!("reading {} to fingerprint it: {e}", model.path().display()),
-        })?;
-        std::fs::create_dir_all(&cfg.store).map_err(|e| ServiceError::Internal {
-            what: format!("creating the store {}: {e}", cfg.store.display()),
+        let fingerprint =
+            model_fingerprint(model.path()).map_err(|source| ServiceError::Start {
+                what: format!("reading {} to fingerprint it", model.path().display()),
+                source,
+            })?;
+        std::fs::create_dir_all(&cfg.store).map_err(|source| ServiceError::Start {
+            what: format!("creating the store {}", cfg.store.display()),
+            source,
         })?;
         let store = Arc::new(Store::open(&cfg.store, StoreOptions::default())?);
         let io = Arc::new(match &cfg.mount {
@@ -195,10 +201,9 @@ impl Manager {
         let book = Arc::new(ChunkBook::default());
         let pager = start_pager(&cfg, shape, &io, &book)?;
         store.set_residency(
-            super::inspect::residency(Arc::downgrade(&pager)).map_err(|e| {
-                ServiceError::Internal {
-                    what: format!("starting the residency thread: {e}"),
-                }
+            super::inspect::residency(Arc::downgrade(&pager)).map_err(|e| ServiceError::Start {
+                what: "starting the residency thread".into(),
+                source: e,
             })?,
         );
         let writer = Writer::spawn(
@@ -207,8 +212,9 @@ impl Manager {
             Arc::clone(&book),
             cfg.writer_queue,
         )
-        .map_err(|e| ServiceError::Internal {
-            what: format!("starting the writer thread: {e}"),
+        .map_err(|source| ServiceError::Start {
+            what: "starting the writer thread".into(),
+            source,
         })?;
         let readers = load::Readers::new(cfg.io_threads, io.mountpoint().is_some())?;
         let mut m = Manager {
@@ -223,6 +229,7 @@ impl Manager {
             compression,
             fingerprint,
             contexts: BTreeMap::new(),
+            other_model: BTreeMap::new(),
             readers,
             profile: Profile::default(),
             calls: 0,
@@ -263,10 +270,7 @@ impl Manager {
             Arc::clone(&self.book),
         ));
         let hl = (self.model.cfg.n_heads * self.model.cfg.n_layers) as u32;
-        let mut density =
-            DensityTracker::new(hl, self.cfg.chunk_tokens).map_err(|e| ServiceError::Internal {
-                what: e.to_string(),
-            })?;
+        let mut density = DensityTracker::new(hl, self.cfg.chunk_tokens)?;
         let t = self.cfg.chunk_tokens;
         let sealed = tokens.len() / t;
         let mut formats = vec![self.cfg.kv_format; sealed];
@@ -298,9 +302,7 @@ impl Manager {
                 };
             }
         }
-        density.merge(&seeded).map_err(|e| ServiceError::Internal {
-            what: e.to_string(),
-        })?;
+        density.merge(&seeded)?;
         let cache = KvCache::resume(
             shape,
             self.cfg.kv_format,
@@ -327,9 +329,8 @@ impl Manager {
     fn resume(&mut self, id: u64) -> Result<(), ServiceError> {
         let meta = self.store.meta(ContextId(id))?;
         if meta.fingerprint != self.fingerprint {
-            return Err(ServiceError::Internal {
-                what: format!("context {id} was made with another model"),
-            });
+            self.other_model.insert(id, meta.owner_uid);
+            return Err(ServiceError::OtherModel { id });
         }
         let tokens = self.store.tokens(ContextId(id))?;
         let owner = Owner {
@@ -425,6 +426,9 @@ impl Manager {
     fn owned(&mut self, owner: &Owner, id: u64) -> Result<&mut Context, ServiceError> {
         match self.contexts.get_mut(&id) {
             Some(c) if c.owner.uid == owner.uid => Ok(c),
+            None if self.other_model.get(&id) == Some(&owner.uid) => {
+                Err(ServiceError::OtherModel { id })
+            }
             _ => Err(ServiceError::NotFound { id }),
         }
     }
@@ -583,6 +587,12 @@ impl Manager {
 
     /// Deletes a context: its memory, its store directory.
     pub fn delete(&mut self, owner: &Owner, id: u64) -> Result<(), ServiceError> {
+        if self.other_model.get(&id) == Some(&owner.uid) {
+            // Another model's context: its owner may delete it (it never reached the pager).
+            self.store.delete_context(ContextId(id))?;
+            self.other_model.remove(&id);
+            return Ok(());
+        }
         self.owned(owner, id)?;
         self.forget(id)?;
         self.store.delete_context(ContextId(id))?;
@@ -602,6 +612,9 @@ impl Manager {
     pub fn info(&self, owner: &Owner, id: u64) -> Result<ContextSummary, ServiceError> {
         match self.contexts.get(&id) {
             Some(c) if c.owner.uid == owner.uid => Ok(self.summary(id, c)),
+            None if self.other_model.get(&id) == Some(&owner.uid) => {
+                Err(ServiceError::OtherModel { id })
+            }
             _ => Err(ServiceError::NotFound { id }),
         }
     }

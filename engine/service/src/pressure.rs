@@ -188,8 +188,9 @@ impl PressureWatch {
         let thread = std::thread::Builder::new()
             .name("llms-pressure".into())
             .spawn(move || watch(&pager, controller, &files, interval, &rx, &st))
-            .map_err(|e| crate::ServiceError::Internal {
-                what: format!("starting the pressure thread: {e}"),
+            .map_err(|source| crate::ServiceError::Start {
+                what: "starting the pressure thread".into(),
+                source,
             })?;
         Ok(PressureWatch {
             stop: Some(tx),

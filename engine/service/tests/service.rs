@@ -313,6 +313,55 @@ fn contexts_survive_a_restart_and_answer_as_if_it_never_happened() {
 }
 
 #[test]
+fn another_models_contexts_are_refused_kept_and_usable_again_under_their_model() {
+    let t = tiny();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("other.gguf");
+    let spec = TinySpec {
+        max_ctx: 1024,
+        seed: 99,
+        ..TinySpec::default()
+    };
+    write_tiny_gguf(&path, &spec).unwrap();
+    let other = Arc::new(Model::load(&path).unwrap());
+    let store = tempfile::tempdir().unwrap();
+    let cfg = || config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::ReadOnly);
+    let o = owner();
+    let (id, tokens) = {
+        let mut m = Manager::open(Arc::clone(&t.model), cfg()).unwrap();
+        let id = m.create(&o, &prompt(1, 21)).unwrap();
+        call_as(&mut m, &o, id, &prompt(2, 40), 6, false).unwrap();
+        m.flush();
+        (id, m.info(&o, id).unwrap().tokens)
+    };
+    assert!(tokens > 61);
+    // The service restarts with another model: the context is refused by name, not lost.
+    let mut m = Manager::open(Arc::clone(&other), cfg()).unwrap();
+    let e = call_as(&mut m, &o, id, &prompt(3, 40), 6, false).unwrap_err();
+    assert_eq!(e.code(), "other_model", "{e}");
+    assert!(e.to_string().contains("another model"), "{e}");
+    assert_eq!(m.info(&o, id).unwrap_err().code(), "other_model");
+    assert!(
+        m.list(&o).is_empty(),
+        "only the loaded model's contexts are listed"
+    );
+    let stranger = Owner {
+        uid: o.uid + 1,
+        app: o.app.clone(),
+    };
+    assert_eq!(m.info(&stranger, id).unwrap_err().code(), "not_found");
+    drop(m);
+    // Back under its own model, it holds what it held.
+    let m = Manager::open(Arc::clone(&t.model), cfg()).unwrap();
+    assert_eq!(m.info(&o, id).unwrap().tokens, tokens);
+    drop(m);
+    // Its owner may delete it under another model.
+    let mut m = Manager::open(Arc::clone(&other), cfg()).unwrap();
+    m.delete(&o, id).unwrap();
+    assert_eq!(m.info(&o, id).unwrap_err().code(), "not_found");
+}
+
+#[test]
 fn another_owner_sees_no_context() {
     let t = tiny();
     let store = tempfile::tempdir().unwrap();
