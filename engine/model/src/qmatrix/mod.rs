@@ -313,6 +313,10 @@ impl QMatrix {
     /// An empty matrix of `rows × cols` in `kind` blocks, to be filled by
     /// [`QMatrix::push_raw`] with the file's bytes.
     pub fn with_capacity(rows: usize, cols: usize, kind: Kind) -> Self {
+        assert!(
+            cols.is_multiple_of(kind.block_values()),
+            "{kind:?} rows of {cols} values are not whole blocks"
+        );
         let nb = rows * cols / BLOCK;
         let mut q = Self::empty(rows, cols, kind);
         match kind {
