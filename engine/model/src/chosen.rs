@@ -26,6 +26,22 @@ pub fn engine(prefill: PrefillActs) -> Vec<Chosen> {
         },
     }];
     out.push(Chosen {
+        product: "decode Q4_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matvec (f32 activations)",
+        kernel: match isa {
+            Isa::Avx512 => "blocks::matvec, file's blocks, 4 rows per pass, 512-bit",
+            Isa::Avx2 => "blocks::matvec, file's blocks, 4 rows per pass, 256-bit",
+            Isa::Portable => "portable, one row at a time",
+        },
+    });
+    out.push(Chosen {
+        product: "prefill Q4_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K products",
+        kernel: if isa.has_avx2() {
+            "f32 GEMM (gemm crate) over AVX2-dequantized tiles"
+        } else {
+            "f32 GEMM (gemm crate) over portably dequantized tiles"
+        },
+    });
+    out.push(Chosen {
         product: "prefill Q4_1/Q8_0 products",
         kernel: match (prefill.resolve(), Path::best()) {
             (PrefillActs::Int8, Path::Vnni) => "int8 panels, vpdpbusd 512-bit (AVX-512 VNNI)",

@@ -100,7 +100,9 @@ pub enum ModelError {
 
 /// A weight matrix's bytes: held, or streamed per pass (its id in the [`WeightStream`]).
 pub(crate) enum Weight {
-    Resident(QMatrix),
+    /// Held: one matrix, or (a stack of tensors of different kinds, such as a Q4_K_M file's
+    /// Q4_K queries and Q6_K values) its row ranges in order, each in its own blocks.
+    Resident(Vec<QMatrix>),
     Streamed(usize),
 }
 
@@ -123,26 +125,25 @@ pub(crate) const GEMM_MIN_ROWS: usize = 4;
 pub(crate) const TILE_BYTES: usize = 192 * 1024;
 
 impl Linear {
-    /// Stacks weights with equal column counts, rows after rows. Matrices of one block kind stay
-    /// as they are; a mix is requantized to Q8_0 (or kept f32 if rows do not split in blocks).
+    /// Stacks weights with equal column counts, rows after rows. Matrices of one block kind are
+    /// one matrix; a mix of kinds stays a list of row ranges, each in its own blocks (never
+    /// requantized: one product per range, written to its rows of the output).
     pub(crate) fn stack(parts: Vec<QMatrix>) -> Self {
-        if parts.windows(2).all(|w| w[0].kind() == w[1].kind()) {
-            return Self {
-                w: Weight::Resident(QMatrix::stack(parts)),
-                acts: Activations::default(),
-                batch: PrefillActs::F32,
-            };
-        }
-        let cols = parts[0].cols();
-        let rows = parts.iter().map(QMatrix::rows).sum();
-        let mut f = vec![0.0; rows * cols];
-        let mut r = 0;
-        for p in &parts {
-            p.dequant_rows(0, p.rows(), &mut f[r * cols..]);
-            r += p.rows();
-        }
+        let held = if parts.windows(2).all(|w| w[0].kind() == w[1].kind()) {
+            vec![QMatrix::stack(parts)]
+        } else {
+            // Runs of one kind stacked, so a Q4_K Q and K with a Q6_K V make two ranges.
+            let mut runs: Vec<Vec<QMatrix>> = Vec::new();
+            for p in parts {
+                match runs.last_mut() {
+                    Some(run) if run[0].kind() == p.kind() => run.push(p),
+                    _ => runs.push(vec![p]),
+                }
+            }
+            runs.into_iter().map(QMatrix::stack).collect()
+        };
         Self {
-            w: Weight::Resident(requantize(rows, cols, f)),
+            w: Weight::Resident(held),
             acts: Activations::default(),
             batch: PrefillActs::F32,
         }
@@ -156,11 +157,20 @@ impl Linear {
         }
     }
 
-    /// The held matrix (`None` when streamed).
+    /// The held matrix (`None` when streamed or held as ranges of different kinds).
     pub(crate) fn resident(&self) -> Option<&QMatrix> {
+        match self.parts() {
+            [q] => Some(q),
+            _ => None,
+        }
+    }
+
+    /// The held matrices: one, or the row ranges of a stack of different kinds (none when
+    /// streamed).
+    pub(crate) fn parts(&self) -> &[QMatrix] {
         match &self.w {
-            Weight::Resident(q) => Some(q),
-            Weight::Streamed(_) => None,
+            Weight::Resident(q) => q,
+            Weight::Streamed(_) => &[],
         }
     }
 
@@ -173,7 +183,7 @@ impl Linear {
         out: &mut [f32],
     ) -> Result<(), ModelError> {
         match &self.w {
-            Weight::Resident(q) => product(q, self.acts, self.batch, x, n, out),
+            Weight::Resident(parts) => product_parts(parts, self.acts, self.batch, x, n, out),
             Weight::Streamed(id) => {
                 let p = pass.as_mut().ok_or(StreamError::Order {
                     expected: usize::MAX,
@@ -188,7 +198,37 @@ impl Linear {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.resident().map_or(0, QMatrix::bytes)
+        self.parts().iter().map(QMatrix::bytes).sum()
+    }
+}
+
+/// `out[n][rows] = x[n][cols] · wᵀ` for `w` the row ranges `parts`: each range's product into
+/// its own rows of `out` (through a scratch buffer when `n > 1`, as the rows interleave).
+fn product_parts(
+    parts: &[QMatrix],
+    acts: Activations,
+    batch: PrefillActs,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    if let [w] = parts {
+        return product(w, acts, batch, x, n, out);
+    }
+    let rows: usize = parts.iter().map(QMatrix::rows).sum();
+    let mut r0 = 0;
+    for w in parts {
+        let rp = w.rows();
+        if n == 1 {
+            product(w, acts, batch, x, 1, &mut out[r0..r0 + rp]);
+        } else {
+            let mut part = vec![0.0; n * rp];
+            product(w, acts, batch, x, n, &mut part);
+            for (o, p) in out.chunks_exact_mut(rows).zip(part.chunks_exact(rp)) {
+                o[r0..r0 + rp].copy_from_slice(p);
+            }
+        }
+        r0 += rp;
     }
 }
 
@@ -219,7 +259,7 @@ pub(crate) fn product(
                     &mut out[i * rows..(i + 1) * rows],
                 );
             }
-        } else if batch == PrefillActs::Int8 {
+        } else if batch == PrefillActs::Int8 && !w.kind().is_raw() {
             // Taken out, not borrowed, across the parallel product: a pool thread that waits
             // in it may run another product (another context's pass) meanwhile.
             let mut q = QUANT.take();
@@ -442,7 +482,7 @@ impl Model {
             .iter()
             .flat_map(|l| [&l.qkv, &l.wo, &l.gate_up, &l.down])
             .chain(self.head.iter().map(|(_, l)| l))
-            .filter_map(Linear::resident)
+            .flat_map(Linear::parts)
     }
 
     /// Reads every byte of the decode weights once on the engine's threads and returns a
@@ -529,7 +569,7 @@ impl Model {
                 .stream
                 .as_ref()
                 .expect("rows are read from a stream's file");
-            let row_bytes = h / BLOCK * QMatrix::raw_unit(file.1);
+            let row_bytes = file.1.bytes_of(h);
             stream.read_raw(file.0 + (t * row_bytes) as u64, row_bytes, &mut raw)?;
             QMatrix::from_raw(1, h, file.1, &raw).dequant_rows(0, 1, row);
         }

@@ -4,10 +4,10 @@
 
 use crate::config::ModelConfig;
 use crate::kernels::Rope;
-use crate::qmatrix::{BLOCK, Kind, QMatrix};
+use crate::qmatrix::{Kind, QMatrix};
 use crate::stream::{StreamUnit, WeightOptions, WeightSource, WeightStream};
 use candle_core::Device;
-use candle_core::quantized::{GgmlDType, gguf_file};
+use candle_core::quantized::gguf_file;
 use policy::{StreamModel, WeightPlanError, WeightTensor};
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
@@ -54,7 +54,7 @@ fn tensor_info<'a>(
 }
 
 /// Where a tensor of `expected` dims lies and how it is stored, if the kernels read it as it is
-/// (Q4_1, Q8_0): (offset in the file, kind, bytes).
+/// (any block [`Kind`]): (offset in the file, kind, bytes).
 fn locate(
     ct: &gguf_file::Content,
     path: &Path,
@@ -62,17 +62,34 @@ fn locate(
     expected: &[usize],
 ) -> Result<Option<(u64, Kind, usize)>, ModelError> {
     let info = tensor_info(ct, path, name, expected)?;
-    let kind = match info.ggml_dtype {
-        GgmlDType::Q4_1 => Kind::Q4_1,
-        GgmlDType::Q8_0 => Kind::Q8_0,
-        _ => return Ok(None),
+    let kind = match Kind::from_ggml(info.ggml_dtype) {
+        Some(Kind::F32) | None => return Ok(None),
+        Some(k) => k,
     };
     let n = info.shape.elem_count();
-    if !n.is_multiple_of(BLOCK) || expected.len() != 2 || !expected[1].is_multiple_of(BLOCK) {
+    let vals = kind.block_values();
+    if !n.is_multiple_of(vals) || expected.len() != 2 || !expected[1].is_multiple_of(vals) {
         return Ok(None);
     }
-    let bytes = n / BLOCK * QMatrix::raw_unit(kind);
+    let bytes = kind.bytes_of(n);
     Ok(Some((ct.tensor_data_offset + info.offset, kind, bytes)))
+}
+
+/// What a candle error says, once: without the backtrace candle may carry along
+/// (`RUST_BACKTRACE`), and an unknown tensor type named as one.
+fn reason(e: candle_core::Error) -> String {
+    let inner = match e {
+        candle_core::Error::WithBacktrace { inner, .. } => *inner,
+        e => e,
+    };
+    let msg = inner.to_string();
+    match msg.strip_prefix("unknown dtype for tensor ") {
+        Some(id) => format!(
+            "a tensor has ggml type {id}, which this engine does not read (it reads F32, F16, \
+             BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K)"
+        ),
+        None => msg,
+    }
 }
 
 /// Measures the read bandwidth of `path` with `O_DIRECT` reads of 1 MiB from `start`.
@@ -121,7 +138,7 @@ fn drop_cache(path: &Path) {
 
 /// Reads one tensor of `expected` dims (`[rows, cols]` or `[cols]`) straight from the file into
 /// its blocks, a piece at a time, so no tensor is ever in memory twice; types the kernels do not
-/// read are dequantized by candle and requantized.
+/// read (F16, BF16, Q2_K, Q3_K) are dequantized by candle and requantized to Q8_0.
 fn read_weight(
     ct: &gguf_file::Content,
     file: &mut BufReader<File>,
@@ -136,12 +153,8 @@ fn read_weight(
         _ => (1, info.shape.elem_count()),
     };
     let dtype = info.ggml_dtype;
-    let kind = match dtype {
-        GgmlDType::Q4_1 => Some(Kind::Q4_1),
-        GgmlDType::Q8_0 => Some(Kind::Q8_0),
-        GgmlDType::F32 => Some(Kind::F32),
-        _ => None,
-    };
+    // A row must be whole blocks (ggml's rule too); a vector of blocks is dequantized.
+    let kind = Kind::from_ggml(dtype).filter(|k| cols.is_multiple_of(k.block_values()));
     let gguf = |e: String| ModelError::Gguf {
         path: path.into(),
         reason: format!("tensor {name:?}: {e}"),
@@ -149,7 +162,7 @@ fn read_weight(
     let Some(kind) = kind else {
         let q = ct
             .tensor(file, name, &Device::Cpu)
-            .map_err(|e| gguf(e.to_string()))?;
+            .map_err(|e| gguf(reason(e)))?;
         let f = q
             .dequantize(&Device::Cpu)
             .and_then(|t| t.flatten_all())
@@ -157,7 +170,7 @@ fn read_weight(
             .map_err(|e| ModelError::TensorType {
                 name: name.into(),
                 dtype,
-                reason: e.to_string(),
+                reason: reason(e),
             })?;
         return Ok(if rows == 1 {
             QMatrix::from_f32(rows, cols, f)
@@ -165,11 +178,7 @@ fn read_weight(
             requantize(rows, cols, f)
         });
     };
-    let units = if kind == Kind::F32 {
-        rows * cols
-    } else {
-        rows * cols / BLOCK
-    };
+    let units = rows * cols / kind.block_values();
     let unit = QMatrix::raw_unit(kind);
     file.seek(SeekFrom::Start(ct.tensor_data_offset + info.offset))
         .map_err(|e| gguf(e.to_string()))?;
@@ -211,7 +220,7 @@ impl Model {
         let mut file = BufReader::new(f);
         let ct = gguf_file::Content::read(&mut file).map_err(|e| ModelError::Gguf {
             path: path.into(),
-            reason: e.to_string(),
+            reason: reason(e),
         })?;
         let file_tensor_bytes = check_bounds(&ct, path, len)?;
         let cfg = ModelConfig::from_gguf(&ct).map_err(|source| ModelError::Config {

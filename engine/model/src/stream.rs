@@ -214,13 +214,15 @@ fn window(len: usize) -> usize {
 fn slot_capacity(units: &[StreamUnit]) -> (usize, usize, usize) {
     let mut cap = (0, 0, 0);
     for u in units {
-        let blocks = u.rows * u.cols / crate::qmatrix::BLOCK;
-        let (mins, qb) = if u.kind == Kind::Q4_1 {
-            (blocks, 16)
-        } else {
-            (0, 32)
+        let values = u.rows * u.cols;
+        let blocks = values / crate::qmatrix::BLOCK;
+        let (scales, mins, quants) = match u.kind {
+            Kind::Q4_1 => (blocks, blocks, blocks * 16),
+            Kind::Q8_0 => (blocks, 0, blocks * 32),
+            // The file's blocks byte for byte.
+            k => (0, 0, k.bytes_of(values)),
         };
-        cap = (cap.0.max(blocks), cap.1.max(mins), cap.2.max(blocks * qb));
+        cap = (cap.0.max(scales), cap.1.max(mins), cap.2.max(quants));
     }
     cap
 }

@@ -2,6 +2,7 @@
 //! code paths but not real weights. Its vocabulary is GPT-2 byte-level BPE: the 256 byte
 //! tokens, a few merges, and the ChatML special tokens, so the tokenizer loads from it too.
 
+use crate::qmatrix::{Kind, quantize};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -26,8 +27,12 @@ pub struct TinySpec {
     pub max_ctx: usize,
     /// Whether the output head is a separate tensor (else tied to the embeddings).
     pub separate_output: bool,
-    /// Storage type of the weight matrices.
+    /// Storage type of the weight matrices (quantized by candle).
     pub dtype: GgmlDType,
+    /// If not empty, the weight matrices' formats instead of `dtype`, taken in turn (the
+    /// embedding first, then each layer's in file order), quantized by
+    /// [`crate::qmatrix::quantize`]: the K-quants need `hidden` and `ffn` multiples of 256.
+    pub formats: Vec<Kind>,
     /// Seed of the random weights.
     pub seed: u64,
     /// `tokenizer.chat_template` (none by default: chat-format prompts are then refused).
@@ -45,6 +50,7 @@ impl Default for TinySpec {
             max_ctx: 512,
             separate_output: false,
             dtype: GgmlDType::Q8_0,
+            formats: Vec::new(),
             seed: 42,
             chat_template: None,
         }
@@ -162,10 +168,21 @@ fn tiny_tensors(spec: &TinySpec, vocab: usize) -> candle_core::Result<Vec<(Strin
     let hd = spec.hidden / spec.n_heads;
     let mut rng = StdRng::seed_from_u64(spec.seed);
     let dev = Device::Cpu;
+    let mut taken = 0;
     let mut mat = |rows: usize, cols: usize, scale: f32, dtype: GgmlDType| {
         let v: Vec<f32> = (0..rows * cols)
             .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale)
             .collect();
+        if let Some(&kind) = spec.formats.get(taken % spec.formats.len().max(1)) {
+            taken += 1;
+            let raw = quantize::quantize(kind, &v);
+            return candle_core::quantized::ggml_file::qtensor_from_ggml(
+                kind.ggml(),
+                &raw,
+                vec![rows, cols],
+                &dev,
+            );
+        }
         let t = Tensor::from_vec(v, (rows, cols), &dev)?;
         QTensor::quantize(&t, dtype)
     };

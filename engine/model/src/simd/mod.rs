@@ -24,6 +24,11 @@ pub const HALF: usize = 16;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 
+/// AVX2 and AVX-512 kernels for the block formats held as the file's bytes (Q4_0, Q5_0, Q5_1,
+/// Q4_K, Q5_K, Q6_K).
+#[cfg(target_arch = "x86_64")]
+pub mod blocks;
+
 /// AVX-512 (F, BW, VL) + FMA + F16C kernels for single-token products: several rows per pass,
 /// so each activation load and the f16 conversion of a group's scales serve all of them.
 #[cfg(target_arch = "x86_64")]

@@ -1,0 +1,441 @@
+//! x86-64 kernels for the block formats held as the file's bytes (Q4_0, Q5_0, Q5_1, Q4_K,
+//! Q5_K, Q6_K; [`crate::qmatrix::blocks`] has their layouts): the decode matrix-vector
+//! product on AVX2 and on AVX-512, and dequantization into f32 tiles (the f32 prefill) on AVX2.
+//!
+//! Every format is read the same way: a block's scales and offsets decoded once per row (a
+//! scale per 16 values, an offset per 32), then per sub-block of 32 values its codes unpacked
+//! into 32 signed bytes (masks, shifts, and for the fifth and sixth bits a byte shuffle), widened
+//! to f32 and multiplied with the activations, which are loaded once for the several rows of a
+//! pass; each sum of 16 products is scaled once, and the offsets add `Σ min · Σx` per 32.
+
+use crate::qmatrix::Kind;
+use std::arch::x86_64::*;
+
+/// Rows per pass of the matrix-vector kernels.
+pub const ROWS: usize = 4;
+
+/// How far ahead of the rows in work the kernels ask for the weights' cache lines, in bytes,
+/// as the Q4_1/Q8_0 kernels do.
+pub const PREFETCH_BYTES: usize = 16 << 10;
+
+const Q4_0: u8 = 0;
+const Q5_0: u8 = 1;
+const Q5_1: u8 = 2;
+const Q4_K: u8 = 3;
+const Q5_K: u8 = 4;
+const Q6_K: u8 = 5;
+
+/// Values and bytes of a block of the format tagged `k`.
+const fn geometry(k: u8) -> (usize, usize) {
+    match k {
+        Q4_0 => (32, 18),
+        Q5_0 => (32, 22),
+        Q5_1 => (32, 24),
+        Q4_K => (256, 144),
+        Q5_K => (256, 176),
+        _ => (256, 210),
+    }
+}
+
+/// Whether values carry offsets.
+const fn has_mins(k: u8) -> bool {
+    matches!(k, Q5_1 | Q4_K | Q5_K)
+}
+
+/// Asks for the cache lines of the `len` bytes from `p` (never dereferenced: a prefetch does
+/// not fault, so `p` may point past the data).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch(p: *const u8, len: usize) {
+    let mut o = 0;
+    while o < len {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
+        o += 64;
+    }
+}
+
+/// The f16 at `p` as f32, through F16C.
+///
+/// # Safety
+/// Two bytes at `p` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn h2f(p: *const u8) -> f32 {
+    // SAFETY: two readable bytes (the contract); an unaligned read.
+    let bits = unsafe { (p as *const u16).read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// The block's scales (two per sub-block of 32, one per 16 values) and offsets (one per 32).
+///
+/// # Safety
+/// A whole block of format `K` must be readable at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn header<const K: u8>(p: *const u8, sc: &mut [f32; 16], mn: &mut [f32; 8]) {
+    // SAFETY: every read is inside the block (the contract; offsets from the layouts).
+    unsafe {
+        match K {
+            Q4_0 | Q5_0 | Q5_1 => {
+                let d = h2f(p);
+                (sc[0], sc[1]) = (d, d);
+                mn[0] = if K == Q5_1 { h2f(p.add(2)) } else { 0.0 };
+            }
+            Q4_K | Q5_K => {
+                let (d, dmin) = (h2f(p), h2f(p.add(2)));
+                let s = std::slice::from_raw_parts(p.add(4), 12);
+                for j in 0..8 {
+                    let (a, m) = crate::qmatrix::blocks::scale_min_k4(j, s);
+                    sc[2 * j] = d * f32::from(a);
+                    sc[2 * j + 1] = sc[2 * j];
+                    mn[j] = -(dmin * f32::from(m));
+                }
+            }
+            _ => {
+                let d = h2f(p.add(208));
+                for (j, s) in sc.iter_mut().enumerate() {
+                    *s = d * f32::from(*p.add(192 + j) as i8);
+                }
+            }
+        }
+    }
+}
+
+/// 32 bits of `qh` at `p` (little-endian) as 32 bytes, 0x10 where the bit is set.
+///
+/// # Safety
+/// Four bytes at `p` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fifth_bits(p: *const u8) -> __m256i {
+    // SAFETY: four readable bytes (the contract).
+    let qh = unsafe { (p as *const i32).read_unaligned() };
+    // Byte j takes byte j / 8 of qh (both 128-bit lanes hold all four), then tests bit j % 8.
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(qh),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+/// The 16 bytes at `p` as 32 nibbles in value order: the low nibbles, then the high ones.
+///
+/// # Safety
+/// 16 bytes at `p` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles16(p: *const u8) -> __m256i {
+    // SAFETY: 16 readable bytes (the contract).
+    let q = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(q, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+    _mm256_set_m128i(hi, lo)
+}
+
+/// The codes of sub-block `s` (values `32s..32s + 32`) of the block at `p`, as signed bytes.
+///
+/// # Safety
+/// A whole block of format `K` must be readable at `p`; `s` below its sub-block count.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn codes<const K: u8>(p: *const u8, s: usize) -> __m256i {
+    let low = _mm256_set1_epi8(0x0F);
+    // SAFETY: every read is inside the block (the contract; offsets from the layouts).
+    unsafe {
+        match K {
+            Q4_0 => _mm256_sub_epi8(nibbles16(p.add(2)), _mm256_set1_epi8(8)),
+            Q5_0 => {
+                let q = _mm256_or_si256(nibbles16(p.add(6)), fifth_bits(p.add(2)));
+                _mm256_sub_epi8(q, _mm256_set1_epi8(16))
+            }
+            Q5_1 => _mm256_or_si256(nibbles16(p.add(8)), fifth_bits(p.add(4))),
+            Q4_K | Q5_K => {
+                let base = if K == Q5_K { 48 } else { 16 };
+                let q = _mm256_loadu_si256(p.add(base + 32 * (s / 2)) as *const __m256i);
+                let q = if s.is_multiple_of(2) {
+                    q
+                } else {
+                    _mm256_srli_epi16::<4>(q)
+                };
+                let q = _mm256_and_si256(q, low);
+                if K == Q4_K {
+                    return q;
+                }
+                let h = _mm256_loadu_si256(p.add(16) as *const __m256i);
+                let h = _mm256_srl_epi16(h, _mm_cvtsi32_si128(s as i32));
+                let h = _mm256_and_si256(h, _mm256_set1_epi8(1));
+                _mm256_or_si256(q, _mm256_slli_epi16::<4>(h))
+            }
+            _ => {
+                let (half, g) = (s / 4, s % 4);
+                let ql = _mm256_loadu_si256(p.add(64 * half + 32 * (g % 2)) as *const __m256i);
+                let ql = if g < 2 {
+                    ql
+                } else {
+                    _mm256_srli_epi16::<4>(ql)
+                };
+                let ql = _mm256_and_si256(ql, low);
+                let qh = _mm256_loadu_si256(p.add(128 + 32 * half) as *const __m256i);
+                let qh = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g as i32));
+                let qh = _mm256_and_si256(qh, _mm256_set1_epi8(3));
+                let q = _mm256_or_si256(ql, _mm256_slli_epi16::<4>(qh));
+                _mm256_sub_epi8(q, _mm256_set1_epi8(32))
+            }
+        }
+    }
+}
+
+/// 32 signed byte codes as four vectors of eight f32 (values 0..8, ..., 24..32).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen(c: __m256i) -> [__m256; 4] {
+    let (lo, hi) = (_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+    [
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(lo))),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(hi))),
+    ]
+}
+
+/// The format's tag, for the const-generic kernels.
+fn tag(kind: Kind) -> u8 {
+    match kind {
+        Kind::Q4_0 => Q4_0,
+        Kind::Q5_0 => Q5_0,
+        Kind::Q5_1 => Q5_1,
+        Kind::Q4_K => Q4_K,
+        Kind::Q5_K => Q5_K,
+        Kind::Q6_K => Q6_K,
+        _ => unreachable!("{kind:?} is not held as raw blocks"),
+    }
+}
+
+/// `out[r] = Σ w[r][j] x[j]` for the `out.len()` rows of `kind` in `raw` (whole blocks, rows
+/// of `x.len()` values back to back), with `xsum` the activations' sums per 32 values.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (and, if `wide`, AVX-512 F, BW and VL); `kind` must be
+/// a raw-block format, `x.len()` a multiple of its block; `raw` must hold the rows' blocks and
+/// `xsum` `x.len() / 32` values if the format has offsets.
+pub unsafe fn matvec(wide: bool, kind: Kind, raw: &[u8], x: &[f32], xsum: &[f32], out: &mut [f32]) {
+    let (vals, bytes) = geometry(tag(kind));
+    let rb = x.len() / vals * bytes;
+    assert!(
+        x.len().is_multiple_of(vals)
+            && raw.len() >= out.len() * rb
+            && (!has_mins(tag(kind)) || xsum.len() >= x.len() / 32),
+        "blocks::matvec: bad sizes"
+    );
+    macro_rules! run {
+        ($k:expr) => {
+            if wide {
+                // SAFETY: the caller's contract, sizes asserted above.
+                unsafe { passes::<$k, true>(raw, rb, x, xsum, out) }
+            } else {
+                // SAFETY: as above.
+                unsafe { passes::<$k, false>(raw, rb, x, xsum, out) }
+            }
+        };
+    }
+    match tag(kind) {
+        Q4_0 => run!(Q4_0),
+        Q5_0 => run!(Q5_0),
+        Q5_1 => run!(Q5_1),
+        Q4_K => run!(Q4_K),
+        Q5_K => run!(Q5_K),
+        _ => run!(Q6_K),
+    }
+}
+
+/// [`matvec`] in passes of [`ROWS`] rows, then one row at a time; each pass asks for the
+/// lines [`PREFETCH_BYTES`] ahead of it.
+///
+/// # Safety
+/// As [`matvec`], sizes checked; `rb` the bytes of a row.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn passes<const K: u8, const WIDE: bool>(
+    raw: &[u8],
+    rb: usize,
+    x: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    let rows = out.len();
+    prefetch(raw.as_ptr(), PREFETCH_BYTES);
+    let mut r = 0;
+    while r < rows {
+        let n = if r + ROWS <= rows { ROWS } else { 1 };
+        prefetch(raw.as_ptr().wrapping_add(r * rb + PREFETCH_BYTES), n * rb);
+        let (w, o) = (&raw[r * rb..(r + n) * rb], &mut out[r..r + n]);
+        // SAFETY: rows r..r + n are inside raw (checked by the caller); the CPU has the
+        // features of the path (the caller's contract).
+        unsafe {
+            match (n, WIDE) {
+                (ROWS, false) => rows_avx2::<K, ROWS>(w, rb, x, xsum, o),
+                (_, false) => rows_avx2::<K, 1>(w, rb, x, xsum, o),
+                (ROWS, true) => rows_avx512::<K, ROWS>(w, rb, x, xsum, o),
+                (_, true) => rows_avx512::<K, 1>(w, rb, x, xsum, o),
+            }
+        }
+        r += n;
+    }
+}
+
+/// `R` rows' products on 256 bits: per sub-block the activations loaded once for the `R` rows,
+/// each row's codes widened and multiplied, the two halves' sums scaled by their scales.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `raw` holds `R` rows of `rb` bytes, `x` their values'
+/// activations (a multiple of the block), `xsum` its sums per 32.
+#[inline]
+// One index runs over several register arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_avx2<const K: u8, const R: usize>(
+    raw: &[u8],
+    rb: usize,
+    x: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    let (vals, bytes) = geometry(K);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut offs = [0.0f32; R];
+    let (mut sc, mut mn) = ([[0.0f32; 16]; R], [[0.0f32; 8]; R]);
+    for b in 0..x.len() / vals {
+        // SAFETY: block b of each row is inside raw, its values inside x and their sums
+        // inside xsum (the contract); unaligned loads accept any address.
+        unsafe {
+            let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
+            for r in 0..R {
+                header::<K>(at(r), &mut sc[r], &mut mn[r]);
+            }
+            for s in 0..vals / 32 {
+                let xp = x.as_ptr().add(b * vals + 32 * s);
+                let xv: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xp.add(8 * k)));
+                for r in 0..R {
+                    let w = widen(codes::<K>(at(r), s));
+                    let lo = _mm256_fmadd_ps(w[1], xv[1], _mm256_mul_ps(w[0], xv[0]));
+                    let hi = _mm256_fmadd_ps(w[3], xv[3], _mm256_mul_ps(w[2], xv[2]));
+                    acc[r] = _mm256_fmadd_ps(lo, _mm256_set1_ps(sc[r][2 * s]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(hi, _mm256_set1_ps(sc[r][2 * s + 1]), acc[r]);
+                    if has_mins(K) {
+                        offs[r] += mn[r][s] * *xsum.get_unchecked(b * vals / 32 + s);
+                    }
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = super::avx2::hsum(acc[r]) + offs[r];
+    }
+}
+
+/// [`rows_avx2`] on 512 bits: a sub-block's 32 products in two vectors of 16, one per scale.
+///
+/// # Safety
+/// As [`rows_avx2`], and the CPU must have AVX-512 F, BW and VL.
+#[inline]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn rows_avx512<const K: u8, const R: usize>(
+    raw: &[u8],
+    rb: usize,
+    x: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    let (vals, bytes) = geometry(K);
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut offs = [0.0f32; R];
+    let (mut sc, mut mn) = ([[0.0f32; 16]; R], [[0.0f32; 8]; R]);
+    for b in 0..x.len() / vals {
+        // SAFETY: as in rows_avx2.
+        unsafe {
+            let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
+            for r in 0..R {
+                header::<K>(at(r), &mut sc[r], &mut mn[r]);
+            }
+            for s in 0..vals / 32 {
+                let xp = x.as_ptr().add(b * vals + 32 * s);
+                let (x0, x1) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+                for r in 0..R {
+                    let c = codes::<K>(at(r), s);
+                    let w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c)));
+                    let w1 =
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256::<1>(c)));
+                    let t0 = _mm512_mul_ps(w0, x0);
+                    let t1 = _mm512_mul_ps(w1, x1);
+                    acc[r] = _mm512_fmadd_ps(t0, _mm512_set1_ps(sc[r][2 * s]), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(t1, _mm512_set1_ps(sc[r][2 * s + 1]), acc[r]);
+                    if has_mins(K) {
+                        offs[r] += mn[r][s] * *xsum.get_unchecked(b * vals / 32 + s);
+                    }
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(acc[r]) + offs[r];
+    }
+}
+
+/// Dequantizes whole blocks of `kind` (`raw`) into `out`: `scale · code + min` per value.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `kind` must be a raw-block format, `raw` whole blocks
+/// and `out` their values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequant(kind: Kind, raw: &[u8], out: &mut [f32]) {
+    let (vals, bytes) = geometry(tag(kind));
+    assert!(
+        raw.len().is_multiple_of(bytes) && out.len() >= raw.len() / bytes * vals,
+        "blocks::dequant: bad sizes"
+    );
+    // SAFETY: sizes checked above; the CPU's features are the caller's contract.
+    unsafe {
+        match tag(kind) {
+            Q4_0 => dequant_k::<Q4_0>(raw, out),
+            Q5_0 => dequant_k::<Q5_0>(raw, out),
+            Q5_1 => dequant_k::<Q5_1>(raw, out),
+            Q4_K => dequant_k::<Q4_K>(raw, out),
+            Q5_K => dequant_k::<Q5_K>(raw, out),
+            _ => dequant_k::<Q6_K>(raw, out),
+        }
+    }
+}
+
+/// [`dequant`] for the format tagged `K`.
+///
+/// # Safety
+/// As [`dequant`], sizes checked.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_k<const K: u8>(raw: &[u8], out: &mut [f32]) {
+    let (vals, bytes) = geometry(K);
+    let (mut sc, mut mn) = ([0.0f32; 16], [0.0f32; 8]);
+    for (b, o) in raw.chunks_exact(bytes).zip(out.chunks_exact_mut(vals)) {
+        // SAFETY: b is one whole block, o its values.
+        unsafe {
+            header::<K>(b.as_ptr(), &mut sc, &mut mn);
+            for s in 0..vals / 32 {
+                let w = widen(codes::<K>(b.as_ptr(), s));
+                let m = _mm256_set1_ps(mn[s]);
+                for (k, w) in w.iter().enumerate() {
+                    let v = _mm256_add_ps(_mm256_mul_ps(*w, _mm256_set1_ps(sc[2 * s + k / 2])), m);
+                    _mm256_storeu_ps(o.as_mut_ptr().add(32 * s + 8 * k), v);
+                }
+            }
+        }
+    }
+}
