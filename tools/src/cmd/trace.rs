@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use bench::trace::{self, PastCap, Pattern, Source, Summary, TraceSpec};
 use clap::{Args, Subcommand, ValueEnum};
-use model::fetch;
 use model::tokenizer::Tokenizer;
 use strum::VariantArray;
 
