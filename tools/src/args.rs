@@ -37,8 +37,9 @@ impl ModelsDirArg {
 /// Which model to run and how.
 #[derive(Args, Debug, Clone)]
 pub struct EngineOpts {
-    /// A llama-family GGUF file [default: the default model, fetched into the cache if missing]
-    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
+    /// A known model's name (smollm2-135m, gemma3-270m: fetched into the cache if missing) or a
+    /// GGUF file [default: smollm2-135m]
+    #[arg(long, env = "LLMS_MODEL", value_name = "NAME|FILE")]
     pub model: Option<PathBuf>,
     #[command(flatten)]
     pub dir: ModelsDirArg,
@@ -122,11 +123,24 @@ pub fn init_threads(threads: Option<usize>) -> anyhow::Result<usize> {
 
 /// The model file: `--model`, else the default model, fetched if missing.
 pub fn model_path(opts: &EngineOpts) -> anyhow::Result<PathBuf> {
-    match &opts.model {
-        Some(p) => Ok(p.clone()),
-        None => fetch::default_model_path(&opts.dir.fetch_options())
-            .context("cannot get the default model (try `llms model fetch`)"),
-    }
+    resolve_model(opts.model.as_deref(), &opts.dir)
+}
+
+/// The model file a `--model` value names, as every command takes it ([`fetch::resolve`]): none
+/// is the default model, a known model's name (`llms model ls`) is that model, both fetched into
+/// the cache if missing; anything else is a GGUF file's path.
+pub fn resolve_model(model: Option<&Path>, dir: &ModelsDirArg) -> anyhow::Result<PathBuf> {
+    let spec = match model {
+        None => Some(&fetch::DEFAULT_MODEL),
+        Some(m) => m.to_str().and_then(fetch::known_model),
+    };
+    fetch::resolve(&dir.fetch_options(), model).with_context(|| match spec {
+        Some(spec) => format!(
+            "cannot get the model {} (try `llms model fetch {}`)",
+            spec.name, spec.name
+        ),
+        None => "cannot resolve --model".to_owned(),
+    })
 }
 
 /// Loads the model and its tokenizer as `opts` says.

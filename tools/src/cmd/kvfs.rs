@@ -176,7 +176,9 @@ fn model_file(name: &str, dir: &crate::args::ModelsDirArg) -> anyhow::Result<Pat
         .with_context(|| format!("cannot list the models in {}", cache.display()))?;
     models
         .into_iter()
-        .find(|m| m.name == name || m.name.strip_suffix(".gguf") == Some(name))
+        .find(|m| {
+            m.name == name || m.name.strip_suffix(".gguf") == Some(name) || m.model == Some(name)
+        })
         .map(|m| m.path)
         .with_context(|| {
             format!(

@@ -77,8 +77,9 @@ pub struct ServeArgs {
     #[arg(long, env = "LLMS_NO_MOUNT")]
     #[merge(strategy = merge::bool::overwrite_false)]
     pub no_mount: bool,
-    /// A llama-family GGUF file [default: the default model, fetched into the cache if missing]
-    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
+    /// A known model's name (smollm2-135m, gemma3-270m: fetched into the cache if missing) or a
+    /// GGUF file [default: smollm2-135m]
+    #[arg(long, env = "LLMS_MODEL", value_name = "NAME|FILE")]
     pub model: Option<PathBuf>,
     /// The models cache [default: $LLMS_MODELS_DIR, else $XDG_CACHE_HOME/llms/models,
     /// else ~/.cache/llms/models]
@@ -466,11 +467,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 /// The model `s` names (the default model, fetched if missing, without one), under its weight
 /// budget, and its tokenizer.
 fn load_model(s: &Settings) -> anyhow::Result<(PathBuf, Arc<Model>, Arc<Tokenizer>)> {
-    let path = match &s.model {
-        Some(p) => p.clone(),
-        None => model::fetch::default_model_path(&s.dir.fetch_options())
-            .context("cannot get the default model (try `llms model fetch`)")?,
-    };
+    let path = crate::args::resolve_model(s.model.as_deref(), &s.dir)?;
     let weights = model::WeightOptions {
         budget: s.weight_budget,
         ..Default::default()

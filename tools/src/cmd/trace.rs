@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use bench::trace::{self, PastCap, Pattern, Source, Summary, TraceSpec};
 use clap::{Args, Subcommand, ValueEnum};
-use model::fetch;
 use model::tokenizer::Tokenizer;
 use strum::VariantArray;
 
@@ -110,9 +109,9 @@ pub struct GenArgs {
     /// /usr/share/common-licenses]
     #[arg(long, value_name = "FILE")]
     pub text: Vec<PathBuf>,
-    /// The GGUF whose tokenizer counts the tokens [default: the default model, fetched into the
-    /// cache if missing]
-    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
+    /// The model whose tokenizer counts the tokens: a known model's name (smollm2-135m,
+    /// gemma3-270m: fetched into the cache if missing) or a GGUF file [default: smollm2-135m]
+    #[arg(long, env = "LLMS_MODEL", value_name = "NAME|FILE")]
     pub model: Option<PathBuf>,
     #[command(flatten)]
     pub dir: ModelsDirArg,
@@ -244,11 +243,7 @@ fn run_gen(a: GenArgs) -> anyhow::Result<()> {
         std::fs::File::open(t)
             .with_context(|| format!("cannot read the text file {}", t.display()))?;
     }
-    let model = match &a.model {
-        Some(p) => p.clone(),
-        None => fetch::default_model_path(&a.dir.fetch_options())
-            .context("cannot get the default model (try `llms model fetch`)")?,
-    };
+    let model = crate::args::resolve_model(a.model.as_deref(), &a.dir)?;
     spec.model = model.file_name().map_or_else(
         || model.display().to_string(),
         |n| n.to_string_lossy().into(),

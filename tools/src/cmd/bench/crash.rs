@@ -22,8 +22,8 @@ use bench::daemon_proc::{Daemon, DaemonSpec};
 pub struct BenchCrashArgs {
     #[command(flatten)]
     pub dir: ModelsDirArg,
-    /// A GGUF model file [default: the default model, fetched if missing]
-    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
+    /// A known model's name (fetched if missing) or a GGUF file [default: smollm2-135m]
+    #[arg(long, env = "LLMS_MODEL", value_name = "NAME|FILE")]
     pub model: Option<PathBuf>,
     #[command(flatten)]
     pub report: crate::report::ReportArgs,
@@ -86,11 +86,7 @@ fn quarantined(mnt: &Path) -> anyhow::Result<u64> {
 /// or diverged, or a chunk quarantined, fails the run.
 pub fn run(args: &BenchCrashArgs) -> anyhow::Result<()> {
     args.report.begin();
-    let model = match &args.model {
-        Some(p) => p.clone(),
-        None => model::fetch::default_model_path(&args.dir.fetch_options())
-            .context("cannot get the default model (try `llms model fetch`)")?,
-    };
+    let model = crate::args::resolve_model(args.model.as_deref(), &args.dir)?;
     let tok = Tokenizer::from_gguf_file(&model)
         .with_context(|| format!("cannot build the tokenizer of {}", model.display()))?;
     let seed = args.seed.unwrap_or_else(|| {

@@ -23,8 +23,8 @@ use crate::report::table;
 pub struct ModelInput {
     #[command(flatten)]
     pub dir: ModelsDirArg,
-    /// A GGUF model file [default: the default model, fetched if missing]
-    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
+    /// A known model's name (fetched if missing) or a GGUF file [default: smollm2-135m]
+    #[arg(long, env = "LLMS_MODEL", value_name = "NAME|FILE")]
     pub model: Option<PathBuf>,
     /// Take the context's tokens from this text file (tokenized with the model's vocabulary)
     /// instead of a deterministic pseudo-random sequence.
@@ -35,11 +35,7 @@ pub struct ModelInput {
 impl ModelInput {
     /// Loads the model (fetching the default one if needed).
     pub fn load(&self) -> anyhow::Result<Model> {
-        let path = match &self.model {
-            Some(p) => p.clone(),
-            None => model::fetch::default_model_path(&self.dir.fetch_options())
-                .context("cannot fetch the default model")?,
-        };
+        let path = crate::args::resolve_model(self.model.as_deref(), &self.dir)?;
         Model::load(&path).with_context(|| format!("cannot load {}", path.display()))
     }
 

@@ -41,9 +41,9 @@ pub struct BenchSwitchArgs {
     /// into --out (to restyle the plots of a long run)
     #[arg(long, value_name = "JSON", conflicts_with = "trace")]
     pub replot: Option<PathBuf>,
-    /// A GGUF model file; the trace's token counts are this model's [default: the default
-    /// model, fetched if missing]
-    #[arg(long, env = "LLMS_MODEL", value_name = "FILE")]
+    /// A known model's name (fetched if missing) or a GGUF file; the trace's token counts are
+    /// this model's [default: smollm2-135m]
+    #[arg(long, env = "LLMS_MODEL", value_name = "NAME|FILE")]
     pub model: Option<PathBuf>,
     #[command(flatten)]
     pub dir: ModelsDirArg,
@@ -230,11 +230,7 @@ fn read_input(args: &BenchSwitchArgs) -> anyhow::Result<Input> {
     let trace_path = args.trace.as_deref().context("no trace to replay")?;
     let trace = bench::trace::read(trace_path)?;
     let h = &trace.header;
-    let model = match &args.model {
-        Some(p) => p.clone(),
-        None => model::fetch::default_model_path(&args.dir.fetch_options())
-            .context("cannot get the default model (try `llms model fetch`)")?,
-    };
+    let model = crate::args::resolve_model(args.model.as_deref(), &args.dir)?;
     let model = std::path::absolute(&model)?;
     let cfg = ModelConfig::from_gguf_file(&model)?;
     let model_name = model
