@@ -67,7 +67,7 @@ impl PrefillActs {
     /// What `Auto` means on this CPU.
     pub fn resolve(self) -> PrefillActs {
         match self {
-            // Every vector path beats the f32 GEMM (docs/bench-engine.md: 1.1x on AVX2 alone)
+            // Every vector path beats the f32 GEMM (docs/bench-engine.md: 1.5-1.7x on AVX2 alone)
             // and gives the portable path's bits, hence its perplexity.
             PrefillActs::Auto if Path::best() != Path::Portable => PrefillActs::Int8,
             PrefillActs::Auto => PrefillActs::F32,
