@@ -61,7 +61,7 @@ pub struct EngineOpts {
     pub activations: String,
     /// Activations of batched products (prefill, recompute): f32 GEMM over dequantized weight
     /// tiles (the reference), or int8 codes per 32 values multiplied in integers (about 2x faster
-    /// prefill with AVX-512 VNNI, 1.1x with AVX2 or AVX-VNNI, portable and slow without;
+    /// prefill with AVX-512 VNNI, 1.5-1.7x with AVX2 or AVX-VNNI, portable and slow without;
     /// perplexity +0.1-0.4%, but a near-tied first token can flip); auto is int8 where the CPU
     /// has AVX2, f32 elsewhere
     #[arg(long, default_value = "f32", value_name = "KIND", value_parser = ["auto", "f32", "int8"])]

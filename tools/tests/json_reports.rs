@@ -157,3 +157,87 @@ fn eval_ppl_and_trace_show_print_their_reports_as_json() {
     );
     assert_eq!(s["seed"].as_u64(), Some(3), "{s}");
 }
+
+/// `bench engine` and `bench kv` write the kernels they ran on into their JSON, the same list
+/// `model::chosen` names for this CPU, and under `LLMS_ISA=portable` the portable ones.
+#[test]
+fn bench_engine_and_kv_report_the_kernels_they_ran() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let models = d.join("models");
+    let model = d.join("tiny.gguf");
+    write_tiny_gguf(&model, &TinySpec::default()).unwrap();
+    let model_s = model.to_str().unwrap();
+    let text = d.join("text.txt");
+    std::fs::write(&text, "Some words to prefill with, again. ".repeat(60)).unwrap();
+    let text_s = text.to_str().unwrap();
+    let engine = [
+        "bench",
+        "engine",
+        "--model",
+        model_s,
+        "--text",
+        text_s,
+        "--threads",
+        "1",
+        "--prefill",
+        "16",
+        "--decode",
+        "1",
+        "--decode-at",
+        "0",
+        "--runs",
+        "1",
+        "--json",
+    ];
+    let kv = [
+        "bench",
+        "kv",
+        "--model",
+        model_s,
+        "--text",
+        text_s,
+        "--contexts",
+        "32",
+        "--recompute",
+        "1",
+        "--reps",
+        "1",
+        "--json",
+    ];
+    let expected = |list: Vec<model::chosen::Chosen>| serde_json::to_value(list).unwrap();
+    let report = json(d, &models, &engine);
+    assert_eq!(
+        report["chosen_kernels"],
+        expected(model::chosen::engine(model::int8gemm::PrefillActs::F32)),
+        "{report}"
+    );
+    let report = json(d, &models, &kv);
+    assert_eq!(
+        report["chosen_kernels"],
+        expected(model::chosen::attention()),
+        "{report}"
+    );
+    for args in [&engine[..], &kv[..]] {
+        let out = Command::new(LLMS)
+            .args(args)
+            .current_dir(d)
+            .env("LLMS_ISA", "portable")
+            .env("LLMS_MODELS_DIR", &models)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let kernels = report["chosen_kernels"].as_array().unwrap();
+        assert!(!kernels.is_empty(), "{report}");
+        for k in kernels {
+            let (product, kernel) = (k["product"].as_str(), k["kernel"].as_str());
+            assert!(product.is_some_and(|p| !p.is_empty()), "{k}");
+            assert!(kernel.is_some_and(|k| k.contains("portabl")), "{k}");
+        }
+    }
+}

@@ -9,6 +9,8 @@
 //! are taken back to signed and multiplied as `|w|` times `x` with `w`'s sign (pair sums at most
 //! 2 · 128 · 127 = 32,512), which gives `Σ w x`, the same integer the offset form gives after
 //! its `128 Σ x_q` correction. So every path gives the portable path's bits.
+//!
+//! The activations' quantization ([`quantize`]) has its AVX2 form here too, for both paths.
 
 use super::{PANEL, RowsView};
 use std::arch::x86_64::*;
@@ -53,6 +55,53 @@ pub unsafe fn panel<const VNNI: bool>(
             go!(1 2 3 4)
         }
         t0 = t1;
+    }
+}
+
+/// Quantizes 32-value blocks exactly as `int8gemm::quantize_portable` does (same codes,
+/// scales and sums, bit for bit): the largest magnitude and the integer sum are exact in any
+/// order, the scale and its inverse are the same scalar operations, and `vcvtps2dq` rounds to
+/// nearest, ties to even (the default MXCSR mode) as `round_ties_even` does.
+///
+/// # Safety
+/// The CPU must have AVX2; `q` must hold as many values as `x` (a multiple of 32), and `d`,
+/// `sum`, `qsum` one per block.
+#[target_feature(enable = "avx2")]
+pub unsafe fn quantize(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [f32], qsum: &mut [i32]) {
+    let nb = x.len() / 32;
+    assert!(q.len() >= nb * 32 && d.len() >= nb && sum.len() >= nb && qsum.len() >= nb);
+    let sign = _mm256_set1_ps(-0.0);
+    // packs works within 128-bit halves: this gathers their 4-byte groups back in order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for b in 0..nb {
+        // SAFETY: block b < nb: its 32 values are inside x and its 32 codes inside q (the
+        // assert above); unaligned loads and stores accept any address.
+        unsafe {
+            let xp = x.as_ptr().add(b * 32);
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xp.add(8 * i)));
+            let m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+            );
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+            d[b] = amax / 127.0;
+            let inv = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+            let c: [__m256i; 4] =
+                std::array::from_fn(|i| _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+            let bytes = _mm256_packs_epi16(
+                _mm256_packs_epi32(c[0], c[1]),
+                _mm256_packs_epi32(c[2], c[3]),
+            );
+            let qp = q.as_mut_ptr().add(b * 32) as *mut __m256i;
+            _mm256_storeu_si256(qp, _mm256_permutevar8x32_epi32(bytes, order));
+            let s = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            qsum[b] = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)));
+            sum[b] = d[b] * qsum[b] as f32;
+        }
     }
 }
 

@@ -67,7 +67,7 @@ impl PrefillActs {
     /// What `Auto` means on this CPU.
     pub fn resolve(self) -> PrefillActs {
         match self {
-            // Every vector path beats the f32 GEMM (docs/bench-engine.md: 1.1x on AVX2 alone)
+            // Every vector path beats the f32 GEMM (docs/bench-engine.md: 1.5-1.7x on AVX2 alone)
             // and gives the portable path's bits, hence its perplexity.
             PrefillActs::Auto if Path::best() != Path::Portable => PrefillActs::Int8,
             PrefillActs::Auto => PrefillActs::F32,
@@ -190,16 +190,8 @@ impl QuantRows {
             .zip(self.qsum.par_chunks_mut(per * nb))
             .zip(self.shadow.par_chunks_mut(per))
             .for_each(|(((((x, q), d), sum), qsum), shadow)| {
-                match path {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: the CPU has the path's features (asserted above); the slices
-                    // hold the same number of blocks (32 values and codes, one of each
-                    // parameter).
-                    Path::Vnni => unsafe { vnni::quantize(x, q, d, sum, qsum) },
-                    _ => quantize_portable(x, q, d, sum, qsum),
-                }
-                // Each row's shadow leaves its block, which is quantized again without it
-                // (portably: every path gives the same bits).
+                quantize_blocks(path, x, q, d, sum, qsum);
+                // Each row's shadow leaves its block, which is quantized again without it.
                 for (i, sh) in shadow.iter_mut().enumerate() {
                     *sh = shadow_of(&x[i * cols..(i + 1) * cols], &d[i * nb..(i + 1) * nb]);
                     if sh.0 == NO_SHADOW {
@@ -209,7 +201,8 @@ impl QuantRows {
                     let mut blk = [0.0f32; BLOCK];
                     blk.copy_from_slice(&x[b * BLOCK..(b + 1) * BLOCK]);
                     blk[sh.0 as usize % BLOCK] = 0.0;
-                    quantize_portable(
+                    quantize_blocks(
+                        path,
                         &blk,
                         &mut q[b * BLOCK..(b + 1) * BLOCK],
                         &mut d[b..b + 1],
@@ -265,6 +258,28 @@ fn shadow_of(row: &[f32], d: &[f32]) -> (u32, f32) {
         ((b * BLOCK + j) as u32, blk[j])
     } else {
         (NO_SHADOW, 0.0)
+    }
+}
+
+/// [`quantize_portable`] on `path` (every path gives the same bits).
+fn quantize_blocks(
+    path: Path,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    assert!(path.available(), "{path:?} path on a CPU without it");
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has the path's features (asserted above); the vector forms check
+        // that the slices hold as many blocks as `x` (32 codes, one of each parameter).
+        Path::Vnni => unsafe { vnni::quantize(x, q, d, sum, qsum) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; every AVX2 path has AVX2.
+        Path::Avx2 | Path::AvxVnni => unsafe { avx2::quantize(x, q, d, sum, qsum) },
+        _ => quantize_portable(x, q, d, sum, qsum),
     }
 }
 
@@ -666,6 +681,13 @@ mod tests {
         x[5] = 0.0;
         x[96..128].fill(0.0);
         x[200] = -3.5e4;
+        // Ties: a block whose largest magnitude is 127 has the step 1, so these halves round
+        // to even on every path (the row's shadow is elsewhere, in its first block).
+        for (j, v) in x[33 * 96 + 32..33 * 96 + 64].iter_mut().enumerate() {
+            *v = if j == 0 { 127.0 } else { j as f32 - 15.5 };
+        }
+        x[33 * 96 + 33] = -0.0;
+        x[33 * 96 + 7] = 300.0;
         let mut want = QuantRows::default();
         want.quantize_with(Path::Portable, &x, 37, 96);
         for path in Path::all_available() {

@@ -48,6 +48,8 @@ struct Report {
     prefill_chunk: usize,
     runs: usize,
     kernels: String,
+    /// The kernel each product ran on (`model::chosen`, within `LLMS_ISA`).
+    chosen_kernels: Vec<model::chosen::Chosen>,
     prefill: Vec<Row>,
     decode: Vec<DecodeRow>,
     weight_bytes: usize,
@@ -128,7 +130,8 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         "bench engine: {} threads, kernels {kernels}, kv {}, prefill chunk {}, {} runs each",
         threads, l.format, l.model.prefill_chunk, a.runs
     );
-    for c in model::chosen::engine(l.model.prefill_activations()) {
+    let chosen_kernels = model::chosen::engine(l.model.prefill_activations());
+    for c in &chosen_kernels {
         eprintln!("  kernel: {}: {}", c.product, c.kernel);
     }
     let prefill = measure_prefill(&a, &l, &tokens)?;
@@ -150,6 +153,7 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         prefill_chunk: l.model.prefill_chunk,
         runs: a.runs,
         kernels,
+        chosen_kernels,
         prefill,
         decode,
         weight_bytes: l.model.weight_bytes(),

@@ -140,6 +140,8 @@ struct RecomputeRow {
 struct Report {
     model: String,
     threads: usize,
+    /// The attention kernels the timings ran on (`model::chosen`, within `LLMS_ISA`).
+    chosen_kernels: Vec<model::chosen::Chosen>,
     codec: Vec<CodecRow>,
     attention: Vec<AttnRow>,
     recompute: Vec<RecomputeRow>,
@@ -249,7 +251,8 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     }
     args.report.begin();
     let model = args.input.load()?;
-    for c in model::chosen::attention() {
+    let chosen_kernels = model::chosen::attention();
+    for c in &chosen_kernels {
         eprintln!("  kernel: {}: {}", c.product, c.kernel);
     }
     let s = model.chunk_shape(16);
@@ -274,6 +277,7 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     let report = Report {
         model: model.path().display().to_string(),
         threads: model::kernels::threads(),
+        chosen_kernels,
         codec,
         attention,
         recompute,
