@@ -51,9 +51,10 @@ pub enum ModelError {
         end: u64,
         len: u64,
     },
-    /// The metadata does not describe a supported model.
-    #[error("{path}: {source}")]
-    Config { path: PathBuf, source: ConfigError },
+    /// The metadata does not describe a supported model. (The error is a field of the message,
+    /// not its `source`: an error chain printed whole would say it twice.)
+    #[error("{path}: {error}")]
+    Config { path: PathBuf, error: ConfigError },
     /// A tensor the architecture needs is absent.
     #[error("{path} has no tensor {name:?}")]
     MissingTensor { path: PathBuf, name: String },

@@ -223,9 +223,9 @@ impl Model {
             reason: reason(e),
         })?;
         let file_tensor_bytes = check_bounds(&ct, path, len)?;
-        let cfg = ModelConfig::from_gguf(&ct).map_err(|source| ModelError::Config {
+        let cfg = ModelConfig::from_gguf(&ct).map_err(|error| ModelError::Config {
             path: path.into(),
-            source,
+            error,
         })?;
         let h = cfg.hidden;
         let tied = !ct.tensor_infos.contains_key("output.weight");

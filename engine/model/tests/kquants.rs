@@ -148,3 +148,40 @@ fn an_unknown_tensor_type_is_one_clear_error() {
     assert_eq!(err.matches("odd.gguf").count(), 1, "{err}");
     assert_eq!(err.matches("20").count(), 1, "{err}");
 }
+
+/// An architecture the engine does not run is said once, with the file, even when the whole
+/// error chain is printed (as the CLI does).
+#[test]
+fn an_unknown_architecture_is_said_once_through_the_error_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("other.gguf");
+    write_tiny_gguf(&path, &TinySpec::default()).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    // The value of `general.architecture`: its type (u32, 8 = string), its length (u64), "llama".
+    let key = b"general.architecture";
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("the key")
+        + key.len()
+        + 4
+        + 8;
+    assert_eq!(&bytes[at..at + 5], b"llama");
+    bytes[at..at + 5].copy_from_slice(b"gemmx");
+    std::fs::write(&path, &bytes).unwrap();
+    let err = Model::load(&path).err().expect("an error");
+    let mut chain = err.to_string();
+    let mut source = std::error::Error::source(&err);
+    while let Some(s) = source {
+        chain += &format!(": {s}");
+        source = s.source();
+    }
+    assert!(chain.contains("other.gguf"), "{chain}");
+    assert_eq!(
+        chain
+            .matches("unsupported model architecture \"gemmx\"")
+            .count(),
+        1,
+        "{chain}"
+    );
+}
