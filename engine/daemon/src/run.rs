@@ -68,7 +68,7 @@ fn handle(
             }
             let tokens = match (system, format) {
                 (None, _) => Vec::new(),
-                (Some(s), PromptFormat::Raw) => tok.encode(s),
+                (Some(s), PromptFormat::Raw) => tok.encode_start(s),
                 (Some(s), PromptFormat::Chat) => tok
                     .encode_chat(&[Message::system(s.as_str())], false)
                     .map_err(no_template)?,
@@ -119,10 +119,15 @@ fn prompt_of<'a>(
     prompt: &'a str,
     format: PromptFormat,
 ) -> Result<Prompt<'a>, ErrorBody> {
-    if format == PromptFormat::Raw {
-        return Ok(Prompt::later(move || tok.encode(prompt)));
-    }
     let info = m.info(o, id).map_err(service_error)?;
+    if format == PromptFormat::Raw {
+        // The first text of a context starts with BOS when the model wants it.
+        let first = info.tokens == 0;
+        return Ok(Prompt::later(move || match first {
+            true => tok.encode_start(prompt),
+            false => tok.encode(prompt),
+        }));
+    }
     if info.tokens == 0 {
         // A new context has nothing to read: encoding now costs the switch nothing.
         let t = tok

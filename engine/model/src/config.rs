@@ -1,13 +1,15 @@
-//! The shape of a llama-family model, read from a GGUF file's metadata.
+//! The shape of a model, read from a GGUF file's metadata: the dimensions, and what its
+//! architecture's layers do beyond llama's, as data ([`Family`]) rather than branches in the
+//! forward pass.
 
 use candle_core::quantized::gguf_file::{Content, Value};
 
 /// What went wrong reading a model's shape from GGUF metadata.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// The architecture is not one of the llama family.
+    /// The architecture is none of the families the engine runs.
     #[error(
-        "unsupported model architecture {arch:?}: llms runs llama-family models (llama, smollm, tinyllama shapes)"
+        "unsupported model architecture {arch:?}: llms runs llama (SmolLM, TinyLlama, Llama 2 and 3), qwen2 and gemma3 models"
     )]
     UnsupportedArch { arch: String },
     /// A required key is absent.
@@ -24,7 +26,94 @@ pub enum ConfigError {
     },
 }
 
-/// The dimensions and constants of a llama-family transformer.
+/// The feed-forward layer's gate: `act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU): llama, qwen2.
+    Silu,
+    /// GELU, tanh approximation (GeGLU): gemma.
+    GeluTanh,
+}
+
+/// Which dimensions of a head RoPE rotates together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pairs `(2i, 2i + 1)`: llama GGUFs (whose Q and K rows the converter permuted).
+    Adjacent,
+    /// Pairs `(i, i + rope_dim / 2)` (GPT-NeoX's): qwen2, gemma.
+    Halves,
+}
+
+/// What an architecture's layers do beyond llama's. One value per `general.architecture`
+/// ([`Family::of`]); the forward pass reads these fields and has no branch on the name.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Family {
+    /// `general.architecture`.
+    pub arch: &'static str,
+    /// The feed-forward gate.
+    pub activation: Activation,
+    /// How RoPE pairs dimensions.
+    pub rope_style: RopeStyle,
+    /// Embeddings are multiplied by `sqrt(hidden)` on lookup.
+    pub embed_scale: bool,
+    /// Each query and key head is RMS-normed (`attn_q_norm`, `attn_k_norm`) before RoPE.
+    pub qk_norm: bool,
+    /// The attention and feed-forward outputs are RMS-normed (`post_attention_norm`,
+    /// `post_ffw_norm`) before they are added to the residual stream.
+    pub post_norms: bool,
+    /// Q, K and V projections have biases (`attn_q.bias`...).
+    pub qkv_bias: bool,
+    /// With a sliding window in the metadata: every `swa_pattern`-th layer is global, the others
+    /// attend to the window only (0: every layer global). The metadata key
+    /// `<arch>.attention.sliding_window_pattern` overrides it.
+    pub swa_pattern: usize,
+    /// RoPE base of the sliding-window layers when the metadata names none.
+    pub rope_base_local: f32,
+}
+
+impl Family {
+    /// Llama 2 and 3, SmolLM, TinyLlama, Mistral without a window: the GGUF says `llama`.
+    pub const LLAMA: Family = Family {
+        arch: "llama",
+        activation: Activation::Silu,
+        rope_style: RopeStyle::Adjacent,
+        embed_scale: false,
+        qk_norm: false,
+        post_norms: false,
+        qkv_bias: false,
+        swa_pattern: 0,
+        rope_base_local: 10_000.0,
+    };
+    /// Qwen 2 and 2.5.
+    pub const QWEN2: Family = Family {
+        arch: "qwen2",
+        rope_style: RopeStyle::Halves,
+        qkv_bias: true,
+        ..Family::LLAMA
+    };
+    /// Gemma 3 (text): five sliding-window layers of every six.
+    pub const GEMMA3: Family = Family {
+        arch: "gemma3",
+        activation: Activation::GeluTanh,
+        rope_style: RopeStyle::Halves,
+        embed_scale: true,
+        qk_norm: true,
+        post_norms: true,
+        qkv_bias: false,
+        swa_pattern: 6,
+        rope_base_local: 10_000.0,
+    };
+
+    /// Every family the engine runs.
+    pub const ALL: [Family; 3] = [Family::LLAMA, Family::QWEN2, Family::GEMMA3];
+
+    /// The family of `general.architecture` = `arch`.
+    pub fn of(arch: &str) -> Option<Family> {
+        Family::ALL.into_iter().find(|f| f.arch == arch)
+    }
+}
+
+/// The dimensions and constants of a transformer of one of the [`Family`]s.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     /// `general.architecture` (the metadata key prefix), e.g. `llama`.
@@ -51,6 +140,17 @@ pub struct ModelConfig {
     pub rms_eps: f32,
     /// Maximum context length the model was trained for.
     pub max_ctx: usize,
+    /// What the architecture's layers do beyond llama's.
+    pub family: Family,
+    /// Tokens a sliding-window layer attends to (the query's own and those before it), when the
+    /// model has such layers.
+    pub window: Option<usize>,
+    /// Every `swa_pattern`-th layer is global when there is a window.
+    pub swa_pattern: usize,
+    /// RoPE base of the sliding-window layers.
+    pub rope_base_local: f32,
+    /// Linear RoPE position scale of the global layers (`1 / rope.scaling.factor`; 1 for none).
+    pub rope_freq_scale: f32,
 }
 
 impl ModelConfig {
@@ -95,10 +195,9 @@ impl ModelConfig {
                 });
             }
         };
-        // Llama 2/3, SmolLM, TinyLlama and Mistral-without-sliding-window GGUFs all say "llama".
-        if arch != "llama" {
+        let Some(family) = Family::of(&arch) else {
             return Err(ConfigError::UnsupportedArch { arch });
-        }
+        };
         let keys = Keys { md, arch: &arch };
         let int = |suffix: &str| keys.int(suffix);
         let float = |suffix: &str| keys.float(suffix);
@@ -108,15 +207,33 @@ impl ModelConfig {
         let n_heads = int("attention.head_count")?;
         let n_kv_heads = keys.int_or("attention.head_count_kv", n_heads)?;
         let max_ctx = int("context_length")?;
-        if hidden % n_heads != 0 || n_heads % n_kv_heads != 0 {
+        if n_heads % n_kv_heads != 0 {
             return Err(ConfigError::BadValue {
                 key: format!("{arch}.attention.head_count"),
-                reason: format!(
-                    "{n_heads} query heads and {n_kv_heads} KV heads do not divide width {hidden}"
-                ),
+                reason: format!("{n_kv_heads} KV heads do not divide {n_heads} query heads"),
             });
         }
-        let head_dim = hidden / n_heads;
+        // Gemma's heads are wider than hidden / heads: the file says so.
+        let head_dim = if md.contains_key(&keys.key("attention.key_length")) {
+            let k = int("attention.key_length")?;
+            let v = keys.int_or("attention.value_length", k)?;
+            if v != k {
+                return Err(ConfigError::BadValue {
+                    key: format!("{arch}.attention.value_length"),
+                    reason: format!(
+                        "values of {v} next to keys of {k}: the cache needs them equal"
+                    ),
+                });
+            }
+            k
+        } else if hidden % n_heads == 0 {
+            hidden / n_heads
+        } else {
+            return Err(ConfigError::BadValue {
+                key: format!("{arch}.attention.head_count"),
+                reason: format!("{n_heads} query heads do not divide width {hidden}"),
+            });
+        };
         let rope_dim = keys.int_or("rope.dimension_count", head_dim)?;
         if rope_dim > head_dim || rope_dim % 2 != 0 {
             return Err(ConfigError::BadValue {
@@ -130,6 +247,37 @@ impl ModelConfig {
         };
         let rope_base = float("rope.freq_base")?.unwrap_or(10_000.0);
         let rms_eps = float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5);
+        let window = match keys.int_or("attention.sliding_window", 0) {
+            Ok(0) => None,
+            Ok(w) => Some(w),
+            Err(e) => return Err(e),
+        };
+        let swa_pattern = keys.int_or("attention.sliding_window_pattern", family.swa_pattern)?;
+        // A window with no pattern (Mistral's every-layer window) is not run: refuse it rather
+        // than attend past it.
+        if window.is_some() && swa_pattern == 0 {
+            return Err(ConfigError::BadValue {
+                key: format!("{arch}.attention.sliding_window"),
+                reason: "a sliding window on every layer is not supported".into(),
+            });
+        }
+        let rope_base_local = float("rope.freq_base_swa")?.unwrap_or(family.rope_base_local);
+        let rope_freq_scale = match (
+            md.get(&keys.key("rope.scaling.type")),
+            float("rope.scaling.factor")?,
+        ) {
+            (Some(Value::String(t)), Some(f)) if t == "linear" && f > 0.0 => 1.0 / f,
+            (Some(Value::String(t)), _) if t == "none" => 1.0,
+            (None, _) => 1.0,
+            (Some(v), f) => {
+                return Err(ConfigError::BadValue {
+                    key: format!("{arch}.rope.scaling.type"),
+                    reason: format!(
+                        "RoPE scaling {v:?} with factor {f:?} is not supported (linear is)"
+                    ),
+                });
+            }
+        };
         Ok(Self {
             arch,
             n_layers,
@@ -143,7 +291,35 @@ impl ModelConfig {
             rope_dim,
             rms_eps,
             max_ctx,
+            family,
+            window,
+            swa_pattern,
+            rope_base_local,
+            rope_freq_scale,
         })
+    }
+
+    /// The sliding window of layer `layer`: `Some(tokens)` for a local layer, `None` for a
+    /// global one.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        let p = self.swa_pattern;
+        self.window.filter(|_| p > 0 && layer % p < p - 1)
+    }
+
+    /// Bytes of the model's vectors held as f32: every layer's norms and biases, and the
+    /// output norm.
+    pub fn vector_bytes(&self) -> usize {
+        let f = self.family;
+        let (h, hd) = (self.hidden, self.head_dim);
+        let per_layer = 2 * h
+            + if f.qkv_bias {
+                self.n_heads * hd + 2 * self.kv_dim()
+            } else {
+                0
+            }
+            + if f.qk_norm { 2 * hd } else { 0 }
+            + if f.post_norms { 2 * h } else { 0 };
+        4 * (self.n_layers * per_layer + h)
     }
 
     /// Query heads per KV head.

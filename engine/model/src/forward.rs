@@ -1,5 +1,6 @@
-//! A llama-family model loaded from GGUF, its weights held once in the file's own blocks, and its
-//! forward pass.
+//! A model loaded from GGUF, its weights held once in the file's own blocks, and its forward
+//! pass: one pass for every [`Family`](crate::config::Family), which says what a layer does
+//! beyond llama's (biases, per-head norms, post-norms, the gate, sliding windows, RoPE style).
 //!
 //! No weight matrix is ever held as f32: single-token products read the blocks directly
 //! ([`QMatrix::matvec`]); batched products (prefill, recompute, scoring) multiply int8
@@ -17,9 +18,11 @@
 //! cost: a step's chunks see each other quantized rather than in f32, and are encoded a layer
 //! at a time as the pass runs rather than once at its end (the same work).
 
-use crate::config::{ConfigError, ModelConfig};
+use crate::config::{Activation, ConfigError, ModelConfig};
 use crate::int8gemm::{self, PrefillActs, QuantRows};
-use crate::kernels::{Rope, add_assign, matmul_nt_tiled, rms_norm, swiglu};
+use crate::kernels::{
+    Rope, RopeAngles, add_assign, geglu, matmul_nt_tiled, rms_norm, rms_norm_in_place, swiglu,
+};
 use crate::kv::attention::{AttnShape, ChunkRows, PACKED_MAX_TOKENS, attend_chunks, attend_packed};
 use crate::kv::{ChunkShape, KvCache, KvError};
 use crate::qmatrix::{Activations, BLOCK, Kind, QMatrix};
@@ -296,11 +299,37 @@ pub(crate) struct Layer {
     pub(crate) attn_norm: Vec<f32>,
     /// Q, K and V projections stacked: `[(n_heads + 2 n_kv_heads) head_dim][hidden]`.
     pub(crate) qkv: Linear,
+    /// The Q, K and V biases, stacked as `qkv` (qwen2).
+    pub(crate) qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of queries and of keys, `[head_dim]` each (gemma3).
+    pub(crate) qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     pub(crate) wo: Linear,
+    /// RMSNorm of the attention output before it joins the residual stream (gemma3).
+    pub(crate) post_attn_norm: Option<Vec<f32>>,
     pub(crate) ffn_norm: Vec<f32>,
     /// Gate and up projections stacked: `[2 ffn][hidden]`.
     pub(crate) gate_up: Linear,
     pub(crate) down: Linear,
+    /// RMSNorm of the feed-forward output before it joins the residual stream (gemma3).
+    pub(crate) post_ffn_norm: Option<Vec<f32>>,
+    /// Tokens this layer attends to when it is a sliding-window layer; `None` when global.
+    pub(crate) window: Option<usize>,
+    /// Which of [`Model::ropes`] turns this layer's queries and keys.
+    pub(crate) rope: usize,
+}
+
+impl Layer {
+    /// Bytes of the layer's vectors (norms and biases).
+    fn vector_bytes(&self) -> usize {
+        let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
+        let qk = self.qk_norm.as_ref().map_or(0, |(q, k)| q.len() + k.len());
+        4 * (self.attn_norm.len()
+            + self.ffn_norm.len()
+            + opt(&self.qkv_bias)
+            + qk
+            + opt(&self.post_attn_norm)
+            + opt(&self.post_ffn_norm))
+    }
 }
 
 /// Which logits a forward pass returns.
@@ -323,7 +352,7 @@ pub struct ForwardStats {
     pub seconds: f64,
 }
 
-/// A loaded llama-family model.
+/// A loaded model.
 pub struct Model {
     /// The model's shape.
     pub cfg: ModelConfig,
@@ -337,7 +366,11 @@ pub struct Model {
     pub(crate) head: Vec<(usize, Linear)>,
     /// Where the head's rows lie in the file (offset, kind), when it can be read a row at a time.
     pub(crate) head_file: Option<(u64, Kind)>,
-    pub(crate) rope: Rope,
+    /// The RoPEs the layers use: the global layers', then the sliding-window layers' when the
+    /// model has a window.
+    pub(crate) ropes: Vec<Rope>,
+    /// What embeddings are multiplied by on lookup (`sqrt(hidden)` for gemma, else 1).
+    pub(crate) embed_scale: f32,
     /// Tokens per prefill chunk: every batched forward call is cut to this size.
     pub prefill_chunk: usize,
     /// Bytes of tensor data in the file (what the weights occupy on disk).
@@ -409,7 +442,8 @@ impl Model {
 
     /// Bytes of weights held in memory (all repacked forms; not the stream's buffers).
     pub fn weight_bytes(&self) -> usize {
-        let norms = (self.layers.len() * 2 + 1) * self.cfg.hidden * 4;
+        let norms =
+            self.layers.iter().map(Layer::vector_bytes).sum::<usize>() + self.cfg.hidden * 4;
         let layers: usize = self
             .layers
             .iter()
@@ -419,11 +453,7 @@ impl Model {
             Embed::Own(q) => q.bytes(),
             _ => 0,
         };
-        norms
-            + layers
-            + self.head.iter().map(|(_, l)| l.bytes()).sum::<usize>()
-            + own_embed
-            + self.rope.max_pos() * self.cfg.rope_dim * 4
+        norms + layers + self.head.iter().map(|(_, l)| l.bytes()).sum::<usize>() + own_embed
     }
 
     /// How single-token products take their activations (every matrix of the model).
@@ -515,11 +545,11 @@ impl Model {
                 vocab: self.cfg.vocab,
             });
         }
-        if cache.len() + tokens.len() > self.rope.max_pos() {
+        if cache.len() + tokens.len() > self.cfg.max_ctx {
             return Err(KvError::Full {
                 len: cache.len(),
                 adding: tokens.len(),
-                max: self.rope.max_pos(),
+                max: self.cfg.max_ctx,
             }
             .into());
         }
@@ -573,6 +603,9 @@ impl Model {
             let row_bytes = file.1.bytes_of(h);
             stream.read_raw(file.0 + (t * row_bytes) as u64, row_bytes, &mut raw)?;
             QMatrix::from_raw(1, h, file.1, &raw).dequant_rows(0, 1, row);
+        }
+        if self.embed_scale != 1.0 {
+            x.iter_mut().for_each(|v| *v *= self.embed_scale);
         }
         Ok(x)
     }
@@ -641,20 +674,30 @@ impl Model {
         let mut o = vec![0.0; n * h];
         let mut gu = vec![0.0; n * 2 * cfg.ffn];
         let mut act = vec![0.0; n * cfg.ffn];
-        let shape = AttnShape {
-            n_heads: cfg.n_heads,
-            n_kv_heads: cfg.n_kv_heads,
-            head_dim: hd,
-        };
+        let angles: Vec<RopeAngles> = self.ropes.iter().map(|r| r.angles(positions)).collect();
         for (li, layer) in self.layers.iter().enumerate() {
+            let shape = AttnShape {
+                n_heads: cfg.n_heads,
+                n_kv_heads: cfg.n_kv_heads,
+                head_dim: hd,
+                window: layer.window,
+            };
             rms_norm(&mut xn, x, &layer.attn_norm, cfg.rms_eps);
             layer.qkv.forward(pass, &xn, n, &mut qkv)?;
+            let rope = &self.ropes[layer.rope];
             for (i, row) in qkv.chunks_exact_mut(qd + 2 * kvd).enumerate() {
                 let pos = positions[i];
+                if let Some(b) = &layer.qkv_bias {
+                    add_assign(row, b);
+                }
                 let (qr, kv) = row.split_at_mut(qd);
                 let (kr, vr) = kv.split_at_mut(kvd);
-                self.rope.apply(qr, hd, pos);
-                self.rope.apply(kr, hd, pos);
+                if let Some((qn, kn)) = &layer.qk_norm {
+                    rms_norm_in_place(qr, qn, cfg.rms_eps);
+                    rms_norm_in_place(kr, kn, cfg.rms_eps);
+                }
+                rope.apply(qr, hd, &angles[layer.rope], i);
+                rope.apply(kr, hd, &angles[layer.rope], i);
                 q[i * qd..(i + 1) * qd].copy_from_slice(qr);
                 cache.write(li, pos, kr, vr);
             }
@@ -667,11 +710,20 @@ impl Model {
                 attend_packed(cache, li, shape, &q, positions[0], n, &mut att)?;
             }
             layer.wo.forward(pass, &att, n, &mut o)?;
+            if let Some(w) = &layer.post_attn_norm {
+                rms_norm_in_place(&mut o, w, cfg.rms_eps);
+            }
             add_assign(x, &o);
             rms_norm(&mut xn, x, &layer.ffn_norm, cfg.rms_eps);
             layer.gate_up.forward(pass, &xn, n, &mut gu)?;
-            swiglu(&mut act, &gu, cfg.ffn);
+            match cfg.family.activation {
+                Activation::Silu => swiglu(&mut act, &gu, cfg.ffn),
+                Activation::GeluTanh => geglu(&mut act, &gu, cfg.ffn),
+            }
             layer.down.forward(pass, &act, n, &mut o)?;
+            if let Some(w) = &layer.post_ffn_norm {
+                rms_norm_in_place(&mut o, w, cfg.rms_eps);
+            }
             add_assign(x, &o);
         }
         Ok(())

@@ -203,12 +203,12 @@ fn to_vector(w: QMatrix) -> Vec<f32> {
 }
 
 impl Model {
-    /// Loads a llama-family GGUF file, repacking its weights, all of them resident.
+    /// Loads a GGUF file of one of the [`Family`](crate::config::Family)s, all its weights resident.
     pub fn load(path: &Path) -> Result<Self, ModelError> {
         Self::load_with(path, &WeightOptions::default())
     }
 
-    /// Loads a llama-family GGUF file with its weights held as `opts` says: all resident, or
+    /// Loads a GGUF file with its weights held as `opts` says: all resident, or
     /// under a budget with the rest streamed (the module docs of [`crate::stream`]).
     pub fn load_with(path: &Path, opts: &WeightOptions) -> Result<Self, ModelError> {
         let io = |source| ModelError::Io {
@@ -240,9 +240,7 @@ impl Model {
             .map(|c| locate_candidate(&ct, path, c))
             .collect::<Result<Vec<_>, _>>()?;
         let head_loc = locate(&ct, path, head_name, &[cfg.vocab, h])?;
-        let rope = Rope::new(cfg.rope_dim, cfg.rope_base, cfg.max_ctx);
-        let norm_bytes =
-            ((cfg.n_layers * 2 + 1) * h * 4 + rope.max_pos() * cfg.rope_dim * 4) as u64;
+        let norm_bytes = cfg.vector_bytes() as u64;
         let residency = plan_residency(
             &Layout {
                 ct: &ct,
@@ -265,6 +263,7 @@ impl Model {
             path,
             units: Vec::new(),
         };
+        let ropes = reader.ropes(&cfg)?;
         let (layers, layer_ids) = reader.layers(&cfg, &cands, &located, &residency.streamed)?;
         let out_norm = to_vector(reader.read("output_norm.weight", &[h])?);
         let (head, head_ids) = reader.head(&cfg, head_name, head_loc, &residency)?;
@@ -288,6 +287,11 @@ impl Model {
         };
         holding.buffer_bytes = stream.as_ref().map_or(0, |s| s.buffer_bytes() as u64);
         tracing::info!(path = %path.display(), layers = cfg.n_layers, hidden = h, "model loaded");
+        let embed_scale = if cfg.family.embed_scale {
+            (h as f32).sqrt()
+        } else {
+            1.0
+        };
         let model = Self {
             cfg,
             path: path.into(),
@@ -296,7 +300,8 @@ impl Model {
             out_norm,
             head,
             head_file: head_loc.map(|(off, kind, _)| (off, kind)),
-            rope,
+            ropes,
+            embed_scale,
             prefill_chunk: 256,
             file_tensor_bytes,
             stream,
@@ -427,6 +432,40 @@ impl Reader<'_> {
         read_weight(self.ct, self.file, self.path, name, dims)
     }
 
+    /// A vector of `len` values (a norm's weights, a bias) as f32.
+    fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        Ok(to_vector(self.read(name, &[len])?))
+    }
+
+    /// The RoPEs of the layers: the global layers' (scaled linearly, and by the file's
+    /// `rope_freqs` factors when it has them: Llama 3), then, with a window, the sliding-window
+    /// layers' (their own base, never scaled: Gemma 3's local layers are not).
+    fn ropes(&mut self, cfg: &ModelConfig) -> Result<Vec<Rope>, ModelError> {
+        let factors = if self.ct.tensor_infos.contains_key("rope_freqs.weight") {
+            Some(self.vector("rope_freqs.weight", cfg.rope_dim / 2)?)
+        } else {
+            None
+        };
+        let style = cfg.family.rope_style;
+        let mut ropes = vec![Rope::new(
+            cfg.rope_dim,
+            cfg.rope_base,
+            style,
+            cfg.rope_freq_scale,
+            factors.as_deref(),
+        )];
+        if cfg.window.is_some() {
+            ropes.push(Rope::new(
+                cfg.rope_dim,
+                cfg.rope_base_local,
+                style,
+                1.0,
+                None,
+            ));
+        }
+        Ok(ropes)
+    }
+
     /// A streamed matrix: its unit appended, the matrix naming it.
     fn stream(
         &mut self,
@@ -478,14 +517,49 @@ impl Reader<'_> {
                 else {
                     unreachable!("four matrices")
                 };
-                let p = |s: &str| format!("blk.{}.{s}.weight", i / 4);
+                let l = i / 4;
+                let p = |s: &str| format!("blk.{l}.{s}.weight");
+                let fam = cfg.family;
+                let (hd, kvd) = (cfg.head_dim, cfg.kv_dim());
+                let qkv_bias = if fam.qkv_bias {
+                    let b = |s: &str| format!("blk.{l}.{s}.bias");
+                    let mut v = self.vector(&b("attn_q"), cfg.n_heads * hd)?;
+                    v.extend(self.vector(&b("attn_k"), kvd)?);
+                    v.extend(self.vector(&b("attn_v"), kvd)?);
+                    Some(v)
+                } else {
+                    None
+                };
+                let qk_norm = if fam.qk_norm {
+                    Some((
+                        self.vector(&p("attn_q_norm"), hd)?,
+                        self.vector(&p("attn_k_norm"), hd)?,
+                    ))
+                } else {
+                    None
+                };
+                let (post_attn_norm, post_ffn_norm) = if fam.post_norms {
+                    (
+                        Some(self.vector(&p("post_attention_norm"), h)?),
+                        Some(self.vector(&p("post_ffw_norm"), h)?),
+                    )
+                } else {
+                    (None, None)
+                };
+                let window = cfg.layer_window(l);
                 layers.push(Layer {
-                    attn_norm: to_vector(self.read(&p("attn_norm"), &[h])?),
+                    attn_norm: self.vector(&p("attn_norm"), h)?,
                     qkv,
+                    qkv_bias,
+                    qk_norm,
                     wo,
-                    ffn_norm: to_vector(self.read(&p("ffn_norm"), &[h])?),
+                    post_attn_norm,
+                    ffn_norm: self.vector(&p("ffn_norm"), h)?,
                     gate_up,
                     down,
+                    post_ffn_norm,
+                    window,
+                    rope: usize::from(window.is_some()),
                 });
             }
         }

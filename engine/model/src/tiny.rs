@@ -1,7 +1,10 @@
-//! A tiny random-weight llama model written as a real GGUF file, for tests that need the engine's
-//! code paths but not real weights. Its vocabulary is GPT-2 byte-level BPE: the 256 byte
-//! tokens, a few merges, and the ChatML special tokens, so the tokenizer loads from it too.
+//! A tiny random-weight model written as a real GGUF file, for tests that need the engine's code
+//! paths but not real weights: llama by default, or any [`Family`] (qwen2's biases, gemma3's
+//! norms and sliding windows, Llama 3's `rope_freqs`). Its vocabulary is GPT-2 byte-level BPE:
+//! the 256 byte tokens, a few merges, and the ChatML special tokens, so the tokenizer loads from
+//! it too.
 
+use crate::config::Family;
 use crate::qmatrix::{Kind, quantize};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -37,6 +40,16 @@ pub struct TinySpec {
     pub seed: u64,
     /// `tokenizer.chat_template` (none by default: chat-format prompts are then refused).
     pub chat_template: Option<String>,
+    /// The architecture: its metadata prefix and the tensors it adds (biases, norms).
+    pub family: Family,
+    /// Width of a head when it is not `hidden / n_heads` (written as `attention.key_length`).
+    pub head_dim: Option<usize>,
+    /// A sliding window and its pattern (every `pattern`-th layer global).
+    pub window: Option<(usize, usize)>,
+    /// A `rope_freqs` tensor (Llama 3's per-pair frequency factors).
+    pub rope_freqs: Option<Vec<f32>>,
+    /// RoPE base (of the global layers).
+    pub rope_base: f32,
 }
 
 impl Default for TinySpec {
@@ -53,7 +66,19 @@ impl Default for TinySpec {
             formats: Vec::new(),
             seed: 42,
             chat_template: None,
+            family: Family::LLAMA,
+            head_dim: None,
+            window: None,
+            rope_freqs: None,
+            rope_base: 10_000.0,
         }
+    }
+}
+
+impl TinySpec {
+    /// The width of one head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden / self.n_heads)
     }
 }
 
@@ -113,27 +138,28 @@ fn tiny_metadata(spec: &TinySpec) -> Vec<(&'static str, Value)> {
         types.push(1);
     }
     let vocab = tokens.len();
-    let hd = spec.hidden / spec.n_heads;
+    let hd = spec.head_dim();
     let arr = |v: Vec<Value>| Value::Array(v);
+    let arch = spec.family.arch;
+    // Keys under the architecture's prefix (leaked: the metadata wants &'static str keys, and a
+    // test writes a handful of files).
+    let key = |k: &str| -> &'static str { Box::leak(format!("{arch}.{k}").into_boxed_str()) };
     let mut md: Vec<(&str, Value)> = vec![
-        ("general.architecture", Value::String("llama".into())),
-        ("general.name", Value::String("tiny-random-llama".into())),
-        ("llama.block_count", Value::U32(spec.n_layers as u32)),
-        ("llama.context_length", Value::U32(spec.max_ctx as u32)),
-        ("llama.embedding_length", Value::U32(spec.hidden as u32)),
-        ("llama.feed_forward_length", Value::U32(spec.ffn as u32)),
+        ("general.architecture", Value::String(arch.into())),
+        ("general.name", Value::String(format!("tiny-random-{arch}"))),
+        (key("block_count"), Value::U32(spec.n_layers as u32)),
+        (key("context_length"), Value::U32(spec.max_ctx as u32)),
+        (key("embedding_length"), Value::U32(spec.hidden as u32)),
+        (key("feed_forward_length"), Value::U32(spec.ffn as u32)),
+        (key("attention.head_count"), Value::U32(spec.n_heads as u32)),
         (
-            "llama.attention.head_count",
-            Value::U32(spec.n_heads as u32),
-        ),
-        (
-            "llama.attention.head_count_kv",
+            key("attention.head_count_kv"),
             Value::U32(spec.n_kv_heads as u32),
         ),
-        ("llama.rope.freq_base", Value::F32(10_000.0)),
-        ("llama.rope.dimension_count", Value::U32(hd as u32)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-        ("llama.vocab_size", Value::U32(vocab as u32)),
+        (key("rope.freq_base"), Value::F32(spec.rope_base)),
+        (key("rope.dimension_count"), Value::U32(hd as u32)),
+        (key("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (key("vocab_size"), Value::U32(vocab as u32)),
         ("tokenizer.ggml.model", Value::String("gpt2".into())),
         ("tokenizer.ggml.pre", Value::String("smollm".into())),
         (
@@ -160,12 +186,23 @@ fn tiny_metadata(spec: &TinySpec) -> Vec<(&'static str, Value)> {
     if let Some(t) = &spec.chat_template {
         md.push(("tokenizer.chat_template", Value::String(t.clone())));
     }
+    if spec.head_dim.is_some() {
+        md.push((key("attention.key_length"), Value::U32(hd as u32)));
+        md.push((key("attention.value_length"), Value::U32(hd as u32)));
+    }
+    if let Some((w, pattern)) = spec.window {
+        md.push((key("attention.sliding_window"), Value::U32(w as u32)));
+        md.push((
+            key("attention.sliding_window_pattern"),
+            Value::U32(pattern as u32),
+        ));
+    }
     md
 }
 
 /// The tiny model's tensors, random with a fixed seed, scaled so activations stay near 1.
 fn tiny_tensors(spec: &TinySpec, vocab: usize) -> candle_core::Result<Vec<(String, QTensor)>> {
-    let hd = spec.hidden / spec.n_heads;
+    let hd = spec.head_dim();
     let mut rng = StdRng::seed_from_u64(spec.seed);
     let dev = Device::Cpu;
     let mut taken = 0;
@@ -186,10 +223,14 @@ fn tiny_tensors(spec: &TinySpec, vocab: usize) -> candle_core::Result<Vec<(Strin
         let t = Tensor::from_vec(v, (rows, cols), &dev)?;
         QTensor::quantize(&t, dtype)
     };
-    let norm = |d: usize| -> candle_core::Result<QTensor> {
-        let v: Vec<f32> = (0..d).map(|i| 1.0 + 0.01 * (i % 7) as f32).collect();
+    let vector = |v: Vec<f32>| -> candle_core::Result<QTensor> {
+        let d = v.len();
         QTensor::quantize(&Tensor::from_vec(v, d, &dev)?, GgmlDType::F32)
     };
+    let norm = |d: usize| vector((0..d).map(|i| 1.0 + 0.01 * (i % 7) as f32).collect());
+    // Biases: a fixed pattern, large enough to move the scores.
+    let bias = |d: usize| vector((0..d).map(|i| ((i % 5) as f32 - 2.0) * 0.1).collect());
+    let fam = spec.family;
     let (h, kvd) = (spec.hidden, spec.n_kv_heads * hd);
     let w = 1.0 / (h as f32).sqrt();
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
@@ -201,6 +242,20 @@ fn tiny_tensors(spec: &TinySpec, vocab: usize) -> candle_core::Result<Vec<(Strin
         tensors.push((p("attn_k"), mat(kvd, h, 2.0 * w, spec.dtype)?));
         tensors.push((p("attn_v"), mat(kvd, h, w, spec.dtype)?));
         tensors.push((p("attn_output"), mat(h, spec.n_heads * hd, w, spec.dtype)?));
+        if fam.qkv_bias {
+            let b = |s: &str| format!("blk.{l}.{s}.bias");
+            tensors.push((b("attn_q"), bias(spec.n_heads * hd)?));
+            tensors.push((b("attn_k"), bias(kvd)?));
+            tensors.push((b("attn_v"), bias(kvd)?));
+        }
+        if fam.qk_norm {
+            tensors.push((p("attn_q_norm"), norm(hd)?));
+            tensors.push((p("attn_k_norm"), norm(hd)?));
+        }
+        if fam.post_norms {
+            tensors.push((p("post_attention_norm"), norm(h)?));
+            tensors.push((p("post_ffw_norm"), norm(h)?));
+        }
         tensors.push((p("ffn_norm"), norm(h)?));
         tensors.push((p("ffn_gate"), mat(spec.ffn, h, w, spec.dtype)?));
         tensors.push((p("ffn_up"), mat(spec.ffn, h, w, spec.dtype)?));
@@ -210,6 +265,9 @@ fn tiny_tensors(spec: &TinySpec, vocab: usize) -> candle_core::Result<Vec<(Strin
         ));
     }
     tensors.push(("output_norm.weight".into(), norm(h)?));
+    if let Some(f) = &spec.rope_freqs {
+        tensors.push(("rope_freqs.weight".into(), vector(f.clone())?));
+    }
     if spec.separate_output {
         tensors.push(("output.weight".into(), mat(vocab, h, w, spec.dtype)?));
     }

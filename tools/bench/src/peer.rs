@@ -715,6 +715,11 @@ mod tests {
             rope_dim: 64,
             rms_eps: 1e-5,
             max_ctx: 8192,
+            family: model::config::Family::LLAMA,
+            window: None,
+            swa_pattern: 0,
+            rope_base_local: 10_000.0,
+            rope_freq_scale: 1.0,
         }
     }
 

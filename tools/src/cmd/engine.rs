@@ -169,7 +169,7 @@ pub fn run_generate(a: GenerateArgs) -> anyhow::Result<()> {
     let l = load(&a.engine)?;
     let mut sampler = a.sample.sampler()?;
     let prompt = if a.raw {
-        l.tokenizer.encode(&a.prompt)
+        l.tokenizer.encode_start(&a.prompt)
     } else {
         first_turn(&l, a.system.as_deref(), &a.prompt)?
     };
@@ -326,7 +326,7 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
     let l = load(&a.engine)?;
     let text = std::fs::read_to_string(&a.text)
         .with_context(|| format!("cannot read {} as UTF-8 text", a.text.display()))?;
-    let tokens = l.tokenizer.encode(&text);
+    let tokens = l.tokenizer.bos_windows(&l.tokenizer.encode(&text), a.ctx);
     let reference = match &a.kl_prefill {
         Some(kind) => {
             let opts = EngineOpts {

@@ -37,6 +37,22 @@ pub struct AttnShape {
     pub n_kv_heads: usize,
     /// Dimension of one head.
     pub head_dim: usize,
+    /// A sliding-window layer's window: a query at position `p` sees keys `p + 1 - window..=p`
+    /// only. `None` for a global layer (every key up to the query's own).
+    pub window: Option<usize>,
+}
+
+impl AttnShape {
+    /// The first key position a query at `pos` sees.
+    pub fn first_key(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+
+    /// The first chunk (of `tokens`) whose keys any query of chunk `chunk` sees: a function of
+    /// the chunk's index alone, so a chunk's products keep one shape in every pass.
+    pub fn first_chunk(&self, chunk: usize, tokens: usize) -> usize {
+        self.first_key(chunk * tokens) / tokens
+    }
 }
 
 /// Query rows handled by one parallel task.
@@ -116,6 +132,7 @@ pub fn attend_chunks(
         n_heads,
         n_kv_heads,
         head_dim: hd,
+        ..
     } = shape;
     let Some(last) = rows.iter().map(|r| r.chunk).max() else {
         return Ok(());
@@ -142,15 +159,21 @@ pub fn attend_chunks(
             .map(|(g, i)| {
                 let r = rows[i];
                 let base = r.chunk * t;
-                let width = base + t;
+                // Keys from the chunk's first visible chunk (0 on a global layer) to its end.
+                let k0 = shape.first_chunk(r.chunk, t) * t;
+                let width = base + t - k0;
                 let (ka, va) = &gathered[g];
+                let (ka, va) = (&ka[k0 * hd..], &va[k0 * hd..]);
                 let block = t * hd;
                 let (ko, vo) = match cache.f32_layer(layer, r.chunk) {
                     Some(buf) => (
                         &buf[g * block..(g + 1) * block],
                         &buf[(n_kv_heads + g) * block..(n_kv_heads + g + 1) * block],
                     ),
-                    None => (&ka[base * hd..width * hd], &va[base * hd..width * hd]),
+                    None => (
+                        &ka[(base - k0) * hd..width * hd],
+                        &va[(base - k0) * hd..width * hd],
+                    ),
                 };
                 let live = r.lo..r.lo + r.n;
                 let mut qb = vec![0.0; m * hd];
@@ -161,10 +184,11 @@ pub fn attend_chunks(
                     }
                 }
                 // Scores: earlier chunks sealed, then the chunk's own keys.
+                let before = base - k0;
                 let mut s = vec![0.0; m * width];
-                matmul_serial(&mut s, width, &qb, hd, ka, (hd, 1), (m, base, hd), false);
+                matmul_serial(&mut s, width, &qb, hd, ka, (hd, 1), (m, before, hd), false);
                 matmul_serial(
-                    &mut s[base..],
+                    &mut s[before..],
                     width,
                     &qb,
                     hd,
@@ -173,6 +197,7 @@ pub fn attend_chunks(
                     (m, t, hd),
                     false,
                 );
+                // col[p - k0]: the attention key p received from the chunk's rows.
                 let mut col = vec![0.0f32; width];
                 for (row, srow) in s.chunks_exact_mut(width).enumerate() {
                     let tok = row / group;
@@ -180,18 +205,30 @@ pub fn attend_chunks(
                         srow.fill(0.0);
                         continue;
                     }
-                    let (seen, masked) = srow.split_at_mut(base + tok + 1);
+                    let first = shape.first_key(base + tok) - k0;
+                    let (seen, masked) = srow.split_at_mut(base + tok + 1 - k0);
+                    let (hidden, seen) = seen.split_at_mut(first);
                     softmax(seen, scale);
+                    hidden.fill(0.0);
                     masked.fill(0.0);
-                    for (c, p) in col.iter_mut().zip(seen.iter()) {
+                    for (c, p) in col[first..].iter_mut().zip(seen.iter()) {
                         *c += p;
                     }
                 }
                 // Weighted values, in the same two parts.
                 let mut o = vec![0.0; m * hd];
-                matmul_serial(&mut o, hd, &s, width, va, (1, hd), (m, hd, base), false);
-                let acc = base > 0;
-                matmul_serial(&mut o, hd, &s[base..], width, vo, (1, hd), (m, hd, t), acc);
+                matmul_serial(&mut o, hd, &s, width, va, (1, hd), (m, hd, before), false);
+                let acc = before > 0;
+                matmul_serial(
+                    &mut o,
+                    hd,
+                    &s[before..],
+                    width,
+                    vo,
+                    (1, hd),
+                    (m, hd, t),
+                    acc,
+                );
                 (g, i, o, col)
             })
             .collect()
@@ -199,9 +236,9 @@ pub fn attend_chunks(
 
     for (g, i, o, col) in results {
         scatter_rows(shape, rows[i], g, &o, out);
-        cache.add_attention(&col);
+        cache.add_attention_from(shape.first_chunk(rows[i].chunk, t) * t, &col);
     }
-    record_seen(cache, rows, last, n_heads);
+    record_seen(cache, shape, rows, last);
     Ok(())
 }
 
@@ -224,7 +261,8 @@ type Gathered = Vec<(Vec<f32>, Vec<f32>)>;
 
 /// Every KV head's sealed keys and values of chunks `0..=last`, as f32 `[pos][dim]`. A chunk
 /// with no sealed form stays zero: only its own queries read it, from its f32 staging; a chunk
-/// later queries need without a sealed form is an error.
+/// later queries need without a sealed form is an error. Chunks before every row's window are
+/// neither read nor needed.
 fn gather_sealed(
     cache: &KvCache,
     layer: usize,
@@ -234,12 +272,17 @@ fn gather_sealed(
 ) -> Result<Gathered, KvError> {
     let cs = *cache.shape();
     let (t, hd) = (cs.tokens, shape.head_dim);
+    let from = rows
+        .iter()
+        .map(|r| shape.first_chunk(r.chunk, t))
+        .min()
+        .unwrap_or(0);
     (0..shape.n_kv_heads)
         .into_par_iter()
         .map(|g| -> Result<_, KvError> {
             let mut ka = vec![0.0; (last + 1) * t * hd];
             let mut va = vec![0.0; (last + 1) * t * hd];
-            for c in 0..=last {
+            for c in from..=last {
                 if let Some((f, bytes)) = cache.sealed_layer(layer, c)? {
                     decode_k(&cs, f, bytes, g, &mut ka[c * t * hd..(c + 1) * t * hd]);
                     decode_v(&cs, f, bytes, g, &mut va[c * t * hd..(c + 1) * t * hd]);
@@ -253,24 +296,37 @@ fn gather_sealed(
 }
 
 /// Records, when the cache records, how many query rows saw each key of chunks `0..=last`: key
-/// p is seen by every query at or after it, once per head.
-fn record_seen(cache: &mut KvCache, rows: &[ChunkRows], last: usize, n_heads: usize) {
+/// p is seen by every query at or after it (within the window on a sliding-window layer), once
+/// per head.
+fn record_seen(cache: &mut KvCache, shape: AttnShape, rows: &[ChunkRows], last: usize) {
     if !cache.recording() {
         return;
     }
     let t = cache.shape().tokens;
-    let mut seen = vec![0u32; (last + 1) * t];
-    for r in rows {
-        for tok in r.lo..r.lo + r.n {
-            seen[r.chunk * t + tok] += 1;
-        }
-    }
-    let mut after = 0;
-    for v in seen.iter_mut().rev() {
-        after += *v;
-        *v = after * n_heads as u32;
-    }
+    let queries = rows
+        .iter()
+        .flat_map(|r| (r.lo..r.lo + r.n).map(move |tok| r.chunk * t + tok));
+    let seen = seen_counts(shape, queries, (last + 1) * t);
     cache.add_rows(&seen);
+}
+
+/// How many query rows see each key `0..len`: each query at `q` sees keys
+/// `shape.first_key(q)..=q`, once per head.
+fn seen_counts(shape: AttnShape, queries: impl Iterator<Item = usize>, len: usize) -> Vec<u32> {
+    // A difference array: +1 where a query's keys start, -1 past its own position.
+    let mut diff = vec![0i64; len + 1];
+    for q in queries {
+        diff[shape.first_key(q)] += 1;
+        diff[q + 1] -= 1;
+    }
+    let mut run = 0;
+    diff[..len]
+        .iter()
+        .map(|d| {
+            run += d;
+            (run * shape.n_heads as i64) as u32
+        })
+        .collect()
 }
 
 /// How many chunks ahead of the one in work decode attention asks for a chunk's layer.
@@ -324,7 +380,7 @@ pub fn attend_packed(
     n: usize,
     out: &mut [f32],
 ) -> Result<(), KvError> {
-    let chunks = cache.chunks_upto(p0 + n);
+    let chunks = cache.chunks_upto(p0 + n) - shape.first_key(p0) / cache.shape().tokens;
     let threads = rayon::current_num_threads();
     let splits = decode_splits(shape.n_kv_heads, chunks, threads);
     attend_packed_split(cache, layer, shape, q, p0, n, splits, out)
@@ -344,10 +400,12 @@ fn attend_packed_split(
 ) -> Result<(), KvError> {
     let total = p0 + n;
     let chunks = cache.chunks_upto(total);
-    let per = chunks.div_ceil(splits).max(1);
+    // The first chunk the first query's window reaches (0 on a global layer).
+    let first = shape.first_key(p0) / cache.shape().tokens;
+    let per = (chunks - first).div_ceil(splits).max(1);
     let tasks: Vec<(usize, usize, usize)> = (0..shape.n_kv_heads)
         .flat_map(|g| {
-            (0..chunks)
+            (first..chunks)
                 .step_by(per)
                 .map(move |c0| (g, c0, (c0 + per).min(chunks)))
         })
@@ -376,7 +434,10 @@ fn attend_packed_split(
     };
     let col = merge_pieces(&pieces, &work, out);
     cache.add_attention(&col);
-    add_seen(cache, shape.n_heads, p0, n);
+    if cache.recording() {
+        let seen = seen_counts(shape, p0..p0 + n, total);
+        cache.add_rows(&seen);
+    }
     Ok(())
 }
 
@@ -437,11 +498,13 @@ impl PieceWork<'_> {
         let mut max = vec![f32::NEG_INFINITY; rows];
         let mut sum = vec![0.0f32; rows];
         for (r, srow) in e.chunks_exact_mut(width).enumerate() {
-            let visible = (self.p0 + r / self.group + 1)
-                .min(end)
-                .saturating_sub(start);
+            let pos = self.p0 + r / self.group;
+            let visible = (pos + 1).min(end).saturating_sub(start);
+            let hidden = self.shape.first_key(pos).saturating_sub(start).min(visible);
             let (live, masked) = srow.split_at_mut(visible);
+            let (before, live) = live.split_at_mut(hidden);
             masked.fill(0.0);
+            before.fill(0.0);
             (max[r], sum[r]) = softmax_exp(live, scale);
         }
         let o = self.weighted_values(g, c0, c1, start, width, &e, &mut s)?;
@@ -611,6 +674,7 @@ fn merge_pieces(pieces: &[Piece], w: &PieceWork<'_>, out: &mut [f32]) -> Vec<f32
         n_heads,
         n_kv_heads,
         head_dim: hd,
+        ..
     } = w.shape;
     let group = w.group;
     let mut col = vec![0.0f32; w.total];
@@ -663,6 +727,7 @@ pub fn attend_gathered(
         n_heads,
         n_kv_heads,
         head_dim: hd,
+        ..
     } = shape;
     let group = n_heads / n_kv_heads;
     let total = p0 + n;
@@ -706,11 +771,14 @@ pub fn attend_gathered(
             }
             let mut col = vec![0.0f32; width];
             for (i, srow) in s.chunks_exact_mut(width).enumerate() {
-                let visible = p0 + (r0 + i) / group + 1;
-                let (live, masked) = srow.split_at_mut(visible);
+                let pos = p0 + (r0 + i) / group;
+                let first = shape.first_key(pos);
+                let (live, masked) = srow.split_at_mut(pos + 1);
+                let (hidden, live) = live.split_at_mut(first);
                 softmax(live, scale);
+                hidden.fill(0.0);
                 masked.fill(0.0);
-                for (c, p) in col.iter_mut().zip(live.iter()) {
+                for (c, p) in col[first..].iter_mut().zip(live.iter()) {
                     *c += p;
                 }
             }
@@ -740,7 +808,10 @@ pub fn attend_gathered(
         }
         cache.add_attention(&col);
     }
-    add_seen(cache, n_heads, p0, n);
+    if cache.recording() {
+        let seen = seen_counts(shape, p0..total, total);
+        cache.add_rows(&seen);
+    }
     Ok(())
 }
 
@@ -769,15 +840,6 @@ fn gather_blocks(
         .collect()
 }
 
-/// Counts, once per key, the query rows of every head that saw it: key p is seen by every
-/// query at or after it, all n for p < p0 and n - (p - p0) after.
-fn add_seen(cache: &mut KvCache, n_heads: usize, p0: usize, n: usize) {
-    let seen: Vec<u32> = (0..p0 + n)
-        .map(|p| (n - p.saturating_sub(p0)) as u32 * n_heads as u32)
-        .collect();
-    cache.add_rows(&seen);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -789,6 +851,7 @@ mod tests {
         n_heads: 4,
         n_kv_heads: 2,
         head_dim: 16,
+        window: None,
     };
 
     /// A cache of `len` random tokens over 2 layers whose sealed chunks take `formats` in turn.
@@ -819,13 +882,22 @@ mod tests {
     }
 
     /// Direct attention from the full matrix: every key decoded, each row's softmax over the
-    /// keys at or before it. Returns the output and every key's summed column.
-    fn direct(c: &KvCache, layer: usize, q: &[f32], p0: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+    /// keys at or before it (and in its window). Returns the output and every key's summed
+    /// column.
+    fn direct(
+        c: &KvCache,
+        shape: AttnShape,
+        layer: usize,
+        q: &[f32],
+        p0: usize,
+        n: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
         let AttnShape {
             n_heads,
             n_kv_heads,
             head_dim: hd,
-        } = SHAPE;
+            window,
+        } = shape;
         let t = c.shape().tokens;
         let total = p0 + n;
         let (mut keys, mut vals) = (vec![vec![]; n_kv_heads], vec![vec![]; n_kv_heads]);
@@ -844,7 +916,8 @@ mod tests {
                 let g = h / (n_heads / n_kv_heads);
                 let qr = &q[(i * n_heads + h) * hd..][..hd];
                 let visible = p0 + i + 1;
-                let scores: Vec<f64> = (0..visible)
+                let first = window.map_or(0, |w| visible.saturating_sub(w));
+                let scores: Vec<f64> = (first..visible)
                     .map(|p| {
                         let k = &keys[g][p * hd..(p + 1) * hd];
                         qr.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>()
@@ -853,7 +926,7 @@ mod tests {
                     .collect();
                 let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
-                for (p, s) in scores.iter().enumerate() {
+                for (p, s) in (first..).zip(&scores) {
                     let a = (s - m).exp() / z;
                     col[p] += a as f32;
                     for d in 0..hd {
@@ -871,15 +944,27 @@ mod tests {
 
     /// [`check`] with decode's chunks cut into `splits` ranges per KV head (`None`: as chosen).
     fn check_split(len: usize, n: usize, formats: &[KvFormat], seed: u64, splits: Option<usize>) {
+        check_shape(SHAPE, len, n, formats, seed, splits);
+    }
+
+    /// [`check_split`] of attention of `shape`.
+    fn check_shape(
+        shape: AttnShape,
+        len: usize,
+        n: usize,
+        formats: &[KvFormat],
+        seed: u64,
+        splits: Option<usize>,
+    ) {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut c = cache(len, formats, &mut rng);
         let p0 = len - n;
         let q: Vec<f32> = (0..n * 64).map(|_| rng.random_range(-2.0..2.0)).collect();
-        let (want, want_col) = direct(&c, 1, &q, p0, n);
+        let (want, want_col) = direct(&c, shape, 1, &q, p0, n);
         let mut got = vec![0.0; n * 64];
         match splits {
-            Some(s) => attend_packed_split(&mut c, 1, SHAPE, &q, p0, n, s, &mut got).unwrap(),
-            None => attend(&mut c, 1, SHAPE, &q, p0, n, &mut got).unwrap(),
+            Some(s) => attend_packed_split(&mut c, 1, shape, &q, p0, n, s, &mut got).unwrap(),
+            None => attend(&mut c, 1, shape, &q, p0, n, &mut got).unwrap(),
         }
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             assert!(
@@ -895,7 +980,9 @@ mod tests {
                 col[p],
                 want_col[p]
             );
-            let seen = (n - p.saturating_sub(p0)) * 4;
+            // The queries whose window holds key p.
+            let w = shape.window.unwrap_or(usize::MAX);
+            let seen = (p0..len).filter(|&q| q >= p && q - p < w).count() * 4;
             assert_eq!(rows[p] as usize, seen, "rows of key {p}");
         }
     }
@@ -913,6 +1000,27 @@ mod tests {
         check(70, 20, &mixed, 6);
         check(40, 40, &[F16], 7);
         check(100, 3, &[Int4, F16], 8);
+    }
+
+    /// A sliding-window layer's attention (decode, in pieces, and block-causal prefill): each
+    /// query sees only the keys of its window, windows that end inside a chunk, span several
+    /// chunks or reach the start.
+    #[test]
+    fn windowed_attention_equals_the_full_matrix_within_the_window() {
+        use KvFormat::*;
+        for window in [1, 5, 16, 17, 40, 1000] {
+            let shape = AttnShape {
+                window: Some(window),
+                ..SHAPE
+            };
+            let seed = window as u64;
+            for (len, n) in [(70, 1), (70, 2), (100, 20), (40, 40), (257, 2)] {
+                check_shape(shape, len, n, &[Int8, F16, K4v4, Int4], seed, None);
+            }
+            for splits in [1, 3, 7] {
+                check_shape(shape, 300, 2, &[Int8, F16], seed, Some(splits));
+            }
+        }
     }
 
     #[test]

@@ -650,10 +650,15 @@ impl KvCache {
 
     /// Adds attention received by keys `0..col.len()`.
     pub fn add_attention(&mut self, col: &[f32]) {
+        self.add_attention_from(0, col);
+    }
+
+    /// Adds attention received by keys `from..from + col.len()`.
+    pub fn add_attention_from(&mut self, from: usize, col: &[f32]) {
         if !self.recording() {
             return;
         }
-        for (a, c) in self.attn_sum.iter_mut().zip(col) {
+        for (a, c) in self.attn_sum.iter_mut().skip(from).zip(col) {
             *a += c;
         }
     }

@@ -411,6 +411,25 @@ impl Tokenizer {
         }
     }
 
+    /// Encodes text that begins a context: BOS first when the model wants it
+    /// ([`Tokenizer::add_bos`]; Gemma does, and runs off the rails without it), then the text as
+    /// [`Tokenizer::encode`] encodes it.
+    pub fn encode_start(&self, text: &str) -> Vec<u32> {
+        let mut out: Vec<u32> = self.bos.filter(|_| self.add_bos).into_iter().collect();
+        self.encode_segments(text, false, &mut out);
+        out
+    }
+
+    /// `tokens` cut in windows of `ctx` (as perplexity scores them), each window's first token
+    /// replaced by BOS when the model wants BOS (what `llama-perplexity` does).
+    pub fn bos_windows(&self, tokens: &[u32], ctx: usize) -> Vec<u32> {
+        let mut t = tokens.to_vec();
+        if let Some(b) = self.bos.filter(|_| self.add_bos) {
+            t.iter_mut().step_by(ctx.max(1)).for_each(|x| *x = b);
+        }
+        t
+    }
+
     /// Encodes plain text: control tokens written in the text are encoded as the characters they are
     /// made of, never as the control token. BOS is not added.
     pub fn encode(&self, text: &str) -> Vec<u32> {

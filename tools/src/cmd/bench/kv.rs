@@ -299,6 +299,7 @@ fn attention_rows(
         n_heads: cfg.n_heads,
         n_kv_heads: cfg.n_kv_heads,
         head_dim: cfg.head_dim,
+        window: None,
     };
     let qd = cfg.n_heads * cfg.head_dim;
     let q: Vec<f32> = (0..qd)
