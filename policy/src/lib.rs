@@ -22,7 +22,8 @@ pub use density::{DensityError, DensityTracker, TokenAttention, chunk_densities}
 pub use lctru::{ChunkLru, LctruQueue};
 pub use level::{Level, LevelError, LevelSet};
 pub use planner::{
-    LoadPlan, MissingChunk, PlanError, Prediction, evaluate, plan_load, plan_order_blind,
+    LoadPlan, MissingChunk, PlanError, Prediction, evaluate, plan_load, plan_load_from,
+    plan_order_blind,
 };
 pub use pressure::{
     BudgetChange, BudgetConfig, BudgetController, PressureError, PressureSignals, ShrinkReason,

@@ -177,6 +177,18 @@ impl OrderStats {
 /// The split of `missing` into reads and recompute with the least predicted delay under `model`,
 /// exact for the pipeline model of this module.
 pub fn plan_load(missing: &[MissingChunk], model: &CostModel) -> Result<LoadPlan, PlanError> {
+    plan_load_from(missing, model, 0)
+}
+
+/// [`plan_load`] where the chunks before `first_recomputable` can only be read (a sliding-window
+/// model's chunks past the window: their exact rebuild would need thousands of tokens of
+/// lookback). Those reads precede every recompute, so they block it: the delay of each
+/// candidate counts them among the reads first.
+pub fn plan_load_from(
+    missing: &[MissingChunk],
+    model: &CostModel,
+    first_recomputable: u32,
+) -> Result<LoadPlan, PlanError> {
     let m = sorted(missing)?;
     let n = m.len();
     let io = model.io;
@@ -193,34 +205,47 @@ pub fn plan_load(missing: &[MissingChunk], model: &CostModel) -> Result<LoadPlan
         suffix[p] = suffix[p + 1] + m[p].bytes;
     }
 
+    // The chunks that can only be read: a prefix of the positions, read before any recompute.
+    let forced = m
+        .iter()
+        .take_while(|c| c.index < first_recomputable)
+        .count();
+    let forced_bytes = (suffix[0] - suffix[forced]) as f64;
+
     // Candidate: read everything.
     let mut best = (io.eval_items(n, suffix[0] as f64), 0usize, 0usize);
     let mut pool = OrderStats::new(n);
-    for c in 1..=n {
-        // The last recomputed chunk is m[c - 1]; the pool is the missing chunks before it.
-        if c >= 2 {
+    for c in forced + 1..=n {
+        // The last recomputed chunk is m[c - 1]; the pool is the recomputable chunks before it.
+        if c >= forced + 2 {
             pool.insert(rank[c - 2], m[c - 2].bytes);
         }
         let tail_n = n - c;
         let tail_bytes = suffix[c] as f64;
-        // j = 0: recompute all c chunks from the start, the tail streams alongside.
-        let d0 = re.eval(c as f64).max(io.eval_items(tail_n, tail_bytes));
+        // j = 0: recompute all c - forced recomputable chunks, the tail streams alongside.
+        let d0 = if forced == 0 {
+            re.eval(c as f64).max(io.eval_items(tail_n, tail_bytes))
+        } else {
+            model
+                .recompute_end(c - forced, forced, forced_bytes)
+                .max(io.fixed() + io.per_unit() * (forced_bytes + tail_bytes))
+        };
         if d0 < best.0 {
             best = (d0, c, 0);
         }
-        if c < 2 {
+        if c < forced + 2 {
             continue;
         }
-        // j >= 1: the j smallest before it are read first; the delay is convex in j (the
-        // j smallest sizes add up convexly, recompute falls linearly, and the maxima and sums
-        // of convex functions are convex).
+        // j >= 1: the j smallest recomputable ones before it are read first (with the forced
+        // reads); the delay is convex in j (the j smallest sizes add up convexly, recompute
+        // falls linearly, and the maxima and sums of convex functions are convex).
         let g = |j: usize| {
-            let first = pool.smallest(j) as f64;
+            let first = forced_bytes + pool.smallest(j) as f64;
             model
-                .recompute_end(c - j, j, first)
+                .recompute_end(c - forced - j, forced + j, first)
                 .max(io.fixed() + io.per_unit() * (first + tail_bytes))
         };
-        let (mut lo, mut hi) = (1, c - 1);
+        let (mut lo, mut hi) = (1, c - forced - 1);
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
             if g(mid + 1) < g(mid) {
@@ -238,7 +263,7 @@ pub fn plan_load(missing: &[MissingChunk], model: &CostModel) -> Result<LoadPlan
     let (_, c, j) = best;
     let mut recompute = Vec::new();
     if c > 0 {
-        let mut before: Vec<usize> = (0..c - 1).collect();
+        let mut before: Vec<usize> = (forced..c - 1).collect();
         before.sort_by_key(|&p| rank[p]);
         recompute.extend(before[j..].iter().map(|&p| m[p].index));
         recompute.push(m[c - 1].index);
@@ -429,6 +454,42 @@ mod tests {
             let (blind, estimate) = plan_order_blind(&missing, &m).unwrap();
             prop_assert!(blind.predicted.total + tol >= plan.predicted.total);
             prop_assert!(estimate <= blind.predicted.total + tol);
+        }
+
+        /// With the chunks before `first` read-only (past a sliding window), the plan is the
+        /// best of every split that recomputes none of them.
+        #[test]
+        fn read_only_chunks_match_every_allowed_split(
+            sizes in prop::collection::vec(1u64..200, 0..10),
+            first in 0u32..12,
+            io_fixed in 0.0f64..50.0,
+            per_byte in 0.0f64..2.0,
+            re_fixed in 0.0f64..50.0,
+            per_chunk in 0.0f64..150.0,
+            read_groups in prop_oneof![Just(1u32), 1u32..40],
+        ) {
+            let m = CostModel {
+                read_groups,
+                ..model(io_fixed, per_byte, re_fixed, per_chunk)
+            };
+            let missing = chunks(&sizes);
+            let plan = plan_load_from(&missing, &m, first).unwrap();
+            prop_assert!(plan.recompute.iter().all(|&i| i >= first), "{:?}", plan);
+            let mut oracle = f64::INFINITY;
+            for mask in 0u32..(1 << missing.len()) {
+                let re: Vec<u32> = missing
+                    .iter()
+                    .enumerate()
+                    .filter(|(k, c)| mask & (1 << k) != 0 && c.index >= first)
+                    .map(|(_, c)| c.index)
+                    .collect();
+                oracle = oracle.min(evaluate(&missing, &re, &m).unwrap().predicted.total);
+            }
+            let tol = 1e-9 * oracle.max(1.0);
+            prop_assert!(
+                (plan.predicted.total - oracle).abs() <= tol,
+                "plan {} oracle {} {:?}", plan.predicted.total, oracle, plan
+            );
         }
     }
 }

@@ -170,11 +170,20 @@ impl ModelConfig {
 
     /// The chunk shape of this model's KV cache with `tokens` tokens per chunk.
     pub fn chunk_shape(&self, tokens: usize) -> crate::kv::ChunkShape {
+        let global = (0..self.n_layers)
+            .filter(|&l| self.layer_window(l).is_none())
+            .fold(0u128, |m, l| m | 1 << l);
         crate::kv::ChunkShape {
             n_layers: self.n_layers,
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim,
             tokens,
+            global: if self.window.is_some() {
+                global
+            } else {
+                u128::MAX
+            },
+            window: self.window.unwrap_or(0),
         }
     }
 

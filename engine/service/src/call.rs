@@ -291,6 +291,8 @@ impl Call<'_> {
             ctx.cache.chunk_formats(),
             &ctx.density.chunk_densities(),
         );
+        self.book
+            .set_trimmed(ContextId(self.id), ctx.cache.trimmed_chunks());
         Ok(recompressed)
     }
 
@@ -305,17 +307,19 @@ impl Call<'_> {
         }
         let levels = &self.compression.levels;
         let sealed = ctx.cache.chunk_formats().len();
-        let shape = *ctx.cache.shape();
         let stored = self.book.stored(ContextId(id), sealed);
         let states: Vec<policy::WriteCandidate> = (0..sealed)
             .map(|i| {
                 let f = ctx.cache.chunk_formats()[i];
+                let bytes = ctx.cache.shape_of(i).chunk_bytes(f) as u64;
                 policy::WriteCandidate {
                     index: i as u32,
                     level: levels.floor(f).unwrap_or(Level(0)),
                     stored: stored[i].and_then(|s| levels.floor(s.format)),
-                    modified: false,
-                    bytes: shape.chunk_bytes(f) as u64,
+                    // A whole copy of a chunk now past the sliding window is written again
+                    // without the layers it no longer keeps.
+                    modified: stored[i].is_some_and(|s| s.format == f && s.raw > bytes),
+                    bytes,
                 }
             })
             .collect();
@@ -343,7 +347,8 @@ impl Call<'_> {
             });
             let queued = StoredCopy {
                 format: f,
-                bytes: shape.chunk_bytes(f) as u64,
+                bytes: bytes.len() as u64,
+                raw: bytes.len() as u64,
             };
             self.book.set_stored(key, Some(queued));
         }

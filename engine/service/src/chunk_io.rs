@@ -182,6 +182,7 @@ impl ChunkIo {
             Ok(kvfs::StoreState::Stored(s)) => Some(StoredCopy {
                 format: s.format,
                 bytes: u64::from(s.stored_len),
+                raw: u64::from(s.raw_len),
             }),
             _ => None,
         }

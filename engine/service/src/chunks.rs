@@ -29,6 +29,9 @@ use crate::sync::{Primitives, Std};
 pub struct StoredCopy {
     pub format: KvFormat,
     pub bytes: u64,
+    /// The chunk's bytes before the store's compression: all its layers, or its global ones
+    /// alone when it was written past the sliding window.
+    pub raw: u64,
 }
 
 /// One chunk's facts in the book.
@@ -43,6 +46,8 @@ pub struct ChunkFacts {
     pub density: f32,
     /// What the store holds of it, or will once the write queued for it lands.
     pub stored: Option<StoredCopy>,
+    /// Past the sliding window: the cache keeps its global layers alone.
+    pub trimmed: bool,
 }
 
 /// Every context's chunks' [`ChunkFacts`].
@@ -135,6 +140,16 @@ impl<S: Primitives> ChunkBook<S> {
         }
     }
 
+    /// Records that `ctx`'s first `n` chunks are past the sliding window (a prefix that only
+    /// grows).
+    pub fn set_trimmed(&self, ctx: ContextId, n: usize) {
+        let mut map = S::lock(&self.map);
+        let chunks = map.entry(ctx).or_default();
+        for i in 0..n {
+            entry(chunks, i as u32).trimmed = true;
+        }
+    }
+
     /// What the store holds of each of `ctx`'s first `n` chunks.
     pub fn stored(&self, ctx: ContextId, n: usize) -> Vec<Option<StoredCopy>> {
         let map = S::lock(&self.map);
@@ -210,12 +225,19 @@ mod tests {
     #[test]
     fn a_write_settles_only_the_copy_it_was_queued_for() {
         let book = ChunkBook::<Std>::default();
-        let queued = |format| Some(StoredCopy { format, bytes: 100 });
+        let queued = |format| {
+            Some(StoredCopy {
+                format,
+                bytes: 100,
+                raw: 100,
+            })
+        };
         book.set_stored(K, queued(KvFormat::Int8));
         book.set_stored(K, queued(KvFormat::K4v4));
         let landed = Some(StoredCopy {
             format: KvFormat::Int8,
             bytes: 60,
+            raw: 100,
         });
         book.settle_stored(K, KvFormat::Int8, landed);
         assert_eq!(book.stored(K.ctx, 3)[2], queued(KvFormat::K4v4));

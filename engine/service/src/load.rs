@@ -176,7 +176,7 @@ pub fn load(
         return Ok(LoadReport::default());
     }
     let _span = tracing::debug_span!("load", ctx, missing = missing.len()).entered();
-    let plan = plan(&missing, stored, mode, cost)?;
+    let plan = plan(&missing, stored, mode, cost, cache)?;
     let mut report = LoadReport {
         missing: missing.len(),
         predicted_secs: plan.predicted.total,
@@ -187,7 +187,8 @@ pub fn load(
     let shape = *cache.shape();
     let formats = cache.chunk_formats().to_vec();
     let (first_done, wait_first) = mpsc::channel();
-    let reads = Reads::new(io, pager, ctx, &shape, &formats, &plan, first_done);
+    let trimmed = cache.trimmed_chunks();
+    let reads = Reads::new(io, pager, ctx, &shape, &formats, trimmed, &plan, first_done);
     let recompute: Vec<usize> = plan.recompute.iter().map(|&i| i as usize).collect();
     let (threads, recomputed) = read_and_recompute(
         model,
@@ -221,7 +222,10 @@ fn plan(
     stored: &[Option<StoredCopy>],
     mode: LoadMode,
     cost: &CostModel,
+    cache: &KvCache,
 ) -> Result<LoadPlan, ServiceError> {
+    // Chunks past a sliding window are read: recomputing one needs its whole lookback.
+    let first = cache.first_recomputable() as u32;
     let readable: Vec<MissingChunk> = missing
         .iter()
         .filter_map(|&i| {
@@ -237,14 +241,31 @@ fn plan(
         .filter(|i| !readable.iter().any(|r| r.index == *i))
         .collect();
     let mut plan = match mode {
-        LoadMode::Planned => policy::plan_load(&readable, cost)?,
+        LoadMode::Planned => policy::plan_load_from(&readable, cost, first)?,
         LoadMode::ReadOnly => policy::planner::evaluate(&readable, &[], cost)?,
         LoadMode::RecomputeOnly => {
-            let all: Vec<u32> = readable.iter().map(|r| r.index).collect();
+            let all: Vec<u32> = readable
+                .iter()
+                .map(|r| r.index)
+                .filter(|&i| i >= first)
+                .collect();
             policy::planner::evaluate(&readable, &all, cost)?
         }
     };
-    force_recompute(&mut plan, &unreadable);
+    // A chunk the store lacks comes back only by recompute, past the window with its lookback
+    // (the missing chunks in it are not read then).
+    let mut forced: Vec<u32> = Vec::new();
+    for &u in &unreadable {
+        forced.extend(
+            cache
+                .recompute_closure(u as usize)
+                .map(|c| c as u32)
+                .filter(|c| missing.contains(&(*c as usize))),
+        );
+    }
+    forced.sort_unstable();
+    forced.dedup();
+    force_recompute(&mut plan, &forced);
     Ok(plan)
 }
 
@@ -254,8 +275,11 @@ fn force_recompute(plan: &mut LoadPlan, unreadable: &[u32]) {
     if unreadable.is_empty() {
         return;
     }
+    plan.read_first.retain(|i| !unreadable.contains(i));
+    plan.read_after.retain(|i| !unreadable.contains(i));
     plan.recompute.extend_from_slice(unreadable);
     plan.recompute.sort_unstable();
+    plan.recompute.dedup();
     let last = *plan.recompute.last().expect("not empty");
     let (before, after): (Vec<u32>, Vec<u32>) = plan.read_after.iter().partition(|&&i| i < last);
     plan.read_first.extend(before);
@@ -392,6 +416,14 @@ fn recompute_failed(
         Err(e) => return Err(e),
     }
     if !again.is_empty() {
+        // Past a sliding window, with each chunk's lookback.
+        let mut all: Vec<usize> = again
+            .iter()
+            .flat_map(|&c| cache.recompute_closure(c))
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        let again = all;
         let t = Instant::now();
         recompute_chunks(model, cache, &again)?;
         secs += t.elapsed().as_secs_f64();
@@ -439,6 +471,8 @@ struct Reads<'a> {
     io: &'a ChunkIo,
     pager: &'a Pager,
     shape: &'a ChunkShape,
+    /// Chunks past the sliding window (their global layers alone).
+    trimmed: usize,
     formats: &'a [KvFormat],
     ctx: u64,
     /// The chunks to read, blocking ones (those the recompute attends to) first.
@@ -458,12 +492,14 @@ struct Reads<'a> {
 }
 
 impl<'a> Reads<'a> {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         io: &'a ChunkIo,
         pager: &'a Pager,
         ctx: u64,
         shape: &'a ChunkShape,
         formats: &'a [KvFormat],
+        trimmed: usize,
         plan: &LoadPlan,
         first_done: mpsc::Sender<()>,
     ) -> Self {
@@ -487,6 +523,7 @@ impl<'a> Reads<'a> {
             pager,
             shape,
             formats,
+            trimmed,
             ctx,
             order,
             blocking,
@@ -494,6 +531,15 @@ impl<'a> Reads<'a> {
             cursor: AtomicUsize::new(0),
             first_left: AtomicUsize::new(blocking),
             first_done,
+        }
+    }
+
+    /// Chunk `i`'s shape: trimmed past the sliding window.
+    fn shape_of(&self, i: u32) -> ChunkShape {
+        if (i as usize) < self.trimmed {
+            self.shape.trimmed()
+        } else {
+            *self.shape
         }
     }
 
@@ -522,7 +568,13 @@ impl<'a> Reads<'a> {
             let key = ChunkKey::new(self.ctx, i);
             let want = self.formats[i as usize];
             let r = read_one(
-                self.io, self.pager, self.shape, want, key, &mut *buf, &mut spare,
+                self.io,
+                self.pager,
+                &self.shape_of(i),
+                want,
+                key,
+                &mut *buf,
+                &mut spare,
             );
             out.record(key, r);
             self.done(n);
@@ -604,7 +656,7 @@ impl<'a> Reads<'a> {
             let r = match file.check_raw(&slot, &bytes[..got]) {
                 Some(meta) => install(
                     self.pager,
-                    self.shape,
+                    &self.shape_of(i),
                     self.formats[i as usize],
                     key,
                     meta.format,
@@ -639,7 +691,7 @@ impl<'a> Reads<'a> {
         read_one(
             self.io,
             self.pager,
-            self.shape,
+            &self.shape_of(i),
             self.formats[i as usize],
             ChunkKey::new(self.ctx, i),
             buf.get(self.part.next_multiple_of(4096).max(4096)),
@@ -697,6 +749,9 @@ fn install(
     check("service::load::chunk_read", injected)?;
     let have = stored;
     let n = bytes.len() as u64;
+    // A whole copy of a chunk now past the sliding window (`shape` is then the trimmed one):
+    // its global layers come first, so they are its prefix.
+    let bytes = bytes.get(..shape.chunk_bytes(have)).unwrap_or(bytes);
     let data: &[u8] = if have == want {
         bytes
     } else if model::kv::codec::moves_down(shape, have, want) && have != KvFormat::F16 {

@@ -285,6 +285,7 @@ impl Manager {
                 let copy = StoredCopy {
                     format: f,
                     bytes: u64::from(s.stored_len),
+                    raw: u64::from(s.raw_len),
                 };
                 self.book.set_stored(ChunkKey::new(id, c.index), Some(copy));
                 formats[c.index as usize] = f;
@@ -316,6 +317,7 @@ impl Manager {
             cache.chunk_formats(),
             &density.chunk_densities(),
         );
+        self.book.set_trimmed(ContextId(id), cache.trimmed_chunks());
         Ok(Context {
             owner,
             cache,

@@ -203,7 +203,12 @@ impl ChunkSource for StoreSource {
         let Some(format) = facts.format else {
             return Ok(false);
         };
-        let len = self.shape.chunk_bytes(format);
+        let shape = if facts.trimmed {
+            self.shape.trimmed()
+        } else {
+            self.shape
+        };
+        let len = shape.chunk_bytes(format);
         let Some(bytes) = data.get(..len) else {
             return Err(SourceError::Corrupt {
                 key,
@@ -237,6 +242,7 @@ mod tests {
             n_kv_heads: 3,
             head_dim: 64,
             tokens: 16,
+            ..ChunkShape::DENSE
         }
     }
 

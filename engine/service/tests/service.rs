@@ -114,6 +114,11 @@ fn conversation_as(
             assert!(r.load.missing > 0, "nothing was missing after a swap-out");
             match load {
                 LoadMode::ReadOnly => assert!(r.load.recomputed.is_empty(), "{:?}", r.load),
+                // Only chunks past a sliding window are read: they cannot be recomputed alone.
+                LoadMode::RecomputeOnly if t.model.chunk_shape(16).has_window() => {
+                    let first = r.load.recomputed.first().copied().unwrap_or(u32::MAX);
+                    assert!(r.load.read.iter().all(|&i| i < first), "{:?}", r.load)
+                }
                 LoadMode::RecomputeOnly => assert!(r.load.read.is_empty(), "{:?}", r.load),
                 LoadMode::Planned => {}
             }
@@ -633,4 +638,98 @@ fn the_llms_mix_stores_at_most_its_bit_budget_in_kvfs() {
     assert!(seen.len() >= 2, "one level only: {seen:?}");
     let bits = bytes as f64 * 8.0 / (chunks as f64 * shape.chunk_values() as f64);
     assert!(bits <= 6.5, "{bits} stored bits per value");
+}
+
+/// A tiny Gemma-3-shaped model: two layers of every three see a window of 16 tokens, so a
+/// context keeps every layer of its last 32 tokens and the global layer alone before them.
+fn tiny_window() -> Tiny {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-window.gguf");
+    let spec = TinySpec {
+        max_ctx: 1024,
+        family: model::config::Family::GEMMA3,
+        n_layers: 3,
+        head_dim: Some(32),
+        n_kv_heads: 1,
+        window: Some((16, 3)),
+        ..TinySpec::default()
+    };
+    write_tiny_gguf(&path, &spec).unwrap();
+    let model = Arc::new(Model::load(&path).unwrap());
+    Tiny { _dir: dir, model }
+}
+
+/// Chunks past the sliding window are stored, read and recomputed with their global layers
+/// alone, and a context swapped out and brought back (read, recomputed or planned) answers as
+/// one never swapped; a lost chunk past the window comes back by recompute of its closure.
+#[test]
+fn chunks_past_the_sliding_window_swap_with_their_global_layers_alone() {
+    let t = tiny_window();
+    let kept = conversation(&t, KvFormat::Int8, LoadMode::ReadOnly, false);
+    for load in [
+        LoadMode::ReadOnly,
+        LoadMode::RecomputeOnly,
+        LoadMode::Planned,
+    ] {
+        let swapped = conversation(&t, KvFormat::Int8, load, true);
+        assert_eq!(kept, swapped, "{load:?}");
+    }
+    // What the store holds: after three calls (about 180 tokens), the chunks before the last
+    // 32 tokens are stored trimmed.
+    let store = tempfile::tempdir().unwrap();
+    let cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::ReadOnly);
+    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+    let o = owner();
+    let id = m.create(&o, &prompt(1, 21)).unwrap();
+    let mut answers = Vec::new();
+    for call in 0..3u32 {
+        if call == 2 {
+            // Lose chunk 1's stored copy (past the window by now) and swap everything out.
+            m.flush();
+            m.swap_out(&o, id).unwrap();
+            use std::os::unix::fs::FileExt;
+            let cid = kvfs::ContextId(id);
+            let at = m.store().chunk_offset(cid, 1).expect("stored");
+            let data = std::fs::OpenOptions::new()
+                .write(true)
+                .open(m.store().data_path(cid))
+                .unwrap();
+            data.write_all_at(&[0; kvfs::HEADER_PAGE], at).unwrap();
+        }
+        let r = m
+            .call(
+                &o,
+                id,
+                &prompt(call + 2, 40),
+                &opts(12),
+                Instant::now(),
+                |_| true,
+            )
+            .unwrap();
+        if call == 2 {
+            // Chunk 1's read fails its checks; it is rebuilt with its closure, every chunk
+            // from the first.
+            assert_eq!(r.load.failed_reads, vec![1], "{:?}", r.load);
+            assert!(r.load.recomputed.contains(&1), "{:?}", r.load);
+        }
+        answers.push(r.tokens);
+    }
+    assert_eq!(kept, answers, "after a lost chunk past the window");
+    m.flush();
+    let shape = t.model.chunk_shape(16);
+    let info = m.store().context(kvfs::ContextId(id)).unwrap();
+    let sealed = info.tokens / 16;
+    let trimmed = shape.trimmed_chunks(sealed * 16);
+    assert!(trimmed >= 8, "{trimmed} chunks past the window");
+    for c in &info.chunks {
+        if let kvfs::StoreState::Stored(s) = &c.state {
+            let i = c.index as usize;
+            let want = if i < trimmed {
+                shape.trimmed().chunk_bytes(s.format)
+            } else {
+                shape.chunk_bytes(s.format)
+            };
+            assert_eq!(s.raw_len as usize, want, "chunk {i} in {}", s.format);
+        }
+    }
 }

@@ -861,6 +861,7 @@ mod tests {
             n_kv_heads: 2,
             head_dim: 16,
             tokens: 16,
+            ..ChunkShape::DENSE
         };
         let mut c = KvCache::new(s, KvFormat::F16, 1024, Box::new(HeapChunks::default()));
         c.reserve(len).unwrap();

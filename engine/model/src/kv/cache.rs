@@ -39,6 +39,19 @@ pub enum KvError {
     /// Committed tokens disagree with the reserved count.
     #[error("{given} token ids given for {expected} written tokens")]
     TokenCount { given: usize, expected: usize },
+    /// A sliding-window layer of a chunk past the window: the chunk keeps its global layers only.
+    #[error("chunk {index} is past the sliding window: it keeps no K/V of layer {layer}")]
+    Trimmed { index: usize, layer: usize },
+    /// Recompute of a chunk whose exact rebuild needs the sliding-window layers of chunks that
+    /// no longer keep them.
+    #[error(
+        "chunk {index} cannot be recomputed exactly: its window reaches chunk {needs}, which is past the sliding window (the first {trimmed} chunks keep their global layers only)"
+    )]
+    PastWindow {
+        index: usize,
+        needs: usize,
+        trimmed: usize,
+    },
 }
 
 /// Raw memory for a context's sealed chunks: where the engine puts encoded chunk bytes and reads
@@ -154,6 +167,12 @@ pub struct KvCache {
     /// Chunks sealed layer by layer during the current batched pass, before they reach chunk
     /// memory: later chunks of the pass read them in this form ([`KvCache::sealed_layer`]).
     fresh: Vec<Fresh>,
+    /// Chunks whose memory has been cut to their global layers (a prefix of the chunks past the
+    /// window, [`ChunkShape::trimmed_chunks`]).
+    cut: usize,
+    /// Chunks past the window that a recompute in progress rebuilt whole: later passes of the
+    /// same recompute read their sliding-window layers; [`KvCache::end_recompute_run`] cuts them.
+    whole: Vec<usize>,
     /// Attention each token received, summed over heads, layers and queries.
     attn_sum: Vec<f32>,
     /// How many (query, head, layer) rows saw each token.
@@ -180,10 +199,116 @@ impl KvCache {
             tokens: Vec::new(),
             staged: Vec::new(),
             fresh: Vec::new(),
+            cut: 0,
+            whole: Vec::new(),
             attn_sum: Vec::new(),
             attn_rows: Vec::new(),
             scratch: Vec::new(),
         }
+    }
+
+    /// How many chunks are past the sliding window: they keep only their global layers
+    /// ([`ChunkShape::trimmed_chunks`]; 0 for a model without a window). Counted from the sealed
+    /// tokens, which only grow (the open chunk's tokens come and go between calls), so a chunk
+    /// once past the window stays past it, and a cache rebuilt from the store agrees.
+    pub fn trimmed_chunks(&self) -> usize {
+        let sealed = self.formats.len();
+        self.shape.trimmed_chunks(sealed * self.shape.tokens)
+    }
+
+    /// The shape of sealed chunk `index` as the cache keeps it: trimmed past the window.
+    pub fn shape_of(&self, index: usize) -> ChunkShape {
+        if index < self.trimmed_chunks() {
+            self.shape.trimmed()
+        } else {
+            self.shape
+        }
+    }
+
+    /// The first chunk that [`KvCache::recomputable`] allows on its own (0 without a window).
+    pub fn first_recomputable(&self) -> usize {
+        let s = &self.shape;
+        if !s.has_window() {
+            return 0;
+        }
+        // The smallest c with (c t + 1 - window) / t >= trimmed.
+        (self.trimmed_chunks() * s.tokens + s.window - 1).div_ceil(s.tokens)
+    }
+
+    /// The chunks to recompute with chunk `index` for its rebuild to be exact: itself alone when
+    /// [`KvCache::recomputable`]; past the window, every chunk from the first. (Each local layer
+    /// looks a window further back, so `local layers × window` tokens would do for the chunk's
+    /// own K/V, about 7,700 on Gemma 3; but the earliest chunk of such a pass would itself need
+    /// the window before it, which no chunk past the window keeps: a pass that stops short of
+    /// the start cannot run. A chunk past the window is read, never recomputed, unless the
+    /// store lost it.)
+    pub fn recompute_closure(&self, index: usize) -> std::ops::Range<usize> {
+        if self.recomputable(index).is_ok() {
+            return index..index + 1;
+        }
+        0..index + 1
+    }
+
+    /// Whether chunk `index` can be recomputed exactly: every chunk its queries look back to
+    /// on a sliding-window layer still keeps that layer.
+    pub fn recomputable(&self, index: usize) -> Result<(), KvError> {
+        let s = &self.shape;
+        if !s.has_window() {
+            return Ok(());
+        }
+        let needs = (index * s.tokens + 1).saturating_sub(s.window) / s.tokens;
+        let trimmed = self.trimmed_chunks();
+        if needs < trimmed {
+            return Err(KvError::PastWindow {
+                index,
+                needs,
+                trimmed,
+            });
+        }
+        Ok(())
+    }
+
+    /// Cuts the resident chunks that are past the window to their global layers, giving their
+    /// sliding-window layers' memory back; returns the chunks cut. [`KvCache::commit`] calls it.
+    pub fn trim(&mut self) -> Result<Vec<usize>, KvError> {
+        self.end_recompute_run()?;
+        let upto = self.trimmed_chunks();
+        let mut cut = Vec::new();
+        for index in self.cut..upto {
+            let f = self.formats[index];
+            let keep = self.shape.trimmed().chunk_bytes(f);
+            if let Some(bytes) = self.mem.get(index) {
+                self.scratch.clear();
+                self.scratch.extend_from_slice(&bytes[..keep]);
+                self.mem.put(index, &self.scratch)?;
+                cut.push(index);
+            }
+        }
+        self.cut = self.cut.max(upto);
+        Ok(cut)
+    }
+
+    /// Cuts the chunks past the window that a recompute rebuilt whole (see
+    /// [`KvCache::recompute_closure`]) to their global layers, once the recompute is over.
+    pub fn end_recompute_run(&mut self) -> Result<(), KvError> {
+        for index in std::mem::take(&mut self.whole) {
+            let f = self.formats[index];
+            let keep = self.shape.trimmed().chunk_bytes(f);
+            if let Some(bytes) = self.mem.get(index) {
+                self.scratch.clear();
+                self.scratch.extend_from_slice(&bytes[..keep]);
+                self.mem.put(index, &self.scratch)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a layer of chunk `c` that the chunk no longer keeps.
+    fn check_kept(&self, layer: usize, c: usize) -> Result<(), KvError> {
+        if !self.shape.is_global(layer) && c < self.trimmed_chunks() && !self.whole.contains(&c) {
+            return Err(KvError::Trimmed { index: c, layer });
+        }
+        Ok(())
     }
 
     /// The chunk shape.
@@ -233,10 +358,11 @@ impl KvCache {
             .collect()
     }
 
-    /// The encoded bytes of sealed chunk `index`, when resident.
+    /// The encoded bytes of sealed chunk `index`, when resident: its global layers alone when it
+    /// is past the window.
     pub fn chunk_bytes(&self, index: usize) -> Option<&[u8]> {
         let f = *self.formats.get(index)?;
-        Some(&self.mem.get(index)?[..self.shape.chunk_bytes(f)])
+        Some(&self.mem.get(index)?[..self.shape_of(index).chunk_bytes(f)])
     }
 
     /// Resident bytes of sealed chunks plus the open chunk's f32 staging.
@@ -286,6 +412,7 @@ impl KvCache {
         c.attn_rows = vec![0; tokens.len()];
         c.tokens = tokens;
         c.formats = formats;
+        c.cut = c.trimmed_chunks();
         Ok(c)
     }
 
@@ -328,6 +455,7 @@ impl KvCache {
         self.formats.clear();
         self.open.clear();
         self.len = 0;
+        self.cut = 0;
         self.tokens.clear();
         self.staged.clear();
         self.fresh.clear();
@@ -404,11 +532,12 @@ impl KvCache {
                 Some(f) if f.complete() && f.format == self.format => {
                     self.mem.put(index, &f.bytes)?
                 }
-                _ => self.seal(index, &buf, self.format)?,
+                _ => self.seal(index, &buf, self.format, false)?,
             }
             self.formats.push(self.format);
         }
         self.fresh.clear();
+        self.trim()?;
         Ok(())
     }
 
@@ -454,16 +583,11 @@ impl KvCache {
         };
         let fresh = &mut self.fresh[i];
         let (lb, sec) = (s.layer_bytes(format), s.section());
+        let at = s.layer_offset(layer, format);
         let k = &buf[(layer * 2) * sec..(layer * 2 + 1) * sec];
         let v = &buf[(layer * 2 + 1) * sec..(layer * 2 + 2) * sec];
-        encode_layer(
-            &s,
-            format,
-            k,
-            v,
-            &mut fresh.bytes[layer * lb..(layer + 1) * lb],
-        )
-        .map_err(|source| KvError::Codec { index, source })?;
+        encode_layer(&s, format, k, v, &mut fresh.bytes[at..at + lb])
+            .map_err(|source| KvError::Codec { index, source })?;
         fresh.layers[layer] = true;
         Ok(())
     }
@@ -478,16 +602,17 @@ impl KvCache {
     ) -> Result<Option<(KvFormat, &[u8])>, KvError> {
         let s = &self.shape;
         if let Some(f) = self.fresh.iter().find(|f| f.index == c && f.layers[layer]) {
-            let lb = s.layer_bytes(f.format);
-            return Ok(Some((f.format, &f.bytes[layer * lb..(layer + 1) * lb])));
+            let (lb, at) = (s.layer_bytes(f.format), s.layer_offset(layer, f.format));
+            return Ok(Some((f.format, &f.bytes[at..at + lb])));
         }
         if c >= self.formats.len() || self.staged.iter().any(|(i, _)| *i == c) {
             return Ok(None);
         }
+        self.check_kept(layer, c)?;
         let f = self.formats[c];
         let bytes = self.mem.get(c).ok_or(KvError::NotResident { index: c })?;
-        let lb = s.layer_bytes(f);
-        Ok(Some((f, &bytes[layer * lb..(layer + 1) * lb])))
+        let (lb, at) = (s.layer_bytes(f), s.layer_offset(layer, f));
+        Ok(Some((f, &bytes[at..at + lb])))
     }
 
     /// Layer `layer` of chunk `c` in f32 (`[k|v][kv_head][token][dim]`) when it has an f32
@@ -502,7 +627,7 @@ impl KvCache {
         Some(&buf[layer * open..(layer + 1) * open])
     }
 
-    fn seal(&mut self, index: usize, buf: &[f32], f: KvFormat) -> Result<(), KvError> {
+    fn seal(&mut self, index: usize, buf: &[f32], f: KvFormat, whole: bool) -> Result<(), KvError> {
         let s = self.shape;
         let lb = s.layer_bytes(f);
         self.scratch.resize(s.chunk_bytes(f), 0);
@@ -510,10 +635,19 @@ impl KvCache {
         for l in 0..s.n_layers {
             let k = &buf[(l * 2) * sec..(l * 2 + 1) * sec];
             let v = &buf[(l * 2 + 1) * sec..(l * 2 + 2) * sec];
-            encode_layer(&s, f, k, v, &mut self.scratch[l * lb..(l + 1) * lb])
+            let at = s.layer_offset(l, f);
+            encode_layer(&s, f, k, v, &mut self.scratch[at..at + lb])
                 .map_err(|source| KvError::Codec { index, source })?;
         }
-        self.mem.put(index, &self.scratch)
+        // A chunk sealed past the window keeps its global layers alone, unless a recompute
+        // still needs the others (`whole`).
+        let keep = if whole && index < self.trimmed_chunks() {
+            self.whole.push(index);
+            s.chunk_bytes(f)
+        } else {
+            self.shape_of(index).chunk_bytes(f)
+        };
+        self.mem.put(index, &self.scratch[..keep])
     }
 
     fn check_sealed(&self, index: usize) -> Result<KvFormat, KvError> {
@@ -532,8 +666,8 @@ impl KvCache {
             return Err(codec(CodecError::NotDown { from, to }));
         }
         let bytes = self.mem.get(index).ok_or(KvError::NotResident { index })?;
-        crate::kv::codec::recompress(&self.shape, from, to, bytes, &mut self.scratch)
-            .map_err(codec)?;
+        let shape = self.shape_of(index);
+        crate::kv::codec::recompress(&shape, from, to, bytes, &mut self.scratch).map_err(codec)?;
         self.mem.put(index, &self.scratch)?;
         self.formats[index] = to;
         Ok(())
@@ -545,9 +679,18 @@ impl KvCache {
         self.mem.reclaim(index)
     }
 
-    /// Puts back sealed chunk `index`'s encoded bytes (read from storage), in format `f`.
+    /// Puts back sealed chunk `index`'s encoded bytes (read from storage), in format `f`: all its
+    /// layers, or its global layers alone when it is past the window (a whole copy of such a
+    /// chunk is cut to them).
     pub fn restore(&mut self, index: usize, f: KvFormat, bytes: &[u8]) -> Result<(), KvError> {
         self.check_sealed(index)?;
+        let keep = self.shape_of(index).chunk_bytes(f);
+        let Some(bytes) = bytes.get(..keep) else {
+            return Err(KvError::Store {
+                index,
+                reason: format!("{} bytes for a {keep}-byte {f} chunk", bytes.len()),
+            });
+        };
         self.mem.put(index, bytes)?;
         self.formats[index] = f;
         Ok(())
@@ -560,6 +703,14 @@ impl KvCache {
     pub fn begin_recompute(&mut self, chunks: &[usize]) -> Result<(), KvError> {
         for &index in chunks {
             self.check_sealed(index)?;
+            // Past the window, a chunk comes back exactly only with its whole lookback.
+            if let Err(e) = self.recomputable(index)
+                && !self
+                    .recompute_closure(index)
+                    .all(|c| chunks.contains(&c) || self.whole.contains(&c))
+            {
+                return Err(e);
+            }
         }
         self.fresh.clear();
         self.staged = chunks
@@ -577,8 +728,14 @@ impl KvCache {
         for (index, buf) in &staged {
             let f = self.formats[*index];
             let put = match self.take_fresh(*index) {
-                Some(fr) if fr.complete() && fr.format == f => self.mem.put(*index, &fr.bytes),
-                _ => self.seal(*index, buf, f),
+                Some(fr) if fr.complete() && fr.format == f => {
+                    // A chunk past the window stays whole until the whole recompute is over.
+                    if *index < self.trimmed_chunks() {
+                        self.whole.push(*index);
+                    }
+                    self.mem.put(*index, &fr.bytes)
+                }
+                _ => self.seal(*index, buf, f, true),
             };
             if let Err(e) = put {
                 result = Err(e);
@@ -609,10 +766,11 @@ impl KvCache {
             return Ok(LayerView::Open(&buf[layer * open..(layer + 1) * open]));
         }
         if c < self.formats.len() {
+            self.check_kept(layer, c)?;
             let f = self.formats[c];
             let bytes = self.mem.get(c).ok_or(KvError::NotResident { index: c })?;
-            let lb = s.layer_bytes(f);
-            Ok(LayerView::Sealed(f, &bytes[layer * lb..(layer + 1) * lb]))
+            let (lb, at) = (s.layer_bytes(f), s.layer_offset(layer, f));
+            Ok(LayerView::Sealed(f, &bytes[at..at + lb]))
         } else {
             let buf = &self.open[c - self.formats.len()];
             Ok(LayerView::Open(&buf[layer * open..(layer + 1) * open]))
@@ -684,6 +842,7 @@ mod tests {
             n_kv_heads: 3,
             head_dim: 8,
             tokens: 4,
+            ..ChunkShape::DENSE
         }
     }
 

@@ -96,6 +96,12 @@ pub fn parse_format(name: &str) -> Result<KvFormat, CodecError> {
 pub const PAGE: usize = 4096;
 
 /// The dimensions of one chunk; every size in this module is a pure function of them.
+///
+/// A model with sliding-window layers (Gemma 3: five of every six) needs their K/V only for
+/// the last tokens of a context. A chunk stores its layers global ones first, then the others
+/// ([`ChunkShape::slot`]), so once a chunk is past the window its bytes can be cut to their
+/// prefix, a chunk of the [`ChunkShape::trimmed`] shape; [`ChunkShape::trimmed_chunks`] says
+/// which chunks of a context are past it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChunkShape {
     /// Transformer blocks.
@@ -106,9 +112,92 @@ pub struct ChunkShape {
     pub head_dim: usize,
     /// Tokens per chunk.
     pub tokens: usize,
+    /// The global layers (bit `l`: layer `l`), whose K/V every chunk keeps; all bits set for a
+    /// model without a sliding window.
+    pub global: u128,
+    /// The sliding window of the other layers, in tokens (0: none).
+    pub window: usize,
 }
 
 impl ChunkShape {
+    /// A shape whose layers are all global, for struct updates:
+    /// `ChunkShape { n_layers: 2, n_kv_heads: 1, head_dim: 8, tokens: 16, ..ChunkShape::DENSE }`.
+    pub const DENSE: ChunkShape = ChunkShape {
+        n_layers: 0,
+        n_kv_heads: 0,
+        head_dim: 0,
+        tokens: 0,
+        global: u128::MAX,
+        window: 0,
+    };
+
+    /// Whether layer `l` is global (kept past the window).
+    pub fn is_global(&self, l: usize) -> bool {
+        self.global >> l & 1 == 1
+    }
+
+    /// Global layers.
+    pub fn n_global(&self) -> usize {
+        (0..self.n_layers).filter(|&l| self.is_global(l)).count()
+    }
+
+    /// Whether some layers have a sliding window (chunks past it can be trimmed).
+    pub fn has_window(&self) -> bool {
+        self.window > 0 && self.n_global() < self.n_layers
+    }
+
+    /// Where layer `l` sits among a chunk's layers: the global layers first, in order, then
+    /// the others, in order.
+    pub fn slot(&self, l: usize) -> usize {
+        let before = (0..l).filter(|&i| self.is_global(i)).count();
+        if self.is_global(l) {
+            before
+        } else {
+            self.n_global() + (l - before)
+        }
+    }
+
+    /// The shape of a chunk past the window: its global layers alone, a prefix of its bytes.
+    pub fn trimmed(&self) -> ChunkShape {
+        ChunkShape {
+            n_layers: self.n_global(),
+            global: u128::MAX,
+            window: 0,
+            ..*self
+        }
+    }
+
+    /// Tokens at the end of a context whose chunks keep every layer: two windows, one for the
+    /// next query and one for recomputing a chunk of the last window exactly (its own queries
+    /// look a window back).
+    pub fn kept_tokens(&self) -> usize {
+        2 * self.window
+    }
+
+    /// How many chunks of a context of `len` tokens are past the window: they keep only their
+    /// global layers. A prefix of the chunks; none without a window.
+    pub fn trimmed_chunks(&self, len: usize) -> usize {
+        if self.has_window() {
+            len.saturating_sub(self.kept_tokens()) / self.tokens
+        } else {
+            0
+        }
+    }
+
+    /// The shape of chunk `index` of a context of `len` tokens: trimmed past the window, whole
+    /// otherwise.
+    pub fn of_chunk(&self, index: usize, len: usize) -> ChunkShape {
+        if index < self.trimmed_chunks(len) {
+            self.trimmed()
+        } else {
+            *self
+        }
+    }
+
+    /// Byte offset of layer `l` in a chunk in `f` (see [`ChunkShape::slot`]).
+    pub fn layer_offset(&self, l: usize, f: KvFormat) -> usize {
+        self.slot(l) * self.layer_bytes(f)
+    }
     /// Values in one head's block of K (or V) of one layer: `tokens * head_dim`.
     pub fn block(&self) -> usize {
         self.tokens * self.head_dim
@@ -834,6 +923,7 @@ mod tests {
             n_kv_heads: 2,
             head_dim: 8,
             tokens: 4,
+            ..ChunkShape::DENSE
         }
     }
 
@@ -993,7 +1083,7 @@ mod tests {
             spike in 0usize..3 * 16 * 64,
             big in prop::sample::select(vec![1.0f32, 40.0, -300.0]),
         ) {
-            let s = ChunkShape { n_layers: 1, n_kv_heads: 3, head_dim: 64, tokens: 16 };
+            let s = ChunkShape { n_layers: 1, n_kv_heads: 3, head_dim: 64, tokens: 16, ..ChunkShape::DENSE };
             let (mut k, v) = (k, v);
             k[spike] = big;
             for f in KvFormat::CODED {
@@ -1180,6 +1270,7 @@ mod tests {
             n_kv_heads: 3,
             head_dim: 64,
             tokens: 16,
+            ..ChunkShape::DENSE
         };
         let check = |f: KvFormat, want: usize| assert_eq!(s.chunk_bytes(f), want, "{f}");
         check(KvFormat::F16, 30 * 2 * 3 * 16 * 64 * 2);
@@ -1231,6 +1322,7 @@ mod tests {
             n_kv_heads: 3,
             head_dim: 64,
             tokens: 16,
+            ..ChunkShape::DENSE
         };
         let dir = tempfile::tempdir().unwrap();
         let mut x = 0x9e37_79b9u32;
@@ -1295,6 +1387,7 @@ mod tests {
             n_kv_heads: 1,
             head_dim: 4,
             tokens: 2,
+            ..ChunkShape::DENSE
         };
         // Values row 0..3 span exactly the 2-bit levels 0..3.
         let v = [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0];

@@ -181,7 +181,8 @@ fn simulate(
     f: SimFormat,
     rope: RopeSpec,
 ) -> Result<(), KvError> {
-    let s = *cache.shape();
+    // Past the window a chunk keeps its global layers alone; each layer is treated alike.
+    let s = cache.shape_of(index);
     let from = cache.chunk_formats()[index];
     let bytes = cache
         .chunk_bytes(index)

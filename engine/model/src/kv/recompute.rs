@@ -73,13 +73,23 @@ pub fn recompute_chunks(
     let t = cache.shape().tokens;
     let per_pass = (model.prefill_chunk / t).max(1);
     for pass in set.chunks(per_pass) {
-        model
-            .forward_chunks(cache, pass)
-            .map_err(|source| RecomputeError::Model {
+        let run = model.forward_chunks(cache, pass);
+        if let Err(source) = run {
+            let _ = cache.end_recompute_run();
+            return Err(RecomputeError::Model {
                 chunk: pass[0],
                 source,
-            })?;
+            });
+        }
     }
+    // Chunks past a sliding window rebuilt whole for the later passes keep their global
+    // layers alone again.
+    cache
+        .end_recompute_run()
+        .map_err(|source| RecomputeError::Model {
+            chunk: set[0],
+            source: source.into(),
+        })?;
     let stats = RecomputeStats {
         chunks: set.len(),
         tokens: set.len() * t,

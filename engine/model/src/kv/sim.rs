@@ -294,6 +294,7 @@ mod tests {
             n_kv_heads: 2,
             head_dim: 16,
             tokens: 4,
+            ..ChunkShape::DENSE
         }
     }
 
