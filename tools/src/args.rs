@@ -156,8 +156,8 @@ pub fn load(opts: &EngineOpts) -> anyhow::Result<Loaded> {
 
 pub fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
     let t = Instant::now();
-    let mut model = Model::load_with(path, &opts.weight_options()?)
-        .with_context(|| format!("cannot load {}", path.display()))?;
+    let mut model =
+        Model::load_with(path, &opts.weight_options()?).context("cannot load the model")?;
     model.prefill_chunk = opts.prefill_chunk;
     model.set_activations(match opts.activations.as_str() {
         "int8" => Activations::Int8,

@@ -256,37 +256,7 @@ impl ModelConfig {
         };
         let rope_base = float("rope.freq_base")?.unwrap_or(10_000.0);
         let rms_eps = float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5);
-        let window = match keys.int_or("attention.sliding_window", 0) {
-            Ok(0) => None,
-            Ok(w) => Some(w),
-            Err(e) => return Err(e),
-        };
-        let swa_pattern = keys.int_or("attention.sliding_window_pattern", family.swa_pattern)?;
-        // A window with no pattern (Mistral's every-layer window) is not run: refuse it rather
-        // than attend past it.
-        if window.is_some() && swa_pattern == 0 {
-            return Err(ConfigError::BadValue {
-                key: format!("{arch}.attention.sliding_window"),
-                reason: "a sliding window on every layer is not supported".into(),
-            });
-        }
-        let rope_base_local = float("rope.freq_base_swa")?.unwrap_or(family.rope_base_local);
-        let rope_freq_scale = match (
-            md.get(&keys.key("rope.scaling.type")),
-            float("rope.scaling.factor")?,
-        ) {
-            (Some(Value::String(t)), Some(f)) if t == "linear" && f > 0.0 => 1.0 / f,
-            (Some(Value::String(t)), _) if t == "none" => 1.0,
-            (None, _) => 1.0,
-            (Some(v), f) => {
-                return Err(ConfigError::BadValue {
-                    key: format!("{arch}.rope.scaling.type"),
-                    reason: format!(
-                        "RoPE scaling {v:?} with factor {f:?} is not supported (linear is)"
-                    ),
-                });
-            }
-        };
+        let (window, swa_pattern, rope_base_local, rope_freq_scale) = keys.windows(family)?;
         Ok(Self {
             arch,
             n_layers,
@@ -331,6 +301,16 @@ impl ModelConfig {
         4 * (self.n_layers * per_layer + h)
     }
 
+    /// What embeddings are multiplied by on lookup: `sqrt(hidden)` for a family that scales
+    /// them (gemma), else 1.
+    pub fn embed_scale(&self) -> f32 {
+        if self.family.embed_scale {
+            (self.hidden as f32).sqrt()
+        } else {
+            1.0
+        }
+    }
+
     /// Query heads per KV head.
     pub fn group(&self) -> usize {
         self.n_heads / self.n_kv_heads
@@ -349,6 +329,42 @@ struct Keys<'a> {
 }
 
 impl Keys<'_> {
+    /// The sliding window, its pattern, the local layers' RoPE base and the global layers'
+    /// linear RoPE scale.
+    fn windows(&self, family: Family) -> Result<(Option<usize>, usize, f32, f32), ConfigError> {
+        let (md, arch) = (self.md, self.arch);
+        let float = |suffix: &str| self.float(suffix);
+        let keys = self;
+        let window = Some(keys.int_or("attention.sliding_window", 0)?).filter(|&w| w > 0);
+        let swa_pattern = keys.int_or("attention.sliding_window_pattern", family.swa_pattern)?;
+        // A window with no pattern (Mistral's every-layer window) is not run: refuse it rather
+        // than attend past it.
+        if window.is_some() && swa_pattern == 0 {
+            return Err(ConfigError::BadValue {
+                key: format!("{arch}.attention.sliding_window"),
+                reason: "a sliding window on every layer is not supported".into(),
+            });
+        }
+        let rope_base_local = float("rope.freq_base_swa")?.unwrap_or(family.rope_base_local);
+        let rope_freq_scale = match (
+            md.get(&keys.key("rope.scaling.type")),
+            float("rope.scaling.factor")?,
+        ) {
+            (Some(Value::String(t)), Some(f)) if t == "linear" && f > 0.0 => 1.0 / f,
+            (Some(Value::String(t)), _) if t == "none" => 1.0,
+            (None, _) => 1.0,
+            (Some(v), f) => {
+                return Err(ConfigError::BadValue {
+                    key: format!("{arch}.rope.scaling.type"),
+                    reason: format!(
+                        "RoPE scaling {v:?} with factor {f:?} is not supported (linear is)"
+                    ),
+                });
+            }
+        };
+        Ok((window, swa_pattern, rope_base_local, rope_freq_scale))
+    }
+
     /// The full key of `suffix`.
     fn key(&self, suffix: &str) -> String {
         format!("{}.{suffix}", self.arch)

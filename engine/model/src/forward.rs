@@ -20,12 +20,11 @@
 
 use crate::config::{Activation, ConfigError, ModelConfig};
 use crate::int8gemm::{self, PrefillActs, QuantRows};
-use crate::kernels::{
-    Rope, RopeAngles, add_assign, geglu, matmul_nt_tiled, rms_norm, rms_norm_in_place, swiglu,
-};
+use crate::kernels::{add_assign, geglu, matmul_nt_tiled, rms_norm, rms_norm_in_place, swiglu};
 use crate::kv::attention::{AttnShape, ChunkRows, PACKED_MAX_TOKENS, attend_chunks, attend_packed};
 use crate::kv::{ChunkShape, KvCache, KvError};
 use crate::qmatrix::{Activations, BLOCK, Kind, QMatrix};
+use crate::rope::{Rope, RopeAngles};
 use crate::stream::{Pass, StreamError, StreamUnit, WeightStream};
 use candle_core::quantized::GgmlDType;
 use policy::WeightPlanError;
@@ -62,15 +61,17 @@ pub enum ModelError {
     #[error("{path} has no tensor {name:?}")]
     MissingTensor { path: PathBuf, name: String },
     /// A tensor has the wrong shape.
-    #[error("tensor {name:?} has shape {found:?}, expected {expected:?}")]
+    #[error("{path}: tensor {name:?} has shape {found:?}, expected {expected:?}")]
     Shape {
+        path: PathBuf,
         name: String,
         found: Vec<usize>,
         expected: Vec<usize>,
     },
     /// A tensor's type cannot be converted.
-    #[error("tensor {name:?} of type {dtype:?} cannot be loaded: {reason}")]
+    #[error("{path}: tensor {name:?} of type {dtype:?} cannot be loaded: {reason}")]
     TensorType {
+        path: PathBuf,
         name: String,
         dtype: GgmlDType,
         reason: String,

@@ -20,6 +20,7 @@ pub mod kernels;
 pub mod kv;
 mod load;
 pub mod qmatrix;
+pub mod rope;
 pub mod simd;
 pub mod stream;
 pub mod tiny;

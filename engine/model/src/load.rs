@@ -3,8 +3,8 @@
 //! (`policy::plan_weights`) and the matrices that do not fit handed to the weight stream.
 
 use crate::config::ModelConfig;
-use crate::kernels::Rope;
 use crate::qmatrix::{Kind, QMatrix};
+use crate::rope::Rope;
 use crate::stream::{StreamUnit, WeightOptions, WeightSource, WeightStream};
 use candle_core::Device;
 use candle_core::quantized::gguf_file;
@@ -45,6 +45,7 @@ fn tensor_info<'a>(
     let dims = info.shape.dims();
     if dims != expected {
         return Err(ModelError::Shape {
+            path: path.into(),
             name: name.into(),
             found: dims.to_vec(),
             expected: expected.to_vec(),
@@ -168,6 +169,7 @@ fn read_weight(
             .and_then(|t| t.flatten_all())
             .and_then(|t| t.to_vec1::<f32>())
             .map_err(|e| ModelError::TensorType {
+                path: path.into(),
                 name: name.into(),
                 dtype,
                 reason: reason(e),
@@ -287,11 +289,7 @@ impl Model {
         };
         holding.buffer_bytes = stream.as_ref().map_or(0, |s| s.buffer_bytes() as u64);
         tracing::info!(path = %path.display(), layers = cfg.n_layers, hidden = h, "model loaded");
-        let embed_scale = if cfg.family.embed_scale {
-            (h as f32).sqrt()
-        } else {
-            1.0
-        };
+        let embed_scale = cfg.embed_scale();
         let model = Self {
             cfg,
             path: path.into(),

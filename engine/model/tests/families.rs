@@ -25,7 +25,6 @@ struct Reference {
     n_heads: usize,
     n_kv: usize,
     hd: usize,
-    ffn: usize,
     vocab: usize,
     eps: f64,
     base: f64,
@@ -71,7 +70,6 @@ impl Reference {
             n_heads,
             n_kv: u("attention.head_count_kv").unwrap(),
             hd: u("attention.key_length").unwrap_or(hidden / n_heads),
-            ffn: u("feed_forward_length").unwrap(),
             vocab: t["token_embd.weight"].len() / hidden,
             eps: 1e-5,
             base,
@@ -121,7 +119,7 @@ impl Reference {
     /// (the negative control: the same model with every layer global).
     fn logits(&self, tokens: &[u32], windows: bool) -> Vec<Vec<f64>> {
         let gemma = self.arch == "gemma3";
-        let (h, hd, nh, nkv) = (self.hidden, self.hd, self.n_heads, self.n_kv);
+        let h = self.hidden;
         let mut x: Vec<Vec<f64>> = tokens
             .iter()
             .map(|&t| {
@@ -130,8 +128,30 @@ impl Reference {
                 row.iter().map(|v| v * s).collect()
             })
             .collect();
-        let factors = self.t.get("rope_freqs.weight").map(Vec::as_slice);
         for l in 0..self.n_layers {
+            self.layer(l, &mut x, windows);
+        }
+        let head = if self.t.contains_key("output.weight") {
+            "output.weight"
+        } else {
+            "token_embd.weight"
+        };
+        x.iter()
+            .map(|xr| {
+                let xn = self.norm(xr, "output_norm.weight");
+                let l = self.mv(head, &xn);
+                assert_eq!(l.len(), self.vocab);
+                l
+            })
+            .collect()
+    }
+
+    /// Layer `l` over every position's hidden state `x`.
+    fn layer(&self, l: usize, x: &mut [Vec<f64>], windows: bool) {
+        let gemma = self.arch == "gemma3";
+        let (hd, nh, nkv) = (self.hd, self.n_heads, self.n_kv);
+        let factors = self.t.get("rope_freqs.weight").map(Vec::as_slice);
+        {
             let p = |s: &str| format!("blk.{l}.{s}.weight");
             let local = self
                 .window
@@ -218,21 +238,7 @@ impl Reference {
                 }
                 xr.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
             }
-            let _ = self.ffn;
         }
-        let head = if self.t.contains_key("output.weight") {
-            "output.weight"
-        } else {
-            "token_embd.weight"
-        };
-        x.iter()
-            .map(|xr| {
-                let xn = self.norm(xr, "output_norm.weight");
-                let l = self.mv(head, &xn);
-                assert_eq!(l.len(), self.vocab);
-                l
-            })
-            .collect()
     }
 }
 

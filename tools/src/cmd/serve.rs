@@ -472,10 +472,7 @@ fn load_model(s: &Settings) -> anyhow::Result<(PathBuf, Arc<Model>, Arc<Tokenize
         budget: s.weight_budget,
         ..Default::default()
     };
-    let model = Arc::new(
-        Model::load_with(&path, &weights)
-            .with_context(|| format!("cannot load {}", path.display()))?,
-    );
+    let model = Arc::new(Model::load_with(&path, &weights).context("cannot load the model")?);
     let tokenizer = Arc::new(
         Tokenizer::from_gguf_file(&path)
             .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?,

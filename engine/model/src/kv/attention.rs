@@ -128,19 +128,10 @@ pub fn attend_chunks(
     rows: &[ChunkRows],
     out: &mut [f32],
 ) -> Result<(), KvError> {
-    let AttnShape {
-        n_heads,
-        n_kv_heads,
-        head_dim: hd,
-        ..
-    } = shape;
     let Some(last) = rows.iter().map(|r| r.chunk).max() else {
         return Ok(());
     };
-    let group = n_heads / n_kv_heads;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let cs = *cache.shape();
-    let t = cs.tokens;
+    let t = cache.shape().tokens;
 
     // Phase 1: every KV head's sealed keys and values of chunks 0..=last, as f32 [pos][dim].
     let gathered = gather_sealed(cache, layer, shape, rows, last)?;
@@ -148,8 +139,7 @@ pub fn attend_chunks(
     // Phase 2: per (KV head, chunk with queries): all the chunk's query rows at once, padded to
     // the full chunk so the shapes depend on the chunk's index alone. Row r is the chunk's
     // token r / group, head g * group + r % group.
-    let m = t * group;
-    let tasks: Vec<(usize, usize)> = (0..n_kv_heads)
+    let tasks: Vec<(usize, usize)> = (0..shape.n_kv_heads)
         .flat_map(|g| (0..rows.len()).map(move |i| (g, i)))
         .collect();
     let results: Vec<(usize, usize, Vec<f32>, Vec<f32>)> = {
@@ -157,78 +147,7 @@ pub fn attend_chunks(
         tasks
             .into_par_iter()
             .map(|(g, i)| {
-                let r = rows[i];
-                let base = r.chunk * t;
-                // Keys from the chunk's first visible chunk (0 on a global layer) to its end.
-                let k0 = shape.first_chunk(r.chunk, t) * t;
-                let width = base + t - k0;
-                let (ka, va) = &gathered[g];
-                let (ka, va) = (&ka[k0 * hd..], &va[k0 * hd..]);
-                let block = t * hd;
-                let (ko, vo) = match cache.f32_layer(layer, r.chunk) {
-                    Some(buf) => (
-                        &buf[g * block..(g + 1) * block],
-                        &buf[(n_kv_heads + g) * block..(n_kv_heads + g + 1) * block],
-                    ),
-                    None => (
-                        &ka[(base - k0) * hd..width * hd],
-                        &va[(base - k0) * hd..width * hd],
-                    ),
-                };
-                let live = r.lo..r.lo + r.n;
-                let mut qb = vec![0.0; m * hd];
-                for tok in live.clone() {
-                    for j in 0..group {
-                        let src = (r.first + tok - r.lo) * n_heads * hd + (g * group + j) * hd;
-                        qb[(tok * group + j) * hd..][..hd].copy_from_slice(&q[src..src + hd]);
-                    }
-                }
-                // Scores: earlier chunks sealed, then the chunk's own keys.
-                let before = base - k0;
-                let mut s = vec![0.0; m * width];
-                matmul_serial(&mut s, width, &qb, hd, ka, (hd, 1), (m, before, hd), false);
-                matmul_serial(
-                    &mut s[before..],
-                    width,
-                    &qb,
-                    hd,
-                    ko,
-                    (hd, 1),
-                    (m, t, hd),
-                    false,
-                );
-                // col[p - k0]: the attention key p received from the chunk's rows.
-                let mut col = vec![0.0f32; width];
-                for (row, srow) in s.chunks_exact_mut(width).enumerate() {
-                    let tok = row / group;
-                    if !live.contains(&tok) {
-                        srow.fill(0.0);
-                        continue;
-                    }
-                    let first = shape.first_key(base + tok) - k0;
-                    let (seen, masked) = srow.split_at_mut(base + tok + 1 - k0);
-                    let (hidden, seen) = seen.split_at_mut(first);
-                    softmax(seen, scale);
-                    hidden.fill(0.0);
-                    masked.fill(0.0);
-                    for (c, p) in col[first..].iter_mut().zip(seen.iter()) {
-                        *c += p;
-                    }
-                }
-                // Weighted values, in the same two parts.
-                let mut o = vec![0.0; m * hd];
-                matmul_serial(&mut o, hd, &s, width, va, (1, hd), (m, hd, before), false);
-                let acc = before > 0;
-                matmul_serial(
-                    &mut o,
-                    hd,
-                    &s[before..],
-                    width,
-                    vo,
-                    (1, hd),
-                    (m, hd, t),
-                    acc,
-                );
+                let (o, col) = chunk_task(cache, layer, shape, q, rows[i], g, &gathered[g]);
                 (g, i, o, col)
             })
             .collect()
@@ -240,6 +159,102 @@ pub fn attend_chunks(
     }
     record_seen(cache, shape, rows, last);
     Ok(())
+}
+
+/// One task of [`attend_chunks`]: KV head `g` for the query rows `r` of one chunk, against the
+/// head's `gathered` sealed keys and values; returns the outputs `[token * group + j][head_dim]`
+/// and the attention each key from the chunk's first visible one received.
+fn chunk_task(
+    cache: &KvCache,
+    layer: usize,
+    shape: AttnShape,
+    q: &[f32],
+    r: ChunkRows,
+    g: usize,
+    gathered: &(Vec<f32>, Vec<f32>),
+) -> (Vec<f32>, Vec<f32>) {
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+        ..
+    } = shape;
+    let group = n_heads / n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let t = cache.shape().tokens;
+    let m = t * group;
+    let base = r.chunk * t;
+    // Keys from the chunk's first visible chunk (0 on a global layer) to its end.
+    let k0 = shape.first_chunk(r.chunk, t) * t;
+    let width = base + t - k0;
+    let (ka, va) = gathered;
+    let (ka, va) = (&ka[k0 * hd..], &va[k0 * hd..]);
+    let block = t * hd;
+    let (ko, vo) = match cache.f32_layer(layer, r.chunk) {
+        Some(buf) => (
+            &buf[g * block..(g + 1) * block],
+            &buf[(n_kv_heads + g) * block..(n_kv_heads + g + 1) * block],
+        ),
+        None => (
+            &ka[(base - k0) * hd..width * hd],
+            &va[(base - k0) * hd..width * hd],
+        ),
+    };
+    let live = r.lo..r.lo + r.n;
+    let mut qb = vec![0.0; m * hd];
+    for tok in live.clone() {
+        for j in 0..group {
+            let src = (r.first + tok - r.lo) * n_heads * hd + (g * group + j) * hd;
+            qb[(tok * group + j) * hd..][..hd].copy_from_slice(&q[src..src + hd]);
+        }
+    }
+    // Scores: earlier chunks sealed, then the chunk's own keys.
+    let before = base - k0;
+    let mut s = vec![0.0; m * width];
+    matmul_serial(&mut s, width, &qb, hd, ka, (hd, 1), (m, before, hd), false);
+    matmul_serial(
+        &mut s[before..],
+        width,
+        &qb,
+        hd,
+        ko,
+        (hd, 1),
+        (m, t, hd),
+        false,
+    );
+    // col[p - k0]: the attention key p received from the chunk's rows.
+    let mut col = vec![0.0f32; width];
+    for (row, srow) in s.chunks_exact_mut(width).enumerate() {
+        let tok = row / group;
+        if !live.contains(&tok) {
+            srow.fill(0.0);
+            continue;
+        }
+        let first = shape.first_key(base + tok) - k0;
+        let (seen, masked) = srow.split_at_mut(base + tok + 1 - k0);
+        let (hidden, seen) = seen.split_at_mut(first);
+        softmax(seen, scale);
+        hidden.fill(0.0);
+        masked.fill(0.0);
+        for (c, p) in col[first..].iter_mut().zip(seen.iter()) {
+            *c += p;
+        }
+    }
+    // Weighted values, in the same two parts.
+    let mut o = vec![0.0; m * hd];
+    matmul_serial(&mut o, hd, &s, width, va, (1, hd), (m, hd, before), false);
+    let acc = before > 0;
+    matmul_serial(
+        &mut o,
+        hd,
+        &s[before..],
+        width,
+        vo,
+        (1, hd),
+        (m, hd, t),
+        acc,
+    );
+    (o, col)
 }
 
 /// Copies KV head `g`'s outputs for chunk rows `r` (`o`: `[token * group + j][head_dim]`) to
