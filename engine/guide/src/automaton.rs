@@ -51,86 +51,113 @@ pub(crate) struct Table {
 
 impl Table {
     pub(crate) fn build(pattern: &str) -> Result<Table, BuildError> {
-        let dfa = dense::Builder::new()
-            .configure(
-                dense::Config::new()
-                    .match_kind(MatchKind::All)
-                    .start_kind(StartKind::Anchored)
-                    .byte_classes(true)
-                    .dfa_size_limit(Some(DFA_BYTES))
-                    .determinize_size_limit(Some(DFA_BYTES)),
-            )
-            .syntax(syntax::Config::new().unicode(true).utf8(true))
-            .thompson(
-                thompson::Config::new()
-                    .which_captures(thompson::WhichCaptures::None)
-                    .nfa_size_limit(Some(DFA_BYTES)),
-            )
-            .build(pattern)
-            .map_err(|e| {
-                // The cause is in the error's sources ("error building NFA": "exceeded size
-                // limit...").
-                let mut text = e.to_string();
-                let mut source = std::error::Error::source(&e);
-                while let Some(s) = source {
-                    text = format!("{text}: {s}");
-                    source = s.source();
-                }
-                if text.contains("limit") {
-                    BuildError::TooLarge(text)
-                } else {
-                    BuildError::Regex(text)
-                }
-            })?;
-        let start = dfa
-            .start_state_forward(&Input::new(&[][..]).anchored(Anchored::Yes))
-            .map_err(|e| BuildError::Regex(e.to_string()))?;
-        let bc = dfa.byte_classes();
-        let stride = bc.alphabet_len() - 1;
-        let mut classes = [0u8; 256];
-        let mut reps = vec![0u8; stride];
-        for b in 0..=255u8 {
-            let c = bc.get(b);
-            classes[b as usize] = c;
-            reps[c as usize] = b;
-        }
-        // Breadth-first from the start: the DFA's states in the table's numbering.
-        let mut index: HashMap<StateID, u32> = HashMap::new();
-        let mut order: Vec<StateID> = Vec::new();
-        let mut queue = VecDeque::new();
-        let gone = |s: StateID| dfa.is_dead_state(s) || dfa.is_quit_state(s);
-        if gone(start) {
-            return Err(BuildError::Empty);
-        }
-        index.insert(start, 0);
-        order.push(start);
-        queue.push_back(start);
-        let mut next = Vec::new();
-        while let Some(s) = queue.pop_front() {
-            for &b in &reps {
-                let n = dfa.next_state(s, b);
-                let id = if gone(n) {
-                    DEAD
-                } else {
-                    *index.entry(n).or_insert_with(|| {
-                        order.push(n);
-                        queue.push_back(n);
-                        (order.len() - 1) as u32
-                    })
-                };
-                next.push(id);
+        let dfa = determinize(pattern)?;
+        let (classes, stride, next, accept) = flatten(&dfa)?;
+        Table::with_distances(classes, stride, next, accept)
+    }
+}
+
+/// The regex as regex-automata's dense DFA: anchored, every match kept, within the limits.
+fn determinize(pattern: &str) -> Result<dense::DFA<Vec<u32>>, BuildError> {
+    dense::Builder::new()
+        .configure(
+            dense::Config::new()
+                .match_kind(MatchKind::All)
+                .start_kind(StartKind::Anchored)
+                .byte_classes(true)
+                .dfa_size_limit(Some(DFA_BYTES))
+                .determinize_size_limit(Some(DFA_BYTES)),
+        )
+        .syntax(syntax::Config::new().unicode(true).utf8(true))
+        .thompson(
+            thompson::Config::new()
+                .which_captures(thompson::WhichCaptures::None)
+                .nfa_size_limit(Some(DFA_BYTES)),
+        )
+        .build(pattern)
+        .map_err(|e| {
+            // The cause is in the error's sources ("error building NFA": "exceeded size
+            // limit...").
+            let mut text = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                text = format!("{text}: {s}");
+                source = s.source();
             }
-            if order.len() > MAX_STATES {
-                return Err(BuildError::TooLarge(format!(
-                    "more than {MAX_STATES} automaton states"
-                )));
+            if text.contains("limit") {
+                BuildError::TooLarge(text)
+            } else {
+                BuildError::Regex(text)
             }
+        })
+}
+
+/// A flat transition table.
+type Flat = ([u8; 256], usize, Vec<u32>, Vec<bool>);
+
+/// The DFA's states reachable from its start, numbered breadth-first: each byte's class, the
+/// stride, the transitions and whether each state accepts.
+fn flatten(dfa: &dense::DFA<Vec<u32>>) -> Result<Flat, BuildError> {
+    let start = dfa
+        .start_state_forward(&Input::new(&[][..]).anchored(Anchored::Yes))
+        .map_err(|e| BuildError::Regex(e.to_string()))?;
+    let bc = dfa.byte_classes();
+    let stride = bc.alphabet_len() - 1;
+    let mut classes = [0u8; 256];
+    let mut reps = vec![0u8; stride];
+    for b in 0..=255u8 {
+        let c = bc.get(b);
+        classes[b as usize] = c;
+        reps[c as usize] = b;
+    }
+    // Breadth-first from the start: the DFA's states in the table's numbering.
+    let mut index: HashMap<StateID, u32> = HashMap::new();
+    let mut order: Vec<StateID> = Vec::new();
+    let mut queue = VecDeque::new();
+    let gone = |s: StateID| dfa.is_dead_state(s) || dfa.is_quit_state(s);
+    if gone(start) {
+        return Err(BuildError::Empty);
+    }
+    index.insert(start, 0);
+    order.push(start);
+    queue.push_back(start);
+    let mut next = Vec::new();
+    while let Some(s) = queue.pop_front() {
+        for &b in &reps {
+            let n = dfa.next_state(s, b);
+            let id = if gone(n) {
+                DEAD
+            } else {
+                *index.entry(n).or_insert_with(|| {
+                    order.push(n);
+                    queue.push_back(n);
+                    (order.len() - 1) as u32
+                })
+            };
+            next.push(id);
         }
-        let n = order.len();
-        let accept: Vec<bool> = order
-            .iter()
-            .map(|&s| dfa.is_match_state(dfa.next_eoi_state(s)))
-            .collect();
+        if order.len() > MAX_STATES {
+            return Err(BuildError::TooLarge(format!(
+                "more than {MAX_STATES} automaton states"
+            )));
+        }
+    }
+    let accept: Vec<bool> = order
+        .iter()
+        .map(|&s| dfa.is_match_state(dfa.next_eoi_state(s)))
+        .collect();
+    Ok((classes, stride, next, accept))
+}
+
+impl Table {
+    /// The table with each state's distance to an end; states that reach none become dead.
+    fn with_distances(
+        classes: [u8; 256],
+        stride: usize,
+        mut next: Vec<u32>,
+        accept: Vec<bool>,
+    ) -> Result<Table, BuildError> {
+        let n = accept.len();
         // Fewest bytes to an end: breadth-first backwards from the accepting states.
         let mut back: Vec<Vec<u32>> = vec![Vec::new(); n];
         for s in 0..n {

@@ -356,12 +356,15 @@ impl Matcher {
         Step::Sample
     }
 
-    /// Moves past `token` (`bytes` are its bytes); a stop token changes nothing. Returns false
-    /// if the token leaves the language (a caller that sampled from masked logits never sees
-    /// it).
-    pub fn advance(&mut self, token: u32, bytes: &[u8]) -> bool {
+    /// Moves past `token`; a stop token changes nothing. Returns false if the token leaves the
+    /// language (a caller that sampled from masked logits never sees it).
+    pub fn advance(&mut self, token: u32) -> bool {
         if self.stop.contains(&token) {
             return self.is_accepting();
+        }
+        let bytes = self.grammar.vocab.token_bytes(token);
+        if bytes.is_empty() {
+            self.state = DEAD;
         }
         if self.state != DEAD {
             self.state = self.grammar.table.walk(self.state, bytes);

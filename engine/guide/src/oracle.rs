@@ -49,6 +49,17 @@ fn check(root: &Value, s: &Value, v: &Value, at: &str) -> Result<(), String> {
     {
         return fail(format!("not the const {c}"));
     }
+    check_value(root, m, v, at)
+}
+
+/// The keywords of the value's own type.
+fn check_value(
+    root: &Value,
+    m: &serde_json::Map<String, Value>,
+    v: &Value,
+    at: &str,
+) -> Result<(), String> {
+    let fail = |what: String| Err(format!("{at}: {what} ({v})"));
     match v {
         Value::String(s) => {
             let n = s.chars().count() as u64;

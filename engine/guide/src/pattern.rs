@@ -9,7 +9,10 @@
 use regex_syntax::hir::{Class, ClassUnicode, ClassUnicodeRange, Hir, HirKind, Look, Repetition};
 
 use crate::GuideError;
-use crate::schema::CHAR;
+
+/// A JSON string's character: anything but `"`, `\` and control characters, or an escape
+/// (`\uXXXX` for any code point but a surrogate, so each escape is one character).
+pub(crate) const CHAR: &str = r#"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u(?:[0-9A-Ca-c][0-9A-Fa-f]{3}|[Dd][0-7][0-9A-Fa-f]{2}|[EFef][0-9A-Fa-f]{3}))"#;
 
 /// The regex of a JSON string, quotes included, whose value matches `pattern`.
 pub(crate) fn string_pattern(pattern: &str, at: &str) -> Result<String, GuideError> {

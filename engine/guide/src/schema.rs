@@ -13,13 +13,10 @@ use serde_json::{Map, Value};
 
 use crate::GuideError;
 use crate::numbers;
+use crate::pattern::CHAR;
 
 /// Whitespace where JSON allows it: none or one space.
 const WS: &str = "[ ]?";
-
-/// A JSON string's character: anything but `"`, `\` and control characters, or an escape
-/// (`\uXXXX` for any code point but a surrogate, so each escape is one character).
-pub(crate) const CHAR: &str = r#"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u(?:[0-9A-Ca-c][0-9A-Fa-f]{3}|[Dd][0-7][0-9A-Fa-f]{2}|[EFef][0-9A-Fa-f]{3}))"#;
 
 /// A JSON number: at most 16 integer digits, 15 fraction digits and a two-digit exponent, so
 /// every one parses to a finite f64.

@@ -20,6 +20,9 @@ struct Node {
 #[derive(Debug)]
 pub struct Vocab {
     size: usize,
+    /// Each id's bytes: `bytes[offsets[id]..offsets[id + 1]]` (empty for ids left out).
+    offsets: Vec<u32>,
+    bytes: Vec<u8>,
     nodes: Vec<Node>,
     tokens: Vec<u32>,
     max_depth: usize,
@@ -35,6 +38,17 @@ impl Vocab {
             .filter(|(id, b)| !b.is_empty() && b.len() <= MAX_TOKEN_BYTES && (*id as usize) < size)
             .map(|(id, b)| (b, id))
             .collect();
+        let mut by_id: Vec<&[u8]> = vec![&[]; size];
+        for &(b, id) in &list {
+            by_id[id as usize] = b;
+        }
+        let mut offsets = Vec::with_capacity(size + 1);
+        let mut all = Vec::new();
+        offsets.push(0);
+        for b in by_id {
+            all.extend_from_slice(b);
+            offsets.push(all.len() as u32);
+        }
         list.sort_unstable();
         let mut nodes: Vec<Node> = Vec::with_capacity(list.len() * 2);
         let mut ids = Vec::with_capacity(list.len());
@@ -69,6 +83,8 @@ impl Vocab {
         let max_depth = nodes.iter().map(|n| n.depth as usize).max().unwrap_or(0);
         Vocab {
             size,
+            offsets,
+            bytes: all,
             nodes,
             tokens: ids,
             max_depth,
@@ -78,6 +94,17 @@ impl Vocab {
     /// Ids in the vocabulary (those that never appear in answers included).
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// The bytes of token `id` (empty if it never appears in answers).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        match (
+            self.offsets.get(id as usize),
+            self.offsets.get(id as usize + 1),
+        ) {
+            (Some(&a), Some(&b)) => &self.bytes[a as usize..b as usize],
+            _ => &[],
+        }
     }
 
     /// Tokens that may appear in answers.
