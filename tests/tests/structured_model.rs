@@ -15,7 +15,7 @@ fn every_answer_of_the_real_model_under_every_example_schema_parses_and_validate
     let path = fetch::default_model_path(&FetchOptions::default())
         .unwrap_or_else(|e| panic!("cannot fetch the default model: {e}"));
     let w = tests::World::with_model(env!("CARGO_BIN_EXE_llms-e2e"), &path);
-    let _d = w.serve(&["--threads", "2"]);
+    let _d = w.serve(&[]);
     let mut c = w.connect("forms");
     assert!(SCHEMAS.len() >= 20 && FRAMINGS.len() >= 5);
     let (mut answers, mut tokens, mut guide_ms, mut decode_ms) = (0, 0, 0.0, 0.0);
