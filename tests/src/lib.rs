@@ -40,6 +40,16 @@ impl World {
         World::with_spec(bin, spec)
     }
 
+    /// A world that serves the model file `model` (the real model, fetched by the caller).
+    pub fn with_model(bin: &str, model: &Path) -> World {
+        let dir = tempfile::tempdir().unwrap();
+        World {
+            dir,
+            model: model.to_owned(),
+            bin: bin.into(),
+        }
+    }
+
     fn with_spec(bin: &str, spec: TinySpec) -> World {
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(

@@ -13,8 +13,8 @@ mod cmd;
 mod report;
 
 use cmd::bench::{
-    crash as bench_crash, engine as bench_engine, kv as bench_kv, load as bench_load,
-    pager as bench_pager, switch as bench_switch, weights as bench_weights,
+    crash as bench_crash, engine as bench_engine, guide as bench_guide, kv as bench_kv,
+    load as bench_load, pager as bench_pager, switch as bench_switch, weights as bench_weights,
 };
 use cmd::{
     chat as chat_cmd, ctx as ctx_cmd, engine as engine_cmd, kv_mix as kv_mix_cmd, kvfs as kvfs_cmd,
@@ -101,6 +101,9 @@ enum BenchCommand {
     /// Weights under a memory budget: decode and prefill speed against the budget for mmap in a
     /// memory cgroup, prefetch only, + balanced locking and + tensor preservation.
     Weights(bench_weights::BenchWeightsArgs),
+    /// Structured output's cost per decode token on the model's vocabulary: every example
+    /// schema, token masks cold and cached, beside the model's decode step (docs/guide.md).
+    Guide(bench_guide::BenchGuideArgs),
 }
 
 /// The whole `llms` command line: parses the arguments, runs the command, reports errors.
@@ -152,6 +155,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Crash(args)) => bench_crash::run(&args),
         Command::Bench(BenchCommand::Switch(args)) => bench_switch::run(&args),
         Command::Bench(BenchCommand::Weights(args)) => bench_weights::run(args),
+        Command::Bench(BenchCommand::Guide(args)) => bench_guide::run(args),
         Command::Profile(args) => profile_cmd::run(args),
     }
 }

@@ -18,7 +18,7 @@ use std::time::Instant;
 use crate::queue::Refused;
 use crate::{Job, Shared};
 use parking_lot::Mutex;
-use protocol::{ErrorBody, Event, HelloReply, Reply, Request, VERSION, codes, parse_request};
+use protocol::{ErrorBody, Event, HelloReply, Reply, Request, codes, parse_request};
 use service::Owner;
 
 /// A connection as the engine thread and the daemon see it.
@@ -206,7 +206,8 @@ fn peer_hung_up(stream: &UnixStream) -> bool {
 
 fn read_loop(shared: &Arc<Shared>, conn: &Arc<Conn>, stream: UnixStream) {
     let mut r = BufReader::with_capacity(64 << 10, stream);
-    let mut app: Option<String> = None;
+    // The app's name and protocol version, once `hello` said them.
+    let mut app: Option<(String, u32)> = None;
     let mut buf = Vec::new();
     let max = shared.cfg.max_line;
     loop {
@@ -254,10 +255,53 @@ fn read_loop(shared: &Arc<Shared>, conn: &Arc<Conn>, stream: UnixStream) {
     }
 }
 
+/// What version 2 adds to a request, checked: nothing of it on a version 1 connection, and a
+/// call's `response_format` compiled.
+fn version_2(
+    shared: &Shared,
+    req: &Request,
+    version: u32,
+) -> Result<Option<Arc<guide::Grammar>>, ErrorBody> {
+    if version < 2 && req.needs_v2() {
+        return Err(ErrorBody::new(
+            codes::BAD_REQUEST,
+            format!(
+                "{} with these fields needs protocol version 2; say \"version\":2 in hello",
+                req.op()
+            ),
+        ));
+    }
+    match req {
+        Request::Call {
+            response_format: Some(f),
+            max_tokens,
+            ..
+        } => shared.formats.grammar(f, *max_tokens).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// Answers `hello`: the app is named, the version said.
+fn hello(shared: &Shared, conn: &Conn, id: u64, name: &str, version: u32) {
+    tracing::info!(conn = conn.id, uid = conn.uid, app = %name, version, "hello");
+    conn.send(&Reply::event(
+        id,
+        Event::Hello(HelloReply {
+            version,
+            uid: conn.uid,
+            app: name.to_owned(),
+            model: shared.model_name.clone(),
+            max_context_tokens: shared.cfg.max_context_tokens,
+            max_line: shared.cfg.max_line,
+            max_contexts_per_app: shared.cfg.max_contexts_per_app,
+        }),
+    ));
+}
+
 fn dispatch(
     shared: &Arc<Shared>,
     conn: &Arc<Conn>,
-    app: &mut Option<String>,
+    app: &mut Option<(String, u32)>,
     req: Request,
     received: Instant,
 ) {
@@ -266,40 +310,33 @@ fn dispatch(
         shared.error();
         conn.send(&Reply::error(Some(id), ErrorBody::new(code, message)));
     };
-    let owner = match (&req, app.as_ref()) {
-        (Request::Hello { app: name, .. }, None) => {
-            *app = Some(name.clone());
-            tracing::info!(conn = conn.id, uid = conn.uid, app = %name, "hello");
-            conn.send(&Reply::event(
-                id,
-                Event::Hello(HelloReply {
-                    version: VERSION,
-                    uid: conn.uid,
-                    app: name.clone(),
-                    model: shared.model_name.clone(),
-                    max_context_tokens: shared.cfg.max_context_tokens,
-                    max_line: shared.cfg.max_line,
-                    max_contexts_per_app: shared.cfg.max_contexts_per_app,
-                }),
-            ));
-            return;
-        }
-        (Request::Hello { .. }, Some(_)) => {
+    if let Request::Hello {
+        app: name, version, ..
+    } = &req
+    {
+        if app.is_some() {
             return fail(
                 codes::NO_HELLO,
                 "hello was already sent on this connection".into(),
             );
         }
-        (_, None) => {
-            return fail(
-                codes::NO_HELLO,
-                "send {\"op\":\"hello\",\"id\":..,\"version\":1,\"app\":\"NAME\"} first".into(),
-            );
-        }
-        (_, Some(a)) => Owner {
-            uid: conn.uid,
-            app: a.clone(),
-        },
+        *app = Some((name.clone(), *version));
+        return hello(shared, conn, id, name, *version);
+    }
+    let Some((name, version)) = app.as_ref() else {
+        return fail(
+            codes::NO_HELLO,
+            "send {\"op\":\"hello\",\"id\":..,\"version\":2,\"app\":\"NAME\"} first".into(),
+        );
+    };
+    let owner = Owner {
+        uid: conn.uid,
+        app: name.clone(),
+    };
+    let version = *version;
+    let format = match version_2(shared, &req, version) {
+        Ok(f) => f,
+        Err(e) => return fail(&e.code, e.message),
     };
     let cancel = Arc::new(AtomicBool::new(false));
     let lane = match &req {
@@ -336,6 +373,8 @@ fn dispatch(
         request: req,
         received,
         cancel,
+        version,
+        format,
     };
     if let Err((job, why)) = shared.queue.push(lane, job) {
         conn.call_ended(id);

@@ -12,6 +12,7 @@
 //! context manager (the service crate) and no wire type of its own (the protocol crate).
 
 pub mod conn;
+pub mod format;
 pub mod queue;
 pub mod run;
 
@@ -75,6 +76,11 @@ pub struct Job {
     pub received: Instant,
     /// Set by `cancel` or when the client goes away.
     pub cancel: Arc<AtomicBool>,
+    /// The protocol version the connection said in `hello`: a version 1 connection gets no
+    /// field of version 2.
+    pub version: u32,
+    /// A call's `response_format`, compiled by the connection.
+    pub format: Option<Arc<guide::Grammar>>,
 }
 
 impl Drop for Job {
@@ -91,6 +97,8 @@ pub struct Shared {
     pub queue: queue::FairQueue<(u32, String), Job>,
     pub conns: Mutex<HashMap<u64, Arc<conn::Conn>>>,
     pub model_name: String,
+    /// Structured output's compiled formats.
+    pub formats: format::Formats,
     started: Instant,
     stopping: AtomicBool,
     /// The running call's cancel flag.
@@ -183,6 +191,7 @@ impl Daemon {
             cfg,
             conns: Mutex::new(HashMap::new()),
             model_name,
+            formats: format::Formats::new(&tokenizer),
             started: Instant::now(),
             stopping: AtomicBool::new(false),
             running: Mutex::new(None),

@@ -11,8 +11,8 @@ use crate::{Job, Shared};
 use model::generate::SamplingParams;
 use model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use protocol::{
-    ChunkCounts, ContextInfo, Done, ErrorBody, Event, PromptFormat, Reply, Request, Stats, Timings,
-    codes,
+    ChunkCounts, ContextInfo, Done, ErrorBody, Event, FullNumbers, PromptFormat, Reply, Request,
+    Stats, Timings, TokenCount, Usage, codes,
 };
 use service::{CallOptions, CallReport, ContextSummary, Manager, Owner, Prompt, ServiceError};
 
@@ -49,6 +49,29 @@ fn service_error(e: ServiceError) -> ErrorBody {
     ErrorBody::new(e.code(), e.to_string())
 }
 
+/// A manager's error for a connection of protocol `version`: from version 2 on, `context_full`
+/// carries the numbers.
+fn service_error_for(e: ServiceError, version: u32) -> ErrorBody {
+    use model::ModelError;
+    use model::kv::KvError;
+    let numbers = match &e {
+        ServiceError::Kv(KvError::Full { len, adding, max })
+        | ServiceError::Model(ModelError::Kv(KvError::Full { len, adding, max })) => {
+            Some(FullNumbers {
+                context_window: *max,
+                used: *len,
+                remaining: max.saturating_sub(*len),
+                needed: *adding,
+            })
+        }
+        _ => None,
+    };
+    ErrorBody {
+        tokens: numbers.filter(|_| version >= 2),
+        ..service_error(e)
+    }
+}
+
 fn handle(
     m: &mut Manager,
     tok: &Tokenizer,
@@ -56,6 +79,7 @@ fn handle(
     job: &Job,
 ) -> Result<Event, ErrorBody> {
     let o = &job.owner;
+    let window = (job.version >= 2).then(|| m.max_tokens());
     match &job.request {
         Request::New { system, format, .. } => {
             let n = m.list(o).iter().filter(|c| c.app == o.app).count();
@@ -78,18 +102,28 @@ fn handle(
             Ok(Event::Created { context })
         }
         Request::Call { .. } => call(m, tok, job).map(|d| Event::Done(Box::new(d))),
+        Request::Count {
+            context,
+            text,
+            format,
+            ..
+        } => count(m, tok, o, *context, text, *format).map(Event::Count),
         Request::Delete { context, .. } => {
             m.delete(o, *context).map_err(service_error)?;
             tracing::info!(uid = o.uid, context, "context deleted");
             Ok(Event::Ok)
         }
         Request::List { .. } => Ok(Event::Contexts {
-            contexts: m.list(o).into_iter().map(context_info).collect(),
+            contexts: m
+                .list(o)
+                .into_iter()
+                .map(|c| context_info(c, window))
+                .collect(),
         }),
         Request::Info { context, .. } => m
             .info(o, *context)
             .map(|c| Event::Info {
-                context: context_info(c),
+                context: context_info(c, window),
             })
             .map_err(service_error),
         Request::Stats { .. } => Ok(Event::Stats(Box::new(stats(m, shared)))),
@@ -166,6 +200,44 @@ fn prompt_of<'a>(
     }))
 }
 
+/// `count`: the tokens `text` would add to context `id` (or to a new context) as a call's prompt
+/// in `format`, exactly as a call would encode it.
+fn count(
+    m: &Manager,
+    tok: &Tokenizer,
+    o: &Owner,
+    id: Option<u64>,
+    text: &str,
+    format: PromptFormat,
+) -> Result<TokenCount, ErrorBody> {
+    let context_window = m.max_tokens();
+    let (tokens, used) = match id {
+        Some(id) => {
+            let used = m.info(o, id).map_err(service_error)?.tokens;
+            let tokens = match prompt_of(m, tok, o, id, text, format)? {
+                Prompt::Tokens(t) => t.len(),
+                Prompt::Later(encode) => encode().len(),
+            };
+            (tokens, used)
+        }
+        None => {
+            let tokens = match format {
+                PromptFormat::Raw => tok.encode(text),
+                PromptFormat::Chat => tok
+                    .encode_chat(&[Message::user(text)], true)
+                    .map_err(no_template)?,
+            };
+            (tokens.len(), 0)
+        }
+    };
+    Ok(TokenCount {
+        tokens,
+        context_window,
+        used,
+        remaining: context_window.saturating_sub(used),
+    })
+}
+
 fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> {
     let Request::Call {
         id,
@@ -178,6 +250,7 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
         top_k,
         seed,
         stop,
+        ..
     } = &job.request
     else {
         unreachable!("call() is only given calls")
@@ -193,6 +266,7 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
             seed: *seed,
         },
         stop: tok.stop_ids(),
+        format: job.format.clone(),
     };
     let started = Instant::now();
     let mut dec = StreamDecoder::new(true);
@@ -226,7 +300,7 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
             }
             !job.cancel.load(Ordering::Acquire)
         })
-        .map_err(service_error)?;
+        .map_err(|e| service_error_for(e, job.version))?;
     let ms = |s: f64| s * 1e3;
     let generated = report.tokens.len();
     let context_tokens = m.info(o, *context).map(|c| c.tokens).unwrap_or(0);
@@ -238,6 +312,12 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
         stop = report.stop,
         "call done"
     );
+    let v2 = job.version >= 2;
+    let window = m.max_tokens();
+    let mut timings = timings(&report, job, started);
+    if v2 && job.format.is_some() {
+        timings.guide_ms = Some(ms(report.guide_secs));
+    }
     Ok(Done {
         stop: if stop_string {
             "stop_string".into()
@@ -247,8 +327,12 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
         tokens: generated,
         context_tokens,
         window_dropped: report.window_dropped,
-        timings: timings(&report, job, started),
+        timings,
         chunks: chunk_counts(&report),
+        context_window: v2.then_some(window),
+        used: v2.then_some(context_tokens),
+        remaining: v2.then(|| window.saturating_sub(context_tokens)),
+        usage: v2.then(|| usage(&report, m.chunk_tokens())),
     })
 }
 
@@ -271,6 +355,23 @@ fn timings(report: &CallReport, job: &Job, started: Instant) -> Timings {
         decode_ms: ms(report.decode_secs),
         decode_tps: rate(decoded, report.decode_secs),
         total_ms: ms(job.received.elapsed().as_secs_f64()),
+        guide_ms: None,
+    }
+}
+
+/// Where a call's tokens came from: the context it started from (after its window slid) is
+/// either reused (resident or read) or computed again (recomputed chunks, the open tail
+/// prefilled with the prompt, the tokens a slid window kept).
+fn usage(report: &CallReport, chunk_tokens: usize) -> Usage {
+    let kept = report.context_before;
+    let reprefilled = report.prefill_tokens.saturating_sub(report.prompt_tokens);
+    let recomputed = (report.load.recomputed.len() * chunk_tokens + reprefilled).min(kept);
+    Usage {
+        prompt: report.prompt_tokens,
+        generated: report.tokens.len(),
+        reused: kept - recomputed,
+        recomputed,
+        read: report.load.read.len() * chunk_tokens,
     }
 }
 
@@ -296,8 +397,13 @@ fn rate(n: usize, secs: f64) -> f64 {
     }
 }
 
-fn context_info(c: ContextSummary) -> ContextInfo {
+/// A context as the wire shows it; with the context `window` (version 2), what it holds and
+/// what is left beside it.
+fn context_info(c: ContextSummary, window: Option<usize>) -> ContextInfo {
     ContextInfo {
+        context_window: window,
+        used: window.map(|_| c.tokens),
+        remaining: window.map(|w| w.saturating_sub(c.tokens)),
         id: c.id,
         app: c.app,
         tokens: c.tokens,

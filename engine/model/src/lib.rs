@@ -2,7 +2,8 @@
 //! sampling, and one context's chunked KV cache with its codecs, attention and recompute.
 //!
 //! [`Model`] loads a GGUF file and runs the forward pass ([`forward`]); [`generate`] samples
-//! tokens; [`tokenizer::Tokenizer`] is built from the GGUF's own vocabulary; [`fetch`] gets the
+//! tokens, [`guided`] under a constraint (structured output); [`tokenizer::Tokenizer`] is built
+//! from the GGUF's own vocabulary; [`fetch`] gets the
 //! default model and caches it; [`tiny`] writes a tiny random-weight model for tests.
 //! [`kv`] holds one context's K/V in 16-token chunks over a [`kv::ChunkMemory`].
 //!
@@ -15,6 +16,7 @@ pub mod config;
 pub mod fetch;
 pub mod forward;
 pub mod generate;
+pub mod guided;
 pub mod int8gemm;
 pub mod kernels;
 pub mod kv;

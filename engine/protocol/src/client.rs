@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use crate::{
     ContextInfo, Done, ErrorBody, Event, HelloReply, PromptFormat, Reply, ReplyBody, Request,
-    Stats, VERSION,
+    ResponseFormat, Stats, TokenCount, VERSION,
 };
 
 /// Longest reply line the client reads (a `list` of many contexts is the longest).
@@ -64,6 +64,8 @@ pub struct CallParams {
     pub top_k: usize,
     pub seed: u64,
     pub stop: Vec<String>,
+    /// The answer's format: JSON under a schema, or text a regex matches (structured output).
+    pub response_format: Option<ResponseFormat>,
 }
 
 impl Default for CallParams {
@@ -76,6 +78,7 @@ impl Default for CallParams {
             top_k: 0,
             seed: 0,
             stop: Vec::new(),
+            response_format: None,
         }
     }
 }
@@ -251,12 +254,33 @@ impl Client {
             top_k: p.top_k,
             seed: p.seed,
             stop: p.stop.clone(),
+            response_format: p.response_format.clone(),
         })?;
         Ok(CallStream {
             client: self,
             id,
             finished: false,
         })
+    }
+
+    /// The tokens `text` would add to `context` (or to a new context) as a call's prompt in
+    /// `format`, and the context's window, used and remaining tokens.
+    pub fn count(
+        &mut self,
+        context: Option<u64>,
+        text: &str,
+        format: PromptFormat,
+    ) -> Result<TokenCount, ClientError> {
+        let id = self.next_id();
+        match self.request(Request::Count {
+            id,
+            context,
+            text: text.to_owned(),
+            format,
+        })? {
+            Event::Count(c) => Ok(c),
+            e => Err(unexpected(&e)),
+        }
     }
 
     /// Deletes a context.

@@ -1,8 +1,11 @@
-//! protocol: the daemon's wire protocol, version 1, and its typed client: what an app links.
+//! protocol: the daemon's wire protocol, version 2 (version 1 still served), and its typed
+//! client: what an app links.
 //!
 //! JSON lines over a Unix socket (docs/protocol.md is the contract). Requests are one typed enum
 //! tagged by `op`; replies carry the request's `id` and either an `event` or an `error`. The
-//! same types serve the daemon and the client ([`client`]).
+//! same types serve the daemon and the client ([`client`]). Version 2 adds structured output
+//! (`response_format` on `call`), `count`, and token accounting (`context_window`, `used`,
+//! `remaining`, `usage`); a version 1 connection neither sends nor receives any of them.
 //!
 //! This crate depends on serde and std only, and knows nothing of the engine: the daemon maps
 //! these types to and from the service's own. The service's counters ([`ServiceStats`]) are
@@ -15,7 +18,10 @@ use serde::{Deserialize, Serialize};
 pub mod client;
 
 /// The protocol version this crate speaks.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
+
+/// The oldest version the daemon still serves.
+pub const MIN_VERSION: u32 = 1;
 
 /// Longest request line the daemon reads by default (bytes, newline excluded).
 pub const DEFAULT_MAX_LINE: usize = 1 << 20;
@@ -52,6 +58,23 @@ pub mod codes {
     pub const NOT_FOUND: &str = "not_found";
     /// The chat template cannot be applied with this model.
     pub const NO_TEMPLATE: &str = "no_chat_template";
+    /// The prompt does not fit in the context (the error carries `tokens`).
+    pub const CONTEXT_FULL: &str = "context_full";
+    /// `response_format`'s schema is not a valid JSON Schema, or no value satisfies it.
+    pub const INVALID_SCHEMA: &str = "invalid_schema";
+    /// `response_format`'s regex does not compile, or matches nothing.
+    pub const INVALID_REGEX: &str = "invalid_regex";
+    /// `response_format` would make too large an automaton.
+    pub const TOO_COMPLEX: &str = "too_complex";
+}
+
+/// What a call's answer must be (structured output, version 2): JSON that validates against a
+/// JSON Schema, or text that a regular expression matches as a whole.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ResponseFormat {
+    JsonSchema { schema: serde_json::Value },
+    Regex { pattern: String },
 }
 
 /// How a prompt's text becomes tokens.
@@ -100,6 +123,18 @@ pub enum Request {
         seed: u64,
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         stop: Vec<String>,
+        /// The answer's format (version 2).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        response_format: Option<ResponseFormat>,
+    },
+    /// The tokens a text would add to a context (version 2): to `context`, or to a new one.
+    Count {
+        id: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        context: Option<u64>,
+        text: String,
+        #[serde(default)]
+        format: PromptFormat,
     },
     /// Cancels a call of this connection (queued or running).
     Cancel { id: u64, call: u64 },
@@ -132,6 +167,7 @@ impl Request {
             Request::Hello { id, .. }
             | Request::New { id, .. }
             | Request::Call { id, .. }
+            | Request::Count { id, .. }
             | Request::Cancel { id, .. }
             | Request::Delete { id, .. }
             | Request::List { id }
@@ -146,6 +182,7 @@ impl Request {
             Request::Hello { .. } => "hello",
             Request::New { .. } => "new",
             Request::Call { .. } => "call",
+            Request::Count { .. } => "count",
             Request::Cancel { .. } => "cancel",
             Request::Delete { .. } => "delete",
             Request::List { .. } => "list",
@@ -154,15 +191,30 @@ impl Request {
         }
     }
 
+    /// Whether the request uses what only version 2 has (a version 1 connection may not).
+    pub fn needs_v2(&self) -> bool {
+        matches!(
+            self,
+            Request::Count { .. }
+                | Request::Call {
+                    response_format: Some(_),
+                    ..
+                }
+        )
+    }
+
     /// Checks every value's range (what serde's types do not).
     pub fn validate(&self) -> Result<(), ErrorBody> {
         let bad = |m: String| Err(ErrorBody::new(codes::BAD_REQUEST, m));
         match self {
             Request::Hello { version, app, .. } => {
-                if *version != VERSION {
+                if !(MIN_VERSION..=VERSION).contains(version) {
                     return Err(ErrorBody::new(
                         codes::VERSION,
-                        format!("this daemon speaks protocol version {VERSION}, not {version}"),
+                        format!(
+                            "this daemon speaks protocol versions {MIN_VERSION} to {VERSION}, \
+                             not {version}"
+                        ),
                     ));
                 }
                 if app.is_empty()
@@ -183,8 +235,21 @@ impl Request {
                 temperature,
                 top_p,
                 stop,
+                response_format,
                 ..
             } => {
+                if response_format.is_some() && !stop.is_empty() {
+                    return bad(
+                        "stop strings would cut a structured answer; send response_format \
+                         without stop"
+                            .into(),
+                    );
+                }
+                if let Some(ResponseFormat::Regex { pattern }) = response_format
+                    && pattern.is_empty()
+                {
+                    return bad("response_format's regex pattern must not be empty".into());
+                }
                 if *format == PromptFormat::Raw && prompt.is_empty() {
                     return bad("a raw prompt must not be empty".into());
                 }
@@ -219,6 +284,9 @@ impl Request {
 pub struct ErrorBody {
     pub code: String,
     pub message: String,
+    /// `context_full`'s numbers (version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<FullNumbers>,
 }
 
 impl ErrorBody {
@@ -226,8 +294,19 @@ impl ErrorBody {
         ErrorBody {
             code: code.to_owned(),
             message: message.into(),
+            tokens: None,
         }
     }
+}
+
+/// Why a context is full, in tokens: its window, what it holds, what is left, and what the
+/// prompt needed (its tokens and one for the answer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FullNumbers {
+    pub context_window: usize,
+    pub used: usize,
+    pub remaining: usize,
+    pub needed: usize,
 }
 
 /// Parses one request line (without its newline) and validates it. On failure the error comes
@@ -333,6 +412,39 @@ pub enum Event {
     Info { context: ContextInfo },
     /// The answer to `stats`.
     Stats(Box<Stats>),
+    /// The answer to `count` (version 2).
+    Count(TokenCount),
+}
+
+/// What `count` says: the tokens the text would add, and the context's window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenCount {
+    /// Tokens the text would add to the context, as a call's prompt in that format (the chat
+    /// template's tokens included).
+    pub tokens: usize,
+    pub context_window: usize,
+    /// Tokens the context holds (0 without a context).
+    pub used: usize,
+    /// `context_window - used`; a call fits without sliding the window when `tokens <
+    /// remaining` (one token is left for the answer).
+    pub remaining: usize,
+}
+
+/// Where a call's tokens came from (version 2).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// The prompt's tokens (the chat template's included), prefilled.
+    pub prompt: usize,
+    /// Tokens generated.
+    pub generated: usize,
+    /// Tokens of the context the call started from whose K/V was used as it was: resident, or
+    /// read from the store.
+    pub reused: usize,
+    /// Tokens of the context the call started from whose K/V was computed again: chunks the
+    /// Load recomputed, the open tail of the last call, the tokens a sliding window kept.
+    pub recomputed: usize,
+    /// Of `reused`, the tokens whose chunks were read from the store.
+    pub read: usize,
 }
 
 /// The answer to `hello`.
@@ -368,6 +480,17 @@ pub struct Done {
     pub window_dropped: usize,
     pub timings: Timings,
     pub chunks: ChunkCounts,
+    /// The context's window, what it holds after the call (`context_tokens`) and what is left
+    /// (version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_window: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remaining: Option<usize>,
+    /// Where the call's tokens came from (version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
 }
 
 /// A call's timings, milliseconds unless named otherwise.
@@ -391,6 +514,10 @@ pub struct Timings {
     pub decode_tps: f64,
     /// Request received to the last token.
     pub total_ms: f64,
+    /// Time the answer's format took, masks and steps, over every token (version 2, calls with
+    /// `response_format` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guide_ms: Option<f64>,
 }
 
 /// What a call did to the context's chunks.
@@ -424,6 +551,13 @@ pub struct ContextInfo {
     pub formats: BTreeMap<String, usize>,
     /// Completed calls since the daemon started.
     pub calls: u64,
+    /// The context's window, what it holds (`tokens`) and what is left (version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_window: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remaining: Option<usize>,
 }
 
 /// The answer to `stats`: the context manager's counters ([`ServiceStats`], its fields at the
@@ -555,6 +689,7 @@ mod tests {
             top_k: 0,
             seed: 0,
             stop: vec![],
+            response_format: None,
         }
     }
 
@@ -601,7 +736,7 @@ mod tests {
         check("", Err((None, codes::BAD_REQUEST)));
         check("[1,2]", Err((None, codes::BAD_REQUEST)));
         check(
-            r#"{"op":"hello","id":1,"version":2,"app":"a"}"#,
+            r#"{"op":"hello","id":1,"version":0,"app":"a"}"#,
             Err((Some(1), codes::VERSION)),
         );
         check(
@@ -654,11 +789,157 @@ mod tests {
         ) {
             let r = Request::Call {
                 id, context, prompt, format: PromptFormat::Chat, max_tokens, temperature, top_p,
-                top_k, seed, stop,
+                top_k, seed, stop, response_format: None,
             };
             let line = serde_json::to_vec(&r).unwrap();
             proptest::prop_assert_eq!(parse_request(&line).unwrap(), r);
         }
+    }
+
+    #[test]
+    fn version_2_requests() {
+        check(
+            r#"{"op":"hello","id":1,"version":2,"app":"a"}"#,
+            Ok(Request::Hello {
+                id: 1,
+                version: 2,
+                app: "a".into(),
+            }),
+        );
+        check(
+            r#"{"op":"hello","id":1,"version":3,"app":"a"}"#,
+            Err((Some(1), codes::VERSION)),
+        );
+        let schema =
+            serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let mut with_schema = call(3, 7, "Hi");
+        if let Request::Call {
+            response_format, ..
+        } = &mut with_schema
+        {
+            *response_format = Some(ResponseFormat::JsonSchema {
+                schema: schema.clone(),
+            });
+        }
+        check(
+            &format!(
+                r#"{{"op":"call","id":3,"context":7,"prompt":"Hi","response_format":{{"type":"json_schema","schema":{schema}}}}}"#
+            ),
+            Ok(with_schema.clone()),
+        );
+        assert!(with_schema.needs_v2());
+        assert!(!call(3, 7, "Hi").needs_v2());
+        check(
+            r#"{"op":"call","id":3,"context":7,"prompt":"Hi","response_format":{"type":"regex","pattern":"(yes|no)"}}"#,
+            Ok({
+                let mut c = call(3, 7, "Hi");
+                if let Request::Call {
+                    response_format, ..
+                } = &mut c
+                {
+                    *response_format = Some(ResponseFormat::Regex {
+                        pattern: "(yes|no)".into(),
+                    });
+                }
+                c
+            }),
+        );
+        for bad in [
+            r#"{"type":"grammar","pattern":"x"}"#,
+            r#"{"type":"regex"}"#,
+            r#"{"type":"regex","pattern":""}"#,
+            r#"{"type":"regex","pattern":"x","flags":"i"}"#,
+            r#"{"type":"json_schema"}"#,
+            r#""json""#,
+        ] {
+            let line = format!(
+                r#"{{"op":"call","id":8,"context":1,"prompt":"x","response_format":{bad}}}"#
+            );
+            check(&line, Err((Some(8), codes::BAD_REQUEST)));
+        }
+        check(
+            r#"{"op":"call","id":8,"context":1,"prompt":"x","stop":["}"],"response_format":{"type":"regex","pattern":"x"}}"#,
+            Err((Some(8), codes::BAD_REQUEST)),
+        );
+        check(
+            r#"{"op":"count","id":4,"text":"hello"}"#,
+            Ok(Request::Count {
+                id: 4,
+                context: None,
+                text: "hello".into(),
+                format: PromptFormat::Chat,
+            }),
+        );
+        check(
+            r#"{"op":"count","id":4,"context":2,"text":"hello","format":"raw"}"#,
+            Ok(Request::Count {
+                id: 4,
+                context: Some(2),
+                text: "hello".into(),
+                format: PromptFormat::Raw,
+            }),
+        );
+        check(
+            r#"{"op":"count","id":4}"#,
+            Err((Some(4), codes::BAD_REQUEST)),
+        );
+    }
+
+    /// A version 1 reply (no v2 field set) is the line version 1 always sent; the v2 fields
+    /// round trip.
+    #[test]
+    fn version_1_replies_carry_no_version_2_field() {
+        let done = Done {
+            stop: "stop".into(),
+            tokens: 1,
+            context_tokens: 2,
+            window_dropped: 0,
+            timings: Timings::default(),
+            chunks: ChunkCounts::default(),
+            context_window: None,
+            used: None,
+            remaining: None,
+            usage: None,
+        };
+        let line = Reply::event(1, Event::Done(Box::new(done))).to_line();
+        for v2 in ["context_window", "used", "remaining", "usage", "guide_ms"] {
+            assert!(!line.contains(v2), "{line}");
+        }
+        let full = ErrorBody {
+            tokens: Some(FullNumbers {
+                context_window: 8,
+                used: 6,
+                remaining: 2,
+                needed: 5,
+            }),
+            ..ErrorBody::new(codes::CONTEXT_FULL, "full")
+        };
+        let line = Reply::error(Some(2), full.clone()).to_line();
+        assert_eq!(
+            line,
+            concat!(
+                r#"{"id":2,"error":{"code":"context_full","message":"full","#,
+                r#""tokens":{"context_window":8,"used":6,"remaining":2,"needed":5}}}"#,
+                "\n"
+            )
+        );
+        let back: Reply = serde_json::from_str(&line).unwrap();
+        assert_eq!(back, Reply::error(Some(2), full));
+        let count = Reply::event(
+            3,
+            Event::Count(TokenCount {
+                tokens: 4,
+                context_window: 8,
+                used: 1,
+                remaining: 7,
+            }),
+        );
+        let line = count.to_line();
+        assert_eq!(
+            line,
+            "{\"id\":3,\"event\":\"count\",\"tokens\":4,\"context_window\":8,\"used\":1,\"remaining\":7}\n"
+        );
+        assert_eq!(serde_json::from_str::<Reply>(&line).unwrap(), count);
     }
 
     #[test]
@@ -683,6 +964,16 @@ mod tests {
                     window_dropped: 0,
                     timings: Timings::default(),
                     chunks: ChunkCounts::default(),
+                    context_window: Some(1024),
+                    used: Some(40),
+                    remaining: Some(984),
+                    usage: Some(Usage {
+                        prompt: 30,
+                        generated: 3,
+                        reused: 7,
+                        recomputed: 0,
+                        read: 0,
+                    }),
                 })),
             ),
             Reply::event(5, Event::Stats(Box::default())),
@@ -698,6 +989,9 @@ mod tests {
                         resident_bytes: 0,
                         formats: BTreeMap::new(),
                         calls: 1,
+                        context_window: None,
+                        used: None,
+                        remaining: None,
                     }],
                 },
             ),

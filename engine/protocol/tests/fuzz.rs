@@ -44,12 +44,13 @@ fn the_corpus_parses_as_documented() {
     for l in &lines {
         check(l);
     }
-    // The corpus's first eleven lines are the documented requests, every op once or more, and
-    // one more is a prompt of a NUL and an astral character (any text is a prompt); the rest
-    // are each refused.
-    assert_eq!(accepted.len(), 12, "{accepted:?}");
+    // The corpus's first eleven lines are the documented requests of version 1, every op once
+    // or more, and one more is a prompt of a NUL and an astral character (any text is a
+    // prompt); the last four are version 2's (hello, count, calls with a response format); the
+    // rest are each refused.
+    assert_eq!(accepted.len(), 16, "{accepted:?}");
     let ops: std::collections::BTreeSet<&str> = accepted.iter().map(Request::op).collect();
-    assert_eq!(ops.len(), 8, "every op: {ops:?}");
+    assert_eq!(ops.len(), 9, "every op: {ops:?}");
 }
 
 /// One byte-level mutation of a line.
@@ -137,7 +138,22 @@ proptest! {
                 top_k: 0,
                 seed: 0,
                 stop: stop.clone(),
+                response_format: None,
             },
+            Request::Call {
+                id,
+                context,
+                prompt: prompt.clone(),
+                format: Default::default(),
+                max_tokens,
+                temperature,
+                top_p: 1.0,
+                top_k: 0,
+                seed: 0,
+                stop: Vec::new(),
+                response_format: Some(protocol::ResponseFormat::Regex { pattern: prompt.clone() }),
+            },
+            Request::Count { id, context: Some(context), text: prompt.clone(), format: Default::default() },
         ] {
             let line = serde_json::to_string(&r).unwrap();
             match parse_request(line.as_bytes()) {

@@ -4,10 +4,12 @@
 //! durable, then the chunks queued for the writer). `Manager::call` pins the context and hands
 //! this module the manager's parts ([`Call`]); the context's own state is [`Context`].
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use model::Model;
-use model::generate::{Generation, Sampler, SamplingParams, StopReason, generate};
+use model::generate::{Generation, Sampler, SamplingParams, StopReason};
+use model::guided::{Guide, Next, generate_guided};
 use model::kv::KvCache;
 use policy::{CostModel, DensityTracker, Level};
 use uffd_pager::{ChunkKey, ContextId, Pager};
@@ -41,6 +43,9 @@ pub struct CallOptions {
     pub sampling: SamplingParams,
     /// Token ids that end the answer (not included in it).
     pub stop: Vec<u32>,
+    /// The answer's format (structured output): every token is chosen among those that keep
+    /// the answer in the grammar, and the stop tokens only where it may end.
+    pub format: Option<Arc<guide::Grammar>>,
 }
 
 impl Default for CallOptions {
@@ -49,7 +54,24 @@ impl Default for CallOptions {
             max_tokens: protocol::DEFAULT_MAX_TOKENS,
             sampling: SamplingParams::default(),
             stop: Vec::new(),
+            format: None,
         }
+    }
+}
+
+/// The grammar's matcher as the model's guide.
+struct Guided(guide::Matcher);
+
+impl Guide for Guided {
+    fn constrain(&mut self, logits: &mut [f32], remaining: usize) -> Next {
+        match self.0.constrain(logits, remaining) {
+            guide::Step::Sample => Next::Sample,
+            guide::Step::End => Next::End,
+        }
+    }
+
+    fn advance(&mut self, token: u32) {
+        self.0.advance(token);
     }
 }
 
@@ -119,6 +141,12 @@ pub struct CallReport {
     pub queued_writes: usize,
     /// Tokens the sliding window dropped before this call (0 when the context had room).
     pub window_dropped: usize,
+    /// Tokens the context held when the call arrived.
+    pub context_before: usize,
+    /// Seconds the answer's format took (masks and steps), over every token.
+    pub guide_secs: f64,
+    /// Token masks the answer's format computed (the others came from its cache).
+    pub guide_masks: usize,
 }
 
 /// One context as the manager holds it.
@@ -158,6 +186,7 @@ impl Call<'_> {
         received: Instant,
         on_token: impl FnMut(u32) -> bool,
     ) -> Result<Ran, ServiceError> {
+        let context_before = ctx.cache.len() + ctx.pending.len();
         let (prompt, load) = self.load(readers, ctx, prompt)?;
         if ctx.cache.len() + ctx.pending.len() + prompt.len() >= self.cfg.max_tokens {
             return Ok(Ran::Full {
@@ -166,7 +195,7 @@ impl Call<'_> {
             });
         }
         let switch_secs = received.elapsed().as_secs_f64();
-        let (run, said) = self.generate(ctx, &prompt, opts, on_token)?;
+        let (run, said, guide_secs, guide_masks) = self.generate(ctx, &prompt, opts, on_token)?;
         let recompressed = self.compress(ctx, &said)?;
         let queued_writes = self.write_out(ctx, &said)?;
         ctx.calls += 1;
@@ -187,6 +216,9 @@ impl Call<'_> {
             recompressed,
             queued_writes,
             window_dropped: 0,
+            context_before,
+            guide_secs,
+            guide_masks,
         }))
     }
 
@@ -223,30 +255,38 @@ impl Call<'_> {
     }
 
     /// Step 2, Run: the open tail of the last call and the prompt prefilled, the answer generated.
-    /// Returns the generation and every token said so far (the context's whole text).
+    /// Returns the generation, every token said so far (the context's whole text), and the
+    /// format's seconds and masks computed.
     fn generate(
         &self,
         ctx: &mut Context,
         prompt: &[u32],
         opts: &CallOptions,
         on_token: impl FnMut(u32) -> bool,
-    ) -> Result<(Generation, Vec<u32>), ServiceError> {
+    ) -> Result<(Generation, Vec<u32>, f64, usize), ServiceError> {
         let mut input = std::mem::take(&mut ctx.pending);
         input.extend_from_slice(prompt);
         let mut said: Vec<u32> = ctx.cache.tokens().to_vec();
         said.extend_from_slice(&input);
         let mut sampler = Sampler::new(opts.sampling.clone());
-        let run = generate(
+        let mut guided = opts
+            .format
+            .as_ref()
+            .map(|g| Guided(guide::Matcher::new(Arc::clone(g), opts.stop.clone())));
+        let run = generate_guided(
             self.model,
             &mut ctx.cache,
             &input,
             opts.max_tokens,
             &opts.stop,
             &mut sampler,
+            guided.as_mut().map(|g| g as &mut dyn Guide),
             on_token,
         )?;
+        let masks = guided.map_or(0, |g| g.0.computed);
+        let (run, guide_secs) = (run.generation, run.guide_secs);
         said.extend_from_slice(&run.tokens);
-        Ok((run, said))
+        Ok((run, said, guide_secs, masks))
     }
 
     /// Step 3, Compress: the call's attention merged into the densities (Eq. 1), and the chunks the

@@ -763,6 +763,16 @@ impl Manager {
         self.cost
     }
 
+    /// The most tokens a context holds (its window).
+    pub fn max_tokens(&self) -> usize {
+        self.cfg.max_tokens
+    }
+
+    /// Tokens per chunk.
+    pub fn chunk_tokens(&self) -> usize {
+        self.cfg.chunk_tokens
+    }
+
     /// The model.
     pub fn model(&self) -> &Model {
         &self.model

@@ -5,8 +5,8 @@
 use std::io::Write;
 
 use anyhow::Context;
-use protocol::PromptFormat;
 use protocol::client::{CallEvent, Client, ClientError};
+use protocol::{PromptFormat, ResponseFormat};
 
 use crate::cmd::engine::ChatArgs;
 use crate::cmd::serve::start_background;
@@ -46,7 +46,8 @@ pub fn run(a: ChatArgs) -> anyhow::Result<()> {
     if a.local {
         return crate::cmd::engine::run_chat(a);
     }
-    let params = a.sample.params()?;
+    let mut params = a.sample.params()?;
+    params.response_format = response_format(&a)?;
     let mut client = match connect_or_start(&a) {
         Ok(c) => c,
         // A machine where the service cannot run (no userfaultfd for this user, say) still
@@ -77,6 +78,20 @@ pub fn run(a: ChatArgs) -> anyhow::Result<()> {
     r
 }
 
+/// The answers' format, from `--json-schema` or `--regex`.
+fn response_format(a: &ChatArgs) -> anyhow::Result<Option<ResponseFormat>> {
+    if let Some(path) = &a.json_schema {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let schema = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not JSON", path.display()))?;
+        return Ok(Some(ResponseFormat::JsonSchema { schema }));
+    }
+    Ok(a.regex
+        .clone()
+        .map(|pattern| ResponseFormat::Regex { pattern }))
+}
+
 fn chat(
     client: &mut Client,
     ctx: u64,
@@ -94,8 +109,12 @@ fn chat(
                 CallEvent::Done(d) => {
                     writeln!(out)?;
                     let t = &d.timings;
+                    let left = d
+                        .remaining
+                        .map(|r| format!(", {r} of {} tokens left", d.context_window.unwrap_or(0)))
+                        .unwrap_or_default();
                     eprintln!(
-                        "[switch {:.1} ms, {} prompt tokens at {:.0} t/s, {} generated at {:.1} t/s, stop: {}]",
+                        "[switch {:.1} ms, {} prompt tokens at {:.0} t/s, {} generated at {:.1} t/s, stop: {}{left}]",
                         t.switch_ms,
                         t.prefill_tokens,
                         t.prefill_tps,

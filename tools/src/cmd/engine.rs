@@ -110,6 +110,12 @@ pub struct ChatArgs {
     /// The app name the daemon files the context under
     #[arg(long, default_value = "chat", value_name = "NAME")]
     pub app: String,
+    /// Answer as JSON that validates against the JSON Schema in this file (structured output)
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["local", "regex"])]
+    pub json_schema: Option<std::path::PathBuf>,
+    /// Answer with text this regular expression matches as a whole (structured output)
+    #[arg(long, value_name = "REGEX", conflicts_with = "local")]
+    pub regex: Option<String>,
 }
 
 /// Streams one answer to stdout, feeding `history[cache.len()..]` first; returns the answer's tokens.

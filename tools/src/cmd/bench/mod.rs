@@ -3,6 +3,7 @@
 
 pub mod crash;
 pub mod engine;
+pub mod guide;
 pub mod kv;
 pub mod load;
 pub mod pager;
