@@ -222,7 +222,8 @@ fn count(
         }
         None => {
             let tokens = match format {
-                PromptFormat::Raw => tok.encode(text),
+                // A new context's first text starts with BOS when the model wants it.
+                PromptFormat::Raw => tok.encode_start(text),
                 PromptFormat::Chat => tok
                     .encode_chat(&[Message::user(text)], true)
                     .map_err(no_template)?,
