@@ -2,10 +2,9 @@
 //! tokens, a token budget, and streaming of every token as it is produced.
 
 use crate::kv::KvCache;
-use crate::{Logits, Model, ModelError};
+use crate::{Model, ModelError};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::time::Instant;
 
 /// How the next token is chosen from the logits.
 #[derive(Clone, Debug, PartialEq)]
@@ -128,7 +127,8 @@ pub struct Generation {
 }
 
 /// Prefills `prompt` after what `cache` holds, then generates up to `max_tokens` tokens, calling
-/// `on_token` with each one as soon as it is chosen (return false to stop).
+/// `on_token` with each one as soon as it is chosen (return false to stop): the one generation
+/// loop, [`crate::guided::generate_guided`], with no guide.
 pub fn generate(
     model: &Model,
     cache: &mut KvCache,
@@ -136,40 +136,12 @@ pub fn generate(
     max_tokens: usize,
     stop: &[u32],
     sampler: &mut Sampler,
-    mut on_token: impl FnMut(u32) -> bool,
+    on_token: impl FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    let t0 = Instant::now();
-    let mut logits = model.forward(cache, prompt, Logits::Last)?;
-    let prefill_secs = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    let mut tokens = Vec::new();
-    let reason = loop {
-        if tokens.len() >= max_tokens {
-            break StopReason::MaxTokens;
-        }
-        let next = sampler.sample(&logits);
-        if stop.contains(&next) {
-            break StopReason::Stop;
-        }
-        tokens.push(next);
-        if !on_token(next) {
-            break StopReason::Cancelled;
-        }
-        if tokens.len() >= max_tokens {
-            break StopReason::MaxTokens;
-        }
-        if cache.len() + 1 > cache.max_tokens() {
-            break StopReason::ContextFull;
-        }
-        logits = model.forward(cache, &[next], Logits::Last)?;
-    };
-    Ok(Generation {
-        tokens,
-        stop: reason,
-        prompt_tokens: prompt.len(),
-        prefill_secs,
-        decode_secs: t1.elapsed().as_secs_f64(),
-    })
+    crate::guided::generate_guided(
+        model, cache, prompt, max_tokens, stop, sampler, None, on_token,
+    )
+    .map(|g| g.generation)
 }
 
 #[cfg(test)]

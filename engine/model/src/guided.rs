@@ -35,10 +35,10 @@ pub struct GuidedGeneration {
     pub guide_secs: f64,
 }
 
-/// Prefills `prompt` after what `cache` holds, then generates up to `max_tokens` tokens as
-/// [`crate::generate::generate`] does, each chosen from logits `guide` masked first (no guide:
-/// the same tokens as `generate`). A token budget counts what the context still holds too, so a
-/// guide can end its answer within it.
+/// Prefills `prompt` after what `cache` holds, then generates up to `max_tokens` tokens, each
+/// chosen from logits `guide` masked first ([`crate::generate::generate`] is this with no
+/// guide). A token budget counts what the context still holds too, so a guide can end its
+/// answer within it.
 #[allow(clippy::too_many_arguments)]
 pub fn generate_guided(
     model: &Model,
