@@ -34,20 +34,18 @@ pub fn engine(prefill: PrefillActs) -> Vec<Chosen> {
         },
     });
     out.push(Chosen {
-        product: "prefill Q4_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K products",
-        kernel: if isa.has_avx2() {
-            "f32 GEMM (gemm crate) over AVX2-dequantized tiles"
-        } else {
-            "f32 GEMM (gemm crate) over portably dequantized tiles"
-        },
-    });
-    out.push(Chosen {
-        product: "prefill Q4_1/Q8_0 products",
+        product: "prefill products, every block format (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K)",
         kernel: match (prefill.resolve(), Path::best()) {
-            (PrefillActs::Int8, Path::Vnni) => "int8 panels, vpdpbusd 512-bit (AVX-512 VNNI)",
-            (PrefillActs::Int8, Path::AvxVnni) => "int8 panels, vpdpbusd 256-bit (AVX-VNNI)",
-            (PrefillActs::Int8, Path::Avx2) => "int8 panels, vpmaddubsw+vpmaddwd 256-bit (AVX2)",
-            (PrefillActs::Int8, _) => "int8 panels, portable",
+            (PrefillActs::Int8, Path::Vnni) => {
+                "int8 panels of the file's codes, vpdpbusd 512-bit (AVX-512 VNNI)"
+            }
+            (PrefillActs::Int8, Path::AvxVnni) => {
+                "int8 panels of the file's codes, vpdpbusd 256-bit (AVX-VNNI)"
+            }
+            (PrefillActs::Int8, Path::Avx2) => {
+                "int8 panels of the file's codes, vpmaddubsw+vpmaddwd 256-bit (AVX2)"
+            }
+            (PrefillActs::Int8, _) => "int8 panels of the file's codes, portable",
             _ if isa.has_avx2() => "f32 GEMM (gemm crate) over AVX2-dequantized tiles",
             _ => "f32 GEMM (gemm crate) over portably dequantized tiles",
         },

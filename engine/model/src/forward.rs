@@ -264,7 +264,7 @@ pub(crate) fn product(
                     &mut out[i * rows..(i + 1) * rows],
                 );
             }
-        } else if batch == PrefillActs::Int8 && !w.kind().is_raw() {
+        } else if batch == PrefillActs::Int8 {
             // Taken out, not borrowed, across the parallel product: a pool thread that waits
             // in it may run another product (another context's pass) meanwhile.
             let mut q = QUANT.take();

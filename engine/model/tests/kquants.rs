@@ -6,6 +6,7 @@
 use candle_core::Device;
 use candle_core::quantized::{GgmlDType, QTensor, ggml_file, gguf_file};
 use model::generate::argmax;
+use model::int8gemm::PrefillActs;
 use model::kv::{HeapChunks, KvCache, KvFormat};
 use model::qmatrix::{Kind, oracle};
 use model::tiny::{TinySpec, write_tiny_gguf};
@@ -119,6 +120,57 @@ fn every_block_format_loads_as_the_file_holds_it_and_gives_the_f32_logits() {
             "logit {i}: {x} vs {y} (scale {scale})"
         );
     }
+}
+
+/// int8 prefill activations on every block format: each matrix's batched products take the
+/// int8 path, the logits stay near the f32 model's (the activations' rounding, about 1/254 of
+/// each block's largest value, through two layers), and a prompt prefilled in steps of any
+/// size gives the same bits.
+#[test]
+fn every_block_format_prefills_with_int8_activations() {
+    let dir = tempfile::tempdir().unwrap();
+    let (q, f) = (dir.path().join("q.gguf"), dir.path().join("f32.gguf"));
+    write_tiny_gguf(&q, &spec()).unwrap();
+    dequantized_twin(&q, &f);
+    let mut quant = Model::load(&q).unwrap();
+    quant.set_prefill_activations(PrefillActs::Int8);
+    let reference = Model::load(&f).unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 260).collect();
+    let cache = |m: &Model| {
+        KvCache::new(
+            m.chunk_shape(16),
+            KvFormat::F16,
+            256,
+            Box::new(HeapChunks::default()),
+        )
+    };
+    let (mut a, mut b) = (cache(&quant), cache(&reference));
+    let got = quant.forward(&mut a, &prompt, Logits::All).unwrap();
+    let want = reference.forward(&mut b, &prompt, Logits::All).unwrap();
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        worst <= 0.05 * scale,
+        "max |dlogit| {worst} (scale {scale})"
+    );
+    let last = |pieces: &[usize]| {
+        let mut c = cache(&quant);
+        let mut at = 0;
+        let mut out = Vec::new();
+        for &n in pieces {
+            out = quant
+                .forward(&mut c, &prompt[at..at + n], Logits::Last)
+                .unwrap();
+            at += n;
+        }
+        out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    };
+    let whole = last(&[40]);
+    assert_eq!(whole, last(&[16, 16, 8]));
+    assert_eq!(whole, last(&[32, 8]));
 }
 
 /// A file whose tensor has a type no kernel reads and candle cannot parse fails once, naming

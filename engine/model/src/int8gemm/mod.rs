@@ -1,5 +1,6 @@
 //! Batched products with int8 activations (prefill and recompute): `out = x · Wᵀ` where `x` is
-//! quantized per row and 32-value block to int8 and `W` stays in its Q4_1 / Q8_0 blocks.
+//! quantized per row and 32-value block to int8 and `W` stays in its own blocks (every format
+//! but f32).
 //!
 //! The recipe is mllm-NPU's low-bit prefill on a CPU with 8-bit dot products: the weights' own
 //! 4- or 8-bit codes are multiplied with the activations' 8-bit codes in integers (AVX-512
@@ -18,24 +19,29 @@
 //! which one 64-byte vector holds four consecutive codes of each of the 16 rows, the shape
 //! `vpdpbusd` consumes (sixteen 32-bit lanes, each the dot product of four byte pairs). The
 //! activations' four codes are broadcast to every lane, so one instruction advances sixteen
-//! outputs. Q4_1's nibbles need no shuffle: byte `j` of a block holds value `j` in its low
-//! nibble and value `j + 16` in its high one, so the panel keeps the file's bytes and a mask or
-//! a shift yields the two groups. Q8_0's signed codes are offset by 128 to the unsigned operand
-//! `vpdpbusd` wants, and `128 Σ x_q` is taken off the integer sum, which stays exact.
+//! outputs. Every format the engine holds maps exactly onto one of a few panel forms
+//! ([`form`], repacked by [`pack`]): unsigned codes, nibbles (Q4_0, Q4_1, Q4_K) or bytes (Q5_0,
+//! Q5_1, Q5_K, Q6_K, Q8_0), with per 32 values an f32 scale and either a minimum (Q4_1, Q5_1,
+//! Q4_K, Q5_K: `w = d q + m`) or an integer offset (`w = d (q - o)`: Q4_0 8, Q5_0 16, Q6_K 32,
+//! Q8_0 128, whose signed codes are stored `+ 128`). The offset's `o Σ x_q` is taken off the
+//! integer sum, which stays exact. Q6_K's scale changes every 16 values: its panel holds a
+//! second scale, and each half of a block keeps its own integer sum (the activations' codes are
+//! summed per 16 too, for its offset).
 //!
 //! Every output is the same sequence of f32 operations whatever the batch, the tile or the
-//! path: `f = fma(Σ q·x_q, d_w·d_x, f)` then, for Q4_1, `f = fma(m_w, d_x Σ x_q, f)`, block after block.
-//! So the portable path (the oracle in tests) and the VNNI path agree bit for bit, and a row's
-//! result never depends on which rows it is batched with (prefill in steps of any size and
+//! path: per block `f = fma(Σ (q - o)·x_q, d_w·d_x, f)`, then for the forms with a minimum
+//! `f = fma(m_w, d_x Σ x_q, f)`, for Q6_K `f = fma(Σ_hi (q - o)·x_q, d_w'·d_x, f)` after its first
+//! half's. So the portable path (the oracle in tests) and the SIMD paths agree bit for bit, and a
+//! row's result never depends on which rows it is batched with (prefill in steps of any size and
 //! recompute of any set of chunks stay exact).
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+mod pack;
 #[cfg(target_arch = "x86_64")]
 pub mod vnni;
 
 use crate::qmatrix::{BLOCK, IsaCap, Kind, QMatrix};
-use half::f16;
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -48,6 +54,87 @@ const TOKENS: usize = 8;
 
 /// Panels one task repacks and multiplies (rows per task `PANEL * TILE_PANELS`).
 const TILE_PANELS: usize = 2;
+
+/// The panel forms: how a format's 32-value blocks sit in a panel and what the kernels do with
+/// them. A form is a `u8` so the kernels can take it as a const parameter.
+pub mod form {
+    use super::PANEL;
+    use crate::qmatrix::Kind;
+
+    /// Nibbles 0..=15 with a scale and a minimum: Q4_1, Q4_K.
+    pub const NIB_MIN: u8 = 0;
+    /// Nibbles 0..=15 offset by 8: Q4_0.
+    pub const NIB_OFF: u8 = 1;
+    /// Bytes 0..=31 with a scale and a minimum: Q5_1, Q5_K.
+    pub const BYTE_MIN: u8 = 2;
+    /// Bytes 0..=31 offset by 16: Q5_0.
+    pub const BYTE_OFF: u8 = 3;
+    /// Bytes 0..=255 offset by 128 (signed codes stored `+ 128`): Q8_0.
+    pub const SIGNED: u8 = 4;
+    /// Bytes 0..=63 offset by 32, with a scale per 16 values: Q6_K.
+    pub const HALVES: u8 = 5;
+
+    /// The form of a matrix of `kind` (not f32).
+    pub fn of(kind: Kind) -> u8 {
+        match kind {
+            Kind::Q4_1 | Kind::Q4_K => NIB_MIN,
+            Kind::Q4_0 => NIB_OFF,
+            Kind::Q5_1 | Kind::Q5_K => BYTE_MIN,
+            Kind::Q5_0 => BYTE_OFF,
+            Kind::Q8_0 => SIGNED,
+            Kind::Q6_K => HALVES,
+            Kind::F32 => unreachable!("f32 matrices take the f32 GEMM"),
+        }
+    }
+
+    /// Whether the codes are nibbles (value `j` low, `j + 16` high in byte `j`).
+    pub const fn nibbles(f: u8) -> bool {
+        f == NIB_MIN || f == NIB_OFF
+    }
+
+    /// The offset `o` of `w = d (q - o)`, 0 for the forms with a minimum.
+    pub const fn offset(f: u8) -> i32 {
+        match f {
+            NIB_OFF => 8,
+            BYTE_OFF => 16,
+            SIGNED => 128,
+            HALVES => 32,
+            _ => 0,
+        }
+    }
+
+    /// The largest code.
+    pub const fn max_code(f: u8) -> i32 {
+        match f {
+            NIB_MIN | NIB_OFF => 15,
+            BYTE_MIN | BYTE_OFF => 31,
+            HALVES => 63,
+            _ => 255,
+        }
+    }
+
+    /// Whether a value carries a minimum, `w = d q + m`.
+    pub const fn mins(f: u8) -> bool {
+        f == NIB_MIN || f == BYTE_MIN
+    }
+
+    /// Whether the panel holds a second parameter per row and block (a minimum, or the scale
+    /// of values 16..32).
+    pub const fn has_second(f: u8) -> bool {
+        mins(f) || f == HALVES
+    }
+
+    /// Code bytes of one row of one block.
+    pub const fn code_bytes(f: u8) -> usize {
+        if nibbles(f) { 16 } else { 32 }
+    }
+
+    /// Bytes of one panel block: the 16 rows' codes, their 16 f32 scales and, if the form has
+    /// one, their 16 second parameters.
+    pub const fn block_bytes(f: u8) -> usize {
+        PANEL * code_bytes(f) + 4 * PANEL * if has_second(f) { 2 } else { 1 }
+    }
+}
 
 /// How batched products take their activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -148,8 +235,10 @@ pub struct QuantRows {
     d: Vec<f32>,
     /// The block's sum as quantized, `d · Σ q` (Q4_1's minimum term).
     sum: Vec<f32>,
-    /// Sum of the block's codes (Q8_0's offset correction).
+    /// Sum of the block's codes (the offsets' correction).
     qsum: Vec<i32>,
+    /// Sum of the block's first 16 codes (Q6_K's first half's offset correction).
+    qlo: Vec<i32>,
     /// Each row's shadow outlier: its largest-magnitude value's column and value, left out of
     /// the codes (its code is 0) and multiplied in f32.
     shadow: Vec<(u32, f32)>,
@@ -179,6 +268,7 @@ impl QuantRows {
         self.d.resize(rows * nb, 0.0);
         self.sum.resize(rows * nb, 0.0);
         self.qsum.resize(rows * nb, 0);
+        self.qlo.resize(rows * nb, 0);
         self.shadow.resize(rows, (NO_SHADOW, 0.0));
         // Rows per task: a few thousand values each, so small batches stay on one thread.
         let per = (16384 / cols).max(1);
@@ -188,9 +278,16 @@ impl QuantRows {
             .zip(self.d.par_chunks_mut(per * nb))
             .zip(self.sum.par_chunks_mut(per * nb))
             .zip(self.qsum.par_chunks_mut(per * nb))
+            .zip(self.qlo.par_chunks_mut(per * nb))
             .zip(self.shadow.par_chunks_mut(per))
-            .for_each(|(((((x, q), d), sum), qsum), shadow)| {
-                quantize_blocks(path, x, q, d, sum, qsum);
+            .for_each(|((((((x, q), d), sum), qsum), qlo), shadow)| {
+                let sums = Sums {
+                    d: &mut *d,
+                    sum: &mut *sum,
+                    qsum: &mut *qsum,
+                    qlo: &mut *qlo,
+                };
+                quantize_blocks(path, x, q, sums);
                 // Each row's shadow leaves its block, which is quantized again without it.
                 for (i, sh) in shadow.iter_mut().enumerate() {
                     *sh = shadow_of(&x[i * cols..(i + 1) * cols], &d[i * nb..(i + 1) * nb]);
@@ -201,14 +298,13 @@ impl QuantRows {
                     let mut blk = [0.0f32; BLOCK];
                     blk.copy_from_slice(&x[b * BLOCK..(b + 1) * BLOCK]);
                     blk[sh.0 as usize % BLOCK] = 0.0;
-                    quantize_blocks(
-                        path,
-                        &blk,
-                        &mut q[b * BLOCK..(b + 1) * BLOCK],
-                        &mut d[b..b + 1],
-                        &mut sum[b..b + 1],
-                        &mut qsum[b..b + 1],
-                    );
+                    let one = Sums {
+                        d: &mut d[b..b + 1],
+                        sum: &mut sum[b..b + 1],
+                        qsum: &mut qsum[b..b + 1],
+                        qlo: &mut qlo[b..b + 1],
+                    };
+                    quantize_blocks(path, &blk, &mut q[b * BLOCK..(b + 1) * BLOCK], one);
                 }
             });
         self.shadow_cols.clear();
@@ -261,103 +357,71 @@ fn shadow_of(row: &[f32], d: &[f32]) -> (u32, f32) {
     }
 }
 
+/// What quantizing blocks gives besides their codes, one of each per block.
+pub struct Sums<'a> {
+    /// The scale, `amax / 127`.
+    pub d: &'a mut [f32],
+    /// The block's sum as quantized, `d · Σ q`.
+    pub sum: &'a mut [f32],
+    /// The codes' sum.
+    pub qsum: &'a mut [i32],
+    /// The sum of the first 16 codes.
+    pub qlo: &'a mut [i32],
+}
+
 /// [`quantize_portable`] on `path` (every path gives the same bits).
-fn quantize_blocks(
-    path: Path,
-    x: &[f32],
-    q: &mut [i8],
-    d: &mut [f32],
-    sum: &mut [f32],
-    qsum: &mut [i32],
-) {
+fn quantize_blocks(path: Path, x: &[f32], q: &mut [i8], sums: Sums<'_>) {
     assert!(path.available(), "{path:?} path on a CPU without it");
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has the path's features (asserted above); the vector forms check
         // that the slices hold as many blocks as `x` (32 codes, one of each parameter).
-        Path::Vnni => unsafe { vnni::quantize(x, q, d, sum, qsum) },
+        Path::Vnni => unsafe { vnni::quantize(x, q, sums) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above; every AVX2 path has AVX2.
-        Path::Avx2 | Path::AvxVnni => unsafe { avx2::quantize(x, q, d, sum, qsum) },
-        _ => quantize_portable(x, q, d, sum, qsum),
+        Path::Avx2 | Path::AvxVnni => unsafe { avx2::quantize(x, q, sums) },
+        _ => quantize_portable(x, q, sums),
     }
 }
 
 /// Quantizes 32-value blocks: `d = amax / 127`, codes `round_ties_even(x · 127 / amax)`, the
-/// codes' sum and the block's sum as quantized, `d · Σ q`.
+/// codes' sums (all, and the first 16's) and the block's sum as quantized, `d · Σ q`.
 ///
-/// The minimum term of a Q4_1 product takes the quantized sum, not the exact one: then the
+/// The minimum term of a product takes the quantized sum, not the exact one: then the
 /// whole product is exactly `Σ w x̂` for the dequantized activations `x̂`, whose errors
 /// multiply the centred weights `d q + m`. With the exact sum they would multiply `d q` alone,
 /// all of one sign, and add up instead of cancelling (measured on the real model: the last
 /// token's logits 3× further from the f32 oracle).
-fn quantize_portable(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [f32], qsum: &mut [i32]) {
-    for ((((xb, qb), d), sum), qsum) in x
+fn quantize_portable(x: &[f32], q: &mut [i8], s: Sums<'_>) {
+    for (((((xb, qb), d), sum), qsum), qlo) in x
         .chunks_exact(BLOCK)
         .zip(q.chunks_exact_mut(BLOCK))
-        .zip(d)
-        .zip(sum)
-        .zip(qsum)
+        .zip(s.d)
+        .zip(s.sum)
+        .zip(s.qsum)
+        .zip(s.qlo)
     {
         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         *d = amax / 127.0;
         let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
         let mut t = 0;
-        for (q, &v) in qb.iter_mut().zip(xb) {
+        for (j, (q, &v)) in qb.iter_mut().zip(xb).enumerate() {
             *q = (v * inv).round_ties_even() as i8;
             t += i32::from(*q);
+            if j == 15 {
+                *qlo = t;
+            }
         }
         *qsum = t;
         *sum = *d * t as f32;
     }
 }
 
-/// Bytes of one panel block: the 16 rows' codes of one 32-value block, then their 16 f16
-/// scales and (Q4_1) 16 f16 minimums.
-fn panel_block_bytes(kind: Kind) -> usize {
-    match kind {
-        Kind::Q4_1 => PANEL * 16 + 64,
-        Kind::Q8_0 => PANEL * 32 + 32,
-        _ => unreachable!("only Q4_1 and Q8_0 matrices are packed in panels"),
-    }
-}
-
-/// Repacks rows `r0..r1` (at most [`PANEL`]) of `w` into one panel at `out` (rows past `r1` are
-/// zero): for each block, the codes as 4-byte groups across the rows (`[group][row][4]`), Q8_0's
-/// offset by 128, then the rows' scales and minimums.
-fn pack_panel(w: &QMatrix, r0: usize, r1: usize, out: &mut [u8]) {
-    let nb = w.cols() / BLOCK;
-    let pb = panel_block_bytes(w.kind());
-    let (d, m, qs) = w.raw_parts();
-    let q4 = w.kind() == Kind::Q4_1;
-    let qb = if q4 { 16 } else { 32 };
-    let flip = if q4 { 0 } else { 0x8080_8080u32 };
-    if r1 - r0 < PANEL {
-        out[..nb * pb].fill(0);
-    }
-    for (i, r) in (r0..r1).enumerate() {
-        let row = &qs[r * nb * qb..(r + 1) * nb * qb];
-        for (b, src) in row.chunks_exact(qb).enumerate() {
-            let o = &mut out[b * pb..(b + 1) * pb];
-            for (g, word) in src.chunks_exact(4).enumerate() {
-                let v = u32::from_le_bytes([word[0], word[1], word[2], word[3]]) ^ flip;
-                o[(g * PANEL + i) * 4..(g * PANEL + i) * 4 + 4].copy_from_slice(&v.to_le_bytes());
-            }
-            let blk = r * nb + b;
-            let p = PANEL * qb;
-            o[p + i * 2..p + i * 2 + 2].copy_from_slice(&d[blk].to_le_bytes());
-            if q4 {
-                o[p + 32 + i * 2..p + 32 + i * 2 + 2].copy_from_slice(&m[blk].to_le_bytes());
-            }
-        }
-    }
-}
-
 /// `out[t][c0 + i] = Σ_b …` for the panel's 16 rows (`lanes` of them written) and tokens
-/// `t0..t1`, in plain Rust: the reference the VNNI kernel matches bit for bit.
+/// `t0..t1`, in plain Rust: the reference the SIMD kernels match bit for bit.
 #[allow(clippy::too_many_arguments)]
 fn panel_portable(
-    kind: Kind,
+    f: u8,
     panel: &[u8],
     x: &QuantRows,
     (t0, t1): (usize, usize),
@@ -367,61 +431,71 @@ fn panel_portable(
     lanes: usize,
 ) {
     let nb = x.cols / BLOCK;
-    let pb = panel_block_bytes(kind);
-    let qb = if kind == Kind::Q4_1 { 16 } else { 32 };
+    let (pb, qb) = (form::block_bytes(f), form::code_bytes(f));
+    let param = |o: &[u8], at: usize| f32::from_le_bytes([o[at], o[at + 1], o[at + 2], o[at + 3]]);
     for t in t0..t1 {
         let xq = &x.q[t * x.cols..(t + 1) * x.cols];
         for i in 0..lanes {
-            let mut f = 0.0f32;
+            let mut acc = 0.0f32;
             for b in 0..nb {
                 let o = &panel[b * pb..(b + 1) * pb];
                 let xb = &xq[b * BLOCK..(b + 1) * BLOCK];
-                let mut acc: i32 = match kind {
-                    Kind::Q8_0 => -128 * x.qsum[t * nb + b],
-                    _ => 0,
-                };
+                let p = t * nb + b;
+                // Σ (q - o) x_q over values 0..16 and 16..32, exact.
+                let mut half = [0i32; 2];
                 for g in 0..qb / 4 {
                     for c in 0..4 {
-                        let byte = o[(g * PANEL + i) * 4 + c];
-                        match kind {
-                            Kind::Q4_1 => {
-                                acc += i32::from(byte & 0xF) * i32::from(xb[g * 4 + c]);
-                                acc += i32::from(byte >> 4) * i32::from(xb[16 + g * 4 + c]);
-                            }
-                            _ => acc += i32::from(byte) * i32::from(xb[g * 4 + c]),
+                        let byte = i32::from(o[(g * PANEL + i) * 4 + c]);
+                        if form::nibbles(f) {
+                            half[0] += (byte & 0xF) * i32::from(xb[g * 4 + c]);
+                            half[1] += (byte >> 4) * i32::from(xb[16 + g * 4 + c]);
+                        } else {
+                            half[g / 4] += byte * i32::from(xb[g * 4 + c]);
                         }
                     }
                 }
-                let p = PANEL * qb;
-                let dw = f16::from_le_bytes([o[p + i * 2], o[p + i * 2 + 1]]).to_f32();
-                f = (acc as f32).mul_add(dw * x.d[t * nb + b], f);
-                if kind == Kind::Q4_1 {
-                    let mw = f16::from_le_bytes([o[p + 32 + i * 2], o[p + 33 + i * 2]]).to_f32();
-                    f = mw.mul_add(x.sum[t * nb + b], f);
+                let off = form::offset(f);
+                half[0] -= off * x.qlo[p];
+                half[1] -= off * (x.qsum[p] - x.qlo[p]);
+                let dw = param(o, PANEL * qb + 4 * i);
+                let second = if form::has_second(f) {
+                    param(o, PANEL * qb + 4 * PANEL + 4 * i)
+                } else {
+                    0.0
+                };
+                if f == form::HALVES {
+                    acc = (half[0] as f32).mul_add(dw * x.d[p], acc);
+                    acc = (half[1] as f32).mul_add(second * x.d[p], acc);
+                } else {
+                    acc = ((half[0] + half[1]) as f32).mul_add(dw * x.d[p], acc);
+                    if form::mins(f) {
+                        acc = second.mul_add(x.sum[p], acc);
+                    }
                 }
             }
-            out[t * ld + c0 + i] = f;
+            out[t * ld + c0 + i] = acc;
         }
     }
 }
 
-/// `out[t][r] = x[t] · w[r]` for every token of `x` and every row of `w` (Q4_1 or Q8_0), on
-/// `path`, rows split across the engine's threads.
+/// `out[t][r] = x[t] · w[r]` for every token of `x` and every row of `w` (any block format),
+/// on `path`, rows split across the engine's threads.
 pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
     thread_local! {
         static PANELS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     }
     assert!(path.available(), "{path:?} path on a CPU without it");
     assert!(
-        matches!(w.kind(), Kind::Q4_1 | Kind::Q8_0) && x.cols == w.cols(),
-        "int8 product: needs a Q4_1 or Q8_0 matrix of the activations' width"
+        w.kind() != Kind::F32 && x.cols == w.cols(),
+        "int8 product: needs a block-format matrix of the activations' width"
     );
     let (n, m, k) = (w.rows(), x.rows, w.cols());
     assert!(out.len() >= m * n, "int8 product: output too small");
     if m == 0 || n == 0 {
         return;
     }
-    let pb = panel_block_bytes(w.kind());
+    let f = form::of(w.kind());
+    let pb = form::block_bytes(f);
     let panel_bytes = pb * (k / BLOCK);
     let rows_per_task = PANEL * TILE_PANELS;
     // The address, not the pointer, crosses threads; each task writes only its own columns.
@@ -437,7 +511,7 @@ pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
                 }
                 for p in 0..panels {
                     let pr0 = r0 + p * PANEL;
-                    pack_panel(
+                    pack::pack_panel(
                         w,
                         pr0,
                         (pr0 + PANEL).min(r1),
@@ -451,9 +525,7 @@ pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
                         let lanes = (r1 - c0).min(PANEL);
                         let panel = &buf[p * panel_bytes..(p + 1) * panel_bytes];
                         // SAFETY: `product`'s checks and split: the task's own columns.
-                        unsafe {
-                            panel_on(path, w.kind(), panel, x, (t0, t1), (addr, n), c0, lanes)
-                        };
+                        unsafe { panel_on(path, f, panel, x, (t0, t1), (addr, n), c0, lanes) };
                     }
                 }
             });
@@ -465,13 +537,13 @@ pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
 /// `out` (at `addr`, rows of `n`).
 ///
 /// # Safety
-/// The CPU must have the path's features; the panel must hold `x.cols / 32` blocks of `kind`,
+/// The CPU must have the path's features; the panel must hold `x.cols / 32` blocks of form `f`,
 /// `t1 - t0 <= TOKENS` with `t1 <= x.rows`; `out` must hold `x.rows` rows of `n` values with
 /// `c0 + lanes <= n`, and no other thread may access those columns of those rows meanwhile.
 #[allow(clippy::too_many_arguments)]
 unsafe fn panel_on(
     path: Path,
-    kind: Kind,
+    f: u8,
     panel: &[u8],
     x: &QuantRows,
     (t0, t1): (usize, usize),
@@ -479,25 +551,24 @@ unsafe fn panel_on(
     c0: usize,
     lanes: usize,
 ) {
-    let q4 = kind == Kind::Q4_1;
     let at = (addr as *mut f32).wrapping_add(t0 * n + c0);
     match path {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the contract: the panel holds k / 32 blocks, x holds its tokens' codes and
         // block parameters, `at` starts t1 - t0 rows of n values of which these columns are
         // ours alone.
-        Path::Vnni => unsafe { vnni::panel(q4, panel, x.parts(t0, t1), at, n, lanes) },
+        Path::Vnni => unsafe { vnni::panel(f, panel, x.parts(t0, t1), at, n, lanes) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above; the CPU has AVX-VNNI on that path.
-        Path::AvxVnni => unsafe { avx2::panel::<true>(q4, panel, x.parts(t0, t1), at, n, lanes) },
+        Path::AvxVnni => unsafe { avx2::panel::<true>(f, panel, x.parts(t0, t1), at, n, lanes) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Path::Avx2 => unsafe { avx2::panel::<false>(q4, panel, x.parts(t0, t1), at, n, lanes) },
+        Path::Avx2 => unsafe { avx2::panel::<false>(f, panel, x.parts(t0, t1), at, n, lanes) },
         _ => {
             // SAFETY: as above: these columns of these rows are ours alone, `out` holds x.rows
             // rows of n.
             let out = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, x.rows * n) };
-            panel_portable(kind, panel, x, (t0, t1), out, n, c0, lanes)
+            panel_portable(f, panel, x, (t0, t1), out, n, c0, lanes)
         }
     }
 }
@@ -544,6 +615,7 @@ pub struct RowsView<'a> {
     pub d: &'a [f32],
     pub sum: &'a [f32],
     pub qsum: &'a [i32],
+    pub qlo: &'a [i32],
 }
 
 impl RowsView<'_> {
@@ -557,6 +629,7 @@ impl RowsView<'_> {
             d: &self.d[t0 * nb..t1 * nb],
             sum: &self.sum[t0 * nb..t1 * nb],
             qsum: &self.qsum[t0 * nb..t1 * nb],
+            qlo: &self.qlo[t0 * nb..t1 * nb],
         }
     }
 }
@@ -570,6 +643,7 @@ impl QuantRows {
             d: &self.d,
             sum: &self.sum,
             qsum: &self.qsum,
+            qlo: &self.qlo,
         }
         .slice(t0, t1)
     }
@@ -578,27 +652,44 @@ impl QuantRows {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::qmatrix::blocks::random_blocks;
+    use crate::qmatrix::oracle;
+
+    /// Every block format.
+    const KINDS: [Kind; 8] = [
+        Kind::Q4_1,
+        Kind::Q8_0,
+        Kind::Q4_0,
+        Kind::Q5_0,
+        Kind::Q5_1,
+        Kind::Q4_K,
+        Kind::Q5_K,
+        Kind::Q6_K,
+    ];
 
     fn lcg(s: &mut u32) -> u32 {
         *s = s.wrapping_mul(1664525).wrapping_add(1013904223);
         *s >> 8
     }
 
+    /// A matrix of random blocks (every code bit random, sane scales and minimums).
     fn matrix(kind: Kind, rows: usize, cols: usize, seed: u32) -> QMatrix {
-        let mut s = seed;
-        let mut raw = Vec::new();
-        for _ in 0..rows * cols / BLOCK {
-            let d = f16::from_f32((lcg(&mut s) % 100) as f32 / 2000.0 + 0.001);
-            raw.extend_from_slice(&d.to_le_bytes());
-            if kind == Kind::Q4_1 {
-                let m = f16::from_f32(-((lcg(&mut s) % 50) as f32) / 200.0);
-                raw.extend_from_slice(&m.to_le_bytes());
-            }
-            for _ in 0..if kind == Kind::Q4_1 { 16 } else { 32 } {
-                raw.push(lcg(&mut s) as u8);
-            }
-        }
+        let raw = random_blocks(kind, rows * cols / kind.block_values(), u64::from(seed));
         QMatrix::from_raw(rows, cols, kind, &raw)
+    }
+
+    fn dense(w: &QMatrix) -> Vec<f32> {
+        let mut f = vec![0.0; w.rows() * w.cols()];
+        w.dequant_rows(0, w.rows(), &mut f);
+        f
+    }
+
+    /// Row `r` of `w` as the oracle dequantizes it, in f64.
+    fn oracle_row(w: &QMatrix, raw: &[u8], r: usize) -> Vec<f64> {
+        let rb = w.kind().bytes_of(w.cols());
+        let mut f = vec![0.0; w.cols()];
+        oracle::dequant(w.kind(), &raw[r * rb..(r + 1) * rb], &mut f);
+        f
     }
 
     /// Activations with an outlier channel, as a transformer's hidden states have.
@@ -612,66 +703,137 @@ mod tests {
             .collect()
     }
 
-    fn dense(w: &QMatrix) -> Vec<f32> {
-        let mut f = vec![0.0; w.rows() * w.cols()];
-        w.dequant_rows(0, w.rows(), &mut f);
-        f
+    /// Per 32-value block of row `r`, a bound on `|scale · code|` and `|min|` as the panel
+    /// holds them: the magnitude the f32 roundings scale with.
+    fn block_magnitudes(w: &QMatrix, r: usize) -> Vec<f64> {
+        let f = form::of(w.kind());
+        let mut m = Vec::new();
+        pack::row_blocks(w, r, |_, blk| {
+            let (s, second) = (f64::from(blk.scale.abs()), f64::from(blk.second.abs()));
+            let top = f64::from(form::max_code(f));
+            m.push(match f {
+                form::HALVES => s.max(second) * top,
+                _ if form::mins(f) => s * top + 2.0 * second,
+                _ => s * top,
+            });
+        });
+        m
     }
 
     /// Every path equals the portable one bit for bit, and all are within the int8 activation
-    /// error of the exact f32 product.
+    /// error of the f64 oracle's product.
     fn check(kind: Kind, rows: usize, cols: usize, tokens: usize) {
-        let w = matrix(kind, rows, cols, rows as u32 * 7 + cols as u32);
+        let raw = random_blocks(
+            kind,
+            rows * cols / kind.block_values(),
+            (rows * 7 + cols) as u64,
+        );
+        let w = QMatrix::from_raw(rows, cols, kind, &raw);
         let x = acts(tokens, cols, tokens as u32 + 3);
+        check_with(&w, &raw, &x, tokens);
+    }
+
+    fn check_with(w: &QMatrix, raw: &[u8], x: &[f32], tokens: usize) {
+        let (kind, rows, cols) = (w.kind(), w.rows(), w.cols());
         let mut q = QuantRows::default();
-        q.quantize_with(Path::Portable, &x, tokens, cols);
+        q.quantize_with(Path::Portable, x, tokens, cols);
         let mut reference = vec![f32::NAN; tokens * rows];
-        product(Path::Portable, &w, &q, &mut reference);
+        product(Path::Portable, w, &q, &mut reference);
         for path in Path::all_available() {
             let mut out = vec![f32::NAN; tokens * rows];
-            product(path, &w, &q, &mut out);
+            product(path, w, &q, &mut out);
             let same = out
                 .iter()
                 .zip(&reference)
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "{path:?} {kind:?} {rows}x{cols} at {tokens} tokens");
         }
-        let f = dense(&w);
         let nb = cols / BLOCK;
-        for t in 0..tokens {
-            for r in 0..rows {
+        for r in 0..rows {
+            let f = oracle_row(w, raw, r);
+            let mag = block_magnitudes(w, r);
+            for t in 0..tokens {
                 let xt = &x[t * cols..(t + 1) * cols];
-                let exact: f64 = (0..cols)
-                    .map(|c| f64::from(f[r * cols + c]) * f64::from(xt[c]))
-                    .sum();
-                // Each activation is off by at most half its block's step, d_x / 2.
-                let bound: f64 = (0..nb)
+                let exact: f64 = (0..cols).map(|c| f[c] * f64::from(xt[c])).sum();
+                // Each activation is off by at most half its block's step, d_x / 2 (the shadow,
+                // exact, is left in the bound).
+                let act: f64 = (0..nb)
                     .map(|b| {
-                        let wabs: f64 = (0..BLOCK)
-                            .map(|j| f64::from(f[r * cols + b * BLOCK + j].abs()))
-                            .sum();
+                        let wabs: f64 = (0..BLOCK).map(|j| f[b * BLOCK + j].abs()).sum();
                         wabs * f64::from(q.d[t * nb + b]) / 2.0
                     })
-                    .sum::<f64>()
-                    * 1.01
-                    + 1e-4;
+                    .sum();
+                // f32: per block a scale product and up to two fused multiply-adds, each within
+                // u = EPSILON / 2 of the running sum, whose terms are bounded by the blocks'
+                // magnitudes times the activations (quantized: within d_x of them).
+                let terms: f64 = (0..nb)
+                    .map(|b| {
+                        let dx = f64::from(q.d[t * nb + b]);
+                        let xs: f64 = (0..BLOCK)
+                            .map(|j| f64::from(xt[b * BLOCK + j].abs()) + dx)
+                            .sum();
+                        mag[b] * xs
+                    })
+                    .sum();
+                let rounding = (3 * nb + 8) as f64 * f64::from(f32::EPSILON) / 2.0 * terms;
                 let got = f64::from(reference[t * rows + r]);
                 assert!(
-                    (got - exact).abs() <= bound,
-                    "{kind:?} t{t} r{r}: {got} vs {exact} (bound {bound})"
+                    (got - exact).abs() <= act * 1.0001 + rounding,
+                    "{kind:?} t{t} r{r}: {got} vs {exact} (bounds {act} + {rounding})"
                 );
             }
         }
     }
 
     #[test]
-    fn every_path_matches_the_reference_and_the_exact_product() {
-        for kind in [Kind::Q4_1, Kind::Q8_0] {
-            check(kind, 16, 32, 1);
-            check(kind, 48, 96, 8);
-            check(kind, 37, 64, 19);
-            check(kind, 80, 576, 11);
-            check(kind, 5, 160, 3);
+    fn every_path_matches_the_reference_and_the_oracle_on_every_format() {
+        for kind in KINDS {
+            if kind.block_values() == BLOCK {
+                check(kind, 16, 32, 1);
+                check(kind, 48, 96, 8);
+                check(kind, 37, 64, 19);
+                check(kind, 80, 576, 11);
+                check(kind, 5, 160, 3);
+            }
+            check(kind, 16, 256, 2);
+            check(kind, 37, 512, 9);
+            check(kind, 21, 768, 13);
+        }
+    }
+
+    /// Codes at their largest (and Q8_0's at -128) times activation codes all ±127: the AVX2
+    /// path's 16-bit sums at their limits stay exact, on every format.
+    #[test]
+    fn the_largest_codes_stay_exact() {
+        for kind in KINDS {
+            let (rows, cols) = (24, 512);
+            let mut raw = random_blocks(kind, rows * cols / kind.block_values(), 3);
+            // Every byte but the f16 scales and minimums set to all ones (Q8_0: -128).
+            let params: &[usize] = match kind {
+                Kind::Q4_0 | Kind::Q5_0 | Kind::Q8_0 => &[0, 1],
+                Kind::Q4_1 | Kind::Q5_1 | Kind::Q4_K | Kind::Q5_K => &[0, 1, 2, 3],
+                _ => &[208, 209],
+            };
+            for b in raw.chunks_exact_mut(kind.block_bytes()) {
+                for (i, v) in b.iter_mut().enumerate() {
+                    if !params.contains(&i) {
+                        *v = if kind == Kind::Q8_0 { 0x80 } else { 0xFF };
+                    }
+                }
+            }
+            let w = QMatrix::from_raw(rows, cols, kind, &raw);
+            // Rows of +1, of -1, and alternating signs by pairs: each row's shadow (its first
+            // value) leaves the rest of its block at code ±127.
+            let tokens = 3;
+            let x: Vec<f32> = (0..tokens * cols)
+                .map(|i| match i / cols {
+                    0 => 1.0,
+                    1 => -1.0,
+                    _ if i % 4 < 2 => 1.0,
+                    _ => -1.0,
+                })
+                .collect();
+            check_with(&w, &raw, &x, tokens);
         }
     }
 
@@ -695,6 +857,7 @@ mod tests {
             got.quantize_with(path, &x, 37, 96);
             assert_eq!(got.q, want.q, "{path:?}");
             assert_eq!(got.qsum, want.qsum, "{path:?}");
+            assert_eq!(got.qlo, want.qlo, "{path:?}");
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got.d), bits(&want.d), "{path:?}");
             assert_eq!(bits(&got.sum), bits(&want.sum), "{path:?}");
@@ -757,24 +920,27 @@ mod tests {
 
     #[test]
     fn a_row_gives_the_same_bits_in_any_batch() {
-        let w = matrix(Kind::Q4_1, 64, 128, 5);
-        let x = acts(13, 128, 9);
-        let mut all = QuantRows::default();
-        all.quantize(&x, 13, 128);
-        let mut full = vec![0.0; 13 * 64];
-        product(Path::best(), &w, &all, &mut full);
-        for t in [0, 6, 12] {
-            let mut one = QuantRows::default();
-            one.quantize(&x[t * 128..(t + 1) * 128], 1, 128);
-            let mut out = vec![0.0; 64];
-            product(Path::best(), &w, &one, &mut out);
-            assert_eq!(
-                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                full[t * 64..(t + 1) * 64]
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>()
-            );
+        for kind in KINDS {
+            let w = matrix(kind, 64, 256, 5);
+            let x = acts(13, 256, 9);
+            let mut all = QuantRows::default();
+            all.quantize(&x, 13, 256);
+            let mut full = vec![0.0; 13 * 64];
+            product(Path::best(), &w, &all, &mut full);
+            for t in [0, 6, 12] {
+                let mut one = QuantRows::default();
+                one.quantize(&x[t * 256..(t + 1) * 256], 1, 256);
+                let mut out = vec![0.0; 64];
+                product(Path::best(), &w, &one, &mut out);
+                assert_eq!(
+                    out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    full[t * 64..(t + 1) * 64]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
+                    "{kind:?}"
+                );
+            }
         }
     }
 }

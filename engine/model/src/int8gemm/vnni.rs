@@ -1,31 +1,23 @@
 //! AVX-512 kernels with VNNI (8-bit dot products): the int8 products of [`super`].
 
-use super::{PANEL, RowsView};
+use super::{PANEL, RowsView, Sums, form};
 use std::arch::x86_64::*;
 
 /// `out[t * ld + i] = Σ_b …` for the `x.tokens` tokens of `x` and the first `lanes` rows of
-/// one repacked panel (see [`crate::int8gemm`] for the layout and the arithmetic,
+/// one repacked panel of form `f` (see [`crate::int8gemm`] for the layout and the arithmetic,
 /// which the portable path repeats operation for operation).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F, BW and VNNI; `panel` must hold `x.cols / 32` panel blocks of
-/// the kind `q4` says; `x.tokens` must be 1 to 8 with `x`'s slices holding that many rows;
+/// form `f`; `x.tokens` must be 1 to 8 with `x`'s slices holding that many rows;
 /// `out` must be valid for writes of `lanes <= 16` values at each of `out + t * ld`,
 /// `t < x.tokens`, that no other thread accesses meanwhile.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub unsafe fn panel(
-    q4: bool,
-    panel: &[u8],
-    x: RowsView<'_>,
-    out: *mut f32,
-    ld: usize,
-    lanes: usize,
-) {
+pub unsafe fn panel(f: u8, panel: &[u8], x: RowsView<'_>, out: *mut f32, ld: usize, lanes: usize) {
     macro_rules! go {
         ($($t:literal)*) => {
-            match (x.tokens, q4) {
-                $(($t, true) => tile::<$t, true>(panel, x, out, ld, lanes),
-                ($t, false) => tile::<$t, false>(panel, x, out, ld, lanes),)*
+            match x.tokens {
+                $($t => forms::<$t>(f, panel, x, out, ld, lanes),)*
                 _ => panic!("vnni::panel: {} tokens", x.tokens),
             }
         };
@@ -34,16 +26,50 @@ pub unsafe fn panel(
     unsafe { go!(1 2 3 4 5 6 7 8) }
 }
 
+/// [`tile`] for the form `f`.
+///
+/// # Safety
+/// As [`panel`], with `x.tokens == T`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn forms<const T: usize>(
+    f: u8,
+    panel: &[u8],
+    x: RowsView<'_>,
+    out: *mut f32,
+    ld: usize,
+    lanes: usize,
+) {
+    // SAFETY: the caller's guarantees, passed on with the form they name.
+    unsafe {
+        match f {
+            form::NIB_MIN => tile::<T, { form::NIB_MIN }>(panel, x, out, ld, lanes),
+            form::NIB_OFF => tile::<T, { form::NIB_OFF }>(panel, x, out, ld, lanes),
+            form::BYTE_MIN => tile::<T, { form::BYTE_MIN }>(panel, x, out, ld, lanes),
+            form::BYTE_OFF => tile::<T, { form::BYTE_OFF }>(panel, x, out, ld, lanes),
+            form::SIGNED => tile::<T, { form::SIGNED }>(panel, x, out, ld, lanes),
+            form::HALVES => tile::<T, { form::HALVES }>(panel, x, out, ld, lanes),
+            _ => unreachable!("panel form {f}"),
+        }
+    }
+}
+
 /// Quantizes 32-value blocks exactly as `int8gemm::quantize_portable` does (same codes,
 /// scales and sums, bit for bit).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F and BW; `q` must hold as many values as `x` (a multiple of
-/// 32), and `d`, `sum`, `qsum` one per block.
+/// 32), and each of `s`'s slices one value per block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub unsafe fn quantize(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [f32], qsum: &mut [i32]) {
+pub unsafe fn quantize(x: &[f32], q: &mut [i8], s: Sums<'_>) {
     let nb = x.len() / 32;
-    assert!(q.len() >= nb * 32 && d.len() >= nb && sum.len() >= nb && qsum.len() >= nb);
+    assert!(
+        q.len() >= nb * 32
+            && s.d.len() >= nb
+            && s.sum.len() >= nb
+            && s.qsum.len() >= nb
+            && s.qlo.len() >= nb
+    );
     let sign = _mm512_set1_ps(-0.0);
     for b in 0..nb {
         // SAFETY: block b < nb: its 32 values are inside x and its 32 codes inside q (the
@@ -55,7 +81,7 @@ pub unsafe fn quantize(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [f32], 
                 _mm512_andnot_ps(sign, lo),
                 _mm512_andnot_ps(sign, hi),
             ));
-            d[b] = amax / 127.0;
+            s.d[b] = amax / 127.0;
             let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
             // Round to nearest, ties to even (the default MXCSR mode).
             let ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
@@ -63,19 +89,21 @@ pub unsafe fn quantize(x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [f32], 
             let qp = q.as_mut_ptr().add(b * 32);
             _mm_storeu_si128(qp as *mut __m128i, _mm512_cvtepi32_epi8(ql));
             _mm_storeu_si128(qp.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(qh));
-            qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
-            sum[b] = d[b] * qsum[b] as f32;
+            s.qlo[b] = _mm512_reduce_add_epi32(ql);
+            s.qsum[b] = s.qlo[b] + _mm512_reduce_add_epi32(qh);
+            s.sum[b] = s.d[b] * s.qsum[b] as f32;
         }
     }
 }
 
-/// [`panel`] for exactly `T` tokens, with the token tile's accumulators in registers.
+/// [`panel`] for exactly `T` tokens and the form `F`, with the token tile's accumulators in
+/// registers.
 ///
 /// # Safety
-/// As [`panel`], with `x.tokens == T`.
+/// As [`panel`], with `x.tokens == T` and a panel of form `F`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile<const T: usize, const Q4: bool>(
+unsafe fn tile<const T: usize, const F: u8>(
     panel: &[u8],
     x: RowsView<'_>,
     out: *mut f32,
@@ -83,8 +111,7 @@ unsafe fn tile<const T: usize, const Q4: bool>(
     lanes: usize,
 ) {
     let nb = x.cols / 32;
-    let qb = if Q4 { 16 } else { 32 };
-    let pb = PANEL * qb + if Q4 { 64 } else { 32 };
+    let (qb, pb) = (form::code_bytes(F), form::block_bytes(F));
     assert!(
         x.tokens == T
             && panel.len() >= nb * pb
@@ -92,19 +119,21 @@ unsafe fn tile<const T: usize, const Q4: bool>(
             && x.d.len() >= T * nb
             && x.sum.len() >= T * nb
             && x.qsum.len() >= T * nb
+            && x.qlo.len() >= T * nb
             && lanes <= PANEL,
         "vnni::tile: bad sizes"
     );
+    let off = form::offset(F);
     let nibble = _mm512_set1_epi8(0x0F);
     let mut f = [_mm512_setzero_ps(); T];
     for b in 0..nb {
         // SAFETY: block b < nb of the panel is inside `panel` (asserted above): its codes
-        // (PANEL * qb bytes, read as qb / 4 vectors of 64), its 16 f16 scales and, for Q4_1,
-        // its 16 f16 minimums; unaligned loads accept any address.
-        let (w, dw, mw) = unsafe {
+        // (PANEL * qb bytes, read as qb / 4 vectors of 64), its 16 f32 scales and, if the form
+        // has them, its 16 second parameters; unaligned loads accept any address.
+        let (w, dw, second) = unsafe {
             let o = panel.as_ptr().add(b * pb);
             let mut w = [_mm512_setzero_si512(); 8];
-            if Q4 {
+            if form::nibbles(F) {
                 for j in 0..4 {
                     let z = _mm512_loadu_si512(o.add(64 * j) as *const __m512i);
                     w[j] = _mm512_and_si512(z, nibble);
@@ -115,34 +144,55 @@ unsafe fn tile<const T: usize, const Q4: bool>(
                     *w = _mm512_loadu_si512(o.add(64 * g) as *const __m512i);
                 }
             }
-            let s = o.add(PANEL * qb);
-            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(s as *const __m256i));
-            let mw = if Q4 {
-                _mm512_cvtph_ps(_mm256_loadu_si256(s.add(32) as *const __m256i))
+            let s = o.add(PANEL * qb) as *const f32;
+            let dw = _mm512_loadu_ps(s);
+            let second = if form::has_second(F) {
+                _mm512_loadu_ps(s.add(PANEL))
             } else {
                 _mm512_setzero_ps()
             };
-            (w, dw, mw)
+            (w, dw, second)
         };
-        for (t, f) in f.iter_mut().enumerate() {
-            let p = t * nb + b;
-            let mut acc = if Q4 {
-                _mm512_setzero_si512()
-            } else {
-                _mm512_set1_epi32(-128 * x.qsum[p])
-            };
-            // SAFETY: token t < T of x holds x.cols >= 32 (b + 1) codes (asserted above),
-            // so the eight 4-byte groups of its block b are inside x.q.
-            let xq = unsafe { x.q.as_ptr().add(t * x.cols + b * 32) } as *const i32;
-            for (g, &wg) in w.iter().enumerate() {
-                // SAFETY: g < 8: inside the block's 32 codes (see above).
-                let a = unsafe { xq.add(g).read_unaligned() };
-                acc = _mm512_dpbusd_epi32(acc, wg, _mm512_set1_epi32(a));
+        // Group after group, each loaded code vector multiplied into every token's integer
+        // sum: the tokens' sums are independent chains, held in registers.
+        let xq: [*const i32; T] =
+            std::array::from_fn(|t| x.q[t * x.cols + b * 32..].as_ptr() as *const i32);
+        // SAFETY: g < 8: token t < T of x holds x.cols >= 32 (b + 1) codes (asserted above), so
+        // the eight 4-byte groups of its block b are inside x.q.
+        let xg = |t: usize, g: usize| _mm512_set1_epi32(unsafe { xq[t].add(g).read_unaligned() });
+        if F == form::HALVES {
+            let mut lo: [__m512i; T] =
+                std::array::from_fn(|t| _mm512_set1_epi32(-off * x.qlo[t * nb + b]));
+            let mut hi: [__m512i; T] = std::array::from_fn(|t| {
+                let p = t * nb + b;
+                _mm512_set1_epi32(-off * (x.qsum[p] - x.qlo[p]))
+            });
+            for g in 0..4 {
+                for t in 0..T {
+                    lo[t] = _mm512_dpbusd_epi32(lo[t], w[g], xg(t, g));
+                    hi[t] = _mm512_dpbusd_epi32(hi[t], w[g + 4], xg(t, g + 4));
+                }
             }
-            let sd = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[p]));
-            *f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sd, *f);
-            if Q4 {
-                *f = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum[p]), *f);
+            for (t, f) in f.iter_mut().enumerate() {
+                let xd = _mm512_set1_ps(x.d[t * nb + b]);
+                *f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[t]), _mm512_mul_ps(dw, xd), *f);
+                *f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[t]), _mm512_mul_ps(second, xd), *f);
+            }
+        } else {
+            let mut acc: [__m512i; T] =
+                std::array::from_fn(|t| _mm512_set1_epi32(-off * x.qsum[t * nb + b]));
+            for (g, &wg) in w.iter().enumerate() {
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_dpbusd_epi32(*acc, wg, xg(t, g));
+                }
+            }
+            for (t, f) in f.iter_mut().enumerate() {
+                let p = t * nb + b;
+                let xd = _mm512_set1_ps(x.d[p]);
+                *f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), _mm512_mul_ps(dw, xd), *f);
+                if form::mins(F) {
+                    *f = _mm512_fmadd_ps(second, _mm512_set1_ps(x.sum[p]), *f);
+                }
             }
         }
     }

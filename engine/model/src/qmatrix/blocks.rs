@@ -209,14 +209,84 @@ pub(crate) fn dot_row_q8(kind: Kind, row: &[u8], xq: &[i8], dx: &[f32], xsum: &[
     acc
 }
 
-/// The value at index `j` of a row of whole blocks of `kind`.
+/// The value at index `j` of a row of whole blocks of `kind`: the one value of [`decode`],
+/// `scale · code + min` with the same f32 operations, decoded alone (the int8 products' shadow
+/// columns read a few values of every row).
 pub(crate) fn value(kind: Kind, row: &[u8], j: usize) -> f32 {
     let (vals, bytes) = (kind.block_values(), kind.block_bytes());
-    let b = j / vals;
-    let mut dec = Decoded::default();
-    decode(kind, &row[b * bytes..(b + 1) * bytes], &mut dec);
+    let b = &row[j / vals * bytes..(j / vals + 1) * bytes];
     let k = j % vals;
-    dec.scales[k / 16] * f32::from(dec.codes[k]) + dec.mins[k / 32]
+    // A legacy block's nibble and fifth bit (`qh` at `h`, nibbles after it).
+    let nib = |at: usize| {
+        let q = b[at + k % 16];
+        if k < 16 { q & 0xF } else { q >> 4 }
+    };
+    let bit5 = |h: usize| (((b[h + k / 8] >> (k % 8)) & 1) << 4) as i8;
+    let (scale, code, min) = match kind {
+        Kind::Q4_0 => (half(b, 0), nib(2) as i8 - 8, 0.0),
+        Kind::Q5_0 => (half(b, 0), (nib(6) as i8 | bit5(2)) - 16, 0.0),
+        Kind::Q5_1 => (half(b, 0), nib(8) as i8 | bit5(4), half(b, 2)),
+        Kind::Q4_K | Kind::Q5_K => {
+            let (s, l) = (k / 32, k % 32);
+            let (sc, mn) = scale_min_k4(s, &b[4..16]);
+            let qs = if kind == Kind::Q5_K { 48 } else { 16 };
+            let byte = b[qs + 32 * (s / 2) + l];
+            let n = if s % 2 == 0 { byte & 0xF } else { byte >> 4 };
+            let high = if kind == Kind::Q5_K {
+                ((b[16 + l] >> s) & 1) << 4
+            } else {
+                0
+            };
+            let (d, dmin) = (half(b, 0), half(b, 2));
+            (d * f32::from(sc), (n | high) as i8, -(dmin * f32::from(mn)))
+        }
+        Kind::Q6_K => {
+            let (h, g, l) = (k / 128, k % 128 / 32, k % 32);
+            let src = b[64 * h + 32 * (g % 2) + l];
+            let n = if g < 2 { src & 0xF } else { src >> 4 };
+            let q = n | (((b[128 + 32 * h + l] >> (2 * g)) & 3) << 4);
+            (
+                half(b, 208) * f32::from(b[192 + k / 16] as i8),
+                q as i8 - 32,
+                0.0,
+            )
+        }
+        Kind::Q4_1 | Kind::Q8_0 | Kind::F32 => unreachable!("{kind:?} is not held as raw blocks"),
+    };
+    scale * f32::from(code) + min
+}
+
+/// A test generator's step (64-bit LCG, the top 31 bits).
+#[cfg(test)]
+pub(crate) fn lcg(s: &mut u64) -> u32 {
+    *s = s
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (*s >> 33) as u32
+}
+
+/// `n` blocks of `kind` with every code bit random and sane f16 scales (0.001..0.05) and
+/// minimums (-0.5..0.5): every bit pattern of codes and 6-bit scales is reachable.
+#[cfg(test)]
+pub(crate) fn random_blocks(kind: Kind, n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed;
+    let bytes = kind.block_bytes();
+    let mut raw: Vec<u8> = (0..n * bytes).map(|_| lcg(&mut s) as u8).collect();
+    let halves: &[(usize, bool)] = match kind {
+        Kind::Q4_0 | Kind::Q5_0 | Kind::Q8_0 => &[(0, false)],
+        Kind::Q4_1 | Kind::Q5_1 => &[(0, false), (2, true)],
+        Kind::Q4_K | Kind::Q5_K => &[(0, false), (2, false)],
+        Kind::Q6_K => &[(208, false)],
+        Kind::F32 => &[],
+    };
+    for b in raw.chunks_exact_mut(bytes) {
+        for &(at, signed) in halves {
+            let u = (lcg(&mut s) % 1000) as f32 / 1000.0;
+            let v = if signed { u - 0.5 } else { 0.001 + u * 0.049 };
+            b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+        }
+    }
+    raw
 }
 
 #[cfg(test)]
@@ -233,36 +303,6 @@ mod tests {
         Kind::Q5_K,
         Kind::Q6_K,
     ];
-
-    fn lcg(s: &mut u64) -> u32 {
-        *s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (*s >> 33) as u32
-    }
-
-    /// `n` blocks of `kind` with every code bit random and sane f16 scales (0.001..0.05) and
-    /// minimums (-0.5..0.5): every bit pattern of codes and 6-bit scales is reachable.
-    fn random_blocks(kind: Kind, n: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed;
-        let bytes = kind.block_bytes();
-        let mut raw: Vec<u8> = (0..n * bytes).map(|_| lcg(&mut s) as u8).collect();
-        let halves: &[(usize, bool)] = match kind {
-            Kind::Q4_0 | Kind::Q5_0 | Kind::Q8_0 => &[(0, false)],
-            Kind::Q4_1 | Kind::Q5_1 => &[(0, false), (2, true)],
-            Kind::Q4_K | Kind::Q5_K => &[(0, false), (2, false)],
-            Kind::Q6_K => &[(208, false)],
-            Kind::F32 => &[],
-        };
-        for b in raw.chunks_exact_mut(bytes) {
-            for &(at, signed) in halves {
-                let u = (lcg(&mut s) % 1000) as f32 / 1000.0;
-                let v = if signed { u - 0.5 } else { 0.001 + u * 0.049 };
-                b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
-            }
-        }
-        raw
-    }
 
     fn decoded(kind: Kind, raw: &[u8]) -> Vec<Decoded> {
         raw.chunks_exact(kind.block_bytes())
@@ -323,7 +363,7 @@ mod tests {
                     got[j],
                     want[j]
                 );
-                assert!((f64::from(value(kind, &raw, j)) - want[j]).abs() <= bound);
+                assert!(value(kind, &raw, j) == got[j], "{kind:?} {j}: value alone");
             }
         }
     }
