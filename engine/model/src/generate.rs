@@ -1,10 +1,13 @@
 //! Token generation: greedy and sampled decoding (temperature, top-k, top-p, seed), stop
-//! tokens, a token budget, and streaming of every token as it is produced.
+//! tokens, a token budget, and streaming of every token as it is produced; under a
+//! [`Guide`] (structured output) or not, one loop.
 
+use crate::guided::{Guide, Next};
 use crate::kv::KvCache;
-use crate::{Model, ModelError};
+use crate::{Logits, Model, ModelError};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::time::Instant;
 
 /// How the next token is chosen from the logits.
 #[derive(Clone, Debug, PartialEq)]
@@ -128,7 +131,7 @@ pub struct Generation {
 
 /// Prefills `prompt` after what `cache` holds, then generates up to `max_tokens` tokens, calling
 /// `on_token` with each one as soon as it is chosen (return false to stop): the one generation
-/// loop, [`crate::guided::generate_guided`], with no guide.
+/// loop, [`generate_guided`], with no guide.
 pub fn generate(
     model: &Model,
     cache: &mut KvCache,
@@ -138,10 +141,86 @@ pub fn generate(
     sampler: &mut Sampler,
     on_token: impl FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    crate::guided::generate_guided(
+    generate_guided(
         model, cache, prompt, max_tokens, stop, sampler, None, on_token,
     )
     .map(|g| g.generation)
+}
+
+/// A generation and the time its guide (structured output) took.
+#[derive(Clone, Debug)]
+pub struct GuidedGeneration {
+    pub generation: Generation,
+    /// Seconds in the guide's `constrain` and `advance`, over every token.
+    pub guide_secs: f64,
+}
+
+/// Prefills `prompt` after what `cache` holds, then generates up to `max_tokens` tokens, each
+/// chosen from logits `guide` masked first ([`crate::generate::generate`] is this with no
+/// guide). A token budget counts what the context still holds too, so a guide can end its
+/// answer within it.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_guided(
+    model: &Model,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop: &[u32],
+    sampler: &mut Sampler,
+    mut guide: Option<&mut dyn Guide>,
+    mut on_token: impl FnMut(u32) -> bool,
+) -> Result<GuidedGeneration, ModelError> {
+    let t0 = Instant::now();
+    let mut logits = model.forward(cache, prompt, Logits::Last)?;
+    let prefill_secs = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut guide_secs = 0.0;
+    let mut tokens = Vec::new();
+    let reason = loop {
+        if tokens.len() >= max_tokens {
+            break StopReason::MaxTokens;
+        }
+        if let Some(g) = guide.as_deref_mut() {
+            let t = Instant::now();
+            // This token, and one more for each token the context still has room for.
+            let room = 1 + cache.max_tokens().saturating_sub(cache.len());
+            let next = g.constrain(&mut logits, (max_tokens - tokens.len()).min(room));
+            guide_secs += t.elapsed().as_secs_f64();
+            if next == Next::End {
+                break StopReason::Stop;
+            }
+        }
+        let next = sampler.sample(&logits);
+        if let Some(g) = guide.as_deref_mut() {
+            let t = Instant::now();
+            g.advance(next);
+            guide_secs += t.elapsed().as_secs_f64();
+        }
+        if stop.contains(&next) {
+            break StopReason::Stop;
+        }
+        tokens.push(next);
+        if !on_token(next) {
+            break StopReason::Cancelled;
+        }
+        if tokens.len() >= max_tokens {
+            break StopReason::MaxTokens;
+        }
+        if cache.len() + 1 > cache.max_tokens() {
+            break StopReason::ContextFull;
+        }
+        logits = model.forward(cache, &[next], Logits::Last)?;
+    };
+    Ok(GuidedGeneration {
+        generation: Generation {
+            tokens,
+            stop: reason,
+            prompt_tokens: prompt.len(),
+            prefill_secs,
+            decode_secs: t1.elapsed().as_secs_f64(),
+        },
+        guide_secs,
+    })
 }
 
 #[cfg(test)]

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use model::Model;
+use model::generate::generate_guided;
 use model::generate::{Generation, Sampler, SamplingParams, StopReason};
-use model::guided::{Guide, Next, generate_guided};
+use model::guided::{Guide, Next};
 use model::kv::KvCache;
 use policy::{CostModel, DensityTracker, Level};
 use uffd_pager::{ChunkKey, ContextId, Pager};

@@ -99,6 +99,9 @@ pub unsafe fn quantize(x: &[f32], q: &mut [i8], s: Sums<'_>) {
 /// [`panel`] for exactly `T` tokens and the form `F`, with the token tile's accumulators in
 /// registers.
 ///
+/// Kept whole: the accumulators must stay in registers across the group loop, so the loop and
+/// the per-form scaling it calls inline are one function.
+///
 /// # Safety
 /// As [`panel`], with `x.tokens == T` and a panel of form `F`.
 #[inline]
