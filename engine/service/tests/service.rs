@@ -151,6 +151,28 @@ fn a_context_recomputed_or_planned_back_answers_as_one_never_swapped() {
     }
 }
 
+/// Damages chunk `index`'s slot in context `id`'s data file: its header page zeroed
+/// (`delete`: the chunk gone), or one payload byte flipped (`corrupt`).
+fn damage_chunk(m: &Manager, id: u64, index: u32, damage: &str) {
+    use std::os::unix::fs::FileExt;
+    let cid = kvfs::ContextId(id);
+    let at = m.store().chunk_offset(cid, index).expect("stored");
+    let data = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.store().data_path(cid))
+        .unwrap();
+    match damage {
+        "delete" => data.write_all_at(&[0; kvfs::HEADER_PAGE], at).unwrap(),
+        _ => {
+            let at = at + kvfs::HEADER_PAGE as u64 + 7;
+            let mut b = [0u8];
+            data.read_exact_at(&mut b, at).unwrap();
+            data.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
+        }
+    }
+}
+
 #[test]
 fn a_deleted_or_corrupt_chunk_file_is_recomputed_and_the_answer_is_the_same() {
     let t = tiny();
@@ -174,25 +196,7 @@ fn a_deleted_or_corrupt_chunk_file_is_recomputed_and_the_answer_is_the_same() {
             if call > 0 {
                 m.flush();
                 m.swap_out(&o, id).unwrap();
-                // Damage the chunk's slot in the context's data file: its header page zeroed
-                // (the chunk gone), or one payload byte flipped.
-                use std::os::unix::fs::FileExt;
-                let cid = kvfs::ContextId(id);
-                let at = m.store().chunk_offset(cid, call - 1).expect("stored");
-                let data = std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(m.store().data_path(cid))
-                    .unwrap();
-                match damage {
-                    "delete" => data.write_all_at(&[0; kvfs::HEADER_PAGE], at).unwrap(),
-                    _ => {
-                        let at = at + kvfs::HEADER_PAGE as u64 + 7;
-                        let mut b = [0u8];
-                        data.read_exact_at(&mut b, at).unwrap();
-                        data.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
-                    }
-                }
+                damage_chunk(&m, id, call - 1, damage);
             }
             let r = m
                 .call(
@@ -687,14 +691,7 @@ fn chunks_past_the_sliding_window_swap_with_their_global_layers_alone() {
             // Lose chunk 1's stored copy (past the window by now) and swap everything out.
             m.flush();
             m.swap_out(&o, id).unwrap();
-            use std::os::unix::fs::FileExt;
-            let cid = kvfs::ContextId(id);
-            let at = m.store().chunk_offset(cid, 1).expect("stored");
-            let data = std::fs::OpenOptions::new()
-                .write(true)
-                .open(m.store().data_path(cid))
-                .unwrap();
-            data.write_all_at(&[0; kvfs::HEADER_PAGE], at).unwrap();
+            damage_chunk(&m, id, 1, "delete");
         }
         let r = m
             .call(
