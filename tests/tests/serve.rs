@@ -1078,3 +1078,57 @@ fn a_daemon_that_chat_starts_keeps_no_descriptor_of_its_parent() {
     assert!(s["daemon"]["requests"].as_u64().unwrap() >= 5, "{s}");
     assert!(s.get("service").is_none(), "{s}");
 }
+
+/// `--exit-with-parent`: a daemon whose starter is killed (SIGKILL, no chance to clean up)
+/// drains, unmounts its kvfs mount and exits by itself.
+#[test]
+fn a_daemon_whose_starter_is_killed_exits_and_unmounts() {
+    let w = world();
+    // The starter: a shell that runs the daemon in the background and waits for it.
+    let script = r#""$0" serve --socket "$1" --store "$2" --create --model "$3" --threads 1 --exit-with-parent & echo "pid $!"; wait"#;
+    let mut starter = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .arg(&w.bin)
+        .arg(w.socket())
+        .arg(w.store())
+        .arg(&w.model)
+        .env_remove("LLMS_CONFIG")
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(starter.stdout.take().unwrap());
+    let (mut first, mut second) = (String::new(), String::new());
+    out.read_line(&mut first).unwrap();
+    out.read_line(&mut second).unwrap();
+    let pid: i32 = first.trim().strip_prefix("pid ").unwrap().parse().unwrap();
+    assert!(second.starts_with("llms serve: listening"), "{second:?}");
+    let mount = w.mountpoint();
+    let mounted = || {
+        std::fs::read_to_string("/proc/mounts")
+            .unwrap()
+            .contains(&format!(" {} ", mount.display()))
+    };
+    assert!(mounted(), "the daemon mounts kvfs");
+    starter.kill().unwrap();
+    starter.wait().unwrap();
+    // The daemon was reparented: it has exited once it is gone or a zombie its new parent has
+    // not reaped yet.
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(") ")
+                .is_some_and(|(_, r)| !r.starts_with('Z'))
+        })
+    };
+    let t = std::time::Instant::now();
+    while alive() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(30),
+            "the daemon {pid} outlived its starter"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(!mounted(), "the daemon left its mount behind");
+}

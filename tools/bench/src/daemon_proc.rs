@@ -75,6 +75,8 @@ impl Daemon {
             .arg("--model")
             .arg(&spec.model)
             .arg("--no-pressure")
+            // A bench killed (Ctrl-C, SIGKILL) takes its daemon and mount with it.
+            .arg("--exit-with-parent")
             .args(&spec.args)
             .env_remove("LLMS_CONFIG")
             .env("RUST_LOG", &spec.log)

@@ -77,6 +77,12 @@ pub struct ServeArgs {
     #[arg(long, env = "LLMS_NO_MOUNT")]
     #[merge(strategy = merge::bool::overwrite_false)]
     pub no_mount: bool,
+    /// Stop as on SIGTERM (drain, unmount) when the process that started this one dies, even
+    /// killed: for a tool that runs a daemon of its own (`llms bench switch` and `bench crash`)
+    #[arg(long)]
+    #[serde(skip)]
+    #[merge(strategy = merge::bool::overwrite_false)]
+    pub exit_with_parent: bool,
     /// A known model's name (smollm2-135m, gemma3-270m: fetched into the cache if missing) or a
     /// GGUF file [default: smollm2-135m]
     #[arg(long, env = "LLMS_MODEL", value_name = "NAME|FILE")]
@@ -375,6 +381,16 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     signals
         .thread_block()
         .context("cannot block SIGTERM and SIGINT")?;
+    if a.exit_with_parent {
+        // The kernel sends SIGTERM, which the signal thread below turns into a drain, when the
+        // parent dies; a parent gone before this line would never send it.
+        let parent = nix::unistd::getppid();
+        nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)
+            .context("cannot ask for a signal at the parent's death")?;
+        if nix::unistd::getppid() != parent {
+            bail!("the process that started this daemon has already exited");
+        }
+    }
     let t0 = Instant::now();
     let s = resolve(a)?;
     crate::args::init_threads(s.threads)?;
