@@ -368,8 +368,10 @@ fn mkdir_for(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs `llms serve`.
-pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+/// Makes this process the daemon's: the descriptors it inherited closed, SIGTERM and SIGINT
+/// blocked in every thread (one thread waits for them and drains; their set is returned), and,
+/// with `exit_with_parent`, SIGTERM asked for when the parent dies.
+fn take_process(exit_with_parent: bool) -> anyhow::Result<nix::sys::signal::SigSet> {
     let inherited = close_inherited_fds().context("cannot close inherited file descriptors")?;
     if !inherited.is_empty() {
         tracing::info!(fds = ?inherited, "closed the descriptors inherited from the parent");
@@ -381,9 +383,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     signals
         .thread_block()
         .context("cannot block SIGTERM and SIGINT")?;
-    if a.exit_with_parent {
-        // The kernel sends SIGTERM, which the signal thread below turns into a drain, when the
-        // parent dies; a parent gone before this line would never send it.
+    if exit_with_parent {
+        // The kernel sends SIGTERM, which the signal thread turns into a drain, when the parent
+        // dies; a parent gone before this line would never send it.
         let parent = nix::unistd::getppid();
         nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)
             .context("cannot ask for a signal at the parent's death")?;
@@ -391,6 +393,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             bail!("the process that started this daemon has already exited");
         }
     }
+    Ok(signals)
+}
+
+/// Runs `llms serve`.
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    let signals = take_process(a.exit_with_parent)?;
     let t0 = Instant::now();
     let s = resolve(a)?;
     crate::args::init_threads(s.threads)?;
