@@ -701,13 +701,18 @@ impl KvCache {
     /// attention reads as open chunks, and attention received is not recorded (the original
     /// pass recorded it).
     pub fn begin_recompute(&mut self, chunks: &[usize]) -> Result<(), KvError> {
+        // Chunks this pass rebuilds, or an earlier pass of the same recompute rebuilt whole.
+        let mut covered = vec![false; self.formats.len()];
+        for &c in chunks.iter().chain(&self.whole) {
+            if let Some(x) = covered.get_mut(c) {
+                *x = true;
+            }
+        }
         for &index in chunks {
             self.check_sealed(index)?;
             // Past the window, a chunk comes back exactly only with its whole lookback.
             if let Err(e) = self.recomputable(index)
-                && !self
-                    .recompute_closure(index)
-                    .all(|c| chunks.contains(&c) || self.whole.contains(&c))
+                && !self.recompute_closure(index).all(|c| covered[c])
             {
                 return Err(e);
             }

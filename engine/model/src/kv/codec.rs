@@ -136,9 +136,20 @@ impl ChunkShape {
         self.global >> l & 1 == 1
     }
 
+    /// How many of the layers before `l` are global (a popcount: attention asks for a layer's
+    /// place in a chunk on every read).
+    fn globals_before(&self, l: usize) -> usize {
+        let below = if l >= 128 {
+            u128::MAX
+        } else {
+            (1u128 << l) - 1
+        };
+        (self.global & below).count_ones() as usize
+    }
+
     /// Global layers.
     pub fn n_global(&self) -> usize {
-        (0..self.n_layers).filter(|&l| self.is_global(l)).count()
+        self.globals_before(self.n_layers)
     }
 
     /// Whether some layers have a sliding window (chunks past it can be trimmed).
@@ -149,7 +160,7 @@ impl ChunkShape {
     /// Where layer `l` sits among a chunk's layers: the global layers first, in order, then
     /// the others, in order.
     pub fn slot(&self, l: usize) -> usize {
-        let before = (0..l).filter(|&i| self.is_global(i)).count();
+        let before = self.globals_before(l);
         if self.is_global(l) {
             before
         } else {
