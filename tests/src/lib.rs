@@ -15,7 +15,8 @@ use protocol::PromptFormat;
 use protocol::client::{Answer, CallParams, Client};
 use service::{CallOptions, Manager, ManagerConfig, Owner};
 
-/// The most tokens a context holds in these tests.
+/// The most tokens a context holds in these tests: the tiny model's context length, which the
+/// daemon takes as its limit.
 pub const MAX_CONTEXT: usize = 1024;
 
 /// A temporary directory (readable by every uid, for the ownership test) with a tiny model.
@@ -169,7 +170,7 @@ impl Serve {
             .arg("--create")
             .arg("--model")
             .arg(&w.model)
-            .args(["--max-context", &MAX_CONTEXT.to_string(), "--threads", "1"])
+            .args(["--threads", "1"])
             .args(extra)
             .env_remove("LLMS_CONFIG")
             .env("RUST_LOG", "warn")

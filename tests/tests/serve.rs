@@ -156,6 +156,38 @@ fn a_stale_socket_is_cleaned_and_a_second_daemon_refused() {
     w.connect("after").list().unwrap();
 }
 
+#[test]
+fn contexts_hold_the_models_length_and_no_more() {
+    let w = world();
+    let out = w
+        .llms()
+        .arg("serve")
+        .arg("--socket")
+        .arg(w.socket())
+        .arg("--store")
+        .arg(w.store())
+        .arg("--create")
+        .arg("--model")
+        .arg(&w.model)
+        .args(["--max-context", &(2 * tests::MAX_CONTEXT).to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--max-context 2048 is above the model's context length of 1024 tokens"),
+        "{err}"
+    );
+    let d = w.serve(&[]);
+    assert_eq!(
+        w.connect("a").hello().max_context_tokens,
+        tests::MAX_CONTEXT
+    );
+    drop(d);
+    let _d = w.serve(&["--max-context", "100"]);
+    assert_eq!(w.connect("b").hello().max_context_tokens, 100);
+}
+
 /// Sends raw lines and reads one reply per line.
 struct Raw {
     r: BufReader<UnixStream>,

@@ -2,7 +2,7 @@
 //! tiny random-weight model: structured output (every answer, even from random weights and
 //! sampled, parses and validates, or matches its regex), bad formats refused with their codes
 //! and nothing changed, token accounting (`count` is what a call adds, `info` and `done` give
-//! the window, `usage` adds up, `context_full` carries the numbers), and a version 1
+//! the window, `usage` adds up, `context_full` and `over_budget` carry the numbers), and a version 1
 //! connection served exactly as before.
 
 use std::io::{BufRead, BufReader, Write};
@@ -256,6 +256,54 @@ fn context_full_carries_the_numbers() {
     assert_eq!(t.context_window, n.context_window);
     assert_eq!((t.used, t.remaining), (0, n.context_window));
     assert_eq!(t.needed, n.tokens + 1);
+}
+
+#[test]
+fn a_call_past_the_kv_budget_is_refused_with_the_numbers_and_changes_nothing() {
+    let w = world();
+    // The tiny model's int8 chunk takes one 4 KiB page: 64 KiB hold 16 chunks (256 tokens).
+    let _d = w.serve(&["--kv-budget", "64K", "--no-pressure"]);
+    let mut c = w.connect("big");
+    let ctx = c.new_context(None, PromptFormat::Raw).unwrap();
+    let p = CallParams {
+        format: PromptFormat::Raw,
+        max_tokens: 4,
+        ..CallParams::default()
+    };
+    let fits = c
+        .call(ctx, &"word ".repeat(10), &p)
+        .unwrap()
+        .collect_answer();
+    assert!(fits.is_ok(), "{fits:?}");
+    let before = c.info(ctx).unwrap();
+    let e = c
+        .call(ctx, &"word ".repeat(60), &p)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap_err();
+    let protocol::client::ClientError::Server { error } = e else {
+        panic!("{e}")
+    };
+    assert_eq!(error.code, "over_budget", "{}", error.message);
+    let m = error.memory.expect("the numbers");
+    assert_eq!(m.budget, 64 << 10);
+    assert!(m.needed > m.budget, "{m:?}");
+    assert!(
+        error.message.contains(&m.needed.to_string()),
+        "{}",
+        error.message
+    );
+    assert_eq!(
+        c.info(ctx).unwrap().tokens,
+        before.tokens,
+        "nothing changed"
+    );
+    let again = c
+        .call(ctx, &"word ".repeat(5), &p)
+        .unwrap()
+        .collect_answer();
+    assert!(again.is_ok(), "the context still answers: {again:?}");
 }
 
 /// One reply line of a raw connection.

@@ -11,8 +11,8 @@ use crate::{Job, Shared};
 use model::generate::SamplingParams;
 use model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use protocol::{
-    ChunkCounts, ContextInfo, Done, ErrorBody, Event, FullNumbers, PromptFormat, Reply, Request,
-    Stats, Timings, TokenCount, Usage, codes,
+    BudgetNumbers, ChunkCounts, ContextInfo, Done, ErrorBody, Event, FullNumbers, PromptFormat,
+    Reply, Request, Stats, Timings, TokenCount, Usage, codes,
 };
 use service::{CallOptions, CallReport, ContextSummary, Manager, Owner, Prompt, ServiceError};
 
@@ -50,7 +50,7 @@ fn service_error(e: ServiceError) -> ErrorBody {
 }
 
 /// A manager's error for a connection of protocol `version`: from version 2 on, `context_full`
-/// carries the numbers.
+/// and `over_budget` carry their numbers.
 fn service_error_for(e: ServiceError, version: u32) -> ErrorBody {
     use model::ModelError;
     use model::kv::KvError;
@@ -66,8 +66,16 @@ fn service_error_for(e: ServiceError, version: u32) -> ErrorBody {
         }
         _ => None,
     };
+    let memory = match &e {
+        ServiceError::OverBudget { needed, budget, .. } => Some(Box::new(BudgetNumbers {
+            needed: *needed,
+            budget: *budget,
+        })),
+        _ => None,
+    };
     ErrorBody {
         tokens: numbers.filter(|_| version >= 2),
+        memory: memory.filter(|_| version >= 2),
         ..service_error(e)
     }
 }

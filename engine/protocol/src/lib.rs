@@ -287,6 +287,9 @@ pub struct ErrorBody {
     /// `context_full`'s numbers (version 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<FullNumbers>,
+    /// `over_budget`'s numbers (version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Box<BudgetNumbers>>,
 }
 
 impl ErrorBody {
@@ -295,8 +298,17 @@ impl ErrorBody {
             code: code.to_owned(),
             message: message.into(),
             tokens: None,
+            memory: None,
         }
     }
+}
+
+/// Why a call does not fit in the KV memory budget, in bytes: what the context's chunks and the
+/// call's new ones take, and the whole budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetNumbers {
+    pub needed: u64,
+    pub budget: u64,
 }
 
 /// Why a context is full, in tokens: its window, what it holds, what is left, and what the

@@ -188,6 +188,11 @@ impl Call<'_> {
         on_token: impl FnMut(u32) -> bool,
     ) -> Result<Ran, ServiceError> {
         let context_before = ctx.cache.len() + ctx.pending.len();
+        let known = match &prompt {
+            Prompt::Tokens(t) => t.len(),
+            Prompt::Later(_) => 0,
+        };
+        self.fits_budget(ctx, known, opts)?;
         let (prompt, load) = self.load(readers, ctx, prompt)?;
         if ctx.cache.len() + ctx.pending.len() + prompt.len() >= self.cfg.max_tokens {
             return Ok(Ran::Full {
@@ -195,6 +200,7 @@ impl Call<'_> {
                 load,
             });
         }
+        self.fits_budget(ctx, prompt.len(), opts)?;
         let switch_secs = received.elapsed().as_secs_f64();
         let (run, said, guide_secs, guide_masks) = self.generate(ctx, &prompt, opts, on_token)?;
         let recompressed = self.compress(ctx, &said)?;
@@ -221,6 +227,35 @@ impl Call<'_> {
             guide_secs,
             guide_masks,
         }))
+    }
+
+    /// Refuses the call (`over_budget`, nothing changed) when the context's chunks and those the
+    /// open tail, a prompt of `prompt` tokens and the longest answer would seal need more memory
+    /// than the whole budget: the call holds its context's chunks resident while it runs, so it
+    /// could not finish. Checked before the Load (with the prompt's tokens when they are known)
+    /// and again once the prompt is encoded, before the first token is prefilled.
+    fn fits_budget(
+        &self,
+        ctx: &Context,
+        prompt: usize,
+        opts: &CallOptions,
+    ) -> Result<(), ServiceError> {
+        let said = ctx.cache.len() + ctx.pending.len() + prompt;
+        let answer = opts
+            .max_tokens
+            .min(self.cfg.max_tokens.saturating_sub(said));
+        let needed = ctx
+            .cache
+            .slot_bytes_with(ctx.pending.len() + prompt + answer);
+        let budget = self.pager.budget();
+        if needed > budget {
+            return Err(ServiceError::OverBudget {
+                id: self.id,
+                needed,
+                budget,
+            });
+        }
+        Ok(())
     }
 
     /// Step 1, Load: the context's missing chunks back (chunks the pager wrote back when it reclaimed

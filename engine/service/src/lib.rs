@@ -73,6 +73,14 @@ pub enum ServiceError {
     /// The write-out could not be planned.
     #[error("planning the write-out: {0}")]
     WriteOut(#[from] policy::writeout::WriteOutError),
+    /// A call on a context whose chunks, with the prompt's and the answer's, need more memory
+    /// than the whole KV budget: refused before anything changes (docs/service.md).
+    #[error(
+        "context {id} needs {needed} bytes of KV memory for this call (its chunks, the prompt's \
+         and the answer's) but the KV budget is {budget} bytes; raise --kv-budget, ask for fewer \
+         tokens, or continue in a new context (nothing was changed)"
+    )]
+    OverBudget { id: u64, needed: u64, budget: u64 },
     /// A context the store holds was made with another model than the one loaded; it is kept.
     #[error(
         "context {id} was made with another model than the one this service runs; restart the \
@@ -118,7 +126,8 @@ impl ServiceError {
                 ..
             }) => kv(e),
             ServiceError::Model(ModelError::BadToken { .. }) => "bad_request",
-            ServiceError::Pager(uffd_pager::PagerError::BudgetExhausted { .. })
+            ServiceError::OverBudget { .. }
+            | ServiceError::Pager(uffd_pager::PagerError::BudgetExhausted { .. })
             | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => "over_budget",
             ServiceError::Store(_) | ServiceError::ChunkMismatch { .. } => "store",
             ServiceError::OtherModel { .. } => "other_model",

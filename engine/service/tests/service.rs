@@ -418,11 +418,20 @@ fn a_lower_budget_reclaims_at_once_and_calls_still_answer() {
         "{before} -> freed {freed}"
     );
     assert_eq!(m.stats().unwritten_reclaims, 0, "written chunks go first");
+    let tokens = m.info(&o, a).unwrap().tokens;
     let r = m
         .call(&o, a, &prompt(4, 8), &opts(4), Instant::now(), |_| true)
         .unwrap_err();
-    // Context a alone needs more than two chunks: the call cannot run, and says so.
+    // Context a alone needs more than two chunks: the call cannot run, and says so before it
+    // changes anything, with the bytes it needs and the budget.
     assert_eq!(r.code(), "over_budget", "{r}");
+    let service::ServiceError::OverBudget { needed, budget, .. } = r else {
+        panic!("refused before the Load with the numbers: {r:?}");
+    };
+    assert_eq!(budget, 2 * slot);
+    assert!(needed > budget, "{needed}");
+    assert_eq!(m.info(&o, a).unwrap().tokens, tokens, "nothing changed");
+    assert_eq!(m.stats().chunks_read, 0, "refused before the Load");
     m.set_budget(64 << 20).unwrap();
     let r = m
         .call(&o, a, &prompt(4, 8), &opts(4), Instant::now(), |_| true)

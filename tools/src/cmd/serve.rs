@@ -111,7 +111,8 @@ pub struct ServeArgs {
     /// baselines fix their own [default: int8]
     #[arg(long, env = "LLMS_KV_FORMAT", value_name = "FORMAT")]
     pub kv_format: Option<String>,
-    /// Most tokens one context holds [default: the model's context length, at most 2048]
+    /// Most tokens one context holds, at most the model's context length (8192 for the default
+    /// model, 32768 for gemma3-270m) [default: the model's context length]
     #[arg(long, env = "LLMS_MAX_CONTEXT", value_name = "TOKENS")]
     pub max_context: Option<usize>,
     /// Refuse a call that does not fit in its context (`context_full`) instead of sliding the
@@ -505,7 +506,8 @@ fn load_model(s: &Settings) -> anyhow::Result<(PathBuf, Arc<Model>, Arc<Tokenize
 }
 
 /// The context manager's configuration: the store, budget and mount of `s`, its manager's
-/// settings, contexts of at most `--max-context` tokens (the model's, up to 2,048, by default).
+/// settings, contexts of at most `--max-context` tokens (the model's context length by default;
+/// more than the model's is an error: its positions past that were never trained).
 fn manager_config(s: &Settings, model: &Model) -> anyhow::Result<ManagerConfig> {
     let mut mc = ManagerConfig::new(&s.store, s.kv_budget);
     mc.mount = s.mount.clone();
@@ -514,7 +516,14 @@ fn manager_config(s: &Settings, model: &Model) -> anyhow::Result<ManagerConfig> 
     s.manager.apply(&mut mc);
     mc.window = s.window;
     tracing::info!(manager = %s.manager, "{}", s.manager.describe());
-    mc.max_tokens = s.max_context.unwrap_or(model.cfg.max_ctx.min(2048));
+    mc.max_tokens = match s.max_context {
+        None => model.cfg.max_ctx,
+        Some(n) if n > model.cfg.max_ctx => bail!(
+            "--max-context {n} is above the model's context length of {} tokens",
+            model.cfg.max_ctx
+        ),
+        Some(n) => n,
+    };
     if let Some(cost) = s.cost {
         mc.cost = cost;
     }

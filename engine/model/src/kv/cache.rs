@@ -225,6 +225,19 @@ impl KvCache {
         }
     }
 
+    /// The memory the sealed chunks take once `more` tokens are added after the cache's (its open
+    /// chunk's included): each sealed chunk's slot at its format and shape, and each chunk the
+    /// new tokens seal at the cache's format, untrimmed (an upper bound: a chunk that moves past
+    /// the window shrinks). What a call must find room for in a memory budget.
+    pub fn slot_bytes_with(&self, more: usize) -> u64 {
+        let held: u64 = (self.formats.iter().enumerate())
+            .map(|(i, &f)| self.shape_of(i).slot_bytes(f) as u64)
+            .sum();
+        let sealed = (self.len + more) / self.shape.tokens;
+        let new = sealed.saturating_sub(self.formats.len()) as u64;
+        held + new * self.shape.slot_bytes(self.format) as u64
+    }
+
     /// The first chunk that [`KvCache::recomputable`] allows on its own (0 without a window).
     pub fn first_recomputable(&self) -> usize {
         let s = &self.shape;
