@@ -35,6 +35,14 @@ pub struct BenchEngineArgs {
     /// Tokens to decode at each depth (depth + tokens at most the model's context length)
     #[arg(long, default_value_t = 128, value_parser = crate::report::positive)]
     pub decode: usize,
+    /// Tokens per measured step of each prefill: the prompt goes in as forward passes of this
+    /// many tokens, each timed, so a long prompt shows its speed falling with depth (0: one pass)
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    pub prefill_step: usize,
+    /// Tokens of a short prompt prefilled after each decode (at depth --decode-at plus
+    /// --decode), as a call on a long context does (0: none)
+    #[arg(long, default_value_t = 0, value_name = "TOKENS")]
+    pub append: usize,
     /// Runs of each measurement; the median is reported
     #[arg(long, default_value_t = 3, value_parser = crate::report::positive)]
     pub runs: usize,
@@ -73,6 +81,9 @@ struct DecodeRow {
     bandwidth_bound_tokens_per_sec: f64,
     /// Measured over bound.
     bandwidth_ratio: f64,
+    /// --append tokens prefilled after the decode, at depth `depth + tokens`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    append: Option<Row>,
 }
 
 #[derive(serde::Serialize)]
@@ -81,6 +92,22 @@ struct Row {
     median_secs: f64,
     tokens_per_sec: f64,
     all_secs: Vec<f64>,
+    /// With --prefill-step: each step's tokens/s (the median over the runs), in order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    steps_tokens_per_sec: Vec<f64>,
+}
+
+impl Row {
+    fn of(tokens: usize, all_secs: Vec<f64>) -> Row {
+        let m = median(all_secs.iter().copied());
+        Row {
+            tokens,
+            median_secs: m,
+            tokens_per_sec: tokens as f64 / m,
+            all_secs,
+            steps_tokens_per_sec: Vec::new(),
+        }
+    }
 }
 
 /// Resident set size of this process, from /proc/self/status.
@@ -176,11 +203,12 @@ fn check_lengths(a: &BenchEngineArgs, max_ctx: usize) -> anyhow::Result<()> {
     if let Some(d) = a
         .decode_at
         .iter()
-        .find(|&&d| d.max(1).saturating_add(a.decode) > max_ctx)
+        .find(|&&d| start_depth(d) + a.decode + a.append > max_ctx)
     {
         anyhow::bail!(
-            "--decode-at {d} plus --decode {} is longer than the model's context of {max_ctx} tokens",
-            a.decode
+            "--decode-at {d} plus --decode {} and --append {} is longer than the model's context of {max_ctx} tokens",
+            a.decode,
+            a.append
         );
     }
     Ok(())
@@ -218,25 +246,43 @@ fn kernels(model: &model::Model) -> String {
     )
 }
 
-/// Each --prefill length into a fresh cache, --runs times; the median.
+/// Each --prefill length into a fresh cache, --runs times, in steps of --prefill-step tokens
+/// (each step timed); the medians.
 fn measure_prefill(a: &BenchEngineArgs, l: &Loaded, tokens: &[u32]) -> anyhow::Result<Vec<Row>> {
     let mut prefill = Vec::new();
     for &n in &a.prefill {
+        let step = if a.prefill_step == 0 {
+            n
+        } else {
+            a.prefill_step
+        };
         let mut secs = Vec::new();
+        let mut steps: Vec<Vec<f64>> = Vec::new();
         for _ in 0..a.runs {
             let mut cache = l.new_cache();
-            let t = Instant::now();
-            l.model.forward(&mut cache, &tokens[..n], Logits::Last)?;
-            secs.push(t.elapsed().as_secs_f64());
+            let mut each = Vec::new();
+            for piece in tokens[..n].chunks(step) {
+                let t = Instant::now();
+                l.model.forward(&mut cache, piece, Logits::Last)?;
+                each.push(t.elapsed().as_secs_f64());
+            }
+            secs.push(each.iter().sum());
+            steps.push(each);
         }
-        let m = median(secs.iter().copied());
-        eprintln!("  prefill {n:>5} tokens: {:>8.1} t/s", n as f64 / m);
-        prefill.push(Row {
-            tokens: n,
-            median_secs: m,
-            tokens_per_sec: n as f64 / m,
-            all_secs: secs,
-        });
+        let mut row = Row::of(n, secs);
+        eprintln!("  prefill {n:>5} tokens: {:>8.1} t/s", row.tokens_per_sec);
+        if step < n {
+            for (i, piece) in tokens[..n].chunks(step).enumerate() {
+                let tps = piece.len() as f64 / median(steps.iter().map(|e| e[i]));
+                eprintln!(
+                    "    tokens {:>5}..{:<5} {tps:>8.1} t/s",
+                    i * step,
+                    i * step + piece.len()
+                );
+                row.steps_tokens_per_sec.push(tps);
+            }
+        }
+        prefill.push(row);
     }
     Ok(prefill)
 }
@@ -251,11 +297,11 @@ fn measure_decode(
     bandwidth: f64,
 ) -> anyhow::Result<DecodeRow> {
     let mut secs = Vec::new();
+    let mut append = Vec::new();
     let mut kv_bytes = 0;
     for _ in 0..a.runs {
         let mut cache = l.new_cache();
-        // Depth 0 still needs one token to start from.
-        let start = depth.max(1);
+        let start = start_depth(depth);
         let mut logits = l
             .model
             .forward(&mut cache, &tokens[..start], Logits::Last)?;
@@ -266,9 +312,16 @@ fn measure_decode(
         }
         secs.push(t.elapsed().as_secs_f64());
         kv_bytes = cache.resident_bytes();
+        if a.append > 0 {
+            let t = Instant::now();
+            l.model
+                .forward(&mut cache, &tokens[..a.append], Logits::Last)?;
+            append.push(t.elapsed().as_secs_f64());
+        }
     }
     let m = median(secs.iter().copied());
     let tps = a.decode as f64 / m;
+    let append = (a.append > 0).then(|| Row::of(a.append, append));
     // The KV read per token grows from the depth to the end; take its middle.
     let kv_per_token = kv_bytes as f64 / (depth.max(1) + a.decode) as f64;
     let weights_read = l.model.decode_weight_bytes() as f64;
@@ -279,19 +332,29 @@ fn measure_decode(
         a.decode,
         100.0 * tps / bound
     );
+    if let Some(r) = &append {
+        eprintln!(
+            "  append  {:>5} tokens at depth {:>5}: {:>8.1} t/s ({:.1} ms)",
+            r.tokens,
+            start_depth(depth) + a.decode,
+            r.tokens_per_sec,
+            r.median_secs * 1e3
+        );
+    }
     Ok(DecodeRow {
         depth,
-        row: Row {
-            tokens: a.decode,
-            median_secs: m,
-            tokens_per_sec: tps,
-            all_secs: secs,
-        },
+        row: Row::of(a.decode, secs),
+        append,
         kv_bytes,
         bytes_per_token: per_token,
         bandwidth_bound_tokens_per_sec: bound,
         bandwidth_ratio: tps / bound,
     })
+}
+
+/// The tokens a decode at `depth` starts after: one at depth 0.
+fn start_depth(depth: usize) -> usize {
+    depth.max(1)
 }
 
 /// The report's table: a row per prefill and decode, then the weights and memory.
@@ -316,6 +379,15 @@ fn print_table(report: &Report) {
             d.bandwidth_bound_tokens_per_sec,
             d.bandwidth_ratio
         );
+        if let Some(r) = &d.append {
+            table!(
+                "| append at {} | {} | {:.3} | {:.1} | | |",
+                start_depth(d.depth) + d.row.tokens,
+                r.tokens,
+                r.median_secs,
+                r.tokens_per_sec
+            );
+        }
     }
     table!(
         "\nweights {:.1} MiB ({:.3}× the file's {:.1} MiB of tensors), read bandwidth {:.2} GB/s, RSS {:.1} MiB, peak RSS {:.1} MiB",
