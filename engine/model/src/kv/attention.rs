@@ -134,7 +134,7 @@ pub fn attend_chunks(
     let t = cache.shape().tokens;
 
     // Phase 1: every KV head's sealed keys and values of chunks 0..=last, as f32 [pos][dim].
-    let gathered = gather_sealed(cache, layer, shape, rows, last)?;
+    let (from, gathered) = gather_sealed(cache, layer, shape, rows, last)?;
 
     // Phase 2: per (KV head, chunk with queries): all the chunk's query rows at once, padded to
     // the full chunk so the shapes depend on the chunk's index alone. Row r is the chunk's
@@ -147,7 +147,7 @@ pub fn attend_chunks(
         tasks
             .into_par_iter()
             .map(|(g, i)| {
-                let (o, col) = chunk_task(cache, layer, shape, q, rows[i], g, &gathered[g]);
+                let (o, col) = chunk_task(cache, layer, shape, q, rows[i], g, from, &gathered[g]);
                 (g, i, o, col)
             })
             .collect()
@@ -162,8 +162,10 @@ pub fn attend_chunks(
 }
 
 /// One task of [`attend_chunks`]: KV head `g` for the query rows `r` of one chunk, against the
-/// head's `gathered` sealed keys and values; returns the outputs `[token * group + j][head_dim]`
-/// and the attention each key from the chunk's first visible one received.
+/// head's `gathered` sealed keys and values (from position `from`); returns the outputs
+/// `[token * group + j][head_dim]` and the attention each key from the chunk's first visible one
+/// received.
+#[allow(clippy::too_many_arguments)]
 fn chunk_task(
     cache: &KvCache,
     layer: usize,
@@ -171,6 +173,7 @@ fn chunk_task(
     q: &[f32],
     r: ChunkRows,
     g: usize,
+    from: usize,
     gathered: &(Vec<f32>, Vec<f32>),
 ) -> (Vec<f32>, Vec<f32>) {
     let AttnShape {
@@ -188,7 +191,7 @@ fn chunk_task(
     let k0 = shape.first_chunk(r.chunk, t) * t;
     let width = base + t - k0;
     let (ka, va) = gathered;
-    let (ka, va) = (&ka[k0 * hd..], &va[k0 * hd..]);
+    let (ka, va) = (&ka[(k0 - from) * hd..], &va[(k0 - from) * hd..]);
     let block = t * hd;
     let (ko, vo) = match cache.f32_layer(layer, r.chunk) {
         Some(buf) => (
@@ -274,17 +277,19 @@ fn scatter_rows(shape: AttnShape, r: ChunkRows, g: usize, o: &[f32], out: &mut [
 /// Each KV head's keys and values, f32 `[pos][dim]`.
 type Gathered = Vec<(Vec<f32>, Vec<f32>)>;
 
-/// Every KV head's sealed keys and values of chunks `0..=last`, as f32 `[pos][dim]`. A chunk
-/// with no sealed form stays zero: only its own queries read it, from its f32 staging; a chunk
-/// later queries need without a sealed form is an error. Chunks before every row's window are
-/// neither read nor needed.
+/// Every KV head's sealed keys and values of the chunks any row sees (from the first row's
+/// window to `last`), as f32 `[pos][dim]`, and the first position gathered. A chunk with no
+/// sealed form stays zero: only its own queries read it, from its f32 staging; a chunk later
+/// queries need without a sealed form is an error. Chunks before every row's window are neither
+/// read nor held: on a sliding-window layer deep in a long context the gather is the window's,
+/// not the context's.
 fn gather_sealed(
     cache: &KvCache,
     layer: usize,
     shape: AttnShape,
     rows: &[ChunkRows],
     last: usize,
-) -> Result<Gathered, KvError> {
+) -> Result<(usize, Gathered), KvError> {
     let cs = *cache.shape();
     let (t, hd) = (cs.tokens, shape.head_dim);
     let from = rows
@@ -292,22 +297,25 @@ fn gather_sealed(
         .map(|r| shape.first_chunk(r.chunk, t))
         .min()
         .unwrap_or(0);
-    (0..shape.n_kv_heads)
+    let len = (last + 1 - from) * t * hd;
+    let gathered = (0..shape.n_kv_heads)
         .into_par_iter()
         .map(|g| -> Result<_, KvError> {
-            let mut ka = vec![0.0; (last + 1) * t * hd];
-            let mut va = vec![0.0; (last + 1) * t * hd];
+            let mut ka = vec![0.0; len];
+            let mut va = vec![0.0; len];
             for c in from..=last {
+                let at = (c - from) * t * hd..(c + 1 - from) * t * hd;
                 if let Some((f, bytes)) = cache.sealed_layer(layer, c)? {
-                    decode_k(&cs, f, bytes, g, &mut ka[c * t * hd..(c + 1) * t * hd]);
-                    decode_v(&cs, f, bytes, g, &mut va[c * t * hd..(c + 1) * t * hd]);
+                    decode_k(&cs, f, bytes, g, &mut ka[at.clone()]);
+                    decode_v(&cs, f, bytes, g, &mut va[at]);
                 } else if rows.iter().any(|r| r.chunk > c) {
                     return Err(KvError::NotResident { index: c });
                 }
             }
             Ok((ka, va))
         })
-        .collect()
+        .collect::<Result<_, _>>()?;
+    Ok((from * t, gathered))
 }
 
 /// Records, when the cache records, how many query rows saw each key of chunks `0..=last`: key
