@@ -1173,3 +1173,63 @@ fn raw_chunks_are_read_straight_into_an_aligned_buffer_and_bad_ones_still_quaran
     store.read_chunk_into(id, 2, &FP, buf.get(20480)).unwrap();
     assert_eq!(&buf[..20000], &data[2][..]);
 }
+
+#[test]
+fn a_transcript_is_kept_beside_the_tokens_and_a_rebuild_swaps_the_context_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let id = {
+        let store = open(dir.path());
+        let id = new_ctx(&store, 40);
+        assert_eq!(store.transcript(id).unwrap(), None);
+        store.write_transcript(id, b"first").unwrap();
+        store.write_transcript(id, b"second").unwrap();
+        store
+            .write_chunk(id, 0, &FP, KvFormat::Int8, 0.5, &chunk_bytes(1, 4096))
+            .unwrap();
+        id
+    };
+    let store = open(dir.path());
+    assert_eq!(
+        store.transcript(id).unwrap().as_deref(),
+        Some(&b"second"[..])
+    );
+    assert!(matches!(
+        store.context(id).unwrap().chunks[0].state,
+        StoreState::Stored(_)
+    ));
+    // Rebuilt under another model: same id, new meta, tokens and transcript, no chunk left.
+    let other = Fingerprint([9; 32]);
+    let new = NewContext {
+        owner_uid: 1000,
+        app: "chat".into(),
+        fingerprint: other,
+        chunk_tokens: 16,
+    };
+    store
+        .rebuild_context(id, new, &[5, 6, 7], b"rebuilt")
+        .unwrap();
+    let check = |store: &Store| {
+        assert_eq!(store.fingerprint(id).unwrap(), other);
+        assert_eq!(store.tokens(id).unwrap(), [5, 6, 7]);
+        assert_eq!(
+            store.transcript(id).unwrap().as_deref(),
+            Some(&b"rebuilt"[..])
+        );
+        assert!(
+            store
+                .context(id)
+                .unwrap()
+                .chunks
+                .iter()
+                .all(|c| !matches!(c.state, StoreState::Stored(_)))
+        );
+        assert_eq!(store.list_contexts(), vec![id]);
+    };
+    check(&store);
+    drop(store);
+    check(&open(dir.path()));
+    let staging = std::fs::read_dir(dir.path().join("staging"))
+        .unwrap()
+        .count();
+    assert_eq!(staging, 0, "the replaced context is gone");
+}

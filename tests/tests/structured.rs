@@ -354,6 +354,9 @@ fn a_version_1_connection_is_served_as_before() {
         r#"{{"op":"call","id":6,"context":{ctx},"prompt":"x","response_format":{{"type":"regex","pattern":"x"}}}}"#
     ));
     assert_eq!(line(&mut r)["error"]["code"], "bad_request");
+    send(&format!(r#"{{"op":"prewarm","id":7,"context":{ctx}}}"#));
+    let e = line(&mut r);
+    assert_eq!(e["error"]["code"], "bad_request", "{e}");
     // And the typed client of this crate speaks version 2 on the same daemon.
     let mut c = w.connect("new");
     assert_eq!(c.hello().version, 2);

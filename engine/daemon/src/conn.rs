@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::Instant;
 
-use crate::queue::Refused;
+use crate::queue::{Lane, Refused};
 use crate::{Job, Shared};
 use parking_lot::Mutex;
 use protocol::{ErrorBody, Event, HelloReply, Reply, Request, codes, parse_request};
@@ -75,6 +75,17 @@ impl Conn {
     /// Stops reading requests (the daemon is shutting down); replies already queued still go out.
     pub fn stop_reading(&self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Read);
+    }
+
+    /// Registers call `id`'s cancel flag; false if a call of that id is still queued or
+    /// running.
+    fn register_call(&self, id: u64, cancel: &Arc<AtomicBool>) -> bool {
+        let mut calls = self.calls.lock();
+        if calls.contains_key(&id) {
+            return false;
+        }
+        calls.insert(id, Arc::clone(cancel));
+        true
     }
 
     /// The call `id` of this connection ended (answered).
@@ -354,18 +365,22 @@ fn dispatch(
             return;
         }
         Request::Call { .. } => {
-            let mut calls = conn.calls.lock();
-            if calls.contains_key(&id) {
-                drop(calls);
+            if !conn.register_call(id, &cancel) {
                 return fail(
                     codes::BAD_REQUEST,
                     format!("call {id} is still running on this connection; use a new id"),
                 );
             }
-            calls.insert(id, Arc::clone(&cancel));
-            Some((owner.uid, owner.app.clone()))
+            Lane::Call((owner.uid, owner.app.clone()))
         }
-        _ => None,
+        // A context rebuilt from a transcript is prefilled: it waits its turn as a call does.
+        Request::New {
+            transcript: Some(_),
+            ..
+        } => Lane::Call((owner.uid, owner.app.clone())),
+        // A prewarm yields to calls: it waits until none is queued.
+        Request::Prewarm { .. } => Lane::Idle((owner.uid, owner.app.clone())),
+        _ => Lane::Control,
     };
     let job = Job {
         conn: Arc::clone(conn),

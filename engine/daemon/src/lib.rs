@@ -174,7 +174,7 @@ impl Daemon {
     /// Serves `listener` with `manager` (the engine thread owns it) until stopped.
     pub fn start(
         listener: UnixListener,
-        manager: Manager,
+        mut manager: Manager,
         tokenizer: Arc<Tokenizer>,
         cfg: DaemonConfig,
     ) -> Result<Daemon, DaemonError> {

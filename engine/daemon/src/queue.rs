@@ -1,6 +1,8 @@
 //! The daemon's bounded, fair queue: calls wait in one lane per app and are taken round-robin
 //! across apps (not first-come across connections), so one busy app cannot starve the others;
-//! quick requests (new, list, info, stats, delete) go in a control lane served first. A full lane
+//! quick requests (new, list, info, stats, delete) go in a control lane served first; idle work
+//! (`prewarm`) waits in lanes of its own, round-robin across apps too, taken only when no
+//! control request and no call waits, so it never delays a call that is queued. A full lane
 //! refuses (the caller answers `busy`) instead of growing.
 //!
 //! Generic over its [`Primitives`] (std's by default) so that `engine/daemon/tests/models.rs`
@@ -20,12 +22,65 @@ pub enum Refused {
     Closed,
 }
 
+/// Where a request waits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lane<K> {
+    /// Quick requests, served first, in order.
+    Control,
+    /// A call of app `K`: round-robin across apps.
+    Call(K),
+    /// Idle work of app `K` (prewarm): round-robin across apps, only when no control request
+    /// and no call waits.
+    Idle(K),
+}
+
+/// One app lane per key, served round-robin.
+struct Fair<K, T> {
+    lanes: HashMap<K, VecDeque<T>>,
+    /// Apps with queued items, in the order they are served next.
+    ring: VecDeque<K>,
+    len: usize,
+}
+
+impl<K: Eq + Hash + Clone, T> Fair<K, T> {
+    fn new() -> Self {
+        Self {
+            lanes: HashMap::new(),
+            ring: VecDeque::new(),
+            len: 0,
+        }
+    }
+
+    fn push(&mut self, k: K, item: T) {
+        self.len += 1;
+        let lane = self.lanes.entry(k.clone()).or_default();
+        lane.push_back(item);
+        if lane.len() == 1 {
+            self.ring.push_back(k);
+        }
+    }
+
+    fn take(&mut self) -> Option<T> {
+        let k = self.ring.pop_front()?;
+        let lane = self
+            .lanes
+            .get_mut(&k)
+            .expect("a key in the ring has a lane");
+        let t = lane.pop_front().expect("a lane in the ring is not empty");
+        if lane.is_empty() {
+            self.lanes.remove(&k);
+        } else {
+            self.ring.push_back(k);
+        }
+        self.len -= 1;
+        Some(t)
+    }
+}
+
 struct State<K, T> {
     control: VecDeque<T>,
-    lanes: HashMap<K, VecDeque<T>>,
-    /// Apps with queued calls, in the order they are served next.
-    ring: VecDeque<K>,
-    calls: usize,
+    calls: Fair<K, T>,
+    idle: Fair<K, T>,
     closed: bool,
 }
 
@@ -37,14 +92,14 @@ pub struct FairQueue<K: Send, T: Send, S: Primitives = Std> {
 }
 
 impl<K: Eq + Hash + Clone + Send, T: Send, S: Primitives> FairQueue<K, T, S> {
-    /// A queue holding at most `capacity` calls and `capacity` control requests.
+    /// A queue holding at most `capacity` calls, `capacity` control requests and `capacity`
+    /// idle requests.
     pub fn new(capacity: usize) -> Self {
         Self {
             state: S::mutex(State {
                 control: VecDeque::new(),
-                lanes: HashMap::new(),
-                ring: VecDeque::new(),
-                calls: 0,
+                calls: Fair::new(),
+                idle: Fair::new(),
                 closed: false,
             }),
             ready: S::condvar(),
@@ -56,30 +111,24 @@ impl<K: Eq + Hash + Clone + Send, T: Send, S: Primitives> FairQueue<K, T, S> {
         S::lock(&self.state)
     }
 
-    /// Queues a control request (`key` None) or a call of app `key`.
-    pub fn push(&self, key: Option<K>, item: T) -> Result<(), (T, Refused)> {
+    /// Queues `item` in `lane`.
+    pub fn push(&self, lane: Lane<K>, item: T) -> Result<(), (T, Refused)> {
         let mut s = self.lock();
         if s.closed {
             return Err((item, Refused::Closed));
         }
-        match key {
-            None => {
-                if s.control.len() >= self.capacity {
-                    return Err((item, Refused::Busy));
-                }
-                s.control.push_back(item);
-            }
-            Some(k) => {
-                if s.calls >= self.capacity {
-                    return Err((item, Refused::Busy));
-                }
-                s.calls += 1;
-                let lane = s.lanes.entry(k.clone()).or_default();
-                lane.push_back(item);
-                if lane.len() == 1 {
-                    s.ring.push_back(k);
-                }
-            }
+        let held = match &lane {
+            Lane::Control => s.control.len(),
+            Lane::Call(_) => s.calls.len,
+            Lane::Idle(_) => s.idle.len,
+        };
+        if held >= self.capacity {
+            return Err((item, Refused::Busy));
+        }
+        match lane {
+            Lane::Control => s.control.push_back(item),
+            Lane::Call(k) => s.calls.push(k, item),
+            Lane::Idle(k) => s.idle.push(k, item),
         }
         drop(s);
         S::notify_one(&self.ready);
@@ -87,19 +136,10 @@ impl<K: Eq + Hash + Clone + Send, T: Send, S: Primitives> FairQueue<K, T, S> {
     }
 
     fn take(s: &mut State<K, T>) -> Option<T> {
-        if let Some(t) = s.control.pop_front() {
-            return Some(t);
-        }
-        let k = s.ring.pop_front()?;
-        let lane = s.lanes.get_mut(&k).expect("a key in the ring has a lane");
-        let t = lane.pop_front().expect("a lane in the ring is not empty");
-        if lane.is_empty() {
-            s.lanes.remove(&k);
-        } else {
-            s.ring.push_back(k);
-        }
-        s.calls -= 1;
-        Some(t)
+        s.control
+            .pop_front()
+            .or_else(|| s.calls.take())
+            .or_else(|| s.idle.take())
     }
 
     /// The next item, waiting for one; `None` once the queue is closed.
@@ -137,7 +177,7 @@ impl<K: Eq + Hash + Clone + Send, T: Send, S: Primitives> FairQueue<K, T, S> {
     /// Items queued now.
     pub fn len(&self) -> usize {
         let s = self.lock();
-        s.control.len() + s.calls
+        s.control.len() + s.calls.len + s.idle.len
     }
 
     pub fn is_empty(&self) -> bool {
@@ -154,71 +194,111 @@ mod tests {
     fn round_robin_across_apps() {
         let q: FairQueue<_, _> = FairQueue::new(100);
         for i in 0..4 {
-            q.push(Some("a"), format!("a{i}")).unwrap();
+            q.push(Lane::Call("a"), format!("a{i}")).unwrap();
         }
-        q.push(Some("b"), "b0".to_owned()).unwrap();
-        q.push(Some("c"), "c0".to_owned()).unwrap();
-        q.push(None, "list".to_owned()).unwrap();
-        q.push(Some("b"), "b1".to_owned()).unwrap();
+        q.push(Lane::Call("b"), "b0".to_owned()).unwrap();
+        q.push(Lane::Call("c"), "c0".to_owned()).unwrap();
+        q.push(Lane::Control, "list".to_owned()).unwrap();
+        q.push(Lane::Call("b"), "b1".to_owned()).unwrap();
         let order: Vec<String> = std::iter::from_fn(|| q.try_pop()).collect();
         assert_eq!(order, ["list", "a0", "b0", "c0", "a1", "b1", "a2", "a3"]);
     }
 
     #[test]
+    fn idle_work_waits_for_every_call_and_control_request() {
+        let q: FairQueue<_, _> = FairQueue::new(100);
+        q.push(Lane::Idle("a"), "warm a0").unwrap();
+        q.push(Lane::Idle("a"), "warm a1").unwrap();
+        q.push(Lane::Idle("b"), "warm b0").unwrap();
+        q.push(Lane::Call("b"), "call b0").unwrap();
+        q.push(Lane::Control, "list").unwrap();
+        assert_eq!(q.try_pop(), Some("list"));
+        assert_eq!(q.try_pop(), Some("call b0"));
+        assert_eq!(q.try_pop(), Some("warm a0"));
+        // A call queued after idle work is still served first.
+        q.push(Lane::Call("a"), "call a0").unwrap();
+        let order: Vec<&str> = std::iter::from_fn(|| q.try_pop()).collect();
+        assert_eq!(order, ["call a0", "warm b0", "warm a1"]);
+    }
+
+    #[test]
     fn full_and_closed() {
         let q: FairQueue<_, _> = FairQueue::new(2);
-        q.push(Some(1), 1).unwrap();
-        q.push(Some(2), 2).unwrap();
-        assert_eq!(q.push(Some(3), 3), Err((3, Refused::Busy)));
-        q.push(None, 9).unwrap();
+        q.push(Lane::Call(1), 1).unwrap();
+        q.push(Lane::Call(2), 2).unwrap();
+        assert_eq!(q.push(Lane::Call(3), 3), Err((3, Refused::Busy)));
+        q.push(Lane::Idle(3), 7).unwrap();
+        q.push(Lane::Idle(3), 8).unwrap();
+        assert_eq!(q.push(Lane::Idle(1), 6), Err((6, Refused::Busy)));
+        q.push(Lane::Control, 9).unwrap();
         assert_eq!(q.try_pop(), Some(9));
-        assert_eq!(q.close(), vec![1, 2]);
-        assert_eq!(q.push(None, 4), Err((4, Refused::Closed)));
+        assert_eq!(q.close(), vec![1, 2, 7, 8]);
+        assert_eq!(q.push(Lane::Control, 4), Err((4, Refused::Closed)));
         assert_eq!(q.pop(), None);
+    }
+
+    /// The naive oracle's app lanes: served in first-queued order, an app that still has items
+    /// goes to the back.
+    fn oracle_take(lanes: &mut Vec<(u8, VecDeque<u32>)>) -> Option<u32> {
+        if lanes.is_empty() {
+            return None;
+        }
+        let (k, mut lane) = lanes.remove(0);
+        let t = lane.pop_front();
+        if !lane.is_empty() {
+            lanes.push((k, lane));
+        }
+        t
+    }
+
+    fn oracle_push(lanes: &mut Vec<(u8, VecDeque<u32>)>, app: u8, n: u32) {
+        match lanes.iter_mut().find(|l| l.0 == app) {
+            Some(l) => l.1.push_back(n),
+            None => lanes.push((app, VecDeque::from([n]))),
+        }
+    }
+
+    fn held(lanes: &[(u8, VecDeque<u32>)]) -> usize {
+        lanes.iter().map(|l| l.1.len()).sum()
     }
 
     proptest! {
         /// Against a naive oracle: serve control first, then the app after the last one served
-        /// (in first-queued order) that has something queued.
+        /// (in first-queued order) that has a call queued, then likewise for idle work.
         #[test]
-        fn matches_oracle(ops in proptest::collection::vec((0u8..4, any::<bool>()), 0..200)) {
+        fn matches_oracle(ops in proptest::collection::vec((0u8..7, any::<bool>()), 0..200)) {
             let q: FairQueue<_, _> = FairQueue::new(8);
             let mut control: VecDeque<u32> = VecDeque::new();
-            let mut lanes: Vec<(u8, VecDeque<u32>)> = Vec::new();
-            for (n, (app, pop)) in ops.into_iter().enumerate() {
+            let mut calls: Vec<(u8, VecDeque<u32>)> = Vec::new();
+            let mut idle: Vec<(u8, VecDeque<u32>)> = Vec::new();
+            for (n, (op, pop)) in ops.into_iter().enumerate() {
                 let n = n as u32;
                 if pop {
-                    let want = if let Some(c) = control.pop_front() {
-                        Some(c)
-                    } else if lanes.is_empty() {
-                        None
-                    } else {
-                        let (k, mut lane) = lanes.remove(0);
-                        let t = lane.pop_front();
-                        if !lane.is_empty() {
-                            lanes.push((k, lane));
-                        }
-                        t
-                    };
+                    let want = control
+                        .pop_front()
+                        .or_else(|| oracle_take(&mut calls))
+                        .or_else(|| oracle_take(&mut idle));
                     prop_assert_eq!(q.try_pop(), want);
-                } else if app == 3 {
-                    let r = q.push(None, n);
+                } else if op == 6 {
+                    let r = q.push(Lane::Control, n);
                     prop_assert_eq!(r.is_ok(), control.len() < 8);
                     if r.is_ok() {
                         control.push_back(n);
                     }
                 } else {
-                    let queued: usize = lanes.iter().map(|l| l.1.len()).sum();
-                    let r = q.push(Some(app), n);
-                    prop_assert_eq!(r.is_ok(), queued < 8);
+                    let (app, lanes, lane) = if op < 3 {
+                        (op, &mut calls, Lane::Call(op))
+                    } else {
+                        (op - 3, &mut idle, Lane::Idle(op - 3))
+                    };
+                    let room = held(lanes) < 8;
+                    let r = q.push(lane, n);
+                    prop_assert_eq!(r.is_ok(), room);
                     if r.is_ok() {
-                        match lanes.iter_mut().find(|l| l.0 == app) {
-                            Some(l) => l.1.push_back(n),
-                            None => lanes.push((app, VecDeque::from([n]))),
-                        }
+                        oracle_push(lanes, app, n);
                     }
                 }
-                let total = control.len() + lanes.iter().map(|l| l.1.len()).sum::<usize>();
+                let total = control.len() + held(&calls) + held(&idle);
                 prop_assert_eq!(q.len(), total);
             }
         }

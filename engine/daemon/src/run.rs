@@ -11,9 +11,10 @@ use crate::{Job, Shared};
 use model::generate::SamplingParams;
 use model::tokenizer::{Message, StreamDecoder, Tokenizer};
 use protocol::{
-    BudgetNumbers, ChunkCounts, ContextInfo, Done, ErrorBody, Event, FullNumbers, PromptFormat,
-    Reply, Request, Stats, Timings, TokenCount, Usage, codes,
+    BudgetNumbers, ChunkCounts, ContextInfo, Done, ErrorBody, Event, FullNumbers, Prewarmed,
+    PromptFormat, Reply, Request, Stats, Timings, TokenCount, Usage, codes,
 };
+use service::transcript::{self, Role, Turn};
 use service::{CallOptions, CallReport, ContextSummary, Manager, Owner, Prompt, ServiceError};
 
 /// Serves requests until the queue closes, then flushes the AoT writes.
@@ -88,27 +89,42 @@ fn handle(
 ) -> Result<Event, ErrorBody> {
     let o = &job.owner;
     let window = (job.version >= 2).then(|| m.max_tokens());
+    // A context of another model is rebuilt from its transcript on its first use.
     match &job.request {
-        Request::New { system, format, .. } => {
-            let n = m.list(o).iter().filter(|c| c.app == o.app).count();
-            let max = shared.cfg.max_contexts_per_app;
-            if n >= max {
-                return Err(service_error(ServiceError::TooManyContexts {
-                    app: o.app.clone(),
-                    max,
-                }));
-            }
-            let tokens = match (system, format) {
-                (None, _) => Vec::new(),
-                (Some(s), PromptFormat::Raw) => tok.encode_start(s),
-                (Some(s), PromptFormat::Chat) => tok
-                    .encode_chat(&[Message::system(s.as_str())], false)
-                    .map_err(no_template)?,
-            };
-            let context = m.create(o, &tokens).map_err(service_error)?;
-            tracing::info!(uid = o.uid, app = %o.app, context, "context created");
-            Ok(Event::Created { context })
+        Request::Call { context, .. }
+        | Request::Prewarm { context, .. }
+        | Request::Info { context, .. }
+        | Request::Count {
+            context: Some(context),
+            ..
+        } => {
+            m.adopt(o, *context).map_err(service_error)?;
         }
+        _ => {}
+    }
+    match &job.request {
+        Request::New {
+            system,
+            format,
+            transcript,
+            ..
+        } => new_context(
+            m,
+            tok,
+            shared,
+            job,
+            system.as_deref(),
+            *format,
+            transcript.as_ref(),
+        )
+        .map(|context| Event::Created { context }),
+        Request::Export { context, .. } => m
+            .transcript(o, *context)
+            .map(|turns| Event::Transcript {
+                context: *context,
+                transcript: wire_transcript(&turns),
+            })
+            .map_err(service_error),
         Request::Call { .. } => call(m, tok, job).map(|d| Event::Done(Box::new(d))),
         Request::Count {
             context,
@@ -116,6 +132,7 @@ fn handle(
             format,
             ..
         } => count(m, tok, o, *context, text, *format).map(Event::Count),
+        Request::Prewarm { context, .. } => prewarm(m, o, *context, job).map(Event::Prewarmed),
         Request::Delete { context, .. } => {
             m.delete(o, *context).map_err(service_error)?;
             tracing::info!(uid = o.uid, context, "context deleted");
@@ -139,6 +156,76 @@ fn handle(
             codes::BAD_REQUEST,
             "hello and cancel are answered by the connection",
         )),
+    }
+}
+
+/// `new`: a context, empty, with a system prompt, or rebuilt from a transcript (rendered in the
+/// chat template and prefilled: it waited in the app's call lane), its turns recorded from the
+/// start.
+fn new_context(
+    m: &mut Manager,
+    tok: &Tokenizer,
+    shared: &Shared,
+    job: &Job,
+    system: Option<&str>,
+    format: PromptFormat,
+    transcript: Option<&protocol::Transcript>,
+) -> Result<u64, ErrorBody> {
+    let o = &job.owner;
+    let n = m.list(o).iter().filter(|c| c.app == o.app).count();
+    let max = shared.cfg.max_contexts_per_app;
+    if n >= max {
+        return Err(service_error(ServiceError::TooManyContexts {
+            app: o.app.clone(),
+            max,
+        }));
+    }
+    let (turns, tokens) = match (transcript, system, format) {
+        (Some(t), ..) => {
+            let turns = service_transcript(t)?;
+            let tokens = transcript::render(tok, &turns).map_err(no_template)?;
+            (turns, tokens)
+        }
+        (None, None, _) => (Vec::new(), Vec::new()),
+        (None, Some(s), PromptFormat::Raw) => (vec![Turn::new(Role::Raw, s)], tok.encode_start(s)),
+        (None, Some(s), PromptFormat::Chat) => (
+            vec![Turn::new(Role::System, s)],
+            tok.encode_chat(&[Message::system(s)], false)
+                .map_err(no_template)?,
+        ),
+    };
+    let context = m
+        .create_recorded(o, &tokens, turns, transcript.is_some())
+        .map_err(|e| service_error_for(e, job.version))?;
+    tracing::info!(uid = o.uid, app = %o.app, context, tokens = tokens.len(), "context created");
+    Ok(context)
+}
+
+/// A transcript from the wire as the service's turns (roles were checked when it was parsed).
+fn service_transcript(t: &protocol::Transcript) -> Result<Vec<Turn>, ErrorBody> {
+    t.turns
+        .iter()
+        .enumerate()
+        .map(|(i, w)| match Role::parse(&w.role) {
+            Some(role) => Ok(Turn::new(role, w.text.as_str())),
+            None => Err(ErrorBody::new(
+                codes::INVALID_TRANSCRIPT,
+                format!("turn {i} has the role {:?}", w.role),
+            )),
+        })
+        .collect()
+}
+
+/// The service's turns as the wire's transcript.
+fn wire_transcript(turns: &[Turn]) -> protocol::Transcript {
+    protocol::Transcript {
+        turns: turns
+            .iter()
+            .map(|t| protocol::Turn {
+                role: t.role.name().to_owned(),
+                text: t.text.clone(),
+            })
+            .collect(),
     }
 }
 
@@ -247,6 +334,32 @@ fn count(
     })
 }
 
+/// `prewarm`: context `id`'s missing chunks brought back by a Load, without a call. It waited in
+/// the idle lane, behind every call (`queue_ms` says how long).
+fn prewarm(m: &mut Manager, o: &Owner, id: u64, job: &Job) -> Result<Prewarmed, ErrorBody> {
+    let queue_ms = job.received.elapsed().as_secs_f64() * 1e3;
+    let load = m.prewarm(o, id).map_err(service_error)?;
+    let chunks = m.info(o, id).map(|c| c.chunks).unwrap_or(0);
+    tracing::info!(
+        context = id,
+        missing = load.missing,
+        read = load.read.len(),
+        recomputed = load.recomputed.len(),
+        "prewarmed"
+    );
+    let ms = |s: f64| s * 1e3;
+    Ok(Prewarmed {
+        chunks,
+        missing: load.missing,
+        read: load.read.len(),
+        recomputed: load.recomputed.len(),
+        read_bytes: load.read_bytes,
+        load_ms: ms(load.total_secs),
+        load_predicted_ms: ms(load.predicted_secs),
+        queue_ms,
+    })
+}
+
 fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> {
     let Request::Call {
         id,
@@ -265,6 +378,7 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
         unreachable!("call() is only given calls")
     };
     let o = &job.owner;
+    let prompt_text = prompt;
     let prompt = prompt_of(m, tok, o, *context, prompt, *format)?;
     let opts = CallOptions {
         max_tokens: *max_tokens,
@@ -276,6 +390,7 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
         },
         stop: tok.stop_ids(),
         format: job.format.clone(),
+        turn: Some(prompt_turn(*format, prompt_text)),
     };
     let started = Instant::now();
     let mut dec = StreamDecoder::new(true);
@@ -343,6 +458,15 @@ fn call(m: &mut Manager, tok: &Tokenizer, job: &Job) -> Result<Done, ErrorBody> 
         remaining: v2.then(|| window.saturating_sub(context_tokens)),
         usage: v2.then(|| usage(&report, m.chunk_tokens())),
     })
+}
+
+/// A call's prompt as a turn of the context's transcript.
+fn prompt_turn(format: PromptFormat, text: &str) -> Turn {
+    let role = match format {
+        PromptFormat::Chat => Role::User,
+        PromptFormat::Raw => Role::Raw,
+    };
+    Turn::new(role, text)
 }
 
 /// A call's timings, in milliseconds, from its report and the job's arrival.

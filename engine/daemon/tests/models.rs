@@ -5,7 +5,7 @@
 //! oracle by the proptest in `queue.rs`.
 //!
 //! `the_fair_queue_loses_nothing_keeps_each_apps_order_and_ends_on_close`: capacity 2; two
-//! connections push three calls each (apps 0 and 1) and a control request, the engine thread
+//! connections push three calls each (apps 0 and 1), a control request and an idle one (a prewarm), the engine thread
 //! pops until the queue closes, and the daemon's drain closes it meanwhile. Checks: every item
 //! accepted comes out exactly once, popped or handed back by `close`; a refused one (busy or
 //! closed) never does; each app's calls come out in the order they went in; the engine thread's
@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use daemon::queue::{FairQueue, Refused};
+use daemon::queue::{FairQueue, Lane, Refused};
 use service::sync::Shuttle;
 use shuttle::thread;
 
@@ -30,7 +30,7 @@ fn the_fair_queue_loses_nothing_keeps_each_apps_order_and_ends_on_close() {
                 thread::spawn(move || {
                     let mut accepted = Vec::new();
                     for n in 0..3 {
-                        match queue.push(Some(app), (app, n)) {
+                        match queue.push(Lane::Call(app), (app, n)) {
                             Ok(()) => accepted.push((app, n)),
                             Err((item, why)) => {
                                 assert_eq!(item, (app, n));
@@ -38,8 +38,11 @@ fn the_fair_queue_loses_nothing_keeps_each_apps_order_and_ends_on_close() {
                             }
                         }
                     }
-                    if queue.push(None, (9, u32::from(app))).is_ok() {
+                    if queue.push(Lane::Control, (9, u32::from(app))).is_ok() {
                         accepted.push((9, u32::from(app)));
+                    }
+                    if queue.push(Lane::Idle(app), (4 + app, 0)).is_ok() {
+                        accepted.push((4 + app, 0));
                     }
                     accepted
                 })

@@ -18,8 +18,8 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
 use crate::{
-    ContextInfo, Done, ErrorBody, Event, HelloReply, PromptFormat, Reply, ReplyBody, Request,
-    ResponseFormat, Stats, TokenCount, VERSION,
+    ContextInfo, Done, ErrorBody, Event, HelloReply, Prewarmed, PromptFormat, Reply, ReplyBody,
+    Request, ResponseFormat, Stats, TokenCount, Transcript, VERSION,
 };
 
 /// Longest reply line the client reads (a `list` of many contexts is the longest).
@@ -229,8 +229,33 @@ impl Client {
             id,
             system: system.map(str::to_owned),
             format,
+            transcript: None,
         })? {
             Event::Created { context } => Ok(context),
+            e => Err(unexpected(&e)),
+        }
+    }
+
+    /// Creates a context rebuilt from `transcript` (its turns rendered in the model's chat
+    /// template and prefilled before the daemon answers).
+    pub fn new_from_transcript(&mut self, transcript: &Transcript) -> Result<u64, ClientError> {
+        let id = self.next_id();
+        match self.request(Request::New {
+            id,
+            system: None,
+            format: PromptFormat::Chat,
+            transcript: Some(transcript.clone()),
+        })? {
+            Event::Created { context } => Ok(context),
+            e => Err(unexpected(&e)),
+        }
+    }
+
+    /// A context's turns, as recorded at each call.
+    pub fn export(&mut self, context: u64) -> Result<Transcript, ClientError> {
+        let id = self.next_id();
+        match self.request(Request::Export { id, context })? {
+            Event::Transcript { transcript, .. } => Ok(transcript),
             e => Err(unexpected(&e)),
         }
     }
@@ -279,6 +304,16 @@ impl Client {
             format,
         })? {
             Event::Count(c) => Ok(c),
+            e => Err(unexpected(&e)),
+        }
+    }
+
+    /// Brings `context`'s missing chunks back before a call (the daemon runs it once no call
+    /// waits): the next call's switch then loads nothing.
+    pub fn prewarm(&mut self, context: u64) -> Result<Prewarmed, ClientError> {
+        let id = self.next_id();
+        match self.request(Request::Prewarm { id, context })? {
+            Event::Prewarmed(p) => Ok(p),
             e => Err(unexpected(&e)),
         }
     }

@@ -66,6 +66,62 @@ pub mod codes {
     pub const INVALID_REGEX: &str = "invalid_regex";
     /// `response_format` would make too large an automaton.
     pub const TOO_COMPLEX: &str = "too_complex";
+    /// A transcript of `new` has a turn of an unknown role, or too many turns.
+    pub const INVALID_TRANSCRIPT: &str = "invalid_transcript";
+    /// The context has no transcript to export (it was made before transcripts were recorded).
+    pub const NO_TRANSCRIPT: &str = "no_transcript";
+}
+
+/// The roles of a transcript's turns.
+pub const ROLES: [&str; 4] = ["system", "user", "assistant", "raw"];
+
+/// Most turns in a transcript `new` rebuilds from.
+pub const MAX_TURNS: usize = 1 << 16;
+
+/// One turn of a conversation: who said it (one of [`ROLES`]) and what.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Turn {
+    pub role: String,
+    pub text: String,
+}
+
+/// A context's turns, as `export` gives them and `new` takes them (version 2).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Transcript {
+    pub turns: Vec<Turn>,
+}
+
+impl Transcript {
+    /// Checks every turn's role and the number of turns.
+    pub fn validate(&self) -> Result<(), ErrorBody> {
+        if self.turns.len() > MAX_TURNS {
+            return Err(ErrorBody::new(
+                codes::INVALID_TRANSCRIPT,
+                format!(
+                    "a transcript of {} turns; at most {MAX_TURNS}",
+                    self.turns.len()
+                ),
+            ));
+        }
+        match self
+            .turns
+            .iter()
+            .enumerate()
+            .find(|(_, t)| !ROLES.contains(&t.role.as_str()))
+        {
+            Some((i, t)) => Err(ErrorBody::new(
+                codes::INVALID_TRANSCRIPT,
+                format!(
+                    "turn {i} has the role {:?}; roles are {}",
+                    t.role,
+                    ROLES.join(", ")
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 /// What a call's answer must be (structured output, version 2): JSON that validates against a
@@ -96,13 +152,16 @@ pub enum PromptFormat {
 pub enum Request {
     /// Names the app; must be the first request on a connection. The uid is the peer's.
     Hello { id: u64, version: u32, app: String },
-    /// Creates a context, optionally with a system prompt.
+    /// Creates a context, optionally with a system prompt, or rebuilt from a transcript
+    /// (version 2; prefilled before the reply).
     New {
         id: u64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         system: Option<String>,
         #[serde(default)]
         format: PromptFormat,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        transcript: Option<Transcript>,
     },
     /// Appends a prompt to a context and streams the answer.
     Call {
@@ -136,6 +195,11 @@ pub enum Request {
         #[serde(default)]
         format: PromptFormat,
     },
+    /// Brings a context's missing chunks back without a call (version 2): queued behind every
+    /// call, so an app about to call pays its switch before the user types.
+    Prewarm { id: u64, context: u64 },
+    /// A context's turns (version 2).
+    Export { id: u64, context: u64 },
     /// Cancels a call of this connection (queued or running).
     Cancel { id: u64, call: u64 },
     /// Deletes a context.
@@ -168,6 +232,8 @@ impl Request {
             | Request::New { id, .. }
             | Request::Call { id, .. }
             | Request::Count { id, .. }
+            | Request::Prewarm { id, .. }
+            | Request::Export { id, .. }
             | Request::Cancel { id, .. }
             | Request::Delete { id, .. }
             | Request::List { id }
@@ -183,6 +249,8 @@ impl Request {
             Request::New { .. } => "new",
             Request::Call { .. } => "call",
             Request::Count { .. } => "count",
+            Request::Prewarm { .. } => "prewarm",
+            Request::Export { .. } => "export",
             Request::Cancel { .. } => "cancel",
             Request::Delete { .. } => "delete",
             Request::List { .. } => "list",
@@ -196,6 +264,12 @@ impl Request {
         matches!(
             self,
             Request::Count { .. }
+                | Request::Prewarm { .. }
+                | Request::Export { .. }
+                | Request::New {
+                    transcript: Some(_),
+                    ..
+                }
                 | Request::Call {
                     response_format: Some(_),
                     ..
@@ -227,6 +301,19 @@ impl Request {
                         "app names are 1 to {MAX_APP} characters of A-Z a-z 0-9 . _ -"
                     ));
                 }
+            }
+            Request::New {
+                system,
+                transcript: Some(t),
+                ..
+            } => {
+                if system.is_some() {
+                    return bad(
+                        "a transcript carries its own system turn; send system or transcript"
+                            .into(),
+                    );
+                }
+                t.validate()?;
             }
             Request::Call {
                 prompt,
@@ -426,6 +513,32 @@ pub enum Event {
     Stats(Box<Stats>),
     /// The answer to `count` (version 2).
     Count(TokenCount),
+    /// The answer to `prewarm` (version 2): every chunk of the context is resident.
+    Prewarmed(Prewarmed),
+    /// The answer to `export` (version 2).
+    Transcript {
+        context: u64,
+        transcript: Transcript,
+    },
+}
+
+/// What `prewarm` did: the context's chunks that were missing and how they came back.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Prewarmed {
+    /// Sealed chunks the context holds.
+    pub chunks: usize,
+    /// Of those, not resident when the prewarm ran.
+    pub missing: usize,
+    /// Read from the store.
+    pub read: usize,
+    /// Recomputed from their tokens (including failed reads).
+    pub recomputed: usize,
+    pub read_bytes: u64,
+    /// The Load, measured and as the planner predicted it, milliseconds.
+    pub load_ms: f64,
+    pub load_predicted_ms: f64,
+    /// Request received to the prewarm starting (the time it yielded to calls), milliseconds.
+    pub queue_ms: f64,
 }
 
 /// What `count` says: the tokens the text would add, and the context's window.
@@ -725,6 +838,7 @@ mod tests {
             id: 2,
             system: Some("terse".into()),
             format: PromptFormat::Raw,
+            transcript: None,
         };
         check(
             r#"{"op":"new","id":2,"system":"terse","format":"raw"}"#,
@@ -895,6 +1009,64 @@ mod tests {
             r#"{"op":"count","id":4}"#,
             Err((Some(4), codes::BAD_REQUEST)),
         );
+        check(
+            r#"{"op":"export","id":6,"context":3}"#,
+            Ok(Request::Export { id: 6, context: 3 }),
+        );
+        let turns = |roles: &[&str]| Transcript {
+            turns: roles
+                .iter()
+                .map(|r| Turn {
+                    role: (*r).into(),
+                    text: "x".into(),
+                })
+                .collect(),
+        };
+        let rebuilt = Request::New {
+            id: 7,
+            system: None,
+            format: PromptFormat::Chat,
+            transcript: Some(turns(&["system", "user", "assistant", "raw"])),
+        };
+        check(
+            r#"{"op":"new","id":7,"transcript":{"turns":[{"role":"system","text":"x"},{"role":"user","text":"x"},{"role":"assistant","text":"x"},{"role":"raw","text":"x"}]}}"#,
+            Ok(rebuilt.clone()),
+        );
+        assert!(rebuilt.needs_v2() && Request::Export { id: 6, context: 3 }.needs_v2());
+        for (line, code) in [
+            (
+                r#"{"op":"new","id":7,"transcript":{"turns":[{"role":"robot","text":"x"}]}}"#,
+                codes::INVALID_TRANSCRIPT,
+            ),
+            (
+                r#"{"op":"new","id":7,"system":"s","transcript":{"turns":[]}}"#,
+                codes::BAD_REQUEST,
+            ),
+            (
+                r#"{"op":"new","id":7,"transcript":{"turns":[{"role":"user"}]}}"#,
+                codes::BAD_REQUEST,
+            ),
+            (
+                r#"{"op":"new","id":7,"transcript":[{"role":"user","text":"x"}]}"#,
+                codes::BAD_REQUEST,
+            ),
+        ] {
+            check(line, Err((Some(7), code)));
+        }
+        let prewarm = Request::Prewarm { id: 5, context: 3 };
+        check(
+            r#"{"op":"prewarm","id":5,"context":3}"#,
+            Ok(prewarm.clone()),
+        );
+        assert!(prewarm.needs_v2());
+        assert_eq!(prewarm.op(), "prewarm");
+        for bad in [
+            r#"{"op":"prewarm","id":5}"#,
+            r#"{"op":"prewarm","id":5,"context":-1}"#,
+            r#"{"op":"prewarm","id":5,"context":3,"prompt":"x"}"#,
+        ] {
+            check(bad, Err((Some(5), codes::BAD_REQUEST)));
+        }
     }
 
     /// A version 1 reply (no v2 field set) is the line version 1 always sent; the v2 fields
@@ -989,6 +1161,19 @@ mod tests {
                 })),
             ),
             Reply::event(5, Event::Stats(Box::default())),
+            Reply::event(
+                7,
+                Event::Prewarmed(Prewarmed {
+                    chunks: 12,
+                    missing: 10,
+                    read: 9,
+                    recomputed: 1,
+                    read_bytes: 1 << 20,
+                    load_ms: 1.5,
+                    load_predicted_ms: 1.25,
+                    queue_ms: 0.5,
+                }),
+            ),
             Reply::event(
                 6,
                 Event::Contexts {

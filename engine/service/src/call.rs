@@ -21,6 +21,7 @@ use crate::chunks::{ChunkBook, StoredCopy};
 use crate::config::{ManagerConfig, WriteOut};
 use crate::load::{self, LoadReport};
 use crate::source::FormatLevels;
+use crate::transcript::{self, Role, Turn};
 use crate::writer::{WriteJob, Writer};
 
 /// The compression levels and the policy's global ratio the bit budget comes to, fixed at open.
@@ -47,6 +48,10 @@ pub struct CallOptions {
     /// The answer's format (structured output): every token is chosen among those that keep
     /// the answer in the grammar, and the stop tokens only where it may end.
     pub format: Option<Arc<guide::Grammar>>,
+    /// The prompt as a turn of the context's transcript (a user turn, or raw text): recorded
+    /// with the answer (an assistant turn, or raw text) when the call's tokens are made durable.
+    /// `None` records nothing, and a context whose earlier calls were not recorded records none.
+    pub turn: Option<Turn>,
 }
 
 impl Default for CallOptions {
@@ -56,6 +61,7 @@ impl Default for CallOptions {
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             format: None,
+            turn: None,
         }
     }
 }
@@ -158,6 +164,9 @@ pub(crate) struct Context {
     pub(crate) pending: Vec<u32>,
     pub(crate) density: DensityTracker,
     pub(crate) calls: u64,
+    /// The turns the context's tokens hold, as the store's transcript gives them (`None`: not
+    /// recorded).
+    pub(crate) turns: Option<Vec<Turn>>,
 }
 
 /// The manager's parts a call works with, borrowed for the call (the context itself is borrowed
@@ -172,6 +181,8 @@ pub(crate) struct Call<'a> {
     pub(crate) book: &'a ChunkBook,
     pub(crate) writer: &'a Writer,
     pub(crate) compression: &'a Compression,
+    /// Decodes answers for the transcript.
+    pub(crate) tokenizer: Option<&'a model::tokenizer::Tokenizer>,
     /// The context's id.
     pub(crate) id: u64,
 }
@@ -204,7 +215,8 @@ impl Call<'_> {
         let switch_secs = received.elapsed().as_secs_f64();
         let (run, said, guide_secs, guide_masks) = self.generate(ctx, &prompt, opts, on_token)?;
         let recompressed = self.compress(ctx, &said)?;
-        let queued_writes = self.write_out(ctx, &said)?;
+        let turns = self.turns_after(ctx, opts, &run.tokens);
+        let queued_writes = self.write_out(ctx, &said, turns)?;
         ctx.calls += 1;
         Ok(Ran::Done(CallReport {
             tokens: run.tokens,
@@ -259,8 +271,9 @@ impl Call<'_> {
     }
 
     /// Step 1, Load: the context's missing chunks back (chunks the pager wrote back when it reclaimed
-    /// them are in the store now), the prompt encoded while the reads are in flight.
-    fn load(
+    /// them are in the store now), the prompt encoded while the reads are in flight. A prewarm
+    /// runs this step alone, with an empty prompt.
+    pub(crate) fn load(
         &self,
         readers: &mut load::Readers,
         ctx: &mut Context,
@@ -372,15 +385,43 @@ impl Call<'_> {
         Ok(recompressed)
     }
 
-    /// Step 4, AoT write-out: the tokens first (a chunk is valid only with its tokens), then the
-    /// chunks `policy::plan_writeout` lists, queued for the writer thread. Returns how many.
-    fn write_out(&self, ctx: &mut Context, said: &[u32]) -> Result<usize, ServiceError> {
+    /// The context's turns after this call (the prompt's turn and the answer's), if it records
+    /// them.
+    fn turns_after(&self, ctx: &Context, opts: &CallOptions, answer: &[u32]) -> Option<Vec<Turn>> {
+        let (turns, prompt, tok) = (ctx.turns.as_ref()?, opts.turn.as_ref()?, self.tokenizer?);
+        let text = tok.decode_skip_special(answer);
+        let mut next = turns.clone();
+        next.push(prompt.clone());
+        match prompt.role {
+            Role::Raw if text.is_empty() => {}
+            Role::Raw => next.push(Turn::new(Role::Raw, text)),
+            _ => next.push(Turn::new(Role::Assistant, text)),
+        }
+        Some(next)
+    }
+
+    /// Step 4, AoT write-out: the transcript's next turns and the tokens first (a chunk is valid
+    /// only with its tokens; the transcript names the tokens it goes with, so a crash between
+    /// the two leaves it as the last completed call), then the chunks `policy::plan_writeout`
+    /// lists, queued for the writer thread. Returns how many.
+    fn write_out(
+        &self,
+        ctx: &mut Context,
+        said: &[u32],
+        turns: Option<Vec<Turn>>,
+    ) -> Result<usize, ServiceError> {
         let id = self.id;
         let kid = ContextId(id);
         let stored_tokens = self.io.store().tokens(kid)?.len();
+        if let (Some(now), Some(next)) = (&ctx.turns, &turns) {
+            let file = transcript::encode(now, next, said);
+            self.io.store().write_transcript(kid, &file)?;
+        }
         if said.len() > stored_tokens {
             self.io.store().append_tokens(kid, &said[stored_tokens..])?;
         }
+        // A call that is not recorded ends the recording: the transcript would miss it.
+        ctx.turns = turns;
         let levels = &self.compression.levels;
         let sealed = ctx.cache.chunk_formats().len();
         let stored = self.book.stored(ContextId(id), sealed);

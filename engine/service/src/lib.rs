@@ -8,8 +8,9 @@
 //! managers (LLMS and the paper's baselines); [`chooser`] lets the policy crate's LCTRU queue pick the pager's victims; [`pressure`] moves the budget with the system's
 //! memory pressure; [`profile`] is the planner's cost profile; [`inspect`] shows people who
 //! mount kvfs the contexts' text and which chunks are in memory; [`sync`] is what the
-//! hand-made concurrent pieces lock with (std's, or shuttle's in their models) and
-//! [`write_queue`] the writer's queue and flush. docs/service.md gives the numbered flows, and
+//! hand-made concurrent pieces lock with (std's, or shuttle's in their models),
+//! [`write_queue`] the writer's queue and flush, and [`transcript`] each context's turns as text,
+//! recorded with its tokens. docs/service.md gives the numbered flows, and
 //! its "Failpoints" and "Models" the failure tests.
 //!
 //! This crate owns contexts, their owners and their chunks' whereabouts (memory, kvfs, queued
@@ -31,6 +32,7 @@ pub mod pressure;
 pub mod profile;
 pub mod source;
 pub mod sync;
+pub mod transcript;
 pub mod write_queue;
 pub mod writer;
 
@@ -83,10 +85,20 @@ pub enum ServiceError {
     OverBudget { id: u64, needed: u64, budget: u64 },
     /// A context the store holds was made with another model than the one loaded; it is kept.
     #[error(
-        "context {id} was made with another model than the one this service runs; restart the \
-         service with that model to use it, or delete it (nothing was changed)"
+        "context {id} was made with another model than the one this service runs and has no \
+         transcript to rebuild it from; restart the service with that model to use it, or \
+         delete it (nothing was changed)"
     )]
     OtherModel { id: u64 },
+    /// The context has no transcript (made by an older service, or through the token API).
+    #[error(
+        "context {id} has no transcript: it was made before transcripts were recorded, or \
+         from tokens rather than text"
+    )]
+    NoTranscript { id: u64 },
+    /// A transcript the service cannot rebuild a context from.
+    #[error("{what}")]
+    InvalidTranscript { what: String },
     /// A chunk the store gave back does not fit its context (its format or its size); the call
     /// failed and the context is reloaded, so the chunk is recomputed.
     #[error("{key}: {what}")]
@@ -131,6 +143,8 @@ impl ServiceError {
             | ServiceError::Pager(uffd_pager::PagerError::LargerThanBudget { .. }) => "over_budget",
             ServiceError::Store(_) | ServiceError::ChunkMismatch { .. } => "store",
             ServiceError::OtherModel { .. } => "other_model",
+            ServiceError::NoTranscript { .. } => "no_transcript",
+            ServiceError::InvalidTranscript { .. } => "invalid_transcript",
             _ => "internal",
         }
     }

@@ -37,6 +37,9 @@ use crate::source::{FormatLevels, StoreSource, model_fingerprint};
 use crate::writer::Writer;
 use model::Model;
 use model::kv::KvCache;
+use model::tokenizer::Tokenizer;
+
+mod transcripts;
 
 /// A context as `list` shows it.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -155,6 +158,9 @@ pub struct Manager {
     /// Decode tokens measured for weight reads, and the bytes they read.
     decode_tokens: u64,
     decode_read_bytes: u64,
+    /// The model's tokenizer, once the daemon gives it ([`Manager::show_text_with`]): answers
+    /// are decoded into transcripts with it, and contexts of another model rebuilt.
+    tokenizer: Option<Arc<Tokenizer>>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -239,6 +245,7 @@ impl Manager {
             switch: Histogram::default(),
             decode_tokens: 0,
             decode_read_bytes: 0,
+            tokenizer: None,
         };
         for id in m.store.list_contexts() {
             if let Err(e) = m.resume(id.0) {
@@ -324,6 +331,7 @@ impl Manager {
             pending: tokens[sealed * t..].to_vec(),
             density,
             calls: 0,
+            turns: None,
         })
     }
 
@@ -339,7 +347,9 @@ impl Manager {
             uid: meta.owner_uid,
             app: meta.app.clone(),
         };
-        let ctx = self.new_context(id, owner, tokens)?;
+        let turns = self.recorded_turns(id, &tokens);
+        let mut ctx = self.new_context(id, owner, tokens)?;
+        ctx.turns = turns;
         self.contexts.insert(id, ctx);
         Ok(())
     }
@@ -362,7 +372,7 @@ impl Manager {
         let mut kept = said[..sink].to_vec();
         kept.extend_from_slice(&said[said.len() - recent..]);
         let dropped = said.len() - kept.len();
-        let (owner, calls) = (ctx.owner.clone(), ctx.calls);
+        let (owner, calls, turns) = (ctx.owner.clone(), ctx.calls, ctx.turns.clone());
         tracing::info!(
             ctx = id,
             dropped,
@@ -371,11 +381,17 @@ impl Manager {
         );
         // A queued write of an old chunk must not land on the new tokens.
         self.writer.flush();
+        // The transcript keeps every turn, and names the kept tokens as its own.
+        if let Some(turns) = &turns {
+            let file = crate::transcript::encode(turns, turns, &kept);
+            self.store.write_transcript(ContextId(id), &file)?;
+        }
         self.store.replace_tokens(ContextId(id), kept.clone())?;
         self.forget(id)?;
         let mut ctx = self.new_context(id, owner, kept[..sink].to_vec())?;
         ctx.pending = kept[sink..].to_vec();
         ctx.calls = calls;
+        ctx.turns = turns;
         self.contexts.insert(id, ctx);
         self.window_slides += 1;
         Ok(dropped)
@@ -494,6 +510,7 @@ impl Manager {
             book: &self.book,
             writer: &self.writer,
             compression: &self.compression,
+            tokenizer: self.tokenizer.as_deref(),
             id,
         };
         let r = call.run(&mut self.readers, ctx, prompt, opts, received, counted);
@@ -540,6 +557,46 @@ impl Manager {
             .record(std::time::Duration::from_secs_f64(report.switch_secs));
         self.learn(&report.load);
         Ok(report)
+    }
+
+    /// Brings every missing chunk of context `id` back, as a call's Load does, without a call:
+    /// the app's next call then finds them resident (`prewarm`). The context is pinned only
+    /// while it runs; its chunks are then the most recently used, the last the pager reclaims. A
+    /// failed Load reloads the context from the store, as a failed call does.
+    pub fn prewarm(&mut self, owner: &Owner, id: u64) -> Result<LoadReport, ServiceError> {
+        let _span = tracing::info_span!("prewarm", ctx = id).entered();
+        self.owned(owner, id)?;
+        let ctx = self.contexts.get_mut(&id).expect("owned checked it");
+        ctx.cache.pin()?;
+        let call = Call {
+            model: &self.model,
+            cfg: &self.cfg,
+            io: &self.io,
+            pager: &self.pager,
+            cost: &self.cost,
+            book: &self.book,
+            writer: &self.writer,
+            compression: &self.compression,
+            tokenizer: self.tokenizer.as_deref(),
+            id,
+        };
+        let r = call.load(&mut self.readers, ctx, Prompt::Tokens(&[]));
+        ctx.cache.unpin();
+        match r {
+            Ok((_, load)) => {
+                self.chunks_read += load.read.len() as u64;
+                self.chunks_recomputed += load.recomputed.len() as u64;
+                self.learn(&load);
+                Ok(load)
+            }
+            Err(e) => {
+                tracing::warn!(ctx = id, error = %e, "prewarm failed; the context is reloaded");
+                if let Err(e2) = self.reload(id) {
+                    tracing::error!(ctx = id, error = %e2, "reloading the context failed");
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Slides context `id`'s window when a prompt known too long would not fit beside it (one
@@ -747,10 +804,15 @@ impl Manager {
     }
 
     /// Shows each context's text in the store's `text` files (and so in the mount) as `tokenizer`,
-    /// this model's, decodes it; contexts of another model are not decoded.
-    pub fn show_text_with(&self, tokenizer: Arc<model::tokenizer::Tokenizer>) {
-        self.store
-            .set_decoder(self.fingerprint, super::inspect::decoder(tokenizer));
+    /// this model's, decodes it (contexts of another model are not decoded by it); calls that
+    /// give their turn record their answers decoded by it, and contexts of another model are
+    /// rebuilt from their transcripts with it.
+    pub fn show_text_with(&mut self, tokenizer: Arc<Tokenizer>) {
+        self.store.set_decoder(
+            self.fingerprint,
+            super::inspect::decoder(Arc::clone(&tokenizer)),
+        );
+        self.tokenizer = Some(tokenizer);
     }
 
     /// Where the store is mounted (chunks move through the mount), if it is.

@@ -344,7 +344,9 @@ fn another_models_contexts_are_refused_kept_and_usable_again_under_their_model()
         (id, m.info(&o, id).unwrap().tokens)
     };
     assert!(tokens > 61);
-    // The service restarts with another model: the context is refused by name, not lost.
+    // The service restarts with another model: the context, made from tokens, has no transcript
+    // to be rebuilt from (tests/tests/transcript.rs rebuilds one that has), so it is refused by
+    // name, not lost.
     let mut m = Manager::open(Arc::clone(&other), cfg()).unwrap();
     let e = call_as(&mut m, &o, id, &prompt(3, 40), 6, false).unwrap_err();
     assert_eq!(e.code(), "other_model", "{e}");

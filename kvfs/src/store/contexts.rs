@@ -1,5 +1,6 @@
-//! Contexts created and deleted, and their `meta` and `tokens` files replaced crash-safely (chunks
-//! whose tokens changed dropped); the data file's creation and opening.
+//! Contexts created, rebuilt and deleted, and their `meta`, `tokens` and `transcript` files
+//! replaced crash-safely (chunks whose tokens changed dropped); the data file's creation and
+//! opening.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
@@ -34,42 +35,130 @@ impl Store {
             });
         }
         let id = ContextId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let meta = ContextMeta {
-            owner_uid: new.owner_uid,
-            app: new.app,
-            fingerprint: new.fingerprint,
-            chunk_tokens: new.chunk_tokens,
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
-        };
+        let meta = new_meta(new);
+        let tmp = self.stage(&id.to_string(), &meta, &[], None)?;
         let staging = self.root.join("staging");
-        let tmp = staging.join(id.to_string());
-        mkdir(&tmp)?;
-        write_atomic(&tmp, "meta", ".tmp-meta", &[&meta.encode()])?;
-        write_atomic(&tmp, "tokens", ".tmp-tokens", &[&encode_tokens(&[])])?;
-        create_data(&tmp)?;
-        sync_dir(&staging)?;
         let contexts = self.root.join("contexts");
         let dir = contexts.join(id.to_string());
         std::fs::rename(&tmp, &dir).map_err(io("rename", &tmp))?;
         sync_dir(&contexts)?;
         sync_dir(&staging)?;
+        let ctx = self.open_fresh(id, meta, dir, Vec::new())?;
+        self.contexts.write().insert(id, Arc::new(ctx));
+        tracing::debug!(context = %id, "context created");
+        Ok(id)
+    }
+
+    /// A context directory in `staging/<name>` holding `meta`, `tokens`, an empty data file and,
+    /// if given, `transcript`, all durable.
+    fn stage(
+        &self,
+        name: &str,
+        meta: &ContextMeta,
+        tokens: &[u32],
+        transcript: Option<&[u8]>,
+    ) -> Result<std::path::PathBuf, StoreError> {
+        let staging = self.root.join("staging");
+        let tmp = staging.join(name);
+        mkdir(&tmp)?;
+        write_atomic(&tmp, "meta", ".tmp-meta", &[&meta.encode()])?;
+        write_atomic(&tmp, "tokens", ".tmp-tokens", &[&encode_tokens(tokens)])?;
+        if let Some(t) = transcript {
+            write_atomic(&tmp, "transcript", ".tmp-transcript", &[t])?;
+        }
+        create_data(&tmp)?;
+        sync_dir(&staging)?;
+        Ok(tmp)
+    }
+
+    /// The open state of a context directory just made, with no chunk.
+    fn open_fresh(
+        &self,
+        id: ContextId,
+        meta: ContextMeta,
+        dir: std::path::PathBuf,
+        tokens: Vec<u32>,
+    ) -> Result<Ctx, StoreError> {
         let (data, direct) = open_data(&dir.join("data"), false, self.direct)?;
-        let ctx = Ctx {
+        Ok(Ctx {
             id,
             meta,
             dir,
             data,
             direct,
             write: Mutex::new(()),
-            state: Mutex::new(CtxState::default()),
+            state: Mutex::new(CtxState {
+                tokens,
+                ..CtxState::default()
+            }),
             deleted: AtomicBool::new(false),
-        };
+        })
+    }
+
+    /// Replaces context `id` whole, keeping its id: new metadata (another model's fingerprint,
+    /// say), `tokens`, `transcript`, and no chunk. The new directory is made in `staging/` and
+    /// swapped with the old one in one `renameat2(RENAME_EXCHANGE)`, so after a crash at any
+    /// point the context is either the old one or the new one; the old one is then removed
+    /// (by the next open's recovery, if the process dies first).
+    pub fn rebuild_context(
+        &self,
+        id: ContextId,
+        new: NewContext,
+        tokens: &[u32],
+        transcript: &[u8],
+    ) -> Result<(), StoreError> {
+        self.writable()?;
+        let old = self.ctx(id)?;
+        let _w = self.write_lock(&old)?;
+        let meta = new_meta(new);
+        let tmp = self.stage(
+            &format!("{id}.{}", now_nanos()),
+            &meta,
+            tokens,
+            Some(transcript),
+        )?;
+        let staging = self.root.join("staging");
+        let contexts = self.root.join("contexts");
+        nix::fcntl::renameat2(
+            nix::fcntl::AT_FDCWD,
+            &tmp,
+            nix::fcntl::AT_FDCWD,
+            &old.dir,
+            nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+        )
+        .map_err(|e| IoError::new("exchange", &tmp, e.into()))?;
+        sync_dir(&contexts)?;
+        sync_dir(&staging)?;
+        old.deleted.store(true, Ordering::SeqCst);
+        let ctx = self.open_fresh(id, meta, old.dir.clone(), tokens.to_vec())?;
         self.contexts.write().insert(id, Arc::new(ctx));
-        tracing::debug!(context = %id, "context created");
-        Ok(id)
+        if let Err(e) = std::fs::remove_dir_all(&tmp) {
+            tracing::warn!(path = %tmp.display(), error = %e, "could not remove a replaced context; it is removed at next open");
+        }
+        tracing::debug!(context = %id, "context rebuilt");
+        Ok(())
+    }
+
+    /// Replaces a context's transcript, durably (write, fsync, rename, fsync of the directory):
+    /// after a crash it is the old one or the new one. To kvfs a transcript is opaque bytes the
+    /// service keeps beside the tokens.
+    pub fn write_transcript(&self, id: ContextId, bytes: &[u8]) -> Result<(), StoreError> {
+        self.writable()?;
+        let ctx = self.ctx(id)?;
+        let _w = self.write_lock(&ctx)?;
+        write_atomic(&ctx.dir, "transcript", ".tmp-transcript", &[bytes])?;
+        Ok(())
+    }
+
+    /// A context's transcript as last written, or `None` if none was.
+    pub fn transcript(&self, id: ContextId) -> Result<Option<Vec<u8>>, StoreError> {
+        let ctx = self.ctx(id)?;
+        let path = ctx.dir.join("transcript");
+        match std::fs::read(&path) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(IoError::new("read", &path, e).into()),
+        }
     }
 
     /// Deletes a context and all its chunks, durably.
@@ -179,6 +268,20 @@ fn runs(indices: &[u32]) -> Vec<(u32, u32)> {
         }
     }
     out
+}
+
+/// A new context's metadata, created now.
+fn new_meta(new: NewContext) -> ContextMeta {
+    ContextMeta {
+        owner_uid: new.owner_uid,
+        app: new.app,
+        fingerprint: new.fingerprint,
+        chunk_tokens: new.chunk_tokens,
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    }
 }
 
 /// Creates an empty data file in a context directory, durably.

@@ -2,9 +2,10 @@
 //! that holds its chunks.
 //!
 //! Layout under the store root:
-//! `KVFS` (marker), `contexts/<id>/{meta,tokens,data}`, `staging/` (contexts being created),
+//! `KVFS` (marker), `contexts/<id>/{meta,tokens,data,transcript}` (`transcript` only once the
+//! service wrote one: opaque bytes to kvfs), `staging/` (contexts being created or rebuilt),
 //! `trash/` (contexts being deleted) and `quarantine/` (chunks and files that failed their checks).
-//! `meta` and `tokens` are replaced atomically (see [`crate::io::write_atomic`]). In `data`, chunk
+//! `meta`, `tokens` and `transcript` are replaced atomically (see [`crate::io::write_atomic`]). In `data`, chunk
 //! `i` has two slots ([`slot_offset`]): a rewrite goes to the slot the chunk does not occupy, its
 //! payload made durable before its header, so after a crash at any point the newest complete copy
 //! is the one with the highest generation. [`Store::open`] scans the store and recovers from any
@@ -13,8 +14,8 @@
 //! This file holds the store's vocabulary (constants, errors, chunk and context metadata), the
 //! [`Store`] and its per-context state, and the lookups every operation shares. The operations are
 //! `impl Store` blocks in the files beside it, each using only this one (and `open.rs` the data
-//! file helpers of `contexts.rs`): `open.rs` (open and recovery), `contexts.rs` (contexts created
-//! and deleted, the `meta` and `tokens` files), `write.rs` (chunk writes), `read.rs` (checked chunk
+//! file helpers of `contexts.rs`): `open.rs` (open and recovery), `contexts.rs` (contexts created,
+//! rebuilt and deleted, the `meta`, `tokens` and `transcript` files), `write.rs` (chunk writes), `read.rs` (checked chunk
 //! reads, and quarantine at read time) and `render.rs` (what people inspecting see).
 
 mod contexts;

@@ -64,10 +64,26 @@ pub fn run(a: ChatArgs) -> anyhow::Result<()> {
             eprintln!("llms chat: context {id}, {} tokens so far", info.tokens);
             (id, false)
         }
-        None => (
-            client.new_context(a.system.as_deref(), PromptFormat::Chat)?,
-            true,
-        ),
+        None => match &a.transcript {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                let t: protocol::Transcript = serde_json::from_str(&text)
+                    .with_context(|| format!("{} is not a transcript", path.display()))?;
+                let id = client
+                    .new_from_transcript(&t)
+                    .with_context(|| format!("cannot rebuild a context from {}", path.display()))?;
+                eprintln!(
+                    "llms chat: context {id} rebuilt from {} turns",
+                    t.turns.len()
+                );
+                (id, true)
+            }
+            None => (
+                client.new_context(a.system.as_deref(), PromptFormat::Chat)?,
+                true,
+            ),
+        },
     };
     let r = chat(&mut client, ctx, &a, &params);
     if created && !a.keep {

@@ -1,4 +1,4 @@
-//! `llms ctx ls|show|rm` and `llms stats`: the daemon's contexts and counters, through its
+//! `llms ctx ls|show|prewarm|export|rm` and `llms stats`: the daemon's contexts and counters, through its
 //! socket (a uid sees only its own contexts).
 
 use anyhow::Context;
@@ -23,8 +23,23 @@ pub enum CtxCommand {
     Ls(CtxLs),
     /// One context in detail.
     Show(CtxShow),
+    /// Bring a context's chunks back into memory before its next call.
+    Prewarm(CtxPrewarm),
+    /// A context's turns as JSON (`llms chat --transcript FILE` rebuilds a context from it).
+    Export(CtxExport),
     /// Delete contexts (memory and store).
     Rm(CtxRm),
+}
+
+#[derive(Args, Debug)]
+pub struct CtxPrewarm {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// JSON on stdout instead of text
+    #[arg(long)]
+    pub json: bool,
+    /// The context's id
+    pub id: u64,
 }
 
 #[derive(Args, Debug)]
@@ -43,6 +58,17 @@ pub struct CtxShow {
     /// JSON on stdout instead of text
     #[arg(long)]
     pub json: bool,
+    /// The context's id
+    pub id: u64,
+}
+
+#[derive(Args, Debug)]
+pub struct CtxExport {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// Write the transcript to this file instead of stdout (written whole, then renamed)
+    #[arg(long, short, value_name = "FILE")]
+    pub out: Option<std::path::PathBuf>,
     /// The context's id
     pub id: u64,
 }
@@ -126,6 +152,8 @@ pub fn run(cmd: CtxCommand) -> anyhow::Result<()> {
             println!("calls    {} (since the daemon started)", c.calls);
             Ok(())
         }
+        CtxCommand::Prewarm(a) => prewarm(a),
+        CtxCommand::Export(a) => export(a),
         CtxCommand::Rm(a) => {
             let mut client = connect(&a.socket)?;
             for id in a.ids {
@@ -137,6 +165,60 @@ pub fn run(cmd: CtxCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `llms ctx prewarm ID`.
+fn prewarm(a: CtxPrewarm) -> anyhow::Result<()> {
+    let p = connect(&a.socket)?
+        .prewarm(a.id)
+        .with_context(|| format!("cannot prewarm context {}", a.id))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&p)?);
+        return Ok(());
+    }
+    println!(
+        "context {}: {} of {} chunks brought back ({} read, {:.2} MiB; {} recomputed) in {:.2} ms",
+        a.id,
+        p.missing,
+        p.chunks,
+        p.read,
+        mib(p.read_bytes),
+        p.recomputed,
+        p.load_ms
+    );
+    Ok(())
+}
+
+/// `llms ctx export ID`: the transcript on stdout, or into a file by write, fsync and rename, so
+/// a kill leaves the old file or the new one.
+fn export(a: CtxExport) -> anyhow::Result<()> {
+    let t = connect(&a.socket)?
+        .export(a.id)
+        .with_context(|| format!("cannot export context {}", a.id))?;
+    let mut text = serde_json::to_string_pretty(&t)?;
+    text.push('\n');
+    let Some(path) = a.out else {
+        print!("{text}");
+        return Ok(());
+    };
+    let mut tmp = path.clone().into_os_string();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    };
+    write().with_context(|| format!("cannot write {}", path.display()))?;
+    eprintln!(
+        "context {}: {} turns to {}",
+        a.id,
+        t.turns.len(),
+        path.display()
+    );
+    Ok(())
 }
 
 /// Runs `llms stats`.

@@ -104,6 +104,10 @@ pub struct ChatArgs {
     /// Continue this context of the daemon (see `llms ctx ls`) instead of a new one
     #[arg(long, value_name = "ID", conflicts_with_all = ["local", "system"])]
     pub context: Option<u64>,
+    /// Start from this transcript (JSON, as `llms ctx export` writes it): a new context rebuilt
+    /// from its turns
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["local", "system", "context"])]
+    pub transcript: Option<std::path::PathBuf>,
     /// Keep the new context when the chat ends (it is deleted otherwise)
     #[arg(long, conflicts_with = "local")]
     pub keep: bool,

@@ -1,0 +1,259 @@
+//! A context's transcript: its turns (who said what, as text), recorded at every call beside the
+//! tokens, so a conversation can be exported, rebuilt from text on another device, or rebuilt
+//! under another model (its tokens mean nothing to another tokenizer).
+//!
+//! kvfs keeps the transcript as opaque bytes (`Store::write_transcript`, replaced by write,
+//! fsync, rename), and the tokens in their own file, so the two cannot change in one step. The
+//! file therefore holds two versions: the turns that go with the tokens as they were when it was
+//! written (durable then), and the turns that go with the tokens the call is about to make
+//! durable, named by their count and hash. Reading it against the store's tokens ([`resolve`])
+//! picks the version those tokens match, so after a crash between the two writes the transcript
+//! is, like the tokens, the last completed call.
+
+use serde::{Deserialize, Serialize};
+
+use model::tokenizer::{Message, Tokenizer, TokenizerError};
+
+/// Who said a turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// The chat template's system turn.
+    System,
+    /// A chat prompt.
+    User,
+    /// The model's answer to a chat prompt.
+    Assistant,
+    /// Text without a template: a raw prompt, or the model's continuation of one.
+    Raw,
+}
+
+impl Role {
+    /// The role named `name` (as the wire and the file spell it).
+    pub fn parse(name: &str) -> Option<Role> {
+        match name {
+            "system" => Some(Role::System),
+            "user" => Some(Role::User),
+            "assistant" => Some(Role::Assistant),
+            "raw" => Some(Role::Raw),
+            _ => None,
+        }
+    }
+
+    /// The role's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Raw => "raw",
+        }
+    }
+}
+
+/// One turn.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Turn {
+    pub role: Role,
+    pub text: String,
+}
+
+impl Turn {
+    pub fn new(role: Role, text: impl Into<String>) -> Turn {
+        Turn {
+            role,
+            text: text.into(),
+        }
+    }
+}
+
+/// What went wrong reading a transcript file.
+#[derive(Debug, thiserror::Error)]
+pub enum TranscriptError {
+    #[error("the transcript file does not parse: {0}")]
+    Parse(#[from] serde_json::Error),
+    #[error("the transcript file has version {found}; this service reads version {FILE_VERSION}")]
+    Version { found: u32 },
+}
+
+/// The file's version.
+const FILE_VERSION: u32 = 1;
+
+/// The file: the turns of the tokens as they were, and those of the tokens to come.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    version: u32,
+    turns: Vec<Turn>,
+    next: Next,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Next {
+    /// The count and hash of the tokens these turns go with.
+    tokens: usize,
+    hash: u64,
+    turns: Vec<Turn>,
+}
+
+/// FNV-1a over the tokens' little-endian bytes: fixed across builds and machines, unlike std's
+/// hasher.
+pub fn tokens_hash(tokens: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in tokens.iter().flat_map(|t| t.to_le_bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// The file that says: `now` while the store's tokens are what they are, `next` once they are
+/// `tokens`.
+pub fn encode(now: &[Turn], next: &[Turn], tokens: &[u32]) -> Vec<u8> {
+    let file = File {
+        version: FILE_VERSION,
+        turns: now.to_vec(),
+        next: Next {
+            tokens: tokens.len(),
+            hash: tokens_hash(tokens),
+            turns: next.to_vec(),
+        },
+    };
+    serde_json::to_vec(&file).expect("turns always serialize")
+}
+
+/// The turns a transcript file gives for the store's `tokens`.
+pub fn resolve(bytes: &[u8], tokens: &[u32]) -> Result<Vec<Turn>, TranscriptError> {
+    let file: File = serde_json::from_slice(bytes)?;
+    if file.version != FILE_VERSION {
+        return Err(TranscriptError::Version {
+            found: file.version,
+        });
+    }
+    let next = file.next;
+    Ok(
+        if next.tokens == tokens.len() && next.hash == tokens_hash(tokens) {
+            next.turns
+        } else {
+            file.turns
+        },
+    )
+}
+
+/// The tokens a context rebuilt from `turns` holds, as calls would have made them: chat turns in
+/// the model's chat template (each closed, so the next call opens its own), raw turns as their
+/// text; the first text of a context starts with BOS when the model wants it.
+pub fn render(tok: &Tokenizer, turns: &[Turn]) -> Result<Vec<u32>, TokenizerError> {
+    let mut out: Vec<u32> = Vec::new();
+    let mut at = 0;
+    while at < turns.len() {
+        if turns[at].role == Role::Raw {
+            let t = &turns[at].text;
+            out.extend(match out.is_empty() {
+                true => tok.encode_start(t),
+                false => tok.encode(t),
+            });
+            at += 1;
+            continue;
+        }
+        let run = turns[at..]
+            .iter()
+            .take_while(|t| t.role != Role::Raw)
+            .count();
+        let chat = &turns[at..at + run];
+        if out.is_empty() {
+            let messages: Vec<Message> = chat
+                .iter()
+                .map(|t| Message::new(t.role.name(), t.text.as_str()))
+                .collect();
+            out = tok.encode_chat(&messages, false)?;
+        } else {
+            // After raw text: each turn as a call would add it, no default system prompt.
+            let marks = tok.chat_turns()?;
+            for t in chat {
+                let role = match t.role {
+                    Role::Assistant => marks.assistant,
+                    r => r.name(),
+                };
+                out.push(marks.start);
+                out.extend(tok.encode(&format!("{role}\n{}", t.text)));
+                out.push(marks.end);
+                out.extend(tok.encode("\n"));
+            }
+        }
+        at += run;
+    }
+    Ok(out)
+}
+
+/// The longest tail of `turns` that fits in `max` tokens once rendered, the leading system turn
+/// kept: how a context of another model is rebuilt when its whole transcript no longer fits (as
+/// a sliding window keeps the start and the most recent tokens). Returns the turns kept and their
+/// tokens.
+pub fn fit(
+    tok: &Tokenizer,
+    turns: &[Turn],
+    max: usize,
+) -> Result<(Vec<Turn>, Vec<u32>), TokenizerError> {
+    let head = usize::from(turns.first().is_some_and(|t| t.role == Role::System));
+    let mut from = head;
+    loop {
+        let mut kept = turns[..head].to_vec();
+        kept.extend_from_slice(&turns[from..]);
+        let tokens = render(tok, &kept)?;
+        if tokens.len() < max || from >= turns.len() {
+            return Ok((kept, tokens));
+        }
+        from += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn turns(n: usize) -> Vec<Turn> {
+        (0..n)
+            .map(|i| Turn::new(Role::User, format!("turn {i}")))
+            .collect()
+    }
+
+    #[test]
+    fn the_file_gives_the_turns_of_the_tokens_the_store_holds() {
+        let (old, new) = (vec![1, 2, 3], vec![1, 2, 3, 4, 5]);
+        let file = encode(&turns(1), &turns(3), &new);
+        // The tokens were made durable: the new turns.
+        assert_eq!(resolve(&file, &new).unwrap(), turns(3));
+        // A crash before they were: the old ones.
+        assert_eq!(resolve(&file, &old).unwrap(), turns(1));
+        // The same count, other tokens (a slid window): the hash tells them apart.
+        assert_eq!(resolve(&file, &[1, 2, 3, 4, 6]).unwrap(), turns(1));
+        assert!(matches!(
+            resolve(b"{\"version\":1}", &old),
+            Err(TranscriptError::Parse(_))
+        ));
+        let v2 = String::from_utf8(file)
+            .unwrap()
+            .replace("\"version\":1", "\"version\":2");
+        assert!(matches!(
+            resolve(v2.as_bytes(), &old),
+            Err(TranscriptError::Version { found: 2 })
+        ));
+    }
+
+    #[test]
+    fn roles_round_trip_by_name() {
+        for r in [Role::System, Role::User, Role::Assistant, Role::Raw] {
+            assert_eq!(Role::parse(r.name()), Some(r));
+            assert_eq!(
+                serde_json::to_string(&r).unwrap(),
+                format!("\"{}\"", r.name())
+            );
+        }
+        assert_eq!(Role::parse("robot"), None);
+        assert_ne!(tokens_hash(&[1, 2]), tokens_hash(&[2, 1]));
+        assert_ne!(tokens_hash(&[]), tokens_hash(&[0]));
+    }
+}
