@@ -168,6 +168,56 @@ fn context_lengths_add_up_and_respect_the_cap() {
 }
 
 #[test]
+fn long_sources_open_with_a_document_and_grow_to_the_limit() {
+    let tok = tokenizer();
+    for past_cap in [PastCap::Slide, PastCap::Restart] {
+        let mut s = spec(5, 240);
+        s.contexts = 2;
+        s.sources = vec![Source::Document, Source::Chat];
+        s.max_context = 8192;
+        s.past_cap = past_cap;
+        s.pattern = Pattern::Random;
+        let t = trace::generate(&s, tok).unwrap();
+        let (doc_lo, doc_hi) = Source::Document.opening(8192).unwrap();
+        assert_eq!((doc_lo, doc_hi), (4096, 6144), "three quarters of 8192");
+        let mut docs = 0;
+        for (i, r) in t.rows.iter().enumerate() {
+            assert_eq!(tok.encode(&r.prompt).len(), r.tokens as usize, "row {i}");
+            let (lo, hi, instruction) = match (r.source, r.start) {
+                (Source::Document, true) => {
+                    (doc_lo, doc_hi, Source::Document.opening_instruction())
+                }
+                (src, _) => (src.delta().0, src.delta().1, src.instruction()),
+            };
+            assert!((lo..=hi).contains(&r.tokens), "row {i}: {r:?}");
+            // Very short prompts drop the instruction rather than the text.
+            assert!(
+                r.prompt.starts_with(instruction) || r.tokens < 20,
+                "row {i}"
+            );
+            docs += usize::from(r.source == Source::Document && r.start);
+        }
+        let chat_max = (t.rows.iter())
+            .filter(|r| r.source == Source::Chat)
+            .map(|r| r.context_tokens)
+            .max()
+            .unwrap();
+        match past_cap {
+            PastCap::Slide => {
+                assert_eq!(docs, 1, "one conversation: one document");
+                assert!(chat_max > 8192, "the chat slides: {chat_max}");
+            }
+            PastCap::Restart => assert!(docs > 1, "each new conversation opens with one"),
+        }
+    }
+    let mut short = spec(5, 10);
+    short.sources = vec![Source::Document];
+    short.max_context = 4096;
+    let e = trace::generate(&short, tok).unwrap_err().to_string();
+    assert!(e.contains("too short for document"), "{e}");
+}
+
+#[test]
 fn arrivals_are_poisson_at_the_rate() {
     let tok = tokenizer();
     let mut s = spec(5, 3000);

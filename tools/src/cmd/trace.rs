@@ -88,9 +88,12 @@ pub struct GenArgs {
     /// contexts [default: 0.25]
     #[arg(long, value_name = "FRACTION", value_parser = parse_positive_f64)]
     pub sigma: Option<f64>,
-    /// Sources of the calls (paper Table 3), given to the contexts in turn: ag_news (200-500
+    /// Sources of the calls, given to the contexts in turn. Paper Table 3: ag_news (200-500
     /// prompt tokens), xsum (1000-2000), samsum (100-300), cnn_dailymail (500-1000), wmt
-    /// (100-500), sst2 (10-100)
+    /// (100-500), sst2 (10-100). Long contexts (with a --max-context of 8192 or more):
+    /// document (a pasted document of 4096-16384 tokens, at most 3/4 of --max-context, opens
+    /// each conversation, then questions of 10-60), chat (100-400, growing to the limit and
+    /// sliding)
     #[arg(long, value_delimiter = ',', value_name = "NAMES",
           default_value = "ag_news,xsum,samsum,cnn_dailymail,wmt,sst2", value_parser = parse_source)]
     pub sources: Vec<Source>,

@@ -10,7 +10,6 @@ use super::{
     FORMAT, PastCap, Pattern, Source, Trace, TraceContext, TraceHeader, TraceRow, VERSION,
 };
 use model::tokenizer::Tokenizer;
-use strum::VariantArray;
 
 /// What to generate. Equal specs (and the same text files and tokenizer) give equal traces.
 #[derive(Debug, Clone)]
@@ -53,7 +52,7 @@ impl TraceSpec {
                 stay: super::DEFAULT_STAY,
                 neighbour: super::DEFAULT_NEIGHBOUR,
             },
-            sources: Source::VARIANTS.to_vec(),
+            sources: Source::TABLE3.to_vec(),
             max_context: 2048,
             past_cap: PastCap::Slide,
             max_tokens: 32,
@@ -85,21 +84,34 @@ impl TraceSpec {
             return bad("max_tokens must be at least 1".into());
         }
         for s in &self.sources {
-            let need = s.delta().1 + self.max_tokens;
+            let longest = s.longest(self.max_context);
+            let need = longest + self.max_tokens;
             if self.max_context < need {
                 return bad(format!(
-                    "a context of {} tokens cannot hold one call of {s} ({} prompt tokens and \
-                     {} answer tokens): raise the maximum context to at least {need} or leave \
-                     {s} out of the sources",
+                    "a context of {} tokens cannot hold one call of {s} ({longest} prompt tokens \
+                     and {} answer tokens): raise the maximum context to at least {need} or \
+                     leave {s} out of the sources",
+                    self.max_context, self.max_tokens
+                ));
+            }
+            if let Some((lo, _)) = s.opening(self.max_context)
+                && lo < MIN_DOCUMENT
+            {
+                return bad(format!(
+                    "a context of {} tokens is too short for {s}: its documents take at most \
+                     three quarters of it and at least {MIN_DOCUMENT} tokens; raise the maximum \
+                     context to at least {}",
                     self.max_context,
-                    s.delta().1,
-                    self.max_tokens
+                    MIN_DOCUMENT.div_ceil(3) * 4
                 ));
             }
         }
         Ok(())
     }
 }
+
+/// The shortest pasted document of [`Source::Document`].
+pub const MIN_DOCUMENT: u32 = 4_096;
 
 /// Most calls in a trace.
 pub const MAX_CALLS: u64 = 10_000_000;
@@ -126,7 +138,10 @@ pub enum GenerateError {
 /// context (the pattern) and its prompt length (uniform in the source's range).
 pub fn generate(spec: &TraceSpec, tokenizer: &Tokenizer) -> Result<Trace, GenerateError> {
     spec.check()?;
-    let longest = spec.sources.iter().map(|s| s.delta().1).max().unwrap_or(0) as usize;
+    let longest = (spec.sources.iter())
+        .map(|s| s.longest(spec.max_context))
+        .max()
+        .unwrap_or(0) as usize;
     let corpus = Corpus::load(&spec.text, tokenizer, 2 * longest)?;
     let contexts: Vec<TraceContext> = (0..spec.contexts)
         .map(|i| {
@@ -153,24 +168,34 @@ pub fn generate(spec: &TraceSpec, tokenizer: &Tokenizer) -> Result<Trace, Genera
         time += rng.exponential(spec.rate);
         let c = switcher.next(&mut rng);
         let info = &contexts[c];
-        let (lo, hi) = info.source.delta();
-        let tokens = rng.range(lo, hi);
-        let p = pos[c];
-        let prompt = corpus
-            .prompt(
-                tokenizer,
-                &mut pos[c],
-                info.source.instruction(),
-                tokens as usize,
-            )
-            .ok_or(GenerateError::NoExcerpt { pos: p, tokens })?;
-        let grow = u64::from(tokens + spec.max_tokens);
+        let source = info.source;
+        let (lo, hi) = match source.opening(spec.max_context) {
+            Some(o) if length[c] == 0 => o,
+            _ => source.delta(),
+        };
+        let mut tokens = rng.range(lo, hi);
         let mut start = length[c] == 0;
-        if spec.past_cap == PastCap::Restart && length[c] + grow > u64::from(spec.max_context) {
+        if spec.past_cap == PastCap::Restart
+            && length[c] + u64::from(tokens + spec.max_tokens) > u64::from(spec.max_context)
+        {
             start = true;
             length[c] = 0;
+            // A new conversation of a document source opens with a document. (The other
+            // sources draw nothing more, so their traces are as before.)
+            if let Some((lo, hi)) = source.opening(spec.max_context) {
+                tokens = rng.range(lo, hi);
+            }
         }
-        length[c] += grow;
+        let instruction = if start {
+            source.opening_instruction()
+        } else {
+            source.instruction()
+        };
+        let p = pos[c];
+        let prompt = corpus
+            .prompt(tokenizer, &mut pos[c], instruction, tokens as usize)
+            .ok_or(GenerateError::NoExcerpt { pos: p, tokens })?;
+        length[c] += u64::from(tokens + spec.max_tokens);
         rows.push(TraceRow {
             time: (time * 1e6).round() / 1e6,
             app: info.app.clone(),

@@ -29,9 +29,10 @@ pub const FORMAT: &str = "llms-trace";
 /// The version of the format this code writes and reads.
 pub const VERSION: u32 = 1;
 
-/// A source of calls: one of the paper's Table 3 datasets, which fixes each call's prompt growth
-/// (delta tokens), the app that makes such calls and the instruction its prompts start with.
-/// Every source is in `<Source as strum::VariantArray>::VARIANTS`, in Table 3's order; its name
+/// A source of calls: one of the paper's Table 3 datasets ([`Source::TABLE3`]) or a long-context
+/// workload (a pasted document, a growing chat), which fixes each call's prompt growth (delta
+/// tokens), the app that makes such calls and the instruction its prompts start with.
+/// Every source is in `<Source as strum::VariantArray>::VARIANTS`, Table 3's first; its name
 /// in traces and on the command line ([`Source::name`], `Display`, `FromStr`, serde) is the
 /// variant's in snake case.
 #[derive(
@@ -65,6 +66,11 @@ pub enum Source {
     Wmt,
     /// SST-2, sentiment classification: 10–100.
     Sst2,
+    /// A long document pasted into a new conversation (4,096–16,384 tokens, at most three
+    /// quarters of the context), then short questions on it: 10–60 tokens per call.
+    Document,
+    /// A chat that grows to the context's limit and slides: 100–400 tokens per call.
+    Chat,
 }
 
 impl Source {
@@ -82,7 +88,29 @@ impl Source {
             Source::CnnDailymail => (500, 1000),
             Source::Wmt => (100, 500),
             Source::Sst2 => (10, 100),
+            Source::Document => (10, 60),
+            Source::Chat => (100, 400),
         }
+    }
+
+    /// Prompt tokens of the first call of a conversation, inclusive, in a context of
+    /// `max_context` tokens, when it differs from [`Source::delta`]: the pasted document, at
+    /// most three quarters of the context.
+    pub fn opening(self, max_context: u32) -> Option<(u32, u32)> {
+        match self {
+            Source::Document => {
+                let hi = (max_context / 4 * 3).min(16_384);
+                Some((4_096.min(hi), hi))
+            }
+            _ => None,
+        }
+    }
+
+    /// The longest prompt of this source in a context of `max_context` tokens.
+    pub fn longest(self, max_context: u32) -> u32 {
+        self.opening(max_context)
+            .map_or(0, |o| o.1)
+            .max(self.delta().1)
     }
 
     /// The mean prompt growth per call: the workload the Gaussian pattern ranks contexts by.
@@ -100,6 +128,8 @@ impl Source {
             Source::CnnDailymail => "browser",
             Source::Wmt => "translate",
             Source::Sst2 => "reviews",
+            Source::Document => "docs",
+            Source::Chat => "assistant",
         }
     }
 
@@ -113,8 +143,29 @@ impl Source {
             Source::CnnDailymail => "Read the article and list its main points.",
             Source::Wmt => "Translate into German:",
             Source::Sst2 => "Sentiment?",
+            Source::Document => "Answer from the document above:",
+            Source::Chat => "Reply to this message.",
         }
     }
+
+    /// The instruction of a conversation's first call, when it differs from
+    /// [`Source::instruction`].
+    pub fn opening_instruction(self) -> &'static str {
+        match self {
+            Source::Document => "Read this document; questions about it follow.",
+            s => s.instruction(),
+        }
+    }
+
+    /// The paper's Table 3 sources: `llms trace gen`'s default.
+    pub const TABLE3: [Source; 6] = [
+        Source::AgNews,
+        Source::Xsum,
+        Source::Samsum,
+        Source::CnnDailymail,
+        Source::Wmt,
+        Source::Sst2,
+    ];
 }
 
 /// What a context does when its next call would take it past `max_context` tokens.
