@@ -90,10 +90,13 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         }
     };
     let model = Arc::new(args.input.load()?);
-    if let Some(n) = args.lengths.iter().find(|&&n| n > model.cfg.max_ctx) {
+    // The context's first call generates one token after its prompt.
+    if let Some(n) = args.lengths.iter().find(|&&n| n >= model.cfg.max_ctx) {
         anyhow::bail!(
-            "--lengths {n} is longer than the model's context of {} tokens",
-            model.cfg.max_ctx
+            "--lengths {n}: the context and the token its first call generates do not fit the \
+             model's context of {} tokens; at most {}",
+            model.cfg.max_ctx,
+            model.cfg.max_ctx - 1
         );
     }
     let dir = args.report.scratch_dir(args.scratch.as_deref())?;
