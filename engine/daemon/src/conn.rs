@@ -15,10 +15,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::Instant;
 
+use crate::format::template_tools;
 use crate::queue::{Lane, Refused};
 use crate::{Job, Shared};
 use parking_lot::Mutex;
-use protocol::{ErrorBody, Event, HelloReply, Reply, Request, codes, parse_request};
+use protocol::{ErrorBody, Event, HelloReply, Reply, Request, ToolChoice, codes, parse_request};
 use service::Owner;
 
 /// A connection as the engine thread and the daemon see it.
@@ -266,8 +267,10 @@ fn read_loop(shared: &Arc<Shared>, conn: &Arc<Conn>, stream: UnixStream) {
     }
 }
 
-/// What version 2 adds to a request, checked: nothing of it on a version 1 connection, and a
-/// call's `response_format` compiled.
+/// What version 2 adds to a request, checked: nothing of it on a version 1 connection, a call's
+/// `response_format` compiled, and tools declared (on `new`, on a call, in a transcript's tools
+/// turns) compiled, so a bad schema is refused before anything is queued (the engine thread
+/// then finds the call's grammar in the cache).
 fn version_2(
     shared: &Shared,
     req: &Request,
@@ -282,14 +285,71 @@ fn version_2(
             ),
         ));
     }
+    let f = &shared.formats;
     match req {
+        Request::New {
+            tools, transcript, ..
+        } => {
+            if !tools.is_empty() {
+                f.tools(&template_tools(tools), &ToolChoice::Auto, None)?;
+            }
+            for t in transcript.iter().flat_map(|t| &t.turns) {
+                if t.role == "tools" {
+                    declared_in_transcript(shared, &t.text)?;
+                }
+            }
+            Ok(None)
+        }
         Request::Call {
-            response_format: Some(f),
+            response_format,
+            max_tokens,
+            tools,
+            tool_choice,
+            ..
+        } => {
+            let format = match response_format {
+                Some(r) => Some(f.grammar(r, *max_tokens)?),
+                None => None,
+            };
+            if !tools.is_empty() {
+                let tools = template_tools(tools);
+                f.tools(&tools, &ToolChoice::Auto, None)?;
+                match tool_choice.as_ref().unwrap_or(&ToolChoice::Auto) {
+                    ToolChoice::None => {}
+                    c => {
+                        f.tools(&tools, c, format.as_deref())?;
+                    }
+                }
+            }
+            Ok(format)
+        }
+        Request::ToolResult {
+            response_format: Some(r),
             max_tokens,
             ..
-        } => shared.formats.grammar(f, *max_tokens).map(Some),
+        } => f.grammar(r, *max_tokens).map(Some),
         _ => Ok(None),
     }
+}
+
+/// Checks the tools a transcript's `tools` turn declares: their JSON list, names, schemas.
+fn declared_in_transcript(shared: &Shared, text: &str) -> Result<(), ErrorBody> {
+    let tools: Vec<protocol::Tool> = serde_json::from_str(text).map_err(|e| {
+        ErrorBody::new(
+            codes::INVALID_TRANSCRIPT,
+            format!("a tools turn's text is not a JSON list of tools: {e}"),
+        )
+    })?;
+    protocol::tools::validate_tools(&tools).map_err(|e| {
+        ErrorBody::new(
+            codes::INVALID_TRANSCRIPT,
+            format!("a tools turn: {}", e.message),
+        )
+    })?;
+    shared
+        .formats
+        .tools(&template_tools(&tools), &ToolChoice::Auto, None)?;
+    Ok(())
 }
 
 /// Answers `hello`: the app is named, the version said.
@@ -364,7 +424,7 @@ fn dispatch(
             }
             return;
         }
-        Request::Call { .. } => {
+        Request::Call { .. } | Request::ToolResult { .. } => {
             if !conn.register_call(id, &cancel) {
                 return fail(
                     codes::BAD_REQUEST,

@@ -11,6 +11,7 @@
 //! This crate owns connections, the queue and the engine thread; it holds no mechanism of the
 //! context manager (the service crate) and no wire type of its own (the protocol crate).
 
+pub mod call;
 pub mod conn;
 pub mod format;
 pub mod queue;
@@ -85,7 +86,7 @@ pub struct Job {
 
 impl Drop for Job {
     fn drop(&mut self) {
-        if let Request::Call { id, .. } = self.request {
+        if let Request::Call { id, .. } | Request::ToolResult { id, .. } = self.request {
             self.conn.call_ended(id);
         }
     }

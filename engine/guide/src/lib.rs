@@ -25,8 +25,10 @@ mod numbers;
 pub mod oracle;
 mod pattern;
 mod schema;
+mod tools;
 mod vocab;
 
+pub use tools::{Besides, ToolCalls, ToolSchema};
 pub use vocab::{MAX_TOKEN_BYTES, Vocab};
 
 use automaton::{BuildError, DEAD, Table};
@@ -162,11 +164,18 @@ impl Grammar {
         vocab: Arc<Vocab>,
     ) -> Result<Grammar, GuideError> {
         let regex = schema::schema_regex(schema)?;
-        let table = Table::build(&regex).map_err(|e| match e {
-            BuildError::TooLarge(detail) => GuideError::TooComplex {
-                what: "schema",
-                detail,
-            },
+        Grammar::from_built(&regex, vocab, "schema")
+    }
+
+    /// Compiles the expression a schema (or tools, `what`) became: an expression that does not
+    /// compile, or matches nothing, is the schema's fault.
+    fn from_built(
+        regex: &str,
+        vocab: Arc<Vocab>,
+        what: &'static str,
+    ) -> Result<Grammar, GuideError> {
+        let table = Table::build(regex).map_err(|e| match e {
+            BuildError::TooLarge(detail) => GuideError::TooComplex { what, detail },
             BuildError::Empty => GuideError::InvalidSchema {
                 at: "#".into(),
                 what: "no JSON value satisfies this schema".into(),
@@ -176,7 +185,7 @@ impl Grammar {
                 what: format!("its expression does not compile: {what}"),
             },
         })?;
-        Ok(Grammar::new(table, vocab, regex))
+        Ok(Grammar::new(table, vocab, regex.to_owned()))
     }
 
     /// Compiles a regular expression (Rust `regex` syntax): every answer matches it as a whole.

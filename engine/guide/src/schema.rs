@@ -16,7 +16,7 @@ use crate::numbers;
 use crate::pattern::CHAR;
 
 /// Whitespace where JSON allows it: none or one space.
-const WS: &str = "[ ]?";
+pub(crate) const WS: &str = "[ ]?";
 
 /// A JSON number: at most 16 integer digits, 15 fraction digits and a two-digit exponent, so
 /// every one parses to a finite f64.

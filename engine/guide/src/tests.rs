@@ -308,3 +308,123 @@ fn a_recursive_schema_is_expanded_a_bounded_depth() {
         oracle::validate(&schema, &value).unwrap();
     }
 }
+
+const OPEN: &str = "<tool_call>\n";
+const CLOSE: &str = "\n</tool_call>";
+
+/// The tool call in `text`, checked: a declared tool's name and arguments that validate against
+/// its schema.
+fn checked_call(text: &str, tools: &[(String, Value)]) {
+    let json = text
+        .strip_prefix(OPEN)
+        .and_then(|t| t.strip_suffix(CLOSE))
+        .unwrap_or_else(|| panic!("not a tool call: {text:?}"));
+    let call: Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json:?}"));
+    let name = call["name"].as_str().unwrap();
+    let (_, schema) = tools.iter().find(|(n, _)| n == name).unwrap();
+    oracle::validate(schema, &call["arguments"]).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(call.as_object().unwrap().len(), 2, "{json}");
+}
+
+/// Random logits under tools, every tool choice: with a call required, every answer is a whole
+/// call of a declared tool whose arguments validate; with a plain answer allowed too, an answer
+/// that starts with the marker is such a call.
+#[test]
+fn every_answer_under_tools_is_a_valid_call_or_a_plain_answer() {
+    let (v, tokens) = vocab();
+    let tools: Vec<(String, Value)> = examples::SCHEMAS
+        .iter()
+        .take(8)
+        .map(|(name, _, s)| (name.to_string(), serde_json::from_str(s).unwrap()))
+        .collect();
+    let schemas: Vec<ToolSchema> = tools
+        .iter()
+        .map(|(name, parameters)| ToolSchema { name, parameters })
+        .collect();
+    let mut calls = 0;
+    for besides in [Besides::Nothing, Besides::Text] {
+        let g = ToolCalls {
+            tools: &schemas,
+            open: OPEN,
+            close: CLOSE,
+            besides,
+        };
+        let g = Arc::new(Grammar::from_tools(&g, Arc::clone(&v)).unwrap());
+        for seed in 0..40u64 {
+            let text = decode(&g, &tokens, seed * 31 + 1, 400);
+            let text = String::from_utf8(text).unwrap();
+            match besides {
+                Besides::Text if !text.starts_with(OPEN) => {}
+                _ => {
+                    checked_call(&text, &tools);
+                    calls += 1;
+                }
+            }
+        }
+        if let Besides::Nothing = besides {
+            assert!(g.min_tokens() > OPEN.len() + CLOSE.len());
+        } else {
+            assert_eq!(g.min_tokens(), 0);
+            // A plain answer may be anything but the start of a call that is not whole.
+            for plain in [
+                "",
+                "Hello",
+                "<tool",
+                "<tool_call",
+                "<tool_call>",
+                " <tool_call>\n{",
+            ] {
+                assert!(g.matches(plain.as_bytes()), "{plain:?}");
+            }
+            for half in ["<tool_call>\n", "<tool_call>\n{}", "<tool_call>\nhello"] {
+                assert!(!g.matches(half.as_bytes()), "{half:?}");
+            }
+        }
+    }
+    assert!(calls >= 40, "{calls}");
+    // One tool alone (a named choice) and a response format beside the calls.
+    let one = ToolCalls {
+        tools: &schemas[..1],
+        open: OPEN,
+        close: CLOSE,
+        besides: Besides::Regex("(yes|no)"),
+    };
+    let g = Arc::new(Grammar::from_tools(&one, Arc::clone(&v)).unwrap());
+    for seed in 0..20u64 {
+        let text = String::from_utf8(decode(&g, &tokens, seed + 5, 400)).unwrap();
+        if text != "yes" && text != "no" {
+            checked_call(&text, &tools[..1]);
+        }
+    }
+}
+
+#[test]
+fn bad_tools_name_the_tool() {
+    let (v, _) = vocab();
+    let good: Value = serde_json::from_str(r#"{"type":"object"}"#).unwrap();
+    let bad: Value = serde_json::from_str(r#"{"type":"string","format":"date"}"#).unwrap();
+    let invalid: Value = serde_json::from_str(r#"{"type":"strng"}"#).unwrap();
+    for (tools, code, names) in [
+        (
+            vec![("a", &good), ("b", &bad)],
+            "bad_request",
+            "\"format\" at # of tool \"b\"",
+        ),
+        (vec![("c", &invalid)], "invalid_schema", "tool \"c\""),
+        (vec![("d", &good), ("d", &good)], "invalid_schema", "\"d\""),
+    ] {
+        let schemas: Vec<ToolSchema> = tools
+            .iter()
+            .map(|&(name, parameters)| ToolSchema { name, parameters })
+            .collect();
+        let calls = ToolCalls {
+            tools: &schemas,
+            open: OPEN,
+            close: CLOSE,
+            besides: Besides::Text,
+        };
+        let e = Grammar::from_tools(&calls, Arc::clone(&v)).unwrap_err();
+        assert_eq!(e.code(), code, "{e}");
+        assert!(e.to_string().contains(names), "{e}");
+    }
+}

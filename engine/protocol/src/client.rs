@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use crate::{
     ContextInfo, Done, ErrorBody, Event, HelloReply, Prewarmed, PromptFormat, Reply, ReplyBody,
-    Request, ResponseFormat, Stats, TokenCount, Transcript, VERSION,
+    Request, ResponseFormat, Stats, TokenCount, Tool, ToolChoice, Transcript, VERSION,
 };
 
 /// Longest reply line the client reads (a `list` of many contexts is the longest).
@@ -66,6 +66,11 @@ pub struct CallParams {
     pub stop: Vec<String>,
     /// The answer's format: JSON under a schema, or text a regex matches (structured output).
     pub response_format: Option<ResponseFormat>,
+    /// Tools this call and the context's later calls may use (a `tool_result` takes the
+    /// context's).
+    pub tools: Vec<Tool>,
+    /// How the model chooses between a plain answer and a tool call (`auto` by default).
+    pub tool_choice: Option<ToolChoice>,
 }
 
 impl Default for CallParams {
@@ -79,6 +84,8 @@ impl Default for CallParams {
             seed: 0,
             stop: Vec::new(),
             response_format: None,
+            tools: Vec::new(),
+            tool_choice: None,
         }
     }
 }
@@ -86,15 +93,30 @@ impl Default for CallParams {
 /// One event of a call's stream.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CallEvent {
-    Token { token: u32, text: String },
+    Token {
+        token: u32,
+        text: String,
+    },
+    /// The answer is a call of this tool; answer it with [`Client::tool_result`].
+    ToolCall(ToolCall),
     Done(Box<Done>),
+}
+
+/// A tool call the model made: the tool's name and arguments that validate against its schema.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCall {
+    pub name: String,
+    pub arguments: serde_json::Value,
 }
 
 /// A whole answer, collected.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Answer {
+    /// The answer's text (empty for a tool call, whose tokens are not streamed as text).
     pub text: String,
     pub tokens: Vec<u32>,
+    /// The tool call, if the answer is one.
+    pub tool_call: Option<ToolCall>,
     pub done: Done,
 }
 
@@ -230,6 +252,27 @@ impl Client {
             system: system.map(str::to_owned),
             format,
             transcript: None,
+            tools: Vec::new(),
+        })? {
+            Event::Created { context } => Ok(context),
+            e => Err(unexpected(&e)),
+        }
+    }
+
+    /// Creates a chat context whose calls may use `tools` (declared at the end of its system
+    /// turn, after `system` or the template's default).
+    pub fn new_with_tools(
+        &mut self,
+        system: Option<&str>,
+        tools: &[Tool],
+    ) -> Result<u64, ClientError> {
+        let id = self.next_id();
+        match self.request(Request::New {
+            id,
+            system: system.map(str::to_owned),
+            format: PromptFormat::Chat,
+            transcript: None,
+            tools: tools.to_vec(),
         })? {
             Event::Created { context } => Ok(context),
             e => Err(unexpected(&e)),
@@ -245,6 +288,7 @@ impl Client {
             system: None,
             format: PromptFormat::Chat,
             transcript: Some(transcript.clone()),
+            tools: Vec::new(),
         })? {
             Event::Created { context } => Ok(context),
             e => Err(unexpected(&e)),
@@ -280,6 +324,38 @@ impl Client {
             seed: p.seed,
             stop: p.stop.clone(),
             response_format: p.response_format.clone(),
+            tools: p.tools.clone(),
+            tool_choice: p.tool_choice.clone(),
+        })?;
+        Ok(CallStream {
+            client: self,
+            id,
+            finished: false,
+        })
+    }
+
+    /// Answers the tool call of `context`'s last answer with the tool's result, `content`; the
+    /// stream yields the model's next answer (text, or another tool call). `p.format` and
+    /// `p.tools` do not apply: the context's tools stay in force.
+    pub fn tool_result(
+        &mut self,
+        context: u64,
+        content: &str,
+        p: &CallParams,
+    ) -> Result<CallStream<'_>, ClientError> {
+        let id = self.next_id();
+        self.send(&Request::ToolResult {
+            id,
+            context,
+            content: content.to_owned(),
+            max_tokens: p.max_tokens,
+            temperature: p.temperature,
+            top_p: p.top_p,
+            top_k: p.top_k,
+            seed: p.seed,
+            stop: p.stop.clone(),
+            response_format: p.response_format.clone(),
+            tool_choice: p.tool_choice.clone(),
         })?;
         Ok(CallStream {
             client: self,
@@ -389,17 +465,19 @@ impl CallStream<'_> {
 
     /// Reads the whole answer.
     pub fn collect_answer(self) -> Result<Answer, ClientError> {
-        let (mut text, mut tokens) = (String::new(), Vec::new());
+        let (mut text, mut tokens, mut tool_call) = (String::new(), Vec::new(), None);
         for ev in self {
             match ev? {
                 CallEvent::Token { token, text: t } => {
                     tokens.push(token);
                     text.push_str(&t);
                 }
+                CallEvent::ToolCall(c) => tool_call = Some(c),
                 CallEvent::Done(done) => {
                     return Ok(Answer {
                         text,
                         tokens,
+                        tool_call,
                         done: *done,
                     });
                 }
@@ -419,6 +497,9 @@ impl Iterator for CallStream<'_> {
         let r = self.client.reply_for(self.id);
         let ev = match r {
             Ok(Event::Token { token, text }) => return Some(Ok(CallEvent::Token { token, text })),
+            Ok(Event::ToolCall { name, arguments }) => {
+                return Some(Ok(CallEvent::ToolCall(ToolCall { name, arguments })));
+            }
             Ok(Event::Done(d)) => Ok(CallEvent::Done(d)),
             Ok(e) => Err(unexpected(&e)),
             Err(e) => Err(e),

@@ -16,6 +16,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub mod client;
+pub mod tools;
+
+pub use tools::{Tool, ToolChoice};
 
 /// The protocol version this crate speaks.
 pub const VERSION: u32 = 2;
@@ -70,10 +73,22 @@ pub mod codes {
     pub const INVALID_TRANSCRIPT: &str = "invalid_transcript";
     /// The context has no transcript to export (it was made before transcripts were recorded).
     pub const NO_TRANSCRIPT: &str = "no_transcript";
+    /// A `tool_result` for a context whose last answer is not a tool call.
+    pub const NO_TOOL_CALL: &str = "no_tool_call";
 }
 
-/// The roles of a transcript's turns.
-pub const ROLES: [&str; 4] = ["system", "user", "assistant", "raw"];
+/// The roles of a transcript's turns: `tools` declares the tools in force from there on (its
+/// text is their JSON list), `tool_call` is an answer that called one (its text the call's JSON,
+/// `{"name": ..., "arguments": ...}`), `tool` is a tool's result.
+pub const ROLES: [&str; 7] = [
+    "system",
+    "user",
+    "assistant",
+    "raw",
+    "tools",
+    "tool_call",
+    "tool",
+];
 
 /// Most turns in a transcript `new` rebuilds from.
 pub const MAX_TURNS: usize = 1 << 16;
@@ -162,6 +177,10 @@ pub enum Request {
         format: PromptFormat,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         transcript: Option<Transcript>,
+        /// Tools every call of the context may use (version 2), declared at the end of its
+        /// system turn.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tools: Vec<Tool>,
     },
     /// Appends a prompt to a context and streams the answer.
     Call {
@@ -185,6 +204,38 @@ pub enum Request {
         /// The answer's format (version 2).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         response_format: Option<ResponseFormat>,
+        /// Tools this call and the context's later calls may use, in place of those declared
+        /// before (version 2), declared at the top of the prompt's turn.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tools: Vec<Tool>,
+        /// How the model chooses between a plain answer and a tool call (version 2; `auto`
+        /// when tools are in force).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tool_choice: Option<ToolChoice>,
+    },
+    /// Answers the tool call the context's last answer made with the tool's result, and streams
+    /// the model's next answer, as a call does (version 2).
+    ToolResult {
+        id: u64,
+        context: u64,
+        /// The tool's result, as text (JSON or prose).
+        content: String,
+        #[serde(default = "default_max_tokens")]
+        max_tokens: usize,
+        #[serde(default)]
+        temperature: f32,
+        #[serde(default = "default_top_p")]
+        top_p: f32,
+        #[serde(default)]
+        top_k: usize,
+        #[serde(default)]
+        seed: u64,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        stop: Vec<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        response_format: Option<ResponseFormat>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tool_choice: Option<ToolChoice>,
     },
     /// The tokens a text would add to a context (version 2): to `context`, or to a new one.
     Count {
@@ -231,6 +282,7 @@ impl Request {
             Request::Hello { id, .. }
             | Request::New { id, .. }
             | Request::Call { id, .. }
+            | Request::ToolResult { id, .. }
             | Request::Count { id, .. }
             | Request::Prewarm { id, .. }
             | Request::Export { id, .. }
@@ -248,6 +300,7 @@ impl Request {
             Request::Hello { .. } => "hello",
             Request::New { .. } => "new",
             Request::Call { .. } => "call",
+            Request::ToolResult { .. } => "tool_result",
             Request::Count { .. } => "count",
             Request::Prewarm { .. } => "prewarm",
             Request::Export { .. } => "export",
@@ -261,20 +314,22 @@ impl Request {
 
     /// Whether the request uses what only version 2 has (a version 1 connection may not).
     pub fn needs_v2(&self) -> bool {
-        matches!(
-            self,
+        match self {
             Request::Count { .. }
-                | Request::Prewarm { .. }
-                | Request::Export { .. }
-                | Request::New {
-                    transcript: Some(_),
-                    ..
-                }
-                | Request::Call {
-                    response_format: Some(_),
-                    ..
-                }
-        )
+            | Request::Prewarm { .. }
+            | Request::Export { .. }
+            | Request::ToolResult { .. } => true,
+            Request::New {
+                transcript, tools, ..
+            } => transcript.is_some() || !tools.is_empty(),
+            Request::Call {
+                response_format,
+                tools,
+                tool_choice,
+                ..
+            } => response_format.is_some() || !tools.is_empty() || tool_choice.is_some(),
+            _ => false,
+        }
     }
 
     /// Checks every value's range (what serde's types do not).
@@ -304,17 +359,11 @@ impl Request {
             }
             Request::New {
                 system,
-                transcript: Some(t),
+                format,
+                transcript,
+                tools,
                 ..
-            } => {
-                if system.is_some() {
-                    return bad(
-                        "a transcript carries its own system turn; send system or transcript"
-                            .into(),
-                    );
-                }
-                t.validate()?;
-            }
+            } => check_new(system.as_deref(), *format, transcript.as_ref(), tools)?,
             Request::Call {
                 prompt,
                 format,
@@ -323,46 +372,138 @@ impl Request {
                 top_p,
                 stop,
                 response_format,
+                tools,
+                tool_choice,
                 ..
             } => {
-                if response_format.is_some() && !stop.is_empty() {
-                    return bad(
-                        "stop strings would cut a structured answer; send response_format \
-                         without stop"
-                            .into(),
-                    );
-                }
-                if let Some(ResponseFormat::Regex { pattern }) = response_format
-                    && pattern.is_empty()
-                {
-                    return bad("response_format's regex pattern must not be empty".into());
-                }
                 if *format == PromptFormat::Raw && prompt.is_empty() {
                     return bad("a raw prompt must not be empty".into());
                 }
-                if *max_tokens == 0 || *max_tokens > MAX_CALL_TOKENS {
-                    return bad(format!("max_tokens must be 1 to {MAX_CALL_TOKENS}"));
+                if *format == PromptFormat::Raw && (!tools.is_empty() || tool_choice.is_some()) {
+                    return bad(
+                        "tools live in the chat template; a raw prompt cannot use them".into(),
+                    );
                 }
-                if !(temperature.is_finite() && (0.0..=100.0).contains(temperature)) {
-                    return bad("temperature must be a number from 0 (greedy) to 100".into());
+                if !tools.is_empty() {
+                    tools::validate_tools(tools)?;
+                    if let Some(c) = tool_choice {
+                        tools::validate_choice(c, tools)?;
+                    }
                 }
-                if !(*top_p > 0.0 && *top_p <= 1.0) {
-                    return bad("top_p must be in (0, 1]".into());
-                }
-                if stop.len() > MAX_STOPS
-                    || stop
-                        .iter()
-                        .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
-                {
-                    return bad(format!(
-                        "at most {MAX_STOPS} stop strings of 1 to {MAX_STOP_BYTES} bytes"
-                    ));
-                }
+                check_generation(
+                    *max_tokens,
+                    *temperature,
+                    *top_p,
+                    stop,
+                    response_format.as_ref(),
+                    tool_choice.as_ref(),
+                )?;
             }
+            Request::ToolResult {
+                max_tokens,
+                temperature,
+                top_p,
+                stop,
+                response_format,
+                tool_choice,
+                ..
+            } => check_generation(
+                *max_tokens,
+                *temperature,
+                *top_p,
+                stop,
+                response_format.as_ref(),
+                tool_choice.as_ref(),
+            )?,
             _ => {}
         }
         Ok(())
     }
+}
+
+/// Checks a `new`: a transcript alone, tools with the chat format.
+fn check_new(
+    system: Option<&str>,
+    format: PromptFormat,
+    transcript: Option<&Transcript>,
+    tools: &[Tool],
+) -> Result<(), ErrorBody> {
+    let bad = |m: String| Err(ErrorBody::new(codes::BAD_REQUEST, m));
+    if let Some(t) = transcript {
+        if system.is_some() {
+            return bad("a transcript carries its own system turn; send system or \
+                                    transcript"
+                .into());
+        }
+        if !tools.is_empty() {
+            return bad(
+                "a transcript declares its tools in a tools turn; send tools \
+                                    or transcript"
+                    .into(),
+            );
+        }
+        t.validate()?;
+    }
+    if !tools.is_empty() {
+        tools::validate_tools(tools)?;
+        if format == PromptFormat::Raw {
+            return bad("tools are declared in the chat template; send them with \
+                                    the chat format"
+                .into());
+        }
+    }
+    Ok(())
+}
+
+/// Checks a call's generation settings: the ranges, and formats that go together.
+fn check_generation(
+    max_tokens: usize,
+    temperature: f32,
+    top_p: f32,
+    stop: &[String],
+    response_format: Option<&ResponseFormat>,
+    tool_choice: Option<&ToolChoice>,
+) -> Result<(), ErrorBody> {
+    let bad = |m: &str| Err(ErrorBody::new(codes::BAD_REQUEST, m));
+    if response_format.is_some() && !stop.is_empty() {
+        return bad(
+            "stop strings would cut a structured answer; send response_format without stop",
+        );
+    }
+    if let Some(ResponseFormat::Regex { pattern }) = response_format
+        && pattern.is_empty()
+    {
+        return bad("response_format's regex pattern must not be empty");
+    }
+    if response_format.is_some()
+        && matches!(
+            tool_choice,
+            Some(ToolChoice::Required | ToolChoice::Tool(_))
+        )
+    {
+        return bad(
+            "a tool call is the whole answer: response_format goes with tool_choice auto or none",
+        );
+    }
+    if max_tokens == 0 || max_tokens > MAX_CALL_TOKENS {
+        return bad(&format!("max_tokens must be 1 to {MAX_CALL_TOKENS}"));
+    }
+    if !(temperature.is_finite() && (0.0..=100.0).contains(&temperature)) {
+        return bad("temperature must be a number from 0 (greedy) to 100");
+    }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return bad("top_p must be in (0, 1]");
+    }
+    if stop.len() > MAX_STOPS
+        || stop
+            .iter()
+            .any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
+        return bad(&format!(
+            "at most {MAX_STOPS} stop strings of 1 to {MAX_STOP_BYTES} bytes"
+        ));
+    }
+    Ok(())
 }
 
 /// An error reply's body: a stable code and a message that says what to do.
@@ -519,6 +660,13 @@ pub enum Event {
     Transcript {
         context: u64,
         transcript: Transcript,
+    },
+    /// The call's answer is a call of this tool (version 2): its arguments validate against the
+    /// tool's schema. The call's `done` follows, with `stop` `tool_call`; answer it with
+    /// `tool_result`.
+    ToolCall {
+        name: String,
+        arguments: serde_json::Value,
     },
 }
 
@@ -815,6 +963,8 @@ mod tests {
             seed: 0,
             stop: vec![],
             response_format: None,
+            tools: Vec::new(),
+            tool_choice: None,
         }
     }
 
@@ -839,6 +989,7 @@ mod tests {
             system: Some("terse".into()),
             format: PromptFormat::Raw,
             transcript: None,
+            tools: Vec::new(),
         };
         check(
             r#"{"op":"new","id":2,"system":"terse","format":"raw"}"#,
@@ -915,7 +1066,7 @@ mod tests {
         ) {
             let r = Request::Call {
                 id, context, prompt, format: PromptFormat::Chat, max_tokens, temperature, top_p,
-                top_k, seed, stop, response_format: None,
+                top_k, seed, stop, response_format: None, tools: Vec::new(), tool_choice: None,
             };
             let line = serde_json::to_vec(&r).unwrap();
             proptest::prop_assert_eq!(parse_request(&line).unwrap(), r);
@@ -1027,6 +1178,7 @@ mod tests {
             system: None,
             format: PromptFormat::Chat,
             transcript: Some(turns(&["system", "user", "assistant", "raw"])),
+            tools: Vec::new(),
         };
         check(
             r#"{"op":"new","id":7,"transcript":{"turns":[{"role":"system","text":"x"},{"role":"user","text":"x"},{"role":"assistant","text":"x"},{"role":"raw","text":"x"}]}}"#,
@@ -1066,6 +1218,52 @@ mod tests {
             r#"{"op":"prewarm","id":5,"context":3,"prompt":"x"}"#,
         ] {
             check(bad, Err((Some(5), codes::BAD_REQUEST)));
+        }
+    }
+
+    #[test]
+    fn tool_requests() {
+        let tool =
+            r#"{"name":"get_weather","description":"Weather now","parameters":{"type":"object"}}"#;
+        let Ok(Request::Call {
+            tools, tool_choice, ..
+        }) = parse_request(
+            format!(
+                r#"{{"op":"call","id":3,"context":7,"prompt":"Hi","tools":[{tool}],"tool_choice":{{"name":"get_weather"}}}}"#
+            )
+            .as_bytes(),
+        )
+        else {
+            panic!("a call with tools does not parse")
+        };
+        assert_eq!(tools[0].name, "get_weather");
+        assert_eq!(tool_choice, Some(ToolChoice::Tool("get_weather".into())));
+        let result =
+            parse_request(br#"{"op":"tool_result","id":4,"context":7,"content":"18 C"}"#).unwrap();
+        assert!(result.needs_v2() && result.op() == "tool_result" && result.id() == 4);
+        let with_tools =
+            parse_request(format!(r#"{{"op":"new","id":2,"tools":[{tool}]}}"#).as_bytes()).unwrap();
+        assert!(with_tools.needs_v2());
+        let choice = parse_request(
+            br#"{"op":"call","id":3,"context":7,"prompt":"Hi","tool_choice":"none"}"#,
+        )
+        .unwrap();
+        assert!(choice.needs_v2());
+        for (line, names) in [
+            (format!(r#"{{"op":"call","id":8,"context":1,"prompt":"x","tools":[{tool},{tool}]}}"#), "\"get_weather\""),
+            (format!(r#"{{"op":"call","id":8,"context":1,"prompt":"x","tools":[{tool}],"tool_choice":{{"name":"other"}}}}"#), "\"other\""),
+            (format!(r#"{{"op":"call","id":8,"context":1,"prompt":"x","tools":[{tool}],"format":"raw"}}"#), "raw"),
+            (format!(r#"{{"op":"new","id":8,"tools":[{tool}],"format":"raw"}}"#), "chat"),
+            (format!(r#"{{"op":"new","id":8,"tools":[{tool}],"transcript":{{"turns":[]}}}}"#), "tools turn"),
+            (r#"{"op":"call","id":8,"context":1,"prompt":"x","tool_choice":"maybe"}"#.into(), "maybe"),
+            (r#"{"op":"call","id":8,"context":1,"prompt":"x","tools":[{"name":"f"}]}"#.into(), "parameters"),
+            (r#"{"op":"tool_result","id":8,"context":1}"#.into(), "content"),
+            (r#"{"op":"tool_result","id":8,"context":1,"content":"x","prompt":"y"}"#.into(), "prompt"),
+            (r#"{"op":"tool_result","id":8,"context":1,"content":"x","tool_choice":"required","response_format":{"type":"regex","pattern":"x"}}"#.into(), "whole answer"),
+        ] {
+            let (id, e) = parse_request(line.as_bytes()).unwrap_err();
+            assert_eq!((id, e.code.as_str()), (Some(8), codes::BAD_REQUEST), "{line}");
+            assert!(e.message.contains(names), "{line}: {}", e.message);
         }
     }
 

@@ -48,10 +48,14 @@ pub struct CallOptions {
     /// The answer's format (structured output): every token is chosen among those that keep
     /// the answer in the grammar, and the stop tokens only where it may end.
     pub format: Option<Arc<guide::Grammar>>,
-    /// The prompt as a turn of the context's transcript (a user turn, or raw text): recorded
-    /// with the answer (an assistant turn, or raw text) when the call's tokens are made durable.
-    /// `None` records nothing, and a context whose earlier calls were not recorded records none.
-    pub turn: Option<Turn>,
+    /// The prompt as turns of the context's transcript (a user turn, raw text, a tool's result,
+    /// after the tools it declares): recorded with the answer (an assistant turn, a tool call,
+    /// or raw text) when the call's tokens are made durable. Empty records nothing, and a
+    /// context whose earlier calls were not recorded records none.
+    pub turns: Vec<Turn>,
+    /// Whether the answer may be a tool call: one that is (the template's markers around the
+    /// call) is recorded as a `tool_call` turn.
+    pub tool_calls: bool,
 }
 
 impl Default for CallOptions {
@@ -61,7 +65,8 @@ impl Default for CallOptions {
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             format: None,
-            turn: None,
+            turns: Vec::new(),
+            tool_calls: false,
         }
     }
 }
@@ -388,13 +393,18 @@ impl Call<'_> {
     /// The context's turns after this call (the prompt's turn and the answer's), if it records
     /// them.
     fn turns_after(&self, ctx: &Context, opts: &CallOptions, answer: &[u32]) -> Option<Vec<Turn>> {
-        let (turns, prompt, tok) = (ctx.turns.as_ref()?, opts.turn.as_ref()?, self.tokenizer?);
+        let (turns, prompt, tok) = (ctx.turns.as_ref()?, opts.turns.last()?, self.tokenizer?);
         let text = tok.decode_skip_special(answer);
         let mut next = turns.clone();
-        next.push(prompt.clone());
-        match prompt.role {
-            Role::Raw if text.is_empty() => {}
-            Role::Raw => next.push(Turn::new(Role::Raw, text)),
+        next.extend_from_slice(&opts.turns);
+        let call = opts
+            .tool_calls
+            .then(|| model::tokenizer::tool_call_json(&text))
+            .flatten();
+        match (prompt.role, call) {
+            (Role::Raw, _) if text.is_empty() => {}
+            (Role::Raw, _) => next.push(Turn::new(Role::Raw, text)),
+            (_, Some(json)) => next.push(Turn::new(Role::ToolCall, json)),
             _ => next.push(Turn::new(Role::Assistant, text)),
         }
         Some(next)

@@ -9,10 +9,20 @@
 //! durable, named by their count and hash. Reading it against the store's tokens ([`resolve`])
 //! picks the version those tokens match, so after a crash between the two writes the transcript
 //! is, like the tokens, the last completed call.
+//!
+//! Tools are turns too: a `tools` turn declares the tools in force from there on (its text is
+//! their JSON list), a `tool_call` turn is an answer that called one (its text the call's JSON,
+//! `{"name": ..., "arguments": ...}`), and a `tool` turn is the app's result for it. The chat
+//! template renders them ([`messages`]): declarations that open the transcript (as `new` records
+//! them, before its system turn) at the end of the system turn, any others at the top of the
+//! next user turn; a call as the assistant's answer between the template's markers; a result as
+//! a user turn.
 
 use serde::{Deserialize, Serialize};
 
-use model::tokenizer::{Message, Tokenizer, TokenizerError};
+use model::tokenizer::{
+    Message, Tokenizer, TokenizerError, Tool, tool_call_text, tool_response_text, tools_text,
+};
 
 /// Who said a turn.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,6 +36,12 @@ pub enum Role {
     Assistant,
     /// Text without a template: a raw prompt, or the model's continuation of one.
     Raw,
+    /// The tools in force from here on: their JSON list ([`tools_turn`]).
+    Tools,
+    /// An answer that is a tool call: its JSON, `{"name": ..., "arguments": ...}`.
+    ToolCall,
+    /// A tool's result, the app's answer to the tool call before it.
+    Tool,
 }
 
 impl Role {
@@ -36,6 +52,9 @@ impl Role {
             "user" => Some(Role::User),
             "assistant" => Some(Role::Assistant),
             "raw" => Some(Role::Raw),
+            "tools" => Some(Role::Tools),
+            "tool_call" => Some(Role::ToolCall),
+            "tool" => Some(Role::Tool),
             _ => None,
         }
     }
@@ -47,6 +66,9 @@ impl Role {
             Role::User => "user",
             Role::Assistant => "assistant",
             Role::Raw => "raw",
+            Role::Tools => "tools",
+            Role::ToolCall => "tool_call",
+            Role::Tool => "tool",
         }
     }
 }
@@ -164,21 +186,17 @@ pub fn render(tok: &Tokenizer, turns: &[Turn]) -> Result<Vec<u32>, TokenizerErro
             .count();
         let chat = &turns[at..at + run];
         if out.is_empty() {
-            let messages: Vec<Message> = chat
-                .iter()
-                .map(|t| Message::new(t.role.name(), t.text.as_str()))
-                .collect();
-            out = tok.encode_chat(&messages, false)?;
+            out = tok.encode_chat(&messages(tok, chat, true), false)?;
         } else {
             // After raw text: each turn as a call would add it, no default system prompt.
             let marks = tok.chat_turns()?;
-            for t in chat {
-                let role = match t.role {
-                    Role::Assistant => marks.assistant,
-                    r => r.name(),
+            for m in messages(tok, chat, false) {
+                let role = match m.role.as_str() {
+                    "assistant" => marks.assistant,
+                    r => r,
                 };
                 out.push(marks.start);
-                out.extend(tok.encode(&format!("{role}\n{}", t.text)));
+                out.extend(tok.encode(&format!("{role}\n{}", m.content)));
                 out.push(marks.end);
                 out.extend(tok.encode("\n"));
             }
@@ -186,6 +204,87 @@ pub fn render(tok: &Tokenizer, turns: &[Turn]) -> Result<Vec<u32>, TokenizerErro
         at += run;
     }
     Ok(out)
+}
+
+/// The turn that declares `tools`.
+pub fn tools_turn(tools: &[Tool]) -> Turn {
+    Turn::new(
+        Role::Tools,
+        serde_json::to_string(tools).expect("tools always serialize"),
+    )
+}
+
+/// The tools a `tools` turn declares.
+pub fn tools_of(turn: &Turn) -> Result<Vec<Tool>, serde_json::Error> {
+    serde_json::from_str(&turn.text)
+}
+
+/// The tools in force after `turns`: those of the last `tools` turn (none without one).
+pub fn tools_in_force(turns: &[Turn]) -> Vec<Tool> {
+    turns
+        .iter()
+        .rev()
+        .find(|t| t.role == Role::Tools)
+        .and_then(|t| tools_of(t).ok())
+        .unwrap_or_default()
+}
+
+/// The tool call waiting for its result: the last turn, if it is a call.
+pub fn pending_tool_call(turns: &[Turn]) -> Option<&Turn> {
+    turns.last().filter(|t| t.role == Role::ToolCall)
+}
+
+/// A `tools` turn's declarations as text (its text as it is, if it does not parse).
+fn declared(turn: &Turn) -> String {
+    tools_of(turn).map_or_else(|_| turn.text.clone(), |t| tools_text(&t))
+}
+
+/// `a`, a blank line and `b`; `b` alone when `a` is empty.
+fn join(a: &str, b: &str) -> String {
+    match a.is_empty() {
+        true => b.to_owned(),
+        false => format!("{a}\n\n{b}"),
+    }
+}
+
+/// The chat turns `turns` (no raw turn) as the template's messages. At the `start` of a
+/// conversation, a tools turn first declares its tools at the end of the system turn (the next
+/// turn if it is one, else the template's default system prompt); any other tools turn starts
+/// the next user turn (or is a user turn of its own). A tool call is the assistant's answer
+/// between the template's markers; a tool's result is a user turn.
+pub fn messages(tok: &Tokenizer, turns: &[Turn], start: bool) -> Vec<Message> {
+    let mut out: Vec<Message> = Vec::with_capacity(turns.len());
+    let mut at = 0;
+    if start && let Some(first) = turns.first().filter(|t| t.role == Role::Tools) {
+        let system = match turns.get(1) {
+            Some(t) if t.role == Role::System => {
+                at += 1;
+                t.text.as_str()
+            }
+            _ => tok.default_system().unwrap_or(""),
+        };
+        out.push(Message::system(join(system, &declared(first))));
+        at += 1;
+    }
+    let mut tools: Option<String> = None;
+    let user = |tools: &mut Option<String>, text: &str| match tools.take() {
+        Some(block) => Message::user(join(&block, text)),
+        None => Message::user(text),
+    };
+    for t in &turns[at..] {
+        match t.role {
+            Role::System => out.push(Message::system(t.text.as_str())),
+            Role::Tools => tools = Some(declared(t)),
+            Role::User | Role::Raw => out.push(user(&mut tools, &t.text)),
+            Role::Tool => out.push(user(&mut tools, &tool_response_text(&t.text))),
+            Role::Assistant => out.push(Message::assistant(t.text.as_str())),
+            Role::ToolCall => out.push(Message::assistant(tool_call_text(&t.text))),
+        }
+    }
+    if let Some(block) = tools {
+        out.push(Message::user(block));
+    }
+    out
 }
 
 /// The longest tail of `turns` that fits in `max` tokens once rendered, the leading system turn
@@ -197,7 +296,12 @@ pub fn fit(
     turns: &[Turn],
     max: usize,
 ) -> Result<(Vec<Turn>, Vec<u32>), TokenizerError> {
-    let head = usize::from(turns.first().is_some_and(|t| t.role == Role::System));
+    // The system turn and the tools declared with it (before it).
+    let head = match turns {
+        [a, b, ..] if a.role == Role::Tools && b.role == Role::System => 2,
+        [a, ..] if matches!(a.role, Role::System | Role::Tools) => 1,
+        _ => 0,
+    };
     let mut from = head;
     loop {
         let mut kept = turns[..head].to_vec();
@@ -245,7 +349,15 @@ mod tests {
 
     #[test]
     fn roles_round_trip_by_name() {
-        for r in [Role::System, Role::User, Role::Assistant, Role::Raw] {
+        for r in [
+            Role::System,
+            Role::User,
+            Role::Assistant,
+            Role::Raw,
+            Role::Tools,
+            Role::ToolCall,
+            Role::Tool,
+        ] {
             assert_eq!(Role::parse(r.name()), Some(r));
             assert_eq!(
                 serde_json::to_string(&r).unwrap(),

@@ -6,7 +6,7 @@ use std::io::Write;
 
 use anyhow::Context;
 use protocol::client::{CallEvent, Client, ClientError};
-use protocol::{PromptFormat, ResponseFormat};
+use protocol::{PromptFormat, ResponseFormat, Tool, ToolChoice};
 
 use crate::cmd::engine::ChatArgs;
 use crate::cmd::serve::start_background;
@@ -48,6 +48,13 @@ pub fn run(a: ChatArgs) -> anyhow::Result<()> {
     }
     let mut params = a.sample.params()?;
     params.response_format = response_format(&a)?;
+    let tools = tools(&a)?;
+    params.tool_choice = a.tool_choice.as_deref().map(|c| match c {
+        "auto" => ToolChoice::Auto,
+        "required" => ToolChoice::Required,
+        "none" => ToolChoice::None,
+        name => ToolChoice::Tool(name.to_owned()),
+    });
     let mut client = match connect_or_start(&a) {
         Ok(c) => c,
         // A machine where the service cannot run (no userfaultfd for this user, say) still
@@ -79,6 +86,12 @@ pub fn run(a: ChatArgs) -> anyhow::Result<()> {
                 );
                 (id, true)
             }
+            None if !tools.is_empty() => (
+                client
+                    .new_with_tools(a.system.as_deref(), &tools)
+                    .context("cannot declare the tools")?,
+                true,
+            ),
             None => (
                 client.new_context(a.system.as_deref(), PromptFormat::Chat)?,
                 true,
@@ -108,19 +121,44 @@ fn response_format(a: &ChatArgs) -> anyhow::Result<Option<ResponseFormat>> {
         .map(|pattern| ResponseFormat::Regex { pattern }))
 }
 
+/// The tools of `--tools`.
+fn tools(a: &ChatArgs) -> anyhow::Result<Vec<Tool>> {
+    let Some(path) = &a.tools else {
+        return Ok(Vec::new());
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not a JSON list of tools ({{\"name\", \"description\", \"parameters\"}})",
+            path.display()
+        )
+    })
+}
+
 fn chat(
     client: &mut Client,
     ctx: u64,
     a: &ChatArgs,
     params: &protocol::client::CallParams,
 ) -> anyhow::Result<()> {
+    // After a tool call, the next line is the tool's result.
+    let mut pending_call = false;
     let turn = |prompt: &str| -> anyhow::Result<()> {
         let mut out = std::io::stdout().lock();
-        for ev in client.call(ctx, prompt, params)? {
+        let stream = match std::mem::take(&mut pending_call) {
+            true => client.tool_result(ctx, prompt, params)?,
+            false => client.call(ctx, prompt, params)?,
+        };
+        for ev in stream {
             match ev? {
                 CallEvent::Token { text, .. } => {
                     write!(out, "{text}")?;
                     out.flush()?;
+                }
+                CallEvent::ToolCall(c) => {
+                    write!(out, "[tool_call {} {}]", c.name, c.arguments)?;
+                    pending_call = true;
                 }
                 CallEvent::Done(d) => {
                     writeln!(out)?;

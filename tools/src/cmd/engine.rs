@@ -120,6 +120,15 @@ pub struct ChatArgs {
     /// Answer with text this regular expression matches as a whole (structured output)
     #[arg(long, value_name = "REGEX", conflicts_with = "local")]
     pub regex: Option<String>,
+    /// Declare the tools in this file (a JSON list of {"name", "description", "parameters"}) on
+    /// the new context; a tool call is printed as `[tool_call NAME ARGUMENTS]` and the next line
+    /// typed is the tool's result
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["local", "context", "transcript"])]
+    pub tools: Option<std::path::PathBuf>,
+    /// How the model chooses between an answer and a tool call: auto, required, none, or a
+    /// tool's name
+    #[arg(long, value_name = "CHOICE", requires = "tools")]
+    pub tool_choice: Option<String>,
 }
 
 /// Streams one answer to stdout, feeding `history[cache.len()..]` first; returns the answer's tokens.

@@ -5,6 +5,13 @@
 //! The Jinja source is not executed: both formats are one turn per message,
 //! `{start}{role}\n{content}{end}\n`, and differ in their tokens, the assistant's role name, and
 //! where a system message goes.
+//!
+//! Tools are declared, called and answered in text both templates render the same way, the
+//! convention of ChatML models trained for tools (Hermes 2 Pro, Qwen 2.5): the declarations in
+//! `<tools></tools>` at the end of the system turn (or at the top of a user turn), a call as the
+//! whole answer, `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, and a result as a
+//! user turn, `<tool_response>\n...\n</tool_response>`. Gemma 3 has no tool tokens; it reads the
+//! same text.
 
 use super::{Result, Tokenizer, TokenizerError};
 
@@ -32,6 +39,64 @@ impl Message {
     pub fn assistant(content: impl Into<String>) -> Message {
         Message::new("assistant", content)
     }
+}
+
+/// A tool the model may call: its name, what it does, and the JSON Schema of its arguments.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tool {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub description: String,
+    pub parameters: serde_json::Value,
+}
+
+/// The text before a tool call's JSON in an answer.
+pub const TOOL_CALL_OPEN: &str = "<tool_call>\n";
+/// The text after it: the answer ends there.
+pub const TOOL_CALL_CLOSE: &str = "\n</tool_call>";
+
+/// The declaration of `tools`, as the system turn ends with it (after a blank line) or a user
+/// turn starts with it (before one).
+pub fn tools_text(tools: &[Tool]) -> String {
+    let mut out = String::from(
+        "# Tools\n\nYou may call one of these functions to answer. Their signatures are within \
+         <tools></tools> XML tags:\n<tools>",
+    );
+    for t in tools {
+        let mut function = serde_json::Map::new();
+        function.insert("name".into(), t.name.clone().into());
+        if !t.description.is_empty() {
+            function.insert("description".into(), t.description.clone().into());
+        }
+        function.insert("parameters".into(), t.parameters.clone());
+        let decl = serde_json::json!({"type": "function", "function": function});
+        out.push('\n');
+        out.push_str(&decl.to_string());
+    }
+    out.push_str(
+        "\n</tools>\n\nTo call a function, answer with only a JSON object with its name and \
+         arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": \
+         <function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
+    );
+    out
+}
+
+/// A tool call's answer text, from the call's JSON.
+pub fn tool_call_text(json: &str) -> String {
+    format!("{TOOL_CALL_OPEN}{json}{TOOL_CALL_CLOSE}")
+}
+
+/// The JSON of the tool call an answer is, if it is one.
+pub fn tool_call_json(answer: &str) -> Option<&str> {
+    answer
+        .strip_prefix(TOOL_CALL_OPEN)?
+        .strip_suffix(TOOL_CALL_CLOSE)
+}
+
+/// A tool's result as the text of a user turn.
+pub fn tool_response_text(content: &str) -> String {
+    format!("<tool_response>\n{content}\n</tool_response>")
 }
 
 /// The chat format of the model.
@@ -130,6 +195,15 @@ enum Segment {
 }
 
 impl Tokenizer {
+    /// The template's default system prompt (ChatML's may have one), put first when a
+    /// conversation starts without a system message.
+    pub fn default_system(&self) -> Option<&str> {
+        match &self.chat_template {
+            ChatTemplate::ChatMl { default_system } => default_system.as_deref(),
+            _ => None,
+        }
+    }
+
     /// The turn tokens of the model's chat template, or why there are none.
     pub fn chat_turns(&self) -> Result<ChatTurns> {
         let Some((start, end, assistant)) = self.chat_template.markers() else {

@@ -24,7 +24,10 @@ mod spm;
 mod stream;
 
 use bpe::Bpe;
-pub use chat::{ChatTemplate, ChatTurns, Message};
+pub use chat::{
+    ChatTemplate, ChatTurns, Message, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Tool, tool_call_json,
+    tool_call_text, tool_response_text, tools_text,
+};
 use special::Specials;
 use spm::Spm;
 pub use stream::StreamDecoder;

@@ -98,6 +98,15 @@ impl Manager {
         Ok(())
     }
 
+    /// Context `id`'s turns as recorded, without a copy (`None`: it records none); a context of
+    /// another model is `not_found` until [`Manager::adopt`] rebuilt it.
+    pub fn turns(&self, owner: &Owner, id: u64) -> Result<Option<&[Turn]>, ServiceError> {
+        match self.contexts.get(&id) {
+            Some(c) if c.owner.uid == owner.uid => Ok(c.turns.as_deref()),
+            _ => Err(ServiceError::NotFound { id }),
+        }
+    }
+
     /// Context `id`'s turns (`export`): as recorded, for a context of this model or of another.
     pub fn transcript(&self, owner: &Owner, id: u64) -> Result<Vec<Turn>, ServiceError> {
         match self.contexts.get(&id) {
