@@ -299,3 +299,10 @@ pub fn seed(test: &str) -> u64 {
 pub fn exists(path: &Path) -> bool {
     path.exists()
 }
+
+/// One reply line of a raw connection to the daemon, as JSON.
+pub fn reply_line(r: &mut BufReader<std::os::unix::net::UnixStream>) -> serde_json::Value {
+    let mut l = String::new();
+    r.read_line(&mut l).unwrap();
+    serde_json::from_str(&l).unwrap_or_else(|e| panic!("{e}: {l:?}"))
+}

@@ -3,13 +3,12 @@
 //! its chunks is resident) and prewarmed is called with nothing left to load; a prewarm waits
 //! behind the calls queued with it; bad prewarms get their codes and change nothing.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::os::unix::net::UnixStream;
 
 use model::fetch::{self, FetchOptions};
 use protocol::PromptFormat;
 use protocol::client::{CallParams, Client};
-use serde_json::Value;
 
 fn real_world() -> tests::World {
     let path = fetch::default_model_path(&FetchOptions::default())
@@ -110,13 +109,6 @@ fn a_prewarmed_context_is_called_with_every_chunk_resident() {
     );
 }
 
-/// One reply line of a raw connection.
-fn line(r: &mut BufReader<UnixStream>) -> Value {
-    let mut l = String::new();
-    r.read_line(&mut l).unwrap();
-    serde_json::from_str(&l).unwrap_or_else(|e| panic!("{e}: {l:?}"))
-}
-
 #[test]
 fn a_prewarm_waits_behind_the_calls_queued_with_it() {
     let w = real_world();
@@ -132,7 +124,7 @@ fn a_prewarm_waits_behind_the_calls_queued_with_it() {
     let mut r = BufReader::new(s);
     out.write_all(b"{\"op\":\"hello\",\"id\":1,\"version\":2,\"app\":\"queue\"}\n")
         .unwrap();
-    assert_eq!(line(&mut r)["event"], "hello");
+    assert_eq!(tests::reply_line(&mut r)["event"], "hello");
     // One write: a long call, then a prewarm, then a call; the prewarm is queued before the
     // second call, and runs after it.
     let lines = format!(
@@ -144,7 +136,7 @@ fn a_prewarm_waits_behind_the_calls_queued_with_it() {
     out.write_all(lines.as_bytes()).unwrap();
     let mut ended = Vec::new();
     while ended.len() < 3 {
-        let v = line(&mut r);
+        let v = tests::reply_line(&mut r);
         assert!(v.get("error").is_none(), "{v}");
         if v["event"] != "token" {
             ended.push((

@@ -5,7 +5,7 @@
 //! the window, `usage` adds up, `context_full` and `over_budget` carry the numbers), and a version 1
 //! connection served exactly as before.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::os::unix::net::UnixStream;
 
 use guide::examples::{REGEXES, SCHEMAS};
@@ -306,13 +306,6 @@ fn a_call_past_the_kv_budget_is_refused_with_the_numbers_and_changes_nothing() {
     assert!(again.is_ok(), "the context still answers: {again:?}");
 }
 
-/// One reply line of a raw connection.
-fn line(r: &mut BufReader<UnixStream>) -> Value {
-    let mut l = String::new();
-    r.read_line(&mut l).unwrap();
-    serde_json::from_str(&l).unwrap()
-}
-
 #[test]
 fn a_version_1_connection_is_served_as_before() {
     let w = world();
@@ -322,14 +315,14 @@ fn a_version_1_connection_is_served_as_before() {
     let mut r = BufReader::new(s);
     let mut send = |l: &str| out.write_all(format!("{l}\n").as_bytes()).unwrap();
     send(r#"{"op":"hello","id":1,"version":1,"app":"old"}"#);
-    assert_eq!(line(&mut r)["version"], 1);
+    assert_eq!(tests::reply_line(&mut r)["version"], 1);
     send(r#"{"op":"new","id":2}"#);
-    let ctx = line(&mut r)["context"].as_u64().unwrap();
+    let ctx = tests::reply_line(&mut r)["context"].as_u64().unwrap();
     send(&format!(
         r#"{{"op":"call","id":3,"context":{ctx},"prompt":"hi","max_tokens":2}}"#
     ));
     let done = loop {
-        let v = line(&mut r);
+        let v = tests::reply_line(&mut r);
         if v["event"] == "done" {
             break v;
         }
@@ -339,10 +332,10 @@ fn a_version_1_connection_is_served_as_before() {
     }
     assert!(done["timings"].get("guide_ms").is_none(), "{done}");
     send(&format!(r#"{{"op":"info","id":4,"context":{ctx}}}"#));
-    let info = line(&mut r);
+    let info = tests::reply_line(&mut r);
     assert!(info["context"].get("context_window").is_none(), "{info}");
     send(r#"{"op":"count","id":5,"text":"x"}"#);
-    let e = line(&mut r);
+    let e = tests::reply_line(&mut r);
     assert_eq!(e["error"]["code"], "bad_request", "{e}");
     assert!(
         e["error"]["message"]
@@ -353,9 +346,9 @@ fn a_version_1_connection_is_served_as_before() {
     send(&format!(
         r#"{{"op":"call","id":6,"context":{ctx},"prompt":"x","response_format":{{"type":"regex","pattern":"x"}}}}"#
     ));
-    assert_eq!(line(&mut r)["error"]["code"], "bad_request");
+    assert_eq!(tests::reply_line(&mut r)["error"]["code"], "bad_request");
     send(&format!(r#"{{"op":"prewarm","id":7,"context":{ctx}}}"#));
-    let e = line(&mut r);
+    let e = tests::reply_line(&mut r);
     assert_eq!(e["error"]["code"], "bad_request", "{e}");
     // And the typed client of this crate speaks version 2 on the same daemon.
     let mut c = w.connect("new");

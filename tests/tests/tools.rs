@@ -5,7 +5,7 @@
 //! results are turns of the transcript, kept over a restart and rebuilt by `new`; bad input gets
 //! its code and changes nothing; a version 1 connection is refused every tool field.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::os::unix::net::UnixStream;
 
 use guide::examples::SCHEMAS;
@@ -322,13 +322,6 @@ fn bad_tool_input_gets_its_code_and_changes_nothing() {
     assert_eq!((c.export(ctx).unwrap(), c.export(plain).unwrap()), exported);
 }
 
-/// One reply line of a raw connection.
-fn line(r: &mut BufReader<UnixStream>) -> Value {
-    let mut l = String::new();
-    r.read_line(&mut l).unwrap();
-    serde_json::from_str(&l).unwrap()
-}
-
 #[test]
 fn a_version_1_connection_is_refused_every_tool_field() {
     let w = world();
@@ -338,9 +331,9 @@ fn a_version_1_connection_is_refused_every_tool_field() {
     let mut r = BufReader::new(s);
     let mut send = |l: &str| out.write_all(format!("{l}\n").as_bytes()).unwrap();
     send(r#"{"op":"hello","id":1,"version":1,"app":"old"}"#);
-    assert_eq!(line(&mut r)["version"], 1);
+    assert_eq!(tests::reply_line(&mut r)["version"], 1);
     send(r#"{"op":"new","id":2}"#);
-    let ctx = line(&mut r)["context"].as_u64().unwrap();
+    let ctx = tests::reply_line(&mut r)["context"].as_u64().unwrap();
     let tool = r#"{"name":"f","parameters":{"type":"object"}}"#;
     for (id, l) in [
         (3, format!(r#"{{"op":"new","id":3,"tools":[{tool}]}}"#)),
@@ -358,7 +351,7 @@ fn a_version_1_connection_is_refused_every_tool_field() {
         ),
     ] {
         send(&l);
-        let e = line(&mut r);
+        let e = tests::reply_line(&mut r);
         assert_eq!(e["id"], id, "{e}");
         assert_eq!(e["error"]["code"], "bad_request", "{e}");
         assert!(
@@ -369,5 +362,11 @@ fn a_version_1_connection_is_refused_every_tool_field() {
         );
     }
     send(r#"{"op":"list","id":7}"#);
-    assert_eq!(line(&mut r)["contexts"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        tests::reply_line(&mut r)["contexts"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
 }
