@@ -48,6 +48,12 @@ fn every_structured_answer_of_the_tiny_model_parses_and_validates() {
                 .unwrap_or_else(|e| panic!("{name}: {e}: {:?} {:?}", a.text, a.done.stop));
             guide::oracle::validate(&schema, &value).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert!(a.done.timings.guide_ms.is_some(), "{:?}", a.done.timings);
+            let end = a.done.timings.end_ms.expect("v2 gives the call's end");
+            assert!(
+                end >= 0.0 && end <= a.done.timings.total_ms,
+                "{:?}",
+                a.done.timings
+            );
             c.delete(ctx).unwrap();
         }
     }
@@ -331,6 +337,7 @@ fn a_version_1_connection_is_served_as_before() {
         assert!(done.get(v2).is_none(), "{done}");
     }
     assert!(done["timings"].get("guide_ms").is_none(), "{done}");
+    assert!(done["timings"].get("end_ms").is_none(), "{done}");
     send(&format!(r#"{{"op":"info","id":4,"context":{ctx}}}"#));
     let info = tests::reply_line(&mut r);
     assert!(info["context"].get("context_window").is_none(), "{info}");

@@ -343,6 +343,9 @@ pub fn call(
     if v2 && guided {
         timings.guide_ms = Some(ms(report.guide_secs));
     }
+    if v2 {
+        timings.end_ms = Some(ms(report.end_secs));
+    }
     Ok(Done {
         stop: stop.unwrap_or(report.stop).into(),
         tokens: generated,
@@ -458,6 +461,7 @@ fn timings(report: &CallReport, job: &Job, started: Instant) -> Timings {
         decode_tps: rate(decoded, report.decode_secs),
         total_ms: ms(job.received.elapsed().as_secs_f64()),
         guide_ms: None,
+        end_ms: None,
     }
 }
 

@@ -785,12 +785,16 @@ pub struct Timings {
     pub prefill_tps: f64,
     pub decode_ms: f64,
     pub decode_tps: f64,
-    /// Request received to the last token.
+    /// Request received to `done`: the call's end included.
     pub total_ms: f64,
     /// Time the answer's format took, masks and steps, over every token (version 2, calls with
     /// `response_format` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guide_ms: Option<f64>,
+    /// The call's end after its last token (version 2): the attention merged into the chunks'
+    /// densities, chunks recompressed, the tokens made durable and the write-out queued.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_ms: Option<f64>,
 }
 
 /// What a call did to the context's chunks.
@@ -1284,7 +1288,14 @@ mod tests {
             usage: None,
         };
         let line = Reply::event(1, Event::Done(Box::new(done))).to_line();
-        for v2 in ["context_window", "used", "remaining", "usage", "guide_ms"] {
+        for v2 in [
+            "context_window",
+            "used",
+            "remaining",
+            "usage",
+            "guide_ms",
+            "end_ms",
+        ] {
             assert!(!line.contains(v2), "{line}");
         }
         let full = ErrorBody {

@@ -159,6 +159,9 @@ pub struct CallReport {
     pub guide_secs: f64,
     /// Token masks the answer's format computed (the others came from its cache).
     pub guide_masks: usize,
+    /// The call's end after its last token: densities, recompression, the tokens and turns made
+    /// durable and the write-out queued (steps 3 and 4).
+    pub end_secs: f64,
 }
 
 /// One context as the manager holds it.
@@ -219,9 +222,11 @@ impl Call<'_> {
         self.fits_budget(ctx, prompt.len(), opts)?;
         let switch_secs = received.elapsed().as_secs_f64();
         let (run, said, guide_secs, guide_masks) = self.generate(ctx, &prompt, opts, on_token)?;
+        let end = Instant::now();
         let recompressed = self.compress(ctx, &said)?;
         let turns = self.turns_after(ctx, opts, &run.tokens);
         let queued_writes = self.write_out(ctx, &said, turns)?;
+        let end_secs = end.elapsed().as_secs_f64();
         ctx.calls += 1;
         Ok(Ran::Done(CallReport {
             tokens: run.tokens,
@@ -243,6 +248,7 @@ impl Call<'_> {
             context_before,
             guide_secs,
             guide_masks,
+            end_secs,
         }))
     }
 

@@ -71,6 +71,15 @@ pub struct CallRecord {
     pub recompute_ms: f64,
     /// Sent to `done` received, as the app sees it, ms.
     pub e2e_ms: f64,
+    /// The rest of the call in the daemon (`done`'s timings; 0 for the llama.cpp row): its
+    /// prefill, its decode, and its end after the last token (densities, recompression, the
+    /// write-out queued), ms.
+    #[serde(default)]
+    pub prefill_ms: f64,
+    #[serde(default)]
+    pub decode_ms: f64,
+    #[serde(default)]
+    pub end_ms: f64,
     pub chunks_missing: usize,
     pub chunks_read: usize,
     pub chunks_recomputed: usize,
@@ -100,6 +109,9 @@ impl CallRecord {
             io_ms: 0.0,
             recompute_ms: 0.0,
             e2e_ms,
+            prefill_ms: 0.0,
+            decode_ms: 0.0,
+            end_ms: 0.0,
             chunks_missing: 0,
             chunks_read: 0,
             chunks_recomputed: 0,
@@ -480,6 +492,9 @@ fn answered(row: &TraceRow, switched: bool, e2e_ms: f64, done: &protocol::Done) 
         io_ms: done.timings.io_ms,
         recompute_ms: done.timings.recompute_ms,
         e2e_ms,
+        prefill_ms: done.timings.prefill_ms,
+        decode_ms: done.timings.decode_ms,
+        end_ms: done.timings.end_ms.unwrap_or(0.0),
         chunks_missing: done.chunks.missing,
         chunks_read: done.chunks.read,
         chunks_recomputed: done.chunks.recomputed,
