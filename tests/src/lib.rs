@@ -306,3 +306,24 @@ pub fn reply_line(r: &mut BufReader<std::os::unix::net::UnixStream>) -> serde_js
     r.read_line(&mut l).unwrap();
     serde_json::from_str(&l).unwrap_or_else(|e| panic!("{e}: {l:?}"))
 }
+
+/// A raw version 1 connection to `w`'s daemon, its hello said (app `old`) and one context made
+/// on it: the reader, the writer and the context's id.
+pub fn v1_connection(
+    w: &World,
+) -> (
+    BufReader<std::os::unix::net::UnixStream>,
+    std::os::unix::net::UnixStream,
+    u64,
+) {
+    use std::io::Write;
+    let s = std::os::unix::net::UnixStream::connect(w.socket()).unwrap();
+    let mut out = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    out.write_all(b"{\"op\":\"hello\",\"id\":1,\"version\":1,\"app\":\"old\"}\n")
+        .unwrap();
+    assert_eq!(reply_line(&mut r)["version"], 1);
+    out.write_all(b"{\"op\":\"new\",\"id\":2}\n").unwrap();
+    let ctx = reply_line(&mut r)["context"].as_u64().unwrap();
+    (r, out, ctx)
+}

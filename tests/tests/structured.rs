@@ -5,8 +5,7 @@
 //! the window, `usage` adds up, `context_full` and `over_budget` carry the numbers), and a version 1
 //! connection served exactly as before.
 
-use std::io::{BufReader, Write};
-use std::os::unix::net::UnixStream;
+use std::io::Write;
 
 use guide::examples::{REGEXES, SCHEMAS};
 use protocol::client::{CallParams, Client};
@@ -316,14 +315,8 @@ fn a_call_past_the_kv_budget_is_refused_with_the_numbers_and_changes_nothing() {
 fn a_version_1_connection_is_served_as_before() {
     let w = world();
     let _d = w.serve(&[]);
-    let s = UnixStream::connect(w.socket()).unwrap();
-    let mut out = s.try_clone().unwrap();
-    let mut r = BufReader::new(s);
+    let (mut r, mut out, ctx) = tests::v1_connection(&w);
     let mut send = |l: &str| out.write_all(format!("{l}\n").as_bytes()).unwrap();
-    send(r#"{"op":"hello","id":1,"version":1,"app":"old"}"#);
-    assert_eq!(tests::reply_line(&mut r)["version"], 1);
-    send(r#"{"op":"new","id":2}"#);
-    let ctx = tests::reply_line(&mut r)["context"].as_u64().unwrap();
     send(&format!(
         r#"{{"op":"call","id":3,"context":{ctx},"prompt":"hi","max_tokens":2}}"#
     ));

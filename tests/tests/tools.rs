@@ -5,8 +5,7 @@
 //! results are turns of the transcript, kept over a restart and rebuilt by `new`; bad input gets
 //! its code and changes nothing; a version 1 connection is refused every tool field.
 
-use std::io::{BufReader, Write};
-use std::os::unix::net::UnixStream;
+use std::io::Write;
 
 use guide::examples::SCHEMAS;
 use protocol::client::{Answer, CallParams, Client, ClientError};
@@ -326,14 +325,8 @@ fn bad_tool_input_gets_its_code_and_changes_nothing() {
 fn a_version_1_connection_is_refused_every_tool_field() {
     let w = world();
     let _d = w.serve(&[]);
-    let s = UnixStream::connect(w.socket()).unwrap();
-    let mut out = s.try_clone().unwrap();
-    let mut r = BufReader::new(s);
+    let (mut r, mut out, ctx) = tests::v1_connection(&w);
     let mut send = |l: &str| out.write_all(format!("{l}\n").as_bytes()).unwrap();
-    send(r#"{"op":"hello","id":1,"version":1,"app":"old"}"#);
-    assert_eq!(tests::reply_line(&mut r)["version"], 1);
-    send(r#"{"op":"new","id":2}"#);
-    let ctx = tests::reply_line(&mut r)["context"].as_u64().unwrap();
     let tool = r#"{"name":"f","parameters":{"type":"object"}}"#;
     for (id, l) in [
         (3, format!(r#"{{"op":"new","id":3,"tools":[{tool}]}}"#)),
