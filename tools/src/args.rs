@@ -2,6 +2,8 @@
 //! load it, where models are cached, the daemon's socket, byte sizes, and the mount guard.
 //! One home for each, so every command parses and explains an option the same way.
 
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -289,4 +291,36 @@ pub fn default_socket() -> PathBuf {
         Some(d) => d.join("llms/llms.sock"),
         None => PathBuf::from(format!("/tmp/llms-{}/llms.sock", nix::unistd::getuid())),
     }
+}
+
+/// Removes a socket file left by a daemon that died; refuses if a daemon answers on it.
+pub fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("cannot look at {}", path.display())),
+        Ok(md) if !md.file_type().is_socket() => bail!(
+            "{} exists and is not a socket; remove it or pass another --socket",
+            path.display()
+        ),
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => bail!(
+                "a daemon already listens on {}; stop it or pass another --socket",
+                path.display()
+            ),
+            Err(_) => {
+                std::fs::remove_file(path).with_context(|| {
+                    format!("cannot remove the stale socket {}", path.display())
+                })?;
+                tracing::info!(socket = %path.display(), "removed a stale socket");
+                Ok(())
+            }
+        },
+    }
+}
+
+pub fn mkdir_for(path: &Path) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    Ok(())
 }

@@ -17,8 +17,9 @@ use cmd::bench::{
     load as bench_load, pager as bench_pager, switch as bench_switch, weights as bench_weights,
 };
 use cmd::{
-    chat as chat_cmd, ctx as ctx_cmd, engine as engine_cmd, kv_mix as kv_mix_cmd, kvfs as kvfs_cmd,
-    model as model_cmd, profile as profile_cmd, serve as serve_cmd, trace as trace_cmd,
+    chat as chat_cmd, ctx as ctx_cmd, engine as engine_cmd, http as http_cmd, kv_mix as kv_mix_cmd,
+    kvfs as kvfs_cmd, model as model_cmd, profile as profile_cmd, serve as serve_cmd,
+    trace as trace_cmd,
 };
 
 /// Run one LLM for many apps, keeping every conversation context alive under a memory budget.
@@ -43,8 +44,12 @@ enum Command {
     Model(model_cmd::ModelArgs),
     /// Generate a continuation of one prompt (a chat turn unless --raw), streamed to stdout.
     Generate(engine_cmd::GenerateArgs),
-    /// Run the service: one model for every app, over a Unix socket.
+    /// Run the service: one model for every app, over a Unix socket (and the OpenAI HTTP API
+    /// with --http).
     Serve(Box<serve_cmd::ServeArgs>),
+    /// Keys of the OpenAI-compatible HTTP API over TCP (`llms serve --http HOST:PORT`).
+    #[command(subcommand)]
+    Keys(http_cmd::KeysCommand),
     /// Chat through the daemon (started in the background if none listens), or --local.
     Chat(engine_cmd::ChatArgs),
     /// The daemon's contexts (yours).
@@ -140,6 +145,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Model(args) => model_cmd::run(args),
         Command::Generate(args) => engine_cmd::run_generate(args),
         Command::Serve(args) => serve_cmd::run(*args),
+        Command::Keys(cmd) => http_cmd::run(cmd),
         Command::Chat(args) => chat_cmd::run(args),
         Command::Ctx(cmd) => ctx_cmd::run(cmd),
         Command::Stats(args) => ctx_cmd::run_stats(args),

@@ -26,23 +26,68 @@ use service::Owner;
 pub struct Conn {
     pub id: u64,
     pub uid: u32,
-    stream: UnixStream,
-    tx: SyncSender<String>,
+    outlet: Outlet,
     gone: AtomicBool,
     /// Cancel flags of this connection's queued and running calls, by request id.
     calls: Mutex<HashMap<u64, Arc<AtomicBool>>>,
 }
 
+/// Where a connection's replies go.
+enum Outlet {
+    /// A socket client: lines for the writer thread.
+    Socket {
+        stream: UnixStream,
+        tx: SyncSender<String>,
+    },
+    /// An HTTP request served in this process (`crate::http`): the replies as they are, to the
+    /// task that turns them into its response.
+    Typed(tokio::sync::mpsc::Sender<Reply>),
+}
+
+/// Why a reply could not be queued.
+enum Unsent {
+    Full,
+    Closed,
+}
+
 impl Conn {
+    /// A connection of the HTTP API for uid `uid`: its replies go to the returned receiver,
+    /// which holds at most `buffer` (a reader that falls that far behind is gone).
+    pub fn typed(
+        id: u64,
+        uid: u32,
+        buffer: usize,
+    ) -> (Arc<Conn>, tokio::sync::mpsc::Receiver<Reply>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(buffer.max(1));
+        let conn = Conn {
+            id,
+            uid,
+            outlet: Outlet::Typed(tx),
+            gone: AtomicBool::new(false),
+            calls: Mutex::new(HashMap::new()),
+        };
+        (Arc::new(conn), rx)
+    }
+
     /// Queues a reply for the writer; false if the client is gone (or stopped reading: a full
     /// channel makes it gone).
     pub fn send(&self, r: &Reply) -> bool {
         if self.is_gone() {
             return false;
         }
-        match self.tx.try_send(r.to_line()) {
+        let sent = match &self.outlet {
+            Outlet::Socket { tx, .. } => tx.try_send(r.to_line()).map_err(|e| match e {
+                TrySendError::Full(_) => Unsent::Full,
+                TrySendError::Disconnected(_) => Unsent::Closed,
+            }),
+            Outlet::Typed(tx) => tx.try_send(r.clone()).map_err(|e| match e {
+                tokio::sync::mpsc::error::TrySendError::Full(_) => Unsent::Full,
+                tokio::sync::mpsc::error::TrySendError::Closed(_) => Unsent::Closed,
+            }),
+        };
+        match sent {
             Ok(()) => true,
-            Err(TrySendError::Full(_)) => {
+            Err(Unsent::Full) => {
                 tracing::warn!(
                     conn = self.id,
                     "client does not read its replies; dropping it"
@@ -50,7 +95,7 @@ impl Conn {
                 self.leave();
                 false
             }
-            Err(TrySendError::Disconnected(_)) => {
+            Err(Unsent::Closed) => {
                 self.leave();
                 false
             }
@@ -70,12 +115,16 @@ impl Conn {
         for c in self.calls.lock().values() {
             c.store(true, Ordering::Release);
         }
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Outlet::Socket { stream, .. } = &self.outlet {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// Stops reading requests (the daemon is shutting down); replies already queued still go out.
     pub fn stop_reading(&self) {
-        let _ = self.stream.shutdown(std::net::Shutdown::Read);
+        if let Outlet::Socket { stream, .. } = &self.outlet {
+            let _ = stream.shutdown(std::net::Shutdown::Read);
+        }
     }
 
     /// Registers call `id`'s cancel flag; false if a call of that id is still queued or
@@ -113,8 +162,10 @@ pub fn spawn(
     let conn = Arc::new(Conn {
         id,
         uid,
-        stream: stream.try_clone()?,
-        tx,
+        outlet: Outlet::Socket {
+            stream: stream.try_clone()?,
+            tx,
+        },
         gone: AtomicBool::new(false),
         calls: Mutex::new(HashMap::new()),
     });
@@ -404,32 +455,46 @@ fn dispatch(
         uid: conn.uid,
         app: name.clone(),
     };
-    let version = *version;
-    let format = match version_2(shared, &req, version) {
-        Ok(f) => f,
-        Err(e) => return fail(&e.code, e.message),
-    };
+    if let Request::Cancel { call, .. } = &req {
+        match conn.calls.lock().get(call) {
+            Some(flag) => {
+                flag.store(true, Ordering::Release);
+                conn.send(&Reply::event(id, Event::Ok));
+            }
+            None => fail(
+                codes::NOT_FOUND,
+                format!("no call {call} is queued or running on this connection"),
+            ),
+        }
+        return;
+    }
+    if let Err(e) = submit(shared, conn, owner, *version, req, received) {
+        fail(&e.code, e.message);
+    }
+}
+
+/// Checks a request (what version 2 adds, a call's id free on its connection) and queues it in
+/// its lane, fair across apps: the one way into the queue, for a socket connection's requests
+/// and the HTTP API's alike. An error says why it was not queued (`busy`, `shutting_down`, or
+/// what is wrong with it); the caller answers it.
+pub fn submit(
+    shared: &Shared,
+    conn: &Arc<Conn>,
+    owner: Owner,
+    version: u32,
+    req: Request,
+    received: Instant,
+) -> Result<(), ErrorBody> {
+    let id = req.id();
+    let format = version_2(shared, &req, version)?;
     let cancel = Arc::new(AtomicBool::new(false));
     let lane = match &req {
-        Request::Cancel { call, .. } => {
-            match conn.calls.lock().get(call) {
-                Some(flag) => {
-                    flag.store(true, Ordering::Release);
-                    conn.send(&Reply::event(id, Event::Ok));
-                }
-                None => fail(
-                    codes::NOT_FOUND,
-                    format!("no call {call} is queued or running on this connection"),
-                ),
-            }
-            return;
-        }
         Request::Call { .. } | Request::ToolResult { .. } => {
             if !conn.register_call(id, &cancel) {
-                return fail(
+                return Err(ErrorBody::new(
                     codes::BAD_REQUEST,
                     format!("call {id} is still running on this connection; use a new id"),
-                );
+                ));
             }
             Lane::Call((owner.uid, owner.app.clone()))
         }
@@ -451,20 +516,20 @@ fn dispatch(
         version,
         format,
     };
-    if let Err((job, why)) = shared.queue.push(lane, job) {
-        conn.call_ended(id);
-        drop(job);
-        match why {
-            Refused::Busy => {
-                shared.busy();
-                fail(
-                    codes::BUSY,
-                    "the daemon's queue is full; try again shortly".into(),
-                );
-            }
-            Refused::Closed => {
-                fail(codes::SHUTTING_DOWN, "the daemon is shutting down".into());
-            }
+    match shared.queue.push(lane, job) {
+        Ok(()) => Ok(()),
+        Err((job, why)) => {
+            conn.call_ended(id);
+            drop(job);
+            Err(match why {
+                Refused::Busy => {
+                    shared.busy();
+                    ErrorBody::new(codes::BUSY, "the daemon's queue is full; try again shortly")
+                }
+                Refused::Closed => {
+                    ErrorBody::new(codes::SHUTTING_DOWN, "the daemon is shutting down")
+                }
+            })
         }
     }
 }

@@ -14,6 +14,7 @@
 pub mod call;
 pub mod conn;
 pub mod format;
+pub mod http;
 pub mod queue;
 pub mod run;
 
@@ -163,6 +164,8 @@ pub struct Daemon {
     accept: JoinHandle<()>,
     engine: JoinHandle<Result<(), String>>,
     threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    tokenizer: Arc<Tokenizer>,
+    http: Option<http::HttpServer>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -210,6 +213,7 @@ impl Daemon {
             .spawn({
                 let shared = Arc::clone(&shared);
                 let stopper = stopper.clone();
+                let tokenizer = Arc::clone(&tokenizer);
                 move || {
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         run::engine_loop(manager, &tokenizer, &shared)
@@ -245,7 +249,19 @@ impl Daemon {
             accept,
             engine,
             threads,
+            tokenizer,
+            http: None,
         })
+    }
+
+    /// Serves the OpenAI-compatible HTTP API too (`http`), from the same queue and engine
+    /// thread; it stops with the daemon.
+    pub fn serve_http(&mut self, cfg: http::HttpConfig) -> Result<(), DaemonError> {
+        let server =
+            http::HttpServer::start(Arc::clone(&self.shared), Arc::clone(&self.tokenizer), cfg)
+                .map_err(DaemonError::Spawn)?;
+        self.http = Some(server);
+        Ok(())
     }
 
     /// A handle that stops the daemon.
@@ -271,6 +287,9 @@ impl Daemon {
             c.store(true, Ordering::Release);
         }
         let engine = self.engine.join();
+        if let Some(h) = self.http {
+            h.stop();
+        }
         for c in self.shared.conns.lock().values() {
             c.stop_reading();
         }

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod chat;
 pub mod ctx;
 pub mod engine;
+pub mod http;
 pub mod kv_mix;
 pub mod kvfs;
 pub mod model;

@@ -3,8 +3,8 @@
 //! the model, opens the context manager and runs the daemon until SIGTERM or SIGINT drain it.
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -23,7 +23,9 @@ use service::chunk_io::default_mountpoint;
 use service::pressure::{PressureFiles, PressureWatch};
 use service::{Manager, ManagerConfig, ManagerKind};
 
-use crate::args::{Bytes, ModelsDirArg, default_socket, env_dir, is_root};
+use crate::args::{
+    Bytes, ModelsDirArg, clear_stale_socket, default_socket, env_dir, is_root, mkdir_for,
+};
 
 /// The store when none is given: `/var/lib/llms/store` as root, else
 /// `$XDG_DATA_HOME/llms/store`, else `~/.local/share/llms/store`.
@@ -154,6 +156,23 @@ pub struct ServeArgs {
     /// them with every Load as before
     #[arg(long, env = "LLMS_PROFILE", value_name = "FILE")]
     pub profile: Option<PathBuf>,
+    /// Serve the OpenAI-compatible HTTP API too (docs/http.md): on `unix:PATH`, where the
+    /// peer's uid is who calls (as on --socket), and/or on `HOST:PORT` over TCP, where every
+    /// request needs `Authorization: Bearer KEY` with a key of --http-keys (`llms keys add
+    /// --uid UID`); repeat or separate with commas for both. Same queue, engine and contexts as
+    /// the socket [default: off]
+    #[arg(
+        long,
+        env = "LLMS_HTTP",
+        value_name = "unix:PATH|HOST:PORT",
+        value_delimiter = ','
+    )]
+    pub http: Option<Vec<String>>,
+    /// The key file of the HTTP API over TCP: `UID APP SHA256` lines, written by `llms keys add`
+    /// and read again when it changes [default: /etc/llms/http-keys as root, else
+    /// $XDG_CONFIG_HOME/llms/http-keys]
+    #[arg(long, env = "LLMS_HTTP_KEYS", value_name = "FILE")]
+    pub http_keys: Option<PathBuf>,
     /// A TOML file with any of the settings above, keys as the long flags (`kv-budget = "1G"`);
     /// flags and variables win over it [default: $XDG_CONFIG_HOME/llms/serve.toml, or
     /// /etc/llms/serve.toml as root, when the file exists]
@@ -198,6 +217,9 @@ struct Settings {
     threads: Option<usize>,
     /// The planner's starting costs from `--profile`; `None`: the built-in ones.
     cost: Option<CostModel>,
+    /// The HTTP API's listeners (`--http`), and its key file.
+    http: Vec<String>,
+    http_keys: PathBuf,
 }
 
 /// Fills what the flags and variables (`a`) left unset from the config file's settings.
@@ -295,6 +317,11 @@ fn resolve(mut a: ServeArgs) -> anyhow::Result<Settings> {
         daemon,
         threads: a.threads,
         cost,
+        http: a.http.unwrap_or_default(),
+        http_keys: match a.http_keys {
+            Some(k) => k,
+            None => crate::cmd::http::default_keys()?,
+        },
     })
 }
 
@@ -335,38 +362,6 @@ fn lock_store(store: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> 
     lock.set_len(0)?;
     writeln!(&mut *lock, "{}", std::process::id())?;
     Ok(lock)
-}
-
-/// Removes a socket file left by a daemon that died; refuses if a daemon answers on it.
-fn clear_stale_socket(path: &Path) -> anyhow::Result<()> {
-    match std::fs::symlink_metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e).with_context(|| format!("cannot look at {}", path.display())),
-        Ok(md) if !md.file_type().is_socket() => bail!(
-            "{} exists and is not a socket; remove it or pass another --socket",
-            path.display()
-        ),
-        Ok(_) => match UnixStream::connect(path) {
-            Ok(_) => bail!(
-                "a daemon already listens on {}; stop it or pass another --socket",
-                path.display()
-            ),
-            Err(_) => {
-                std::fs::remove_file(path).with_context(|| {
-                    format!("cannot remove the stale socket {}", path.display())
-                })?;
-                tracing::info!(socket = %path.display(), "removed a stale socket");
-                Ok(())
-            }
-        },
-    }
-}
-
-fn mkdir_for(path: &Path) -> anyhow::Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    }
-    Ok(())
 }
 
 /// Makes this process the daemon's: the descriptors it inherited closed, SIGTERM and SIGINT
@@ -417,6 +412,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let _lock = lock_store(&s.store)?;
     mkdir_for(&s.socket)?;
     clear_stale_socket(&s.socket)?;
+    let http = crate::cmd::http::bind(
+        &s.http,
+        &s.http_keys,
+        s.daemon.max_line,
+        s.daemon.max_connections,
+    )?;
 
     let (path, model, tokenizer) = load_model(&s)?;
     let mc = manager_config(&s, &model)?;
@@ -441,7 +442,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", s.socket.display()))?;
     std::fs::set_permissions(&s.socket, std::fs::Permissions::from_mode(0o666))
         .with_context(|| format!("cannot open {} to every user", s.socket.display()))?;
-    let daemon = Daemon::start(
+    let mut daemon = Daemon::start(
         listener,
         manager,
         tokenizer,
@@ -450,6 +451,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             ..s.daemon.clone()
         },
     )?;
+    let http_paths = match http {
+        Some((cfg, paths)) => {
+            daemon.serve_http(cfg)?;
+            paths
+        }
+        None => Vec::new(),
+    };
     let stopper = daemon.stopper();
     std::thread::Builder::new()
         .name("llms-signals".into())
@@ -471,21 +479,32 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         secs = t0.elapsed().as_secs_f64(),
         "serving"
     );
-    {
-        let mut out = std::io::stdout().lock();
-        writeln!(
-            out,
-            "llms serve: listening on {} (pid {}, {} contexts)",
-            s.socket.display(),
-            std::process::id(),
-            contexts
-        )?;
-        out.flush()?;
-    }
+    say_listening(&s, contexts)?;
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     let r = daemon.wait();
     let _ = std::fs::remove_file(&s.socket);
+    for p in &http_paths {
+        let _ = std::fs::remove_file(p);
+    }
     r?;
+    Ok(())
+}
+
+/// The line that tells whoever started the daemon it listens (tests and `llms chat` wait for it).
+fn say_listening(s: &Settings, contexts: usize) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "llms serve: listening on {}{} (pid {}, {} contexts)",
+        s.socket.display(),
+        s.http
+            .iter()
+            .map(|h| format!(", http {h}"))
+            .collect::<String>(),
+        std::process::id(),
+        contexts
+    )?;
+    out.flush()?;
     Ok(())
 }
 

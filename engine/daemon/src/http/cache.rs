@@ -1,0 +1,158 @@
+//! The contexts chat completions keep: the API is stateless, but a request whose messages
+//! extend a conversation this uid already holds continues that context, so only its new turn is
+//! prefilled. Matched on the turns (the text the context's tokens came from, the answers as the
+//! model said them), not on tokens made again from the text: an answer's text does not always
+//! encode to the tokens the model generated, and the context holds the latter.
+//!
+//! A context in use by a request is taken out of the cache until its answer is done, so two
+//! requests never continue the same context. The cache holds at most the app's contexts
+//! (`--max-contexts-per-app`); the least recently used idle one makes room. After a restart the
+//! cache is rebuilt from the daemon's contexts of the app, read once per uid (`list`, `export`).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use protocol::{Tool, Turn};
+
+use crate::http::wire::same_turn;
+
+/// A context of the cache and what it holds.
+#[derive(Clone, Debug)]
+pub struct Held {
+    pub context: u64,
+    /// Its turns, tools turns left out.
+    pub turns: Vec<Turn>,
+    /// The tools in force.
+    pub tools: Vec<Tool>,
+    used: Instant,
+}
+
+impl Held {
+    /// A context's entry from the turns its transcript records.
+    pub fn new(context: u64, recorded: &[Turn]) -> Held {
+        let tools = recorded
+            .iter()
+            .rev()
+            .find(|t| t.role == "tools")
+            .and_then(|t| serde_json::from_str(&t.text).ok())
+            .unwrap_or_default();
+        Held {
+            context,
+            turns: recorded
+                .iter()
+                .filter(|t| t.role != "tools")
+                .cloned()
+                .collect(),
+            tools,
+            used: Instant::now(),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Contexts {
+    /// Read from the daemon since it started.
+    loaded: bool,
+    idle: Vec<Held>,
+}
+
+/// The chat completions' contexts of every uid (one app name each).
+#[derive(Default)]
+pub struct ChatCache {
+    by_owner: Mutex<HashMap<(u32, String), Contexts>>,
+}
+
+impl ChatCache {
+    /// Whether the contexts of `owner` were read since the daemon started.
+    pub fn loaded(&self, owner: &(u32, String)) -> bool {
+        self.by_owner.lock().get(owner).is_some_and(|c| c.loaded)
+    }
+
+    /// Records the contexts of `owner` read from the daemon (those in use stay out).
+    pub fn load(&self, owner: (u32, String), held: Vec<Held>) {
+        let mut m = self.by_owner.lock();
+        let c = m.entry(owner).or_default();
+        if !c.loaded {
+            c.loaded = true;
+            c.idle.extend(held);
+        }
+    }
+
+    /// Takes the idle context whose turns are exactly `prefix` (the request's turns before its
+    /// last), if any: the request continues it.
+    pub fn take(&self, owner: &(u32, String), prefix: &[Turn]) -> Option<Held> {
+        let mut m = self.by_owner.lock();
+        let c = m.get_mut(owner)?;
+        let i = c.idle.iter().position(|h| {
+            h.turns.len() == prefix.len()
+                && h.turns.iter().zip(prefix).all(|(a, b)| same_turn(a, b))
+        })?;
+        Some(c.idle.swap_remove(i))
+    }
+
+    /// Takes the least recently used idle context of `owner`, to be deleted for room.
+    pub fn take_oldest(&self, owner: &(u32, String)) -> Option<Held> {
+        let mut m = self.by_owner.lock();
+        let c = m.get_mut(owner)?;
+        let i = c
+            .idle
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, h)| h.used)
+            .map(|(i, _)| i)?;
+        Some(c.idle.swap_remove(i))
+    }
+
+    /// Puts a context back, idle, holding `turns` (tools left out) with `tools` in force.
+    pub fn put(&self, owner: (u32, String), context: u64, turns: Vec<Turn>, tools: Vec<Tool>) {
+        let held = Held {
+            context,
+            turns: turns.into_iter().filter(|t| t.role != "tools").collect(),
+            tools,
+            used: Instant::now(),
+        };
+        self.by_owner
+            .lock()
+            .entry(owner)
+            .or_default()
+            .idle
+            .push(held);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::http::wire::turn;
+
+    #[test]
+    fn a_context_is_taken_by_its_exact_turns_once() {
+        let cache = ChatCache::default();
+        let o = (1000, "http.chat".to_owned());
+        let a = vec![turn("user", "hi"), turn("assistant", "hello")];
+        cache.put(o.clone(), 1, a.clone(), Vec::new());
+        cache.put(o.clone(), 2, vec![turn("user", "other")], Vec::new());
+        assert!(cache.take(&o, &a[..1]).is_none());
+        assert!(cache.take(&(1001, o.1.clone()), &a).is_none());
+        assert_eq!(cache.take(&o, &a).map(|h| h.context), Some(1));
+        assert!(cache.take(&o, &a).is_none(), "in use: not taken twice");
+        assert_eq!(cache.take_oldest(&o).map(|h| h.context), Some(2));
+        assert!(cache.take_oldest(&o).is_none());
+    }
+
+    #[test]
+    fn tools_turns_are_kept_apart() {
+        let tools = r#"[{"name":"f","parameters":{}}]"#;
+        let h = Held::new(
+            3,
+            &[
+                turn("tools", tools),
+                turn("user", "u"),
+                turn("assistant", "a"),
+            ],
+        );
+        assert_eq!(h.turns.len(), 2);
+        assert_eq!(h.tools[0].name, "f");
+    }
+}
