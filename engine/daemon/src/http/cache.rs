@@ -80,12 +80,14 @@ impl ChatCache {
     }
 
     /// Takes the idle context whose turns are exactly `prefix` (the request's turns before its
-    /// last), if any: the request continues it.
-    pub fn take(&self, owner: &(u32, String), prefix: &[Turn]) -> Option<Held> {
+    /// last) with exactly `tools` in force, if any: the request continues it. (Tools are part of
+    /// the context's tokens: a context with other tools would answer otherwise.)
+    pub fn take(&self, owner: &(u32, String), prefix: &[Turn], tools: &[Tool]) -> Option<Held> {
         let mut m = self.by_owner.lock();
         let c = m.get_mut(owner)?;
         let i = c.idle.iter().position(|h| {
-            h.turns.len() == prefix.len()
+            h.tools == tools
+                && h.turns.len() == prefix.len()
                 && h.turns.iter().zip(prefix).all(|(a, b)| same_turn(a, b))
         })?;
         Some(c.idle.swap_remove(i))
@@ -133,10 +135,16 @@ mod tests {
         let a = vec![turn("user", "hi"), turn("assistant", "hello")];
         cache.put(o.clone(), 1, a.clone(), Vec::new());
         cache.put(o.clone(), 2, vec![turn("user", "other")], Vec::new());
-        assert!(cache.take(&o, &a[..1]).is_none());
-        assert!(cache.take(&(1001, o.1.clone()), &a).is_none());
-        assert_eq!(cache.take(&o, &a).map(|h| h.context), Some(1));
-        assert!(cache.take(&o, &a).is_none(), "in use: not taken twice");
+        assert!(cache.take(&o, &a[..1], &[]).is_none());
+        assert!(cache.take(&(1001, o.1.clone()), &a, &[]).is_none());
+        let tool = Tool {
+            name: "f".into(),
+            description: String::new(),
+            parameters: serde_json::json!({}),
+        };
+        assert!(cache.take(&o, &a, &[tool]).is_none(), "other tools");
+        assert_eq!(cache.take(&o, &a, &[]).map(|h| h.context), Some(1));
+        assert!(cache.take(&o, &a, &[]).is_none(), "in use: not taken twice");
         assert_eq!(cache.take_oldest(&o).map(|h| h.context), Some(2));
         assert!(cache.take_oldest(&o).is_none());
     }

@@ -82,6 +82,14 @@ pub fn parse(o: &Object) -> Result<ChatRequest, ApiError> {
         generation.response_format = wire::format(f, "response_format", false)?;
     }
     let tools = wire::tools(o, true)?;
+    if tools.is_empty()
+        && generation
+            .tool_choice
+            .as_ref()
+            .is_some_and(|c| *c != protocol::ToolChoice::None)
+    {
+        return Err(ApiError::param("tool_choice", "tool_choice needs tools"));
+    }
     let stream = wire::boolean(o, "stream")?.unwrap_or(false);
     let include_usage = match wire::get(o, "stream_options") {
         None => false,
@@ -233,7 +241,7 @@ pub async fn completions(
     load_cache(api, &mut s, &owner).await?;
     let (prefix, last) = req.turns.split_at(req.turns.len() - 1);
     let last = &last[0];
-    let taken = api.cache.take(&owner, prefix);
+    let taken = api.cache.take(&owner, prefix, &req.tools);
     let continued = taken.is_some();
     let (context, in_force) = match taken {
         Some(h) => (h.context, h.tools),
