@@ -13,8 +13,9 @@ mod cmd;
 mod report;
 
 use cmd::bench::{
-    crash as bench_crash, engine as bench_engine, guide as bench_guide, kv as bench_kv,
-    load as bench_load, pager as bench_pager, switch as bench_switch, weights as bench_weights,
+    crash as bench_crash, engine as bench_engine, guide as bench_guide, http as bench_http,
+    kv as bench_kv, load as bench_load, pager as bench_pager, switch as bench_switch,
+    weights as bench_weights,
 };
 use cmd::{
     chat as chat_cmd, ctx as ctx_cmd, engine as engine_cmd, http as http_cmd, kv_mix as kv_mix_cmd,
@@ -106,6 +107,9 @@ enum BenchCommand {
     /// Weights under a memory budget: decode and prefill speed against the budget for mmap in a
     /// memory cgroup, prefetch only, + balanced locking and + tensor preservation.
     Weights(bench_weights::BenchWeightsArgs),
+    /// What the OpenAI-compatible HTTP API adds to a call over the socket protocol, on a
+    /// running daemon (`llms serve --http unix:PATH`): median latencies of the three paths.
+    Http(bench_http::BenchHttpArgs),
     /// Structured output's cost per decode token on the model's vocabulary: every example
     /// schema, token masks cold and cached, beside the model's decode step (docs/guide.md).
     Guide(bench_guide::BenchGuideArgs),
@@ -162,6 +166,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Switch(args)) => bench_switch::run(&args),
         Command::Bench(BenchCommand::Weights(args)) => bench_weights::run(args),
         Command::Bench(BenchCommand::Guide(args)) => bench_guide::run(args),
+        Command::Bench(BenchCommand::Http(args)) => bench_http::run(args),
         Command::Profile(args) => profile_cmd::run(args),
     }
 }

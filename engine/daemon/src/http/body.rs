@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::{Body, Frame, Incoming};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
 use hyper::{Response, StatusCode};
 
@@ -32,6 +32,21 @@ impl Body for ApiBody {
         match self.get_mut() {
             ApiBody::Full(f) => Pin::new(f).poll_frame(cx),
             ApiBody::Events(rx) => rx.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    /// A whole body's length, so hyper sends `content-length` rather than chunks.
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ApiBody::Full(f) => f.size_hint(),
+            ApiBody::Events(_) => SizeHint::default(),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ApiBody::Full(f) => f.is_end_stream(),
+            ApiBody::Events(_) => false,
         }
     }
 }

@@ -4,6 +4,7 @@
 pub mod crash;
 pub mod engine;
 pub mod guide;
+pub mod http;
 pub mod kv;
 pub mod load;
 pub mod pager;
