@@ -27,11 +27,11 @@ pub fn default_keys() -> anyhow::Result<PathBuf> {
 }
 
 /// The HTTP API's listeners for `specs` (`unix:PATH` or `HOST:PORT`), bound, with the key file
-/// `keys` read when one of them is TCP; `None` without any. Also returns the Unix socket paths,
-/// to remove at exit.
+/// `keys` (or the default one) read when one of them is TCP; `None` without any. Also returns
+/// the Unix socket paths, to remove at exit.
 pub fn bind(
     specs: &[String],
-    keys: &Path,
+    keys: Option<&Path>,
     max_body: usize,
     max_connections: usize,
 ) -> anyhow::Result<Option<(HttpConfig, Vec<PathBuf>)>> {
@@ -69,6 +69,11 @@ pub fn bind(
         }
     }
     let keys = if tcp {
+        let keys = match keys {
+            Some(k) => k.to_owned(),
+            None => default_keys()?,
+        };
+        let keys = keys.as_path();
         let store = KeyStore::open(keys).with_context(|| {
             format!(
                 "--http on TCP needs the key file {} (every request needs a key): make one with \

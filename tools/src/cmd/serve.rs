@@ -219,7 +219,8 @@ struct Settings {
     cost: Option<CostModel>,
     /// The HTTP API's listeners (`--http`), and its key file.
     http: Vec<String>,
-    http_keys: PathBuf,
+    /// `None`: the default key file, if a TCP listener needs one.
+    http_keys: Option<PathBuf>,
 }
 
 /// Fills what the flags and variables (`a`) left unset from the config file's settings.
@@ -318,10 +319,7 @@ fn resolve(mut a: ServeArgs) -> anyhow::Result<Settings> {
         threads: a.threads,
         cost,
         http: a.http.unwrap_or_default(),
-        http_keys: match a.http_keys {
-            Some(k) => k,
-            None => crate::cmd::http::default_keys()?,
-        },
+        http_keys: a.http_keys,
     })
 }
 
@@ -414,7 +412,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     clear_stale_socket(&s.socket)?;
     let http = crate::cmd::http::bind(
         &s.http,
-        &s.http_keys,
+        s.http_keys.as_deref(),
         s.daemon.max_line,
         s.daemon.max_connections,
     )?;
