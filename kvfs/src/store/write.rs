@@ -43,6 +43,17 @@ impl Store {
         }
         let ctx = self.ctx_of_model(id, fingerprint)?;
         let _w = self.write_lock(&ctx)?;
+        if let Some(l) = ctx.state.lock().link
+            && index < l.chunks
+        {
+            return Err(StoreError::Invalid {
+                what: "chunk write",
+                why: format!(
+                    "chunk {index} of context {id} is borrowed from shared prefix {}",
+                    l.base
+                ),
+            });
+        }
         let (range, tcrc) = chunk_tokens(&ctx, id, index)?;
         let compressed = self.compress(data);
         let (codec, payload) = match &compressed {
