@@ -438,6 +438,9 @@ fn dispatch(
             transcript: Some(_),
             ..
         } => Lane::Call((owner.uid, owner.app.clone())),
+        // A fork loads its parent's chunks and writes them to a shared prefix: it waits its turn
+        // as a call does.
+        Request::Fork { .. } => Lane::Call((owner.uid, owner.app.clone())),
         // A prewarm yields to calls: it waits until none is queued.
         Request::Prewarm { .. } => Lane::Idle((owner.uid, owner.app.clone())),
         _ => Lane::Control,

@@ -19,6 +19,7 @@ use crate::ServiceError;
 use crate::chunk_io::ChunkIo;
 use crate::chunks::{ChunkBook, StoredCopy};
 use crate::config::{ManagerConfig, WriteOut};
+use crate::lineage::Lineage;
 use crate::load::{self, LoadReport};
 use crate::source::FormatLevels;
 use crate::transcript::{self, Role, Turn};
@@ -175,6 +176,9 @@ pub(crate) struct Context {
     /// The turns the context's tokens hold, as the store's transcript gives them (`None`: not
     /// recorded).
     pub(crate) turns: Option<Vec<Turn>>,
+    /// Which context holds each chunk (its first ones may be borrowed from shared prefixes),
+    /// shared with its chunk memory.
+    pub(crate) lineage: Arc<parking_lot::Mutex<Lineage>>,
 }
 
 /// The manager's parts a call works with, borrowed for the call (the context itself is borrowed
@@ -290,16 +294,16 @@ impl Call<'_> {
         ctx: &mut Context,
         prompt: Prompt<'_>,
     ) -> Result<(Vec<u32>, LoadReport), ServiceError> {
-        let id = self.id;
+        let lineage = ctx.lineage.lock().clone();
         let stored = self
             .book
-            .stored(ContextId(id), ctx.cache.chunk_formats().len());
+            .stored_in(&lineage, ctx.cache.chunk_formats().len());
         let mut tokens = None;
         let load = load::load(
             self.model,
             self.io,
             self.pager,
-            id,
+            &lineage,
             &mut ctx.cache,
             &stored,
             self.cfg.load,
@@ -309,7 +313,7 @@ impl Call<'_> {
         )?;
         let prompt = tokens.expect("the Load encodes the prompt").into_owned();
         for &i in &load.failed_reads {
-            self.book.set_stored(ChunkKey::new(id, i), None);
+            self.book.set_stored(lineage.key(i), None);
         }
         Ok((prompt, load))
     }
@@ -360,22 +364,23 @@ impl Call<'_> {
         let attention = ctx.cache.take_attention(hl);
         ctx.density.merge(&attention)?;
         let sealed = ctx.cache.chunk_formats().len();
+        // Borrowed chunks keep the level their prefix holds them at: only the context's own
+        // chunks are assigned levels, under the same ratio.
+        let own = ctx.cache.shared();
         let mut recompressed = 0;
         let levels = &self.compression.levels;
         if let Some(ratio) = self.compression.ratio
-            && sealed > 0
+            && sealed > own
         {
             let densities = ctx.density.chunk_densities();
-            let floors: Vec<Level> = ctx
-                .cache
-                .chunk_formats()
+            let floors: Vec<Level> = ctx.cache.chunk_formats()[own..]
                 .iter()
                 .map(|&f| levels.floor(f).unwrap_or(Level(0)))
                 .collect();
             let a =
-                policy::assign_levels(&densities[..sealed], Some(&floors), levels.set(), ratio)?;
+                policy::assign_levels(&densities[own..sealed], Some(&floors), levels.set(), ratio)?;
             let shape = *ctx.cache.shape();
-            for (i, &to) in a.levels.iter().enumerate() {
+            for (i, &to) in (own..).zip(&a.levels) {
                 // A chunk above the levels (sealed in int8) moves to its level even at level 0.
                 let from = ctx.cache.chunk_formats()[i];
                 if let Some(f) = levels.format(to)
@@ -441,7 +446,8 @@ impl Call<'_> {
         let levels = &self.compression.levels;
         let sealed = ctx.cache.chunk_formats().len();
         let stored = self.book.stored(ContextId(id), sealed);
-        let states: Vec<policy::WriteCandidate> = (0..sealed)
+        // Borrowed chunks are their prefix's, written when it was made.
+        let states: Vec<policy::WriteCandidate> = (ctx.cache.shared()..sealed)
             .map(|i| {
                 let f = ctx.cache.chunk_formats()[i];
                 let bytes = ctx.cache.shape_of(i).chunk_bytes(f) as u64;

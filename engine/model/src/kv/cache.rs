@@ -42,6 +42,10 @@ pub enum KvError {
     /// A sliding-window layer of a chunk past the window: the chunk keeps its global layers only.
     #[error("chunk {index} is past the sliding window: it keeps no K/V of layer {layer}")]
     Trimmed { index: usize, layer: usize },
+    /// A chunk borrowed from a shared prefix: other contexts read the same bytes, so it is never
+    /// recompressed, trimmed or replaced by this cache.
+    #[error("chunk {index} is borrowed from a shared prefix and cannot change")]
+    Shared { index: usize },
     /// Recompute of a chunk whose exact rebuild needs the sliding-window layers of chunks that
     /// no longer keep them.
     #[error(
@@ -173,6 +177,9 @@ pub struct KvCache {
     /// Chunks past the window that a recompute in progress rebuilt whole: later passes of the
     /// same recompute read their sliding-window layers; [`KvCache::end_recompute_run`] cuts them.
     whole: Vec<usize>,
+    /// The first chunks, borrowed from shared prefixes ([`KvCache::set_shared`]): for each,
+    /// whether its prefix keeps it cut to its global layers.
+    shared: Vec<bool>,
     /// Attention each token received, summed over heads, layers and queries.
     attn_sum: Vec<f32>,
     /// How many (query, head, layer) rows saw each token.
@@ -201,6 +208,7 @@ impl KvCache {
             fresh: Vec::new(),
             cut: 0,
             whole: Vec::new(),
+            shared: Vec::new(),
             attn_sum: Vec::new(),
             attn_rows: Vec::new(),
             scratch: Vec::new(),
@@ -216,9 +224,40 @@ impl KvCache {
         self.shape.trimmed_chunks(sealed * self.shape.tokens)
     }
 
-    /// The shape of sealed chunk `index` as the cache keeps it: trimmed past the window.
+    /// Makes the first `cut.len()` sealed chunks borrowed from shared prefixes: from now on they
+    /// are read, never changed (not recompressed, trimmed or rewritten but by a recompute of a
+    /// lost one, which makes the same bytes). `cut[i]` says whether chunk `i`'s prefix keeps it
+    /// cut to its global layers (a prefix of `n` chunks cuts the first
+    /// `shape.trimmed_chunks(n * tokens)`, as a context of its length would).
+    pub fn set_shared(&mut self, cut: Vec<bool>) -> Result<(), KvError> {
+        if cut.len() > self.formats.len() {
+            return Err(KvError::NotSealed {
+                index: cut.len() - 1,
+                sealed: self.formats.len(),
+            });
+        }
+        self.shared = cut;
+        Ok(())
+    }
+
+    /// How many of the first chunks are borrowed from shared prefixes.
+    pub fn shared(&self) -> usize {
+        self.shared.len()
+    }
+
+    /// Whether chunk `index` is kept cut to its global layers: past the window, or as its shared
+    /// prefix keeps it.
+    pub fn is_cut(&self, index: usize) -> bool {
+        match self.shared.get(index) {
+            Some(&cut) => cut,
+            None => index < self.trimmed_chunks(),
+        }
+    }
+
+    /// The shape of sealed chunk `index` as the cache keeps it: trimmed past the window (a
+    /// borrowed chunk: as its prefix keeps it).
     pub fn shape_of(&self, index: usize) -> ChunkShape {
-        if index < self.trimmed_chunks() {
+        if self.is_cut(index) {
             self.shape.trimmed()
         } else {
             self.shape
@@ -287,7 +326,8 @@ impl KvCache {
         self.end_recompute_run()?;
         let upto = self.trimmed_chunks();
         let mut cut = Vec::new();
-        for index in self.cut..upto {
+        // Borrowed chunks stay as their prefix keeps them.
+        for index in self.cut.max(self.shared.len())..upto {
             let f = self.formats[index];
             let keep = self.shape.trimmed().chunk_bytes(f);
             if let Some(bytes) = self.mem.get(index) {
@@ -469,6 +509,7 @@ impl KvCache {
         self.open.clear();
         self.len = 0;
         self.cut = 0;
+        self.shared.clear();
         self.tokens.clear();
         self.staged.clear();
         self.fresh.clear();
@@ -654,7 +695,7 @@ impl KvCache {
         }
         // A chunk sealed past the window keeps its global layers alone, unless a recompute
         // still needs the others (`whole`).
-        let keep = if whole && index < self.trimmed_chunks() {
+        let keep = if whole && self.is_cut(index) {
             self.whole.push(index);
             s.chunk_bytes(f)
         } else {
@@ -674,6 +715,9 @@ impl KvCache {
     /// Moving up is refused: the lost bits can only come back by recompute.
     pub fn recompress(&mut self, index: usize, to: KvFormat) -> Result<(), KvError> {
         let from = self.check_sealed(index)?;
+        if index < self.shared.len() {
+            return Err(KvError::Shared { index });
+        }
         let codec = |source| KvError::Codec { index, source };
         if !crate::kv::codec::moves_down(&self.shape, from, to) {
             return Err(codec(CodecError::NotDown { from, to }));
@@ -748,7 +792,7 @@ impl KvCache {
             let put = match self.take_fresh(*index) {
                 Some(fr) if fr.complete() && fr.format == f => {
                     // A chunk past the window stays whole until the whole recompute is over.
-                    if *index < self.trimmed_chunks() {
+                    if self.is_cut(*index) {
                         self.whole.push(*index);
                     }
                     self.mem.put(*index, &fr.bytes)
