@@ -40,11 +40,14 @@ fn prefix(store: &Store, uid: u32, chunks: u32) -> ContextId {
         ..Seed::default()
     };
     let id = store.create_context_with(new(uid), seed).unwrap();
-    for i in 0..chunks {
-        store
-            .write_chunk(id, i, &FP, KvFormat::Int8, 0.5, &bytes(i))
-            .unwrap();
-    }
+    let all: Vec<Vec<u8>> = (0..chunks).map(bytes).collect();
+    let writes: Vec<_> = (0..chunks)
+        .map(|i| (i, KvFormat::Int8, 0.5, all[i as usize].as_slice()))
+        .collect();
+    store.write_new_chunks(id, &FP, &writes).unwrap();
+    // Written once: a second write of them is refused, and changes nothing.
+    let err = store.write_new_chunks(id, &FP, &writes[..1]);
+    assert!(matches!(err, Err(StoreError::Invalid { .. })), "{err:?}");
     id
 }
 

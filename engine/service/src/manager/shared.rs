@@ -164,7 +164,16 @@ impl Manager {
             return Ok(Link { base, chunks });
         }
         self.writer.flush();
-        let chunks = self.own_chunks(id, have..k)?;
+        let chunks = match self.own_chunks(id, have..k) {
+            Ok(c) => c,
+            Err(e) => {
+                // As after a failed prewarm: the context goes back to what the store holds.
+                if let Err(e2) = self.reload(id) {
+                    tracing::error!(ctx = id, error = %e2, "reloading the context failed");
+                }
+                return Err(e);
+            }
+        };
         let ctx = &self.contexts[&id];
         let t = self.cfg.chunk_tokens;
         let tokens = ctx.cache.tokens()[..k * t].to_vec();
@@ -187,24 +196,39 @@ impl Manager {
                 transcript: None,
             },
         )?;
-        for (i, (format, density, bytes)) in (have..k).zip(&chunks) {
-            self.store.write_chunk(
-                prefix,
-                i as u32,
-                &self.fingerprint,
-                *format,
-                *density,
-                bytes,
-            )?;
-        }
-        crate::failpoints::check("service::share::written", crate::failpoints::injected)?;
         let link = Link {
             base: prefix.0,
             chunks: k as u32,
         };
-        self.store.set_link(ContextId(id), Some(link))?;
+        if let Err(e) = self.fill_prefix(id, prefix, have, &chunks, link) {
+            // Nothing links to the prefix: it goes now (or at the next open).
+            if let Err(e2) = self.store.delete_context(prefix) {
+                tracing::warn!(prefix = prefix.0, error = %e2, "an unused prefix left for the next open");
+            }
+            return Err(e);
+        }
         self.move_to_prefix(id, prefix, have, &chunks)?;
         Ok(link)
+    }
+
+    /// Writes `chunks` (from chunk `have` on) to the new `prefix`, then links context `id` to it:
+    /// the link is made only once the prefix holds them durably.
+    fn fill_prefix(
+        &self,
+        id: u64,
+        prefix: ContextId,
+        have: usize,
+        chunks: &[(kvfs::KvFormat, f32, Vec<u8>)],
+        link: Link,
+    ) -> Result<(), ServiceError> {
+        let writes: Vec<(u32, kvfs::KvFormat, f32, &[u8])> = (have..)
+            .zip(chunks)
+            .map(|(i, (f, d, b))| (i as u32, *f, *d, b.as_slice()))
+            .collect();
+        (self.store).write_new_chunks(prefix, &self.fingerprint, &writes)?;
+        crate::failpoints::check("service::share::written", crate::failpoints::injected)?;
+        self.store.set_link(ContextId(id), Some(link))?;
+        Ok(())
     }
 
     /// Context `id`'s chunks `range` (all its own): format, density and bytes, read in memory
