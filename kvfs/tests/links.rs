@@ -75,6 +75,14 @@ fn contexts_share_one_stored_copy_until_the_last_goes() {
     assert_eq!(store.referrers(base), 2);
     assert!(store.is_shared(base).unwrap() && !store.is_shared(a).unwrap());
     assert_eq!(store.link(b).unwrap().unwrap().chunks, 3);
+    // People inspecting the store see who borrows from whom.
+    let info = store.render_info(base).unwrap();
+    assert!(info.contains("2 context(s) borrow"), "{info}");
+    let info = store.render_info(b).unwrap();
+    assert!(
+        info.contains(&format!("chunks 0..3 from shared prefix {base}")),
+        "{info}"
+    );
     // Borrowed chunks are read from the prefix and never written to the borrower.
     assert_eq!(store.read_chunk(base, 2, &FP).unwrap(), bytes(2));
     let err = store.write_chunk(a, 1, &FP, KvFormat::Int8, 0.5, &bytes(9));

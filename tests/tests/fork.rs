@@ -92,10 +92,21 @@ fn eight_forks_of_one_prefix_hold_its_chunks_once() {
     let store = w.store();
     let held: Vec<u64> = forks.iter().map(|&f| stored_bytes(&store, f)).collect();
     assert!(held.iter().all(|&b| b == 0), "{held:?}");
+    let prefixes: Vec<u64> = std::fs::read_dir(store.join("contexts"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("shared").exists())
+        .map(|p| p.file_name().unwrap().to_str().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(prefixes.len(), 1, "{prefixes:?}");
+    let on_disk = stored_bytes(&store, prefixes[0]);
+    assert!(on_disk > 0);
     eprintln!(
-        "{chunks} chunks shared by 9 contexts: {:.2} MiB resident once (not {:.2})",
+        "{chunks} chunks shared by 9 contexts: {:.2} MiB resident once (not {:.2}), {:.2} MiB \
+         on disk once, in the prefix; 0 in each fork",
         prefix as f64 / (1 << 20) as f64,
-        9.0 * prefix as f64 / (1 << 20) as f64
+        9.0 * prefix as f64 / (1 << 20) as f64,
+        on_disk as f64 / (1 << 20) as f64
     );
     // Every fork answers the next question as its parent does.
     let q = "And one borrowed on day 7?";
