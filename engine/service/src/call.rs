@@ -380,16 +380,18 @@ impl Call<'_> {
             let a =
                 policy::assign_levels(&densities[own..sealed], Some(&floors), levels.set(), ratio)?;
             let shape = *ctx.cache.shape();
+            let mut moves = Vec::new();
             for (i, &to) in (own..).zip(&a.levels) {
                 // A chunk above the levels (sealed in int8) moves to its level even at level 0.
                 let from = ctx.cache.chunk_formats()[i];
                 if let Some(f) = levels.format(to)
                     && model::kv::codec::moves_down(&shape, from, f)
                 {
-                    ctx.cache.recompress(i, f)?;
-                    recompressed += 1;
+                    moves.push((i, f));
                 }
             }
+            ctx.cache.recompress_many(&moves)?;
+            recompressed = moves.len();
         }
         self.book.set_formats(
             ContextId(self.id),

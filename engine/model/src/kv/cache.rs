@@ -730,6 +730,41 @@ impl KvCache {
         Ok(())
     }
 
+    /// Moves each `(chunk, format)` of `moves` down to its format, as [`KvCache::recompress`]
+    /// does one, encoding the chunks in parallel on the thread pool, a batch at a time (the new
+    /// bytes of one batch held at once, 32 chunks at most), then storing them in order.
+    /// On an error the chunks before the failing one have moved, the others not.
+    pub fn recompress_many(&mut self, moves: &[(usize, KvFormat)]) -> Result<(), KvError> {
+        use rayon::prelude::*;
+        const BATCH: usize = 32;
+        for batch in moves.chunks(BATCH) {
+            let encoded: Vec<Result<Vec<u8>, KvError>> = batch
+                .par_iter()
+                .map(|&(index, to)| {
+                    let from = self.check_sealed(index)?;
+                    if index < self.shared.len() {
+                        return Err(KvError::Shared { index });
+                    }
+                    let codec = |source| KvError::Codec { index, source };
+                    if !crate::kv::codec::moves_down(&self.shape, from, to) {
+                        return Err(codec(CodecError::NotDown { from, to }));
+                    }
+                    let bytes = self.mem.get(index).ok_or(KvError::NotResident { index })?;
+                    let mut out = Vec::new();
+                    let shape = self.shape_of(index);
+                    crate::kv::codec::recompress(&shape, from, to, bytes, &mut out)
+                        .map_err(codec)?;
+                    Ok(out)
+                })
+                .collect();
+            for (&(index, to), bytes) in batch.iter().zip(encoded) {
+                self.mem.put(index, &bytes?)?;
+                self.formats[index] = to;
+            }
+        }
+        Ok(())
+    }
+
     /// Drops sealed chunk `index` from memory; its format and tokens are kept for recompute.
     pub fn reclaim(&mut self, index: usize) -> Result<(), KvError> {
         self.check_sealed(index)?;
