@@ -558,7 +558,7 @@ fn min_max(xs: &[f32]) -> (f32, f32) {
 /// Packs `codes` (`bits` wide each) as values `first..` of the bit stream `out` (zeroed), as
 /// [`pack`] would one by one: whole bytes at a time where the run starts on a byte.
 fn pack_run(out: &mut [u8], first: usize, bits: usize, codes: &[u8]) {
-    if (first * bits) % 8 != 0 || !(codes.len() * bits).is_multiple_of(8) {
+    if !(first * bits).is_multiple_of(8) || !(codes.len() * bits).is_multiple_of(8) {
         for (i, &c) in codes.iter().enumerate() {
             pack(out, first + i, bits, c);
         }
