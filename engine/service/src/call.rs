@@ -11,7 +11,7 @@ use model::Model;
 use model::generate::generate_guided;
 use model::generate::{Generation, Sampler, SamplingParams, StopReason};
 use model::guided::{Guide, Next};
-use model::kv::KvCache;
+use model::kv::{KvCache, KvFormat};
 use policy::{CostModel, DensityTracker, Level};
 use uffd_pager::{ChunkKey, ContextId, Pager};
 
@@ -223,7 +223,16 @@ impl Call<'_> {
                 load,
             });
         }
-        self.fits_budget(ctx, prompt.len(), opts)?;
+        let seal = self.fits_budget(ctx, prompt.len(), opts)?;
+        if seal != ctx.cache.format() {
+            tracing::info!(
+                ctx = self.id,
+                format = %seal,
+                "the context would not fit the budget in {}: its new chunks are sealed in {seal}",
+                ctx.cache.format()
+            );
+            ctx.cache.set_format(seal);
+        }
         let switch_secs = received.elapsed().as_secs_f64();
         let (run, said, guide_secs, guide_masks) = self.generate(ctx, &prompt, opts, on_token)?;
         let end = Instant::now();
@@ -256,33 +265,47 @@ impl Call<'_> {
         }))
     }
 
-    /// Refuses the call (`over_budget`, nothing changed) when the context's chunks and those the
-    /// open tail, a prompt of `prompt` tokens and the longest answer would seal need more memory
-    /// than the whole budget: the call holds its context's chunks resident while it runs, so it
-    /// could not finish. Checked before the Load (with the prompt's tokens when they are known)
-    /// and again once the prompt is encoded, before the first token is prefilled.
+    /// The format the call seals its new chunks in, or `over_budget` (nothing changed) when the
+    /// context's chunks and those the open tail, a prompt of `prompt` tokens and the longest
+    /// answer would seal need more memory than the whole budget even in the lightest: the call
+    /// holds its context's chunks resident while it runs, so it could not finish. The format is
+    /// the cache's (int8) when the context fits in it, else the heaviest compression level in
+    /// which it fits (a pasted document longer than the budget holds at int8): those chunks
+    /// start at that level, and the end of the call only moves them further down. Checked
+    /// before the Load (with the prompt's tokens when they are known) and again once the prompt
+    /// is encoded, before the first token is prefilled.
     fn fits_budget(
         &self,
         ctx: &Context,
         prompt: usize,
         opts: &CallOptions,
-    ) -> Result<(), ServiceError> {
+    ) -> Result<KvFormat, ServiceError> {
         let said = ctx.cache.len() + ctx.pending.len() + prompt;
         let answer = opts
             .max_tokens
             .min(self.cfg.max_tokens.saturating_sub(said));
-        let needed = ctx
-            .cache
-            .slot_bytes_with(ctx.pending.len() + prompt + answer);
+        let more = ctx.pending.len() + prompt + answer;
         let budget = self.pager.budget();
-        if needed > budget {
-            return Err(ServiceError::OverBudget {
-                id: self.id,
-                needed,
-                budget,
-            });
+        let base = self.cfg.kv_format;
+        let shape = *ctx.cache.shape();
+        // Lighter formats only where the end of the call would compress anyway.
+        let lighter = self.compression.ratio.map(|_| {
+            (0..self.compression.levels.set().len())
+                .filter_map(|l| self.compression.levels.format(Level(l as u8)))
+                .filter(move |&f| model::kv::codec::moves_down(&shape, base, f))
+        });
+        let mut needed = 0;
+        for f in std::iter::once(base).chain(lighter.into_iter().flatten()) {
+            needed = ctx.cache.slot_bytes_sealing(more, f);
+            if needed <= budget {
+                return Ok(f);
+            }
         }
-        Ok(())
+        Err(ServiceError::OverBudget {
+            id: self.id,
+            needed,
+            budget,
+        })
     }
 
     /// Step 1, Load: the context's missing chunks back (chunks the pager wrote back when it reclaimed
@@ -358,6 +381,8 @@ impl Call<'_> {
     fn compress(&self, ctx: &mut Context, said: &[u32]) -> Result<usize, ServiceError> {
         let model = self.model;
         let hl = (model.cfg.n_heads * model.cfg.n_layers) as u32;
+        // The next call decides its own sealing format again.
+        ctx.cache.set_format(self.cfg.kv_format);
         ctx.pending = ctx.cache.drop_open();
         ctx.pending
             .extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);

@@ -269,12 +269,24 @@ impl KvCache {
     /// new tokens seal at the cache's format, untrimmed (an upper bound: a chunk that moves past
     /// the window shrinks). What a call must find room for in a memory budget.
     pub fn slot_bytes_with(&self, more: usize) -> u64 {
+        self.slot_bytes_sealing(more, self.format)
+    }
+
+    /// [`KvCache::slot_bytes_with`] were the new chunks sealed in `format`.
+    pub fn slot_bytes_sealing(&self, more: usize, format: KvFormat) -> u64 {
         let held: u64 = (self.formats.iter().enumerate())
             .map(|(i, &f)| self.shape_of(i).slot_bytes(f) as u64)
             .sum();
         let sealed = (self.len + more) / self.shape.tokens;
         let new = sealed.saturating_sub(self.formats.len()) as u64;
-        held + new * self.shape.slot_bytes(self.format) as u64
+        held + new * self.shape.slot_bytes(format) as u64
+    }
+
+    /// Seals the chunks filled from now on in `format` (the chunks sealed already keep theirs):
+    /// a call whose context would not fit its memory budget in the cache's format seals its new
+    /// chunks lighter. Call it between passes, not during one.
+    pub fn set_format(&mut self, format: KvFormat) {
+        self.format = format;
     }
 
     /// The first chunk that [`KvCache::recomputable`] allows on its own (0 without a window).
