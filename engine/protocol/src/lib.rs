@@ -1505,7 +1505,8 @@ mod tests {
             line,
             concat!(
                 r#"{"id":7,"event":"stats","manager":"llms","budget_bytes":1,"resident_bytes":2,"#,
-                r#""contexts":3,"calls":4,"chunks_read":5,"chunks_recomputed":6,"faults":7,"#,
+                r#""contexts":3,"shared_prefixes":0,"shared_resident_bytes":0,"#,
+                r#""calls":4,"chunks_read":5,"chunks_recomputed":6,"faults":7,"#,
                 r#""reclaims":8,"unwritten_reclaims":9,"sync_reclaims":10,"window_slides":11,"#,
                 r#""writes":12,"write_failures":13,"writes_queued":14,"#,
                 r#""load_buffer_bytes":29,"load_buffer_huge_bytes":30,"load_io_uring":true,"#,

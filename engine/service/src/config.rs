@@ -98,7 +98,7 @@ pub struct ManagerConfig {
     /// A new context whose first tokens (a system prompt, a transcript) a context of the same
     /// owner computed already borrows those chunks from a shared prefix instead of computing and
     /// holding them again (docs/service.md, "Forks and shared prefixes"). Forks share whatever
-    /// this says.
+    /// this says. Off for the paper's baselines (`ManagerKind::apply`).
     pub share_prefixes: bool,
 }
 
@@ -282,6 +282,12 @@ impl ManagerKind {
         cfg.victims = victims;
         cfg.write_out = write_out;
         cfg.load = load;
+        // The paper's baselines keep one copy per context, as they were measured; forks share
+        // whatever the manager.
+        cfg.share_prefixes = !matches!(
+            self,
+            ManagerKind::VllmSq | ManagerKind::VllmS | ManagerKind::Swapping | ManagerKind::Lmk
+        );
     }
 }
 

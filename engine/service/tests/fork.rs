@@ -150,13 +150,26 @@ fn forks_answer_as_their_parent_would_and_hold_its_chunks_once() {
         r.load
     );
 
-    // After a restart every fork still borrows, and answers the same.
     drop(m);
-    let mut m = open(&model, dir.path(), true, true);
-    assert_eq!(m.info(&o, forks[2]).unwrap().shared_chunks, sealed);
-    assert_eq!(call(&mut m, &o, forks[2], &history[1]), expected[1]);
-    // The prefix goes with the last context that borrows from it.
-    for &id in forks.iter().chain([&parent]) {
+    let all: Vec<u64> = forks.iter().copied().chain([parent]).collect();
+    after_a_restart(&model, dir.path(), &all, sealed, &history[2], &expected[2]);
+}
+
+/// After a restart every fork still borrows its `sealed` chunks, and `all[2]` (which has not
+/// answered `question` yet) answers it with `expected`; the prefix goes with the last of `all`.
+fn after_a_restart(
+    model: &Arc<Model>,
+    dir: &std::path::Path,
+    all: &[u64],
+    sealed: usize,
+    question: &[u32],
+    expected: &[u32],
+) {
+    let o = owner();
+    let mut m = open(model, dir, true, true);
+    assert_eq!(m.info(&o, all[2]).unwrap().shared_chunks, sealed);
+    assert_eq!(call(&mut m, &o, all[2], question), expected);
+    for &id in all {
         m.delete(&o, id).unwrap();
     }
     assert_eq!(m.shared_prefixes().0, 0);

@@ -282,6 +282,8 @@ impl Manager {
     ) -> Result<(), ServiceError> {
         for i in have..have + chunks.len() {
             let key = ChunkKey::new(id, i as u32);
+            // Its bytes are the prefix's now, stored: giving them up loses nothing.
+            let _ = self.pager.mark_persisted(key);
             match self.pager.reclaim(key) {
                 Ok(_) | Err(uffd_pager::PagerError::NotResident { .. }) => {}
                 Err(e) => return Err(e.into()),
