@@ -465,6 +465,59 @@ impl ContextMeta {
     }
 }
 
+/// The magic of a context's `link` file.
+pub const LINK_MAGIC: [u8; 8] = *b"KVFSLINK";
+
+/// A context's borrowed prefix: its first `chunks` chunks are those of `base`, a shared-prefix
+/// context (its `link` file; docs/kvfs.md, "Shared prefixes").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub base: u64,
+    pub chunks: u32,
+}
+
+impl Link {
+    /// Layout: magic 8, version u16, reserved u16, base u64, chunks u32, crc u32 of everything
+    /// before it (28 bytes).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(28);
+        b.extend_from_slice(&LINK_MAGIC);
+        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&0u16.to_le_bytes());
+        b.extend_from_slice(&self.base.to_le_bytes());
+        b.extend_from_slice(&self.chunks.to_le_bytes());
+        let crc = crc32c::crc32c(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks a `link` file.
+    pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
+        let what = "link file";
+        if b.len() != 28 {
+            return Err(FormatError::Length {
+                what,
+                len: b.len(),
+                expected: 28,
+            });
+        }
+        check_magic(what, b, &LINK_MAGIC)?;
+        check_trailing_crc(what, b)?;
+        let version = u16_at(b, 8);
+        if version != FORMAT_VERSION {
+            return Err(FormatError::BadVersion {
+                what,
+                found: version,
+                max: FORMAT_VERSION,
+            });
+        }
+        Ok(Link {
+            base: u64_at(b, 12),
+            chunks: u32_at(b, 20),
+        })
+    }
+}
+
 /// Encodes a tokens file: magic 8, version u16, reserved u16, count u32, the ids (u32 each),
 /// crc u32 of everything before it.
 pub fn encode_tokens(tokens: &[u32]) -> Vec<u8> {
@@ -556,6 +609,22 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_link_round_trips_and_a_flipped_bit_is_refused() {
+        let l = Link {
+            base: 42,
+            chunks: 63,
+        };
+        let mut b = l.encode();
+        assert_eq!(Link::decode(&b).unwrap(), l);
+        b[14] ^= 1;
+        assert!(matches!(
+            Link::decode(&b),
+            Err(FormatError::Checksum { .. })
+        ));
+        assert!(Link::decode(&b[..27]).is_err());
+    }
 
     fn header() -> ChunkHeader {
         ChunkHeader {

@@ -16,10 +16,10 @@ pub mod io;
 pub mod store;
 
 pub use client::{MountReader, RawSlot};
-pub use format::{Codec, ContextMeta, Fingerprint, KvFormat};
+pub use format::{Codec, ContextMeta, Fingerprint, KvFormat, Link};
 pub use fs::{Mount, MountConfig, MountCounters, MountError, kv_offset, mount};
 pub use store::{
     ChunkMeta, ContextId, Decoder, HEADER_PAGE, MAX_CHUNK_BYTES, NewContext, Residency, SLOT_BYTES,
-    Store, StoreError, StoreOptions, StoreState, StoredChunk, StoredContext, TextView, slot_offset,
-    utc,
+    Seed, Store, StoreError, StoreOptions, StoreState, StoredChunk, StoredContext, TextView,
+    slot_offset, utc,
 };

@@ -420,6 +420,11 @@ fn hello(shared: &Shared, conn: &Conn, id: u64, name: &str, version: u32) {
     ));
 }
 
+/// Routes one parsed request: `hello` and `cancel` answered here, the rest checked (a `hello`
+/// first, the version's ops) and queued in its lane.
+///
+/// Kept whole: one match over the ops, each arm a line or two, reads as the table of where each
+/// op goes; split, the lanes would be decided in two places.
 fn dispatch(
     shared: &Arc<Shared>,
     conn: &Arc<Conn>,
@@ -498,11 +503,13 @@ pub fn submit(
             }
             Lane::Call((owner.uid, owner.app.clone()))
         }
-        // A context rebuilt from a transcript is prefilled: it waits its turn as a call does.
+        // A context rebuilt from a transcript is prefilled, a fork loads its parent's chunks and
+        // writes them to a shared prefix: each waits its turn as a call does.
         Request::New {
             transcript: Some(_),
             ..
-        } => Lane::Call((owner.uid, owner.app.clone())),
+        }
+        | Request::Fork { .. } => Lane::Call((owner.uid, owner.app.clone())),
         // A prewarm yields to calls: it waits until none is queued.
         Request::Prewarm { .. } => Lane::Idle((owner.uid, owner.app.clone())),
         _ => Lane::Control,

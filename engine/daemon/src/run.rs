@@ -59,6 +59,7 @@ fn handle(
         Request::Call { context, .. }
         | Request::ToolResult { context, .. }
         | Request::Prewarm { context, .. }
+        | Request::Fork { context, .. }
         | Request::Info { context, .. }
         | Request::Count {
             context: Some(context),
@@ -89,6 +90,16 @@ fn handle(
             ..
         } => count(m, tok, o, *context, text, *format).map(Event::Count),
         Request::Prewarm { context, .. } => prewarm(m, o, *context, job).map(Event::Prewarmed),
+        Request::Fork { context, .. } => {
+            let child = m.fork(o, *context).map_err(service_error)?;
+            tracing::info!(
+                uid = o.uid,
+                parent = context,
+                context = child,
+                "context forked"
+            );
+            Ok(Event::Created { context: child })
+        }
         Request::Delete { context, .. } => {
             m.delete(o, *context).map_err(service_error)?;
             tracing::info!(uid = o.uid, context, "context deleted");
@@ -286,6 +297,7 @@ fn context_info(c: ContextSummary, window: Option<usize>) -> ContextInfo {
             .map(|(k, v)| (k.to_owned(), v))
             .collect(),
         calls: c.calls,
+        shared_chunks: window.map(|_| c.shared_chunks),
     }
 }
 

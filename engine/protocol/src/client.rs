@@ -394,6 +394,16 @@ impl Client {
         }
     }
 
+    /// Forks `context`: a new context with its tokens and turns that shares its computed chunks
+    /// (version 2). Returns the new context's id.
+    pub fn fork(&mut self, context: u64) -> Result<u64, ClientError> {
+        let id = self.next_id();
+        match self.request(Request::Fork { id, context })? {
+            Event::Created { context } => Ok(context),
+            e => Err(unexpected(&e)),
+        }
+    }
+
     /// Deletes a context.
     pub fn delete(&mut self, context: u64) -> Result<(), ClientError> {
         let id = self.next_id();

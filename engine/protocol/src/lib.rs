@@ -251,6 +251,9 @@ pub enum Request {
     Prewarm { id: u64, context: u64 },
     /// A context's turns (version 2).
     Export { id: u64, context: u64 },
+    /// A new context of the caller's with the same tokens and turns as `context`, sharing its
+    /// computed chunks (version 2); answered with `created`.
+    Fork { id: u64, context: u64 },
     /// Cancels a call of this connection (queued or running).
     Cancel { id: u64, call: u64 },
     /// Deletes a context.
@@ -286,6 +289,7 @@ impl Request {
             | Request::Count { id, .. }
             | Request::Prewarm { id, .. }
             | Request::Export { id, .. }
+            | Request::Fork { id, .. }
             | Request::Cancel { id, .. }
             | Request::Delete { id, .. }
             | Request::List { id }
@@ -304,6 +308,7 @@ impl Request {
             Request::Count { .. } => "count",
             Request::Prewarm { .. } => "prewarm",
             Request::Export { .. } => "export",
+            Request::Fork { .. } => "fork",
             Request::Cancel { .. } => "cancel",
             Request::Delete { .. } => "delete",
             Request::List { .. } => "list",
@@ -318,6 +323,7 @@ impl Request {
             Request::Count { .. }
             | Request::Prewarm { .. }
             | Request::Export { .. }
+            | Request::Fork { .. }
             | Request::ToolResult { .. } => true,
             Request::New {
                 transcript, tools, ..
@@ -835,6 +841,11 @@ pub struct ContextInfo {
     pub used: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remaining: Option<usize>,
+    /// How many of its first chunks it borrows from a shared prefix (version 2): a fork's
+    /// parent's, or another context's of the caller with the same first tokens. They are held
+    /// once, whatever the number of contexts that borrow them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_chunks: Option<usize>,
 }
 
 /// The answer to `stats`: the context manager's counters ([`ServiceStats`], its fields at the
@@ -869,6 +880,12 @@ pub struct ServiceStats {
     pub budget_bytes: u64,
     pub resident_bytes: u64,
     pub contexts: usize,
+    /// Shared prefixes that contexts borrow chunks from, and the bytes of theirs resident
+    /// (counted once in `resident_bytes`).
+    #[serde(default)]
+    pub shared_prefixes: usize,
+    #[serde(default)]
+    pub shared_resident_bytes: u64,
     pub calls: u64,
     pub chunks_read: u64,
     pub chunks_recomputed: u64,
@@ -1189,6 +1206,13 @@ mod tests {
             Ok(rebuilt.clone()),
         );
         assert!(rebuilt.needs_v2() && Request::Export { id: 6, context: 3 }.needs_v2());
+        let fork = Request::Fork { id: 7, context: 3 };
+        assert_eq!(
+            parse_request(br#"{"op":"fork","id":7,"context":3}"#),
+            Ok(fork.clone())
+        );
+        assert!(fork.needs_v2());
+        assert_eq!(fork.op(), "fork");
         for (line, code) in [
             (
                 r#"{"op":"new","id":7,"transcript":{"turns":[{"role":"robot","text":"x"}]}}"#,
@@ -1398,6 +1422,7 @@ mod tests {
                         context_window: None,
                         used: None,
                         remaining: None,
+                        shared_chunks: None,
                     }],
                 },
             ),
@@ -1431,6 +1456,8 @@ mod tests {
                 budget_bytes: 1,
                 resident_bytes: 2,
                 contexts: 3,
+                shared_prefixes: 0,
+                shared_resident_bytes: 0,
                 calls: 4,
                 chunks_read: 5,
                 chunks_recomputed: 6,
@@ -1478,7 +1505,8 @@ mod tests {
             line,
             concat!(
                 r#"{"id":7,"event":"stats","manager":"llms","budget_bytes":1,"resident_bytes":2,"#,
-                r#""contexts":3,"calls":4,"chunks_read":5,"chunks_recomputed":6,"faults":7,"#,
+                r#""contexts":3,"shared_prefixes":0,"shared_resident_bytes":0,"#,
+                r#""calls":4,"chunks_read":5,"chunks_recomputed":6,"faults":7,"#,
                 r#""reclaims":8,"unwritten_reclaims":9,"sync_reclaims":10,"window_slides":11,"#,
                 r#""writes":12,"write_failures":13,"writes_queued":14,"#,
                 r#""load_buffer_bytes":29,"load_buffer_huge_bytes":30,"load_io_uring":true,"#,

@@ -11,7 +11,7 @@ use model::Model;
 use model::generate::generate_guided;
 use model::generate::{Generation, Sampler, SamplingParams, StopReason};
 use model::guided::{Guide, Next};
-use model::kv::KvCache;
+use model::kv::{KvCache, KvFormat};
 use policy::{CostModel, DensityTracker, Level};
 use uffd_pager::{ChunkKey, ContextId, Pager};
 
@@ -19,6 +19,7 @@ use crate::ServiceError;
 use crate::chunk_io::ChunkIo;
 use crate::chunks::{ChunkBook, StoredCopy};
 use crate::config::{ManagerConfig, WriteOut};
+use crate::lineage::Lineage;
 use crate::load::{self, LoadReport};
 use crate::source::FormatLevels;
 use crate::transcript::{self, Role, Turn};
@@ -175,6 +176,9 @@ pub(crate) struct Context {
     /// The turns the context's tokens hold, as the store's transcript gives them (`None`: not
     /// recorded).
     pub(crate) turns: Option<Vec<Turn>>,
+    /// Which context holds each chunk (its first ones may be borrowed from shared prefixes),
+    /// shared with its chunk memory.
+    pub(crate) lineage: Arc<parking_lot::Mutex<Lineage>>,
 }
 
 /// The manager's parts a call works with, borrowed for the call (the context itself is borrowed
@@ -219,7 +223,16 @@ impl Call<'_> {
                 load,
             });
         }
-        self.fits_budget(ctx, prompt.len(), opts)?;
+        let seal = self.fits_budget(ctx, prompt.len(), opts)?;
+        if seal != ctx.cache.format() {
+            tracing::info!(
+                ctx = self.id,
+                format = %seal,
+                "the context would not fit the budget in {}: its new chunks are sealed in {seal}",
+                ctx.cache.format()
+            );
+            ctx.cache.set_format(seal);
+        }
         let switch_secs = received.elapsed().as_secs_f64();
         let (run, said, guide_secs, guide_masks) = self.generate(ctx, &prompt, opts, on_token)?;
         let end = Instant::now();
@@ -252,33 +265,47 @@ impl Call<'_> {
         }))
     }
 
-    /// Refuses the call (`over_budget`, nothing changed) when the context's chunks and those the
-    /// open tail, a prompt of `prompt` tokens and the longest answer would seal need more memory
-    /// than the whole budget: the call holds its context's chunks resident while it runs, so it
-    /// could not finish. Checked before the Load (with the prompt's tokens when they are known)
-    /// and again once the prompt is encoded, before the first token is prefilled.
+    /// The format the call seals its new chunks in, or `over_budget` (nothing changed) when the
+    /// context's chunks and those the open tail, a prompt of `prompt` tokens and the longest
+    /// answer would seal need more memory than the whole budget even in the lightest: the call
+    /// holds its context's chunks resident while it runs, so it could not finish. The format is
+    /// the cache's (int8) when the context fits in it, else the heaviest compression level in
+    /// which it fits (a pasted document longer than the budget holds at int8): those chunks
+    /// start at that level, and the end of the call only moves them further down. Checked
+    /// before the Load (with the prompt's tokens when they are known) and again once the prompt
+    /// is encoded, before the first token is prefilled.
     fn fits_budget(
         &self,
         ctx: &Context,
         prompt: usize,
         opts: &CallOptions,
-    ) -> Result<(), ServiceError> {
+    ) -> Result<KvFormat, ServiceError> {
         let said = ctx.cache.len() + ctx.pending.len() + prompt;
         let answer = opts
             .max_tokens
             .min(self.cfg.max_tokens.saturating_sub(said));
-        let needed = ctx
-            .cache
-            .slot_bytes_with(ctx.pending.len() + prompt + answer);
+        let more = ctx.pending.len() + prompt + answer;
         let budget = self.pager.budget();
-        if needed > budget {
-            return Err(ServiceError::OverBudget {
-                id: self.id,
-                needed,
-                budget,
-            });
+        let base = self.cfg.kv_format;
+        let shape = *ctx.cache.shape();
+        // Lighter formats only where the end of the call would compress anyway.
+        let lighter = self.compression.ratio.map(|_| {
+            (0..self.compression.levels.set().len())
+                .filter_map(|l| self.compression.levels.format(Level(l as u8)))
+                .filter(move |&f| model::kv::codec::moves_down(&shape, base, f))
+        });
+        let mut needed = 0;
+        for f in std::iter::once(base).chain(lighter.into_iter().flatten()) {
+            needed = ctx.cache.slot_bytes_sealing(more, f);
+            if needed <= budget {
+                return Ok(f);
+            }
         }
-        Ok(())
+        Err(ServiceError::OverBudget {
+            id: self.id,
+            needed,
+            budget,
+        })
     }
 
     /// Step 1, Load: the context's missing chunks back (chunks the pager wrote back when it reclaimed
@@ -290,16 +317,16 @@ impl Call<'_> {
         ctx: &mut Context,
         prompt: Prompt<'_>,
     ) -> Result<(Vec<u32>, LoadReport), ServiceError> {
-        let id = self.id;
+        let lineage = ctx.lineage.lock().clone();
         let stored = self
             .book
-            .stored(ContextId(id), ctx.cache.chunk_formats().len());
+            .stored_in(&lineage, ctx.cache.chunk_formats().len());
         let mut tokens = None;
         let load = load::load(
             self.model,
             self.io,
             self.pager,
-            id,
+            &lineage,
             &mut ctx.cache,
             &stored,
             self.cfg.load,
@@ -309,7 +336,7 @@ impl Call<'_> {
         )?;
         let prompt = tokens.expect("the Load encodes the prompt").into_owned();
         for &i in &load.failed_reads {
-            self.book.set_stored(ChunkKey::new(id, i), None);
+            self.book.set_stored(lineage.key(i), None);
         }
         Ok((prompt, load))
     }
@@ -354,37 +381,42 @@ impl Call<'_> {
     fn compress(&self, ctx: &mut Context, said: &[u32]) -> Result<usize, ServiceError> {
         let model = self.model;
         let hl = (model.cfg.n_heads * model.cfg.n_layers) as u32;
+        // The next call decides its own sealing format again.
+        ctx.cache.set_format(self.cfg.kv_format);
         ctx.pending = ctx.cache.drop_open();
         ctx.pending
             .extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);
         let attention = ctx.cache.take_attention(hl);
         ctx.density.merge(&attention)?;
         let sealed = ctx.cache.chunk_formats().len();
+        // Borrowed chunks keep the level their prefix holds them at: only the context's own
+        // chunks are assigned levels, under the same ratio.
+        let own = ctx.cache.shared();
         let mut recompressed = 0;
         let levels = &self.compression.levels;
         if let Some(ratio) = self.compression.ratio
-            && sealed > 0
+            && sealed > own
         {
             let densities = ctx.density.chunk_densities();
-            let floors: Vec<Level> = ctx
-                .cache
-                .chunk_formats()
+            let floors: Vec<Level> = ctx.cache.chunk_formats()[own..]
                 .iter()
                 .map(|&f| levels.floor(f).unwrap_or(Level(0)))
                 .collect();
             let a =
-                policy::assign_levels(&densities[..sealed], Some(&floors), levels.set(), ratio)?;
+                policy::assign_levels(&densities[own..sealed], Some(&floors), levels.set(), ratio)?;
             let shape = *ctx.cache.shape();
-            for (i, &to) in a.levels.iter().enumerate() {
+            let mut moves = Vec::new();
+            for (i, &to) in (own..).zip(&a.levels) {
                 // A chunk above the levels (sealed in int8) moves to its level even at level 0.
                 let from = ctx.cache.chunk_formats()[i];
                 if let Some(f) = levels.format(to)
                     && model::kv::codec::moves_down(&shape, from, f)
                 {
-                    ctx.cache.recompress(i, f)?;
-                    recompressed += 1;
+                    moves.push((i, f));
                 }
             }
+            ctx.cache.recompress_many(&moves)?;
+            recompressed = moves.len();
         }
         self.book.set_formats(
             ContextId(self.id),
@@ -441,7 +473,8 @@ impl Call<'_> {
         let levels = &self.compression.levels;
         let sealed = ctx.cache.chunk_formats().len();
         let stored = self.book.stored(ContextId(id), sealed);
-        let states: Vec<policy::WriteCandidate> = (0..sealed)
+        // Borrowed chunks are their prefix's, written when it was made.
+        let states: Vec<policy::WriteCandidate> = (ctx.cache.shared()..sealed)
             .map(|i| {
                 let f = ctx.cache.chunk_formats()[i];
                 let bytes = ctx.cache.shape_of(i).chunk_bytes(f) as u64;

@@ -159,6 +159,23 @@ impl<S: Primitives> ChunkBook<S> {
             .collect()
     }
 
+    /// What the store holds of each of a context's first `n` chunks, borrowed ones from the
+    /// prefix that lends them.
+    pub fn stored_in(
+        &self,
+        lineage: &crate::lineage::Lineage,
+        n: usize,
+    ) -> Vec<Option<StoredCopy>> {
+        let map = S::lock(&self.map);
+        (0..n as u32)
+            .map(|i| {
+                let key = lineage.key(i);
+                let chunks = map.get(&key.ctx).map_or(&[][..], Vec::as_slice);
+                chunks.get(i as usize).and_then(|c| c.stored)
+            })
+            .collect()
+    }
+
     /// Records what the store holds of chunk `key`.
     pub fn set_stored(&self, key: ChunkKey, stored: Option<StoredCopy>) {
         let mut map = S::lock(&self.map);

@@ -95,6 +95,11 @@ pub struct ManagerConfig {
     /// dropped, and the kept tokens are prefilled again with the prompt (StreamingLLM's sink and
     /// window at chunk granularity). `false` refuses such a call with `context_full`.
     pub window: bool,
+    /// A new context whose first tokens (a system prompt, a transcript) a context of the same
+    /// owner computed already borrows those chunks from a shared prefix instead of computing and
+    /// holding them again (docs/service.md, "Forks and shared prefixes"). Forks share whatever
+    /// this says. Off for the paper's baselines (`ManagerKind::apply`).
+    pub share_prefixes: bool,
 }
 
 impl ManagerConfig {
@@ -118,6 +123,7 @@ impl ManagerConfig {
             writer_queue: 16,
             io_threads: 8,
             window: true,
+            share_prefixes: true,
         }
     }
 }
@@ -276,6 +282,12 @@ impl ManagerKind {
         cfg.victims = victims;
         cfg.write_out = write_out;
         cfg.load = load;
+        // The paper's baselines keep one copy per context, as they were measured; forks share
+        // whatever the manager.
+        cfg.share_prefixes = !matches!(
+            self,
+            ManagerKind::VllmSq | ManagerKind::VllmS | ManagerKind::Swapping | ManagerKind::Lmk
+        );
     }
 }
 

@@ -25,6 +25,7 @@ pub mod chunks;
 pub mod config;
 mod failpoints;
 pub mod inspect;
+pub mod lineage;
 pub mod load;
 pub mod manager;
 pub mod memory;

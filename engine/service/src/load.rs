@@ -26,6 +26,7 @@ use crate::ServiceError;
 use crate::chunk_io::ChunkIo;
 use crate::chunks::StoredCopy;
 use crate::failpoints::{check, injected};
+use crate::lineage::Lineage;
 use model::Model;
 use model::kv::recompute::{RecomputeError, recompute_chunks};
 use model::kv::{ChunkShape, KvCache, KvFormat};
@@ -161,7 +162,7 @@ pub fn load(
     model: &Model,
     io: &ChunkIo,
     pager: &Pager,
-    ctx: u64,
+    lineage: &Lineage,
     cache: &mut KvCache,
     stored: &[Option<StoredCopy>],
     mode: LoadMode,
@@ -175,6 +176,7 @@ pub fn load(
         during();
         return Ok(LoadReport::default());
     }
+    let ctx = lineage.ctx().0;
     let _span = tracing::debug_span!("load", ctx, missing = missing.len()).entered();
     let plan = plan(&missing, stored, mode, cost, cache)?;
     let mut report = LoadReport {
@@ -187,8 +189,8 @@ pub fn load(
     let shape = *cache.shape();
     let formats = cache.chunk_formats().to_vec();
     let (first_done, wait_first) = mpsc::channel();
-    let trimmed = cache.trimmed_chunks();
-    let reads = Reads::new(io, pager, ctx, &shape, &formats, trimmed, &plan, first_done);
+    let cut: Vec<bool> = (0..formats.len()).map(|i| cache.is_cut(i)).collect();
+    let reads = Reads::new(io, pager, lineage, &shape, &formats, cut, &plan, first_done);
     let recompute: Vec<usize> = plan.recompute.iter().map(|&i| i as usize).collect();
     let (threads, recomputed) = read_and_recompute(
         model,
@@ -471,10 +473,11 @@ struct Reads<'a> {
     io: &'a ChunkIo,
     pager: &'a Pager,
     shape: &'a ChunkShape,
-    /// Chunks past the sliding window (their global layers alone).
-    trimmed: usize,
+    /// Per chunk, whether it is kept cut to its global layers (past the sliding window).
+    cut: Vec<bool>,
     formats: &'a [KvFormat],
-    ctx: u64,
+    /// Which context holds each chunk (a borrowed one is read from, and put into, its prefix).
+    lineage: &'a Lineage,
     /// The chunks to read, blocking ones (those the recompute attends to) first.
     order: Vec<u32>,
     /// How many of `order` are blocking.
@@ -496,10 +499,10 @@ impl<'a> Reads<'a> {
     fn new(
         io: &'a ChunkIo,
         pager: &'a Pager,
-        ctx: u64,
+        lineage: &'a Lineage,
         shape: &'a ChunkShape,
         formats: &'a [KvFormat],
-        trimmed: usize,
+        cut: Vec<bool>,
         plan: &LoadPlan,
         first_done: mpsc::Sender<()>,
     ) -> Self {
@@ -523,8 +526,8 @@ impl<'a> Reads<'a> {
             pager,
             shape,
             formats,
-            trimmed,
-            ctx,
+            cut,
+            lineage,
             order,
             blocking,
             part,
@@ -536,7 +539,7 @@ impl<'a> Reads<'a> {
 
     /// Chunk `i`'s shape: trimmed past the sliding window.
     fn shape_of(&self, i: u32) -> ChunkShape {
-        if (i as usize) < self.trimmed {
+        if self.cut.get(i as usize).copied().unwrap_or(false) {
             self.shape.trimmed()
         } else {
             *self.shape
@@ -565,7 +568,7 @@ impl<'a> Reads<'a> {
         loop {
             let n = self.cursor.fetch_add(1, Ordering::Relaxed);
             let Some(&i) = self.order.get(n) else { break };
-            let key = ChunkKey::new(self.ctx, i);
+            let key = self.lineage.key(i);
             let want = self.formats[i as usize];
             let r = read_one(
                 self.io,
@@ -600,7 +603,7 @@ impl<'a> Reads<'a> {
             while next < self.order.len() {
                 let n = next;
                 let i = self.order[n];
-                let started = match self.io.raw_slot(self.ctx, i) {
+                let started = match self.io.raw_slot(self.lineage.owner(i).0, i) {
                     Some((file, slot)) => {
                         match ring.start(n as u64, file.as_fd(), slot.offset(), slot.read_len()) {
                             Ok(true) => {
@@ -649,7 +652,7 @@ impl<'a> Reads<'a> {
             };
             let n = read.tag as usize;
             let i = self.order[n];
-            let key = ChunkKey::new(self.ctx, i);
+            let key = self.lineage.key(i);
             let (file, slot) = slots[n].take().expect("a started read has its slot");
             let bytes = ring.bytes(&read);
             let got = read.result.as_ref().map_or(0, |&got| got.min(bytes.len()));
@@ -678,7 +681,7 @@ impl<'a> Reads<'a> {
     fn read_alone(&self, n: usize, out: &mut IoOut, buf: &mut AlignedBuf, spare: &mut Spare) {
         let i = self.order[n];
         let r = self.read_one(i, buf, spare);
-        out.record(ChunkKey::new(self.ctx, i), r);
+        out.record(self.lineage.key(i), r);
         self.done(n);
     }
 
@@ -693,7 +696,7 @@ impl<'a> Reads<'a> {
             self.pager,
             &self.shape_of(i),
             self.formats[i as usize],
-            ChunkKey::new(self.ctx, i),
+            self.lineage.key(i),
             buf.get(self.part.next_multiple_of(4096).max(4096)),
             spare,
         )

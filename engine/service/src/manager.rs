@@ -39,6 +39,7 @@ use model::Model;
 use model::kv::KvCache;
 use model::tokenizer::Tokenizer;
 
+mod shared;
 mod transcripts;
 
 /// A context as `list` shows it.
@@ -53,6 +54,9 @@ pub struct ContextSummary {
     /// Chunks per format, in memory's view.
     pub formats: BTreeMap<&'static str, usize>,
     pub calls: u64,
+    /// How many of its first chunks it borrows from shared prefixes (a fork's parent's, or
+    /// another context's of the same owner with the same first tokens).
+    pub shared_chunks: usize,
 }
 
 /// A pager histogram as the wire's latencies, in milliseconds.
@@ -147,6 +151,8 @@ pub struct Manager {
     /// Contexts the store holds that another model made, with their owner's uid: kept untouched,
     /// and a call on one answers [`ServiceError::OtherModel`].
     other_model: BTreeMap<u64, u32>,
+    /// The shared prefixes contexts borrow chunks from, each a pager context of its own.
+    prefixes: BTreeMap<u64, shared::Prefix>,
     /// The Load's I/O threads (`ManagerConfig::io_threads`), parked between Loads, and their
     /// read buffers.
     readers: load::Readers,
@@ -238,6 +244,7 @@ impl Manager {
             fingerprint,
             contexts: BTreeMap::new(),
             other_model: BTreeMap::new(),
+            prefixes: BTreeMap::new(),
             readers,
             profile: Profile::default(),
             calls: 0,
@@ -250,6 +257,10 @@ impl Manager {
             tokenizer: None,
         };
         for id in m.store.list_contexts() {
+            // A shared prefix is taken back with the first context that borrows from it.
+            if m.store.is_shared(id).unwrap_or(false) {
+                continue;
+            }
             if let Err(e) = m.resume(id.0) {
                 tracing::warn!(context = id.0, error = %e, "context not taken back");
             }
@@ -258,13 +269,17 @@ impl Manager {
         Ok(m)
     }
 
+    /// Context `id` as the store holds it, with its first `tokens.len() / chunk` chunks sealed
+    /// (borrowed ones from the shared prefixes its links name, taken back first) and none
+    /// resident.
     fn new_context(
-        &self,
+        &mut self,
         id: u64,
         owner: Owner,
         tokens: Vec<u32>,
     ) -> Result<Context, ServiceError> {
         let shape = self.model.chunk_shape(self.cfg.chunk_tokens);
+        let lineage = self.lineage_of(id)?;
         let max_chunks = self.cfg.max_tokens.div_ceil(self.cfg.chunk_tokens) as u32;
         self.pager.add_context(
             ContextId(id),
@@ -273,10 +288,12 @@ impl Manager {
                 max_slot_bytes: shape.slot_bytes(self.cfg.kv_format),
             },
         )?;
+        let shared_lineage = Arc::new(parking_lot::Mutex::new(lineage.clone()));
         let mem = Box::new(PagerChunks::new(
             Arc::clone(&self.pager),
             ContextId(id),
             Arc::clone(&self.book),
+            Arc::clone(&shared_lineage),
         ));
         let hl = (self.model.cfg.n_heads * self.model.cfg.n_layers) as u32;
         let mut density = DensityTracker::new(hl, self.cfg.chunk_tokens)?;
@@ -284,11 +301,17 @@ impl Manager {
         let sealed = tokens.len() / t;
         let mut formats = vec![self.cfg.kv_format; sealed];
         let mut seeds = Vec::new();
-        let info = self.store.context(ContextId(id)).ok();
-        for c in info.iter().flat_map(|i| &i.chunks) {
+        let mut infos = vec![self.store.context(ContextId(id)).ok()];
+        infos.extend(lineage.prefixes().map(|p| self.store.context(p).ok()));
+        for (info, c) in infos
+            .iter()
+            .flatten()
+            .flat_map(|i| i.chunks.iter().map(move |c| (i, c)))
+        {
             if let kvfs::StoreState::Stored(s) = &c.state
                 && (c.index as usize) < sealed
                 && s.tokens.len() == t
+                && lineage.owner(c.index) == info.id
             {
                 let f = s.format;
                 let copy = StoredCopy {
@@ -296,7 +319,7 @@ impl Manager {
                     bytes: u64::from(s.stored_len),
                     raw: u64::from(s.raw_len),
                 };
-                self.book.set_stored(ChunkKey::new(id, c.index), Some(copy));
+                self.book.set_stored(lineage.key(c.index), Some(copy));
                 formats[c.index as usize] = f;
                 seeds.push((c.index as usize, s.density));
             }
@@ -313,7 +336,7 @@ impl Manager {
             }
         }
         density.merge(&seeded)?;
-        let cache = KvCache::resume(
+        let mut cache = KvCache::resume(
             shape,
             self.cfg.kv_format,
             self.cfg.max_tokens,
@@ -321,6 +344,7 @@ impl Manager {
             tokens[..sealed * t].to_vec(),
             formats,
         )?;
+        cache.set_shared(self.borrowed_cut(&lineage))?;
         self.book.set_formats(
             ContextId(id),
             cache.chunk_formats(),
@@ -334,6 +358,7 @@ impl Manager {
             density,
             calls: 0,
             turns: None,
+            lineage: shared_lineage,
         })
     }
 
@@ -395,6 +420,7 @@ impl Manager {
         ctx.calls = calls;
         ctx.turns = turns;
         self.contexts.insert(id, ctx);
+        self.prune_prefixes();
         self.window_slides += 1;
         Ok(dropped)
     }
@@ -440,6 +466,7 @@ impl Manager {
         let mut ctx = self.new_context(id.0, owner.clone(), Vec::new())?;
         ctx.pending = system.to_vec();
         self.contexts.insert(id.0, ctx);
+        self.adopt_prefix(id.0)?;
         Ok(id.0)
     }
 
@@ -480,6 +507,7 @@ impl Manager {
     ) -> Result<CallReport, ServiceError> {
         let _span = tracing::info_span!("call", ctx = id).entered();
         self.owned(owner, id)?;
+        self.adopt_prefix(id)?;
         let window_dropped = self.slide_if_full(id, &prompt, opts.max_tokens)?;
         let ctx = self.contexts.get_mut(&id).expect("owned checked it");
         ctx.cache.pin()?;
@@ -657,6 +685,7 @@ impl Manager {
         self.owned(owner, id)?;
         self.forget(id)?;
         self.store.delete_context(ContextId(id))?;
+        self.prune_prefixes();
         Ok(())
     }
 
@@ -686,10 +715,11 @@ impl Manager {
             *formats.entry(f.name()).or_insert(0) += 1;
         }
         let chunks = c.cache.chunk_formats().len();
+        let lineage = c.lineage.lock().clone();
         let resident_chunks = (0..chunks)
             .filter(|&i| {
                 self.pager
-                    .chunk_info(ChunkKey::new(id, i as u32))
+                    .chunk_info(lineage.key(i as u32))
                     .is_ok_and(|s| s.state == uffd_pager::MemoryState::Resident)
             })
             .count();
@@ -702,6 +732,7 @@ impl Manager {
             resident_bytes: self.pager.context_resident(ContextId(id)).unwrap_or(0),
             formats,
             calls: c.calls,
+            shared_chunks: c.cache.shared(),
         }
     }
 
@@ -715,6 +746,8 @@ impl Manager {
             budget_bytes: self.pager.budget(),
             resident_bytes: self.pager.resident_bytes(),
             contexts: self.contexts.len(),
+            shared_prefixes: self.prefixes.len(),
+            shared_resident_bytes: self.shared_prefixes().1,
             calls: self.calls,
             chunks_read: self.chunks_read,
             chunks_recomputed: self.chunks_recomputed,

@@ -4,39 +4,61 @@
 //! runs on the context); unpinned, the pager may reclaim any chunk and `get` answers `None`.
 //! Every store bumps the chunk's version in the [`ChunkBook`], so the AoT writer marks a chunk
 //! written out only if the bytes it wrote are still the chunk's bytes.
+//!
+//! A context's first chunks may be borrowed from shared prefixes ([`Lineage`]): they live in the
+//! prefixes' regions, read through their locks, which pinning takes beside the context's own, so
+//! every context that borrows a chunk reads the one resident copy.
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
 use uffd_pager::{ChunkKey, ContextId, ContextLock, Pager, PagerError};
 
 use model::kv::{ChunkMemory, KvError};
 
 use crate::chunks::ChunkBook;
+use crate::lineage::Lineage;
 
 /// One context's sealed chunks in the pager's slots.
 pub struct PagerChunks {
     pager: Arc<Pager>,
     ctx: ContextId,
     book: Arc<ChunkBook>,
+    /// Who holds which chunk, as the manager last set it (it changes only while unpinned).
+    lineage: Arc<Mutex<Lineage>>,
+    /// The lineage as of the last pin or change: reads use it without a lock.
+    view: Lineage,
     lock: Option<ContextLock>,
+    /// While pinned, a lock on each shared prefix, with the end of the chunks it lends.
+    prefixes: Vec<(u32, ContextLock)>,
 }
 
 impl PagerChunks {
-    /// The chunks of pager context `ctx` (already added to the pager).
-    pub fn new(pager: Arc<Pager>, ctx: ContextId, book: Arc<ChunkBook>) -> Self {
+    /// The chunks of pager context `ctx` (already added to the pager, as are the prefixes its
+    /// lineage borrows from).
+    pub fn new(
+        pager: Arc<Pager>,
+        ctx: ContextId,
+        book: Arc<ChunkBook>,
+        lineage: Arc<Mutex<Lineage>>,
+    ) -> Self {
+        let view = lineage.lock().clone();
         Self {
             pager,
             ctx,
             book,
+            lineage,
+            view,
             lock: None,
+            prefixes: Vec::new(),
         }
     }
 
-    fn key(&self, index: usize) -> ChunkKey {
-        ChunkKey {
-            ctx: self.ctx,
-            index: index as u32,
+    fn key(&mut self, index: usize) -> ChunkKey {
+        if self.lock.is_none() {
+            self.view = self.lineage.lock().clone();
         }
+        self.view.key(index as u32)
     }
 
     /// Stores chunk `index`'s new bytes (its version already bumped): in place when it is
@@ -49,7 +71,12 @@ impl PagerChunks {
             .chunk_info(key)
             .map_err(|e| store_err(index, e))?;
         let resident = info.state == uffd_pager::MemoryState::Resident;
-        if resident && self.lock.is_some() && bytes.len() <= info.bytes {
+        let locked = if key.ctx == self.ctx {
+            self.lock.is_some()
+        } else {
+            self.prefixes.iter().any(|(_, l)| l.context() == key.ctx)
+        };
+        if resident && locked && bytes.len() <= info.bytes {
             // Rewrite in place, then give back the pages past the end.
             self.pager
                 .write(key, 0, bytes)
@@ -90,7 +117,12 @@ fn store_err(index: usize, e: PagerError) -> KvError {
 
 impl ChunkMemory for PagerChunks {
     fn get(&self, index: usize) -> Option<&[u8]> {
-        self.lock.as_ref()?.chunk(index as u32).ok()
+        let i = index as u32;
+        if i >= self.view.shared() {
+            return self.lock.as_ref()?.chunk(i).ok();
+        }
+        let (_, lock) = self.prefixes.iter().find(|(end, _)| i < *end)?;
+        lock.chunk(i).ok()
     }
 
     fn put(&mut self, index: usize, bytes: &[u8]) -> Result<(), KvError> {
@@ -99,10 +131,17 @@ impl ChunkMemory for PagerChunks {
         book.change(key, || self.store(index, bytes))
     }
 
-    /// Drops a chunk from memory (through the context's lock while pinned).
+    /// Drops a chunk from memory (through the lock of its holder while pinned).
     fn reclaim(&mut self, index: usize) -> Result<(), KvError> {
         let key = self.key(index);
-        let r = match &mut self.lock {
+        let lock = if key.ctx == self.ctx {
+            self.lock.as_mut()
+        } else {
+            (self.prefixes.iter_mut())
+                .find(|(_, l)| l.context() == key.ctx)
+                .map(|(_, l)| l)
+        };
+        let r = match lock {
             Some(lock) => lock.reclaim(key.index),
             None => self.pager.reclaim(key),
         };
@@ -112,13 +151,16 @@ impl ChunkMemory for PagerChunks {
         }
     }
 
+    /// Drops the context's own chunks from `chunks` on (borrowed ones are the prefixes').
     fn truncate(&mut self, chunks: usize) -> Result<(), KvError> {
         let max = self
             .pager
             .context_chunks(self.ctx)
             .map_err(|e| store_err(chunks, e))?;
-        for i in chunks..max as usize {
-            let info = self.pager.chunk_info(self.key(i));
+        let own = (self.lineage.lock().shared() as usize).max(chunks);
+        for i in own..max as usize {
+            let key = self.key(i);
+            let info = self.pager.chunk_info(key);
             if info.is_ok_and(|i| {
                 matches!(
                     i.state,
@@ -135,14 +177,37 @@ impl ChunkMemory for PagerChunks {
         self.pager.context_resident(self.ctx).unwrap_or(0) as usize
     }
 
+    /// Locks the context and every prefix it borrows from; the borrowed chunks resident are
+    /// told to the victim chooser as used, so a prefix many contexts read stays resident.
     fn pin(&mut self) -> Result<(), KvError> {
-        if self.lock.is_none() {
-            self.lock = Some(self.pager.lock(self.ctx).map_err(|e| store_err(0, e))?);
+        if self.lock.is_some() {
+            return Ok(());
         }
+        self.view = self.lineage.lock().clone();
+        let mut prefixes = Vec::new();
+        let mut start = 0;
+        for p in self.view.prefixes() {
+            let lock = self.pager.lock(p).map_err(|e| store_err(0, e))?;
+            let end = (start..self.view.shared())
+                .find(|&i| self.view.owner(i) != p)
+                .unwrap_or(self.view.shared());
+            for index in start..end {
+                let key = ChunkKey { ctx: p, index };
+                let info = self.pager.chunk_info(key);
+                if info.is_ok_and(|s| s.state == uffd_pager::MemoryState::Resident) {
+                    self.pager.note_access(key);
+                }
+            }
+            prefixes.push((end, lock));
+            start = end;
+        }
+        self.lock = Some(self.pager.lock(self.ctx).map_err(|e| store_err(0, e))?);
+        self.prefixes = prefixes;
         Ok(())
     }
 
     fn unpin(&mut self) {
         self.lock = None;
+        self.prefixes.clear();
     }
 }

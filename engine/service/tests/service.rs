@@ -741,3 +741,63 @@ fn chunks_past_the_sliding_window_swap_with_their_global_layers_alone() {
         }
     }
 }
+
+/// A context that would not fit the budget in int8 seals its new chunks in the heaviest level
+/// that fits (a pasted document longer than the budget holds at int8), never past the budget;
+/// one that fits in none is refused.
+#[test]
+fn a_context_larger_than_the_budget_at_int8_seals_its_chunks_lighter() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wide.gguf");
+    // Chunks of several pages: 8 layers of 2 KV heads of 64.
+    let spec = TinySpec {
+        n_layers: 8,
+        hidden: 256,
+        n_heads: 4,
+        n_kv_heads: 2,
+        ffn: 256,
+        max_ctx: 1024,
+        ..TinySpec::default()
+    };
+    write_tiny_gguf(&path, &spec).unwrap();
+    let model = Arc::new(Model::load(&path).unwrap());
+    let shape = model.chunk_shape(16);
+    let slot = |f: KvFormat| shape.slot_bytes(f) as u64;
+    assert!(slot(KvFormat::K4v4) < slot(KvFormat::K8v8), "{shape:?}");
+    // 600 tokens and a 4-token answer seal 37 chunks: room for them in k4v4, not in k8v8;
+    // the next call's two chunks too.
+    let budget = 40 * slot(KvFormat::K4v4);
+    assert!(37 * slot(KvFormat::K8v8) > budget);
+    let store = tempfile::tempdir().unwrap();
+    let cfg = config(store.path(), budget, KvFormat::Int8, LoadMode::Planned);
+    let mut m = Manager::open(Arc::clone(&model), cfg).unwrap();
+    let o = owner();
+    let id = m.create(&o, &[]).unwrap();
+    let r = m
+        .call(&o, id, &prompt(7, 600), &opts(4), Instant::now(), |_| true)
+        .unwrap();
+    assert_eq!(r.tokens.len(), 4);
+    let info = m.info(&o, id).unwrap();
+    assert_eq!(info.chunks, 37);
+    assert!(
+        !info.formats.contains_key("int8") && !info.formats.contains_key("k8v8"),
+        "{:?}",
+        info.formats
+    );
+    assert!(m.pager().resident_bytes() <= budget);
+    // The next call, short, fits with its new chunk in int8, and the context still answers
+    // after every chunk was given back.
+    m.flush();
+    m.swap_out(&o, id).unwrap();
+    m.call(&o, id, &prompt(8, 20), &opts(4), Instant::now(), |_| true)
+        .unwrap();
+    assert!(m.pager().resident_bytes() <= budget);
+    // A budget too small even for the lightest level: refused, nothing changed.
+    m.set_budget(30 * slot(KvFormat::K4v3)).unwrap();
+    let tokens = m.info(&o, id).unwrap().tokens;
+    let e = m
+        .call(&o, id, &prompt(9, 20), &opts(4), Instant::now(), |_| true)
+        .unwrap_err();
+    assert_eq!(e.code(), "over_budget", "{e}");
+    assert_eq!(m.info(&o, id).unwrap().tokens, tokens);
+}

@@ -84,7 +84,7 @@ pub(super) fn errno(e: &StoreError) -> Errno {
         StoreError::TooLarge { .. } => Errno::EFBIG,
         StoreError::BufferTooSmall { .. } => Errno::ERANGE,
         StoreError::NotAStore { .. } => Errno::EIO,
-        StoreError::Locked { .. } => Errno::EBUSY,
+        StoreError::Locked { .. } | StoreError::Referenced { .. } => Errno::EBUSY,
         StoreError::ReadOnly { .. } => Errno::EROFS,
         StoreError::Io(io) => io.source.raw_os_error().map_or(Errno::EIO, Errno::from_i32),
     }

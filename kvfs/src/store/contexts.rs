@@ -11,16 +11,43 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
+use super::links::write_link;
 use super::{
     ContextId, Ctx, CtxState, MAX_APP_LEN, NewContext, SLOT_BYTES, Store, StoreError, StoreState,
     covers, io, mkdir, now_nanos, slot_offset,
 };
-use crate::format::{ContextMeta, encode_tokens};
+use crate::format::{ContextMeta, Link, encode_tokens};
+
+/// What a new context starts with besides its metadata ([`Store::create_context_with`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Seed<'a> {
+    /// Its token ids.
+    pub tokens: &'a [u32],
+    /// Its transcript (opaque bytes to kvfs).
+    pub transcript: Option<&'a [u8]>,
+    /// The prefix it borrows: a shared prefix of the same owner and model whose tokens are its
+    /// first ones (checked).
+    pub link: Option<Link>,
+    /// Whether it is a shared prefix itself (`shared` marker): never an app's context, it lives
+    /// while a context links to it.
+    pub shared: bool,
+}
 use crate::io::{IoError, punch, sync_dir, write_atomic};
 
 impl Store {
     /// Creates an empty context, durably: it exists after a crash only if it exists whole.
     pub fn create_context(&self, new: NewContext) -> Result<ContextId, StoreError> {
+        self.create_context_with(new, Seed::default())
+    }
+
+    /// Creates a context with its tokens, transcript and link from the start, durably: it exists
+    /// after a crash only if it exists whole (a shared prefix made this way has no chunk yet;
+    /// one that no context links to is removed at the next open).
+    pub fn create_context_with(
+        &self,
+        new: NewContext,
+        seed: Seed<'_>,
+    ) -> Result<ContextId, StoreError> {
         self.writable()?;
         if new.chunk_tokens == 0 {
             return Err(StoreError::Invalid {
@@ -36,14 +63,27 @@ impl Store {
         }
         let id = ContextId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let meta = new_meta(new);
-        let tmp = self.stage(&id.to_string(), &meta, &[], None)?;
+        let tmp = self.stage(&id.to_string(), &meta, seed.tokens, seed.transcript)?;
+        let mut ctx = self.open_fresh(id, meta, tmp.clone(), seed.tokens.to_vec())?;
+        ctx.shared = seed.shared;
+        if let Some(l) = seed.link {
+            if let Some(why) = self.link_problem(&ctx, seed.tokens, l) {
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(StoreError::Invalid { what: "link", why });
+            }
+            write_link(&ctx, Some(l))?;
+            ctx.state.get_mut().link = Some(l);
+        }
+        if seed.shared {
+            write_atomic(&tmp, "shared", ".tmp-shared", &[b"shared prefix\n"])?;
+        }
         let staging = self.root.join("staging");
         let contexts = self.root.join("contexts");
         let dir = contexts.join(id.to_string());
         std::fs::rename(&tmp, &dir).map_err(io("rename", &tmp))?;
         sync_dir(&contexts)?;
         sync_dir(&staging)?;
-        let ctx = self.open_fresh(id, meta, dir, Vec::new())?;
+        ctx.dir = dir;
         self.contexts.write().insert(id, Arc::new(ctx));
         tracing::debug!(context = %id, "context created");
         Ok(id)
@@ -86,6 +126,7 @@ impl Store {
             dir,
             data,
             direct,
+            shared: false,
             write: Mutex::new(()),
             state: Mutex::new(CtxState {
                 tokens,
@@ -135,6 +176,10 @@ impl Store {
         if let Err(e) = std::fs::remove_dir_all(&tmp) {
             tracing::warn!(path = %tmp.display(), error = %e, "could not remove a replaced context; it is removed at next open");
         }
+        let link = old.state.lock().link;
+        if let Some(l) = link {
+            self.drop_if_unused(ContextId(l.base))?;
+        }
         tracing::debug!(context = %id, "context rebuilt");
         Ok(())
     }
@@ -161,10 +206,31 @@ impl Store {
         }
     }
 
-    /// Deletes a context and all its chunks, durably.
+    /// Deletes a context and all its chunks, durably; the shared prefix it linked to goes too if
+    /// no other context links to it. A shared prefix still linked to is refused.
     pub fn delete_context(&self, id: ContextId) -> Result<(), StoreError> {
         self.writable()?;
         let ctx = self.ctx(id)?;
+        if ctx.shared {
+            let referrers = self.referrers(id);
+            if referrers > 0 {
+                return Err(StoreError::Referenced {
+                    context: id,
+                    referrers,
+                });
+            }
+        }
+        self.delete_dir(&ctx)?;
+        let link = ctx.state.lock().link;
+        if let Some(l) = link {
+            self.drop_if_unused(ContextId(l.base))?;
+        }
+        Ok(())
+    }
+
+    /// Removes a context's directory, durably (renamed into `trash/`, then removed).
+    fn delete_dir(&self, ctx: &Ctx) -> Result<(), StoreError> {
+        let id = ctx.id;
         let _w = ctx.write.lock();
         if ctx.deleted.swap(true, Ordering::SeqCst) {
             return Err(StoreError::NoSuchContext { context: id });
@@ -206,8 +272,14 @@ impl Store {
         Ok(n)
     }
 
-    /// Replaces the token ids, durably; chunks computed from tokens that changed are dropped.
+    /// Replaces the token ids, durably; chunks computed from tokens that changed are dropped, and
+    /// so are borrowed chunks whose tokens are no longer the shared prefix's.
     pub fn replace_tokens(&self, id: ContextId, tokens: Vec<u32>) -> Result<(), StoreError> {
+        self.replace_own_tokens(id, tokens)?;
+        self.relink_after_tokens(id)
+    }
+
+    fn replace_own_tokens(&self, id: ContextId, tokens: Vec<u32>) -> Result<(), StoreError> {
         self.writable()?;
         let ctx = self.ctx(id)?;
         let _w = self.write_lock(&ctx)?;

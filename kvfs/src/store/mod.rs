@@ -2,8 +2,9 @@
 //! that holds its chunks.
 //!
 //! Layout under the store root:
-//! `KVFS` (marker), `contexts/<id>/{meta,tokens,data,transcript}` (`transcript` only once the
-//! service wrote one: opaque bytes to kvfs), `staging/` (contexts being created or rebuilt),
+//! `KVFS` (marker), `contexts/<id>/{meta,tokens,data,transcript,link,shared}` (`transcript` only
+//! once the service wrote one: opaque bytes to kvfs; `link` when the context borrows its first
+//! chunks from a shared prefix, `shared` marking a shared prefix), `staging/` (contexts being created or rebuilt),
 //! `trash/` (contexts being deleted) and `quarantine/` (chunks and files that failed their checks).
 //! `meta`, `tokens` and `transcript` are replaced atomically (see [`crate::io::write_atomic`]). In `data`, chunk
 //! `i` has two slots ([`slot_offset`]): a rewrite goes to the slot the chunk does not occupy, its
@@ -15,10 +16,12 @@
 //! [`Store`] and its per-context state, and the lookups every operation shares. The operations are
 //! `impl Store` blocks in the files beside it, each using only this one (and `open.rs` the data
 //! file helpers of `contexts.rs`): `open.rs` (open and recovery), `contexts.rs` (contexts created,
-//! rebuilt and deleted, the `meta`, `tokens` and `transcript` files), `write.rs` (chunk writes), `read.rs` (checked chunk
+//! rebuilt and deleted, the `meta`, `tokens` and `transcript` files), `links.rs` (shared prefixes:
+//! links made, checked and dropped, a prefix no context uses removed), `write.rs` (chunk writes), `read.rs` (checked chunk
 //! reads, and quarantine at read time) and `render.rs` (what people inspecting see).
 
 mod contexts;
+mod links;
 mod open;
 pub(crate) mod read;
 mod render;
@@ -35,7 +38,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use crate::format::{ChunkHeader, Codec, ContextMeta, Fingerprint, KvFormat, tokens_crc};
+use crate::format::{ChunkHeader, Codec, ContextMeta, Fingerprint, KvFormat, Link, tokens_crc};
 use crate::io::{IoError, punch, write_atomic};
 
 const MARKER: &str = "KVFS";
@@ -63,6 +66,8 @@ pub const MAX_APP_LEN: usize = 255;
 
 /// The id of a context, unique within its store (the one id type the pager and the service use).
 pub use ids::ContextId;
+
+pub use contexts::Seed;
 
 /// Turns a context's token ids into its text for the context's `text` file: registered by the
 /// service (or `llms kvfs mount --model`) for one model, with [`Store::set_decoder`].
@@ -140,6 +145,11 @@ pub enum StoreError {
     ReadOnly { path: PathBuf },
     #[error("invalid {what}: {why}")]
     Invalid { what: &'static str, why: String },
+    #[error("context {context} is a shared prefix that {referrers} context(s) still use")]
+    Referenced {
+        context: ContextId,
+        referrers: usize,
+    },
 }
 
 impl StoreError {
@@ -276,7 +286,10 @@ struct Ctx {
     data: File,
     /// The same file opened with O_DIRECT for reads, where the filesystem allows it.
     direct: Option<File>,
-    /// Serializes every mutation of this context (tokens, chunks, delete).
+    /// A shared prefix (its `shared` marker): chunks other contexts borrow through their links;
+    /// it lives while one does, and is never an app's context.
+    shared: bool,
+    /// Serializes every mutation of this context (tokens, chunks, link, delete).
     write: Mutex<()>,
     state: Mutex<CtxState>,
     deleted: AtomicBool,
@@ -286,6 +299,8 @@ struct Ctx {
 struct CtxState {
     tokens: Vec<u32>,
     chunks: BTreeMap<u32, StoreState>,
+    /// The prefix this context borrows from a shared-prefix context (its `link` file).
+    link: Option<Link>,
 }
 
 /// The chunk store. Share it as `Arc<Store>`: every method takes `&self`.

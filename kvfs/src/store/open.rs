@@ -16,7 +16,7 @@ use super::{
     MAX_CHUNK_BYTES, Recovered, SLOT_BYTES, Store, StoreError, StoreOptions, StoreState,
     check_identity, covers, io, mkdir, now_nanos, slot_offset, stored_of,
 };
-use crate::format::{ChunkHeader, ContextMeta, HEADER_LEN, decode_tokens};
+use crate::format::{ChunkHeader, ContextMeta, HEADER_LEN, Link, decode_tokens};
 use crate::io::{
     AlignedBuf, IoError, punch, read_file, read_slot, supports_direct, sync_dir, write_atomic,
 };
@@ -206,6 +206,7 @@ impl Store {
         *self.contexts.get_mut() = loaded;
         self.next_id = AtomicU64::new(max_id + 1);
         self.next_generation = AtomicU64::new(max_gen + 1);
+        self.recover_links()?;
         for r in &self.recovered {
             tracing::warn!(path = %r.path.display(), action = r.action, reason = %r.reason, "kvfs recovery");
         }
@@ -283,16 +284,45 @@ impl Store {
         if touched && !self.options.read_only {
             nix::unistd::fdatasync(&data).map_err(|e| format!("fdatasync data: {e}"))?;
         }
+        let link = self.read_link(dir);
         Ok(Ctx {
             id,
             meta,
             dir: dir.to_owned(),
             data,
             direct,
+            shared: dir.join("shared").exists(),
             write: Mutex::new(()),
-            state: Mutex::new(CtxState { tokens, chunks }),
+            state: Mutex::new(CtxState {
+                tokens,
+                chunks,
+                link,
+            }),
             deleted: AtomicBool::new(false),
         })
+    }
+
+    /// A context directory's `link` file, if it has one that reads and checks (one that does not
+    /// is noted and ignored: [`Store::recover_links`] removes it, and the borrowed chunks are
+    /// recomputed).
+    fn read_link(&mut self, dir: &Path) -> Option<Link> {
+        let path = dir.join("link");
+        if !path.exists() {
+            return None;
+        }
+        match read_file(&path, false, None)
+            .map_err(|e| e.to_string())
+            .and_then(|b| Link::decode(&b).map_err(|e| e.to_string()))
+        {
+            Ok(l) => Some(l),
+            Err(why) => {
+                self.note(&path, "ignored", why);
+                if !self.options.read_only {
+                    let _ = std::fs::remove_file(&path);
+                }
+                None
+            }
+        }
     }
 
     /// A slot's header (and, with `verify_on_open`, its payload in `bytes`) checked against the
@@ -403,7 +433,7 @@ impl Store {
         Ok(())
     }
 
-    fn note(&mut self, path: &Path, action: &'static str, reason: String) {
+    pub(super) fn note(&mut self, path: &Path, action: &'static str, reason: String) {
         self.recovered.push(Recovered {
             path: path.to_owned(),
             action,

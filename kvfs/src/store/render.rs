@@ -62,6 +62,20 @@ impl Store {
         let _ = writeln!(s, "owner uid    {}", m.owner_uid);
         let _ = writeln!(s, "app          {}", m.app);
         let _ = writeln!(s, "model        {}", m.fingerprint);
+        if self.is_shared(id)? {
+            let n = self.referrers(id);
+            let _ = writeln!(
+                s,
+                "shared       a shared prefix: {n} context(s) borrow its chunks"
+            );
+        }
+        if let Some(l) = self.link(id)? {
+            let _ = writeln!(
+                s,
+                "borrows      chunks 0..{} from shared prefix {}",
+                l.chunks, l.base
+            );
+        }
         match self.text_view(id)? {
             TextView::Decoded => {
                 let _ = writeln!(s, "text         decoded by this model's tokenizer");

@@ -43,6 +43,17 @@ impl Store {
         }
         let ctx = self.ctx_of_model(id, fingerprint)?;
         let _w = self.write_lock(&ctx)?;
+        if let Some(l) = ctx.state.lock().link
+            && index < l.chunks
+        {
+            return Err(StoreError::Invalid {
+                what: "chunk write",
+                why: format!(
+                    "chunk {index} of context {id} is borrowed from shared prefix {}",
+                    l.base
+                ),
+            });
+        }
         let (range, tcrc) = chunk_tokens(&ctx, id, index)?;
         let compressed = self.compress(data);
         let (codec, payload) = match &compressed {
@@ -98,6 +109,87 @@ impl Store {
         c.chunk_write_stored_bytes
             .fetch_add(payload.len() as u64, Ordering::Relaxed);
         Ok(stored)
+    }
+
+    /// Writes chunks of a context that holds no copy of any of them yet (a new shared prefix
+    /// filled at once), with two syncs in all rather than two each: every payload, then one
+    /// `fdatasync`, then every header, then another. Crash-safe as [`Store::write_chunk`] is: a
+    /// header reaches the disk only after every payload has, and a write that fails frees every
+    /// slot it wrote, so none of them is found at the next open.
+    pub fn write_new_chunks(
+        &self,
+        id: ContextId,
+        fingerprint: &Fingerprint,
+        chunks: &[(u32, KvFormat, f32, &[u8])],
+    ) -> Result<(), StoreError> {
+        self.writable()?;
+        let ctx = self.ctx_of_model(id, fingerprint)?;
+        let _w = self.write_lock(&ctx)?;
+        let mut put = Vec::with_capacity(chunks.len());
+        for &(index, format, density, data) in chunks {
+            if data.len() > MAX_CHUNK_BYTES || index >= MAX_CHUNKS {
+                return Err(StoreError::TooLarge { len: data.len() });
+            }
+            if ctx.state.lock().chunks.contains_key(&index)
+                || ctx.state.lock().link.is_some_and(|l| index < l.chunks)
+            {
+                return Err(StoreError::Invalid {
+                    what: "chunk write",
+                    why: format!("chunk {index} of context {id} is not new"),
+                });
+            }
+            let (range, tcrc) = chunk_tokens(&ctx, id, index)?;
+            let compressed = self.compress(data);
+            let (codec, payload) = match compressed {
+                Some(c) => (Codec::Zstd, c),
+                None => (Codec::Raw, data.to_vec()),
+            };
+            let header = ChunkHeader {
+                format,
+                codec,
+                context: id.0,
+                index,
+                token_start: range.start,
+                token_end: range.end,
+                tokens_crc: tcrc,
+                density,
+                raw_len: data.len() as u32,
+                stored_len: payload.len() as u32,
+                payload_crc: crc32c::crc32c(&payload),
+                generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
+                fingerprint: ctx.meta.fingerprint,
+                written: unix_seconds(),
+            };
+            put.push((header, payload));
+        }
+        let path = ctx.dir.join("data");
+        let written = put_new(&ctx, &path, &put);
+        if let Err(e) = written {
+            for (h, _) in &put {
+                let _ = punch(&ctx.data, slot_offset(h.index, 0), SLOT_BYTES);
+            }
+            if let Err(undo) = nix::unistd::fdatasync(&ctx.data) {
+                tracing::warn!(path = %path.display(), error = %undo, "could not free the slots of failed chunk writes; the next open may find them");
+            }
+            return Err(e.into());
+        }
+        let mut st = ctx.state.lock();
+        for (h, payload) in &put {
+            drop_range(
+                &ctx.data,
+                slot_offset(h.index, 0),
+                HEADER_PAGE + payload.len(),
+            );
+            st.chunks
+                .insert(h.index, StoreState::Stored(stored_of(h, 0)));
+            let c = &self.counters;
+            c.chunk_writes.fetch_add(1, Ordering::Relaxed);
+            c.chunk_write_raw_bytes
+                .fetch_add(u64::from(h.raw_len), Ordering::Relaxed);
+            c.chunk_write_stored_bytes
+                .fetch_add(payload.len() as u64, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     fn compress(&self, data: &[u8]) -> Option<Vec<u8>> {
@@ -163,4 +255,24 @@ fn put_copy(
         return Err(e.into());
     }
     Ok(())
+}
+
+/// The writes of [`Store::write_new_chunks`]: every payload into copy 0 of its chunk's slot, one
+/// sync, every header, another sync.
+fn put_new(ctx: &Ctx, path: &Path, put: &[(ChunkHeader, Vec<u8>)]) -> Result<(), IoError> {
+    let write = |bytes: &[u8], offset| {
+        ctx.data
+            .write_all_at(bytes, offset)
+            .map_err(|e| IoError::new("write", path, e))
+    };
+    let sync =
+        || nix::unistd::fdatasync(&ctx.data).map_err(|e| IoError::new("fdatasync", path, e.into()));
+    for (h, payload) in put {
+        write(payload, slot_offset(h.index, 0) + HEADER_PAGE as u64)?;
+    }
+    sync()?;
+    for (h, _) in put {
+        write(&h.encode(), slot_offset(h.index, 0))?;
+    }
+    sync()
 }

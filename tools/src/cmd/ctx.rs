@@ -1,4 +1,4 @@
-//! `llms ctx ls|show|prewarm|export|rm` and `llms stats`: the daemon's contexts and counters, through its
+//! `llms ctx ls|show|prewarm|fork|export|rm` and `llms stats`: the daemon's contexts and counters, through its
 //! socket (a uid sees only its own contexts).
 
 use anyhow::Context;
@@ -25,6 +25,9 @@ pub enum CtxCommand {
     Show(CtxShow),
     /// Bring a context's chunks back into memory before its next call.
     Prewarm(CtxPrewarm),
+    /// Copy a context: a new one with its tokens and turns that shares its computed chunks
+    /// (held once in memory and on disk; each goes on on its own). Prints the new id.
+    Fork(CtxFork),
     /// A context's turns as JSON (`llms chat --transcript FILE` rebuilds a context from it).
     Export(CtxExport),
     /// Delete contexts (memory and store).
@@ -39,6 +42,14 @@ pub struct CtxPrewarm {
     #[arg(long)]
     pub json: bool,
     /// The context's id
+    pub id: u64,
+}
+
+#[derive(Args, Debug)]
+pub struct CtxFork {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// The context to copy
     pub id: u64,
 }
 
@@ -148,12 +159,25 @@ pub fn run(cmd: CtxCommand) -> anyhow::Result<()> {
                 c.resident_chunks,
                 mib(c.resident_bytes)
             );
+            if let Some(n) = c.shared_chunks.filter(|&n| n > 0) {
+                println!(
+                    "shared   the first {n} chunks, held once with the contexts that share them"
+                );
+            }
             println!("formats  {}", formats(&c));
             println!("calls    {} (since the daemon started)", c.calls);
             Ok(())
         }
         CtxCommand::Prewarm(a) => prewarm(a),
         CtxCommand::Export(a) => export(a),
+        CtxCommand::Fork(a) => {
+            let child = connect(&a.socket)?
+                .fork(a.id)
+                .with_context(|| format!("cannot fork context {}", a.id))?;
+            println!("{child}");
+            eprintln!("forked context {} into context {child}", a.id);
+            Ok(())
+        }
         CtxCommand::Rm(a) => {
             let mut client = connect(&a.socket)?;
             for id in a.ids {

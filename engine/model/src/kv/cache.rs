@@ -42,6 +42,10 @@ pub enum KvError {
     /// A sliding-window layer of a chunk past the window: the chunk keeps its global layers only.
     #[error("chunk {index} is past the sliding window: it keeps no K/V of layer {layer}")]
     Trimmed { index: usize, layer: usize },
+    /// A chunk borrowed from a shared prefix: other contexts read the same bytes, so it is never
+    /// recompressed, trimmed or replaced by this cache.
+    #[error("chunk {index} is borrowed from a shared prefix and cannot change")]
+    Shared { index: usize },
     /// Recompute of a chunk whose exact rebuild needs the sliding-window layers of chunks that
     /// no longer keep them.
     #[error(
@@ -173,6 +177,9 @@ pub struct KvCache {
     /// Chunks past the window that a recompute in progress rebuilt whole: later passes of the
     /// same recompute read their sliding-window layers; [`KvCache::end_recompute_run`] cuts them.
     whole: Vec<usize>,
+    /// The first chunks, borrowed from shared prefixes ([`KvCache::set_shared`]): for each,
+    /// whether its prefix keeps it cut to its global layers.
+    shared: Vec<bool>,
     /// Attention each token received, summed over heads, layers and queries.
     attn_sum: Vec<f32>,
     /// How many (query, head, layer) rows saw each token.
@@ -201,6 +208,7 @@ impl KvCache {
             fresh: Vec::new(),
             cut: 0,
             whole: Vec::new(),
+            shared: Vec::new(),
             attn_sum: Vec::new(),
             attn_rows: Vec::new(),
             scratch: Vec::new(),
@@ -216,9 +224,40 @@ impl KvCache {
         self.shape.trimmed_chunks(sealed * self.shape.tokens)
     }
 
-    /// The shape of sealed chunk `index` as the cache keeps it: trimmed past the window.
+    /// Makes the first `cut.len()` sealed chunks borrowed from shared prefixes: from now on they
+    /// are read, never changed (not recompressed, trimmed or rewritten but by a recompute of a
+    /// lost one, which makes the same bytes). `cut[i]` says whether chunk `i`'s prefix keeps it
+    /// cut to its global layers (a prefix of `n` chunks cuts the first
+    /// `shape.trimmed_chunks(n * tokens)`, as a context of its length would).
+    pub fn set_shared(&mut self, cut: Vec<bool>) -> Result<(), KvError> {
+        if cut.len() > self.formats.len() {
+            return Err(KvError::NotSealed {
+                index: cut.len() - 1,
+                sealed: self.formats.len(),
+            });
+        }
+        self.shared = cut;
+        Ok(())
+    }
+
+    /// How many of the first chunks are borrowed from shared prefixes.
+    pub fn shared(&self) -> usize {
+        self.shared.len()
+    }
+
+    /// Whether chunk `index` is kept cut to its global layers: past the window, or as its shared
+    /// prefix keeps it.
+    pub fn is_cut(&self, index: usize) -> bool {
+        match self.shared.get(index) {
+            Some(&cut) => cut,
+            None => index < self.trimmed_chunks(),
+        }
+    }
+
+    /// The shape of sealed chunk `index` as the cache keeps it: trimmed past the window (a
+    /// borrowed chunk: as its prefix keeps it).
     pub fn shape_of(&self, index: usize) -> ChunkShape {
-        if index < self.trimmed_chunks() {
+        if self.is_cut(index) {
             self.shape.trimmed()
         } else {
             self.shape
@@ -230,12 +269,24 @@ impl KvCache {
     /// new tokens seal at the cache's format, untrimmed (an upper bound: a chunk that moves past
     /// the window shrinks). What a call must find room for in a memory budget.
     pub fn slot_bytes_with(&self, more: usize) -> u64 {
+        self.slot_bytes_sealing(more, self.format)
+    }
+
+    /// [`KvCache::slot_bytes_with`] were the new chunks sealed in `format`.
+    pub fn slot_bytes_sealing(&self, more: usize, format: KvFormat) -> u64 {
         let held: u64 = (self.formats.iter().enumerate())
             .map(|(i, &f)| self.shape_of(i).slot_bytes(f) as u64)
             .sum();
         let sealed = (self.len + more) / self.shape.tokens;
         let new = sealed.saturating_sub(self.formats.len()) as u64;
-        held + new * self.shape.slot_bytes(self.format) as u64
+        held + new * self.shape.slot_bytes(format) as u64
+    }
+
+    /// Seals the chunks filled from now on in `format` (the chunks sealed already keep theirs):
+    /// a call whose context would not fit its memory budget in the cache's format seals its new
+    /// chunks lighter. Call it between passes, not during one.
+    pub fn set_format(&mut self, format: KvFormat) {
+        self.format = format;
     }
 
     /// The first chunk that [`KvCache::recomputable`] allows on its own (0 without a window).
@@ -287,7 +338,8 @@ impl KvCache {
         self.end_recompute_run()?;
         let upto = self.trimmed_chunks();
         let mut cut = Vec::new();
-        for index in self.cut..upto {
+        // Borrowed chunks stay as their prefix keeps them.
+        for index in self.cut.max(self.shared.len())..upto {
             let f = self.formats[index];
             let keep = self.shape.trimmed().chunk_bytes(f);
             if let Some(bytes) = self.mem.get(index) {
@@ -469,6 +521,7 @@ impl KvCache {
         self.open.clear();
         self.len = 0;
         self.cut = 0;
+        self.shared.clear();
         self.tokens.clear();
         self.staged.clear();
         self.fresh.clear();
@@ -654,7 +707,7 @@ impl KvCache {
         }
         // A chunk sealed past the window keeps its global layers alone, unless a recompute
         // still needs the others (`whole`).
-        let keep = if whole && index < self.trimmed_chunks() {
+        let keep = if whole && self.is_cut(index) {
             self.whole.push(index);
             s.chunk_bytes(f)
         } else {
@@ -674,6 +727,9 @@ impl KvCache {
     /// Moving up is refused: the lost bits can only come back by recompute.
     pub fn recompress(&mut self, index: usize, to: KvFormat) -> Result<(), KvError> {
         let from = self.check_sealed(index)?;
+        if index < self.shared.len() {
+            return Err(KvError::Shared { index });
+        }
         let codec = |source| KvError::Codec { index, source };
         if !crate::kv::codec::moves_down(&self.shape, from, to) {
             return Err(codec(CodecError::NotDown { from, to }));
@@ -683,6 +739,41 @@ impl KvCache {
         crate::kv::codec::recompress(&shape, from, to, bytes, &mut self.scratch).map_err(codec)?;
         self.mem.put(index, &self.scratch)?;
         self.formats[index] = to;
+        Ok(())
+    }
+
+    /// Moves each `(chunk, format)` of `moves` down to its format, as [`KvCache::recompress`]
+    /// does one, encoding the chunks in parallel on the thread pool, a batch at a time (the new
+    /// bytes of one batch held at once, 32 chunks at most), then storing them in order.
+    /// On an error the chunks before the failing one have moved, the others not.
+    pub fn recompress_many(&mut self, moves: &[(usize, KvFormat)]) -> Result<(), KvError> {
+        use rayon::prelude::*;
+        const BATCH: usize = 32;
+        for batch in moves.chunks(BATCH) {
+            let encoded: Vec<Result<Vec<u8>, KvError>> = batch
+                .par_iter()
+                .map(|&(index, to)| {
+                    let from = self.check_sealed(index)?;
+                    if index < self.shared.len() {
+                        return Err(KvError::Shared { index });
+                    }
+                    let codec = |source| KvError::Codec { index, source };
+                    if !crate::kv::codec::moves_down(&self.shape, from, to) {
+                        return Err(codec(CodecError::NotDown { from, to }));
+                    }
+                    let bytes = self.mem.get(index).ok_or(KvError::NotResident { index })?;
+                    let mut out = Vec::new();
+                    let shape = self.shape_of(index);
+                    crate::kv::codec::recompress(&shape, from, to, bytes, &mut out)
+                        .map_err(codec)?;
+                    Ok(out)
+                })
+                .collect();
+            for (&(index, to), bytes) in batch.iter().zip(encoded) {
+                self.mem.put(index, &bytes?)?;
+                self.formats[index] = to;
+            }
+        }
         Ok(())
     }
 
@@ -748,7 +839,7 @@ impl KvCache {
             let put = match self.take_fresh(*index) {
                 Some(fr) if fr.complete() && fr.format == f => {
                     // A chunk past the window stays whole until the whole recompute is over.
-                    if *index < self.trimmed_chunks() {
+                    if self.is_cut(*index) {
                         self.whole.push(*index);
                     }
                     self.mem.put(*index, &fr.bytes)

@@ -6,6 +6,7 @@
 //! under any KV format or mix; [`sim`] simulates candidate formats for it.
 
 pub mod attention;
+mod bits;
 pub mod cache;
 pub mod codec;
 pub mod eval;
