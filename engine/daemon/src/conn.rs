@@ -420,11 +420,8 @@ fn hello(shared: &Shared, conn: &Conn, id: u64, name: &str, version: u32) {
     ));
 }
 
-/// Routes one parsed request: `hello` and `cancel` answered here, the rest checked (a `hello`
-/// first, the version's ops) and queued in its lane.
-///
-/// Kept whole: one match over the ops, each arm a line or two, reads as the table of where each
-/// op goes; split, the lanes would be decided in two places.
+/// Routes one parsed request of a socket connection: `hello` and `cancel` answered here, the
+/// rest (after a `hello`) checked and queued in its lane by [`submit`].
 fn dispatch(
     shared: &Arc<Shared>,
     conn: &Arc<Conn>,
