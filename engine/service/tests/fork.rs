@@ -228,6 +228,17 @@ fn the_same_system_prompt_is_computed_and_held_once_per_owner() {
         m.store().meta(ContextId(base)).unwrap().owner_uid,
         stranger.uid
     );
+    // A context made from turns that begin as the first's (a branch of its conversation)
+    // borrows the chunks they share, then computes the rest.
+    let turns = vec![service::transcript::Turn::new(
+        service::transcript::Role::Raw,
+        "branch",
+    )];
+    let tokens = [system.clone(), question.clone()].concat();
+    let branch = m.create_recorded(&o, &tokens, turns, true).unwrap();
+    assert_eq!(m.info(&o, branch).unwrap().shared_chunks, tokens.len() / 16);
+    assert_eq!(m.info(&o, branch).unwrap().tokens, tokens.len());
+    m.delete(&o, branch).unwrap();
     m.delete(&o, first).unwrap();
     assert_eq!(call(&mut m, &o, second, &prompt(6, 10)).len(), 8);
     m.delete(&o, second).unwrap();

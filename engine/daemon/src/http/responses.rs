@@ -58,9 +58,9 @@ async fn continue_response(
     let turns = turns_of(s, &who.app, context, "response", id).await?;
     let n = ids::locate(id, &turns).ok_or_else(|| ApiError::not_found("response", id))?;
     if n != turns.len() {
-        // FORK HOOK: when `fork` lands (issue 32 item 4), branch here instead of refusing: fork
-        // the context at this response (its first `n` turns, the chunks shared copy-on-write)
-        // and continue the fork, so any earlier response can be continued.
+        // Branching here is possible (a context made from the first `n` turns borrows their
+        // chunks from this one: docs/service.md, "Forks and shared prefixes"), but the API this
+        // daemon documents answers 409 for a response its context moved on from (docs/http.md).
         return Err(ApiError {
             retry: false,
             ..ApiError::new(

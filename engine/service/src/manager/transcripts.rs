@@ -92,6 +92,9 @@ impl Manager {
         };
         ctx.turns = Some(turns);
         self.contexts.insert(id, ctx);
+        // The first chunks another context of the owner computed for the same tokens (a branch
+        // of a conversation, the same system prompt) are borrowed, not computed again.
+        self.adopt_prefix(id)?;
         if prefill {
             self.prewarm(owner, id)?;
         }
