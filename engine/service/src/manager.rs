@@ -39,6 +39,25 @@ use model::Model;
 use model::kv::KvCache;
 use model::tokenizer::Tokenizer;
 
+/// The manager's parts a call of context `$id` works with ([`Call`]), borrowed field by field so
+/// that one of the manager's contexts can be borrowed mutably beside them.
+macro_rules! call_parts {
+    ($m:expr, $id:expr) => {
+        Call {
+            model: &$m.model,
+            cfg: &$m.cfg,
+            io: &$m.io,
+            pager: &$m.pager,
+            cost: &$m.cost,
+            book: &$m.book,
+            writer: &$m.writer,
+            compression: &$m.compression,
+            tokenizer: $m.tokenizer.as_deref(),
+            id: $id,
+        }
+    };
+}
+
 mod shared;
 mod transcripts;
 
@@ -531,18 +550,7 @@ impl Manager {
             streamed += 1;
             on_token(t)
         };
-        let call = Call {
-            model: &self.model,
-            cfg: &self.cfg,
-            io: &self.io,
-            pager: &self.pager,
-            cost: &self.cost,
-            book: &self.book,
-            writer: &self.writer,
-            compression: &self.compression,
-            tokenizer: self.tokenizer.as_deref(),
-            id,
-        };
+        let call = call_parts!(self, id);
         let r = call.run(&mut self.readers, ctx, prompt, opts, received, counted);
         if streamed > 1 {
             self.decode_tokens += streamed - 1;
@@ -598,18 +606,7 @@ impl Manager {
         self.owned(owner, id)?;
         let ctx = self.contexts.get_mut(&id).expect("owned checked it");
         ctx.cache.pin()?;
-        let call = Call {
-            model: &self.model,
-            cfg: &self.cfg,
-            io: &self.io,
-            pager: &self.pager,
-            cost: &self.cost,
-            book: &self.book,
-            writer: &self.writer,
-            compression: &self.compression,
-            tokenizer: self.tokenizer.as_deref(),
-            id,
-        };
+        let call = call_parts!(self, id);
         let r = call.load(&mut self.readers, ctx, Prompt::Tokens(&[]));
         ctx.cache.unpin();
         match r {

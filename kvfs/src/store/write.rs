@@ -67,23 +67,15 @@ impl Store {
             _ => None,
         };
         let copy = previous.map_or(0, |c| 1 - c);
-        let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
-        let header = ChunkHeader {
-            format,
-            codec,
-            context: id.0,
+        let header = self.header(
+            &ctx,
             index,
-            token_start: range.start,
-            token_end: range.end,
-            tokens_crc: tcrc,
+            (range, tcrc),
+            (format, codec),
             density,
-            raw_len: data.len() as u32,
-            stored_len: payload.len() as u32,
-            payload_crc: crc32c::crc32c(payload),
-            generation,
-            fingerprint: ctx.meta.fingerprint,
-            written: unix_seconds(),
-        };
+            data,
+            payload,
+        );
         let path = ctx.dir.join("data");
         let at = slot_offset(index, copy);
         put_copy(&ctx, &path, at, index, &header, payload)?;
@@ -144,22 +136,15 @@ impl Store {
                 Some(c) => (Codec::Zstd, c),
                 None => (Codec::Raw, data.to_vec()),
             };
-            let header = ChunkHeader {
-                format,
-                codec,
-                context: id.0,
+            let header = (self).header(
+                &ctx,
                 index,
-                token_start: range.start,
-                token_end: range.end,
-                tokens_crc: tcrc,
+                (range, tcrc),
+                (format, codec),
                 density,
-                raw_len: data.len() as u32,
-                stored_len: payload.len() as u32,
-                payload_crc: crc32c::crc32c(&payload),
-                generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
-                fingerprint: ctx.meta.fingerprint,
-                written: unix_seconds(),
-            };
+                data,
+                &payload,
+            );
             put.push((header, payload));
         }
         let path = ctx.dir.join("data");
@@ -190,6 +175,37 @@ impl Store {
                 .fetch_add(payload.len() as u64, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// The header of a new copy of chunk `index` (`data`, stored as `payload`) computed from
+    /// the tokens `tokens` (their span and crc), with the next generation.
+    #[allow(clippy::too_many_arguments)]
+    fn header(
+        &self,
+        ctx: &Ctx,
+        index: u32,
+        tokens: (Range<u32>, u32),
+        (format, codec): (KvFormat, Codec),
+        density: f32,
+        data: &[u8],
+        payload: &[u8],
+    ) -> ChunkHeader {
+        ChunkHeader {
+            format,
+            codec,
+            context: ctx.id.0,
+            index,
+            token_start: tokens.0.start,
+            token_end: tokens.0.end,
+            tokens_crc: tokens.1,
+            density,
+            raw_len: data.len() as u32,
+            stored_len: payload.len() as u32,
+            payload_crc: crc32c::crc32c(payload),
+            generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
+            fingerprint: ctx.meta.fingerprint,
+            written: unix_seconds(),
+        }
     }
 
     fn compress(&self, data: &[u8]) -> Option<Vec<u8>> {

@@ -241,18 +241,7 @@ impl Manager {
     ) -> Result<Vec<(kvfs::KvFormat, f32, Vec<u8>)>, ServiceError> {
         let ctx = self.contexts.get_mut(&id).expect("the caller checked it");
         ctx.cache.pin()?;
-        let call = Call {
-            model: &self.model,
-            cfg: &self.cfg,
-            io: &self.io,
-            pager: &self.pager,
-            cost: &self.cost,
-            book: &self.book,
-            writer: &self.writer,
-            compression: &self.compression,
-            tokenizer: self.tokenizer.as_deref(),
-            id,
-        };
+        let call = call_parts!(self, id);
         let loaded = call.load(&mut self.readers, ctx, Prompt::Tokens(&[]));
         let densities = ctx.density.chunk_densities();
         let out = loaded.and_then(|_| {
