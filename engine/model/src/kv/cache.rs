@@ -726,20 +726,7 @@ impl KvCache {
     /// Moves sealed chunk `index` down to format `to` (int8 to int4 or int2, say), in place.
     /// Moving up is refused: the lost bits can only come back by recompute.
     pub fn recompress(&mut self, index: usize, to: KvFormat) -> Result<(), KvError> {
-        let from = self.check_sealed(index)?;
-        if index < self.shared.len() {
-            return Err(KvError::Shared { index });
-        }
-        let codec = |source| KvError::Codec { index, source };
-        if !crate::kv::codec::moves_down(&self.shape, from, to) {
-            return Err(codec(CodecError::NotDown { from, to }));
-        }
-        let bytes = self.mem.get(index).ok_or(KvError::NotResident { index })?;
-        let shape = self.shape_of(index);
-        crate::kv::codec::recompress(&shape, from, to, bytes, &mut self.scratch).map_err(codec)?;
-        self.mem.put(index, &self.scratch)?;
-        self.formats[index] = to;
-        Ok(())
+        self.recompress_many(&[(index, to)])
     }
 
     /// Moves each `(chunk, format)` of `moves` down to its format, as [`KvCache::recompress`]
