@@ -153,8 +153,13 @@ pub fn run(cmd: CtxCommand) -> anyhow::Result<()> {
             println!("context  {}", c.id);
             println!("app      {}", c.app);
             println!("tokens   {}", c.tokens);
+            let own = if c.shared_chunks.unwrap_or(0) > 0 {
+                " of its own"
+            } else {
+                ""
+            };
             println!(
-                "chunks   {} ({} resident, {:.2} MiB)",
+                "chunks   {} ({} resident, {:.2} MiB{own})",
                 c.chunks,
                 c.resident_chunks,
                 mib(c.resident_bytes)
