@@ -179,11 +179,7 @@ impl ChunkIo {
     /// What the store holds of chunk `key` now, as the service's book records it.
     pub fn stored_copy(&self, key: ChunkKey) -> Option<StoredCopy> {
         match self.store.chunk_state(key.ctx, key.index) {
-            Ok(kvfs::StoreState::Stored(s)) => Some(StoredCopy {
-                format: s.format,
-                bytes: u64::from(s.stored_len),
-                raw: u64::from(s.raw_len),
-            }),
+            Ok(kvfs::StoreState::Stored(s)) => Some(StoredCopy::from(&s)),
             _ => None,
         }
     }

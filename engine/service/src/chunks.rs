@@ -34,6 +34,17 @@ pub struct StoredCopy {
     pub raw: u64,
 }
 
+impl From<&kvfs::StoredChunk> for StoredCopy {
+    /// The copy a chunk header describes.
+    fn from(s: &kvfs::StoredChunk) -> Self {
+        StoredCopy {
+            format: s.format,
+            bytes: u64::from(s.stored_len),
+            raw: u64::from(s.raw_len),
+        }
+    }
+}
+
 /// One chunk's facts in the book.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ChunkFacts {

@@ -18,14 +18,6 @@ pub struct Lineage {
 }
 
 impl Lineage {
-    /// A context that borrows nothing.
-    pub fn own(ctx: ContextId) -> Self {
-        Lineage {
-            own: ctx,
-            borrowed: Vec::new(),
-        }
-    }
-
     /// Context `ctx`'s owners as the store's links say (a link to a prefix that itself borrows
     /// is followed down to the first chunk).
     pub fn of(store: &Store, ctx: ContextId) -> Self {
@@ -79,9 +71,12 @@ impl Lineage {
         self.borrowed.iter().map(|&(_, p)| p)
     }
 
-    /// Whether chunk `index` is borrowed.
-    pub fn is_borrowed(&self, index: u32) -> bool {
-        index < self.shared()
+    /// Each prefix with the chunks it lends (`start..end`), the first chunks' first.
+    pub fn ranges(&self) -> impl Iterator<Item = (std::ops::Range<u32>, ContextId)> + '_ {
+        let starts = std::iter::once(0).chain(self.borrowed.iter().map(|&(end, _)| end));
+        starts
+            .zip(&self.borrowed)
+            .map(|(start, &(end, p))| (start..end, p))
     }
 }
 
@@ -99,7 +94,7 @@ mod tests {
         assert_eq!(owners, [4, 4, 4, 5, 5, 5, 5, 9, 9]);
         assert_eq!(l.shared(), 7);
         assert_eq!(l.top(), Some(ContextId(5)));
-        assert!(l.is_borrowed(6) && !l.is_borrowed(7));
-        assert_eq!(Lineage::own(ContextId(2)).owner(0), ContextId(2));
+        let ranges: Vec<_> = l.ranges().collect();
+        assert_eq!(ranges, [(0..3, ContextId(4)), (3..7, ContextId(5))]);
     }
 }

@@ -332,14 +332,9 @@ impl Manager {
                 && s.tokens.len() == t
                 && lineage.owner(c.index) == info.id
             {
-                let f = s.format;
-                let copy = StoredCopy {
-                    format: f,
-                    bytes: u64::from(s.stored_len),
-                    raw: u64::from(s.raw_len),
-                };
-                self.book.set_stored(lineage.key(c.index), Some(copy));
-                formats[c.index as usize] = f;
+                self.book
+                    .set_stored(lineage.key(c.index), Some(StoredCopy::from(s)));
+                formats[c.index as usize] = s.format;
                 seeds.push((c.index as usize, s.density));
             }
         }

@@ -185,21 +185,16 @@ impl ChunkMemory for PagerChunks {
         }
         self.view = self.lineage.lock().clone();
         let mut prefixes = Vec::new();
-        let mut start = 0;
-        for p in self.view.prefixes() {
+        for (range, p) in self.view.ranges() {
             let lock = self.pager.lock(p).map_err(|e| store_err(0, e))?;
-            let end = (start..self.view.shared())
-                .find(|&i| self.view.owner(i) != p)
-                .unwrap_or(self.view.shared());
-            for index in start..end {
+            for index in range.clone() {
                 let key = ChunkKey { ctx: p, index };
                 let info = self.pager.chunk_info(key);
                 if info.is_ok_and(|s| s.state == uffd_pager::MemoryState::Resident) {
                     self.pager.note_access(key);
                 }
             }
-            prefixes.push((end, lock));
-            start = end;
+            prefixes.push((range.end, lock));
         }
         self.lock = Some(self.pager.lock(self.ctx).map_err(|e| store_err(0, e))?);
         self.prefixes = prefixes;

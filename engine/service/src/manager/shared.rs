@@ -59,13 +59,8 @@ impl Manager {
             {
                 formats[c.index as usize] = s.format;
                 densities[c.index as usize] = f64::from(s.density);
-                let copy = StoredCopy {
-                    format: s.format,
-                    bytes: u64::from(s.stored_len),
-                    raw: u64::from(s.raw_len),
-                };
                 self.book
-                    .set_stored(ChunkKey::new(p.0, c.index), Some(copy));
+                    .set_stored(ChunkKey::new(p.0, c.index), Some(StoredCopy::from(s)));
             }
         }
         self.book.set_formats(p, &formats, &densities);
