@@ -1,6 +1,7 @@
 //! Chunk writes: a new copy to the slot the chunk does not occupy, payload durable before header,
 //! then the old slot freed (docs/kvfs.md, "Crash safety").
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -32,15 +33,7 @@ impl Store {
     ) -> Result<StoredChunk, StoreError> {
         let _span = tracing::debug_span!("kvfs_write_chunk", context = %id, index).entered();
         self.writable()?;
-        if data.len() > MAX_CHUNK_BYTES {
-            return Err(StoreError::TooLarge { len: data.len() });
-        }
-        if index >= MAX_CHUNKS {
-            return Err(StoreError::Invalid {
-                what: "chunk index",
-                why: format!("{index}, a context holds at most {MAX_CHUNKS} chunks"),
-            });
-        }
+        check_chunk(index, data)?;
         let ctx = self.ctx_of_model(id, fingerprint)?;
         let _w = self.write_lock(&ctx)?;
         if let Some(l) = ctx.state.lock().link
@@ -119,12 +112,12 @@ impl Store {
         let _w = self.write_lock(&ctx)?;
         let mut put = Vec::with_capacity(chunks.len());
         for &(index, format, density, data) in chunks {
-            if data.len() > MAX_CHUNK_BYTES || index >= MAX_CHUNKS {
-                return Err(StoreError::TooLarge { len: data.len() });
-            }
-            if ctx.state.lock().chunks.contains_key(&index)
-                || ctx.state.lock().link.is_some_and(|l| index < l.chunks)
-            {
+            check_chunk(index, data)?;
+            let taken = {
+                let st = ctx.state.lock();
+                st.chunks.contains_key(&index) || st.link.is_some_and(|l| index < l.chunks)
+            };
+            if taken {
                 return Err(StoreError::Invalid {
                     what: "chunk write",
                     why: format!("chunk {index} of context {id} is not new"),
@@ -133,8 +126,8 @@ impl Store {
             let (range, tcrc) = chunk_tokens(&ctx, id, index)?;
             let compressed = self.compress(data);
             let (codec, payload) = match compressed {
-                Some(c) => (Codec::Zstd, c),
-                None => (Codec::Raw, data.to_vec()),
+                Some(c) => (Codec::Zstd, Cow::Owned(c)),
+                None => (Codec::Raw, Cow::Borrowed(data)),
             };
             let header = (self).header(
                 &ctx,
@@ -217,6 +210,20 @@ impl Store {
     }
 }
 
+/// Refuses a chunk larger than a slot holds, or an index past a context's last.
+fn check_chunk(index: u32, data: &[u8]) -> Result<(), StoreError> {
+    if data.len() > MAX_CHUNK_BYTES {
+        return Err(StoreError::TooLarge { len: data.len() });
+    }
+    if index >= MAX_CHUNKS {
+        return Err(StoreError::Invalid {
+            what: "chunk index",
+            why: format!("{index}, a context holds at most {MAX_CHUNKS} chunks"),
+        });
+    }
+    Ok(())
+}
+
 /// The token range chunk `index` covers and its checksum; a chunk beyond the stored tokens is
 /// refused.
 fn chunk_tokens(ctx: &Ctx, id: ContextId, index: u32) -> Result<(Range<u32>, u32), StoreError> {
@@ -275,7 +282,7 @@ fn put_copy(
 
 /// The writes of [`Store::write_new_chunks`]: every payload into copy 0 of its chunk's slot, one
 /// sync, every header, another sync.
-fn put_new(ctx: &Ctx, path: &Path, put: &[(ChunkHeader, Vec<u8>)]) -> Result<(), IoError> {
+fn put_new(ctx: &Ctx, path: &Path, put: &[(ChunkHeader, Cow<[u8]>)]) -> Result<(), IoError> {
     let write = |bytes: &[u8], offset| {
         ctx.data
             .write_all_at(bytes, offset)
