@@ -299,7 +299,7 @@ pub fn json_schema(o: &Object, at: &str) -> Result<ResponseFormat, ApiError> {
 pub fn format(v: &Value, at: &str, inline: bool) -> Result<Option<ResponseFormat>, ApiError> {
     let o = object(v, at)?;
     match o.get("type").and_then(Value::as_str) {
-        Some("text") => {
+        Some(kind @ ("text" | "json_object")) => {
             check_fields(
                 o,
                 &Allowed {
@@ -308,18 +308,7 @@ pub fn format(v: &Value, at: &str, inline: bool) -> Result<Option<ResponseFormat
                 },
                 &format!("{at}."),
             )?;
-            Ok(None)
-        }
-        Some("json_object") => {
-            check_fields(
-                o,
-                &Allowed {
-                    fields: &["type"],
-                    neutral: &[],
-                },
-                &format!("{at}."),
-            )?;
-            Ok(Some(ResponseFormat::JsonSchema {
+            Ok((kind == "json_object").then(|| ResponseFormat::JsonSchema {
                 schema: serde_json::json!({"type": "object"}),
             }))
         }
