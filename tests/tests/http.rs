@@ -7,7 +7,8 @@
 //! TCP with keys and over the Unix socket; curl checks the server-sent events' framing byte for
 //! byte and a peer of another uid on the Unix socket; then the daemon is killed (`kill -9`) and
 //! started again, and the conversation goes on from the store with only its new tokens
-//! prefilled.
+//! prefilled. Then 64 clients of the same package stream at once (`tests/python/openai_load.py`):
+//! every stream completes, and two apps of unequal size take turns in the queue.
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -21,7 +22,13 @@ use model::fetch::{self, FetchOptions};
 const OPENAI: &str = "2.8.1";
 
 /// A venv with the pinned `openai` package, made once under the target directory; its python.
+/// (The tests of this file run at once: one makes it, the others wait.)
 fn python() -> PathBuf {
+    static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(make_venv).clone()
+}
+
+fn make_venv() -> PathBuf {
     let venv = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("openai-{OPENAI}"));
     let python = venv.join("bin/python");
     let ready = venv.join("installed");
@@ -67,9 +74,22 @@ fn free_port() -> u16 {
 
 /// A new key for `uid` in the key file `keys`, by `llms keys add`.
 fn add_key(w: &tests::World, keys: &Path, uid: u32) -> String {
+    add_app_key(w, keys, uid, "http")
+}
+
+/// A new key for `uid` and app `app` in the key file `keys`.
+fn add_app_key(w: &tests::World, keys: &Path, uid: u32, app: &str) -> String {
     let out = w
         .llms()
-        .args(["keys", "add", "--uid", &uid.to_string(), "--file"])
+        .args([
+            "keys",
+            "add",
+            "--uid",
+            &uid.to_string(),
+            "--app",
+            app,
+            "--file",
+        ])
         .arg(keys)
         .output()
         .unwrap();
@@ -244,4 +264,95 @@ fn real_clients_drive_the_http_api_across_a_crash() {
     d.kill9();
     let _d = w.serve(&args);
     suite(&python, &env, "after", &state);
+}
+
+/// The daemon's peak resident memory (VmHWM), in MiB.
+fn peak_rss_mib(pid: i32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib / 1024.0
+}
+
+/// 64 clients stream chat completions at once over TCP, each two turns of its own conversation,
+/// 48 of them with app a's key and 16 with app b's: every stream completes, and the queue takes
+/// the two apps in turn, so b (a quarter of the streams) is done about halfway, not at the end
+/// as a first-come queue would leave it. App a may hold only 40 contexts, so 8 of its
+/// conversations wait for one to come back rather than fail.
+#[test]
+#[allow(clippy::print_stderr)] // the figures, for people reading the log
+fn sixty_four_streams_over_tcp_complete_and_the_apps_take_turns() {
+    let python = python();
+    let path = fetch::default_model_path(&FetchOptions::default())
+        .unwrap_or_else(|e| panic!("cannot fetch the default model: {e}"));
+    let w = tests::World::with_model(env!("CARGO_BIN_EXE_llms-e2e"), &path);
+    let keys = w.dir.path().join("keys");
+    let me = nix::unistd::getuid().as_raw();
+    let (a, b) = (
+        add_app_key(&w, &keys, me, "a"),
+        add_app_key(&w, &keys, me, "b"),
+    );
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let d = w.serve(&[
+        "--http",
+        &listen,
+        "--http-keys",
+        keys.to_str().unwrap(),
+        "--max-contexts-per-app",
+        "40",
+    ]);
+    let model = path.file_name().unwrap().to_str().unwrap().to_owned();
+    let run = |phase: &str| -> serde_json::Value {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_load.py");
+        let out = Command::new(&python)
+            .arg(script)
+            .arg(phase)
+            .env("LLMS_TCP", format!("http://127.0.0.1:{port}/v1"))
+            .env("LLMS_MODEL", &model)
+            .env(
+                "LLMS_LOAD_KEYS",
+                serde_json::json!({"a": [a, 48], "b": [b, 16]}).to_string(),
+            )
+            .env("LLMS_LOAD_TURNS", "2")
+            .env("LLMS_LOAD_TOKENS", "4")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "openai_load.py {phase}: {out:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    run("warm");
+    let r = run("load");
+    let streams = r["streams"].as_array().unwrap();
+    let failed: Vec<_> = streams.iter().filter(|s| s["ok"] != true).collect();
+    assert!(
+        failed.is_empty(),
+        "streams that did not complete: {failed:?}"
+    );
+    assert_eq!(streams.len(), 64 * 2);
+    let order: Vec<&str> = r["order"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let b_done = order.iter().rposition(|a| *a == "b").unwrap() + 1;
+    let share = b_done as f64 / order.len() as f64;
+    eprintln!(
+        "64 clients, 128 streams in {:.1} s; app b's last stream ended {b_done}th of {} ({share:.2}); \
+         the daemon's peak RSS {:.0} MiB",
+        r["seconds"].as_f64().unwrap(),
+        order.len(),
+        peak_rss_mib(d.pid())
+    );
+    // Taken in turn, b's 32 streams end by about the 64th; first come, first served, near the
+    // 128th.
+    assert!(
+        share < 0.65,
+        "app b's last stream ended {b_done}th of {}: the apps did not take turns ({order:?})",
+        order.len()
+    );
 }

@@ -14,8 +14,8 @@ mod report;
 
 use cmd::bench::{
     crash as bench_crash, engine as bench_engine, guide as bench_guide, http as bench_http,
-    kv as bench_kv, load as bench_load, pager as bench_pager, switch as bench_switch,
-    weights as bench_weights,
+    http_load as bench_http_load, kv as bench_kv, load as bench_load, pager as bench_pager,
+    switch as bench_switch, weights as bench_weights,
 };
 use cmd::{
     chat as chat_cmd, ctx as ctx_cmd, engine as engine_cmd, http as http_cmd, kv_mix as kv_mix_cmd,
@@ -110,6 +110,9 @@ enum BenchCommand {
     /// What the OpenAI-compatible HTTP API adds to a call over the socket protocol, on a
     /// running daemon (`llms serve --http unix:PATH`): median latencies of the three paths.
     Http(bench_http::BenchHttpArgs),
+    /// Many clients streaming chat completions over the HTTP API's TCP listener at once, apps
+    /// of unequal size: every stream complete, each app's share of the queue, latency, memory.
+    HttpLoad(bench_http_load::BenchHttpLoadArgs),
     /// Structured output's cost per decode token on the model's vocabulary: every example
     /// schema, token masks cold and cached, beside the model's decode step (docs/guide.md).
     Guide(bench_guide::BenchGuideArgs),
@@ -167,6 +170,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Weights(args)) => bench_weights::run(args),
         Command::Bench(BenchCommand::Guide(args)) => bench_guide::run(args),
         Command::Bench(BenchCommand::Http(args)) => bench_http::run(args),
+        Command::Bench(BenchCommand::HttpLoad(args)) => bench_http_load::run(args),
         Command::Profile(args) => profile_cmd::run(args),
     }
 }

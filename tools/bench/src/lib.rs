@@ -9,6 +9,7 @@ pub mod cgroup;
 pub mod daemon_proc;
 pub mod disk;
 pub mod http;
+pub mod http_load;
 pub mod kvfs;
 pub mod load;
 pub mod peer;

@@ -6,14 +6,18 @@
 //!
 //! A context in use by a request is taken out of the cache until its answer is done, so two
 //! requests never continue the same context. The cache holds at most the app's contexts
-//! (`--max-contexts-per-app`); the least recently used idle one makes room. After a restart the
-//! cache is rebuilt from the daemon's contexts of the app, read once per uid (`list`, `export`).
+//! (`--max-contexts-per-app`); the least recently used idle one makes room, and when every one
+//! is in use a new conversation waits until one comes back ([`ChatCache::returned`]). After a
+//! restart the cache is rebuilt from the daemon's contexts of the app, read once per uid
+//! (`list`, `export`).
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use parking_lot::Mutex;
 use protocol::{Tool, Turn};
+use tokio::sync::Notify;
+use tokio::sync::futures::Notified;
 
 use crate::http::wire::same_turn;
 
@@ -61,6 +65,8 @@ struct Contexts {
 #[derive(Default)]
 pub struct ChatCache {
     by_owner: Mutex<HashMap<(u32, String), Contexts>>,
+    /// Told when a context comes back idle or is deleted: room for a waiting conversation.
+    back: Notify,
 }
 
 impl ChatCache {
@@ -106,6 +112,17 @@ impl ChatCache {
         Some(c.idle.swap_remove(i))
     }
 
+    /// A future that completes at the next [`ChatCache::put`] or [`ChatCache::freed`] after
+    /// this call (enable it before looking for room, so no return is missed in between).
+    pub fn returned(&self) -> Notified<'_> {
+        self.back.notified()
+    }
+
+    /// A context of the cache was deleted while in use: one more may be made.
+    pub fn freed(&self) {
+        self.back.notify_waiters();
+    }
+
     /// Puts a context back, idle, holding `turns` (tools left out) with `tools` in force.
     pub fn put(&self, owner: (u32, String), context: u64, turns: Vec<Turn>, tools: Vec<Tool>) {
         let held = Held {
@@ -120,6 +137,7 @@ impl ChatCache {
             .or_default()
             .idle
             .push(held);
+        self.back.notify_waiters();
     }
 }
 

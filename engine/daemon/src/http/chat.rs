@@ -5,9 +5,10 @@
 //! continued context whose K/V was reused).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use hyper::StatusCode;
-use protocol::{ErrorBody, Event, Request, Tool, Turn};
+use protocol::{ErrorBody, Event, Request, Tool, Turn, codes};
 use serde_json::{Value, json};
 
 use crate::http::answer::{self, Answer, Piece, Tokens, finish_reason};
@@ -202,8 +203,13 @@ async fn load_cache(api: &Api, s: &mut Session, owner: &(u32, String)) -> Result
     Ok(())
 }
 
-/// A context for `prefix` with `tools`; when the app holds its most contexts, the least
-/// recently used idle one is deleted for room.
+/// How long a new conversation waits for one of the app's chat contexts to come back when
+/// every one is in use, before it is answered 429.
+const ROOM_WAIT: Duration = Duration::from_secs(60);
+
+/// A context for `prefix` with `tools`. When the app holds its most contexts, the least
+/// recently used idle one is deleted for room; when every one is in use by another request,
+/// this one waits until one comes back (a stateless API should not fail because others run).
 async fn fresh(
     api: &Api,
     s: &mut Session,
@@ -212,18 +218,32 @@ async fn fresh(
     tools: &[Tool],
 ) -> Result<u64, ErrorBody> {
     loop {
+        let returned = api.cache.returned();
+        tokio::pin!(returned);
+        returned.as_mut().enable();
         match answer::create(s, &owner.1, prefix, tools).await {
-            Err(e) if e.code == "too_many_contexts" => {
-                let Some(old) = api.cache.take_oldest(owner) else {
-                    return Err(e);
-                };
-                tracing::debug!(context = old.context, "chat cache: making room");
-                s.op(&owner.1, |id| Request::Delete {
-                    id,
-                    context: old.context,
-                })
-                .await?;
-            }
+            Err(e) if e.code == "too_many_contexts" => match api.cache.take_oldest(owner) {
+                Some(old) => {
+                    tracing::debug!(context = old.context, "chat cache: making room");
+                    s.op(&owner.1, |id| Request::Delete {
+                        id,
+                        context: old.context,
+                    })
+                    .await?;
+                }
+                None => {
+                    tracing::debug!("chat cache: every context in use; waiting for one");
+                    if tokio::time::timeout(ROOM_WAIT, returned).await.is_err() {
+                        return Err(ErrorBody::new(
+                            codes::BUSY,
+                            format!(
+                                "every chat context of this app is in use ({}); try again shortly",
+                                e.message
+                            ),
+                        ));
+                    }
+                }
+            },
             r => return r,
         }
     }
@@ -320,6 +340,7 @@ async fn finish(
             tracing::debug!(context, error = %e.message, "chat cache: dropping a context");
             let mut s = Session::new(&api.shared, uid, std::time::Instant::now());
             let _ = s.op(&owner.1, |id| Request::Delete { id, context }).await;
+            api.cache.freed();
         }
     }
 }

@@ -5,6 +5,7 @@ pub mod crash;
 pub mod engine;
 pub mod guide;
 pub mod http;
+pub mod http_load;
 pub mod kv;
 pub mod load;
 pub mod pager;
