@@ -581,6 +581,24 @@ pub fn poll2(a: RawFd, b: RawFd, timeout_ms: i32) -> Result<(bool, bool), SysErr
     Ok((fds[0].revents != 0, fds[1].revents != 0))
 }
 
+/// Gives the C allocator's free memory back to the kernel: the pages of every arena's free
+/// chunks, not only the top of each heap (glibc's `malloc_trim(0)`). glibc keeps what a thread
+/// frees in that thread's arena for its next allocation, so the engine's transient buffers of a
+/// long call (megabytes per layer at depth, on several threads) stay resident after it, counted
+/// against the daemon's memory until the same threads allocate as much again. Called between
+/// calls; returns whether anything was released. A no-op on other C libraries.
+pub fn release_free_heap() -> bool {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: malloc_trim has no preconditions; it only takes the arenas' locks.
+        unsafe { libc::malloc_trim(0) == 1 }
+    }
+    #[cfg(not(target_env = "gnu"))]
+    {
+        false
+    }
+}
+
 /// The page size of the running kernel.
 pub fn kernel_page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.

@@ -41,6 +41,21 @@ pub fn engine_loop(mut m: Manager, tok: &Tokenizer, shared: &Shared) {
             }
         };
         job.conn.send(&reply);
+        // After the work that makes large transient buffers, and only when nothing waits.
+        let heavy = matches!(
+            job.request,
+            Request::Call { .. }
+                | Request::ToolResult { .. }
+                | Request::Prewarm { .. }
+                | Request::Fork { .. }
+                | Request::New {
+                    transcript: Some(_),
+                    ..
+                }
+        );
+        if heavy && shared.queue.is_empty() {
+            m.release_memory();
+        }
     }
     tracing::info!("engine thread draining: flushing ahead-of-time writes");
     m.flush();
