@@ -237,6 +237,14 @@ def check_conversations():
     r2 = respond(me, input="Thanks.", conversation=conv.id)
     held = r.usage.input_tokens + r.usage.output_tokens
     assert r2.usage.input_tokens_details.cached_tokens >= held - CHUNK, (held, r2.usage)
+    items = list(me.conversations.items.list(conv.id, order="asc", limit=2))  # three pages
+    kinds = [(i.type, i.role) for i in items]
+    assert kinds == [("message", "user"), ("message", "assistant")] * 3, kinds
+    assert items[0].content[0].text == "My name is Ada." and items[4].content[0].text == "Thanks.", items
+    assert items[5].content[0].text == r2.output_text, (items[5], r2.output_text)
+    page = me.conversations.items.list(conv.id, limit=2)  # newest first
+    assert [i.id for i in page.data] == [items[5].id, items[4].id] and page.has_more, page
+    expect_error(openai.NotFoundError, lambda: other.conversations.items.list(conv.id))
     expect_error(openai.NotFoundError, lambda: other.conversations.retrieve(conv.id))
     expect_error(openai.NotFoundError, lambda: respond(other, input="x", conversation=conv.id))
     expect_error(openai.ConflictError, lambda: me.responses.delete(r2.id), "conversation")

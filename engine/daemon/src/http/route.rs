@@ -99,6 +99,7 @@ async fn serve(
         ));
     }
     let path = req.uri().path().trim_end_matches('/').to_owned();
+    let query = req.uri().query().map(str::to_owned);
     let parts: Vec<&str> = path.split('/').skip(1).collect();
     let method = req.method().clone();
     let s = Session::new(&api.shared, who.uid, received);
@@ -130,6 +131,9 @@ async fn serve(
             conversations::create(&who, &o, s).await
         }
         (&Method::GET, ["v1", "conversations", id]) => conversations::get(&who, id, s).await,
+        (&Method::GET, ["v1", "conversations", id, "items"]) => {
+            conversations::list_items(&who, id, query.as_deref(), s).await
+        }
         (&Method::DELETE, ["v1", "conversations", id]) => {
             conversations::delete(api, &who, id, s).await
         }
