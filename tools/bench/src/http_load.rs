@@ -178,6 +178,23 @@ struct Stream {
     ended: Instant,
 }
 
+impl Stream {
+    /// A stream of `app` started at `at`, nothing received yet.
+    fn started(app: usize, at: Instant) -> Stream {
+        Stream {
+            app,
+            failed: None,
+            busy: false,
+            tokens: 0,
+            first_token_ms: 0.0,
+            whole_ms: 0.0,
+            cached: 0,
+            turn: 0,
+            ended: at,
+        }
+    }
+}
+
 /// One keep-alive connection to the TCP listener, with one app's key.
 struct Conn {
     out: TcpStream,
@@ -307,17 +324,7 @@ fn turn(
     max_tokens: usize,
 ) -> (Stream, Option<String>) {
     let t = Instant::now();
-    let mut s = Stream {
-        app: 0,
-        failed: None,
-        busy: false,
-        tokens: 0,
-        first_token_ms: 0.0,
-        whole_ms: 0.0,
-        cached: 0,
-        turn: 0,
-        ended: t,
-    };
+    let mut s = Stream::started(0, t);
     let body = json!({"model": model, "messages": messages, "max_tokens": max_tokens,
         "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
     let r = (|| -> anyhow::Result<Streamed> {
@@ -419,15 +426,8 @@ fn client(
 
 fn failed(app: usize, why: String) -> Stream {
     Stream {
-        app,
         failed: Some(why),
-        busy: false,
-        tokens: 0,
-        first_token_ms: 0.0,
-        whole_ms: 0.0,
-        cached: 0,
-        turn: 0,
-        ended: Instant::now(),
+        ..Stream::started(app, Instant::now())
     }
 }
 

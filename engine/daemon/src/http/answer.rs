@@ -5,6 +5,7 @@
 
 use protocol::{Done, ErrorBody, Event, PromptFormat, Request, Tool, ToolChoice, Transcript, Turn};
 
+use crate::http::error::ApiError;
 use crate::http::session::{Session, gone};
 use crate::http::wire::{Generation, turn};
 
@@ -260,6 +261,22 @@ impl Tokens {
             cached: if continued { reused } else { 0 },
             output: done.tokens,
         }
+    }
+}
+
+/// The context `id`'s turns (`export`), a 404 if this uid holds no such context.
+pub async fn turns_of(
+    s: &mut Session,
+    app: &str,
+    context: u64,
+    what: &str,
+    id: &str,
+) -> Result<Vec<Turn>, ApiError> {
+    match s.op(app, |rid| Request::Export { id: rid, context }).await {
+        Ok(Event::Transcript { transcript, .. }) => Ok(transcript.turns),
+        Ok(e) => Err(unexpected(&e).into()),
+        Err(e) if e.code == protocol::codes::NOT_FOUND => Err(ApiError::not_found(what, id)),
+        Err(e) => Err(e.into()),
     }
 }
 

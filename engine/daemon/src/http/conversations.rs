@@ -145,8 +145,7 @@ pub async fn list_items(
     let context =
         ids::conversation_context(id).ok_or_else(|| ApiError::not_found("conversation", id))?;
     check(&mut s, who, context, id).await?;
-    let turns =
-        crate::http::responses::turns_of(&mut s, &who.app, context, "conversation", id).await?;
+    let turns = answer::turns_of(&mut s, &who.app, context, "conversation", id).await?;
     let mut all = items(context, &turns);
     if desc {
         all.reverse();

@@ -30,22 +30,6 @@ pub struct Continued {
     pub _in_use: InUse,
 }
 
-/// The context `id`'s turns (`export`), a 404 if this uid holds no such context.
-pub async fn turns_of(
-    s: &mut Session,
-    app: &str,
-    context: u64,
-    what: &str,
-    id: &str,
-) -> Result<Vec<Turn>, ApiError> {
-    match s.op(app, |rid| Request::Export { id: rid, context }).await {
-        Ok(Event::Transcript { transcript, .. }) => Ok(transcript.turns),
-        Ok(e) => Err(answer::unexpected(&e).into()),
-        Err(e) if e.code == protocol::codes::NOT_FOUND => Err(ApiError::not_found(what, id)),
-        Err(e) => Err(e.into()),
-    }
-}
-
 /// The context `previous_response_id` names, held; a 409 if it moved on past that response.
 async fn continue_response(
     api: &Api,
@@ -55,7 +39,7 @@ async fn continue_response(
 ) -> Result<Continued, ApiError> {
     let context = ids::response_context(id).ok_or_else(|| ApiError::not_found("response", id))?;
     let in_use = api.hold(context)?;
-    let turns = turns_of(s, &who.app, context, "response", id).await?;
+    let turns = answer::turns_of(s, &who.app, context, "response", id).await?;
     let n = ids::locate(id, &turns).ok_or_else(|| ApiError::not_found("response", id))?;
     if n != turns.len() {
         // Branching here is possible (a context made from the first `n` turns borrows their
@@ -92,7 +76,7 @@ pub async fn continue_conversation(
         ids::conversation_context(id).ok_or_else(|| ApiError::not_found("conversation", id))?;
     let in_use = api.hold(context)?;
     crate::http::conversations::check(s, who, context, id).await?;
-    let turns = turns_of(s, &who.app, context, "conversation", id).await?;
+    let turns = answer::turns_of(s, &who.app, context, "conversation", id).await?;
     Ok(Continued {
         context,
         turns,
@@ -261,7 +245,7 @@ async fn drop_fresh(s: &mut Session, who: &Who, context: u64, fresh: bool) {
 /// Serves `GET /v1/responses/{id}`: the response as its context's transcript keeps it.
 pub async fn get(who: &Who, id: &str, mut s: Session) -> Result<ApiResponse, ApiError> {
     let context = ids::response_context(id).ok_or_else(|| ApiError::not_found("response", id))?;
-    let turns = turns_of(&mut s, &who.app, context, "response", id).await?;
+    let turns = answer::turns_of(&mut s, &who.app, context, "response", id).await?;
     let n = ids::locate(id, &turns).ok_or_else(|| ApiError::not_found("response", id))?;
     let meta = Meta {
         id: id.to_owned(),
@@ -296,7 +280,7 @@ pub async fn delete(
 ) -> Result<ApiResponse, ApiError> {
     let context = ids::response_context(id).ok_or_else(|| ApiError::not_found("response", id))?;
     let _in_use = api.hold(context)?;
-    let turns = turns_of(&mut s, &who.app, context, "response", id).await?;
+    let turns = answer::turns_of(&mut s, &who.app, context, "response", id).await?;
     let n = ids::locate(id, &turns).ok_or_else(|| ApiError::not_found("response", id))?;
     let conflict = |m: String| ApiError {
         retry: false,
