@@ -16,8 +16,9 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use protocol::{Tool, Turn};
+use std::sync::Arc;
+
 use tokio::sync::Notify;
-use tokio::sync::futures::Notified;
 
 use crate::http::wire::same_turn;
 
@@ -59,14 +60,15 @@ struct Contexts {
     /// Read from the daemon since it started.
     loaded: bool,
     idle: Vec<Held>,
+    /// Told, one waiter at a time in the order they began to wait, when a context comes back
+    /// idle or is deleted: room for a conversation waiting for one.
+    back: Arc<Notify>,
 }
 
 /// The chat completions' contexts of every uid (one app name each).
 #[derive(Default)]
 pub struct ChatCache {
     by_owner: Mutex<HashMap<(u32, String), Contexts>>,
-    /// Told when a context comes back idle or is deleted: room for a waiting conversation.
-    back: Notify,
 }
 
 impl ChatCache {
@@ -112,15 +114,17 @@ impl ChatCache {
         Some(c.idle.swap_remove(i))
     }
 
-    /// A future that completes at the next [`ChatCache::put`] or [`ChatCache::freed`] after
-    /// this call (enable it before looking for room, so no return is missed in between).
-    pub fn returned(&self) -> Notified<'_> {
-        self.back.notified()
+    /// What tells `owner`'s waiting conversations that a context came back ([`ChatCache::put`],
+    /// [`ChatCache::freed`]): one per return, the longest waiting first. Enable its `notified()`
+    /// before looking for room, so no return is missed in between.
+    pub fn returned(&self, owner: &(u32, String)) -> Arc<Notify> {
+        let mut m = self.by_owner.lock();
+        Arc::clone(&m.entry(owner.clone()).or_default().back)
     }
 
-    /// A context of the cache was deleted while in use: one more may be made.
-    pub fn freed(&self) {
-        self.back.notify_waiters();
+    /// A context of `owner` was deleted while in use: one more may be made.
+    pub fn freed(&self, owner: &(u32, String)) {
+        self.returned(owner).notify_one();
     }
 
     /// Puts a context back, idle, holding `turns` (tools left out) with `tools` in force.
@@ -131,13 +135,10 @@ impl ChatCache {
             tools,
             used: Instant::now(),
         };
-        self.by_owner
-            .lock()
-            .entry(owner)
-            .or_default()
-            .idle
-            .push(held);
-        self.back.notify_waiters();
+        let mut m = self.by_owner.lock();
+        let c = m.entry(owner).or_default();
+        c.idle.push(held);
+        c.back.notify_one();
     }
 }
 
@@ -165,6 +166,41 @@ mod tests {
         assert!(cache.take(&o, &a, &[]).is_none(), "in use: not taken twice");
         assert_eq!(cache.take_oldest(&o).map(|h| h.context), Some(2));
         assert!(cache.take_oldest(&o).is_none());
+    }
+
+    /// Whether `f` is still pending 20 ms on.
+    async fn pending<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> bool {
+        tokio::time::timeout(std::time::Duration::from_millis(20), f)
+            .await
+            .is_err()
+    }
+
+    #[test]
+    fn a_return_wakes_the_longest_waiting_conversation_of_its_owner_only() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let cache = ChatCache::default();
+            let (a, b) = ((1000, "a.chat".to_owned()), (1000, "b.chat".to_owned()));
+            let back = cache.returned(&a);
+            let first = back.notified();
+            let second = back.notified();
+            tokio::pin!(first, second);
+            first.as_mut().enable();
+            second.as_mut().enable();
+            cache.put(b.clone(), 9, Vec::new(), Vec::new());
+            assert!(pending(first.as_mut()).await, "another owner's return");
+            cache.put(a.clone(), 1, Vec::new(), Vec::new());
+            assert!(!pending(first.as_mut()).await, "the first waiter");
+            assert!(
+                pending(second.as_mut()).await,
+                "one return wakes one waiter"
+            );
+            cache.freed(&a);
+            assert!(!pending(second.as_mut()).await);
+        });
     }
 
     #[test]

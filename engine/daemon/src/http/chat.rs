@@ -209,7 +209,8 @@ const ROOM_WAIT: Duration = Duration::from_secs(60);
 
 /// A context for `prefix` with `tools`. When the app holds its most contexts, the least
 /// recently used idle one is deleted for room; when every one is in use by another request,
-/// this one waits until one comes back (a stateless API should not fail because others run).
+/// this one waits until one comes back, the conversations waiting longest first (a stateless
+/// API should not fail because others run).
 async fn fresh(
     api: &Api,
     s: &mut Session,
@@ -218,7 +219,8 @@ async fn fresh(
     tools: &[Tool],
 ) -> Result<u64, ErrorBody> {
     loop {
-        let returned = api.cache.returned();
+        let back = api.cache.returned(owner);
+        let returned = back.notified();
         tokio::pin!(returned);
         returned.as_mut().enable();
         match answer::create(s, &owner.1, prefix, tools).await {
@@ -340,7 +342,7 @@ async fn finish(
             tracing::debug!(context, error = %e.message, "chat cache: dropping a context");
             let mut s = Session::new(&api.shared, uid, std::time::Instant::now());
             let _ = s.op(&owner.1, |id| Request::Delete { id, context }).await;
-            api.cache.freed();
+            api.cache.freed(owner);
         }
     }
 }
