@@ -20,7 +20,7 @@ use crate::http::shapes::{
     Meta, ResponsesRequest, output, parse, read_back, response_json, tools_in_force,
 };
 use crate::http::stream_events::stream;
-use crate::http::wire::{self, Object, turn};
+use crate::http::wire::{self, Object};
 use crate::http::{Api, InUse, Who};
 
 /// A context this request continues, held against other requests, and its turns now.
@@ -146,12 +146,7 @@ async fn target(
             }
         }
         None => {
-            let mut turns: Vec<Turn> = req
-                .instructions
-                .iter()
-                .map(|i| turn("system", i.clone()))
-                .collect();
-            turns.extend_from_slice(prefix);
+            let turns = req.opening(prefix);
             Target {
                 context: answer::create(s, &who.app, &turns, &req.tools).await?,
                 before: answer::created_turns(&turns, &req.tools),
@@ -342,12 +337,7 @@ pub async fn input_tokens(
             }
         }
         None => {
-            let mut turns: Vec<Turn> = req
-                .instructions
-                .iter()
-                .map(|i| turn("system", i.clone()))
-                .collect();
-            turns.extend(req.input.iter().cloned());
+            let turns = req.opening(&req.input);
             count_new(api, &answer::created_turns(&turns, &req.tools))?
         }
     };

@@ -23,6 +23,15 @@ pub struct ResponsesRequest {
     pub metadata: Value,
 }
 
+impl ResponsesRequest {
+    /// The turns a new context for this request starts from: its instructions as a system
+    /// turn, then `items`.
+    pub fn opening(&self, items: &[Turn]) -> Vec<Turn> {
+        let system = self.instructions.iter().map(|i| turn("system", i.clone()));
+        system.chain(items.iter().cloned()).collect()
+    }
+}
+
 const FIELDS: &[&str] = &[
     "model",
     "input",
