@@ -653,7 +653,8 @@ impl Model {
     /// contiguous tokens (decode) attend to the cache as it is; a batch attends block-causally
     /// ([`attend_chunks`]): at each layer, once every row's K/V is written, the chunks in `seal`
     /// (those the batch completes) are encoded ([`KvCache::seal_layer`]), then each chunk's
-    /// queries see earlier chunks sealed and their own in f32.
+    /// queries see earlier chunks sealed and their own in f32, and the layer's f32 of those
+    /// chunks is freed ([`KvCache::release_layer`]).
     fn run_layers(
         &self,
         cache: &mut KvCache,
@@ -707,6 +708,9 @@ impl Model {
                     cache.seal_layer(li, c)?;
                 }
                 attend_chunks(cache, li, shape, &q, &chunk_rows, &mut att)?;
+                for &c in seal {
+                    cache.release_layer(li, c);
+                }
             } else {
                 attend_packed(cache, li, shape, &q, positions[0], n, &mut att)?;
             }

@@ -10,6 +10,7 @@
 pub use crate::kv::codec::{
     ChunkShape, CodecError, KvFormat, PAGE, decode_k, decode_v, encode_layer,
 };
+use crate::kv::staging::Staging;
 
 /// What went wrong in the KV cache.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +57,10 @@ pub enum KvError {
         needs: usize,
         trimmed: usize,
     },
+    /// A chunk to seal or read whose f32 staging holds no K/V of a layer (never written, or
+    /// released by a pass that failed before sealing it).
+    #[error("chunk {index} has no K/V of layer {layer} in its f32 staging")]
+    Unwritten { index: usize, layer: usize },
 }
 
 /// Raw memory for a context's sealed chunks: where the engine puts encoded chunk bytes and reads
@@ -161,13 +166,13 @@ pub struct KvCache {
     max_tokens: usize,
     formats: Vec<KvFormat>,
     mem: Box<dyn ChunkMemory>,
-    /// Open chunks (f32, `[layer][k|v][kv_head][token][dim]`), the first at index `formats.len()`.
-    open: Vec<Vec<f32>>,
+    /// Open chunks (f32 per layer, [`Staging`]), the first at index `formats.len()`.
+    open: Vec<Staging>,
     len: usize,
     /// Token ids of positions `0..len`: the source of truth for recompute.
     tokens: Vec<u32>,
     /// Sealed chunks being recomputed, each with its f32 staging laid out as an open chunk.
-    staged: Vec<(usize, Vec<f32>)>,
+    staged: Vec<(usize, Staging)>,
     /// Chunks sealed layer by layer during the current batched pass, before they reach chunk
     /// memory: later chunks of the pass read them in this form ([`KvCache::sealed_layer`]).
     fresh: Vec<Fresh>,
@@ -432,7 +437,7 @@ impl KvCache {
 
     /// Resident bytes of sealed chunks plus the open chunk's f32 staging.
     pub fn resident_bytes(&self) -> usize {
-        self.mem.resident_bytes() + self.open.len() * self.shape.open_len() * 4
+        self.mem.resident_bytes() + self.open.iter().map(Staging::bytes).sum::<usize>()
     }
 
     /// Per-token attention received (sum) and the number of rows that saw each token.
@@ -542,35 +547,43 @@ impl KvCache {
         let t = self.shape.tokens;
         let need_chunks = (self.len + n).div_ceil(t);
         while self.formats.len() + self.open.len() < need_chunks {
-            self.open.push(vec![0.0; self.shape.open_len()]);
+            self.open.push(Staging::empty(&self.shape));
         }
         self.attn_sum.resize(self.len + n, 0.0);
         self.attn_rows.resize(self.len + n, 0);
         Ok(())
     }
 
-    /// The f32 buffer holding position `pos` (open or staged) and the offset of its row.
-    fn row_offset(&self, layer: usize, kv: usize, head: usize, pos: usize) -> usize {
+    /// The offset of position `pos`'s row in a layer of its chunk's f32 staging.
+    fn row_offset(&self, kv: usize, head: usize, pos: usize) -> usize {
         let s = &self.shape;
-        ((layer * 2 + kv) * s.n_kv_heads + head) * s.block() + (pos % s.tokens) * s.head_dim
+        (kv * s.n_kv_heads + head) * s.block() + (pos % s.tokens) * s.head_dim
     }
 
-    fn buffer_mut(&mut self, chunk: usize) -> &mut [f32] {
+    fn staging_mut(&mut self, chunk: usize) -> &mut Staging {
         match self.staged.iter_mut().find(|(c, _)| *c == chunk) {
             Some((_, buf)) => buf,
             None => &mut self.open[chunk - self.formats.len()],
         }
     }
 
+    fn staging(&self, chunk: usize) -> Option<&Staging> {
+        match self.staged.iter().find(|(c, _)| *c == chunk) {
+            Some((_, buf)) => Some(buf),
+            None => self.open.get(chunk.checked_sub(self.formats.len())?),
+        }
+    }
+
     /// Writes the K and V rows (`[kv_head][dim]`) of the token at `pos` for `layer`.
     /// `pos` must be in the reserved, open range, or in a chunk being recomputed.
     pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let hd = self.shape.head_dim;
-        let chunk = pos / self.shape.tokens;
-        for h in 0..self.shape.n_kv_heads {
-            let ko = self.row_offset(layer, 0, h, pos);
-            let vo = self.row_offset(layer, 1, h, pos);
-            let buf = self.buffer_mut(chunk);
+        let shape = self.shape;
+        let hd = shape.head_dim;
+        let chunk = pos / shape.tokens;
+        for h in 0..shape.n_kv_heads {
+            let ko = self.row_offset(0, h, pos);
+            let vo = self.row_offset(1, h, pos);
+            let buf = self.staging_mut(chunk).layer_mut(&shape, layer);
             buf[ko..ko + hd].copy_from_slice(&k[h * hd..(h + 1) * hd]);
             buf[vo..vo + hd].copy_from_slice(&v[h * hd..(h + 1) * hd]);
         }
@@ -619,22 +632,22 @@ impl KvCache {
     /// sealed already and not being recomputed is left alone.
     pub fn seal_layer(&mut self, layer: usize, index: usize) -> Result<(), KvError> {
         let s = self.shape;
-        let (format, buf): (KvFormat, &[f32]) = match self.staged.iter().find(|(c, _)| *c == index)
-        {
-            Some((_, buf)) => (self.formats[index], buf),
-            None if index >= self.formats.len() => {
-                match self.open.get(index - self.formats.len()) {
-                    Some(buf) => (self.format, buf),
-                    None => {
-                        return Err(KvError::NotSealed {
-                            index,
-                            sealed: self.formats.len(),
-                        });
+        let (format, buf): (KvFormat, &Staging) =
+            match self.staged.iter().find(|(c, _)| *c == index) {
+                Some((_, buf)) => (self.formats[index], buf),
+                None if index >= self.formats.len() => {
+                    match self.open.get(index - self.formats.len()) {
+                        Some(buf) => (self.format, buf),
+                        None => {
+                            return Err(KvError::NotSealed {
+                                index,
+                                sealed: self.formats.len(),
+                            });
+                        }
                     }
                 }
-            }
-            None => return Ok(()),
-        };
+                None => return Ok(()),
+            };
         let i = match self.fresh.iter().position(|f| f.index == index) {
             Some(i) => i,
             None => {
@@ -650,12 +663,38 @@ impl KvCache {
         let fresh = &mut self.fresh[i];
         let (lb, sec) = (s.layer_bytes(format), s.section());
         let at = s.layer_offset(layer, format);
-        let k = &buf[(layer * 2) * sec..(layer * 2 + 1) * sec];
-        let v = &buf[(layer * 2 + 1) * sec..(layer * 2 + 2) * sec];
+        let kv = buf
+            .layer(layer)
+            .ok_or(KvError::Unwritten { index, layer })?;
+        let (k, v) = kv.split_at(sec);
         encode_layer(&s, format, k, v, &mut fresh.bytes[at..at + lb])
             .map_err(|source| KvError::Codec { index, source })?;
         fresh.layers[layer] = true;
         Ok(())
+    }
+
+    /// Frees the f32 of layer `layer` of chunk `index` once a batched pass has sealed it
+    /// ([`KvCache::seal_layer`]) and attended to it: the pass reads it sealed from then on, and
+    /// the chunk goes into memory from its sealed layers. The staging of an open chunk that
+    /// holds tokens of earlier calls is kept whole, so a pass that fails loses nothing.
+    pub fn release_layer(&mut self, layer: usize, index: usize) {
+        let sealed = self
+            .fresh
+            .iter()
+            .any(|f| f.index == index && f.layers.get(layer) == Some(&true));
+        let holds_earlier = index * self.shape.tokens < self.len;
+        let recomputing = self.staged.iter().any(|(c, _)| *c == index);
+        if !sealed || (holds_earlier && !recomputing) {
+            return;
+        }
+        if let Some(buf) = self.staged.iter_mut().find(|(c, _)| *c == index) {
+            buf.1.release(layer);
+        } else if let Some(buf) = index
+            .checked_sub(self.formats.len())
+            .and_then(|i| self.open.get_mut(i))
+        {
+            buf.release(layer);
+        }
     }
 
     /// Layer `layer` of chunk `c` in its sealed form, as later chunks attend to it: encoded by
@@ -684,23 +723,23 @@ impl KvCache {
     /// Layer `layer` of chunk `c` in f32 (`[k|v][kv_head][token][dim]`) when it has an f32
     /// staging: an open chunk or one being recomputed.
     pub fn f32_layer(&self, layer: usize, c: usize) -> Option<&[f32]> {
-        let s = &self.shape;
-        let open = s.open_len() / s.n_layers;
-        let buf = match self.staged.iter().find(|(i, _)| *i == c) {
-            Some((_, buf)) => buf,
-            None => self.open.get(c.checked_sub(self.formats.len())?)?,
-        };
-        Some(&buf[layer * open..(layer + 1) * open])
+        self.staging(c)?.layer(layer)
     }
 
-    fn seal(&mut self, index: usize, buf: &[f32], f: KvFormat, whole: bool) -> Result<(), KvError> {
+    fn seal(
+        &mut self,
+        index: usize,
+        buf: &Staging,
+        f: KvFormat,
+        whole: bool,
+    ) -> Result<(), KvError> {
         let s = self.shape;
         let lb = s.layer_bytes(f);
         self.scratch.resize(s.chunk_bytes(f), 0);
         let sec = s.section();
         for l in 0..s.n_layers {
-            let k = &buf[(l * 2) * sec..(l * 2 + 1) * sec];
-            let v = &buf[(l * 2 + 1) * sec..(l * 2 + 2) * sec];
+            let kv = buf.layer(l).ok_or(KvError::Unwritten { index, layer: l })?;
+            let (k, v) = kv.split_at(sec);
             let at = s.layer_offset(l, f);
             encode_layer(&s, f, k, v, &mut self.scratch[at..at + lb])
                 .map_err(|source| KvError::Codec { index, source })?;
@@ -811,7 +850,7 @@ impl KvCache {
         self.fresh.clear();
         self.staged = chunks
             .iter()
-            .map(|&index| (index, vec![0.0; self.shape.open_len()]))
+            .map(|&index| (index, Staging::empty(&self.shape)))
             .collect();
         Ok(())
     }
@@ -855,11 +894,15 @@ impl KvCache {
 
     /// Layer `layer` of chunk `c`: encoded bytes of a sealed chunk, or the f32 staging of an
     /// open or recomputing one.
-    pub fn layer_view(&self, layer: usize, c: usize) -> Result<LayerView<'_>, KvError> {
+    pub fn layer_view<'a>(&'a self, layer: usize, c: usize) -> Result<LayerView<'a>, KvError> {
         let s = &self.shape;
-        let open = s.open_len() / s.n_layers;
+        let open = |buf: &'a Staging| -> Result<LayerView<'a>, KvError> {
+            buf.layer(layer)
+                .map(LayerView::Open)
+                .ok_or(KvError::Unwritten { index: c, layer })
+        };
         if let Some((_, buf)) = self.staged.iter().find(|(i, _)| *i == c) {
-            return Ok(LayerView::Open(&buf[layer * open..(layer + 1) * open]));
+            return open(buf);
         }
         if c < self.formats.len() {
             self.check_kept(layer, c)?;
@@ -868,8 +911,7 @@ impl KvCache {
             let (lb, at) = (s.layer_bytes(f), s.layer_offset(layer, f));
             Ok(LayerView::Sealed(f, &bytes[at..at + lb]))
         } else {
-            let buf = &self.open[c - self.formats.len()];
-            Ok(LayerView::Open(&buf[layer * open..(layer + 1) * open]))
+            open(&self.open[c - self.formats.len()])
         }
     }
 
@@ -958,6 +1000,55 @@ mod tests {
         let tokens: Vec<u32> = (0..n as u32).map(|t| t * 10).collect();
         c.commit(&tokens).unwrap();
         c
+    }
+
+    fn row(l: usize, p: usize) -> Vec<f32> {
+        let s = shape();
+        (0..s.n_kv_heads * s.head_dim)
+            .map(|i| ((i * 7 + p * 3 + l) % 11) as f32 - 5.0)
+            .collect()
+    }
+
+    /// A batched pass's chunks give up their f32 layer by layer once sealed, and are sealed
+    /// into the same bytes; an open chunk holding earlier tokens keeps its f32 whole.
+    #[test]
+    fn a_batched_pass_frees_each_sealed_layer_and_seals_the_same_bytes() {
+        let s = shape();
+        let whole = filled(KvFormat::Int8, 14);
+        let mut c = KvCache::new(s, KvFormat::Int8, 64, Box::new(HeapChunks::default()));
+        // Tokens 0..2 from an earlier call: chunk 0 holds them.
+        c.reserve(2).unwrap();
+        for p in 0..2 {
+            for l in 0..s.n_layers {
+                c.write(l, p, &row(l, p), &row(l, p));
+            }
+        }
+        c.commit(&[0, 10]).unwrap();
+        // A pass over 2..14 completes chunks 0, 1 and 2 and leaves chunk 3 open.
+        c.reserve(12).unwrap();
+        let layer_bytes = 2 * s.section() * 4;
+        for l in 0..s.n_layers {
+            for p in 2..14 {
+                c.write(l, p, &row(l, p), &row(l, p));
+            }
+            for chunk in 0..3 {
+                c.seal_layer(l, chunk).unwrap();
+                c.release_layer(l, chunk);
+            }
+            // Chunk 0 keeps every layer, chunks 1 and 2 none (each layer is allocated when
+            // written and freed once sealed), the open chunk 3 the layers written so far.
+            let held = s.n_layers + (l + 1);
+            assert_eq!(c.resident_bytes(), held * layer_bytes, "after layer {l}");
+            assert!(c.f32_layer(l, 1).is_none() && c.f32_layer(l, 0).is_some());
+        }
+        let tokens: Vec<u32> = (2..14u32).map(|t| t * 10).collect();
+        c.commit(&tokens).unwrap();
+        assert_eq!(c.chunk_formats().len(), 3);
+        for i in 0..3 {
+            assert_eq!(c.chunk_bytes(i), whole.chunk_bytes(i), "chunk {i}");
+        }
+        // The open chunk 3 reads as it was written.
+        assert_eq!(c.f32_layer(1, 3), whole.f32_layer(1, 3));
     }
 
     #[test]

@@ -12,5 +12,6 @@ pub mod codec;
 pub mod eval;
 pub mod recompute;
 pub mod sim;
+mod staging;
 
 pub use cache::*;
