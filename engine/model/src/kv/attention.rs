@@ -22,7 +22,8 @@ use crate::kernels::{
     matmul_serial, softmax, softmax_exp,
 };
 use crate::kv::codec::{
-    decode_k, decode_v, f16_keys, f16_values, int8_keys, int8_values, packed_keys, packed_values,
+    decode_k, decode_v, f16_keys, f16_values, head_codes, int8_keys, int8_values, packed_keys,
+    packed_values,
 };
 use crate::kv::{ChunkShape, KvCache, KvError, KvFormat, LayerView};
 use crate::simd::prefetch_l2;
@@ -539,6 +540,30 @@ impl PieceWork<'_> {
         })
     }
 
+    /// Asks for KV head `g`'s key codes (`part` 0) or value codes (1) of chunk `c` of the
+    /// layer, when `c < c1` and it is sealed. Chunks are separate slots of memory, each read in
+    /// pieces of a few KiB, so the hardware's prefetchers start late on each: a task asks a few
+    /// chunks before it reads them, and only for the head's own bytes: a third of the layer on
+    /// the default model. Asking for the whole layer in each head's task made decode at depth
+    /// 8,160 over f16 chunks 19% slower (25 against 31 tokens/s).
+    fn prefetch(&self, g: usize, c: usize, c1: usize, part: usize) {
+        if c < c1
+            && let Ok(LayerView::Sealed(f, bytes)) = self.view.layer_view(self.layer, c)
+        {
+            let cs = &self.cs;
+            // The section's parameters (scales, minimums) are small and follow its codes.
+            let params = match part {
+                0 => cs.k_values_bytes(f)..cs.k_bytes(f),
+                _ => cs.k_bytes(f) + cs.v_values_bytes(f)..cs.layer_bytes(f),
+            };
+            for range in [head_codes(cs, f, g)[part].clone(), params] {
+                if let Some(b) = bytes.get(range) {
+                    prefetch_l2(b);
+                }
+            }
+        }
+    }
+
     /// Each query row's scores against the keys of chunks `c0..c1` into `e` (`[rows][width]`).
     ///
     /// Chunks of codes (int8, and the formats of unsigned codes with a minimum and a scale per
@@ -557,15 +582,7 @@ impl PieceWork<'_> {
         s: &mut Scratch,
     ) -> Result<(), KvError> {
         let (hd, t, cs, layer) = (self.shape.head_dim, self.cs.tokens, &self.cs, self.layer);
-        // Chunks are separate slots of memory, each read in pieces of a few KiB: ask for a
-        // chunk's layer a few chunks before its keys are read (its values follow from cache).
-        let ahead = |c: usize| {
-            if c < c1
-                && let Ok(LayerView::Sealed(_, bytes)) = self.view.layer_view(layer, c)
-            {
-                prefetch_l2(bytes);
-            }
-        };
+        let ahead = |c: usize| self.prefetch(g, c, c1, 0);
         for c in c0..c0 + PREFETCH_CHUNKS {
             ahead(c);
         }
@@ -639,7 +656,11 @@ impl PieceWork<'_> {
     ) -> Result<Vec<f32>, KvError> {
         let (hd, t, cs) = (self.shape.head_dim, self.cs.tokens, &self.cs);
         let mut o = vec![0.0f32; self.rows * hd];
+        for c in c0..c0 + PREFETCH_CHUNKS {
+            self.prefetch(g, c, c1, 1);
+        }
         for c in c0..c1 {
+            self.prefetch(g, c + PREFETCH_CHUNKS, c1, 1);
             let live = t.min(self.total - c * t);
             let off = c * t - start;
             match self.view.layer_view(self.layer, c)? {

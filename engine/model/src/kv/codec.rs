@@ -693,6 +693,20 @@ fn coded_pairs(
     decode_coded_params(pairs, amax, step, &SCALE_STEPS, mins, scales);
 }
 
+/// The bytes of head `h`'s key codes and of its value codes in one layer of format `f` (their
+/// parameters, at the end of each section, not included): what decode attention reads of a head,
+/// a third of the layer on the default model.
+pub fn head_codes(shape: &ChunkShape, f: KvFormat, h: usize) -> [std::ops::Range<usize>; 2] {
+    let blk = shape.block();
+    let bytes = |bits: u32, i: usize| (i * blk * bits as usize).div_ceil(8);
+    let (kb, vb) = (f.key_bits(), f.value_bits());
+    let v = shape.k_bytes(f);
+    [
+        bytes(kb, h)..bytes(kb, h + 1),
+        v + bytes(vb, h)..v + bytes(vb, h + 1),
+    ]
+}
+
 /// Head `h`'s keys in one f16 layer as stored (`[token][dim]`, two little-endian bytes per
 /// value), for kernels that convert them in registers.
 pub fn f16_keys<'a>(shape: &ChunkShape, layer: &'a [u8], h: usize) -> &'a [u8] {
@@ -924,6 +938,45 @@ mod tests {
         let min = f16::from_le_bytes([b[4 * i], b[4 * i + 1]]).to_f32();
         let scale = f16::from_le_bytes([b[4 * i + 2], b[4 * i + 3]]).to_f32();
         (min, scale)
+    }
+
+    /// [`head_codes`] names the bytes the readers of a head's codes read, in every format.
+    #[test]
+    fn head_codes_are_the_bytes_the_readers_take() {
+        let s = ChunkShape {
+            n_layers: 1,
+            n_kv_heads: 3,
+            head_dim: 64,
+            tokens: 16,
+            ..ChunkShape::DENSE
+        };
+        let (mut mins, mut scales) = ([0f32; 256], [0f32; 256]);
+        for &f in KvFormat::VARIANTS {
+            let layer = vec![0u8; s.layer_bytes(f)];
+            let base = layer.as_ptr() as usize;
+            let at = |b: &[u8]| b.as_ptr() as usize - base;
+            for h in 0..3 {
+                let [k, v] = head_codes(&s, f, h);
+                let (k0, v0) = match f {
+                    KvFormat::F16 => (at(f16_keys(&s, &layer, h)), at(f16_values(&s, &layer, h))),
+                    KvFormat::Int8 => (
+                        at(int8_keys(&s, &layer, h, &mut scales)),
+                        at(int8_values(&s, &layer, h, &mut scales)),
+                    ),
+                    _ => {
+                        let (kc, first) = packed_keys(&s, f, &layer, h, &mut mins, &mut scales);
+                        let kb = f.key_bits() as usize;
+                        let (vc, vfirst) = packed_values(&s, f, &layer, h, &mut mins, &mut scales);
+                        let vb = f.value_bits() as usize;
+                        (at(kc) + first * kb / 8, at(vc) + vfirst * vb / 8)
+                    }
+                };
+                assert_eq!((k.start, v.start), (k0, v0), "{f} head {h}");
+                assert_eq!(k.len(), s.block() * f.key_bits() as usize / 8, "{f}");
+                assert_eq!(v.len(), s.block() * f.value_bits() as usize / 8, "{f}");
+                assert!(k.end <= s.k_values_bytes(f) && v.end <= s.layer_bytes(f), "{f}");
+            }
+        }
     }
 
     /// The coded encoder one group at a time, code by code: the oracle of [`encode_coded`]'s
