@@ -395,7 +395,10 @@ pub fn softmax_with(isa: Isa, row: &mut [f32], scale: f32) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
-        Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::softmax(row, scale) },
+        Isa::Avx2 => unsafe { simd::avx2::softmax(row, scale) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above).
+        Isa::Avx512 => unsafe { simd::avx512::softmax(row, scale) },
         _ => {
             let (_, sum) = softmax_exp_with(isa, row, scale);
             let inv = 1.0 / sum;
@@ -420,7 +423,10 @@ pub fn softmax_exp_with(isa: Isa, row: &mut [f32], scale: f32) -> (f32, f32) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above).
-        Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::softmax_exp(row, scale) },
+        Isa::Avx2 => unsafe { simd::avx2::softmax_exp(row, scale) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above).
+        Isa::Avx512 => unsafe { simd::avx512::softmax_exp(row, scale) },
         _ => {
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) * scale;
             let mut sum = 0.0;

@@ -974,7 +974,10 @@ mod tests {
                 assert_eq!((k.start, v.start), (k0, v0), "{f} head {h}");
                 assert_eq!(k.len(), s.block() * f.key_bits() as usize / 8, "{f}");
                 assert_eq!(v.len(), s.block() * f.value_bits() as usize / 8, "{f}");
-                assert!(k.end <= s.k_values_bytes(f) && v.end <= s.layer_bytes(f), "{f}");
+                assert!(
+                    k.end <= s.k_values_bytes(f) && v.end <= s.layer_bytes(f),
+                    "{f}"
+                );
             }
         }
     }

@@ -791,3 +791,96 @@ pub unsafe fn axpy_rows(o: &mut [f32], w: &[f32], vals: &[f32]) {
     // SAFETY: the CPU has the features (this function's contract); `val` as above.
     unsafe { axpy_rows_by(o, w, val) }
 }
+
+/// `e^x` in 16 lanes: the AVX2 path's polynomial (`avx2::exp8`), with `2^n` applied by
+/// `vscalefps` (exact, and no exponent arithmetic to guard at either end).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+fn exp16(x: __m512) -> __m512 {
+    let x = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(-87.3)),
+        _mm512_set1_ps(88.7),
+    );
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    // ln 2 = 0.693359375 (710 / 1024, exact) - 2.12194440e-4.
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut y = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+    }
+    let y = _mm512_fmadd_ps(
+        y,
+        _mm512_mul_ps(r, r),
+        _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+    );
+    _mm512_scalef_ps(y, n)
+}
+
+/// `row = e^(scale · row - max)` in place, where `max` is `scale` times the row's largest
+/// value (`scale > 0`); returns `(max, Σ row)`: a softmax before its normalization. An empty
+/// row gives `(-∞, 0)`. Decode attention at depth takes one per query row and KV head per
+/// layer over the whole context (8k positions): 16 lanes and masked tails halve the AVX2
+/// path's time.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn softmax_exp(row: &mut [f32], scale: f32) -> (f32, f32) {
+    let len = row.len();
+    if len == 0 {
+        return (f32::NEG_INFINITY, 0.0);
+    }
+    let p = row.as_mut_ptr();
+    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+    for i in (0..len).step_by(16) {
+        // SAFETY: the lanes loaded are inside `row` (the mask stops at its end; masked-off
+        // lanes are not read and cannot fault).
+        m = unsafe { _mm512_mask_loadu_ps(m, lanes(len - i), p.add(i)) };
+    }
+    // scale > 0, so the scaled row's largest is the largest scaled.
+    let max_s = _mm512_reduce_max_ps(m) * scale;
+    let (max, sc) = (_mm512_set1_ps(max_s), _mm512_set1_ps(scale));
+    let mut sum = _mm512_setzero_ps();
+    for i in (0..len).step_by(16) {
+        let k = lanes(len - i);
+        // SAFETY: as above, for the load and the store.
+        unsafe {
+            let e = exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, p.add(i)), sc, max));
+            sum = _mm512_mask_add_ps(sum, k, sum, e);
+            _mm512_mask_storeu_ps(p.add(i), k, e);
+        }
+    }
+    (max_s, _mm512_reduce_add_ps(sum))
+}
+
+/// `row = softmax(scale · row)` in place (`scale > 0`).
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn softmax(row: &mut [f32], scale: f32) {
+    // SAFETY: the caller's guarantee, passed on.
+    let (_, sum) = unsafe { softmax_exp(row, scale) };
+    let inv = _mm512_set1_ps(1.0 / sum);
+    let (len, p) = (row.len(), row.as_mut_ptr());
+    for i in (0..len).step_by(16) {
+        let k = lanes(len - i);
+        // SAFETY: the lanes loaded and stored are inside `row`, as in `softmax_exp`.
+        unsafe {
+            _mm512_mask_storeu_ps(
+                p.add(i),
+                k,
+                _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p.add(i)), inv),
+            )
+        };
+    }
+}
