@@ -88,9 +88,17 @@ pub fn attention() -> Vec<Chosen> {
             ),
         },
         Chosen {
-            product: "softmax, SwiGLU",
+            product: "softmax",
+            kernel: pick(
+                "avx512::softmax/softmax_exp (polynomial e^x), 16 lanes",
+                "avx2::softmax/softmax_exp (polynomial e^x), 8 lanes",
+                "portable",
+            ),
+        },
+        Chosen {
+            product: "SwiGLU, GeGLU",
             kernel: if isa.has_avx2() {
-                "avx2::softmax/swiglu (polynomial e^x)"
+                "avx2::swiglu/geglu (polynomial e^x)"
             } else {
                 "portable"
             },
