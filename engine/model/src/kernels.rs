@@ -1130,8 +1130,12 @@ mod tests {
             softmax_with(isa, &mut whole, 0.125);
             let mut pieces = row.clone();
             let (a, b) = pieces.split_at_mut(37);
+            let top = |v: &[f32]| v.iter().copied().fold(f32::NEG_INFINITY, f32::max) * 0.125;
+            let (top_a, top_b) = (top(a), top(b));
             let (ma, sa) = softmax_exp_with(isa, a, 0.125);
             let (mb, sb) = softmax_exp_with(isa, b, 0.125);
+            // The maximum returned is the piece's own largest scaled value, wherever it lies.
+            assert_eq!((ma, mb), (top_a, top_b), "{isa:?}");
             let m = ma.max(mb);
             let (fa, fb) = ((ma - m).exp(), (mb - m).exp());
             let inv = 1.0 / (fa * sa + fb * sb);

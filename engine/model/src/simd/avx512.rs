@@ -844,7 +844,9 @@ pub unsafe fn softmax_exp(row: &mut [f32], scale: f32) -> (f32, f32) {
     for i in (0..len).step_by(16) {
         // SAFETY: the lanes loaded are inside `row` (the mask stops at its end; masked-off
         // lanes are not read and cannot fault).
-        m = unsafe { _mm512_mask_loadu_ps(m, lanes(len - i), p.add(i)) };
+        m = _mm512_max_ps(m, unsafe {
+            _mm512_mask_loadu_ps(m, lanes(len - i), p.add(i))
+        });
     }
     // scale > 0, so the scaled row's largest is the largest scaled.
     let max_s = _mm512_reduce_max_ps(m) * scale;
