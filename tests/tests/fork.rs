@@ -180,7 +180,12 @@ fn a_kill_during_a_fork_loses_nothing_and_leaks_nothing() {
         });
         // Somewhere inside a fork: the first of a prefix takes some hundreds of milliseconds
         // (the parent's write-out it waits for, its chunks written), the others some tens.
-        let ms = (seed.wrapping_mul(round + 1) >> 7) % 1200;
+        // Round r kills at a random point of its own 300 ms band, 30 ms to 1.23 s in all, so
+        // the later rounds leave a fork time to finish whatever the seed (a seed whose four
+        // points all fell before the first fork once left nothing to check).
+        let jitter =
+            (seed ^ round.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        let ms = round * 300 + (jitter >> 33) % 300;
         std::thread::sleep(std::time::Duration::from_millis(30 + ms));
         d.take().unwrap().kill9();
         forker.join().unwrap();
