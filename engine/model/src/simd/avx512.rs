@@ -798,23 +798,17 @@ pub unsafe fn axpy_rows(o: &mut [f32], w: &[f32], vals: &[f32]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 fn exp16(x: __m512) -> __m512 {
     let x = _mm512_min_ps(
-        _mm512_max_ps(x, _mm512_set1_ps(-87.3)),
-        _mm512_set1_ps(88.7),
+        _mm512_max_ps(x, _mm512_set1_ps(crate::simd::EXP_MIN)),
+        _mm512_set1_ps(crate::simd::EXP_MAX),
     );
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
     );
-    // ln 2 = 0.693359375 (710 / 1024, exact) - 2.12194440e-4.
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(crate::simd::LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(crate::simd::LN2_LO), r);
+    let [c0, rest @ ..] = crate::simd::EXP_POLY;
+    let mut y = _mm512_set1_ps(c0);
+    for c in rest {
         y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
     }
     let y = _mm512_fmadd_ps(

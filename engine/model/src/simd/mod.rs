@@ -1,6 +1,27 @@
 //! The engine's SIMD kernels over quantized blocks, one module per instruction set; callers check
 //! the CPU at run time ([`crate::qmatrix::Isa`]) before calling into them.
 
+/// `e^x`'s constants for the vector kernels (Cephes' single-precision method, `simd::avx2::exp8`
+/// and `simd::avx512::exp16`): `x` is clamped to `[EXP_MIN, EXP_MAX]`, split as `n ln 2 + r`
+/// with ln 2 = `LN2_HI` + `LN2_LO` (the first part exact, 710 / 1024, so `r` is exact), and
+/// `e^r` is `1 + r + r² P(r)`, `P`'s coefficients highest first.
+pub(crate) const EXP_MIN: f32 = -87.3;
+/// See [`EXP_MIN`].
+pub(crate) const EXP_MAX: f32 = 88.7;
+/// See [`EXP_MIN`].
+pub(crate) const LN2_HI: f32 = 0.693_359_4;
+/// See [`EXP_MIN`].
+pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
+/// See [`EXP_MIN`].
+pub(crate) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
+
 /// Asks for the cache lines of `bytes` into L2 (a hint: no effect on results, and none on
 /// CPUs other than x86-64).
 pub fn prefetch_l2(bytes: &[u8]) {

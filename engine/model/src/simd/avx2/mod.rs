@@ -256,24 +256,18 @@ pub unsafe fn axpy_f32(y: &mut [f32], a: f32, x: &[f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn exp8(x: __m256) -> __m256 {
     let x = _mm256_min_ps(
-        _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
-        _mm256_set1_ps(88.7),
+        _mm256_max_ps(x, _mm256_set1_ps(crate::simd::EXP_MIN)),
+        _mm256_set1_ps(crate::simd::EXP_MAX),
     );
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
     ));
-    // ln 2 = 0.693359375 (710 / 1024, exact) - 2.12194440e-4.
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(crate::simd::LN2_HI), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(crate::simd::LN2_LO), r);
+    let [c0, rest @ ..] = crate::simd::EXP_POLY;
+    let mut y = _mm256_set1_ps(c0);
+    for c in rest {
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
     }
     let y = _mm256_fmadd_ps(
