@@ -940,16 +940,21 @@ mod tests {
         (min, scale)
     }
 
-    /// [`head_codes`] names the bytes the readers of a head's codes read, in every format.
-    #[test]
-    fn head_codes_are_the_bytes_the_readers_take() {
-        let s = ChunkShape {
+    /// One layer of the default model's shape: 3 KV heads of 64, 16 tokens.
+    fn one_layer_of_three_heads() -> ChunkShape {
+        ChunkShape {
             n_layers: 1,
             n_kv_heads: 3,
             head_dim: 64,
             tokens: 16,
             ..ChunkShape::DENSE
-        };
+        }
+    }
+
+    /// [`head_codes`] names the bytes the readers of a head's codes read, in every format.
+    #[test]
+    fn head_codes_are_the_bytes_the_readers_take() {
+        let s = one_layer_of_three_heads();
         let (mut mins, mut scales) = ([0f32; 256], [0f32; 256]);
         for &f in KvFormat::VARIANTS {
             let layer = vec![0u8; s.layer_bytes(f)];
@@ -1023,13 +1028,7 @@ mod tests {
 
     #[test]
     fn the_coded_encoder_writes_what_one_group_at_a_time_writes() {
-        let s = ChunkShape {
-            n_layers: 1,
-            n_kv_heads: 3,
-            head_dim: 64,
-            tokens: 16,
-            ..ChunkShape::DENSE
-        };
+        let s = one_layer_of_three_heads();
         let mut x = 12345u32;
         let mut next = || {
             x ^= x << 13;
