@@ -560,10 +560,10 @@ impl KvCache {
         (kv * s.n_kv_heads + head) * s.block() + (pos % s.tokens) * s.head_dim
     }
 
-    fn staging_mut(&mut self, chunk: usize) -> &mut Staging {
+    fn staging_mut(&mut self, chunk: usize) -> Option<&mut Staging> {
         match self.staged.iter_mut().find(|(c, _)| *c == chunk) {
-            Some((_, buf)) => buf,
-            None => &mut self.open[chunk - self.formats.len()],
+            Some((_, buf)) => Some(buf),
+            None => self.open.get_mut(chunk.checked_sub(self.formats.len())?),
         }
     }
 
@@ -577,13 +577,15 @@ impl KvCache {
     /// Writes the K and V rows (`[kv_head][dim]`) of the token at `pos` for `layer`.
     /// `pos` must be in the reserved, open range, or in a chunk being recomputed.
     pub fn write(&mut self, layer: usize, pos: usize, k: &[f32], v: &[f32]) {
-        let shape = self.shape;
-        let hd = shape.head_dim;
-        let chunk = pos / shape.tokens;
-        for h in 0..shape.n_kv_heads {
+        let hd = self.shape.head_dim;
+        let chunk = pos / self.shape.tokens;
+        for h in 0..self.shape.n_kv_heads {
             let ko = self.row_offset(0, h, pos);
             let vo = self.row_offset(1, h, pos);
-            let buf = self.staging_mut(chunk).layer_mut(&shape, layer);
+            let buf = self
+                .staging_mut(chunk)
+                .expect("a write to a reserved or recomputing position")
+                .layer_mut(layer);
             buf[ko..ko + hd].copy_from_slice(&k[h * hd..(h + 1) * hd]);
             buf[vo..vo + hd].copy_from_slice(&v[h * hd..(h + 1) * hd]);
         }
@@ -687,12 +689,7 @@ impl KvCache {
         if !sealed || (holds_earlier && !recomputing) {
             return;
         }
-        if let Some(buf) = self.staged.iter_mut().find(|(c, _)| *c == index) {
-            buf.1.release(layer);
-        } else if let Some(buf) = index
-            .checked_sub(self.formats.len())
-            .and_then(|i| self.open.get_mut(i))
-        {
+        if let Some(buf) = self.staging_mut(index) {
             buf.release(layer);
         }
     }
@@ -991,10 +988,7 @@ mod tests {
         c.reserve(n).unwrap();
         for p in 0..n {
             for l in 0..s.n_layers {
-                let row: Vec<f32> = (0..s.n_kv_heads * s.head_dim)
-                    .map(|i| ((i * 7 + p * 3 + l) % 11) as f32 - 5.0)
-                    .collect();
-                c.write(l, p, &row, &row);
+                c.write(l, p, &row(l, p), &row(l, p));
             }
         }
         let tokens: Vec<u32> = (0..n as u32).map(|t| t * 10).collect();
@@ -1002,6 +996,7 @@ mod tests {
         c
     }
 
+    /// The K (and V) row of layer `l` at position `p` in the test caches.
     fn row(l: usize, p: usize) -> Vec<f32> {
         let s = shape();
         (0..s.n_kv_heads * s.head_dim)

@@ -220,11 +220,6 @@ impl ChunkShape {
         self.n_kv_heads * self.block()
     }
 
-    /// f32 values of an open chunk: `n_layers * 2 * section`.
-    pub fn open_len(&self) -> usize {
-        self.n_layers * 2 * self.section()
-    }
-
     /// Bytes of the packed keys of one section in `f`.
     pub fn k_values_bytes(&self, f: KvFormat) -> usize {
         self.section() * f.key_bits() as usize / 8

@@ -10,6 +10,8 @@ use crate::kv::codec::ChunkShape;
 #[derive(Debug)]
 pub(crate) struct Staging {
     layers: Vec<Vec<f32>>,
+    /// f32 values of one layer: K and V of every KV head.
+    layer_len: usize,
 }
 
 impl Staging {
@@ -17,6 +19,7 @@ impl Staging {
     pub(crate) fn empty(shape: &ChunkShape) -> Staging {
         Staging {
             layers: vec![Vec::new(); shape.n_layers],
+            layer_len: 2 * shape.section(),
         }
     }
 
@@ -29,10 +32,10 @@ impl Staging {
     }
 
     /// Layer `layer` to write, allocated (zeroed) if it is not held.
-    pub(crate) fn layer_mut(&mut self, shape: &ChunkShape, layer: usize) -> &mut [f32] {
+    pub(crate) fn layer_mut(&mut self, layer: usize) -> &mut [f32] {
         let l = &mut self.layers[layer];
         if l.is_empty() {
-            *l = vec![0.0; layer_len(shape)];
+            *l = vec![0.0; self.layer_len];
         }
         l
     }
@@ -48,11 +51,6 @@ impl Staging {
     pub(crate) fn bytes(&self) -> usize {
         self.layers.iter().map(|l| l.len() * 4).sum()
     }
-}
-
-/// f32 values of one layer of a chunk: K and V of every KV head.
-fn layer_len(shape: &ChunkShape) -> usize {
-    2 * shape.section()
 }
 
 #[cfg(test)]
@@ -76,16 +74,16 @@ mod tests {
         let mut st = Staging::empty(&s);
         assert_eq!(st.bytes(), 0);
         assert!(st.layer(0).is_none());
-        st.layer_mut(&s, 0)[3] = 1.0;
-        st.layer_mut(&s, 1)[5] = 2.5;
-        st.layer_mut(&s, 2);
+        st.layer_mut(0)[3] = 1.0;
+        st.layer_mut(1)[5] = 2.5;
+        st.layer_mut(2);
         assert_eq!(st.bytes(), 3 * 2 * 2 * 4 * 8 * 4);
         assert_eq!(st.layer(0).map(|l| l[3]), Some(1.0));
         st.release(1);
         assert!(st.layer(1).is_none());
         assert_eq!(st.bytes(), 2 * 2 * 2 * 4 * 8 * 4);
         assert_eq!(
-            st.layer_mut(&s, 1)[5],
+            st.layer_mut(1)[5],
             0.0,
             "a layer written again starts at zero"
         );
