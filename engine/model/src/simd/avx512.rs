@@ -822,8 +822,8 @@ fn exp16(x: __m512) -> __m512 {
 /// `row = e^(scale · row - max)` in place, where `max` is `scale` times the row's largest
 /// value (`scale > 0`); returns `(max, Σ row)`: a softmax before its normalization. An empty
 /// row gives `(-∞, 0)`. Decode attention at depth takes one per query row and KV head per
-/// layer over the whole context (8k positions): 16 lanes and masked tails halve the AVX2
-/// path's time.
+/// layer over the whole context (8k positions), and prefill one per query row per chunk: here
+/// 16 lanes at a time where the AVX2 path takes 8, and the row's tail in masked lanes.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
