@@ -271,20 +271,23 @@ macro_rules! kernels {
                         let (w, wabs, dw, second) = unsafe { load_half::<F>(blk, h) };
                         for (t, f) in f.iter_mut().enumerate() {
                             let p = t * nb + b;
-                            // SAFETY: token t < T of x holds x.cols >= 32 (b + 1) codes (asserted
-                            // above).
-                            let (acc, hi) = unsafe {
+                            // SAFETY: token t < T of x holds x.cols >= 32 (b + 1) codes, and x's
+                            // parameter slices T · nb > p values each (asserted above): no bounds
+                            // checks in the loop.
+                            let (acc, hi, xd, xsum) = unsafe {
                                 let xq = x.q.as_ptr().add(t * x.cols + b * 32) as *const i32;
-                                block_sum::<F>(&w, &wabs, xq, x.qsum[p], x.qlo[p])
+                                let (qsum, qlo) = (*x.qsum.as_ptr().add(p), *x.qlo.as_ptr().add(p));
+                                let (acc, hi) = block_sum::<F>(&w, &wabs, xq, qsum, qlo);
+                                (acc, hi, *x.d.as_ptr().add(p), *x.sum.as_ptr().add(p))
                             };
-                            let xd = _mm256_set1_ps(x.d[p]);
+                            let xd = _mm256_set1_ps(xd);
                             *f =
                                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dw, xd), *f);
                             if F == form::HALVES {
                                 let sd = _mm256_mul_ps(second, xd);
                                 *f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), sd, *f);
                             } else if form::mins(F) {
-                                *f = _mm256_fmadd_ps(second, _mm256_set1_ps(x.sum[p]), *f);
+                                *f = _mm256_fmadd_ps(second, _mm256_set1_ps(xsum), *f);
                             }
                         }
                     }

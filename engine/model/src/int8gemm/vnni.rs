@@ -129,6 +129,7 @@ unsafe fn tile<const T: usize, const F: u8>(
     let off = form::offset(F);
     let nibble = _mm512_set1_epi8(0x0F);
     let mut f = [_mm512_setzero_ps(); T];
+    let xq = x.q.as_ptr();
     for b in 0..nb {
         // SAFETY: block b < nb of the panel is inside `panel` (asserted above): its codes
         // (PANEL * qb bytes, read as qb / 4 vectors of 64), its 16 f32 scales and, if the form
@@ -158,18 +159,26 @@ unsafe fn tile<const T: usize, const F: u8>(
         };
         // Group after group, each loaded code vector multiplied into every token's integer
         // sum: the tokens' sums are independent chains, held in registers.
-        let xq: [*const i32; T] =
-            std::array::from_fn(|t| x.q[t * x.cols + b * 32..].as_ptr() as *const i32);
         // SAFETY: g < 8: token t < T of x holds x.cols >= 32 (b + 1) codes (asserted above), so
         // the eight 4-byte groups of its block b are inside x.q.
-        let xg = |t: usize, g: usize| _mm512_set1_epi32(unsafe { xq[t].add(g).read_unaligned() });
+        let xg = |t: usize, g: usize| {
+            _mm512_set1_epi32(unsafe {
+                (xq.add(t * x.cols + b * 32) as *const i32)
+                    .add(g)
+                    .read_unaligned()
+            })
+        };
+        // Token t's parameter of block b; x's slices hold T · nb of each (asserted above), so
+        // the reads need no bounds checks inside the loop.
+        // SAFETY: t < T and b < nb: index t · nb + b is inside each slice (asserted above).
+        let at = |v: &[i32], t: usize| unsafe { *v.as_ptr().add(t * nb + b) };
+        // SAFETY: as above.
+        let atf = |v: &[f32], t: usize| unsafe { *v.as_ptr().add(t * nb + b) };
         if F == form::HALVES {
             let mut lo: [__m512i; T] =
-                std::array::from_fn(|t| _mm512_set1_epi32(-off * x.qlo[t * nb + b]));
-            let mut hi: [__m512i; T] = std::array::from_fn(|t| {
-                let p = t * nb + b;
-                _mm512_set1_epi32(-off * (x.qsum[p] - x.qlo[p]))
-            });
+                std::array::from_fn(|t| _mm512_set1_epi32(-off * at(x.qlo, t)));
+            let mut hi: [__m512i; T] =
+                std::array::from_fn(|t| _mm512_set1_epi32(-off * (at(x.qsum, t) - at(x.qlo, t))));
             for g in 0..4 {
                 for t in 0..T {
                     lo[t] = _mm512_dpbusd_epi32(lo[t], w[g], xg(t, g));
@@ -177,24 +186,23 @@ unsafe fn tile<const T: usize, const F: u8>(
                 }
             }
             for (t, f) in f.iter_mut().enumerate() {
-                let xd = _mm512_set1_ps(x.d[t * nb + b]);
+                let xd = _mm512_set1_ps(atf(x.d, t));
                 *f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[t]), _mm512_mul_ps(dw, xd), *f);
                 *f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[t]), _mm512_mul_ps(second, xd), *f);
             }
         } else {
             let mut acc: [__m512i; T] =
-                std::array::from_fn(|t| _mm512_set1_epi32(-off * x.qsum[t * nb + b]));
+                std::array::from_fn(|t| _mm512_set1_epi32(-off * at(x.qsum, t)));
             for (g, &wg) in w.iter().enumerate() {
                 for (t, acc) in acc.iter_mut().enumerate() {
                     *acc = _mm512_dpbusd_epi32(*acc, wg, xg(t, g));
                 }
             }
             for (t, f) in f.iter_mut().enumerate() {
-                let p = t * nb + b;
-                let xd = _mm512_set1_ps(x.d[p]);
+                let xd = _mm512_set1_ps(atf(x.d, t));
                 *f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), _mm512_mul_ps(dw, xd), *f);
                 if form::mins(F) {
-                    *f = _mm512_fmadd_ps(second, _mm512_set1_ps(x.sum[p]), *f);
+                    *f = _mm512_fmadd_ps(second, _mm512_set1_ps(atf(x.sum, t)), *f);
                 }
             }
         }
