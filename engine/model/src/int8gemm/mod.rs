@@ -528,8 +528,8 @@ pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
                         unsafe { panel_on(path, f, panel, x, (t0, t1), (addr, n), c0, lanes) };
                     }
                 }
+                add_shadows(f, buf, panel_bytes, x, (r0, r1), addr, n);
             });
-            add_shadows(w, x, (r0, r1), addr, n);
         });
 }
 
@@ -574,8 +574,17 @@ unsafe fn panel_on(
 }
 
 /// Adds the shadow columns' products to rows `r0..r1` of `out` (at `addr`, rows of `n`): this
-/// task's rows of each shadow column, decoded once, then one f32 multiply-add per token and row.
-fn add_shadows(w: &QMatrix, x: &QuantRows, (r0, r1): (usize, usize), addr: usize, n: usize) {
+/// task's rows of each shadow column, read once from the task's panels (`panels`, form `f`,
+/// `panel_bytes` each), then one f32 multiply-add per token and row.
+fn add_shadows(
+    f: u8,
+    panels: &[u8],
+    panel_bytes: usize,
+    x: &QuantRows,
+    (r0, r1): (usize, usize),
+    addr: usize,
+    n: usize,
+) {
     thread_local! {
         static COLUMNS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
@@ -583,7 +592,10 @@ fn add_shadows(w: &QMatrix, x: &QuantRows, (r0, r1): (usize, usize), addr: usize
         let width = r1 - r0;
         cols.clear();
         for &c in &x.shadow_cols {
-            cols.extend((r0..r1).map(|r| w.value(r, c as usize)));
+            cols.extend((0..r1 - r0).map(|i| {
+                let p = &panels[(i / PANEL) * panel_bytes..][..panel_bytes];
+                panel_value(f, p, i % PANEL, c as usize)
+            }));
         }
         for t in 0..x.rows {
             let (_, v) = x.shadow[t];
@@ -604,6 +616,35 @@ fn add_shadows(w: &QMatrix, x: &QuantRows, (r0, r1): (usize, usize), addr: usize
             }
         }
     });
+}
+
+/// Value `c` of row `i` of a panel of form `f`, as the format decodes it: `scale · (code −
+/// offset) + min` with the panel's f32 parameters (the scale of values 16..32 for Q6_K), so
+/// exactly [`QMatrix::value`] (`pack`'s test checks every form against the formats' decode).
+fn panel_value(f: u8, panel: &[u8], i: usize, c: usize) -> f32 {
+    let (qb, pb) = (form::code_bytes(f), form::block_bytes(f));
+    let (b, j) = (c / BLOCK, c % BLOCK);
+    let o = &panel[b * pb..(b + 1) * pb];
+    let byte = |k: usize| o[(k / 4 * PANEL + i) * 4 + k % 4];
+    let code = if form::nibbles(f) {
+        (byte(j % 16) >> (4 * (j / 16))) & 0xF
+    } else {
+        byte(j)
+    };
+    let param = |at: usize| f32::from_le_bytes([o[at], o[at + 1], o[at + 2], o[at + 3]]);
+    let scale = param(PANEL * qb + 4 * i);
+    let second = if form::has_second(f) {
+        param(PANEL * qb + 4 * PANEL + 4 * i)
+    } else {
+        0.0
+    };
+    let v = f32::from(i16::from(code) - form::offset(f) as i16);
+    match f {
+        form::HALVES if j >= 16 => second * v,
+        form::HALVES => scale * v,
+        _ if form::mins(f) => scale * v + second,
+        _ => scale * v,
+    }
 }
 
 /// The activations of tokens `t0..t1` as the kernels read them.
@@ -676,6 +717,33 @@ mod tests {
     fn matrix(kind: Kind, rows: usize, cols: usize, seed: u32) -> QMatrix {
         let raw = random_blocks(kind, rows * cols / kind.block_values(), u64::from(seed));
         QMatrix::from_raw(rows, cols, kind, &raw)
+    }
+
+    /// A panel's value of every row and column is the matrix's own (the shadow columns are
+    /// read from the panels), in every format, with a short last panel.
+    #[test]
+    fn panel_values_are_the_matrix_values() {
+        for kind in KINDS {
+            let (rows, cols) = (21, 512);
+            let w = matrix(kind, rows, cols, 5);
+            let f = form::of(kind);
+            let pb = form::block_bytes(f) * (cols / BLOCK);
+            let mut buf = vec![0u8; 2 * pb];
+            for p in 0..2 {
+                pack::pack_panel(
+                    &w,
+                    p * PANEL,
+                    (p * PANEL + PANEL).min(rows),
+                    &mut buf[p * pb..],
+                );
+            }
+            for r in 0..rows {
+                for c in 0..cols {
+                    let got = panel_value(f, &buf[(r / PANEL) * pb..][..pb], r % PANEL, c);
+                    assert_eq!(got, w.value(r, c), "{kind:?} row {r} col {c}");
+                }
+            }
+        }
     }
 
     fn dense(w: &QMatrix) -> Vec<f32> {
