@@ -159,9 +159,9 @@ unsafe fn tile<const T: usize, const F: u8>(
         };
         // Group after group, each loaded code vector multiplied into every token's integer
         // sum: the tokens' sums are independent chains, held in registers.
-        // SAFETY: g < 8: token t < T of x holds x.cols >= 32 (b + 1) codes (asserted above), so
-        // the eight 4-byte groups of its block b are inside x.q.
         let xg = |t: usize, g: usize| {
+            // SAFETY: g < 8: token t < T of x holds x.cols >= 32 (b + 1) codes (asserted
+            // above), so the eight 4-byte groups of its block b are inside x.q.
             _mm512_set1_epi32(unsafe {
                 (xq.add(t * x.cols + b * 32) as *const i32)
                     .add(g)
