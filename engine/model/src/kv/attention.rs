@@ -514,7 +514,11 @@ impl PieceWork<'_> {
             wsr: vec![0.0; rows * t],
             bias: vec![0.0; rows],
         };
-        self.scores(g, c0, c1, start, width, &mut e, &mut s)?;
+        // Each chunk's layer, looked up once for the prefetches and both passes.
+        let views = (c0..c1)
+            .map(|c| self.view.layer_view(self.layer, c))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.scores(g, c0, &views, start, width, &mut e, &mut s);
         let scale = 1.0 / (hd as f32).sqrt();
         let mut max = vec![f32::NEG_INFINITY; rows];
         let mut sum = vec![0.0f32; rows];
@@ -528,7 +532,7 @@ impl PieceWork<'_> {
             before.fill(0.0);
             (max[r], sum[r]) = softmax_exp(live, scale);
         }
-        let o = self.weighted_values(g, c0, c1, start, width, &e, &mut s)?;
+        let o = self.weighted_values(g, c0, &views, start, width, &e, &mut s);
         Ok(Piece {
             g,
             start,
@@ -540,16 +544,14 @@ impl PieceWork<'_> {
         })
     }
 
-    /// Asks for KV head `g`'s key codes (`part` 0) or value codes (1) of chunk `c` of the
-    /// layer, when `c < c1` and it is sealed. Chunks are separate slots of memory, each read in
+    /// Asks for KV head `g`'s key codes (`part` 0) or value codes (1) of a chunk's layer
+    /// (`view`: none past the task's chunks), when it is sealed. Chunks are separate slots of memory, each read in
     /// pieces of a few KiB, so the hardware's prefetchers start late on each: a task asks a few
     /// chunks before it reads them, and only for the head's own bytes: a third of the layer on
     /// the default model. Asking for the whole layer in each head's task made decode at depth
     /// 8,160 over f16 chunks 19% slower (25 against 31 tokens/s).
-    fn prefetch(&self, g: usize, c: usize, c1: usize, part: usize) {
-        if c < c1
-            && let Ok(LayerView::Sealed(f, bytes)) = self.view.layer_view(self.layer, c)
-        {
+    fn prefetch(&self, g: usize, view: Option<&LayerView<'_>>, part: usize) {
+        if let Some(&LayerView::Sealed(f, bytes)) = view {
             let cs = &self.cs;
             // The section's parameters (scales, minimums) are small and follow its codes.
             let params = match part {
@@ -564,7 +566,8 @@ impl PieceWork<'_> {
         }
     }
 
-    /// Each query row's scores against the keys of chunks `c0..c1` into `e` (`[rows][width]`).
+    /// Each query row's scores against the keys of the chunks `views` (chunk `c0` first) into
+    /// `e` (`[rows][width]`).
     ///
     /// Chunks of codes (int8, and the formats of unsigned codes with a minimum and a scale per
     /// group: per channel for keys) are read for every row of the head at once, never decoded
@@ -575,23 +578,24 @@ impl PieceWork<'_> {
         &self,
         g: usize,
         c0: usize,
-        c1: usize,
+        views: &[LayerView<'_>],
         start: usize,
         width: usize,
         e: &mut [f32],
         s: &mut Scratch,
-    ) -> Result<(), KvError> {
-        let (hd, t, cs, layer) = (self.shape.head_dim, self.cs.tokens, &self.cs, self.layer);
-        let ahead = |c: usize| self.prefetch(g, c, c1, 0);
-        for c in c0..c0 + PREFETCH_CHUNKS {
-            ahead(c);
+    ) {
+        let (hd, t, cs) = (self.shape.head_dim, self.cs.tokens, &self.cs);
+        let ahead = |i: usize| self.prefetch(g, views.get(i), 0);
+        for i in 0..PREFETCH_CHUNKS {
+            ahead(i);
         }
-        for c in c0..c1 {
-            ahead(c + PREFETCH_CHUNKS);
+        for (i, &view) in views.iter().enumerate() {
+            ahead(i + PREFETCH_CHUNKS);
+            let c = c0 + i;
             let live = t.min(self.total - c * t);
             let off = c * t - start;
             let out = &mut e[off..];
-            let (codes, first, kind) = match self.view.layer_view(layer, c)? {
+            let (codes, first, kind) = match view {
                 // f16 keys are read as stored, converted in registers where the CPU can.
                 LayerView::Sealed(KvFormat::F16, bytes) => {
                     for (r, qr) in s.qsr.chunks_exact_mut(hd).enumerate() {
@@ -637,33 +641,33 @@ impl PieceWork<'_> {
             };
             dot_rows_codes(&s.qsr, &s.bias, codes, first, kind, hd, out, width, live);
         }
-        Ok(())
     }
 
-    /// Σ e v over the values of chunks `c0..c1`, per query row (`[rows][head_dim]`). Codes are
-    /// read as for keys, with each row's weights times the values' scales (per token) and their
-    /// dot product with the minimums as the bias.
+    /// Σ e v over the values of the chunks `views` (chunk `c0` first), per query row
+    /// (`[rows][head_dim]`). Codes are read as for keys, with each row's weights times the
+    /// values' scales (per token) and their dot product with the minimums as the bias.
     #[allow(clippy::too_many_arguments)]
     fn weighted_values(
         &self,
         g: usize,
         c0: usize,
-        c1: usize,
+        views: &[LayerView<'_>],
         start: usize,
         width: usize,
         e: &[f32],
         s: &mut Scratch,
-    ) -> Result<Vec<f32>, KvError> {
+    ) -> Vec<f32> {
         let (hd, t, cs) = (self.shape.head_dim, self.cs.tokens, &self.cs);
         let mut o = vec![0.0f32; self.rows * hd];
-        for c in c0..c0 + PREFETCH_CHUNKS {
-            self.prefetch(g, c, c1, 1);
+        for i in 0..PREFETCH_CHUNKS {
+            self.prefetch(g, views.get(i), 1);
         }
-        for c in c0..c1 {
-            self.prefetch(g, c + PREFETCH_CHUNKS, c1, 1);
+        for (i, &view) in views.iter().enumerate() {
+            self.prefetch(g, views.get(i + PREFETCH_CHUNKS), 1);
+            let c = c0 + i;
             let live = t.min(self.total - c * t);
             let off = c * t - start;
-            match self.view.layer_view(self.layer, c)? {
+            match view {
                 LayerView::Sealed(KvFormat::F16, bytes) => {
                     let v = &f16_values(cs, bytes, g)[..live * hd * 2];
                     s.bias.fill(0.0);
@@ -704,7 +708,7 @@ impl PieceWork<'_> {
                 }
             }
         }
-        Ok(o)
+        o
     }
 }
 
