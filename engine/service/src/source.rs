@@ -104,7 +104,10 @@ impl FormatLevels {
     }
 }
 
-/// The model's fingerprint as kvfs checks it: sha256 of the GGUF file, read in 1 MiB pieces.
+/// The model's fingerprint as kvfs checks it: sha256 of the GGUF file, read in 1 MiB pieces,
+/// followed by the layout of its chunks where that differs from the first one's: a model whose
+/// coded values are in groups narrower than a head (Gemma 3) hashes `kv-value-group=<n>` after
+/// its bytes, so contexts stored before that layout are refused as another model's, not misread.
 pub fn model_fingerprint(path: &Path) -> std::io::Result<Fingerprint> {
     let mut f = std::fs::File::open(path)?;
     let mut h = sha2::Sha256::new();
@@ -115,6 +118,13 @@ pub fn model_fingerprint(path: &Path) -> std::io::Result<Fingerprint> {
             break;
         }
         h.update(&buf[..n]);
+    }
+    // A file the engine cannot configure fingerprints as its bytes alone.
+    if let Ok(cfg) = model::config::ModelConfig::from_gguf_file(path) {
+        let group = cfg.chunk_shape(1).value_group;
+        if group > 0 {
+            h.update(format!("kv-value-group={group}").as_bytes());
+        }
     }
     Ok(Fingerprint(h.finalize().into()))
 }

@@ -488,6 +488,9 @@ struct Scratch {
     qsr: Vec<f32>,
     wsr: Vec<f32>,
     bias: Vec<f32>,
+    /// A chunk's values of the head decoded to f32, for formats with several value groups a
+    /// token (`[token][head_dim]`).
+    vals: Vec<f32>,
 }
 
 impl PieceWork<'_> {
@@ -513,6 +516,7 @@ impl PieceWork<'_> {
             qsr: vec![0.0; rows * hd],
             wsr: vec![0.0; rows * t],
             bias: vec![0.0; rows],
+            vals: Vec::new(),
         };
         // Each chunk's layer, looked up once for the prefetches and both passes.
         let views = (c0..c1)
@@ -685,6 +689,14 @@ impl PieceWork<'_> {
                     }
                     s.bias.fill(0.0);
                     axpy_rows_codes(&mut o, &s.bias, &s.wsr, t, live, v, 0, Codes::Signed8, hd);
+                }
+                // Values in groups narrower than the head (Gemma 3): decoded, then summed in f32.
+                LayerView::Sealed(f, bytes) if cs.value_width(f) != hd => {
+                    s.vals.resize(t * hd, 0.0);
+                    decode_v(cs, f, bytes, g, &mut s.vals);
+                    for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
+                        axpy_rows(orow, &erow[off..off + live], &s.vals[..live * hd]);
+                    }
                 }
                 // Every other format: unsigned codes with a minimum and a scale per token.
                 LayerView::Sealed(f, bytes) => {
@@ -903,12 +915,14 @@ mod tests {
     };
 
     /// A cache of `len` random tokens over 2 layers whose sealed chunks take `formats` in turn.
+    /// Values of the coded formats in groups of 8 channels (two a token) where `GROUPED`.
     fn cache(len: usize, formats: &[KvFormat], rng: &mut StdRng) -> KvCache {
         let s = ChunkShape {
             n_layers: 2,
             n_kv_heads: 2,
             head_dim: 16,
             tokens: 16,
+            value_group: if GROUPED.get() { 8 } else { 0 },
             ..ChunkShape::DENSE
         };
         let mut c = KvCache::new(s, KvFormat::F16, 1024, Box::new(HeapChunks::default()));
@@ -1034,6 +1048,23 @@ mod tests {
             let seen = (p0..len).filter(|&q| q >= p && q - p < w).count() * 4;
             assert_eq!(rows[p] as usize, seen, "rows of key {p}");
         }
+    }
+
+    #[test]
+    fn attention_over_values_in_groups_equals_the_full_matrix() {
+        use KvFormat::*;
+        GROUPED.set(true);
+        let coded = [K8v8, K4v3, F16, K4v4];
+        check(70, 1, &coded, 11);
+        check(70, 2, &coded, 12);
+        check(70, 20, &coded, 13);
+        check_split(300, 2, &coded, 14, Some(3));
+        GROUPED.set(false);
+    }
+
+    thread_local! {
+        /// Whether [`cache`] builds chunks whose values are in groups narrower than the head.
+        static GROUPED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
 
     #[test]
