@@ -256,6 +256,41 @@ mod tests {
         }
     }
 
+    /// A model whose values are grouped (Gemma 3's family, heads of 64 here) fingerprints as its
+    /// bytes and its group, so contexts of the old layout are another model's; a model whose
+    /// values keep one group per token (llama) fingerprints as its bytes alone, as before.
+    #[test]
+    fn the_fingerprint_names_the_value_groups() {
+        use model::config::Family;
+        use model::tiny::{TinySpec, write_tiny_gguf};
+        let dir = tempfile::tempdir().unwrap();
+        let sha = |path: &Path, tail: &[u8]| {
+            let mut h = sha2::Sha256::new();
+            h.update(std::fs::read(path).unwrap());
+            h.update(tail);
+            Fingerprint(h.finalize().into())
+        };
+        let llama = dir.path().join("llama.gguf");
+        write_tiny_gguf(&llama, &TinySpec::default()).unwrap();
+        assert_eq!(model_fingerprint(&llama).unwrap(), sha(&llama, b""));
+        let gemma = dir.path().join("gemma3.gguf");
+        let spec = TinySpec {
+            family: Family::GEMMA3,
+            n_layers: 2,
+            head_dim: Some(64),
+            n_kv_heads: 1,
+            window: Some((8, 2)),
+            ..TinySpec::default()
+        };
+        write_tiny_gguf(&gemma, &spec).unwrap();
+        let cfg = model::config::ModelConfig::from_gguf_file(&gemma).unwrap();
+        assert_eq!(cfg.chunk_shape(16).value_group, 32);
+        assert_eq!(
+            model_fingerprint(&gemma).unwrap(),
+            sha(&gemma, b"kv-value-group=32")
+        );
+    }
+
     #[test]
     fn the_coded_levels_map_both_ways() {
         let s = smollm2();
