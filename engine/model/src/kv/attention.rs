@@ -1,8 +1,9 @@
 //! Causal GQA attention of a batch of queries over a context's chunked KV cache.
 //!
 //! Decode (a few query rows) reads chunk memory directly: each chunk's block of one KV head is
-//! dequantized into a small buffer that stays in L1 and used at once by every query row of that
-//! head, so no f32 copy of the context is ever made.
+//! read in place by every query row of that head at once (codes converted in registers), or,
+//! for values in groups narrower than the head (Gemma 3), decoded into a small buffer that
+//! stays in L1; no f32 copy of the context is ever made.
 //!
 //! Prefill and recompute (many rows) are block-causal by chunk ([`attend_chunks`]): a query
 //! attends to every earlier chunk in its sealed form (decoded from its format, whether it sits
@@ -549,11 +550,11 @@ impl PieceWork<'_> {
     }
 
     /// Asks for KV head `g`'s key codes (`part` 0) or value codes (1) of a chunk's layer
-    /// (`view`: none past the task's chunks), when it is sealed. Chunks are separate slots of memory, each read in
-    /// pieces of a few KiB, so the hardware's prefetchers start late on each: a task asks a few
-    /// chunks before it reads them, and only for the head's own bytes: a third of the layer on
-    /// the default model. Asking for the whole layer in each head's task made decode at depth
-    /// 8,160 over f16 chunks 19% slower (25 against 31 tokens/s).
+    /// (`view`: none past the task's chunks), when it is sealed. Chunks are separate slots of
+    /// memory, each read in pieces of a few KiB, so the hardware's prefetchers start late on
+    /// each: a task asks a few chunks before it reads them, and only for the head's own bytes:
+    /// a third of the layer on the default model. Asking for the whole layer in each head's task
+    /// made decode at depth 8,160 over f16 chunks 19% slower (25 against 31 tokens/s).
     fn prefetch(&self, g: usize, view: Option<&LayerView<'_>>, part: usize) {
         if let Some(&LayerView::Sealed(f, bytes)) = view {
             let cs = &self.cs;
@@ -649,7 +650,8 @@ impl PieceWork<'_> {
 
     /// Σ e v over the values of the chunks `views` (chunk `c0` first), per query row
     /// (`[rows][head_dim]`). Codes are read as for keys, with each row's weights times the
-    /// values' scales (per token) and their dot product with the minimums as the bias.
+    /// values' scales (per token) and their dot product with the minimums as the bias; values
+    /// in groups narrower than the head are decoded to f32 first.
     #[allow(clippy::too_many_arguments)]
     fn weighted_values(
         &self,
@@ -914,15 +916,15 @@ mod tests {
         window: None,
     };
 
-    /// A cache of `len` random tokens over 2 layers whose sealed chunks take `formats` in turn.
-    /// Values of the coded formats in groups of 8 channels (two a token) where `GROUPED`.
-    fn cache(len: usize, formats: &[KvFormat], rng: &mut StdRng) -> KvCache {
+    /// A cache of `len` random tokens over 2 layers whose sealed chunks take `formats` in turn,
+    /// the coded formats' values in groups of `value_group` channels (0: the head's 16).
+    fn cache(len: usize, formats: &[KvFormat], value_group: usize, rng: &mut StdRng) -> KvCache {
         let s = ChunkShape {
             n_layers: 2,
             n_kv_heads: 2,
             head_dim: 16,
             tokens: 16,
-            value_group: if GROUPED.get() { 8 } else { 0 },
+            value_group,
             ..ChunkShape::DENSE
         };
         let mut c = KvCache::new(s, KvFormat::F16, 1024, Box::new(HeapChunks::default()));
@@ -1007,20 +1009,22 @@ mod tests {
 
     /// [`check`] with decode's chunks cut into `splits` ranges per KV head (`None`: as chosen).
     fn check_split(len: usize, n: usize, formats: &[KvFormat], seed: u64, splits: Option<usize>) {
-        check_shape(SHAPE, len, n, formats, seed, splits);
+        check_shape(SHAPE, len, n, formats, 0, seed, splits);
     }
 
-    /// [`check_split`] of attention of `shape`.
+    /// [`check_split`] of attention of `shape`, over values in groups of `value_group` channels
+    /// in the coded formats (0: the whole head).
     fn check_shape(
         shape: AttnShape,
         len: usize,
         n: usize,
         formats: &[KvFormat],
+        value_group: usize,
         seed: u64,
         splits: Option<usize>,
     ) {
         let mut rng = StdRng::seed_from_u64(seed);
-        let mut c = cache(len, formats, &mut rng);
+        let mut c = cache(len, formats, value_group, &mut rng);
         let p0 = len - n;
         let q: Vec<f32> = (0..n * 64).map(|_| rng.random_range(-2.0..2.0)).collect();
         let (want, want_col) = direct(&c, shape, 1, &q, p0, n);
@@ -1053,18 +1057,12 @@ mod tests {
     #[test]
     fn attention_over_values_in_groups_equals_the_full_matrix() {
         use KvFormat::*;
-        GROUPED.set(true);
+        // Groups of 8 channels: two a token of the test's heads of 16.
         let coded = [K8v8, K4v3, F16, K4v4];
-        check(70, 1, &coded, 11);
-        check(70, 2, &coded, 12);
-        check(70, 20, &coded, 13);
-        check_split(300, 2, &coded, 14, Some(3));
-        GROUPED.set(false);
-    }
-
-    thread_local! {
-        /// Whether [`cache`] builds chunks whose values are in groups narrower than the head.
-        static GROUPED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        check_shape(SHAPE, 70, 1, &coded, 8, 11, None);
+        check_shape(SHAPE, 70, 2, &coded, 8, 12, None);
+        check_shape(SHAPE, 70, 20, &coded, 8, 13, None);
+        check_shape(SHAPE, 300, 2, &coded, 8, 14, Some(3));
     }
 
     #[test]
@@ -1095,10 +1093,10 @@ mod tests {
             };
             let seed = window as u64;
             for (len, n) in [(70, 1), (70, 2), (100, 20), (40, 40), (257, 2)] {
-                check_shape(shape, len, n, &[Int8, F16, K4v4, Int4], seed, None);
+                check_shape(shape, len, n, &[Int8, F16, K4v4, Int4], 0, seed, None);
             }
             for splits in [1, 3, 7] {
-                check_shape(shape, 300, 2, &[Int8, F16], seed, Some(splits));
+                check_shape(shape, 300, 2, &[Int8, F16], 0, seed, Some(splits));
             }
         }
     }
