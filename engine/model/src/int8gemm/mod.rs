@@ -12,8 +12,9 @@
 //! the block is quantized (the block's scale then follows its other 31 values) and multiplied
 //! in f32 on the side, `out[t][r] += x[t][c] · w[r][c]`, with the matrix's column `c` read once
 //! per task from the task's panels for every token that shares it (a transformer's massive
-//! activations sit in a few fixed channels). On the default model this one value per row takes int8 prefill's
-//! perplexity cost from +0.65% to +0.2-0.4% over f32 activations (docs/bench-engine.md).
+//! activations sit in a few fixed channels). On the default model this one value per row takes
+//! int8 prefill's perplexity cost from +0.65% to +0.2-0.4% over f32 activations
+//! (docs/bench-engine.md).
 //!
 //! Layout: a weight tile is repacked, per thread and per product, into panels of 16 rows in
 //! which one 64-byte vector holds four consecutive codes of each of the 16 rows, the shape

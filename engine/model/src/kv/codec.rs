@@ -59,6 +59,16 @@ pub enum CodecError {
         multiple: usize,
         format: KvFormat,
     },
+    /// The value group does not divide the head, or its rows cannot start on a byte.
+    #[error(
+        "value groups of {group} channels must divide the head's {head_dim} and be a multiple of {multiple}, which {format} needs"
+    )]
+    ValueGroup {
+        group: usize,
+        head_dim: usize,
+        multiple: usize,
+        format: KvFormat,
+    },
     /// A chunk cannot move to a format of equal or more bits.
     #[error("a chunk in {from} cannot move to {to}: formats only move down")]
     NotDown { from: KvFormat, to: KvFormat },
@@ -522,6 +532,15 @@ pub fn encode_layer(
 ) -> Result<(), CodecError> {
     if !shape.head_dim.is_multiple_of(head_dim_multiple(f)) {
         return Err(CodecError::HeadDim {
+            head_dim: shape.head_dim,
+            multiple: head_dim_multiple(f),
+            format: f,
+        });
+    }
+    let vw = shape.value_width(f);
+    if !shape.head_dim.is_multiple_of(vw) || !vw.is_multiple_of(head_dim_multiple(f)) {
+        return Err(CodecError::ValueGroup {
+            group: vw,
             head_dim: shape.head_dim,
             multiple: head_dim_multiple(f),
             format: f,
@@ -1355,6 +1374,41 @@ mod tests {
         check(-1.0, 1.0, 1.0, 15.0, Some((-127, 23)));
         check(0.5, 0.5, 1.0, 15.0, Some((63, 95)));
         check(-1.0, 1.0, 1.0, 255.0, Some((-127, 55)));
+    }
+
+    /// A value group that does not divide the head, or whose 3-bit rows would not start on a
+    /// byte, is refused with its numbers, never encoded.
+    #[test]
+    fn value_groups_that_do_not_fit_are_refused() {
+        let s = ChunkShape {
+            n_layers: 1,
+            n_kv_heads: 1,
+            head_dim: 48,
+            tokens: 4,
+            ..ChunkShape::DENSE
+        };
+        let (k, v) = (vec![0.5f32; 4 * 48], vec![0.25f32; 4 * 48]);
+        for (group, f) in [(32, KvFormat::K4v4), (12, KvFormat::K4v3)] {
+            let bad = ChunkShape {
+                value_group: group,
+                ..s
+            };
+            let mut out = vec![0u8; bad.layer_bytes(f)];
+            let err = encode_layer(&bad, f, &k, &v, &mut out).unwrap_err();
+            assert!(
+                matches!(err, CodecError::ValueGroup { group: g, head_dim: 48, .. } if g == group),
+                "{f} group {group}: {err}"
+            );
+        }
+        // Groups of 16 fit both; a format without value groups ignores the setting.
+        let good = ChunkShape {
+            value_group: 16,
+            ..s
+        };
+        for f in [KvFormat::K4v3, KvFormat::Int4] {
+            let mut out = vec![0u8; good.layer_bytes(f)];
+            encode_layer(&good, f, &k, &v, &mut out).unwrap();
+        }
     }
 
     #[test]
