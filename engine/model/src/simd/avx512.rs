@@ -1,30 +1,12 @@
 //! AVX-512 (F, BW, VL) + FMA + F16C kernels for single-token products: several rows per pass,
 //! so each activation load and the f16 conversion of a group's scales serve all of them.
 
+use crate::simd::{WEIGHTS_AHEAD, prefetch_weights};
 use half::f16;
 use std::arch::x86_64::*;
 
 /// Rows per pass of the matrix-vector kernels.
 pub const ROWS: usize = 4;
-
-/// How far ahead of the rows in work the matrix-vector kernels ask for the weights' cache
-/// lines, in bytes of quants (their scales and minimums follow at the same pace). Without it
-/// one core read a Q4_1 matrix at 14-16 GB/s, as if the reads and the arithmetic took turns;
-/// 8 to 32 KiB ahead, 24-27 GB/s, near a plain streaming read's 28-35 (docs/bench-engine.md).
-pub const PREFETCH_BYTES: usize = 16 << 10;
-
-/// Asks for the cache lines of the `len` bytes from `p` into L1. A prefetch never faults, so
-/// `p` may point past the data (near the end of a matrix it does); the address is computed
-/// with wrapping arithmetic and never dereferenced.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-fn prefetch(p: *const u8, len: usize) {
-    let mut o = 0;
-    while o < len {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
-        o += 64;
-    }
-}
 
 /// The first `n` lanes (`n <= 16`).
 #[inline]
@@ -58,19 +40,16 @@ pub unsafe fn matvec_q4_1(
             && qs.len() >= rows * nb * 16,
         "avx512::matvec_q4_1: bad sizes"
     );
-    // The first rows' lines, then each pass asks for the lines PREFETCH_BYTES ahead of it.
-    prefetch(qs.as_ptr(), PREFETCH_BYTES);
-    prefetch(d.as_ptr() as *const u8, PREFETCH_BYTES / 8);
-    prefetch(m.as_ptr() as *const u8, PREFETCH_BYTES / 8);
+    // The first rows' lines, then each pass asks for the lines WEIGHTS_AHEAD ahead of it.
+    prefetch_weights(qs.as_ptr(), WEIGHTS_AHEAD);
+    prefetch_weights(d.as_ptr() as *const u8, WEIGHTS_AHEAD / 8);
+    prefetch_weights(m.as_ptr() as *const u8, WEIGHTS_AHEAD / 8);
     let mut r = 0;
     while r + ROWS <= rows {
-        let (q0, s0) = (
-            r * nb * 16 + PREFETCH_BYTES,
-            r * nb * 2 + PREFETCH_BYTES / 8,
-        );
-        prefetch(qs.as_ptr().wrapping_add(q0), ROWS * nb * 16);
-        prefetch((d.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
-        prefetch((m.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
+        let (q0, s0) = (r * nb * 16 + WEIGHTS_AHEAD, r * nb * 2 + WEIGHTS_AHEAD / 8);
+        prefetch_weights(qs.as_ptr().wrapping_add(q0), ROWS * nb * 16);
+        prefetch_weights((d.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
+        prefetch_weights((m.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
         // SAFETY: rows r..r + ROWS are inside the slices (asserted above).
         unsafe { rows_q4_1::<ROWS>(d, m, qs, x, xsum, r, &mut out[r..r + ROWS]) };
         r += ROWS;
@@ -160,16 +139,13 @@ pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], x: &[f32], out: &mut [f32]) {
         x.len() == nb * 32 && d.len() >= rows * nb && qs.len() >= rows * nb * 32,
         "avx512::matvec_q8_0: bad sizes"
     );
-    prefetch(qs.as_ptr(), PREFETCH_BYTES);
-    prefetch(d.as_ptr() as *const u8, PREFETCH_BYTES / 16);
+    prefetch_weights(qs.as_ptr(), WEIGHTS_AHEAD);
+    prefetch_weights(d.as_ptr() as *const u8, WEIGHTS_AHEAD / 16);
     let mut r = 0;
     while r + ROWS <= rows {
-        let (q0, s0) = (
-            r * nb * 32 + PREFETCH_BYTES,
-            r * nb * 2 + PREFETCH_BYTES / 16,
-        );
-        prefetch(qs.as_ptr().wrapping_add(q0), ROWS * nb * 32);
-        prefetch((d.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
+        let (q0, s0) = (r * nb * 32 + WEIGHTS_AHEAD, r * nb * 2 + WEIGHTS_AHEAD / 16);
+        prefetch_weights(qs.as_ptr().wrapping_add(q0), ROWS * nb * 32);
+        prefetch_weights((d.as_ptr() as *const u8).wrapping_add(s0), ROWS * nb * 2);
         // SAFETY: rows r..r + ROWS are inside the slices (asserted above).
         unsafe { rows_q8_0::<ROWS>(d, qs, x, r, &mut out[r..r + ROWS]) };
         r += ROWS;

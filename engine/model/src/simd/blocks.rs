@@ -9,14 +9,11 @@
 //! pass; each sum of 16 products is scaled once, and the offsets add `Σ min · Σx` per 32.
 
 use crate::qmatrix::Kind;
+use crate::simd::{WEIGHTS_AHEAD, prefetch_weights};
 use std::arch::x86_64::*;
 
 /// Rows per pass of the matrix-vector kernels.
 pub const ROWS: usize = 4;
-
-/// How far ahead of the rows in work the kernels ask for the weights' cache lines, in bytes,
-/// as the Q4_1/Q8_0 kernels do.
-pub const PREFETCH_BYTES: usize = 16 << 10;
 
 const Q4_0: u8 = 0;
 const Q5_0: u8 = 1;
@@ -40,18 +37,6 @@ const fn geometry(k: u8) -> (usize, usize) {
 /// Whether values carry offsets.
 const fn has_mins(k: u8) -> bool {
     matches!(k, Q5_1 | Q4_K | Q5_K)
-}
-
-/// Asks for the cache lines of the `len` bytes from `p` (never dereferenced: a prefetch does
-/// not fault, so `p` may point past the data).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch(p: *const u8, len: usize) {
-    let mut o = 0;
-    while o < len {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
-        o += 64;
-    }
 }
 
 /// The f16 at `p` as f32, through F16C.
@@ -257,7 +242,7 @@ pub unsafe fn matvec(wide: bool, kind: Kind, raw: &[u8], x: &[f32], xsum: &[f32]
 }
 
 /// [`matvec`] in passes of [`ROWS`] rows, then one row at a time; each pass asks for the
-/// lines [`PREFETCH_BYTES`] ahead of it.
+/// lines [`WEIGHTS_AHEAD`] ahead of it.
 ///
 /// # Safety
 /// As [`matvec`], sizes checked; `rb` the bytes of a row.
@@ -271,11 +256,11 @@ unsafe fn passes<const K: u8, const WIDE: bool>(
     out: &mut [f32],
 ) {
     let rows = out.len();
-    prefetch(raw.as_ptr(), PREFETCH_BYTES);
+    prefetch_weights(raw.as_ptr(), WEIGHTS_AHEAD);
     let mut r = 0;
     while r < rows {
         let n = if r + ROWS <= rows { ROWS } else { 1 };
-        prefetch(raw.as_ptr().wrapping_add(r * rb + PREFETCH_BYTES), n * rb);
+        prefetch_weights(raw.as_ptr().wrapping_add(r * rb + WEIGHTS_AHEAD), n * rb);
         let (w, o) = (&raw[r * rb..(r + n) * rb], &mut out[r..r + n]);
         // SAFETY: rows r..r + n are inside raw (checked by the caller); the CPU has the
         // features of the path (the caller's contract).

@@ -34,6 +34,35 @@ pub fn prefetch_l2(bytes: &[u8]) {
     }
 }
 
+/// Asks for the cache lines of the `len` bytes of weights from `p` into L2, for the
+/// matrix-vector kernels, which ask [`WEIGHTS_AHEAD`] bytes ahead of the rows in work. A
+/// prefetch never faults, so `p` may point past the data (near the end of a matrix it does);
+/// the address is computed with wrapping arithmetic and never dereferenced.
+///
+/// L2, not L1: on an AMD EPYC (Zen 4, 32 KiB of L1 data) asking for the lines into L1 made
+/// decode a third slower than into L2 (docs/bench-engine.md, "Prefetch into L2"), the lines
+/// 16 KiB ahead evicting the activations and the rows in work; the core's own L1 prefetcher
+/// takes them from L2 in time.
+#[inline]
+pub fn prefetch_weights(p: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for o in (0..len).step_by(64) {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: SSE is part of every x86-64 CPU; a prefetch reads nothing architecturally
+        // and never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o) as *const i8) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, len);
+}
+
+/// How far ahead of the rows in work the matrix-vector kernels ask for the weights' cache
+/// lines ([`prefetch_weights`]), in bytes of quants (their scales and minimums follow at the
+/// same pace). Without it one core read a Q4_1 matrix at 14-16 GB/s, as if the reads and the
+/// arithmetic took turns; 8 to 32 KiB ahead, 24-27 GB/s, near a plain streaming read's 28-35
+/// (docs/bench-engine.md).
+pub const WEIGHTS_AHEAD: usize = 16 << 10;
+
 /// Kinds of stored KV values for the `dot_rows_stored` and `axpy_rows_stored` kernels: 2, 3,
 /// 4 and 8 are packed unsigned codes of that many bits, [`SIGNED8`] signed bytes, [`HALF`]
 /// little-endian f16.
