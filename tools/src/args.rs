@@ -58,7 +58,9 @@ pub struct EngineOpts {
     /// Tokens per prefill step (one set of shapes serves every prompt length)
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub prefill_chunk: usize,
-    /// Activations of single-token products: f32 (exact) or int8 (8 bits per 32 values)
+    /// Activations of single-token products: f32 (exact) or int8 (8 bits per 32 values,
+    /// multiplied in integers as llama.cpp does: four rows a pass with AVX-512 VNNI on Q4_1 and
+    /// Q8_0 matrices, one row at a time otherwise)
     #[arg(long, default_value = "f32", value_name = "KIND", value_parser = ["f32", "int8"])]
     pub activations: String,
     /// Activations of batched products (prefill, recompute): f32 GEMM over dequantized weight

@@ -209,7 +209,10 @@ fn bench_engine_and_kv_report_the_kernels_they_ran() {
     let report = json(d, &models, &engine);
     assert_eq!(
         report["chosen_kernels"],
-        expected(model::chosen::engine(model::int8gemm::PrefillActs::F32)),
+        expected(model::chosen::engine(
+            model::qmatrix::Activations::F32,
+            model::int8gemm::PrefillActs::F32,
+        )),
         "{report}"
     );
     let report = json(d, &models, &kv);

@@ -2,7 +2,7 @@
 //! [`Path::best`], both within `LLMS_ISA`), named for benchmark reports.
 
 use crate::int8gemm::{Path, PrefillActs};
-use crate::qmatrix::Isa;
+use crate::qmatrix::{Activations, Isa};
 
 /// One product and the kernel that runs it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -13,24 +13,41 @@ pub struct Chosen {
     pub kernel: &'static str,
 }
 
-/// The kernels of the single-token (decode) products, with `prefill` the batched products'
-/// activations as the model resolved them.
-pub fn engine(prefill: PrefillActs) -> Vec<Chosen> {
+/// The kernels of the single-token (decode) products with `decode` their activations, and of
+/// the batched products with `prefill` theirs, as the model resolved them.
+pub fn engine(decode: Activations, prefill: PrefillActs) -> Vec<Chosen> {
     let isa = Isa::best();
+    #[cfg(target_arch = "x86_64")]
+    let vnni = isa == Isa::Avx512 && crate::simd::vnni::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    let int8_rows = "vnni::matvec_q4_1/q8_0 (int8 activations), 4 rows per pass, vpdpbusd 512-bit";
     let mut out = vec![Chosen {
-        product: "decode Q4_1/Q8_0 matvec (f32 activations)",
-        kernel: match isa {
-            Isa::Avx512 => "avx512::matvec_q4_1/q8_0, 4 rows per pass, 512-bit",
-            Isa::Avx2 => "avx2::matvec::matvec_q4_1/q8_0, 4 rows per pass, 256-bit",
-            Isa::Portable => "portable, one row at a time",
+        product: "decode Q4_1/Q8_0 matvec",
+        kernel: match (decode, isa) {
+            (Activations::Int8, _) if vnni => int8_rows,
+            (Activations::Int8, Isa::Portable) => "portable, int8 activations, one row at a time",
+            (Activations::Int8, _) => "avx2 int8 activations (vpmaddubsw), one row at a time",
+            (_, Isa::Avx512) => {
+                "avx512::matvec_q4_1/q8_0 (f32 activations), 4 rows per pass, 512-bit"
+            }
+            (_, Isa::Avx2) => {
+                "avx2::matvec::matvec_q4_1/q8_0 (f32 activations), 4 rows per pass, 256-bit"
+            }
+            (_, Isa::Portable) => "portable (f32 activations), one row at a time",
         },
     }];
     out.push(Chosen {
-        product: "decode Q4_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matvec (f32 activations)",
-        kernel: match isa {
-            Isa::Avx512 => "blocks::matvec, file's blocks, 4 rows per pass, 512-bit",
-            Isa::Avx2 => "blocks::matvec, file's blocks, 4 rows per pass, 256-bit",
-            Isa::Portable => "portable, one row at a time",
+        product: "decode Q4_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matvec",
+        kernel: match (decode, isa) {
+            (Activations::Int8, _) => "portable, int8 activations, one row at a time",
+            (_, Isa::Avx512) => {
+                "blocks::matvec, file's blocks (f32 activations), 4 rows per pass, 512-bit"
+            }
+            (_, Isa::Avx2) => {
+                "blocks::matvec, file's blocks (f32 activations), 4 rows per pass, 256-bit"
+            }
+            (_, Isa::Portable) => "portable (f32 activations), one row at a time",
         },
     });
     out.push(Chosen {

@@ -155,16 +155,32 @@ struct QuantizedActs {
 }
 
 fn quantize_acts(x: &[f32]) -> QuantizedActs {
-    let mut q = Vec::with_capacity(x.len());
-    let mut d = Vec::with_capacity(x.len() / BLOCK);
-    for b in x.chunks_exact(BLOCK) {
-        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let s = amax / 127.0;
-        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-        d.push(s);
-        q.extend(b.iter().map(|v| (v * inv).round() as i8));
+    let nb = x.len() / BLOCK;
+    let (mut q, mut d) = (vec![0i8; nb * BLOCK], vec![0f32; nb]);
+    #[cfg(target_arch = "x86_64")]
+    if simd::vnni::available() {
+        // SAFETY: the CPU has the kernel's features (checked just above); it checks the sizes.
+        unsafe { simd::vnni::quantize(x, &mut q, &mut d) };
+        return QuantizedActs { q, d };
     }
+    quantize_acts_portable(x, &mut q, &mut d);
     QuantizedActs { q, d }
+}
+
+/// [`quantize_acts`] in plain Rust, into `q` and `d`.
+fn quantize_acts_portable(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    for ((b, qb), d) in x
+        .chunks_exact(BLOCK)
+        .zip(q.chunks_exact_mut(BLOCK))
+        .zip(d.iter_mut())
+    {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        *d = amax / 127.0;
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        for (q, v) in qb.iter_mut().zip(b) {
+            *q = (v * inv).round_ties_even() as i8;
+        }
+    }
 }
 
 /// How a matrix's values are stored: the GGUF block formats the kernels read as they are, and
@@ -688,11 +704,12 @@ impl QMatrix {
         out.par_chunks_mut(per_task).enumerate().for_each(|(t, o)| {
             let r0 = t * per_task;
             match &xq {
-                Some(xq) => {
+                Some(xq) if !self.rows_dot_q8(isa, r0, xq, &xsum, o) => {
                     for (i, o) in o.iter_mut().enumerate() {
                         *o = self.row_dot_q8(isa, r0 + i, xq, &xsum);
                     }
                 }
+                Some(_) => {}
                 None => self.rows_dot(isa, r0, x, &xsum, o),
             }
         });
@@ -741,6 +758,52 @@ impl QMatrix {
         for (i, o) in out.iter_mut().enumerate() {
             *o = self.row_dot(r0 + i, x, xsum);
         }
+    }
+
+    /// Whether `isa` has a several-rows-a-pass kernel over int8 activations for this matrix.
+    fn has_int8_rows(&self, isa: Isa) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 && matches!(self.kind, Kind::Q4_1 | Kind::Q8_0) {
+            return simd::vnni::available();
+        }
+        let _ = isa;
+        false
+    }
+
+    /// `out[i]` = row `r0 + i` · the int8 activations `x` for every `i`, several rows a pass,
+    /// where the path has such a kernel for this matrix's format (AVX-512 VNNI, Q4_1 and
+    /// Q8_0); returns whether it had one.
+    fn rows_dot_q8(
+        &self,
+        isa: Isa,
+        r0: usize,
+        x: &QuantizedActs,
+        xsum: &[f32],
+        out: &mut [f32],
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.has_int8_rows(isa) {
+            let nb = self.cols / BLOCK;
+            let (b0, b1) = (r0 * nb, (r0 + out.len()) * nb);
+            match self.kind {
+                // SAFETY: the CPU has the kernels' features (checked just above); the slices
+                // hold nb blocks for each of the out.len() rows (the kernels check the sizes).
+                Kind::Q4_1 => unsafe {
+                    let (d, m, qs) = (&self.d[b0..b1], &self.m[b0..b1], &self.qs[b0 * 16..b1 * 16]);
+                    simd::vnni::matvec_q4_1(d, m, qs, &x.q, &x.d, xsum, out);
+                    return true;
+                },
+                // SAFETY: as above.
+                Kind::Q8_0 => unsafe {
+                    let (d, qs) = (&self.d[b0..b1], &self.qs[b0 * 32..b1 * 32]);
+                    simd::vnni::matvec_q8_0(d, qs, &x.q, &x.d, out);
+                    return true;
+                },
+                _ => {}
+            }
+        }
+        let _ = (isa, r0, x, xsum, out);
+        false
     }
 
     fn row_dot_q8(&self, isa: Isa, r: usize, x: &QuantizedActs, xsum: &[f32]) -> f32 {
@@ -1011,6 +1074,38 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The vector quantizer of decode's int8 activations gives the portable one's bits: codes
+    /// that fall on a tie (x = ±(k + 1/2) steps), a block of zeros and a block of one value.
+    #[test]
+    fn activation_quantizers_agree_bit_for_bit() {
+        #[cfg(target_arch = "x86_64")]
+        if simd::vnni::available() {
+            let mut x: Vec<f32> = (0..256)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            // Block 1: ties, the largest 127 so a step is 1.
+            for (j, v) in x[32..64].iter_mut().enumerate() {
+                *v = if j == 0 {
+                    127.0
+                } else {
+                    (j as f32 - 16.0) + 0.5
+                };
+            }
+            x[64..96].fill(0.0);
+            x[96..128].fill(-3.25);
+            let (mut q1, mut d1) = (vec![0i8; 256], vec![0f32; 8]);
+            let (mut q2, mut d2) = (vec![0i8; 256], vec![0f32; 8]);
+            quantize_acts_portable(&x, &mut q1, &mut d1);
+            // SAFETY: the CPU has the kernel's features (checked above).
+            unsafe { simd::vnni::quantize(&x, &mut q2, &mut d2) };
+            assert_eq!(q1, q2);
+            assert!(d1.iter().zip(&d2).all(|(a, b)| a.to_bits() == b.to_bits()));
+            // Ties go to even: 0.5 → 0, 1.5 → 2, -0.5 → 0, -1.5 → -2.
+            assert_eq!(&q1[48..50], &[0, 2]);
+            assert_eq!(&q1[46..48], &[-2, 0]);
         }
     }
 

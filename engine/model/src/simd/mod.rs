@@ -70,6 +70,10 @@ pub const SIGNED8: usize = 9;
 /// See [`SIGNED8`].
 pub const HALF: usize = 16;
 
+/// AVX-512 VNNI matrix-vector products over int8 activations.
+#[cfg(target_arch = "x86_64")]
+pub mod vnni;
+
 /// AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1).
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;

@@ -157,7 +157,8 @@ pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
         "bench engine: {} threads, kernels {kernels}, kv {}, prefill chunk {}, {} runs each",
         threads, l.format, l.model.prefill_chunk, a.runs
     );
-    let chosen_kernels = model::chosen::engine(l.model.prefill_activations());
+    let chosen_kernels =
+        model::chosen::engine(l.model.activations(), l.model.prefill_activations());
     for c in &chosen_kernels {
         eprintln!("  kernel: {}: {}", c.product, c.kernel);
     }

@@ -1,0 +1,324 @@
+//! AVX-512 VNNI matrix-vector products over int8 activations (`Activations::Int8`), for the
+//! formats held split into scales and quants (Q4_1, Q8_0).
+//!
+//! Activations come quantized per block of 32 (`xq` signed bytes, `dx` their scales). Each pass
+//! takes two blocks of [`ROWS`] rows: one `vpdpbusd` multiplies the 64 weights of a row's two
+//! blocks with the 64 activation bytes and sums each four products into one of 16 lanes, lanes
+//! 0-7 the first block's and 8-15 the second's; the lanes are converted to f32 once and scaled
+//! by their block's `d_w · d_x`. So a row's block sums never need a horizontal reduction, and
+//! the integer sums are exact.
+//!
+//! `vpdpbusd` multiplies unsigned by signed bytes. Q4_1's quants are unsigned already; Q8_0's
+//! are signed, so they are read with their top bit flipped (`w + 128`) and each lane starts from
+//! `-128 Σ x` of its four activations, which the pass computes once for every row.
+
+use crate::simd::{WEIGHTS_AHEAD, prefetch_weights};
+use half::f16;
+use std::arch::x86_64::*;
+
+/// Rows per pass.
+pub const ROWS: usize = 4;
+
+/// Whether this CPU runs these kernels: AVX-512 F, BW, VL and VNNI, and F16C.
+pub fn available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// The lanes of a scale vector that pick blocks `2k` (lanes 0-7) and `2k + 1` (lanes 8-15) of
+/// sixteen.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+fn pair_index(k: usize) -> __m512i {
+    let (a, b) = (2 * k as i32, 2 * k as i32 + 1);
+    _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b)
+}
+
+/// The first `n` of sixteen lanes.
+#[inline]
+fn lanes(n: usize) -> __mmask16 {
+    if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 }
+}
+
+/// The first `n` of 64 bytes.
+#[inline]
+fn bytes(n: usize) -> __mmask64 {
+    if n >= 64 { !0 } else { (1u64 << n) - 1 }
+}
+
+/// `out[r] = Σ_b d[r][b] dx[b] Σ_j q[r][b][j] xq[32b + j] + Σ_b m[r][b] xsum[b]` for the
+/// `out.len()` Q4_1 rows held in `d`, `m` (`nb = xq.len() / 32` each) and `qs` (16 bytes a
+/// block: quant j in the low nibble of byte j, quant j + 16 in its high nibble).
+///
+/// # Safety
+/// The CPU must have what [`available`] checks. The sizes are checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+pub unsafe fn matvec_q4_1(
+    d: &[f16],
+    m: &[f16],
+    qs: &[u8],
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    let nb = xq.len() / 32;
+    let rows = out.len();
+    assert!(
+        xq.len() == nb * 32
+            && dx.len() >= nb
+            && xsum.len() >= nb
+            && d.len() >= rows * nb
+            && m.len() >= rows * nb
+            && qs.len() >= rows * nb * 16,
+        "vnni::matvec_q4_1: bad sizes"
+    );
+    prefetch_weights(qs.as_ptr(), WEIGHTS_AHEAD);
+    let mut r = 0;
+    while r < rows {
+        let n = if r + ROWS <= rows { ROWS } else { 1 };
+        prefetch_weights(
+            qs.as_ptr().wrapping_add(r * nb * 16 + WEIGHTS_AHEAD),
+            n * nb * 16,
+        );
+        // SAFETY: rows r..r + n are inside the slices (asserted above).
+        unsafe {
+            match n {
+                ROWS => rows_q4_1::<ROWS>(d, m, qs, xq, dx, xsum, r, &mut out[r..r + n]),
+                _ => rows_q4_1::<1>(d, m, qs, xq, dx, xsum, r, &mut out[r..r + n]),
+            }
+        }
+        r += n;
+    }
+}
+
+/// [`matvec_q4_1`] for the `R` rows from `r0`.
+///
+/// # Safety
+/// As [`matvec_q4_1`], for rows `r0..r0 + R` inside the slices; `out` holds `R` values.
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+unsafe fn rows_q4_1<const R: usize>(
+    d: &[f16],
+    m: &[f16],
+    qs: &[u8],
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    r0: usize,
+    out: &mut [f32],
+) {
+    let nb = xq.len() / 32;
+    let nibble = _mm512_set1_epi8(0x0F);
+    // Blocks A, B of a pair as 128-bit lanes [A, A, B, B], then the high nibbles of lanes 1, 3.
+    let spread = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
+    let shift = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut mins = [_mm512_setzero_ps(); R];
+    let (dp, mp, qp, xp) = (d.as_ptr(), m.as_ptr(), qs.as_ptr(), xq.as_ptr());
+    let mut g = 0;
+    while g < nb {
+        let n = (nb - g).min(16);
+        let k = lanes(n);
+        // SAFETY: blocks g..g + n are inside dx and xsum, and inside d and m for each row
+        // (the caller's contract); masked loads read only those lanes.
+        let (dxv, xs) = unsafe {
+            (
+                _mm512_maskz_loadu_ps(k, dx.as_ptr().add(g)),
+                _mm512_maskz_loadu_ps(k, xsum.as_ptr().add(g)),
+            )
+        };
+        let mut ds = [_mm512_setzero_ps(); R];
+        for r in 0..R {
+            let o = (r0 + r) * nb + g;
+            // SAFETY: as above.
+            unsafe {
+                let dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, dp.add(o) as *const i16));
+                ds[r] = _mm512_mul_ps(dv, dxv);
+                let mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, mp.add(o) as *const i16));
+                mins[r] = _mm512_fmadd_ps(mv, xs, mins[r]);
+            }
+        }
+        for p in 0..n.div_ceil(2) {
+            let b = g + 2 * p;
+            let two = (nb - b).min(2);
+            // SAFETY: blocks b..b + two are inside xq (two · 32 bytes) and inside each row's
+            // quants (two · 16 bytes); masked loads read only those bytes.
+            let x = unsafe { _mm512_maskz_loadu_epi8(bytes(32 * two), xp.add(b * 32)) };
+            let pick = pair_index(p);
+            for r in 0..R {
+                // SAFETY: as above.
+                let w = unsafe {
+                    _mm256_maskz_loadu_epi8(
+                        bytes(16 * two) as __mmask32,
+                        qp.add(((r0 + r) * nb + b) * 16) as *const i8,
+                    )
+                };
+                let w = _mm512_permutexvar_epi64(spread, _mm512_castsi256_si512(w));
+                let w = _mm512_and_si512(_mm512_srlv_epi64(w, shift), nibble);
+                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+                let scale = _mm512_permutexvar_ps(pick, ds[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+            }
+        }
+        g += 16;
+    }
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], mins[r]));
+    }
+}
+
+/// `out[r] = Σ_b d[r][b] dx[b] Σ_j q[r][b][j] xq[32b + j]` for the `out.len()` Q8_0 rows held
+/// in `d` (`nb = xq.len() / 32` each) and `qs` (32 signed bytes a block).
+///
+/// # Safety
+/// The CPU must have what [`available`] checks. The sizes are checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32], out: &mut [f32]) {
+    let nb = xq.len() / 32;
+    let rows = out.len();
+    assert!(
+        xq.len() == nb * 32 && dx.len() >= nb && d.len() >= rows * nb && qs.len() >= rows * nb * 32,
+        "vnni::matvec_q8_0: bad sizes"
+    );
+    // Each lane's -128 Σ x over its four activations, for every pair of blocks: what reading
+    // the quants as w + 128 adds.
+    let flip = _mm512_set1_epi8(-128);
+    let base: Vec<__m512i> = (0..nb.div_ceil(2))
+        .map(|p| {
+            let two = (nb - 2 * p).min(2);
+            // SAFETY: blocks 2p..2p + two are inside xq; the masked load reads only them.
+            let x = unsafe { _mm512_maskz_loadu_epi8(bytes(32 * two), xq.as_ptr().add(64 * p)) };
+            _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, x),
+            )
+        })
+        .collect();
+    prefetch_weights(qs.as_ptr(), WEIGHTS_AHEAD);
+    let mut r = 0;
+    while r < rows {
+        let n = if r + ROWS <= rows { ROWS } else { 1 };
+        prefetch_weights(
+            qs.as_ptr().wrapping_add(r * nb * 32 + WEIGHTS_AHEAD),
+            n * nb * 32,
+        );
+        // SAFETY: rows r..r + n are inside the slices (asserted above).
+        unsafe {
+            match n {
+                ROWS => rows_q8_0::<ROWS>(d, qs, xq, dx, &base, r, &mut out[r..r + n]),
+                _ => rows_q8_0::<1>(d, qs, xq, dx, &base, r, &mut out[r..r + n]),
+            }
+        }
+        r += n;
+    }
+}
+
+/// [`matvec_q8_0`] for the `R` rows from `r0`; `base` holds each pair's starting lanes.
+///
+/// # Safety
+/// As [`matvec_q8_0`], for rows `r0..r0 + R` inside the slices; `out` holds `R` values.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+unsafe fn rows_q8_0<const R: usize>(
+    d: &[f16],
+    qs: &[u8],
+    xq: &[i8],
+    dx: &[f32],
+    base: &[__m512i],
+    r0: usize,
+    out: &mut [f32],
+) {
+    let nb = xq.len() / 32;
+    let flip = _mm512_set1_epi8(-128);
+    let mut acc = [_mm512_setzero_ps(); R];
+    let (dp, qp, xp) = (d.as_ptr(), qs.as_ptr(), xq.as_ptr());
+    let mut g = 0;
+    while g < nb {
+        let n = (nb - g).min(16);
+        let k = lanes(n);
+        // SAFETY: blocks g..g + n are inside dx, and inside d for each row (the caller's
+        // contract); masked loads read only those lanes.
+        let dxv = unsafe { _mm512_maskz_loadu_ps(k, dx.as_ptr().add(g)) };
+        let mut ds = [_mm512_setzero_ps(); R];
+        for r in 0..R {
+            // SAFETY: as above.
+            let dv = unsafe {
+                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                    k,
+                    dp.add((r0 + r) * nb + g) as *const i16,
+                ))
+            };
+            ds[r] = _mm512_mul_ps(dv, dxv);
+        }
+        for p in 0..n.div_ceil(2) {
+            let b = g + 2 * p;
+            let two = (nb - b).min(2);
+            let mask = bytes(32 * two);
+            // SAFETY: blocks b..b + two are inside xq and inside each row's quants; masked
+            // loads read only those bytes.
+            let x = unsafe { _mm512_maskz_loadu_epi8(mask, xp.add(b * 32)) };
+            let pick = pair_index(p);
+            for r in 0..R {
+                // SAFETY: as above.
+                let w = unsafe {
+                    _mm512_maskz_loadu_epi8(mask, qp.add(((r0 + r) * nb + b) * 32) as *const i8)
+                };
+                // Past the last block the bytes read as 0 flip to 128, against activations of
+                // 0 and a scale of 0.
+                let w = _mm512_xor_si512(w, flip);
+                let sums = _mm512_dpbusd_epi32(base[b / 2], w, x);
+                let scale = _mm512_permutexvar_ps(pick, ds[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+            }
+        }
+        g += 16;
+    }
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(acc[r]);
+    }
+}
+
+/// Quantizes `x` per block of 32 into `q` (codes in -127..=127, rounded to nearest, ties to
+/// even) and `d` (each block's largest magnitude over 127): the same bits as the portable
+/// quantizer of `qmatrix`.
+///
+/// # Safety
+/// The CPU must have what [`available`] checks. The sizes are checked.
+// One index runs over the codes and the scales at once.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+pub unsafe fn quantize(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    let nb = x.len() / 32;
+    assert!(
+        q.len() >= nb * 32 && d.len() >= nb,
+        "vnni::quantize: bad sizes"
+    );
+    let sign = _mm512_set1_ps(-0.0);
+    for b in 0..nb {
+        // SAFETY: block b < nb: its 32 values are inside x and its 32 codes inside q (the
+        // assert above); unaligned loads and stores accept any address.
+        unsafe {
+            let xp = x.as_ptr().add(b * 32);
+            let (lo, hi) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_andnot_ps(sign, lo),
+                _mm512_andnot_ps(sign, hi),
+            ));
+            d[b] = amax / 127.0;
+            let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+            // Round to nearest, ties to even (the default MXCSR mode).
+            let ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+            let qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+            let qp = q.as_mut_ptr().add(b * 32);
+            _mm_storeu_si128(qp as *mut __m128i, _mm512_cvtepi32_epi8(ql));
+            _mm_storeu_si128(qp.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(qh));
+        }
+    }
+}
