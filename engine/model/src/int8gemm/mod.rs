@@ -371,7 +371,7 @@ pub struct Sums<'a> {
 }
 
 /// [`quantize_portable`] on `path` (every path gives the same bits).
-pub(crate) fn quantize_blocks(path: Path, x: &[f32], q: &mut [i8], sums: Sums<'_>) {
+fn quantize_blocks(path: Path, x: &[f32], q: &mut [i8], sums: Sums<'_>) {
     assert!(path.available(), "{path:?} path on a CPU without it");
     match path {
         #[cfg(target_arch = "x86_64")]

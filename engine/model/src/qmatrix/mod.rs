@@ -155,18 +155,32 @@ struct QuantizedActs {
 }
 
 fn quantize_acts(x: &[f32]) -> QuantizedActs {
-    use crate::int8gemm::{Path, Sums, quantize_blocks};
     let nb = x.len() / BLOCK;
     let (mut q, mut d) = (vec![0i8; nb * BLOCK], vec![0f32; nb]);
-    let (mut sum, mut qsum, mut qlo) = (vec![0f32; nb], vec![0i32; nb], vec![0i32; nb]);
-    let sums = Sums {
-        d: &mut d,
-        sum: &mut sum,
-        qsum: &mut qsum,
-        qlo: &mut qlo,
-    };
-    quantize_blocks(Path::best(), &x[..nb * BLOCK], &mut q, sums);
+    #[cfg(target_arch = "x86_64")]
+    if simd::vnni::available() {
+        // SAFETY: the CPU has the kernel's features (checked just above); it checks the sizes.
+        unsafe { simd::vnni::quantize(x, &mut q, &mut d) };
+        return QuantizedActs { q, d };
+    }
+    quantize_acts_portable(x, &mut q, &mut d);
     QuantizedActs { q, d }
+}
+
+/// [`quantize_acts`] in plain Rust, into `q` and `d`.
+fn quantize_acts_portable(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    for ((b, qb), d) in x
+        .chunks_exact(BLOCK)
+        .zip(q.chunks_exact_mut(BLOCK))
+        .zip(d.iter_mut())
+    {
+        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        *d = amax / 127.0;
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        for (q, v) in qb.iter_mut().zip(b) {
+            *q = (v * inv).round_ties_even() as i8;
+        }
+    }
 }
 
 /// How a matrix's values are stored: the GGUF block formats the kernels read as they are, and
@@ -1060,6 +1074,38 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The vector quantizer of decode's int8 activations gives the portable one's bits: codes
+    /// that fall on a tie (x = ±(k + 1/2) steps), a block of zeros and a block of one value.
+    #[test]
+    fn activation_quantizers_agree_bit_for_bit() {
+        #[cfg(target_arch = "x86_64")]
+        if simd::vnni::available() {
+            let mut x: Vec<f32> = (0..256)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            // Block 1: ties, the largest 127 so a step is 1.
+            for (j, v) in x[32..64].iter_mut().enumerate() {
+                *v = if j == 0 {
+                    127.0
+                } else {
+                    (j as f32 - 16.0) + 0.5
+                };
+            }
+            x[64..96].fill(0.0);
+            x[96..128].fill(-3.25);
+            let (mut q1, mut d1) = (vec![0i8; 256], vec![0f32; 8]);
+            let (mut q2, mut d2) = (vec![0i8; 256], vec![0f32; 8]);
+            quantize_acts_portable(&x, &mut q1, &mut d1);
+            // SAFETY: the CPU has the kernel's features (checked above).
+            unsafe { simd::vnni::quantize(&x, &mut q2, &mut d2) };
+            assert_eq!(q1, q2);
+            assert!(d1.iter().zip(&d2).all(|(a, b)| a.to_bits() == b.to_bits()));
+            // Ties go to even: 0.5 → 0, 1.5 → 2, -0.5 → 0, -1.5 → -2.
+            assert_eq!(&q1[48..50], &[0, 2]);
+            assert_eq!(&q1[46..48], &[-2, 0]);
         }
     }
 

@@ -284,3 +284,41 @@ unsafe fn rows_q8_0<const R: usize>(
         out[r] = _mm512_reduce_add_ps(acc[r]);
     }
 }
+
+/// Quantizes `x` per block of 32 into `q` (codes in -127..=127, rounded to nearest, ties to
+/// even) and `d` (each block's largest magnitude over 127): the same bits as the portable
+/// quantizer of `qmatrix`.
+///
+/// # Safety
+/// The CPU must have what [`available`] checks. The sizes are checked.
+// One index runs over the codes and the scales at once.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+pub unsafe fn quantize(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    let nb = x.len() / 32;
+    assert!(
+        q.len() >= nb * 32 && d.len() >= nb,
+        "vnni::quantize: bad sizes"
+    );
+    let sign = _mm512_set1_ps(-0.0);
+    for b in 0..nb {
+        // SAFETY: block b < nb: its 32 values are inside x and its 32 codes inside q (the
+        // assert above); unaligned loads and stores accept any address.
+        unsafe {
+            let xp = x.as_ptr().add(b * 32);
+            let (lo, hi) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(
+                _mm512_andnot_ps(sign, lo),
+                _mm512_andnot_ps(sign, hi),
+            ));
+            d[b] = amax / 127.0;
+            let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+            // Round to nearest, ties to even (the default MXCSR mode).
+            let ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+            let qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+            let qp = q.as_mut_ptr().add(b * 32);
+            _mm_storeu_si128(qp as *mut __m128i, _mm512_cvtepi32_epi8(ql));
+            _mm_storeu_si128(qp.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(qh));
+        }
+    }
+}
