@@ -704,12 +704,13 @@ impl QMatrix {
         out.par_chunks_mut(per_task).enumerate().for_each(|(t, o)| {
             let r0 = t * per_task;
             match &xq {
-                Some(xq) if !self.rows_dot_q8(isa, r0, xq, &xsum, o) => {
-                    for (i, o) in o.iter_mut().enumerate() {
-                        *o = self.row_dot_q8(isa, r0 + i, xq, &xsum);
+                Some(xq) => {
+                    if !self.rows_dot_q8(isa, r0, xq, &xsum, o) {
+                        for (i, o) in o.iter_mut().enumerate() {
+                            *o = self.row_dot_q8(isa, r0 + i, xq, &xsum);
+                        }
                     }
                 }
-                Some(_) => {}
                 None => self.rows_dot(isa, r0, x, &xsum, o),
             }
         });

@@ -76,23 +76,17 @@ pub unsafe fn matvec_q4_1(
             && qs.len() >= rows * nb * 16,
         "vnni::matvec_q4_1: bad sizes"
     );
-    prefetch_weights(qs.as_ptr(), WEIGHTS_AHEAD);
-    let mut r = 0;
-    while r < rows {
-        let n = if r + ROWS <= rows { ROWS } else { 1 };
-        prefetch_weights(
-            qs.as_ptr().wrapping_add(r * nb * 16 + WEIGHTS_AHEAD),
-            n * nb * 16,
-        );
-        // SAFETY: rows r..r + n are inside the slices (asserted above).
+    passes(rows, nb * 16, qs.as_ptr(), |r, n| {
+        let out = &mut out[r..r + n];
+        // SAFETY: rows r..r + n are inside the slices (asserted above); the CPU has the
+        // features (this function's contract).
         unsafe {
             match n {
-                ROWS => rows_q4_1::<ROWS>(d, m, qs, xq, dx, xsum, r, &mut out[r..r + n]),
-                _ => rows_q4_1::<1>(d, m, qs, xq, dx, xsum, r, &mut out[r..r + n]),
+                ROWS => rows_q4_1::<ROWS>(d, m, qs, xq, dx, xsum, r, out),
+                _ => rows_q4_1::<1>(d, m, qs, xq, dx, xsum, r, out),
             }
         }
-        r += n;
-    }
+    });
 }
 
 /// [`matvec_q4_1`] for the `R` rows from `r0`.
@@ -200,21 +194,33 @@ pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32], out: &mut
             )
         })
         .collect();
-    prefetch_weights(qs.as_ptr(), WEIGHTS_AHEAD);
+    passes(rows, nb * 32, qs.as_ptr(), |r, n| {
+        let out = &mut out[r..r + n];
+        // SAFETY: rows r..r + n are inside the slices (asserted above); the CPU has the
+        // features (this function's contract).
+        unsafe {
+            match n {
+                ROWS => rows_q8_0::<ROWS>(d, qs, xq, dx, &base, r, out),
+                _ => rows_q8_0::<1>(d, qs, xq, dx, &base, r, out),
+            }
+        }
+    });
+}
+
+/// Runs `pass(r, n)` over `rows` rows, [`ROWS`] at a time and then one at a time, first
+/// asking for the quants' lines [`WEIGHTS_AHEAD`] ahead of each pass (`row_bytes` a row from
+/// `qs`).
+#[inline]
+fn passes(rows: usize, row_bytes: usize, qs: *const u8, mut pass: impl FnMut(usize, usize)) {
+    prefetch_weights(qs, WEIGHTS_AHEAD);
     let mut r = 0;
     while r < rows {
         let n = if r + ROWS <= rows { ROWS } else { 1 };
         prefetch_weights(
-            qs.as_ptr().wrapping_add(r * nb * 32 + WEIGHTS_AHEAD),
-            n * nb * 32,
+            qs.wrapping_add(r * row_bytes + WEIGHTS_AHEAD),
+            n * row_bytes,
         );
-        // SAFETY: rows r..r + n are inside the slices (asserted above).
-        unsafe {
-            match n {
-                ROWS => rows_q8_0::<ROWS>(d, qs, xq, dx, &base, r, &mut out[r..r + n]),
-                _ => rows_q8_0::<1>(d, qs, xq, dx, &base, r, &mut out[r..r + n]),
-            }
-        }
+        pass(r, n);
         r += n;
     }
 }
