@@ -635,6 +635,50 @@ pub fn decode_coded_params_with(
     }
 }
 
+/// Folds a KV chunk's group parameters into one query row (or row of attention weights) `x`:
+/// writes `x · scales` to `out` and returns `x · mins`, the row's bias, in one pass over the
+/// row (sixteen lanes at a time on the AVX-512 path, eight elsewhere).
+pub fn fold_params(x: &[f32], mins: &[f32], scales: &[f32], out: &mut [f32]) -> f32 {
+    fold_params_with(Isa::best(), x, mins, scales, out)
+}
+
+/// [`fold_params`] on a given path (each sums the bias in its own order).
+// One index runs over four arrays at once.
+#[allow(clippy::needless_range_loop)]
+pub fn fold_params_with(isa: Isa, x: &[f32], mins: &[f32], scales: &[f32], out: &mut [f32]) -> f32 {
+    let n = x.len();
+    assert!(
+        mins.len() == n && scales.len() == n && out.len() == n,
+        "fold_params: bad sizes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        assert!(isa.available(), "{isa:?} path on a CPU without it");
+        // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted); the sizes are
+        // asserted above.
+        return unsafe { simd::avx512::fold_params(x, mins, scales, out) };
+    }
+    let mut acc = [0.0f32; 8];
+    let whole = n / 8 * 8;
+    for (((o, x), m), s) in out[..whole]
+        .chunks_exact_mut(8)
+        .zip(x.chunks_exact(8))
+        .zip(mins.chunks_exact(8))
+        .zip(scales.chunks_exact(8))
+    {
+        for i in 0..8 {
+            o[i] = x[i] * s[i];
+            acc[i] += x[i] * m[i];
+        }
+    }
+    let mut bias = acc.iter().sum::<f32>();
+    for i in whole..n {
+        out[i] = x[i] * scales[i];
+        bias += x[i] * mins[i];
+    }
+    bias
+}
+
 /// How KV values are stored: packed unsigned codes of 2, 3, 4 or 8 bits (int4, int2 and the
 /// coded formats), signed bytes (int8), or little-endian f16.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1366,6 +1410,43 @@ mod tests {
             geglu_with(isa, &mut out, &gate_up, 4);
             for (o, w) in out.iter().zip(want) {
                 assert!((o - w).abs() < 1e-5, "{isa:?}: {out:?}");
+            }
+        }
+    }
+
+    /// Every path folds the parameters into a row as the f64 sums do, whatever the row's
+    /// length (tails past the vectors, the 16 tokens of values, a head's 64 or 256 channels).
+    #[test]
+    fn fold_params_match_f64_on_every_path() {
+        for n in [1, 7, 15, 16, 17, 33, 64, 256] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+                .collect();
+            let mins: Vec<f32> = (0..n).map(|i| ((i * 53 % 19) as f32 - 9.0) / 4.0).collect();
+            let scales: Vec<f32> = (0..n)
+                .map(|i| ((i * 11 % 13) as f32 + 1.0) / 13.0)
+                .collect();
+            let want: f64 = x
+                .iter()
+                .zip(&mins)
+                .map(|(&a, &m)| f64::from(a) * f64::from(m))
+                .sum();
+            let mag: f64 = x
+                .iter()
+                .zip(&mins)
+                .map(|(&a, &m)| f64::from((a * m).abs()))
+                .sum();
+            for isa in Isa::all_available() {
+                let mut out = vec![f32::NAN; n];
+                let bias = fold_params_with(isa, &x, &mins, &scales, &mut out);
+                let bound = mag * n as f64 * f64::from(f32::EPSILON) / 2.0;
+                assert!(
+                    (f64::from(bias) - want).abs() <= bound,
+                    "{isa:?} n {n}: {bias} vs {want}"
+                );
+                for i in 0..n {
+                    assert_eq!(out[i], x[i] * scales[i], "{isa:?} n {n} at {i}");
+                }
             }
         }
     }

@@ -19,8 +19,8 @@
 //! second pass.
 
 use crate::kernels::{
-    Codes, axpy, axpy_rows, axpy_rows_codes, dot, dot_rows, dot_rows_codes, matmul_nn, matmul_nt,
-    matmul_serial, softmax, softmax_exp,
+    Codes, axpy, axpy_rows, axpy_rows_codes, dot, dot_rows, dot_rows_codes, fold_params, matmul_nn,
+    matmul_nt, matmul_serial, softmax, softmax_exp,
 };
 use crate::kv::codec::{
     decode_k, decode_v, f16_keys, f16_values, head_codes, int8_keys, int8_values, packed_keys,
@@ -357,6 +357,41 @@ const PREFETCH_CHUNKS: usize = 2;
 /// Chunks per decode task below which a KV head's chunks are not split further.
 const DECODE_TASK_CHUNKS: usize = 8;
 
+/// Chunks per thread from which a decode task takes every KV head of its chunks (see
+/// [`DecodeSplit::of`]).
+const DECODE_WIDE_CHUNKS: usize = 32;
+
+/// How the chunks of one decode step are cut into tasks: each task takes `heads` KV heads
+/// (1, or all of them) of one of `ranges` ranges of chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct DecodeSplit {
+    heads: usize,
+    ranges: usize,
+}
+
+impl DecodeSplit {
+    /// The split of `chunks` on `threads`. Long contexts ([`DECODE_WIDE_CHUNKS`] chunks a
+    /// thread or more) are cut by chunks alone, each task reading every KV head of its chunks:
+    /// a chunk's layer is then one run of memory read once, with one prefetch, one look-up
+    /// and one page walk, where a task per head touched the same pages once per head. Shorter
+    /// ones keep a task per KV head, each head's chunks cut by [`decode_splits`], so every
+    /// thread still has work.
+    fn of(n_kv_heads: usize, chunks: usize, threads: usize) -> DecodeSplit {
+        let threads = threads.max(1);
+        if n_kv_heads > 1 && chunks >= threads * DECODE_WIDE_CHUNKS {
+            DecodeSplit {
+                heads: n_kv_heads,
+                ranges: threads,
+            }
+        } else {
+            DecodeSplit {
+                heads: 1,
+                ranges: decode_splits(n_kv_heads, chunks, threads),
+            }
+        }
+    }
+}
+
 /// How many ranges to cut each KV head's `chunks` into, so the `n_kv_heads × splits` tasks of
 /// a decode step fall evenly on `threads` (3 KV heads on 2 threads would leave one thread
 /// doing two heads while the other waits): the fewest splits that make the tasks a multiple of
@@ -368,8 +403,9 @@ fn decode_splits(n_kv_heads: usize, chunks: usize, threads: usize) -> usize {
         .unwrap_or(most)
 }
 
-/// One task of [`attend_packed`]: KV head `g`'s chunks from `c0`, for every query row of the
-/// head, softmax not yet normalized (pieces of one head are put together at the end).
+/// One KV head's share of a task of [`attend_packed`]: head `g`'s chunks of the task, for
+/// every query row of the head, softmax not yet normalized (pieces of one head are put together
+/// at the end).
 struct Piece {
     g: usize,
     /// The first position of the piece.
@@ -388,11 +424,11 @@ struct Piece {
 
 /// Attention of a few query rows straight from chunk memory (see the module comment).
 ///
-/// Each KV head's chunks are cut into ranges ([`decode_splits`]), one task each; a task reads
-/// its chunks' keys (scores of each query row against 16 keys at a time), takes its rows'
-/// exponentials against its own largest score and sums its values weighted by them; the
-/// pieces of a head are then scaled to the head's largest score and normalized (as in
-/// flash-decoding), which equals one softmax over the whole row up to f32 rounding.
+/// The chunks are cut into tasks ([`DecodeSplit::of`]); a task reads its chunks' keys (scores
+/// of each query row against 16 keys at a time), takes its rows' exponentials against its own
+/// largest score and sums its values weighted by them; the pieces of a head are then scaled to
+/// the head's largest score and normalized (as in flash-decoding), which equals one softmax
+/// over the whole row up to f32 rounding.
 pub fn attend_packed(
     cache: &mut KvCache,
     layer: usize,
@@ -404,11 +440,11 @@ pub fn attend_packed(
 ) -> Result<(), KvError> {
     let chunks = cache.chunks_upto(p0 + n) - shape.first_key(p0) / cache.shape().tokens;
     let threads = rayon::current_num_threads();
-    let splits = decode_splits(shape.n_kv_heads, chunks, threads);
-    attend_packed_split(cache, layer, shape, q, p0, n, splits, out)
+    let split = DecodeSplit::of(shape.n_kv_heads, chunks, threads);
+    attend_packed_split(cache, layer, shape, q, p0, n, split, out)
 }
 
-/// [`attend_packed`] with each KV head's chunks cut into `splits` ranges.
+/// [`attend_packed`] with its chunks cut as `split` says.
 #[allow(clippy::too_many_arguments)]
 fn attend_packed_split(
     cache: &mut KvCache,
@@ -417,19 +453,23 @@ fn attend_packed_split(
     q: &[f32],
     p0: usize,
     n: usize,
-    splits: usize,
+    split: DecodeSplit,
     out: &mut [f32],
 ) -> Result<(), KvError> {
     let total = p0 + n;
     let chunks = cache.chunks_upto(total);
     // The first chunk the first query's window reaches (0 on a global layer).
     let first = shape.first_key(p0) / cache.shape().tokens;
-    let per = (chunks - first).div_ceil(splits).max(1);
-    let tasks: Vec<(usize, usize, usize)> = (0..shape.n_kv_heads)
-        .flat_map(|g| {
-            (first..chunks)
-                .step_by(per)
-                .map(move |c0| (g, c0, (c0 + per).min(chunks)))
+    let per = (chunks - first).div_ceil(split.ranges).max(1);
+    let heads = split.heads.clamp(1, shape.n_kv_heads);
+    let tasks: Vec<Task> = (0..shape.n_kv_heads)
+        .step_by(heads)
+        .flat_map(|g0| {
+            (first..chunks).step_by(per).map(move |c0| Task {
+                heads: g0..(g0 + heads).min(shape.n_kv_heads),
+                c0,
+                c1: (c0 + per).min(chunks),
+            })
         })
         .collect();
     let work = PieceWork {
@@ -446,14 +486,17 @@ fn attend_packed_split(
     let pieces: Vec<Piece> = if tasks.len() > 1 {
         tasks
             .par_iter()
-            .map(|&t| work.run(t))
-            .collect::<Result<_, _>>()?
+            .map(|t| work.run(t))
+            .collect::<Result<Vec<_>, _>>()?
     } else {
         tasks
             .iter()
-            .map(|&t| work.run(t))
-            .collect::<Result<_, _>>()?
-    };
+            .map(|t| work.run(t))
+            .collect::<Result<Vec<_>, _>>()?
+    }
+    .into_iter()
+    .flatten()
+    .collect();
     let col = merge_pieces(&pieces, &work, out);
     cache.add_attention(&col);
     if cache.recording() {
@@ -461,6 +504,13 @@ fn attend_packed_split(
         cache.add_rows(&seen);
     }
     Ok(())
+}
+
+/// One task of a decode step: KV heads `heads` of chunks `c0..c1`.
+struct Task {
+    heads: std::ops::Range<usize>,
+    c0: usize,
+    c1: usize,
 }
 
 /// What every piece of one [`attend_packed_split`] shares.
@@ -481,7 +531,7 @@ struct PieceWork<'a> {
     rows: usize,
 }
 
-/// A piece's scratch rows: the chunk's minimums and scales, each row's query (or weights)
+/// A task's scratch rows: the chunk's minimums and scales, each row's query (or weights)
 /// times the scales, and each row's bias (its dot product with the minimums).
 struct Scratch {
     mins: Vec<f32>,
@@ -503,14 +553,14 @@ impl PieceWork<'_> {
         &self.q[src..src + hd]
     }
 
-    /// KV head `g`'s chunks `c0..c1` against its query rows: scores, exponentials against the
-    /// piece's largest, and the values weighted by them.
-    fn run(&self, (g, c0, c1): (usize, usize, usize)) -> Result<Piece, KvError> {
+    /// The task's KV heads over its chunks against their query rows: scores, exponentials
+    /// against each head's largest in the task, and the values weighted by them; one piece a
+    /// head.
+    fn run(&self, task: &Task) -> Result<Vec<Piece>, KvError> {
         let (hd, t) = (self.shape.head_dim, self.cs.tokens);
         let rows = self.rows;
-        let (start, end) = (c0 * t, (c1 * t).min(self.total));
+        let (start, end) = (task.c0 * t, (task.c1 * t).min(self.total));
         let width = end - start;
-        let mut e = vec![0.0f32; rows * width];
         let mut s = Scratch {
             mins: vec![0.0; hd.max(t)],
             scales: vec![0.0; hd.max(t)],
@@ -520,42 +570,55 @@ impl PieceWork<'_> {
             vals: Vec::new(),
         };
         // Each chunk's layer, looked up once for the prefetches and both passes.
-        let views = (c0..c1)
+        let views = (task.c0..task.c1)
             .map(|c| self.view.layer_view(self.layer, c))
             .collect::<Result<Vec<_>, _>>()?;
-        self.scores(g, c0, &views, start, width, &mut e, &mut s);
+        let mut es: Vec<Vec<f32>> = task
+            .heads
+            .clone()
+            .map(|_| vec![0.0; rows * width])
+            .collect();
+        self.scores(task, &views, start, width, &mut es, &mut s);
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut max = vec![f32::NEG_INFINITY; rows];
-        let mut sum = vec![0.0f32; rows];
-        for (r, srow) in e.chunks_exact_mut(width).enumerate() {
-            let pos = self.p0 + r / self.group;
-            let visible = (pos + 1).min(end).saturating_sub(start);
-            let hidden = self.shape.first_key(pos).saturating_sub(start).min(visible);
-            let (live, masked) = srow.split_at_mut(visible);
-            let (before, live) = live.split_at_mut(hidden);
-            masked.fill(0.0);
-            before.fill(0.0);
-            (max[r], sum[r]) = softmax_exp(live, scale);
-        }
-        let o = self.weighted_values(g, c0, &views, start, width, &e, &mut s);
-        Ok(Piece {
-            g,
-            start,
-            width,
-            e,
-            max,
-            sum,
-            o,
-        })
+        let mut pieces: Vec<Piece> = task
+            .heads
+            .clone()
+            .zip(es)
+            .map(|(g, mut e)| {
+                let mut max = vec![f32::NEG_INFINITY; rows];
+                let mut sum = vec![0.0f32; rows];
+                for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+                    let pos = self.p0 + r / self.group;
+                    let visible = (pos + 1).min(end).saturating_sub(start);
+                    let hidden = self.shape.first_key(pos).saturating_sub(start).min(visible);
+                    let (live, masked) = srow.split_at_mut(visible);
+                    let (before, live) = live.split_at_mut(hidden);
+                    masked.fill(0.0);
+                    before.fill(0.0);
+                    (max[r], sum[r]) = softmax_exp(live, scale);
+                }
+                Piece {
+                    g,
+                    start,
+                    width,
+                    e,
+                    max,
+                    sum,
+                    o: vec![0.0f32; rows * hd],
+                }
+            })
+            .collect();
+        self.weighted_values(task, &views, start, width, &mut pieces, &mut s);
+        Ok(pieces)
     }
 
-    /// Asks for KV head `g`'s key codes (`part` 0) or value codes (1) of a chunk's layer
-    /// (`view`: none past the task's chunks), when it is sealed. Chunks are separate slots of
-    /// memory, each read in pieces of a few KiB, so the hardware's prefetchers start late on
-    /// each: a task asks a few chunks before it reads them, and only for the head's own bytes:
-    /// a third of the layer on the default model. Asking for the whole layer in each head's task
-    /// made decode at depth 8,160 over f16 chunks 19% slower (25 against 31 tokens/s).
-    fn prefetch(&self, g: usize, view: Option<&LayerView<'_>>, part: usize) {
+    /// Asks for the key codes (`part` 0) or value codes (1) of KV heads `heads` of a chunk's
+    /// layer (`view`: none past the task's chunks), when it is sealed, and their parameters.
+    /// Chunks are separate slots of memory, each read in pieces of a few KiB, so the hardware's
+    /// prefetchers start late on each: a task asks a few chunks before it reads them, and only
+    /// for its heads' own bytes. Asking for the whole layer in each head's task made decode at
+    /// depth 8,160 over f16 chunks 19% slower (25 against 31 tokens/s).
+    fn prefetch(&self, heads: &std::ops::Range<usize>, view: Option<&LayerView<'_>>, part: usize) {
         if let Some(&LayerView::Sealed(f, bytes)) = view {
             let cs = &self.cs;
             // The section's parameters (scales, minimums) are small and follow its codes.
@@ -563,7 +626,9 @@ impl PieceWork<'_> {
                 0 => cs.k_values_bytes(f)..cs.k_bytes(f),
                 _ => cs.k_bytes(f) + cs.v_values_bytes(f)..cs.layer_bytes(f),
             };
-            for range in [head_codes(cs, f, g)[part].clone(), params] {
+            let codes = head_codes(cs, f, heads.start)[part].start
+                ..head_codes(cs, f, heads.end - 1)[part].end;
+            for range in [codes, params] {
                 if let Some(b) = bytes.get(range) {
                     prefetch_l2(b);
                 }
@@ -571,158 +636,158 @@ impl PieceWork<'_> {
         }
     }
 
-    /// Each query row's scores against the keys of the chunks `views` (chunk `c0` first) into
-    /// `e` (`[rows][width]`).
+    /// Each query row's scores against the keys of the chunks `views` (chunk `task.c0` first)
+    /// into `es` (one `[rows][width]` per KV head of the task), chunk by chunk, every head of
+    /// a chunk before the next chunk.
     ///
     /// Chunks of codes (int8, and the formats of unsigned codes with a minimum and a scale per
     /// group: per channel for keys) are read for every row of the head at once, never decoded
     /// to f32: each row's query times the keys' scales, and its dot product with their minimums
     /// as a bias.
-    #[allow(clippy::too_many_arguments)]
     fn scores(
         &self,
-        g: usize,
-        c0: usize,
+        task: &Task,
         views: &[LayerView<'_>],
         start: usize,
         width: usize,
-        e: &mut [f32],
+        es: &mut [Vec<f32>],
         s: &mut Scratch,
     ) {
         let (hd, t, cs) = (self.shape.head_dim, self.cs.tokens, &self.cs);
-        let ahead = |i: usize| self.prefetch(g, views.get(i), 0);
+        let ahead = |i: usize| self.prefetch(&task.heads, views.get(i), 0);
         for i in 0..PREFETCH_CHUNKS {
             ahead(i);
         }
         for (i, &view) in views.iter().enumerate() {
             ahead(i + PREFETCH_CHUNKS);
-            let c = c0 + i;
+            let c = task.c0 + i;
             let live = t.min(self.total - c * t);
             let off = c * t - start;
-            let out = &mut e[off..];
-            let (codes, first, kind) = match view {
-                // f16 keys are read as stored, converted in registers where the CPU can.
-                LayerView::Sealed(KvFormat::F16, bytes) => {
-                    for (r, qr) in s.qsr.chunks_exact_mut(hd).enumerate() {
-                        qr.copy_from_slice(self.qrow(g, r));
-                    }
-                    s.bias.fill(0.0);
-                    (&f16_keys(cs, bytes, g)[..live * hd * 2], 0, Codes::F16)
-                }
-                // int8 keys too, each row's query scaled by the channels' scales instead.
-                LayerView::Sealed(KvFormat::Int8, bytes) => {
-                    let k = &int8_keys(cs, bytes, g, &mut s.scales)[..live * hd];
-                    for (r, qr) in s.qsr.chunks_exact_mut(hd).enumerate() {
-                        for ((x, &q), &sc) in qr.iter_mut().zip(self.qrow(g, r)).zip(&s.scales) {
-                            *x = q * sc;
+            for (g, e) in task.heads.clone().zip(es.iter_mut()) {
+                let out = &mut e[off..];
+                let (codes, first, kind) = match view {
+                    // f16 keys are read as stored, converted in registers where the CPU can.
+                    LayerView::Sealed(KvFormat::F16, bytes) => {
+                        for (r, qr) in s.qsr.chunks_exact_mut(hd).enumerate() {
+                            qr.copy_from_slice(self.qrow(g, r));
                         }
+                        s.bias.fill(0.0);
+                        (&f16_keys(cs, bytes, g)[..live * hd * 2], 0, Codes::F16)
                     }
-                    s.bias.fill(0.0);
-                    (k, 0, Codes::Signed8)
-                }
-                // Every other format: unsigned codes with a minimum and a scale per channel.
-                LayerView::Sealed(f, bytes) => {
-                    let (codes, first) = packed_keys(cs, f, bytes, g, &mut s.mins, &mut s.scales);
-                    for (r, (qr, b)) in s.qsr.chunks_exact_mut(hd).zip(&mut s.bias).enumerate() {
-                        let q = self.qrow(g, r);
-                        *b = dot(q, &s.mins[..hd]);
-                        for ((x, &q), &sc) in qr.iter_mut().zip(q).zip(&s.scales) {
-                            *x = q * sc;
+                    // int8 keys too, each row's query scaled by the channels' scales instead.
+                    LayerView::Sealed(KvFormat::Int8, bytes) => {
+                        let k = &int8_keys(cs, bytes, g, &mut s.scales)[..live * hd];
+                        for (r, qr) in s.qsr.chunks_exact_mut(hd).enumerate() {
+                            for ((x, &q), &sc) in qr.iter_mut().zip(self.qrow(g, r)).zip(&s.scales)
+                            {
+                                *x = q * sc;
+                            }
                         }
+                        s.bias.fill(0.0);
+                        (k, 0, Codes::Signed8)
                     }
-                    (codes, first, Codes::Unsigned(f.key_bits() as usize))
-                }
-                LayerView::Open(b) => {
-                    let keys = &b[g * t * hd..(g + 1) * t * hd];
-                    for (r, srow) in e.chunks_exact_mut(width).enumerate() {
-                        dot_rows(
-                            self.qrow(g, r),
-                            &keys[..live * hd],
-                            &mut srow[off..off + live],
-                        );
+                    // Every other format: unsigned codes with a minimum and a scale per channel.
+                    LayerView::Sealed(f, bytes) => {
+                        let (codes, first) =
+                            packed_keys(cs, f, bytes, g, &mut s.mins, &mut s.scales);
+                        for (r, (qr, b)) in s.qsr.chunks_exact_mut(hd).zip(&mut s.bias).enumerate()
+                        {
+                            *b = fold_params(self.qrow(g, r), &s.mins[..hd], &s.scales[..hd], qr);
+                        }
+                        (codes, first, Codes::Unsigned(f.key_bits() as usize))
                     }
-                    continue;
-                }
-            };
-            dot_rows_codes(&s.qsr, &s.bias, codes, first, kind, hd, out, width, live);
+                    LayerView::Open(b) => {
+                        let keys = &b[g * t * hd..(g + 1) * t * hd];
+                        for (r, srow) in e.chunks_exact_mut(width).enumerate() {
+                            dot_rows(
+                                self.qrow(g, r),
+                                &keys[..live * hd],
+                                &mut srow[off..off + live],
+                            );
+                        }
+                        continue;
+                    }
+                };
+                dot_rows_codes(&s.qsr, &s.bias, codes, first, kind, hd, out, width, live);
+            }
         }
     }
 
-    /// Σ e v over the values of the chunks `views` (chunk `c0` first), per query row
-    /// (`[rows][head_dim]`). Codes are read as for keys, with each row's weights times the
-    /// values' scales (per token) and their dot product with the minimums as the bias; values
-    /// in groups narrower than the head are decoded to f32 first.
-    #[allow(clippy::too_many_arguments)]
+    /// Σ e v over the values of the chunks `views` (chunk `task.c0` first), per query row, into
+    /// each piece's `o` (`[rows][head_dim]`), chunk by chunk as [`PieceWork::scores`]. Codes are
+    /// read as for keys, with each row's weights times the values' scales (per token) and their
+    /// dot product with the minimums as the bias; values in groups narrower than the head are
+    /// decoded to f32 first.
     fn weighted_values(
         &self,
-        g: usize,
-        c0: usize,
+        task: &Task,
         views: &[LayerView<'_>],
         start: usize,
         width: usize,
-        e: &[f32],
+        pieces: &mut [Piece],
         s: &mut Scratch,
-    ) -> Vec<f32> {
+    ) {
         let (hd, t, cs) = (self.shape.head_dim, self.cs.tokens, &self.cs);
-        let mut o = vec![0.0f32; self.rows * hd];
         for i in 0..PREFETCH_CHUNKS {
-            self.prefetch(g, views.get(i), 1);
+            self.prefetch(&task.heads, views.get(i), 1);
         }
         for (i, &view) in views.iter().enumerate() {
-            self.prefetch(g, views.get(i + PREFETCH_CHUNKS), 1);
-            let c = c0 + i;
+            self.prefetch(&task.heads, views.get(i + PREFETCH_CHUNKS), 1);
+            let c = task.c0 + i;
             let live = t.min(self.total - c * t);
             let off = c * t - start;
-            match view {
-                LayerView::Sealed(KvFormat::F16, bytes) => {
-                    let v = &f16_values(cs, bytes, g)[..live * hd * 2];
-                    s.bias.fill(0.0);
-                    let w = &e[off..];
-                    axpy_rows_codes(&mut o, &s.bias, w, width, live, v, 0, Codes::F16, hd);
-                }
-                // int8 values, each weight scaled by its token's scale instead.
-                LayerView::Sealed(KvFormat::Int8, bytes) => {
-                    let v = &int8_values(cs, bytes, g, &mut s.scales)[..live * hd];
-                    for (erow, wr) in e.chunks_exact(width).zip(s.wsr.chunks_exact_mut(t)) {
-                        let w = &erow[off..off + live];
-                        for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&s.scales) {
-                            *x = w * sc;
+            for p in pieces.iter_mut() {
+                let (g, e, o) = (p.g, &p.e, &mut p.o);
+                match view {
+                    LayerView::Sealed(KvFormat::F16, bytes) => {
+                        let v = &f16_values(cs, bytes, g)[..live * hd * 2];
+                        s.bias.fill(0.0);
+                        let w = &e[off..];
+                        axpy_rows_codes(o, &s.bias, w, width, live, v, 0, Codes::F16, hd);
+                    }
+                    // int8 values, each weight scaled by its token's scale instead.
+                    LayerView::Sealed(KvFormat::Int8, bytes) => {
+                        let v = &int8_values(cs, bytes, g, &mut s.scales)[..live * hd];
+                        for (erow, wr) in e.chunks_exact(width).zip(s.wsr.chunks_exact_mut(t)) {
+                            let w = &erow[off..off + live];
+                            for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&s.scales) {
+                                *x = w * sc;
+                            }
+                        }
+                        s.bias.fill(0.0);
+                        axpy_rows_codes(o, &s.bias, &s.wsr, t, live, v, 0, Codes::Signed8, hd);
+                    }
+                    // Values in groups narrower than the head (Gemma 3): decoded, then summed in
+                    // f32.
+                    LayerView::Sealed(f, bytes) if cs.value_width(f) != hd => {
+                        s.vals.resize(t * hd, 0.0);
+                        decode_v(cs, f, bytes, g, &mut s.vals);
+                        for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
+                            axpy_rows(orow, &erow[off..off + live], &s.vals[..live * hd]);
                         }
                     }
-                    s.bias.fill(0.0);
-                    axpy_rows_codes(&mut o, &s.bias, &s.wsr, t, live, v, 0, Codes::Signed8, hd);
-                }
-                // Values in groups narrower than the head (Gemma 3): decoded, then summed in f32.
-                LayerView::Sealed(f, bytes) if cs.value_width(f) != hd => {
-                    s.vals.resize(t * hd, 0.0);
-                    decode_v(cs, f, bytes, g, &mut s.vals);
-                    for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
-                        axpy_rows(orow, &erow[off..off + live], &s.vals[..live * hd]);
-                    }
-                }
-                // Every other format: unsigned codes with a minimum and a scale per token.
-                LayerView::Sealed(f, bytes) => {
-                    let (codes, first) = packed_values(cs, f, bytes, g, &mut s.mins, &mut s.scales);
-                    let weights = e.chunks_exact(width).zip(s.wsr.chunks_exact_mut(t));
-                    for ((erow, wr), b) in weights.zip(&mut s.bias) {
-                        let w = &erow[off..off + live];
-                        *b = dot(w, &s.mins[..live]);
-                        for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&s.scales) {
-                            *x = w * sc;
+                    // Every other format: unsigned codes with a minimum and a scale per token.
+                    LayerView::Sealed(f, bytes) => {
+                        let (codes, first) =
+                            packed_values(cs, f, bytes, g, &mut s.mins, &mut s.scales);
+                        let weights = e.chunks_exact(width).zip(s.wsr.chunks_exact_mut(t));
+                        for ((erow, wr), b) in weights.zip(&mut s.bias) {
+                            let w = &erow[off..off + live];
+                            *b =
+                                fold_params(w, &s.mins[..live], &s.scales[..live], &mut wr[..live]);
                         }
+                        let kind = Codes::Unsigned(f.value_bits() as usize);
+                        axpy_rows_codes(o, &s.bias, &s.wsr, t, live, codes, first, kind, hd);
                     }
-                    let kind = Codes::Unsigned(f.value_bits() as usize);
-                    axpy_rows_codes(&mut o, &s.bias, &s.wsr, t, live, codes, first, kind, hd);
-                }
-                LayerView::Open(b) => {
-                    let values = &b[(self.shape.n_kv_heads + g) * t * hd..][..t * hd];
-                    for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
-                        axpy_rows(orow, &erow[off..off + live], &values[..live * hd]);
+                    LayerView::Open(b) => {
+                        let values = &b[(self.shape.n_kv_heads + g) * t * hd..][..t * hd];
+                        for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
+                            axpy_rows(orow, &erow[off..off + live], &values[..live * hd]);
+                        }
                     }
                 }
             }
         }
-        o
     }
 }
 
@@ -1008,7 +1073,13 @@ mod tests {
     }
 
     /// [`check`] with decode's chunks cut into `splits` ranges per KV head (`None`: as chosen).
-    fn check_split(len: usize, n: usize, formats: &[KvFormat], seed: u64, splits: Option<usize>) {
+    fn check_split(
+        len: usize,
+        n: usize,
+        formats: &[KvFormat],
+        seed: u64,
+        splits: Option<DecodeSplit>,
+    ) {
         check_shape(SHAPE, len, n, formats, 0, seed, splits);
     }
 
@@ -1021,7 +1092,7 @@ mod tests {
         formats: &[KvFormat],
         value_group: usize,
         seed: u64,
-        splits: Option<usize>,
+        splits: Option<DecodeSplit>,
     ) {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut c = cache(len, formats, value_group, &mut rng);
@@ -1062,7 +1133,10 @@ mod tests {
         check_shape(SHAPE, 70, 1, &coded, 8, 11, None);
         check_shape(SHAPE, 70, 2, &coded, 8, 12, None);
         check_shape(SHAPE, 70, 20, &coded, 8, 13, None);
-        check_shape(SHAPE, 300, 2, &coded, 8, 14, Some(3));
+        for heads in [1, 2] {
+            let split = DecodeSplit { heads, ranges: 3 };
+            check_shape(SHAPE, 300, 2, &coded, 8, 14, Some(split));
+        }
     }
 
     #[test]
@@ -1095,8 +1169,11 @@ mod tests {
             for (len, n) in [(70, 1), (70, 2), (100, 20), (40, 40), (257, 2)] {
                 check_shape(shape, len, n, &[Int8, F16, K4v4, Int4], 0, seed, None);
             }
-            for splits in [1, 3, 7] {
-                check_shape(shape, 300, 2, &[Int8, F16], 0, seed, Some(splits));
+            for ranges in [1, 3, 7] {
+                for heads in [1, 2] {
+                    let split = DecodeSplit { heads, ranges };
+                    check_shape(shape, 300, 2, &[Int8, F16], 0, seed, Some(split));
+                }
             }
         }
     }
@@ -1107,14 +1184,17 @@ mod tests {
         // Pieces of unequal length, a last chunk still open, a piece the first of two query
         // rows sees none of (len 257: the second row's last key alone in chunk 16).
         for (len, n) in [(300, 1), (300, 2), (257, 2), (33, 1)] {
-            for splits in [1, 2, 3, 5, 40] {
-                check_split(
-                    len,
-                    n,
-                    &[Int8, F16, K4v4, Int4],
-                    len as u64 + splits as u64,
-                    Some(splits),
-                );
+            for ranges in [1, 2, 3, 5, 40] {
+                // A task per KV head, or tasks of both KV heads.
+                for heads in [1, 2] {
+                    check_split(
+                        len,
+                        n,
+                        &[Int8, F16, K4v4, Int4, K4v3],
+                        len as u64 + ranges as u64,
+                        Some(DecodeSplit { heads, ranges }),
+                    );
+                }
             }
         }
     }
@@ -1138,5 +1218,21 @@ mod tests {
         check(3, 16, 4, 2);
         check(8, 200, 2, 1);
         check(3, 40, 1, 1);
+    }
+
+    /// Long contexts are cut by chunks alone, one range a thread, each task taking every KV
+    /// head; short ones (or one KV head) keep a task per head.
+    #[test]
+    fn long_contexts_are_split_by_chunks_with_every_head() {
+        let wide = |heads, ranges| DecodeSplit { heads, ranges };
+        assert_eq!(DecodeSplit::of(3, 512, 2), wide(3, 2));
+        assert_eq!(DecodeSplit::of(3, 64, 2), wide(3, 2));
+        assert_eq!(DecodeSplit::of(3, 63, 2), wide(1, decode_splits(3, 63, 2)));
+        assert_eq!(DecodeSplit::of(3, 200, 4), wide(3, 4));
+        assert_eq!(
+            DecodeSplit::of(1, 512, 2),
+            wide(1, decode_splits(1, 512, 2))
+        );
+        assert_eq!(DecodeSplit::of(3, 40, 1), wide(3, 1));
     }
 }

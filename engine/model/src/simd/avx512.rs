@@ -205,7 +205,7 @@ unsafe fn rows_q8_0<const R: usize>(d: &[f16], qs: &[u8], x: &[f32], r0: usize, 
     }
 }
 
-/// The first two rounds of [`reduce16`] and [`reduce8`]: `out[i]` holds, per 128-bit lane,
+/// The first two rounds of [`reduce16`] and [`reduce4`]: `out[i]` holds, per 128-bit lane,
 /// that lane's partial sums of vectors `4i..4i + 4` of `v` (`v` is four times as long).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
@@ -390,77 +390,78 @@ unsafe fn load_codes16<const BITS: usize>(p: *const u8) -> __m512 {
     _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, shifts), mask))
 }
 
-/// Eight vectors' horizontal sums, lane `i` of the result being `Σ v[i]`: the first rounds
-/// of [`reduce16`] on eight vectors, then the two halves of the 512-bit result added.
+/// Four vectors' horizontal sums, lane `i` of the result being `Σ v[i]`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-fn reduce8(v: &[__m512; 8]) -> __m256 {
-    let mut s2 = [_mm512_setzero_ps(); 2];
-    lane_partials(v, &mut s2);
-    // 128-bit lanes [A0 + A1, A2 + A3, B0 + B1, B2 + B3] of s2[0] = A and s2[1] = B.
-    let z = _mm512_add_ps(
-        _mm512_shuffle_f32x4::<0x88>(s2[0], s2[1]),
-        _mm512_shuffle_f32x4::<0xDD>(s2[0], s2[1]),
+fn reduce4(v: &[__m512; 4]) -> __m128 {
+    let mut s = [_mm512_setzero_ps(); 1];
+    lane_partials(v, &mut s);
+    let h = _mm256_add_ps(
+        _mm512_castps512_ps256(s[0]),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s[0]))),
     );
-    let t = _mm512_add_ps(
-        _mm512_shuffle_f32x4::<0x88>(z, z),
-        _mm512_shuffle_f32x4::<0xDD>(z, z),
-    );
-    _mm512_castps512_ps256(t)
+    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
 }
 
 /// `R` query rows against the same keys, each key's values loaded and converted once for
-/// all rows: `out[r · stride + j] = bias[r] + Σ_d q[r · hd + d] · key(j, d)` for j < n.
-/// Eight keys per pass (`8 R` accumulators).
+/// all rows: `out[r · stride + j] = bias[r] + Σ_d q[r · hd + d] · key(j, d)` for j < n, where
+/// `key(j, d0)` gives key j's values `d0..d0 + 16 NV` in `NV` vectors (a key read 64 values at
+/// a time lets 4-bit codes be unpacked in wide pieces).
+/// Four keys per pass (`4 R` accumulators: with eight, three rows of them spilled to the stack
+/// and the pass ran 20-50% slower, `cargo bench -p model --bench kvcodes`).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `hd` a multiple of 16, `q` at least
-/// `R · hd` long, `out` at least `(R - 1) · stride + n`, and `key(j, d)` valid for every
-/// j < n and d + 16 <= hd.
+/// `R · hd` long and a multiple of `16 NV`, `out` at least `(R - 1) · stride + n`, and
+/// `key(j, d0)` valid for every j < n and d0 + 16 NV <= hd.
 // One index runs over several register arrays at once.
 #[allow(clippy::needless_range_loop)]
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-unsafe fn dot_rows_multi_by<const R: usize>(
+unsafe fn dot_rows_multi_by<const R: usize, const NV: usize>(
     q: &[f32],
     hd: usize,
     bias: [f32; R],
     out: &mut [f32],
     stride: usize,
     n: usize,
-    key: impl Fn(usize, usize) -> __m512,
+    key: impl Fn(usize, usize) -> [__m512; NV],
 ) {
+    debug_assert!(hd.is_multiple_of(16 * NV));
     let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
     let mut j = 0;
-    while j + 8 <= n {
-        let mut acc = [[_mm512_setzero_ps(); 8]; R];
-        for d in (0..hd).step_by(16) {
-            // SAFETY: r · hd + d + 16 <= R · hd <= q.len() (the contract).
-            let qv: [__m512; R] =
-                std::array::from_fn(|r| unsafe { _mm512_loadu_ps(qp.add(r * hd + d)) });
-            for k in 0..8 {
-                let kv = key(j + k, d);
-                for r in 0..R {
-                    acc[r][k] = _mm512_fmadd_ps(kv, qv[r], acc[r][k]);
+    while j + 4 <= n {
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        for d0 in (0..hd).step_by(16 * NV) {
+            for k in 0..4 {
+                let kv = key(j + k, d0);
+                for v in 0..NV {
+                    for r in 0..R {
+                        // SAFETY: r · hd + d0 + 16 v + 16 <= R · hd <= q.len() (the contract).
+                        let qv = unsafe { _mm512_loadu_ps(qp.add(r * hd + d0 + 16 * v)) };
+                        acc[r][k] = _mm512_fmadd_ps(kv[v], qv, acc[r][k]);
+                    }
                 }
             }
         }
         for r in 0..R {
-            let sums = _mm256_add_ps(reduce8(&acc[r]), _mm256_set1_ps(bias[r]));
-            // SAFETY: r · stride + j + 8 <= (R - 1) · stride + n <= out.len().
-            unsafe { _mm256_storeu_ps(op.add(r * stride + j), sums) };
+            let sums = _mm_add_ps(reduce4(&acc[r]), _mm_set1_ps(bias[r]));
+            // SAFETY: r · stride + j + 4 <= (R - 1) · stride + n <= out.len().
+            unsafe { _mm_storeu_ps(op.add(r * stride + j), sums) };
         }
-        j += 8;
+        j += 4;
     }
     while j < n {
         let mut acc = [_mm512_setzero_ps(); R];
-        for d in (0..hd).step_by(16) {
-            let kv = key(j, d);
-            for r in 0..R {
-                // SAFETY: as above.
-                let qv = unsafe { _mm512_loadu_ps(qp.add(r * hd + d)) };
-                acc[r] = _mm512_fmadd_ps(kv, qv, acc[r]);
+        for d0 in (0..hd).step_by(16 * NV) {
+            let kv = key(j, d0);
+            for v in 0..NV {
+                for r in 0..R {
+                    // SAFETY: as above.
+                    let qv = unsafe { _mm512_loadu_ps(qp.add(r * hd + d0 + 16 * v)) };
+                    acc[r] = _mm512_fmadd_ps(kv[v], qv, acc[r]);
+                }
             }
         }
         for r in 0..R {
@@ -550,6 +551,34 @@ unsafe fn load_stored16<const K: usize>(p: *const u8, at: usize) -> __m512 {
     }
 }
 
+/// Sixty-four packed 4-bit codes (32 bytes at `p`, code j in bits `4j..` of the little-endian
+/// bytes) as f32 in four vectors: split into their nibbles in two registers at once and widened
+/// sixteen at a time, about four instructions per sixteen codes against eight for
+/// [`load_codes16`].
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `p` must point at 32 readable bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn load_nibbles64(p: *const u8) -> [__m512; 4] {
+    // SAFETY: 32 readable bytes at `p` (the contract).
+    let x = unsafe { _mm256_loadu_si256(p as *const __m256i) };
+    let m = _mm256_set1_epi8(0x0F);
+    let (lo, hi) = (
+        _mm256_and_si256(x, m),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(x), m),
+    );
+    // Codes 0-15 and 32-47 (byte i's low nibble, then its high one), then 16-31 and 48-63.
+    let (a, b) = (_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi));
+    let wide = |v: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+    [
+        wide(_mm256_castsi256_si128(a)),
+        wide(_mm256_castsi256_si128(b)),
+        wide(_mm256_extracti128_si256::<1>(a)),
+        wide(_mm256_extracti128_si256::<1>(b)),
+    ]
+}
+
 /// Whether `n` rows of `hd` values of kind `K` from value index `first` lie in `len` bytes,
 /// each row starting on a byte.
 fn stored_fits<const K: usize>(len: usize, first: usize, n: usize, hd: usize) -> bool {
@@ -586,10 +615,18 @@ pub unsafe fn dot_rows_stored<const K: usize, const R: usize>(
         "avx512::dot_rows_stored: bad sizes"
     );
     let cp = codes.as_ptr();
-    // SAFETY: values d..d + 16 of key j < n lie inside `codes` (asserted).
-    let key = |j: usize, d: usize| unsafe { load_stored16::<K>(cp, first + j * hd + d) };
-    // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
-    unsafe { dot_rows_multi_by::<R>(q, hd, bias, out, stride, n, key) }
+    if K == 4 && hd.is_multiple_of(64) {
+        // SAFETY: values d..d + 64 of key j < n (hd a multiple of 64) lie inside `codes`
+        // (asserted).
+        let key = |j: usize, d: usize| unsafe { load_nibbles64(cp.add((first + j * hd + d) / 2)) };
+        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+        unsafe { dot_rows_multi_by::<R, 4>(q, hd, bias, out, stride, n, key) }
+    } else {
+        // SAFETY: values d..d + 16 of key j < n lie inside `codes` (asserted).
+        let key = |j: usize, d: usize| unsafe { [load_stored16::<K>(cp, first + j * hd + d)] };
+        // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
+        unsafe { dot_rows_multi_by::<R, 1>(q, hd, bias, out, stride, n, key) }
+    }
 }
 
 /// [`axpy_rows_multi_by`] over value rows stored as values of kind `K` (row i from value
@@ -622,6 +659,37 @@ pub unsafe fn axpy_rows_stored<const K: usize, const R: usize>(
     let val = |i: usize, d: usize| unsafe { load_stored16::<K>(cp, first + i * hd + d) };
     // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
     unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
+}
+
+/// The AVX-512 body of [`crate::kernels::fold_params`]: `out = x · scales`, returning
+/// `x · mins`, sixteen lanes at a time (the last ones masked).
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+pub unsafe fn fold_params(x: &[f32], mins: &[f32], scales: &[f32], out: &mut [f32]) -> f32 {
+    let n = x.len();
+    assert!(
+        mins.len() == n && scales.len() == n && out.len() == n,
+        "avx512::fold_params: bad sizes"
+    );
+    let (xp, mp, sp, op) = (x.as_ptr(), mins.as_ptr(), scales.as_ptr(), out.as_mut_ptr());
+    let mut acc = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let m = lanes(n - i);
+        // SAFETY: the lanes of `m` are i..min(i + 16, n), inside all four slices (asserted);
+        // masked loads and stores touch nothing else.
+        unsafe {
+            let xv = _mm512_maskz_loadu_ps(m, xp.add(i));
+            let sv = _mm512_maskz_loadu_ps(m, sp.add(i));
+            let mv = _mm512_maskz_loadu_ps(m, mp.add(i));
+            _mm512_mask_storeu_ps(op.add(i), m, _mm512_mul_ps(xv, sv));
+            acc = _mm512_fmadd_ps(xv, mv, acc);
+        }
+        i += 16;
+    }
+    _mm512_reduce_add_ps(acc)
 }
 
 /// The AVX-512 body of [`crate::kernels::decode_coded_params`]: sixteen (minimum code,
