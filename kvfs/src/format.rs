@@ -125,6 +125,7 @@ impl KvFormat {
     pub const CODED: [KvFormat; 3] = [KvFormat::K8v8, KvFormat::K4v4, KvFormat::K4v3];
 
     /// Bits per stored key, not counting parameters.
+    #[inline]
     pub fn key_bits(self) -> u32 {
         match self {
             KvFormat::F16 => 16,
@@ -135,6 +136,7 @@ impl KvFormat {
     }
 
     /// Bits per stored value, not counting parameters.
+    #[inline]
     pub fn value_bits(self) -> u32 {
         match self {
             KvFormat::K4v3 => 3,
@@ -156,6 +158,7 @@ impl KvFormat {
     }
 
     /// Whether the group parameters are 8-bit codes against a per-head `amax`.
+    #[inline]
     pub fn coded(self) -> bool {
         matches!(self, KvFormat::K8v8 | KvFormat::K4v4 | KvFormat::K4v3)
     }

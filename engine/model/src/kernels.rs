@@ -638,6 +638,7 @@ pub fn decode_coded_params_with(
 /// Folds a KV chunk's group parameters into one query row (or row of attention weights) `x`:
 /// writes `x · scales` to `out` and returns `x · mins`, the row's bias, in one pass over the
 /// row (sixteen lanes at a time on the AVX-512 path, eight elsewhere).
+#[inline]
 pub fn fold_params(x: &[f32], mins: &[f32], scales: &[f32], out: &mut [f32]) -> f32 {
     fold_params_with(Isa::best(), x, mins, scales, out)
 }
@@ -645,6 +646,7 @@ pub fn fold_params(x: &[f32], mins: &[f32], scales: &[f32], out: &mut [f32]) -> 
 /// [`fold_params`] on a given path (each sums the bias in its own order).
 // One index runs over four arrays at once.
 #[allow(clippy::needless_range_loop)]
+#[inline]
 pub fn fold_params_with(isa: Isa, x: &[f32], mins: &[f32], scales: &[f32], out: &mut [f32]) -> f32 {
     let n = x.len();
     assert!(

@@ -79,6 +79,7 @@ pub enum CodecError {
 pub use kvfs::KvFormat;
 
 /// Bytes of parameters per group (a channel of keys or a token of values).
+#[inline]
 fn param_bytes(f: KvFormat) -> usize {
     match f {
         KvFormat::F16 => 0,
@@ -88,6 +89,7 @@ fn param_bytes(f: KvFormat) -> usize {
 }
 
 /// Bytes of parameters per head and section besides its groups' (the coded `amax`).
+#[inline]
 fn head_param_bytes(f: KvFormat) -> usize {
     if f.coded() { 2 } else { 0 }
 }
@@ -223,36 +225,43 @@ impl ChunkShape {
     }
 
     /// Byte offset of layer `l` in a chunk in `f` (see [`ChunkShape::slot`]).
+    #[inline]
     pub fn layer_offset(&self, l: usize, f: KvFormat) -> usize {
         self.slot(l) * self.layer_bytes(f)
     }
     /// Values in one head's block of K (or V) of one layer: `tokens * head_dim`.
+    #[inline]
     pub fn block(&self) -> usize {
         self.tokens * self.head_dim
     }
 
     /// Values of K (or V) of one layer: `n_kv_heads * tokens * head_dim`.
+    #[inline]
     pub fn section(&self) -> usize {
         self.n_kv_heads * self.block()
     }
 
     /// Bytes of the packed keys of one section in `f`.
+    #[inline]
     pub fn k_values_bytes(&self, f: KvFormat) -> usize {
         self.section() * f.key_bits() as usize / 8
     }
 
     /// Bytes of the packed values of one V section in `f`.
+    #[inline]
     pub fn v_values_bytes(&self, f: KvFormat) -> usize {
         self.section() * f.value_bits() as usize / 8
     }
 
     /// Bytes of the K section of one layer in `f` (values then parameters).
+    #[inline]
     pub fn k_bytes(&self, f: KvFormat) -> usize {
         self.k_values_bytes(f)
             + self.n_kv_heads * (self.head_dim * param_bytes(f) + head_param_bytes(f))
     }
 
     /// Bytes of the V section of one layer in `f`.
+    #[inline]
     pub fn v_bytes(&self, f: KvFormat) -> usize {
         self.v_values_bytes(f)
             + self.n_kv_heads * (self.value_groups(f) * param_bytes(f) + head_param_bytes(f))
@@ -260,6 +269,7 @@ impl ChunkShape {
 
     /// Channels of one group of values in `f` (one minimum and scale each): the
     /// [`ChunkShape::value_group`] in the coded formats, else the whole head.
+    #[inline]
     pub fn value_width(&self, f: KvFormat) -> usize {
         if f.coded() && self.value_group > 0 {
             self.value_group
@@ -270,11 +280,13 @@ impl ChunkShape {
 
     /// Groups of values of one head in one layer of a chunk in `f`: its tokens times the
     /// groups of each token.
+    #[inline]
     pub fn value_groups(&self, f: KvFormat) -> usize {
         self.block() / self.value_width(f)
     }
 
     /// Bytes of one layer of a chunk in `f`.
+    #[inline]
     pub fn layer_bytes(&self, f: KvFormat) -> usize {
         self.k_bytes(f) + self.v_bytes(f)
     }
@@ -716,6 +728,7 @@ fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
 
 /// Head `h`'s coded parameters `first..first + mins.len()` of a section (`groups` per head) as
 /// f32 minimums and scales.
+#[inline]
 fn coded_pairs(
     params: &[u8],
     groups: usize,
@@ -735,6 +748,7 @@ fn coded_pairs(
 /// The bytes of head `h`'s key codes and of its value codes in one layer of format `f` (their
 /// parameters, at the end of each section, not included): what decode attention reads of a head,
 /// a third of the layer on the default model.
+#[inline]
 pub fn head_codes(shape: &ChunkShape, f: KvFormat, h: usize) -> [std::ops::Range<usize>; 2] {
     let blk = shape.block();
     let bytes = |bits: u32, i: usize| (i * blk * bits as usize).div_ceil(8);
@@ -804,6 +818,7 @@ fn affine_codes(f: KvFormat) -> bool {
 /// key codes and the packed index of head `h`'s first (`[token][dim]`, `key_bits` each), with
 /// the per-channel minimums and scales written to `mins` and `scales` (`head_dim` each): key
 /// `[i][c]` is `mins[c] + code[i][c] · scales[c]`, as [`decode_k`] computes it.
+#[inline]
 pub fn packed_keys<'a>(
     shape: &ChunkShape,
     f: KvFormat,
@@ -818,6 +833,7 @@ pub fn packed_keys<'a>(
 /// Head `h`'s values in one layer of an [`affine_codes`] format whose value groups are whole
 /// heads ([`ChunkShape::value_width`] is `head_dim`), as [`packed_keys`]; the parameters are
 /// per token (`tokens` each, at most 256): value `[i][c]` is `mins[i] + code[i][c] · scales[i]`.
+#[inline]
 pub fn packed_values<'a>(
     shape: &ChunkShape,
     f: KvFormat,
@@ -830,6 +846,7 @@ pub fn packed_values<'a>(
 }
 
 /// [`packed_keys`] (`keys`, a group per channel) or [`packed_values`] (a group per token).
+#[inline]
 fn packed_section<'a>(
     shape: &ChunkShape,
     f: KvFormat,

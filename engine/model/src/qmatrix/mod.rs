@@ -101,8 +101,16 @@ impl Isa {
         })
     }
 
-    /// Whether this CPU can run the path.
+    /// Whether this CPU can run the path: detected once (every kernel call asks).
     pub fn available(self) -> bool {
+        static AVAILABLE: OnceLock<[bool; 3]> = OnceLock::new();
+        let all = AVAILABLE
+            .get_or_init(|| [Isa::Portable, Isa::Avx2, Isa::Avx512].map(|isa| isa.detect()));
+        all[self as usize]
+    }
+
+    /// Whether this CPU has the path's features, asked of the CPU.
+    fn detect(self) -> bool {
         match self {
             Isa::Portable => true,
             #[cfg(target_arch = "x86_64")]
@@ -113,7 +121,7 @@ impl Isa {
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
-                Isa::Avx2.available()
+                Isa::Avx2.detect()
                     && std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vl")

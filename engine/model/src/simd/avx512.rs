@@ -676,10 +676,21 @@ pub unsafe fn fold_params(x: &[f32], mins: &[f32], scales: &[f32], out: &mut [f3
     let (xp, mp, sp, op) = (x.as_ptr(), mins.as_ptr(), scales.as_ptr(), out.as_mut_ptr());
     let mut acc = _mm512_setzero_ps();
     let mut i = 0;
-    while i < n {
+    // Whole vectors with plain loads and stores: the scores' kernel reads `out` right after,
+    // and a masked store may not forward to a load.
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n: inside all four slices (asserted).
+        unsafe {
+            let xv = _mm512_loadu_ps(xp.add(i));
+            _mm512_storeu_ps(op.add(i), _mm512_mul_ps(xv, _mm512_loadu_ps(sp.add(i))));
+            acc = _mm512_fmadd_ps(xv, _mm512_loadu_ps(mp.add(i)), acc);
+        }
+        i += 16;
+    }
+    if i < n {
         let m = lanes(n - i);
-        // SAFETY: the lanes of `m` are i..min(i + 16, n), inside all four slices (asserted);
-        // masked loads and stores touch nothing else.
+        // SAFETY: the lanes of `m` are i..n, inside all four slices (asserted); masked loads
+        // and stores touch nothing else.
         unsafe {
             let xv = _mm512_maskz_loadu_ps(m, xp.add(i));
             let sv = _mm512_maskz_loadu_ps(m, sp.add(i));
@@ -687,7 +698,6 @@ pub unsafe fn fold_params(x: &[f32], mins: &[f32], scales: &[f32], out: &mut [f3
             _mm512_mask_storeu_ps(op.add(i), m, _mm512_mul_ps(xv, sv));
             acc = _mm512_fmadd_ps(xv, mv, acc);
         }
-        i += 16;
     }
     _mm512_reduce_add_ps(acc)
 }
