@@ -83,7 +83,7 @@ pub fn attention() -> Vec<Chosen> {
         Chosen {
             product: "attention scores and value sums over f16/int8/packed codes",
             kernel: pick(
-                "avx512::dot_rows_stored/axpy_rows_stored, 3 query rows, 16 lanes",
+                "avx512::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time), 16 lanes",
                 "avx2::kv::dot_rows_stored/axpy_rows_stored, 3 query rows, 8 lanes",
                 "portable, codes unpacked per key",
             ),
