@@ -411,9 +411,9 @@ fn reduce4(v: &[__m512; 4]) -> __m128 {
 /// and the pass ran 20-50% slower, `cargo bench -p model --bench kvcodes`).
 ///
 /// # Safety
-/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `hd` a multiple of 16, `q` at least
-/// `R · hd` long and a multiple of `16 NV`, `out` at least `(R - 1) · stride + n`, and
-/// `key(j, d0)` valid for every j < n and d0 + 16 NV <= hd.
+/// The CPU must have AVX-512 F, BW and VL, FMA and F16C; `hd` a multiple of `16 NV`, `q` at
+/// least `R · hd` long, `out` at least `(R - 1) · stride + n`, and `key(j, d0)` valid for
+/// every j < n and d0 + 16 NV <= hd.
 // One index runs over several register arrays at once.
 #[allow(clippy::needless_range_loop)]
 #[allow(clippy::too_many_arguments)]
