@@ -138,6 +138,7 @@ pub fn run(
         &r.tokens[..windows * ctx],
         &compressions,
         ctx,
+        l.chunk_tokens,
         r.kl,
     )
     .with_context(|| format!("perplexity under --kv-mix {}", mixes.join(",")))?;
@@ -274,6 +275,7 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
             &tokens[..n * ctx],
             &compressions,
             ctx,
+            l.chunk_tokens,
             Some(&l.model),
         )
         .with_context(|| format!("sweep at ctx {ctx}"))?;

@@ -243,14 +243,16 @@ pub fn levels_by_fractions(densities: &[f64], fractions: [f64; 3]) -> Vec<Level>
 
 const LEVEL_FORMATS: [KvFormat; 3] = [KvFormat::Int8, KvFormat::Int4, KvFormat::Int2];
 
-/// Perplexity of `tokens` in windows of `window` tokens under `compression` (see module doc).
+/// Perplexity of `tokens` in windows of `window` tokens, the KV cache in chunks of `chunk`
+/// tokens, under `compression` (see module doc).
 pub fn perplexity(
     model: &Model,
     tokens: &[u32],
     compression: Compression,
     window: usize,
+    chunk: usize,
 ) -> Result<PplReport, EvalMixError> {
-    let r = evaluate(model, tokens, &[compression], window, None)?;
+    let r = evaluate(model, tokens, &[compression], window, chunk, None)?;
     Ok(r[0])
 }
 
@@ -290,7 +292,8 @@ fn argmax(row: &[f32]) -> usize {
         .0
 }
 
-/// Perplexity of `tokens` under each of `compressions` (see module doc), window by window; with
+/// Perplexity of `tokens` under each of `compressions` (see module doc), window by window, the
+/// KV cache in chunks of `chunk` tokens (a window holds a whole number of chunk pairs); with
 /// `kl`, also each one's KL divergence from, and top-1 agreement with, the next-token
 /// distributions of that model's f16 run (llama.cpp's `llama-perplexity --kl-divergence`),
 /// made once per window. The reference model is `model` itself, or the same weights run
@@ -300,9 +303,9 @@ pub fn evaluate(
     tokens: &[u32],
     compressions: &[Compression],
     window: usize,
+    chunk: usize,
     kl: Option<&Model>,
 ) -> Result<Vec<PplReport>, EvalMixError> {
-    let chunk = 16;
     check_inputs(model, tokens, compressions, window, chunk)?;
     let shape = model.chunk_shape(chunk);
     let vocab = model.cfg.vocab;
@@ -315,7 +318,7 @@ pub fn evaluate(
         let mut ref_rows: Vec<f32> = Vec::new();
         let mut ref_top: Vec<usize> = Vec::new();
         if let Some(reference_model) = kl {
-            let (logits, _) = run_window(reference_model, ctx, rest, reference, window)?;
+            let (logits, _) = run_window(reference_model, ctx, rest, reference, window, chunk)?;
             ref_rows.resize(logits.len(), 0.0);
             for (row, out) in logits
                 .chunks_exact(vocab)
@@ -326,7 +329,7 @@ pub fn evaluate(
             }
         }
         for (c, s) in compressions.iter().zip(&mut sums) {
-            let (logits, targets) = run_window(model, ctx, rest, *c, window)?;
+            let (logits, targets) = run_window(model, ctx, rest, *c, window, chunk)?;
             for f in targets {
                 s.bits += f.bits();
                 s.stored += f.stored_bits(&shape);
@@ -421,8 +424,8 @@ fn run_window(
     rest: &[u32],
     compression: Compression,
     window: usize,
+    chunk: usize,
 ) -> Result<(Vec<f32>, Vec<Stored>), EvalMixError> {
-    let chunk = 16;
     let shape = model.chunk_shape(chunk);
     let heads_layers = (model.cfg.n_heads * model.cfg.n_layers) as u32;
     let mut cache = KvCache::new(
@@ -487,7 +490,7 @@ mod tests {
         write_tiny_gguf(&path, &TinySpec::default()).unwrap();
         let model = Model::load(&path).unwrap();
         let tokens: Vec<u32> = (0..256u32).map(|i| (i * 97 + 13) % 256).collect();
-        let ppl = |c| perplexity(&model, &tokens, c, 128).unwrap();
+        let ppl = |c| perplexity(&model, &tokens, c, 128, 16).unwrap();
         let f16 = ppl(Compression::Uniform(KvFormat::F16));
         let int8 = ppl(Compression::Uniform(KvFormat::Int8));
         let int2 = ppl(Compression::Uniform(KvFormat::Int2));
@@ -511,6 +514,7 @@ mod tests {
                 Compression::Uniform(KvFormat::Int2),
             ],
             128,
+            16,
             Some(&model),
         )
         .unwrap();
@@ -567,7 +571,7 @@ mod tests {
         let half = ppl(Compression::Fractions([0.5, 0.0, 0.5]));
         assert_eq!(half.bits_per_value, 5.0);
         assert!(matches!(
-            perplexity(&model, &tokens[..100], Compression::Ratio(0.5), 128),
+            perplexity(&model, &tokens[..100], Compression::Ratio(0.5), 128, 16),
             Err(EvalMixError::TooShort { tokens: 100, .. })
         ));
         assert!(matches!(
@@ -575,12 +579,13 @@ mod tests {
                 &model,
                 &tokens,
                 Compression::Fractions([0.5, 0.6, 0.0]),
-                128
+                128,
+                16
             ),
             Err(EvalMixError::BadMix { .. })
         ));
         assert!(matches!(
-            perplexity(&model, &tokens, Compression::Ratio(0.5), 40),
+            perplexity(&model, &tokens, Compression::Ratio(0.5), 40, 16),
             Err(EvalMixError::BadWindow { .. })
         ));
     }
