@@ -1206,7 +1206,7 @@ fn a_transcript_is_kept_beside_the_tokens_and_a_rebuild_swaps_the_context_whole(
         chunk_tokens: 16,
     };
     store
-        .rebuild_context(id, new, &[5, 6, 7], b"rebuilt")
+        .rebuild_context(id, new, &[5, 6, 7], Some(b"rebuilt"))
         .unwrap();
     let check = |store: &Store| {
         assert_eq!(store.fingerprint(id).unwrap(), other);

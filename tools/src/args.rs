@@ -51,10 +51,10 @@ pub struct EngineOpts {
     /// Format of sealed KV chunks
     #[arg(long, default_value = "f16", value_name = "FORMAT", value_parser = ["f16", "int8", "int4", "int2", "k8v8", "k4v4", "k4v3"])]
     pub kv_format: String,
-    /// Tokens per KV chunk (1 to 256)
-    #[arg(long, default_value_t = 16, value_name = "N",
+    /// Tokens per KV chunk (1 to 256) [default: the model's: 16, and 32 for Gemma 3]
+    #[arg(long, value_name = "N",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
-    pub chunk_tokens: usize,
+    pub chunk_tokens: Option<usize>,
     /// Tokens per prefill step (one set of shapes serves every prompt length)
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub prefill_chunk: usize,
@@ -150,7 +150,7 @@ pub fn resolve_model(model: Option<&Path>, dir: &ModelsDirArg) -> anyhow::Result
 /// Loads the model and its tokenizer as `opts` says.
 pub fn load(opts: &EngineOpts) -> anyhow::Result<Loaded> {
     init_threads(opts.threads)?;
-    if !(1..=256).contains(&opts.chunk_tokens) || opts.prefill_chunk == 0 {
+    if opts.chunk_tokens.is_some_and(|c| !(1..=256).contains(&c)) || opts.prefill_chunk == 0 {
         bail!("--chunk-tokens must be from 1 to 256 and --prefill-chunk at least 1");
     }
     opts.weight_options()?;
@@ -172,10 +172,12 @@ pub fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
     tracing::info!(secs = t.elapsed().as_secs_f64(), "loaded");
     Ok(Loaded {
-        model,
         tokenizer,
         format: opts.kv_format.parse()?,
-        chunk_tokens: opts.chunk_tokens,
+        chunk_tokens: opts
+            .chunk_tokens
+            .unwrap_or_else(|| model.cfg.chunk_tokens()),
+        model,
     })
 }
 

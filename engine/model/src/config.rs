@@ -74,6 +74,13 @@ pub struct Family {
     /// minimum and scale per token put the service's mix 2.0% over int8 in perplexity, groups of
     /// 32 0.5% (docs/bench-gemma3.md); on heads of 64 (SmolLM2) groups of 32 are worse.
     pub value_group: usize,
+    /// Tokens per KV chunk by default ([`ModelConfig::chunk_tokens`]). A chunk is the unit the
+    /// store reads and writes, so it must not be too small for a disk: Gemma 3 270M keeps 3 of
+    /// its 18 layers past the window, one KV head each, and a 16-token chunk there is 13 KB, so
+    /// bringing back a 32k-token context was 2,047 reads, bound by the disk's reads per second
+    /// (57 ms; 32-token chunks: 35 ms, and the mix within 0.5% of int8 in perplexity either
+    /// way; docs/bench-long.md).
+    pub chunk_tokens: usize,
 }
 
 impl Family {
@@ -89,6 +96,7 @@ impl Family {
         swa_pattern: 0,
         rope_base_local: 10_000.0,
         value_group: 0,
+        chunk_tokens: 16,
     };
     /// Qwen 2 and 2.5.
     pub const QWEN2: Family = Family {
@@ -109,6 +117,7 @@ impl Family {
         swa_pattern: 6,
         rope_base_local: 10_000.0,
         value_group: 32,
+        chunk_tokens: 32,
     };
 
     /// Every family the engine runs.
@@ -173,6 +182,15 @@ impl ModelConfig {
         );
         let content = Content::read(&mut file).map_err(read)?;
         Self::from_gguf(&content)
+    }
+
+    /// Tokens per KV chunk by default: the family's ([`Family::chunk_tokens`]), but never more
+    /// than a sliding window (the tests' tiny windowed models keep 16).
+    pub fn chunk_tokens(&self) -> usize {
+        match self.window {
+            Some(w) if w > 0 => self.family.chunk_tokens.min(w).max(1),
+            _ => self.family.chunk_tokens,
+        }
     }
 
     /// The chunk shape of this model's KV cache with `tokens` tokens per chunk.

@@ -384,4 +384,18 @@ fn the_families_are_data_and_an_unknown_one_is_refused() {
         (0..2).map(|l| cfg.layer_window(l)).collect::<Vec<_>>(),
         [Some(8), None]
     );
+    // Chunks are the family's size, but never wider than a window.
+    assert_eq!(cfg.chunk_tokens(), 8);
+    let wide = TinySpec {
+        window: Some((512, 2)),
+        ..spec
+    };
+    write_tiny_gguf(&path, &wide).unwrap();
+    let cfg = model::config::ModelConfig::from_gguf_file(&path).unwrap();
+    assert_eq!(cfg.chunk_tokens(), Family::GEMMA3.chunk_tokens);
+    assert_eq!(Family::GEMMA3.chunk_tokens, 32);
+    let path = dir.path().join("l.gguf");
+    write_tiny_gguf(&path, &TinySpec::default()).unwrap();
+    let cfg = model::config::ModelConfig::from_gguf_file(&path).unwrap();
+    assert_eq!(cfg.chunk_tokens(), 16);
 }

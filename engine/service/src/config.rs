@@ -59,7 +59,8 @@ pub struct ManagerConfig {
     pub kv_budget: u64,
     /// The format new chunks are sealed in.
     pub kv_format: KvFormat,
-    /// Tokens per chunk.
+    /// Tokens per chunk; 0 (the default): the model's (`ModelConfig::chunk_tokens`: 16, and 32
+    /// for Gemma 3, whose chunks past the window are small).
     pub chunk_tokens: usize,
     /// The most tokens one context holds.
     pub max_tokens: usize,
@@ -111,7 +112,7 @@ impl ManagerConfig {
             mount_guard: None,
             kv_budget,
             kv_format: KvFormat::Int8,
-            chunk_tokens: 16,
+            chunk_tokens: 0,
             max_tokens: 2048,
             compress_bits: Some(DEFAULT_KV_BITS),
             levels: KvFormat::CODED.to_vec(),

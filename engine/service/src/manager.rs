@@ -201,8 +201,11 @@ impl std::fmt::Debug for Manager {
 impl Manager {
     /// Opens the store (recovering it after a crash), starts the pager and the writer, and
     /// takes back every context the store holds; none of their chunks is resident yet.
-    pub fn open(model: Arc<Model>, cfg: ManagerConfig) -> Result<Manager, ServiceError> {
-        if cfg.chunk_tokens == 0 || cfg.max_tokens < cfg.chunk_tokens {
+    pub fn open(model: Arc<Model>, mut cfg: ManagerConfig) -> Result<Manager, ServiceError> {
+        if cfg.chunk_tokens == 0 {
+            cfg.chunk_tokens = model.cfg.chunk_tokens();
+        }
+        if cfg.max_tokens < cfg.chunk_tokens {
             return Err(ServiceError::BadRequest {
                 what: format!(
                     "chunks of {} tokens and contexts of at most {} tokens do not fit",
@@ -384,6 +387,26 @@ impl Manager {
             return Err(ServiceError::OtherModel { id });
         }
         let tokens = self.store.tokens(ContextId(id))?;
+        if meta.chunk_tokens as usize != self.cfg.chunk_tokens {
+            // This model's context in chunks of another size (a store of an older default): its
+            // tokens and transcript are kept, its chunks dropped, and its next Load recomputes
+            // them.
+            let transcript = self.store.transcript(ContextId(id))?;
+            let new = NewContext {
+                owner_uid: meta.owner_uid,
+                app: meta.app.clone(),
+                fingerprint: self.fingerprint,
+                chunk_tokens: self.cfg.chunk_tokens as u32,
+            };
+            self.store
+                .rebuild_context(ContextId(id), new, &tokens, transcript.as_deref())?;
+            tracing::info!(
+                context = id,
+                from = meta.chunk_tokens,
+                to = self.cfg.chunk_tokens,
+                "context stored in chunks of another size: its chunks are recomputed"
+            );
+        }
         let owner = Owner {
             uid: meta.owner_uid,
             app: meta.app.clone(),

@@ -321,6 +321,54 @@ fn contexts_survive_a_restart_and_answer_as_if_it_never_happened() {
     assert_eq!(kept, answers);
 }
 
+/// A store written in chunks of 16 tokens (the size every model took before Gemma 3 took 32),
+/// opened with chunks of 32: the context keeps its tokens, its chunks are recomputed in the new
+/// size at the next Load, and it answers exactly as a context made in that size.
+#[test]
+fn a_context_stored_in_chunks_of_another_size_keeps_its_tokens_and_is_recomputed() {
+    let t = tiny();
+    let cfg = |store: &std::path::Path, chunk: usize| {
+        let mut c = config(store, 64 << 20, KvFormat::F16, LoadMode::Planned);
+        c.chunk_tokens = chunk;
+        c
+    };
+    let o = owner();
+    let history = |m: &mut Manager| {
+        let id = m.create(&o, &prompt(1, 21)).unwrap();
+        call_as(m, &o, id, &prompt(2, 40), 6, false).unwrap();
+        m.flush();
+        id
+    };
+    let reference = tempfile::tempdir().unwrap();
+    let mut m = Manager::open(Arc::clone(&t.model), cfg(reference.path(), 32)).unwrap();
+    let id = history(&mut m);
+    let want = call_as(&mut m, &o, id, &prompt(3, 40), 12, false).unwrap();
+    drop(m);
+
+    let store = tempfile::tempdir().unwrap();
+    let mut m = Manager::open(Arc::clone(&t.model), cfg(store.path(), 16)).unwrap();
+    let id = history(&mut m);
+    let tokens = m.info(&o, id).unwrap().tokens;
+    assert!(m.store().context(ContextId(id)).unwrap().chunks.len() > 2);
+    drop(m);
+    let mut m = Manager::open(Arc::clone(&t.model), cfg(store.path(), 32)).unwrap();
+    assert_eq!(
+        m.info(&o, id).unwrap().tokens,
+        tokens,
+        "its tokens are kept"
+    );
+    assert_eq!(m.store().meta(ContextId(id)).unwrap().chunk_tokens, 32);
+    let got = call_as(&mut m, &o, id, &prompt(3, 40), 12, false).unwrap();
+    assert_eq!(
+        got.load.recomputed.len(),
+        tokens / 32,
+        "every sealed chunk is recomputed: {:?}",
+        got.load
+    );
+    assert!(got.load.read.is_empty(), "{:?}", got.load);
+    assert_eq!(got.tokens, want.tokens);
+}
+
 #[test]
 fn another_models_contexts_are_refused_kept_and_usable_again_under_their_model() {
     let t = tiny();

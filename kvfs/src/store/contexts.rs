@@ -137,7 +137,7 @@ impl Store {
     }
 
     /// Replaces context `id` whole, keeping its id: new metadata (another model's fingerprint,
-    /// say), `tokens`, `transcript`, and no chunk. The new directory is made in `staging/` and
+    /// or another chunk size, say), `tokens`, `transcript` (`None`: none), and no chunk. The new directory is made in `staging/` and
     /// swapped with the old one in one `renameat2(RENAME_EXCHANGE)`, so after a crash at any
     /// point the context is either the old one or the new one; the old one is then removed
     /// (by the next open's recovery, if the process dies first).
@@ -146,18 +146,13 @@ impl Store {
         id: ContextId,
         new: NewContext,
         tokens: &[u32],
-        transcript: &[u8],
+        transcript: Option<&[u8]>,
     ) -> Result<(), StoreError> {
         self.writable()?;
         let old = self.ctx(id)?;
         let _w = self.write_lock(&old)?;
         let meta = new_meta(new);
-        let tmp = self.stage(
-            &format!("{id}.{}", now_nanos()),
-            &meta,
-            tokens,
-            Some(transcript),
-        )?;
+        let tmp = self.stage(&format!("{id}.{}", now_nanos()), &meta, tokens, transcript)?;
         let staging = self.root.join("staging");
         let contexts = self.root.join("contexts");
         nix::fcntl::renameat2(

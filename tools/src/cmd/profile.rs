@@ -21,8 +21,8 @@ pub struct ProfileArgs {
     pub input: ModelInput,
     #[command(flatten)]
     pub report: crate::report::ReportArgs,
-    /// Context lengths in tokens (multiples of 16, at most the model's context) at which
-    /// recompute is timed.
+    /// Context lengths in tokens (multiples of the model's chunk: 16 tokens, 32 for Gemma 3; at
+    /// most the model's context) at which recompute is timed.
     #[arg(long, value_delimiter = ',', default_value = "256,512,1024", value_parser = crate::report::positive)]
     pub contexts: Vec<usize>,
     /// Chunk counts to recompute at each length (capped at the context's chunks; at least two
@@ -79,12 +79,13 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     // The longest context's cache: its chunks are the ones stored and read for T_IO.
     let mut longest: Option<KvCache> = None;
     for &len in &args.contexts {
+        let chunk = model.cfg.chunk_tokens();
         anyhow::ensure!(
-            len >= 16 && len.is_multiple_of(16),
-            "context length {len} is not a positive multiple of 16"
+            len >= chunk && len.is_multiple_of(chunk),
+            "context length {len} is not a positive multiple of the model's chunk of {chunk} tokens"
         );
         let tokens = args.input.tokens(&model, len)?;
-        let mut cache = prefilled(&model, &tokens, KvFormat::Int8)?;
+        let mut cache = prefilled(&model, &tokens, KvFormat::Int8, model.cfg.chunk_tokens())?;
         let sealed = cache.chunk_formats().len();
         let mut here = Vec::new();
         for &x in &args.chunks {
@@ -135,7 +136,7 @@ pub fn run(args: ProfileArgs) -> anyhow::Result<()> {
     let io = fit_io(&io_points).context("the read timings do not fit a line")?;
     let profile = CostProfile {
         model: model.path().display().to_string(),
-        chunk_tokens: 16,
+        chunk_tokens: model.cfg.chunk_tokens(),
         threads: model::kernels::threads(),
         recompute: fit(&all)?,
         recompute_by_context: by_context,

@@ -164,7 +164,7 @@ impl Manager {
             fingerprint: self.fingerprint,
             chunk_tokens: self.cfg.chunk_tokens as u32,
         };
-        self.store.rebuild_context(kid, new, &tokens, &file)?;
+        self.store.rebuild_context(kid, new, &tokens, Some(&file))?;
         self.other_model.remove(&id);
         let owner = Owner {
             uid: meta.owner_uid,

@@ -63,10 +63,15 @@ impl ModelInput {
     }
 }
 
-/// A cache of `tokens` prefilled by the model in `format`.
-pub fn prefilled(model: &Model, tokens: &[u32], format: KvFormat) -> anyhow::Result<KvCache> {
+/// A cache of `tokens` prefilled by the model in `format`, in chunks of `chunk` tokens.
+pub fn prefilled(
+    model: &Model,
+    tokens: &[u32],
+    format: KvFormat,
+    chunk: usize,
+) -> anyhow::Result<KvCache> {
     let mut c = KvCache::new(
-        model.chunk_shape(16),
+        model.chunk_shape(chunk),
         format,
         tokens.len().max(16),
         Box::new(HeapChunks::default()),
@@ -265,7 +270,7 @@ pub fn run(args: KvArgs) -> anyhow::Result<()> {
     );
     eprintln!("prefilling 256 tokens for real K/V");
     let tokens = args.input.tokens(&model, 257)?;
-    let base = prefilled(&model, &tokens[..256], KvFormat::F16)?;
+    let base = prefilled(&model, &tokens[..256], KvFormat::F16, 16)?;
     let real = real_layers(&base, 16);
     let codec = codec_rows(&s, &real)?;
     let attention = attention_rows(&model, &args, &real)?;
@@ -345,7 +350,7 @@ fn recompute_rows(
     let mut recompute = Vec::new();
     eprintln!("prefilling {ctx_len} tokens for recompute");
     let tokens = args.input.tokens(model, ctx_len)?;
-    let mut c = prefilled(model, &tokens, KvFormat::Int8)?;
+    let mut c = prefilled(model, &tokens, KvFormat::Int8, 16)?;
     let sealed = c.chunk_formats().len();
     for &x in &args.recompute {
         let x = x.min(sealed);

@@ -67,7 +67,7 @@ struct Spec {
     model: PathBuf,
     threads: Option<usize>,
     kv_format: String,
-    chunk_tokens: usize,
+    chunk_tokens: Option<usize>,
     prefill_chunk: usize,
     method: String,
     budget: Option<u64>,
@@ -528,7 +528,7 @@ fn child(s: &Spec) -> anyhow::Result<Measured> {
 /// An empty KV cache of the spec's format for `model`.
 fn new_cache(model: &Model, s: &Spec, format: model::kv::KvFormat) -> KvCache {
     KvCache::new(
-        model.chunk_shape(s.chunk_tokens),
+        model.chunk_shape(s.chunk_tokens.unwrap_or_else(|| model.cfg.chunk_tokens())),
         format,
         model.cfg.max_ctx,
         Box::new(HeapChunks::default()),
