@@ -203,7 +203,7 @@ impl ManagerKind {
     pub fn describe(self) -> &'static str {
         match self {
             ManagerKind::Llms => {
-                "16-token chunks compressed by attention, written ahead of time, LCTRU victims, \
+                "chunks compressed by attention, written ahead of time, LCTRU victims, \
                  loaded by reads and recomputes at once"
             }
             ManagerKind::LlmsNoCompression => "llms with every chunk kept in its sealing format",
