@@ -87,6 +87,8 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         (&["bench", "load", "--runs", "0"], "at least 1"),
         (&["bench", "load", "--threads", "0"], "at least 1"),
         (&["bench", "load", "--throttle-mib", "0"], "--throttle-mib"),
+        (&["bench", "load", "--chunk-tokens", "0"], "1..=256"),
+        (&["bench", "load", "--chunk-tokens", "257"], "1..=256"),
         (
             &["bench", "load", "--threads", "99999999"],
             "--threads must be from 1",

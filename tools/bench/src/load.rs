@@ -38,6 +38,8 @@ pub struct LoadBenchOptions {
     pub io_threads: usize,
     /// The planner's starting costs (a profile of this machine); `None`: the built-in ones.
     pub cost: Option<policy::CostModel>,
+    /// Tokens per chunk; `None`: the model's (16, and 32 for Gemma 3).
+    pub chunk_tokens: Option<usize>,
 }
 
 /// One row: a length, a storage speed and a load mode, medians over the runs.
@@ -68,6 +70,8 @@ pub struct LoadRow {
 pub struct LoadBenchReport {
     /// Whether chunks moved through a kvfs mount.
     pub mount: bool,
+    /// Tokens per chunk.
+    pub chunk_tokens: usize,
     pub rows: Vec<LoadRow>,
     /// Prefill throughput of each context's first call (tokens/s), for comparison with recompute.
     pub prefill_tps: Vec<(usize, f64)>,
@@ -87,7 +91,8 @@ impl LoadBenchReport {
     /// A text table.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "chunks move through {}\n",
+            "chunks of {} tokens move through {}\n",
+            self.chunk_tokens,
             if self.mount {
                 "the kvfs mount (data files, passed through)"
             } else {
@@ -191,6 +196,9 @@ pub fn run(
     bench.peaks.take()?;
     Ok(LoadBenchReport {
         mount: opts.mount,
+        chunk_tokens: opts
+            .chunk_tokens
+            .unwrap_or_else(|| model.cfg.chunk_tokens()),
         rows,
         prefill_tps,
         memory_cgroup: memory.map(|g| g.path().to_owned()),
@@ -332,6 +340,9 @@ fn manager_config(opts: &LoadBenchOptions, store: &Path) -> ManagerConfig {
     cfg.kv_format = opts.format;
     cfg.io_threads = opts.io_threads;
     cfg.max_tokens = (max_len + 64).div_ceil(16) * 16;
+    if let Some(c) = opts.chunk_tokens {
+        cfg.chunk_tokens = c;
+    }
     if !opts.compress {
         cfg.compress_bits = None;
     }

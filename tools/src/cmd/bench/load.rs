@@ -28,6 +28,10 @@ pub struct BenchLoadArgs {
     /// Base format of the context's chunks (f16, int8, int4, int2).
     #[arg(long, default_value = "int8")]
     pub kv_format: String,
+    /// Tokens per KV chunk (1 to 256) [default: the model's: 16, and 32 for Gemma 3]
+    #[arg(long, value_name = "N",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
+    pub chunk_tokens: Option<usize>,
     /// Compress chunks to the tolerance-aware mix at call end (the service's default levels and bit budget).
     #[arg(long)]
     pub compress: bool,
@@ -113,6 +117,7 @@ pub fn run_cmd(args: &BenchLoadArgs) -> anyhow::Result<()> {
         mount_guard: Some(crate::args::guard_command()?),
         io_threads: args.io_threads,
         cost,
+        chunk_tokens: args.chunk_tokens,
     };
     #[allow(clippy::print_stderr)]
     let report = run(model, &opts, memory.as_ref().map(Joined::group), |what| {
