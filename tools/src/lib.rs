@@ -141,10 +141,28 @@ pub fn main() -> std::process::ExitCode {
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes, outermost first, joined by `: ` as anyhow's `{:#}` does, but
+/// without a cause whose text its outer message already ends with (many of the crates' errors
+/// say their source in their own message, and `{:#}` printed it twice).
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let t = cause.to_string();
+        if !out.is_empty() && out.ends_with(&t) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&t);
+    }
+    out
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -172,5 +190,64 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Http(args)) => bench_http::run(args),
         Command::Bench(BenchCommand::HttpLoad(args)) => bench_http_load::run(args),
         Command::Profile(args) => profile_cmd::run(args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fmt;
+
+    /// An error whose message is `text`, and says its cause's when `says`.
+    #[derive(Debug)]
+    struct Layer {
+        text: &'static str,
+        says: bool,
+        cause: Option<Box<Layer>>,
+    }
+
+    impl fmt::Display for Layer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            match (&self.cause, self.says) {
+                (Some(c), true) => write!(f, "{}: {c}", self.text),
+                _ => write!(f, "{}", self.text),
+            }
+        }
+    }
+
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.cause.as_deref().map(|c| c as _)
+        }
+    }
+
+    fn layers(says: bool) -> anyhow::Error {
+        let leaf = Layer {
+            text: "bad byte",
+            says: false,
+            cause: None,
+        };
+        let outer = Layer {
+            text: "cannot encode chunk 0",
+            says,
+            cause: Some(Box::new(leaf)),
+        };
+        anyhow::Error::new(outer).context("perplexity")
+    }
+
+    #[test]
+    fn an_error_says_each_cause_once() {
+        let e = layers(true);
+        assert_eq!(
+            format!("{e:#}"),
+            "perplexity: cannot encode chunk 0: bad byte: bad byte"
+        );
+        assert_eq!(
+            super::error_text(&e),
+            "perplexity: cannot encode chunk 0: bad byte"
+        );
+        assert_eq!(
+            super::error_text(&layers(false)),
+            "perplexity: cannot encode chunk 0: bad byte"
+        );
     }
 }
