@@ -137,10 +137,11 @@ impl Store {
     }
 
     /// Replaces context `id` whole, keeping its id: new metadata (another model's fingerprint,
-    /// or another chunk size, say), `tokens`, `transcript` (`None`: none), and no chunk. The new directory is made in `staging/` and
-    /// swapped with the old one in one `renameat2(RENAME_EXCHANGE)`, so after a crash at any
-    /// point the context is either the old one or the new one; the old one is then removed
-    /// (by the next open's recovery, if the process dies first).
+    /// or another chunk size, say), `tokens`, `transcript` (`None`: none), and no chunk. The new
+    /// directory is made in `staging/` and swapped with the old one in one
+    /// `renameat2(RENAME_EXCHANGE)`, so after a crash at any point the context is either the old
+    /// one or the new one; the old one is then removed (by the next open's recovery, if the
+    /// process dies first).
     pub fn rebuild_context(
         &self,
         id: ContextId,

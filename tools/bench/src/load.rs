@@ -181,8 +181,10 @@ pub fn run(
     let mut prefill_tps = Vec::new();
     let mut buffers = (0, 0);
     let mut io_uring = false;
+    let mut chunk_tokens = 0;
     for &n in &opts.lengths {
         let length = bench.length(&model, n)?;
+        chunk_tokens = length.chunk_tokens;
         rows.extend(length.rows);
         prefill_tps.push((n, length.prefill_tps));
         io_uring |= length.stats.load_io_uring;
@@ -196,9 +198,7 @@ pub fn run(
     bench.peaks.take()?;
     Ok(LoadBenchReport {
         mount: opts.mount,
-        chunk_tokens: opts
-            .chunk_tokens
-            .unwrap_or_else(|| model.cfg.chunk_tokens()),
+        chunk_tokens,
         rows,
         prefill_tps,
         memory_cgroup: memory.map(|g| g.path().to_owned()),
@@ -238,6 +238,8 @@ struct Length {
     rows: Vec<LoadRow>,
     prefill_tps: f64,
     stats: service::ServiceStats,
+    /// Tokens per chunk, as the manager took them.
+    chunk_tokens: usize,
 }
 
 /// A run in progress: its options, the memory group's peaks, where progress is told, and the
@@ -292,6 +294,7 @@ impl<P: FnMut(&str)> LoadBench<'_, P> {
             drop(guard);
         }
         let stats = m.stats();
+        let chunk_tokens = m.chunk_tokens();
         drop(m);
         let _ = std::fs::remove_dir_all(&store);
         let _ = std::fs::remove_dir(store.with_extension("mnt"));
@@ -299,6 +302,7 @@ impl<P: FnMut(&str)> LoadBench<'_, P> {
             rows,
             prefill_tps,
             stats,
+            chunk_tokens,
         })
     }
 
