@@ -119,6 +119,47 @@ pub fn assign_levels(
     })
 }
 
+/// [`assign_levels`] per layer group: chunks `..split` and `split..` are ranked among
+/// themselves and each meets `global_ratio` on its own.
+///
+/// On a model with sliding-window layers the chunks past the window (a prefix) keep their
+/// global layers alone and are ranked by those layers' densities, the others by every layer's
+/// ([`crate::GroupDensity::chunk_densities`]): the two groups' densities are on different scales
+/// and their chunks hold different layers, so neither group's budget is spent on the other's.
+/// With `split` 0 (no window) it is [`assign_levels`].
+pub fn assign_levels_grouped(
+    densities: &[f64],
+    split: usize,
+    floors: Option<&[Level]>,
+    set: &LevelSet,
+    global_ratio: f64,
+) -> Result<Vec<Level>, AssignError> {
+    check_inputs(densities, floors, set, global_ratio)?;
+    let split = split.min(densities.len());
+    let mut levels = Vec::with_capacity(densities.len());
+    for range in [0..split, split..densities.len()] {
+        if range.is_empty() {
+            continue;
+        }
+        let f = floors.map(|f| &f[range.clone()]);
+        let a = assign_levels(&densities[range.clone()], f, set, global_ratio).map_err(
+            |e| match e {
+                AssignError::BadDensity { chunk, density } => AssignError::BadDensity {
+                    chunk: chunk + range.start,
+                    density,
+                },
+                AssignError::UnknownLevel { chunk, level } => AssignError::UnknownLevel {
+                    chunk: chunk + range.start,
+                    level,
+                },
+                e => e,
+            },
+        )?;
+        levels.extend(a.levels);
+    }
+    Ok(levels)
+}
+
 /// Checks [`assign_levels`]' inputs: a ratio in (0, 1] that affords the lightest level, finite
 /// non-negative densities, one known floor per chunk.
 fn check_inputs(
@@ -258,6 +299,35 @@ mod tests {
             &[2, 0, 1, 2],
         );
         check(&[], None, 0.5, &[]);
+    }
+
+    #[test]
+    fn groups_are_ranked_and_budgeted_apart() {
+        let set = LevelSet::default();
+        // Two chunks past the window (global densities, small) and two within it (every layer's,
+        // larger). Ranked together, the pair within the window takes the bits and the pair past
+        // it goes to 2 bits; apart, each pair meets the ratio on its own.
+        let d = [0.02, 0.01, 0.9, 0.8];
+        let together = assign_levels(&d, None, &set, 0.5).unwrap().levels;
+        assert_eq!(together, vec![Level(2), Level(2), Level(0), Level(1)]);
+        let apart = assign_levels_grouped(&d, 2, None, &set, 0.5).unwrap();
+        let each =
+            |r: std::ops::Range<usize>| assign_levels(&d[r], None, &set, 0.5).unwrap().levels;
+        assert_eq!(apart, [each(0..2), each(2..4)].concat());
+        assert_eq!(apart, vec![Level(1); 4]);
+        // No window: the plain assignment. Floors apply per chunk, and errors name the chunk of
+        // the whole context.
+        assert_eq!(
+            assign_levels_grouped(&d, 0, None, &set, 0.5).unwrap(),
+            together
+        );
+        let floors = [Level(2), Level(0), Level(0), Level(0)];
+        let f = assign_levels_grouped(&d, 2, Some(&floors), &set, 0.5).unwrap();
+        assert_eq!(f[0], Level(2));
+        assert!(matches!(
+            assign_levels_grouped(&[0.1, 0.1, f64::NAN], 1, None, &set, 0.5),
+            Err(AssignError::BadDensity { chunk: 2, .. })
+        ));
     }
 
     #[test]

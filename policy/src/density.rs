@@ -101,6 +101,103 @@ impl DensityTracker {
     }
 }
 
+/// A context's densities per layer group.
+///
+/// On a model whose layers all see every key there is one group, and this is a
+/// [`DensityTracker`]. On a model with sliding-window layers (Gemma 3) a chunk past the window
+/// keeps only its global layers, so the attention those layers gave it is what its compression
+/// should follow: the global layers are tracked a second time on their own, and such a chunk's
+/// density is theirs ([`GroupDensity::chunk_densities`]). A chunk still within the window keeps
+/// every layer and takes every layer's density.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupDensity {
+    all: DensityTracker,
+    global: Option<DensityTracker>,
+}
+
+impl GroupDensity {
+    /// Trackers for `heads_layers` attention maps over every layer and, on a model with
+    /// sliding-window layers, `global_heads_layers` over its global layers alone.
+    pub fn new(
+        heads_layers: u32,
+        global_heads_layers: Option<u32>,
+        chunk_tokens: usize,
+    ) -> Result<Self, DensityError> {
+        Ok(Self {
+            all: DensityTracker::new(heads_layers, chunk_tokens)?,
+            global: global_heads_layers
+                .map(|hl| DensityTracker::new(hl, chunk_tokens))
+                .transpose()?,
+        })
+    }
+
+    /// Whether the global layers are tracked apart.
+    pub fn grouped(&self) -> bool {
+        self.global.is_some()
+    }
+
+    /// Merges one call's accumulators: over every layer, and over the global layers when they
+    /// are tracked apart (`global` is ignored otherwise).
+    pub fn merge(
+        &mut self,
+        all: &[TokenAttention],
+        global: Option<&[TokenAttention]>,
+    ) -> Result<(), DensityError> {
+        self.all.merge(all)?;
+        if let (Some(tracker), Some(g)) = (self.global.as_mut(), global) {
+            tracker.merge(g)?;
+        }
+        Ok(())
+    }
+
+    /// Seeds the first `chunks` chunks as if one query had seen each of their tokens with the
+    /// density `seeds` gives the chunk (chunk index, density); the others stay unseen. Densities
+    /// kept in a store come back this way: the ranking of chunks is kept, the weight of their
+    /// history is not.
+    pub fn seed(&mut self, chunks: usize, seeds: &[(usize, f32)]) -> Result<(), DensityError> {
+        for tracker in std::iter::once(&mut self.all).chain(self.global.as_mut()) {
+            let (t, hl) = (tracker.chunk_tokens, f64::from(tracker.heads_layers));
+            let mut seeded = vec![TokenAttention::default(); chunks * t];
+            for &(i, d) in seeds.iter().filter(|(i, _)| *i < chunks) {
+                for a in &mut seeded[i * t..(i + 1) * t] {
+                    *a = TokenAttention {
+                        received: f64::from(d.max(0.0)) * hl,
+                        queries: 1,
+                    };
+                }
+            }
+            tracker.merge(&seeded)?;
+        }
+        Ok(())
+    }
+
+    /// One density per chunk (Eq. 1): the global layers' for the first `past_window` chunks
+    /// (those past the sliding window, which keep only those layers), every layer's for the
+    /// others. Without a window it is every layer's for all.
+    ///
+    /// The two groups' densities are on different scales (a sliding-window layer's softmax runs
+    /// over a window's keys, a global one's over the whole context), so the chunks of each
+    /// group are ranked among themselves ([`crate::assign::assign_levels_grouped`]).
+    pub fn chunk_densities(&self, past_window: usize) -> Vec<f64> {
+        let mut d = self.all.chunk_densities();
+        if let Some(g) = &self.global {
+            let n = past_window.min(d.len());
+            // Chunks past the window that no global query saw yet keep the highest density of
+            // their group (never compressed on no evidence), as in `chunk_densities`.
+            let global = densities_of(
+                &g.tokens[..(n * g.chunk_tokens).min(g.tokens.len())],
+                g.chunk_tokens,
+                g.heads_layers,
+            );
+            let highest = global.iter().copied().fold(0.0, f64::max);
+            for (i, slot) in d[..n].iter_mut().enumerate() {
+                *slot = global.get(i).copied().unwrap_or(highest);
+            }
+        }
+        d
+    }
+}
+
 /// Chunk densities (Eq. 1) of a context whose tokens hold `tokens`' accumulators.
 ///
 /// A chunk's density is the mean of its tokens' densities; the last chunk may be partial and
@@ -208,6 +305,35 @@ mod tests {
             Err(DensityError::BadReceived { token: 0, .. })
         ));
         assert_eq!(tracker.tokens(), 0);
+    }
+
+    #[test]
+    fn chunks_past_the_window_take_the_global_layers_density() {
+        // Two chunks of two tokens; 4 maps over every layer, 2 over the global ones.
+        let mut d = GroupDensity::new(4, Some(2), 2).unwrap();
+        assert!(d.grouped());
+        let all = [t(4.0, 1), t(4.0, 1), t(2.0, 1), t(2.0, 1)];
+        let global = [t(0.2, 1), t(0.2, 1), t(1.0, 1), t(1.0, 1)];
+        d.merge(&all, Some(&global)).unwrap();
+        // Within the window every chunk takes every layer's density.
+        assert_eq!(d.chunk_densities(0), vec![1.0, 0.5]);
+        // Chunk 0 is past the window: its global layers' density.
+        assert_eq!(d.chunk_densities(1), vec![0.1, 0.5]);
+        assert_eq!(d.chunk_densities(2), vec![0.1, 0.5]);
+        // A model without a window has one group whatever is passed.
+        let mut one = GroupDensity::new(4, None, 2).unwrap();
+        one.merge(&all, Some(&global)).unwrap();
+        assert!(!one.grouped());
+        assert_eq!(one.chunk_densities(2), vec![1.0, 0.5]);
+    }
+
+    #[test]
+    fn seeded_densities_come_back_in_both_groups() {
+        let mut d = GroupDensity::new(18, Some(3), 2).unwrap();
+        d.seed(3, &[(0, 0.25), (2, 0.5), (7, 1.0)]).unwrap();
+        // Chunk 1 was not seeded: the highest density of its group; chunk 7 is past `chunks`.
+        assert_eq!(d.chunk_densities(0), vec![0.25, 0.5, 0.5]);
+        assert_eq!(d.chunk_densities(3), vec![0.25, 0.5, 0.5]);
     }
 
     #[test]

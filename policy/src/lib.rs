@@ -16,9 +16,9 @@ pub mod weights;
 pub mod whole;
 pub mod writeout;
 
-pub use assign::{AssignError, Assignment, assign_levels};
+pub use assign::{AssignError, Assignment, assign_levels, assign_levels_grouped};
 pub use cost::{CostError, CostModel, Fit, LinearCost};
-pub use density::{DensityError, DensityTracker, TokenAttention, chunk_densities};
+pub use density::{DensityError, DensityTracker, GroupDensity, TokenAttention, chunk_densities};
 pub use lctru::{ChunkLru, LctruQueue};
 pub use level::{Level, LevelError, LevelSet};
 pub use planner::{

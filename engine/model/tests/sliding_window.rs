@@ -186,3 +186,46 @@ fn a_lost_chunk_past_the_window_comes_back_with_its_closure() {
     let trimmed = m.chunk_shape(16).trimmed().chunk_bytes(KvFormat::Int8);
     assert_eq!(c.chunk_bytes(0).unwrap().len(), trimmed);
 }
+
+#[test]
+fn the_global_layers_attention_is_counted_apart() {
+    let (_d, m) = model();
+    let shape = m.chunk_shape(16);
+    let mut c = cache(&m, shape, KvFormat::Int8);
+    run(&m, &mut c);
+    let heads = m.cfg.n_heads as u32;
+    let taken = c.take_attention(heads);
+    let global = taken
+        .global
+        .expect("a model with a window counts its global layers apart");
+    let queries = 120 + 6; // the prompt and the six steps, each attending as it is added
+    assert_eq!((taken.all.len(), global.len()), (queries, queries));
+    // Each query's softmax sums to one per head and layer: the global group is the one global
+    // layer of three, every group all three.
+    let sum = |t: &[policy::TokenAttention]| t.iter().map(|a| a.received).sum::<f64>();
+    let per_layer = f64::from(heads) * queries as f64;
+    assert!(
+        (sum(&global) - per_layer).abs() < 1e-2 * per_layer,
+        "{}",
+        sum(&global)
+    );
+    assert!(
+        (sum(&taken.all) - 3.0 * per_layer).abs() < 3e-2 * per_layer,
+        "{}",
+        sum(&taken.all)
+    );
+    for (p, (g, a)) in global.iter().zip(&taken.all).enumerate() {
+        // The global layer sees every key from every later query.
+        assert_eq!(g.queries, (queries - p) as u64, "key {p}");
+        assert!(g.received <= a.received + 1e-4, "key {p}: {g:?} {a:?}");
+    }
+    // Taken means reset.
+    let again = c.take_attention(heads);
+    assert!(
+        again
+            .all
+            .iter()
+            .chain(again.global.as_deref().unwrap())
+            .all(|a| a.received == 0.0 && a.queries == 0)
+    );
+}

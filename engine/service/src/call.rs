@@ -12,7 +12,7 @@ use model::generate::generate_guided;
 use model::generate::{Generation, Sampler, SamplingParams, StopReason};
 use model::guided::{Guide, Next};
 use model::kv::{KvCache, KvFormat};
-use policy::{CostModel, DensityTracker, Level};
+use policy::{CostModel, GroupDensity, Level};
 use uffd_pager::{ChunkKey, ContextId, Pager};
 
 use crate::ServiceError;
@@ -171,7 +171,8 @@ pub(crate) struct Context {
     pub(crate) cache: KvCache,
     /// Tokens said but not in the cache: the open tail of the last call.
     pub(crate) pending: Vec<u32>,
-    pub(crate) density: DensityTracker,
+    /// Its densities (Eq. 1), per layer group ([`GroupDensity`]).
+    pub(crate) density: GroupDensity,
     pub(crate) calls: u64,
     /// The turns the context's tokens hold, as the store's transcript gives them (`None`: not
     /// recorded).
@@ -179,6 +180,14 @@ pub(crate) struct Context {
     /// Which context holds each chunk (its first ones may be borrowed from shared prefixes),
     /// shared with its chunk memory.
     pub(crate) lineage: Arc<parking_lot::Mutex<Lineage>>,
+}
+
+impl Context {
+    /// One density per chunk: for a chunk past the sliding window its global layers', for the
+    /// others every layer's ([`GroupDensity::chunk_densities`]).
+    pub(crate) fn densities(&self) -> Vec<f64> {
+        self.density.chunk_densities(self.cache.trimmed_chunks())
+    }
 }
 
 /// The manager's parts a call works with, borrowed for the call (the context itself is borrowed
@@ -380,14 +389,14 @@ impl Call<'_> {
     /// policy assigns a lighter level (Eq. 2-3) recompressed. Returns how many moved.
     fn compress(&self, ctx: &mut Context, said: &[u32]) -> Result<usize, ServiceError> {
         let model = self.model;
-        let hl = (model.cfg.n_heads * model.cfg.n_layers) as u32;
         // The next call decides its own sealing format again.
         ctx.cache.set_format(self.cfg.kv_format);
         ctx.pending = ctx.cache.drop_open();
         ctx.pending
             .extend_from_slice(&said[ctx.cache.len() + ctx.pending.len()..]);
-        let attention = ctx.cache.take_attention(hl);
-        ctx.density.merge(&attention)?;
+        let attention = ctx.cache.take_attention(model.cfg.n_heads as u32);
+        ctx.density
+            .merge(&attention.all, attention.global.as_deref())?;
         let sealed = ctx.cache.chunk_formats().len();
         // Borrowed chunks keep the level their prefix holds them at: only the context's own
         // chunks are assigned levels, under the same ratio.
@@ -397,16 +406,24 @@ impl Call<'_> {
         if let Some(ratio) = self.compression.ratio
             && sealed > own
         {
-            let densities = ctx.density.chunk_densities();
+            let densities = ctx.densities();
             let floors: Vec<Level> = ctx.cache.chunk_formats()[own..]
                 .iter()
                 .map(|&f| levels.floor(f).unwrap_or(Level(0)))
                 .collect();
-            let a =
-                policy::assign_levels(&densities[own..sealed], Some(&floors), levels.set(), ratio)?;
+            // The chunks past the sliding window (their global layers alone) and the others are
+            // each ranked by their own layers' densities and meet the ratio apart.
+            let past = ctx.cache.trimmed_chunks().saturating_sub(own);
+            let assigned = policy::assign_levels_grouped(
+                &densities[own..sealed],
+                past,
+                Some(&floors),
+                levels.set(),
+                ratio,
+            )?;
             let shape = *ctx.cache.shape();
             let mut moves = Vec::new();
-            for (i, &to) in (own..).zip(&a.levels) {
+            for (i, &to) in (own..).zip(&assigned) {
                 // A chunk above the levels (sealed in int8) moves to its level even at level 0.
                 let from = ctx.cache.chunk_formats()[i];
                 if let Some(f) = levels.format(to)
@@ -421,7 +438,7 @@ impl Call<'_> {
         self.book.set_formats(
             ContextId(self.id),
             ctx.cache.chunk_formats(),
-            &ctx.density.chunk_densities(),
+            &ctx.densities(),
         );
         self.book
             .set_trimmed(ContextId(self.id), ctx.cache.trimmed_chunks());
@@ -493,7 +510,7 @@ impl Call<'_> {
             WriteOut::Aot => policy::plan_writeout(&states)?,
             WriteOut::OnReclaim | WriteOut::Never => Vec::new(),
         };
-        let densities = ctx.density.chunk_densities();
+        let densities = ctx.densities();
         for w in &writes {
             let i = w.index as usize;
             let f = ctx.cache.chunk_formats()[i];

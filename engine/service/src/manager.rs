@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvfs::{Fingerprint, NewContext, Store, StoreOptions};
-use policy::{CostModel, DensityTracker, Level, LinearCost};
+use policy::{CostModel, GroupDensity, Level, LinearCost};
 use uffd_pager::{
     ChunkKey, ContextId, ContextSpec, Histogram, HistogramSummary, Pager, PagerConfig,
 };
@@ -317,8 +317,14 @@ impl Manager {
             Arc::clone(&self.book),
             Arc::clone(&shared_lineage),
         ));
-        let hl = (self.model.cfg.n_heads * self.model.cfg.n_layers) as u32;
-        let mut density = DensityTracker::new(hl, self.cfg.chunk_tokens)?;
+        let heads = self.model.cfg.n_heads as u32;
+        let mut density = GroupDensity::new(
+            heads * shape.n_layers as u32,
+            shape
+                .has_window()
+                .then_some(heads * shape.n_global() as u32),
+            self.cfg.chunk_tokens,
+        )?;
         let t = self.cfg.chunk_tokens;
         let sealed = tokens.len() / t;
         let mut formats = vec![self.cfg.kv_format; sealed];
@@ -342,17 +348,10 @@ impl Manager {
             }
         }
         // Densities come back from the chunk headers as if one query had seen each token: the
-        // ranking of chunks is kept, the weight of their history is not.
-        let mut seeded = vec![policy::TokenAttention::default(); sealed * t];
-        for (i, d) in seeds {
-            for a in &mut seeded[i * t..(i + 1) * t] {
-                *a = policy::TokenAttention {
-                    received: f64::from(d.max(0.0)) * f64::from(hl),
-                    queries: 1,
-                };
-            }
-        }
-        density.merge(&seeded)?;
+        // ranking of chunks is kept, the weight of their history is not. A chunk's header holds
+        // the density it was compressed by, its global layers' once past the window, and seeds
+        // both groups.
+        density.seed(sealed, &seeds)?;
         let mut cache = KvCache::resume(
             shape,
             self.cfg.kv_format,
@@ -365,7 +364,7 @@ impl Manager {
         self.book.set_formats(
             ContextId(id),
             cache.chunk_formats(),
-            &density.chunk_densities(),
+            &density.chunk_densities(cache.trimmed_chunks()),
         );
         self.book.set_trimmed(ContextId(id), cache.trimmed_chunks());
         Ok(Context {

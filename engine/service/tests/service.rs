@@ -790,6 +790,54 @@ fn chunks_past_the_sliding_window_swap_with_their_global_layers_alone() {
     }
 }
 
+/// Compression by density per layer group: the chunks past the sliding window (their global
+/// layer alone, ranked by its attention) and the chunks within it (every layer) each meet the bit
+/// budget on their own. Ranked together, the chunks within the window, whose densities come
+/// mostly from windowed layers' softmax over a few keys, would take the bits of those past it.
+#[test]
+fn chunks_past_the_window_and_within_it_each_meet_the_bit_budget() {
+    let t = tiny_window();
+    let store = tempfile::tempdir().unwrap();
+    let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
+    cfg.compress_bits = Some(6.5);
+    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
+    let o = owner();
+    let id = m.create(&o, &prompt(1, 21)).unwrap();
+    for call in 0..4u32 {
+        m.call(
+            &o,
+            id,
+            &prompt(call + 2, 40),
+            &opts(12),
+            Instant::now(),
+            |_| true,
+        )
+        .unwrap();
+    }
+    m.flush();
+    let shape = t.model.chunk_shape(16);
+    let info = m.store().context(kvfs::ContextId(id)).unwrap();
+    let past = shape.trimmed_chunks(info.tokens / 16 * 16);
+    // Each level's cost is a whole chunk's stored bits per value, as the service counts it.
+    let (mut groups, mut formats) = ([(0.0, 0usize); 2], Vec::new());
+    for c in &info.chunks {
+        if let kvfs::StoreState::Stored(s) = &c.state {
+            let g = usize::from(c.index as usize >= past);
+            groups[g].0 += shape.stored_bits(s.format);
+            groups[g].1 += 1;
+            formats.push((c.index, s.format.name()));
+        }
+    }
+    assert!(groups[0].1 >= 8 && groups[1].1 >= 2, "{groups:?}");
+    for (name, (bits, n)) in ["past the window", "within it"].iter().zip(groups) {
+        let mean = bits / n as f64;
+        assert!(
+            mean <= 6.5 + 1e-9,
+            "{name}: {mean} bits per value; {formats:?}"
+        );
+    }
+}
+
 /// A context that would not fit the budget in int8 seals its new chunks in the heaviest level
 /// that fits (a pasted document longer than the budget holds at int8), never past the budget;
 /// one that fits in none is refused.

@@ -160,10 +160,10 @@ pub fn attend_chunks(
         };
         for (i, o, col) in results {
             scatter_rows(shape, rows[i], g, &o, out);
-            cache.add_attention_from(shape.first_chunk(rows[i].chunk, t) * t, &col);
+            cache.add_attention_from(layer, shape.first_chunk(rows[i].chunk, t) * t, &col);
         }
     }
-    record_seen(cache, shape, rows, last);
+    record_seen(cache, layer, shape, rows, last);
     Ok(())
 }
 
@@ -320,7 +320,13 @@ fn gather_sealed(
 /// Records, when the cache records, how many query rows saw each key of chunks `0..=last`: key
 /// p is seen by every query at or after it (within the window on a sliding-window layer), once
 /// per head.
-fn record_seen(cache: &mut KvCache, shape: AttnShape, rows: &[ChunkRows], last: usize) {
+fn record_seen(
+    cache: &mut KvCache,
+    layer: usize,
+    shape: AttnShape,
+    rows: &[ChunkRows],
+    last: usize,
+) {
     if !cache.recording() {
         return;
     }
@@ -329,7 +335,7 @@ fn record_seen(cache: &mut KvCache, shape: AttnShape, rows: &[ChunkRows], last: 
         .iter()
         .flat_map(|r| (r.lo..r.lo + r.n).map(move |tok| r.chunk * t + tok));
     let seen = seen_counts(shape, queries, (last + 1) * t);
-    cache.add_rows(&seen);
+    cache.add_rows(layer, &seen);
 }
 
 /// How many query rows see each key `0..len`: each query at `q` sees keys
@@ -498,10 +504,10 @@ fn attend_packed_split(
     .flatten()
     .collect();
     let col = merge_pieces(&pieces, &work, out);
-    cache.add_attention(&col);
+    cache.add_attention(layer, &col);
     if cache.recording() {
         let seen = seen_counts(shape, p0..p0 + n, total);
-        cache.add_rows(&seen);
+        cache.add_rows(layer, &seen);
     }
     Ok(())
 }
@@ -930,11 +936,11 @@ pub fn attend_gathered(
             let dst = tok * n_heads * hd + (g * group + j) * hd;
             out[dst..dst + hd].copy_from_slice(orow);
         }
-        cache.add_attention(&col);
+        cache.add_attention(layer, &col);
     }
     if cache.recording() {
         let seen = seen_counts(shape, p0..total, total);
-        cache.add_rows(&seen);
+        cache.add_rows(layer, &seen);
     }
     Ok(())
 }

@@ -10,6 +10,7 @@
 pub use crate::kv::codec::{
     ChunkShape, CodecError, KvFormat, PAGE, decode_k, decode_v, encode_layer,
 };
+use crate::kv::received::{Attention, TakenAttention};
 use crate::kv::staging::Staging;
 
 /// What went wrong in the KV cache.
@@ -185,10 +186,9 @@ pub struct KvCache {
     /// The first chunks, borrowed from shared prefixes ([`KvCache::set_shared`]): for each,
     /// whether its prefix keeps it cut to its global layers.
     shared: Vec<bool>,
-    /// Attention each token received, summed over heads, layers and queries.
-    attn_sum: Vec<f32>,
-    /// How many (query, head, layer) rows saw each token.
-    attn_rows: Vec<u32>,
+    /// Attention each token received, summed over heads, layers and queries, and how many rows
+    /// saw it: over every layer, and over the global layers alone on a model with a window.
+    attn: Attention,
     scratch: Vec<u8>,
 }
 
@@ -214,8 +214,7 @@ impl KvCache {
             cut: 0,
             whole: Vec::new(),
             shared: Vec::new(),
-            attn_sum: Vec::new(),
-            attn_rows: Vec::new(),
+            attn: Attention::new(&shape),
             scratch: Vec::new(),
         }
     }
@@ -442,21 +441,20 @@ impl KvCache {
 
     /// Per-token attention received (sum) and the number of rows that saw each token.
     pub fn attention_received(&self) -> (&[f32], &[u32]) {
-        (&self.attn_sum, &self.attn_rows)
+        (&self.attn.all.sum, &self.attn.all.rows)
     }
 
     /// Every token's attention received as the policy crate counts it: `heads_layers` is the
     /// model's query heads times layers, so `queries` counts each query token once.
     pub fn token_attention(&self, heads_layers: u32) -> Vec<policy::TokenAttention> {
-        let hl = u64::from(heads_layers.max(1));
-        self.attn_sum
-            .iter()
-            .zip(&self.attn_rows)
-            .map(|(&received, &rows)| policy::TokenAttention {
-                received: f64::from(received),
-                queries: u64::from(rows) / hl,
-            })
-            .collect()
+        self.attn.all.token_attention(heads_layers)
+    }
+
+    /// Every token's attention received in the global layers alone, on a model with
+    /// sliding-window layers (`None` otherwise); `n_heads` is the model's query heads.
+    pub fn global_token_attention(&self, n_heads: u32) -> Option<Vec<policy::TokenAttention>> {
+        let hl = n_heads * self.shape.n_global() as u32;
+        self.attn.global.as_ref().map(|g| g.token_attention(hl))
     }
 
     /// A cache rebuilt from what a store keeps of a context: the token ids of its sealed chunks
@@ -478,8 +476,7 @@ impl KvCache {
         }
         let mut c = Self::new(shape, format, max_tokens, mem);
         c.len = tokens.len();
-        c.attn_sum = vec![0.0; tokens.len()];
-        c.attn_rows = vec![0; tokens.len()];
+        c.attn.resize(tokens.len());
         c.tokens = tokens;
         c.formats = formats;
         c.cut = c.trimmed_chunks();
@@ -495,8 +492,7 @@ impl KvCache {
         self.open.clear();
         self.fresh.clear();
         self.len = self.tokens.len();
-        self.attn_sum.truncate(self.len);
-        self.attn_rows.truncate(self.len);
+        self.attn.truncate(self.len);
         tail
     }
 
@@ -510,12 +506,16 @@ impl KvCache {
         self.mem.unpin();
     }
 
-    /// Attention received per sealed chunk so far, as the policy crate counts it, and resets the
-    /// sums (the caller merges them into its density tracker once per call).
-    pub fn take_attention(&mut self, heads_layers: u32) -> Vec<policy::TokenAttention> {
-        let out = self.token_attention(heads_layers);
-        self.attn_sum.iter_mut().for_each(|a| *a = 0.0);
-        self.attn_rows.iter_mut().for_each(|r| *r = 0);
+    /// Attention received per token so far, as the policy crate counts it (over every layer,
+    /// and over the global layers alone on a model with a window), and resets the sums (the
+    /// caller merges them into its density trackers once per call). `n_heads` is the model's
+    /// query heads.
+    pub fn take_attention(&mut self, n_heads: u32) -> TakenAttention {
+        let out = TakenAttention {
+            all: self.token_attention(n_heads * self.shape.n_layers as u32),
+            global: self.global_token_attention(n_heads),
+        };
+        self.attn.reset();
         out
     }
 
@@ -530,8 +530,7 @@ impl KvCache {
         self.tokens.clear();
         self.staged.clear();
         self.fresh.clear();
-        self.attn_sum.clear();
-        self.attn_rows.clear();
+        self.attn.truncate(0);
     }
 
     /// Makes room for `n` more tokens in open chunks (positions `len..len + n`).
@@ -549,8 +548,7 @@ impl KvCache {
         while self.formats.len() + self.open.len() < need_chunks {
             self.open.push(Staging::empty(&self.shape));
         }
-        self.attn_sum.resize(self.len + n, 0.0);
-        self.attn_rows.resize(self.len + n, 0);
+        self.attn.resize(self.len + n);
         Ok(())
     }
 
@@ -595,10 +593,10 @@ impl KvCache {
     /// chunk that is now full.
     pub fn commit(&mut self, tokens: &[u32]) -> Result<(), KvError> {
         let n = tokens.len();
-        if self.len + n > self.attn_sum.len() {
+        if self.len + n > self.attn.len() {
             return Err(KvError::TokenCount {
                 given: n,
-                expected: self.attn_sum.len() - self.len,
+                expected: self.attn.len() - self.len,
             });
         }
         self.len += n;
@@ -941,28 +939,22 @@ impl KvCache {
         self.staged.is_empty()
     }
 
-    /// Adds attention received by keys `0..col.len()`.
-    pub fn add_attention(&mut self, col: &[f32]) {
-        self.add_attention_from(0, col);
+    /// Adds attention received at `layer` by keys `0..col.len()`.
+    pub fn add_attention(&mut self, layer: usize, col: &[f32]) {
+        self.add_attention_from(layer, 0, col);
     }
 
-    /// Adds attention received by keys `from..from + col.len()`.
-    pub fn add_attention_from(&mut self, from: usize, col: &[f32]) {
-        if !self.recording() {
-            return;
-        }
-        for (a, c) in self.attn_sum.iter_mut().skip(from).zip(col) {
-            *a += c;
+    /// Adds attention received at `layer` by keys `from..from + col.len()`.
+    pub fn add_attention_from(&mut self, layer: usize, from: usize, col: &[f32]) {
+        if self.recording() {
+            self.attn.add(layer, from, col);
         }
     }
 
-    /// Adds to the number of query rows that saw each key `0..seen.len()`.
-    pub fn add_rows(&mut self, seen: &[u32]) {
-        if !self.recording() {
-            return;
-        }
-        for (r, s) in self.attn_rows.iter_mut().zip(seen) {
-            *r += s;
+    /// Adds to the number of query rows of `layer` that saw each key `0..seen.len()`.
+    pub fn add_rows(&mut self, layer: usize, seen: &[u32]) {
+        if self.recording() {
+            self.attn.add_rows(layer, seen);
         }
     }
 }
@@ -1128,7 +1120,7 @@ mod tests {
             }
         }
         assert!(matches!(c.layer_view(0, 1).unwrap(), LayerView::Open(_)));
-        c.add_attention(&[1.0; 8]);
+        c.add_attention(0, &[1.0; 8]);
         c.finish_recompute().unwrap();
         assert_eq!(c.chunk_bytes(1).unwrap(), &original[..]);
         assert!(c.attention_received().0.iter().all(|&a| a == 0.0));

@@ -5,13 +5,16 @@
 //! f16 for the f16 reference), its chunks are compressed as asked, then the second half is run
 //! with the model predicting each next token from the compressed context; the perplexity is
 //! over those predictions. Chunks of a mix get their levels by density rank, from the attention
-//! the prefill recorded (paper Eq. 1), through the policy crate.
+//! the prefill recorded (paper Eq. 1), through the policy crate. On a model with sliding-window
+//! layers the chunks past the window (their global layers alone) and the others are two groups,
+//! each ranked by its own layers' densities and held to the budget apart, as the service does
+//! (`policy::GroupDensity`, `policy::assign_levels_grouped`).
 
 use crate::kv::codec::{ChunkShape, decode_layer, encode_layer};
 use crate::kv::sim::{RopeSpec, SimFormat};
 use crate::kv::{HeapChunks, KvCache, KvError, KvFormat};
 use crate::{Logits, Model, ModelError};
-use policy::{Level, LevelSet, assign_levels, chunk_densities};
+use policy::{GroupDensity, Level, LevelSet, assign_levels_grouped};
 
 /// What went wrong measuring perplexity.
 #[derive(Debug, thiserror::Error)]
@@ -211,7 +214,9 @@ pub struct PplReport {
     /// Nominal bits per K/V value of the compressed context chunks (payload only).
     pub bits_per_value: f64,
     /// All-in stored bits per K/V value of the compressed context chunks: payload, scales,
-    /// minimums and kvfs's chunk header amortized ([`crate::kv::codec::ChunkShape::stored_bits`]).
+    /// minimums and kvfs's chunk header amortized ([`crate::kv::codec::ChunkShape::stored_bits`]),
+    /// over the values the chunks hold (a chunk past the sliding window holds its global layers
+    /// alone).
     pub stored_bits: f64,
     /// Mean KL divergence `KL(p_f16 || p)` in nats of each scored token's next-token
     /// distribution from the f16 run's, when asked for.
@@ -265,7 +270,8 @@ struct Sums {
     scored: usize,
     bits: f64,
     stored: f64,
-    chunks: usize,
+    /// Layers of the chunks compressed (each chunk's layers hold the same number of values).
+    values: f64,
 }
 
 /// `log_softmax(row)` into `out`; returns the log-sum-exp (summed in f64).
@@ -318,7 +324,7 @@ pub fn evaluate(
         let mut ref_rows: Vec<f32> = Vec::new();
         let mut ref_top: Vec<usize> = Vec::new();
         if let Some(reference_model) = kl {
-            let (logits, _) = run_window(reference_model, ctx, rest, reference, window, chunk)?;
+            let (logits, _, _) = run_window(reference_model, ctx, rest, reference, window, chunk)?;
             ref_rows.resize(logits.len(), 0.0);
             for (row, out) in logits
                 .chunks_exact(vocab)
@@ -329,11 +335,14 @@ pub fn evaluate(
             }
         }
         for (c, s) in compressions.iter().zip(&mut sums) {
-            let (logits, targets) = run_window(model, ctx, rest, *c, window, chunk)?;
-            for f in targets {
-                s.bits += f.bits();
-                s.stored += f.stored_bits(&shape);
-                s.chunks += 1;
+            let (logits, targets, past) = run_window(model, ctx, rest, *c, window, chunk)?;
+            // Per value: a chunk past the window holds its global layers alone.
+            for (i, f) in targets.into_iter().enumerate() {
+                let s_i = if i < past { shape.trimmed() } else { shape };
+                let values = s_i.n_layers as f64;
+                s.bits += f.bits() * values;
+                s.stored += f.stored_bits(&s_i) * values;
+                s.values += values;
             }
             for (i, (row, &next)) in logits.chunks_exact(vocab).zip(&rest[1..]).enumerate() {
                 let lse = log_softmax(row, &mut lp);
@@ -358,8 +367,8 @@ pub fn evaluate(
             PplReport {
                 tokens: s.scored,
                 ppl: (s.nll / n).exp(),
-                bits_per_value: s.bits / s.chunks.max(1) as f64,
-                stored_bits: s.stored / s.chunks.max(1) as f64,
+                bits_per_value: s.bits / s.values.max(1.0),
+                stored_bits: s.stored / s.values.max(1.0),
                 kl: kl.map(|_| s.kl / n),
                 top1: kl.map(|_| s.top1 as f64 / n),
             }
@@ -417,7 +426,8 @@ fn check_inputs(
 }
 
 /// Prefills `ctx`, compresses its chunks as `compression` says, and returns the logits of every
-/// token of `rest` but the last (each predicting the next) and the formats the chunks got.
+/// token of `rest` but the last (each predicting the next), the formats the chunks got and how
+/// many of the first chunks were past the sliding window (their global layers alone).
 fn run_window(
     model: &Model,
     ctx: &[u32],
@@ -425,9 +435,9 @@ fn run_window(
     compression: Compression,
     window: usize,
     chunk: usize,
-) -> Result<(Vec<f32>, Vec<Stored>), EvalMixError> {
+) -> Result<(Vec<f32>, Vec<Stored>, usize), EvalMixError> {
     let shape = model.chunk_shape(chunk);
-    let heads_layers = (model.cfg.n_heads * model.cfg.n_layers) as u32;
+    let heads = model.cfg.n_heads as u32;
     let mut cache = KvCache::new(
         shape,
         compression.base(),
@@ -436,10 +446,25 @@ fn run_window(
     );
     model.forward(&mut cache, ctx, Logits::Last)?;
     let n = cache.chunk_formats().len();
+    // Chunks `..past` are past the sliding window: their own group (see the module comment).
+    let past = cache.trimmed_chunks().min(n);
+    let policy_err = |e: &dyn std::fmt::Display| EvalMixError::Policy(e.to_string());
     let densities = || {
-        chunk_densities(&cache.token_attention(heads_layers), chunk, heads_layers)
-            .map(|d| d[..n].to_vec())
-            .map_err(|e| EvalMixError::Policy(e.to_string()))
+        let global = cache.global_token_attention(heads);
+        let mut d = GroupDensity::new(
+            heads * shape.n_layers as u32,
+            global.as_ref().map(|_| heads * shape.n_global() as u32),
+            chunk,
+        )
+        .map_err(|e| policy_err(&e))?;
+        d.merge(
+            &cache.token_attention(heads * shape.n_layers as u32),
+            global.as_deref(),
+        )
+        .map_err(|e| policy_err(&e))?;
+        let mut d = d.chunk_densities(past);
+        d.truncate(n);
+        Ok::<_, EvalMixError>(d)
     };
     let formats = |levels: &[Level]| -> Vec<Stored> {
         levels
@@ -452,15 +477,28 @@ fn run_window(
         Compression::Sim(f) => vec![Stored::Sim(f); n],
         Compression::Budget { levels, bits } => {
             let levels: Vec<Stored> = levels.iter().map_while(|l| *l).collect();
-            let b: Vec<f64> = levels.iter().map(|l| l.stored_bits(&shape)).collect();
-            let got = levels_for_budget(&densities()?, &b, bits)?;
+            let d = densities()?;
+            let mut got = Vec::with_capacity(n);
+            for (range, s) in [(0..past, shape.trimmed()), (past..n, shape)] {
+                if range.is_empty() {
+                    continue;
+                }
+                let b: Vec<f64> = levels.iter().map(|l| l.stored_bits(&s)).collect();
+                got.extend(levels_for_budget(&d[range], &b, bits)?);
+            }
             got.iter().map(|&l| levels[l]).collect()
         }
-        Compression::Fractions(f) => formats(&levels_by_fractions(&densities()?, f)),
+        Compression::Fractions(f) => {
+            let d = densities()?;
+            let mut got = levels_by_fractions(&d[..past], f);
+            got.extend(levels_by_fractions(&d[past..], f));
+            formats(&got)
+        }
         Compression::Ratio(r) => {
-            let a = assign_levels(&densities()?, None, &LevelSet::paper_default(), r)
-                .map_err(|e| EvalMixError::Policy(e.to_string()))?;
-            formats(&a.levels)
+            let d = densities()?;
+            let got = assign_levels_grouped(&d, past, None, &LevelSet::paper_default(), r)
+                .map_err(|e| policy_err(&e))?;
+            formats(&got)
         }
     };
     let rope = RopeSpec {
@@ -475,7 +513,7 @@ fn run_window(
         }
     }
     let logits = model.forward(&mut cache, &rest[..rest.len() - 1], Logits::All)?;
-    Ok((logits, targets))
+    Ok((logits, targets, past))
 }
 
 #[cfg(test)]

@@ -238,7 +238,7 @@ impl Manager {
         ctx.cache.pin()?;
         let call = call_parts!(self, id);
         let loaded = call.load(&mut self.readers, ctx, Prompt::Tokens(&[]));
-        let densities = ctx.density.chunk_densities();
+        let densities = ctx.densities();
         let out = loaded.and_then(|_| {
             range
                 .map(|i| {
