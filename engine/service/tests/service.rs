@@ -653,19 +653,15 @@ fn slide_conversation(t: &Tiny, deferred: bool) -> Vec<Vec<u32>> {
     answers
 }
 
-/// LLMS's default levels (k8v8, k4v4, k4v3) under a bit budget: every chunk the writer stores is
-/// in one of them, and the files kvfs holds average at most the budget's bits per value, header
-/// included (the tiny model's k4v3 stores 4.97 bits, its k8v8 9.47, so 6.5 takes a mix).
-#[test]
-fn the_llms_mix_stores_at_most_its_bit_budget_in_kvfs() {
-    let t = tiny();
-    let store = tempfile::tempdir().unwrap();
-    let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
+/// A context of `calls` calls (after a 21-token start) under LLMS's levels at a budget of 6.5
+/// stored bits per value, its chunks written out.
+fn mixed_context(t: &Tiny, store: &std::path::Path, calls: u32) -> (Manager, u64) {
+    let mut cfg = config(store, 64 << 20, KvFormat::Int8, LoadMode::Planned);
     cfg.compress_bits = Some(6.5);
     let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
     let o = owner();
     let id = m.create(&o, &prompt(1, 21)).unwrap();
-    for call in 0..3u32 {
+    for call in 0..calls {
         m.call(
             &o,
             id,
@@ -677,6 +673,17 @@ fn the_llms_mix_stores_at_most_its_bit_budget_in_kvfs() {
         .unwrap();
     }
     m.flush();
+    (m, id)
+}
+
+/// LLMS's default levels (k8v8, k4v4, k4v3) under a bit budget: every chunk the writer stores is
+/// in one of them, and the files kvfs holds average at most the budget's bits per value, header
+/// included (the tiny model's k4v3 stores 4.97 bits, its k8v8 9.47, so 6.5 takes a mix).
+#[test]
+fn the_llms_mix_stores_at_most_its_bit_budget_in_kvfs() {
+    let t = tiny();
+    let store = tempfile::tempdir().unwrap();
+    let (m, id) = mixed_context(&t, store.path(), 3);
     let shape = m.model().chunk_shape(16);
     let info = m.store().context(kvfs::ContextId(id)).unwrap();
     let (mut bytes, mut chunks) = (0u64, 0u64);
@@ -798,23 +805,7 @@ fn chunks_past_the_sliding_window_swap_with_their_global_layers_alone() {
 fn chunks_past_the_window_and_within_it_each_meet_the_bit_budget() {
     let t = tiny_window();
     let store = tempfile::tempdir().unwrap();
-    let mut cfg = config(store.path(), 64 << 20, KvFormat::Int8, LoadMode::Planned);
-    cfg.compress_bits = Some(6.5);
-    let mut m = Manager::open(Arc::clone(&t.model), cfg).unwrap();
-    let o = owner();
-    let id = m.create(&o, &prompt(1, 21)).unwrap();
-    for call in 0..4u32 {
-        m.call(
-            &o,
-            id,
-            &prompt(call + 2, 40),
-            &opts(12),
-            Instant::now(),
-            |_| true,
-        )
-        .unwrap();
-    }
-    m.flush();
+    let (m, id) = mixed_context(&t, store.path(), 4);
     let shape = t.model.chunk_shape(16);
     let info = m.store().context(kvfs::ContextId(id)).unwrap();
     let past = shape.trimmed_chunks(info.tokens / 16 * 16);
