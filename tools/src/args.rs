@@ -55,9 +55,10 @@ pub struct EngineOpts {
     #[arg(long, value_name = "N",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     pub chunk_tokens: Option<usize>,
-    /// Tokens per prefill step (one set of shapes serves every prompt length)
-    #[arg(long, default_value_t = 256, value_name = "N")]
-    pub prefill_chunk: usize,
+    /// Tokens per prefill step (one set of shapes serves every prompt length) [default: the
+    /// model's: 16 of its chunks, 256 tokens, and 512 for Gemma 3]
+    #[arg(long, value_name = "N")]
+    pub prefill_chunk: Option<usize>,
     /// Activations of single-token products: f32 (exact) or int8 (8 bits per 32 values,
     /// multiplied in integers as llama.cpp does: four rows a pass with AVX-512 VNNI on Q4_1 and
     /// Q8_0 matrices, one row at a time otherwise)
@@ -150,7 +151,7 @@ pub fn resolve_model(model: Option<&Path>, dir: &ModelsDirArg) -> anyhow::Result
 /// Loads the model and its tokenizer as `opts` says.
 pub fn load(opts: &EngineOpts) -> anyhow::Result<Loaded> {
     init_threads(opts.threads)?;
-    if opts.chunk_tokens.is_some_and(|c| !(1..=256).contains(&c)) || opts.prefill_chunk == 0 {
+    if opts.chunk_tokens.is_some_and(|c| !(1..=256).contains(&c)) || opts.prefill_chunk == Some(0) {
         bail!("--chunk-tokens must be from 1 to 256 and --prefill-chunk at least 1");
     }
     opts.weight_options()?;
@@ -162,7 +163,9 @@ pub fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
     let t = Instant::now();
     let mut model =
         Model::load_with(path, &opts.weight_options()?).context("cannot load the model")?;
-    model.prefill_chunk = opts.prefill_chunk;
+    if let Some(step) = opts.prefill_chunk {
+        model.prefill_chunk = step;
+    }
     model.set_activations(match opts.activations.as_str() {
         "int8" => Activations::Int8,
         _ => Activations::F32,

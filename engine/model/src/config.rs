@@ -193,6 +193,14 @@ impl ModelConfig {
         }
     }
 
+    /// Tokens per prefill step by default: sixteen of the model's chunks (256 tokens; 512 on
+    /// Gemma 3, whose chunks are 32), so a recompute pass rebuilds sixteen chunks on every model
+    /// and the weights' int8 panels are packed once per 512 tokens on Gemma 3, where packing
+    /// its block formats is a tenth of prefill (docs/bench-engine.md).
+    pub fn prefill_step(&self) -> usize {
+        16 * self.chunk_tokens()
+    }
+
     /// The chunk shape of this model's KV cache with `tokens` tokens per chunk.
     pub fn chunk_shape(&self, tokens: usize) -> crate::kv::ChunkShape {
         let global = (0..self.n_layers)

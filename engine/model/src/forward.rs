@@ -372,7 +372,8 @@ pub struct Model {
     pub(crate) ropes: Vec<Rope>,
     /// What embeddings are multiplied by on lookup (`sqrt(hidden)` for gemma, else 1).
     pub(crate) embed_scale: f32,
-    /// Tokens per prefill chunk: every batched forward call is cut to this size.
+    /// Tokens per prefill chunk: every batched forward call is cut to this size
+    /// ([`crate::config::ModelConfig::prefill_step`] by default).
     pub prefill_chunk: usize,
     /// Bytes of tensor data in the file (what the weights occupy on disk).
     pub(crate) file_tensor_bytes: usize,

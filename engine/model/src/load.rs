@@ -290,6 +290,7 @@ impl Model {
         holding.buffer_bytes = stream.as_ref().map_or(0, |s| s.buffer_bytes() as u64);
         tracing::info!(path = %path.display(), layers = cfg.n_layers, hidden = h, "model loaded");
         let embed_scale = cfg.embed_scale();
+        let prefill_chunk = cfg.prefill_step();
         let model = Self {
             cfg,
             path: path.into(),
@@ -300,7 +301,7 @@ impl Model {
             head_file: head_loc.map(|(off, kind, _)| (off, kind)),
             ropes,
             embed_scale,
-            prefill_chunk: 256,
+            prefill_chunk,
             file_tensor_bytes,
             stream,
             layer_ids,

@@ -384,8 +384,8 @@ fn the_families_are_data_and_an_unknown_one_is_refused() {
         (0..2).map(|l| cfg.layer_window(l)).collect::<Vec<_>>(),
         [Some(8), None]
     );
-    // Chunks are the family's size, but never wider than a window.
-    assert_eq!(cfg.chunk_tokens(), 8);
+    // Chunks are the family's size, but never wider than a window; a prefill step is sixteen.
+    assert_eq!((cfg.chunk_tokens(), cfg.prefill_step()), (8, 128));
     let wide = TinySpec {
         window: Some((512, 2)),
         ..spec
@@ -394,8 +394,10 @@ fn the_families_are_data_and_an_unknown_one_is_refused() {
     let cfg = model::config::ModelConfig::from_gguf_file(&path).unwrap();
     assert_eq!(cfg.chunk_tokens(), Family::GEMMA3.chunk_tokens);
     assert_eq!(Family::GEMMA3.chunk_tokens, 32);
+    assert_eq!(cfg.prefill_step(), 512);
     let path = dir.path().join("l.gguf");
     write_tiny_gguf(&path, &TinySpec::default()).unwrap();
     let cfg = model::config::ModelConfig::from_gguf_file(&path).unwrap();
-    assert_eq!(cfg.chunk_tokens(), 16);
+    assert_eq!((cfg.chunk_tokens(), cfg.prefill_step()), (16, 256));
+    assert_eq!(Model::load(&path).unwrap().prefill_chunk, 256);
 }

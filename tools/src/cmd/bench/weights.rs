@@ -68,7 +68,7 @@ struct Spec {
     threads: Option<usize>,
     kv_format: String,
     chunk_tokens: Option<usize>,
-    prefill_chunk: usize,
+    prefill_chunk: Option<usize>,
     method: String,
     budget: Option<u64>,
     prompt: Vec<u32>,
@@ -483,7 +483,9 @@ fn child(s: &Spec) -> anyhow::Result<Measured> {
     let t = Instant::now();
     let mut model = Model::load_with(&s.model, &opts)?;
     let load_secs = t.elapsed().as_secs_f64();
-    model.prefill_chunk = s.prefill_chunk;
+    if let Some(step) = s.prefill_chunk {
+        model.prefill_chunk = step;
+    }
     let format: model::kv::KvFormat = s.kv_format.parse()?;
     // Warm-up: the allocations of a run, and mmap's page cache as full as the budget lets it be.
     {
