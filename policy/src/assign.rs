@@ -141,21 +141,9 @@ pub fn assign_levels_grouped(
         if range.is_empty() {
             continue;
         }
+        // The inputs were checked whole above, so errors name chunks of the whole context.
         let f = floors.map(|f| &f[range.clone()]);
-        let a = assign_levels(&densities[range.clone()], f, set, global_ratio).map_err(
-            |e| match e {
-                AssignError::BadDensity { chunk, density } => AssignError::BadDensity {
-                    chunk: chunk + range.start,
-                    density,
-                },
-                AssignError::UnknownLevel { chunk, level } => AssignError::UnknownLevel {
-                    chunk: chunk + range.start,
-                    level,
-                },
-                e => e,
-            },
-        )?;
-        levels.extend(a.levels);
+        levels.extend(assign_levels(&densities[range], f, set, global_ratio)?.levels);
     }
     Ok(levels)
 }

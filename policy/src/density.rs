@@ -131,11 +131,6 @@ impl GroupDensity {
         })
     }
 
-    /// Whether the global layers are tracked apart.
-    pub fn grouped(&self) -> bool {
-        self.global.is_some()
-    }
-
     /// Merges one call's accumulators: over every layer, and over the global layers when they
     /// are tracked apart (`global` is ignored otherwise).
     pub fn merge(
@@ -311,7 +306,6 @@ mod tests {
     fn chunks_past_the_window_take_the_global_layers_density() {
         // Two chunks of two tokens; 4 maps over every layer, 2 over the global ones.
         let mut d = GroupDensity::new(4, Some(2), 2).unwrap();
-        assert!(d.grouped());
         let all = [t(4.0, 1), t(4.0, 1), t(2.0, 1), t(2.0, 1)];
         let global = [t(0.2, 1), t(0.2, 1), t(1.0, 1), t(1.0, 1)];
         d.merge(&all, Some(&global)).unwrap();
@@ -323,7 +317,6 @@ mod tests {
         // A model without a window has one group whatever is passed.
         let mut one = GroupDensity::new(4, None, 2).unwrap();
         one.merge(&all, Some(&global)).unwrap();
-        assert!(!one.grouped());
         assert_eq!(one.chunk_densities(2), vec![1.0, 0.5]);
     }
 

@@ -196,7 +196,7 @@ impl ModelConfig {
     /// Tokens per prefill step by default: sixteen of the model's chunks (256 tokens; 512 on
     /// Gemma 3, whose chunks are 32), so a recompute pass rebuilds sixteen chunks on every model
     /// and the weights' int8 panels are packed once per 512 tokens on Gemma 3, where packing
-    /// its block formats is a tenth of prefill (docs/bench-engine.md).
+    /// its block formats is a tenth of prefill (docs/bench-gemma3.md).
     pub fn prefill_step(&self) -> usize {
         16 * self.chunk_tokens()
     }

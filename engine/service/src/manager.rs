@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvfs::{Fingerprint, NewContext, Store, StoreOptions};
-use policy::{CostModel, GroupDensity, Level, LinearCost};
+use policy::{CostModel, Level, LinearCost};
 use uffd_pager::{
     ChunkKey, ContextId, ContextSpec, Histogram, HistogramSummary, Pager, PagerConfig,
 };
@@ -317,14 +317,8 @@ impl Manager {
             Arc::clone(&self.book),
             Arc::clone(&shared_lineage),
         ));
-        let heads = self.model.cfg.n_heads as u32;
-        let mut density = GroupDensity::new(
-            heads * shape.n_layers as u32,
-            shape
-                .has_window()
-                .then_some(heads * shape.n_global() as u32),
-            self.cfg.chunk_tokens,
-        )?;
+        let mut density =
+            model::kv::received::group_density(&shape, self.model.cfg.n_heads as u32)?;
         let t = self.cfg.chunk_tokens;
         let sealed = tokens.len() / t;
         let mut formats = vec![self.cfg.kv_format; sealed];

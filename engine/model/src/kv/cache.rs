@@ -511,12 +511,17 @@ impl KvCache {
     /// caller merges them into its density trackers once per call). `n_heads` is the model's
     /// query heads.
     pub fn take_attention(&mut self, n_heads: u32) -> TakenAttention {
-        let out = TakenAttention {
-            all: self.token_attention(n_heads * self.shape.n_layers as u32),
-            global: self.global_token_attention(n_heads),
-        };
+        let out = self.attention(n_heads);
         self.attn.reset();
         out
+    }
+
+    /// [`KvCache::take_attention`] without the reset.
+    pub fn attention(&self, n_heads: u32) -> TakenAttention {
+        TakenAttention {
+            all: self.token_attention(n_heads * self.shape.n_layers as u32),
+            global: self.global_token_attention(n_heads),
+        }
     }
 
     /// Empties the cache.

@@ -11,10 +11,11 @@
 //! (`policy::GroupDensity`, `policy::assign_levels_grouped`).
 
 use crate::kv::codec::{ChunkShape, decode_layer, encode_layer};
+use crate::kv::received::group_density;
 use crate::kv::sim::{RopeSpec, SimFormat};
 use crate::kv::{HeapChunks, KvCache, KvError, KvFormat};
 use crate::{Logits, Model, ModelError};
-use policy::{GroupDensity, Level, LevelSet, assign_levels_grouped};
+use policy::{Level, LevelSet, assign_levels_grouped};
 
 /// What went wrong measuring perplexity.
 #[derive(Debug, thiserror::Error)]
@@ -450,18 +451,10 @@ fn run_window(
     let past = cache.trimmed_chunks().min(n);
     let policy_err = |e: &dyn std::fmt::Display| EvalMixError::Policy(e.to_string());
     let densities = || {
-        let global = cache.global_token_attention(heads);
-        let mut d = GroupDensity::new(
-            heads * shape.n_layers as u32,
-            global.as_ref().map(|_| heads * shape.n_global() as u32),
-            chunk,
-        )
-        .map_err(|e| policy_err(&e))?;
-        d.merge(
-            &cache.token_attention(heads * shape.n_layers as u32),
-            global.as_deref(),
-        )
-        .map_err(|e| policy_err(&e))?;
+        let mut d = group_density(&shape, heads).map_err(|e| policy_err(&e))?;
+        let a = cache.attention(heads);
+        d.merge(&a.all, a.global.as_deref())
+            .map_err(|e| policy_err(&e))?;
         let mut d = d.chunk_densities(past);
         d.truncate(n);
         Ok::<_, EvalMixError>(d)

@@ -2,8 +2,9 @@
 //!
 //! [`cache::KvCache`] holds a context's K/V in 16-token chunks over a [`ChunkMemory`], each
 //! chunk encoded by [`codec`]; [`attention`] reads packed chunks and records the attention every
-//! key receives ([`received`], per layer group); [`recompute`] rebuilds chunks from their tokens; [`eval`] scores perplexity
-//! under any KV format or mix; [`sim`] simulates candidate formats for it.
+//! key receives ([`received`], per layer group); [`recompute`] rebuilds chunks from their
+//! tokens; [`eval`] scores perplexity under any KV format or mix; [`sim`] simulates candidate
+//! formats for it.
 
 pub mod attention;
 mod bits;

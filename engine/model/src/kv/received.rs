@@ -8,13 +8,29 @@
 
 use crate::kv::codec::ChunkShape;
 
+/// The density trackers of a context whose chunks have `shape`, on a model of `n_heads` query
+/// heads: every layer's, and the global layers' apart when some layers see only a window (what
+/// [`crate::kv::KvCache::take_attention`] hands over).
+pub fn group_density(
+    shape: &ChunkShape,
+    n_heads: u32,
+) -> Result<policy::GroupDensity, policy::DensityError> {
+    policy::GroupDensity::new(
+        n_heads * shape.n_layers as u32,
+        shape
+            .has_window()
+            .then_some(n_heads * shape.n_global() as u32),
+        shape.tokens,
+    )
+}
+
 /// Sums of attention received and how many rows saw each token, for one group of layers.
 #[derive(Clone, Debug, Default)]
-pub struct Received {
+pub(crate) struct Received {
     /// Attention each token received, summed over the group's heads, layers and queries.
-    pub sum: Vec<f32>,
+    pub(crate) sum: Vec<f32>,
     /// How many (query, head, layer) rows of the group saw each token.
-    pub rows: Vec<u32>,
+    pub(crate) rows: Vec<u32>,
 }
 
 impl Received {
@@ -30,7 +46,7 @@ impl Received {
 
     /// The tokens as the policy crate counts them: `heads_layers` is the group's query heads
     /// times layers, so `queries` counts each query token once.
-    pub fn token_attention(&self, heads_layers: u32) -> Vec<policy::TokenAttention> {
+    pub(crate) fn token_attention(&self, heads_layers: u32) -> Vec<policy::TokenAttention> {
         let hl = u64::from(heads_layers.max(1));
         self.sum
             .iter()
