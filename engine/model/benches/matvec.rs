@@ -48,6 +48,9 @@ fn bench(c: &mut Criterion) {
                 g.bench_function(format!("{kind:?}/{isa:?}"), |b| {
                     b.iter(|| m.matvec_with(isa, Activations::F32, black_box(&x), &mut out))
                 });
+                g.bench_function(format!("{kind:?}/{isa:?}/int8"), |b| {
+                    b.iter(|| m.matvec_with(isa, Activations::Int8, black_box(&x), &mut out))
+                });
             }
         }
         g.finish();

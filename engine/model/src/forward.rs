@@ -220,6 +220,16 @@ fn product_parts(
     if let [w] = parts {
         return product(w, acts, batch, x, n, out);
     }
+    if batch == PrefillActs::Int8
+        && n >= GEMM_MIN_ROWS
+        && parts.iter().all(|w| w.as_f32().is_none())
+    {
+        // The activations quantized once, every part's rows in one parallel loop, each
+        // writing its own columns of `out`.
+        return int8_product(x, (n, parts[0].cols()), out, |q, out| {
+            int8gemm::product_parts(int8gemm::Path::best(), parts, q, out)
+        });
+    }
     let rows: usize = parts.iter().map(QMatrix::rows).sum();
     let mut r0 = 0;
     for w in parts {
@@ -237,6 +247,24 @@ fn product_parts(
     }
 }
 
+/// Quantizes `x` (`n` rows) into this thread's activation buffer and runs `f` on it.
+fn int8_product(
+    x: &[f32],
+    (n, cols): (usize, usize),
+    out: &mut [f32],
+    f: impl FnOnce(&QuantRows, &mut [f32]),
+) {
+    thread_local! {
+        static QUANT: std::cell::RefCell<QuantRows> = std::cell::RefCell::new(QuantRows::default());
+    }
+    // Taken out, not borrowed, across the parallel product: a pool thread that waits in it may
+    // run another product (another context's pass) meanwhile.
+    let mut q = QUANT.take();
+    q.quantize(x, n, cols);
+    f(&q, out);
+    QUANT.set(q);
+}
+
 /// `out[n][rows] = x[n][cols] · wᵀ`.
 pub(crate) fn product(
     w: &QMatrix,
@@ -246,9 +274,6 @@ pub(crate) fn product(
     n: usize,
     out: &mut [f32],
 ) {
-    thread_local! {
-        static QUANT: std::cell::RefCell<QuantRows> = std::cell::RefCell::new(QuantRows::default());
-    }
     {
         let (rows, cols) = (w.rows(), w.cols());
         if let Some(f) = w.as_f32() {
@@ -265,12 +290,9 @@ pub(crate) fn product(
                 );
             }
         } else if batch == PrefillActs::Int8 {
-            // Taken out, not borrowed, across the parallel product: a pool thread that waits
-            // in it may run another product (another context's pass) meanwhile.
-            let mut q = QUANT.take();
-            q.quantize(x, n, cols);
-            int8gemm::product(int8gemm::Path::best(), w, &q, out);
-            QUANT.set(q);
+            int8_product(x, (n, cols), out, |q, out| {
+                int8gemm::product(int8gemm::Path::best(), w, q, out)
+            });
         } else {
             let tile = tile_rows(cols);
             matmul_nt_tiled(out, x, n, rows, cols, tile, |r0, r1, buf| {

@@ -359,3 +359,15 @@ macro_rules! kernels {
 
 kernels!(plain, false, target_feature(enable = "avx2,fma"));
 kernels!(with_vnni, true, target_feature(enable = "avx2,fma,avxvnni"));
+
+/// `o[i] += v · w[i]`, multiplied then added as the portable loop does (the compiler does not
+/// fuse them), in vectors.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn add_scaled(o: &mut [f32], v: f32, w: &[f32]) {
+    for (o, &wv) in o.iter_mut().zip(w) {
+        *o += v * wv;
+    }
+}

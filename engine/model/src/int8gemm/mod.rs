@@ -482,121 +482,176 @@ fn panel_portable(
 /// `out[t][r] = x[t] · w[r]` for every token of `x` and every row of `w` (any block format),
 /// on `path`, rows split across the engine's threads.
 pub fn product(path: Path, w: &QMatrix, x: &QuantRows, out: &mut [f32]) {
+    product_parts(path, std::slice::from_ref(w), x, out)
+}
+
+/// [`product`] for a matrix held as row ranges `parts` (the fused query, key and value
+/// products, or gate and up): `out` has rows of `Σ rows` values, each part's products in its
+/// own columns, in one parallel loop over every part's tasks with the activations quantized
+/// once. Each output is the one [`product`] of its part alone gives.
+pub fn product_parts(path: Path, parts: &[QMatrix], x: &QuantRows, out: &mut [f32]) {
     thread_local! {
         static PANELS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     }
     assert!(path.available(), "{path:?} path on a CPU without it");
     assert!(
-        w.kind() != Kind::F32 && x.cols == w.cols(),
-        "int8 product: needs a block-format matrix of the activations' width"
+        parts
+            .iter()
+            .all(|w| w.kind() != Kind::F32 && x.cols == w.cols()),
+        "int8 product: needs block-format matrices of the activations' width"
     );
-    let (n, m, k) = (w.rows(), x.rows, w.cols());
-    assert!(out.len() >= m * n, "int8 product: output too small");
-    if m == 0 || n == 0 {
+    let (ld, m) = (parts.iter().map(QMatrix::rows).sum::<usize>(), x.rows);
+    assert!(out.len() >= m * ld, "int8 product: output too small");
+    if m == 0 || ld == 0 {
         return;
     }
-    let f = form::of(w.kind());
-    let pb = form::block_bytes(f);
-    let panel_bytes = pb * (k / BLOCK);
     let rows_per_task = PANEL * TILE_PANELS;
+    // (part, its rows r0..r1, the column of out the part's row 0 goes to).
+    let mut tasks = Vec::with_capacity(ld.div_ceil(rows_per_task) + parts.len());
+    let mut col = 0;
+    for (p, w) in parts.iter().enumerate() {
+        for r0 in (0..w.rows()).step_by(rows_per_task) {
+            tasks.push((p, r0, (r0 + rows_per_task).min(w.rows()), col));
+        }
+        col += w.rows();
+    }
     // The address, not the pointer, crosses threads; each task writes only its own columns.
     let addr = out.as_mut_ptr() as usize;
-    (0..n.div_ceil(rows_per_task))
-        .into_par_iter()
-        .for_each(|task| {
-            let (r0, r1) = (task * rows_per_task, ((task + 1) * rows_per_task).min(n));
-            let panels = (r1 - r0).div_ceil(PANEL);
-            PANELS.with_borrow_mut(|buf| {
-                if buf.len() < panels * panel_bytes {
-                    buf.resize(panels * panel_bytes, 0);
-                }
-                for p in 0..panels {
-                    let pr0 = r0 + p * PANEL;
-                    pack::pack_panel(
-                        w,
-                        pr0,
-                        (pr0 + PANEL).min(r1),
-                        &mut buf[p * panel_bytes..(p + 1) * panel_bytes],
-                    );
-                }
-                for t0 in (0..m).step_by(TOKENS) {
-                    let t1 = (t0 + TOKENS).min(m);
-                    for p in 0..panels {
-                        let c0 = r0 + p * PANEL;
-                        let lanes = (r1 - c0).min(PANEL);
-                        let panel = &buf[p * panel_bytes..(p + 1) * panel_bytes];
-                        // SAFETY: `product`'s checks and split: the task's own columns.
-                        unsafe { panel_on(path, f, panel, x, (t0, t1), (addr, n), c0, lanes) };
-                    }
-                }
-                add_shadows(f, buf, panel_bytes, x, (r0, r1), addr, n);
-            });
+    tasks.into_par_iter().for_each(|(p, r0, r1, col)| {
+        let w = &parts[p];
+        let f = form::of(w.kind());
+        let panel_bytes = form::block_bytes(f) * (w.cols() / BLOCK);
+        let panels = (r1 - r0).div_ceil(PANEL);
+        PANELS.with_borrow_mut(|buf| {
+            if buf.len() < panels * panel_bytes {
+                buf.resize(panels * panel_bytes, 0);
+            }
+            w.prefetch_rows(r0, r1);
+            for p in 0..panels {
+                let pr0 = r0 + p * PANEL;
+                pack::pack_panel(
+                    w,
+                    pr0,
+                    (pr0 + PANEL).min(r1),
+                    &mut buf[p * panel_bytes..(p + 1) * panel_bytes],
+                );
+            }
+            // The next task's rows (the same thread mostly takes them: the tasks are split
+            // in contiguous halves) start their way from memory while this one multiplies.
+            w.prefetch_rows(r1, r1 + rows_per_task);
+            let tile = Tile {
+                f,
+                panels: &buf[..panels * panel_bytes],
+                panel_bytes,
+                rows: r1 - r0,
+            };
+            // SAFETY: the checks above: out holds m rows of ld values, and columns
+            // col + r0..col + r1 of them are this task's alone (tasks cover disjoint rows of
+            // disjoint parts).
+            unsafe { tile_on(path, &tile, x, (addr, ld), col + r0) };
+            add_shadows(path, &tile, x, addr, ld, col + r0);
         });
+    });
 }
 
-/// Runs one panel's kernel on `path` for tokens `t0..t1` into columns `c0..c0 + lanes` of
-/// `out` (at `addr`, rows of `n`).
+/// One task's repacked rows: `panels` holds `rows.div_ceil(16)` panels of form `f`,
+/// `panel_bytes` each.
+struct Tile<'a> {
+    f: u8,
+    panels: &'a [u8],
+    panel_bytes: usize,
+    rows: usize,
+}
+
+impl Tile<'_> {
+    /// Panel `p` and how many of its rows are real.
+    fn panel(&self, p: usize) -> (&[u8], usize) {
+        (
+            &self.panels[p * self.panel_bytes..(p + 1) * self.panel_bytes],
+            (self.rows - p * PANEL).min(PANEL),
+        )
+    }
+}
+
+/// Runs the task's panels on `path` for every token of `x` into columns `c0..c0 + rows` of
+/// `out` (at `addr`, rows of `ld`).
 ///
 /// # Safety
-/// The CPU must have the path's features; the panel must hold `x.cols / 32` blocks of form `f`,
-/// `t1 - t0 <= TOKENS` with `t1 <= x.rows`; `out` must hold `x.rows` rows of `n` values with
-/// `c0 + lanes <= n`, and no other thread may access those columns of those rows meanwhile.
-#[allow(clippy::too_many_arguments)]
-unsafe fn panel_on(
+/// The panels must hold `x.cols / 32` blocks each; `out` must hold `x.rows` rows of `ld`
+/// values with `c0 + tile.rows <= ld`, and no other thread may access those columns meanwhile.
+unsafe fn tile_on(
     path: Path,
-    f: u8,
-    panel: &[u8],
+    tile: &Tile<'_>,
     x: &QuantRows,
-    (t0, t1): (usize, usize),
-    (addr, n): (usize, usize),
+    (addr, ld): (usize, usize),
     c0: usize,
-    lanes: usize,
 ) {
-    let at = (addr as *mut f32).wrapping_add(t0 * n + c0);
+    let all = x.parts(0, x.rows);
+    let npanels = tile.rows.div_ceil(PANEL);
     match path {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the contract: the panel holds k / 32 blocks, x holds its tokens' codes and
-        // block parameters, `at` starts t1 - t0 rows of n values of which these columns are
-        // ours alone.
-        Path::Vnni => unsafe { vnni::panel(f, panel, x.parts(t0, t1), at, n, lanes) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above; the CPU has AVX-VNNI on that path.
-        Path::AvxVnni => unsafe { avx2::panel::<true>(f, panel, x.parts(t0, t1), at, n, lanes) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Path::Avx2 => unsafe { avx2::panel::<false>(f, panel, x.parts(t0, t1), at, n, lanes) },
+        // SAFETY: the contract: every panel holds k / 32 blocks, x holds its tokens' codes and
+        // block parameters, out + c0 starts x.rows rows of ld values of which these columns
+        // are ours alone.
+        Path::Vnni => unsafe {
+            vnni::panels(
+                tile.f,
+                tile.panels,
+                tile.panel_bytes,
+                tile.rows,
+                all,
+                (addr as *mut f32).add(c0),
+                ld,
+            )
+        },
         _ => {
-            // SAFETY: as above: these columns of these rows are ours alone, `out` holds x.rows
-            // rows of n.
-            let out = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, x.rows * n) };
-            panel_portable(f, panel, x, (t0, t1), out, n, c0, lanes)
+            for t0 in (0..x.rows).step_by(TOKENS) {
+                let t1 = (t0 + TOKENS).min(x.rows);
+                for p in 0..npanels {
+                    let (panel, lanes) = tile.panel(p);
+                    let c = c0 + p * PANEL;
+                    let at = (addr as *mut f32).wrapping_add(t0 * ld + c);
+                    match path {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: as above; the CPU has AVX-VNNI on that path.
+                        Path::AvxVnni => unsafe {
+                            avx2::panel::<true>(tile.f, panel, all.slice(t0, t1), at, ld, lanes)
+                        },
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: as above.
+                        Path::Avx2 => unsafe {
+                            avx2::panel::<false>(tile.f, panel, all.slice(t0, t1), at, ld, lanes)
+                        },
+                        _ => {
+                            // SAFETY: as above: these columns of these rows are ours alone,
+                            // `out` holds x.rows rows of ld.
+                            let out = unsafe {
+                                std::slice::from_raw_parts_mut(addr as *mut f32, x.rows * ld)
+                            };
+                            panel_portable(tile.f, panel, x, (t0, t1), out, ld, c, lanes)
+                        }
+                    }
+                }
+            }
         }
     }
 }
 
-/// Adds the shadow columns' products to rows `r0..r1` of `out` (at `addr`, rows of `n`): this
-/// task's rows of each shadow column, read once from the task's panels (`panels`, form `f`,
-/// `panel_bytes` each), then one f32 multiply-add per token and row.
-fn add_shadows(
-    f: u8,
-    panels: &[u8],
-    panel_bytes: usize,
-    x: &QuantRows,
-    (r0, r1): (usize, usize),
-    addr: usize,
-    n: usize,
-) {
+/// Adds the shadow columns' products to the task's columns `c0..c0 + tile.rows` of `out` (at
+/// `addr`, rows of `ld`): the task's rows of each shadow column, read once from its panels,
+/// then one f32 multiply-add per token and row.
+fn add_shadows(path: Path, tile: &Tile<'_>, x: &QuantRows, addr: usize, ld: usize, c0: usize) {
     thread_local! {
         static COLUMNS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
     COLUMNS.with_borrow_mut(|cols| {
-        let width = r1 - r0;
+        let width = tile.rows;
         cols.clear();
-        for &c in &x.shadow_cols {
-            cols.extend((0..r1 - r0).map(|i| {
-                let p = &panels[(i / PANEL) * panel_bytes..][..panel_bytes];
-                panel_value(f, p, i % PANEL, c as usize)
-            }));
+        cols.resize(x.shadow_cols.len() * width, 0.0);
+        for (&c, col) in x.shadow_cols.iter().zip(cols.chunks_exact_mut(width)) {
+            for (p, rows) in col.chunks_mut(PANEL).enumerate() {
+                panel_column(tile.f, tile.panel(p).0, c as usize, rows);
+            }
         }
         for t in 0..x.rows {
             let (_, v) = x.shadow[t];
@@ -606,45 +661,62 @@ fn add_shadows(
             }
             let u = u as usize;
             let col = &cols[u * width..(u + 1) * width];
-            // SAFETY: row t's columns r0..r1 are the calling task's alone (tasks cover disjoint
-            // row ranges of w), inside `out`'s x.rows rows of n values; nothing else reads them
-            // meanwhile.
+            // SAFETY: row t's columns c0..c0 + width are the calling task's alone (tasks cover
+            // disjoint columns), inside `out`'s x.rows rows of ld values; nothing else reads
+            // them meanwhile.
             let o = unsafe {
-                std::slice::from_raw_parts_mut((addr as *mut f32).add(t * n + r0), width)
+                std::slice::from_raw_parts_mut((addr as *mut f32).add(t * ld + c0), width)
             };
-            for (o, &wv) in o.iter_mut().zip(col) {
-                *o += v * wv;
-            }
+            add_scaled(path, o, v, col);
         }
     });
 }
 
-/// Value `c` of row `i` of a panel of form `f`, as the format decodes it: `scale · (code −
-/// offset) + min` with the panel's f32 parameters (the scale of values 16..32 for Q6_K), so
-/// exactly [`QMatrix::value`] (`pack`'s test checks every form against the formats' decode).
-fn panel_value(f: u8, panel: &[u8], i: usize, c: usize) -> f32 {
+/// `o[i] += v · w[i]`, multiplied then added (two roundings, the same on every path).
+fn add_scaled(path: Path, o: &mut [f32], v: f32, w: &[f32]) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has the path's features (`product_parts` asserted it).
+        Path::Vnni => unsafe { vnni::add_scaled(o, v, w) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above; every AVX2 path has AVX2.
+        Path::Avx2 | Path::AvxVnni => unsafe { avx2::add_scaled(o, v, w) },
+        _ => o.iter_mut().zip(w).for_each(|(o, &wv)| *o += v * wv),
+    }
+}
+
+/// Column `c` of the first `out.len()` rows of a panel of form `f`, as the format decodes it:
+/// `scale · (code − offset) + min` with the panel's f32 parameters (the scale of values 16..32
+/// for Q6_K), so exactly [`QMatrix::value`] (checked for every form by
+/// `panel_values_are_the_matrix_values`).
+fn panel_column(f: u8, panel: &[u8], c: usize, out: &mut [f32]) {
     let (qb, pb) = (form::code_bytes(f), form::block_bytes(f));
     let (b, j) = (c / BLOCK, c % BLOCK);
     let o = &panel[b * pb..(b + 1) * pb];
-    let byte = |k: usize| o[(k / 4 * PANEL + i) * 4 + k % 4];
-    let code = if form::nibbles(f) {
-        (byte(j % 16) >> (4 * (j / 16))) & 0xF
+    // Code j of every row: byte (j / 4 · 16 + i) · 4 + j % 4, the nibble's half for nibbles.
+    let (k, shift) = if form::nibbles(f) {
+        (j % 16, 4 * (j / 16))
     } else {
-        byte(j)
+        (j, 0)
     };
-    let param = |at: usize| f32::from_le_bytes([o[at], o[at + 1], o[at + 2], o[at + 3]]);
-    let scale = param(PANEL * qb + 4 * i);
-    let second = if form::has_second(f) {
-        param(PANEL * qb + 4 * PANEL + 4 * i)
-    } else {
-        0.0
+    let codes = &o[k / 4 * PANEL * 4 + k % 4..];
+    let scales = &o[PANEL * qb..PANEL * qb + 4 * PANEL];
+    let seconds = &o[PANEL * qb + 4 * PANEL..];
+    let param = |v: &[u8], i: usize| {
+        f32::from_le_bytes([v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]])
     };
-    let v = f32::from(i16::from(code) - form::offset(f) as i16);
-    match f {
-        form::HALVES if j >= 16 => second * v,
-        form::HALVES => scale * v,
-        _ if form::mins(f) => scale * v + second,
-        _ => scale * v,
+    for (i, out) in out.iter_mut().enumerate() {
+        let mut code = codes[4 * i] >> shift;
+        if form::nibbles(f) {
+            code &= 0xF;
+        }
+        let v = f32::from(i16::from(code) - form::offset(f) as i16);
+        *out = match f {
+            form::HALVES if j >= 16 => param(seconds, i) * v,
+            form::HALVES => param(scales, i) * v,
+            _ if form::mins(f) => param(scales, i) * v + param(seconds, i),
+            _ => param(scales, i) * v,
+        };
     }
 }
 
@@ -738,10 +810,15 @@ mod tests {
                     &mut buf[p * pb..],
                 );
             }
-            for r in 0..rows {
-                for c in 0..cols {
-                    let got = panel_value(f, &buf[(r / PANEL) * pb..][..pb], r % PANEL, c);
-                    assert_eq!(got, w.value(r, c), "{kind:?} row {r} col {c}");
+            for c in 0..cols {
+                for p in 0..2 {
+                    let lanes = (rows - p * PANEL).min(PANEL);
+                    let mut got = [0.0; PANEL];
+                    panel_column(f, &buf[p * pb..][..pb], c, &mut got[..lanes]);
+                    for (i, got) in got[..lanes].iter().enumerate() {
+                        let r = p * PANEL + i;
+                        assert_eq!(*got, w.value(r, c), "{kind:?} row {r} col {c}");
+                    }
                 }
             }
         }
@@ -850,6 +927,42 @@ mod tests {
                     (got - exact).abs() <= act * 1.0001 + rounding,
                     "{kind:?} t{t} r{r}: {got} vs {exact} (bounds {act} + {rounding})"
                 );
+            }
+        }
+    }
+
+    /// A matrix held in parts gives, in each part's columns, the bits of that part's own
+    /// product, on every path: parts of different formats and of row counts that are not
+    /// whole tasks or panels, with shadow outliers in the activations.
+    #[test]
+    fn parts_give_each_parts_own_product() {
+        let cols = 256;
+        let parts = [
+            matrix(Kind::Q4_1, 40, cols, 1),
+            matrix(Kind::Q8_0, 19, cols, 2),
+            matrix(Kind::Q6_K, 33, cols, 3),
+            matrix(Kind::Q4_K, 64, cols, 4),
+        ];
+        let tokens = 13;
+        let mut x = acts(tokens, cols, 9);
+        x[3 * cols + 70] = 40.0;
+        let mut q = QuantRows::default();
+        q.quantize(&x, tokens, cols);
+        let ld: usize = parts.iter().map(QMatrix::rows).sum();
+        for path in Path::all_available() {
+            let mut all = vec![f32::NAN; tokens * ld];
+            product_parts(path, &parts, &q, &mut all);
+            let mut c0 = 0;
+            for w in &parts {
+                let mut one = vec![f32::NAN; tokens * w.rows()];
+                product(path, w, &q, &mut one);
+                for t in 0..tokens {
+                    for r in 0..w.rows() {
+                        let (a, b) = (all[t * ld + c0 + r], one[t * w.rows() + r]);
+                        assert_eq!(a.to_bits(), b.to_bits(), "{path:?} {:?} t{t} r{r}", w.kind());
+                    }
+                }
+                c0 += w.rows();
             }
         }
     }

@@ -13,6 +13,7 @@ use super::{PANEL, form};
 use crate::qmatrix::blocks::scale_min_k4;
 use crate::qmatrix::{BLOCK, Kind, QMatrix};
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 /// The low nibble of every byte.
 const LO: u64 = 0x0F0F_0F0F_0F0F_0F0F;
@@ -175,16 +176,18 @@ pub(super) fn pack_panel(w: &QMatrix, r0: usize, r1: usize, out: &mut [u8]) {
     let f = form::of(w.kind());
     let nb = w.cols() / BLOCK;
     let (pb, qb) = (form::block_bytes(f), form::code_bytes(f));
-    let second = form::has_second(f);
+    let out = &mut out[..nb * pb];
     if r1 - r0 < PANEL {
-        out[..nb * pb].fill(0);
+        out.fill(0);
     }
+    if matches!(w.kind(), Kind::Q4_1 | Kind::Q8_0) {
+        return pack_split(w, r0, r1, out);
+    }
+    let second = form::has_second(f);
     for (i, r) in (r0..r1).enumerate() {
         row_blocks(w, r, |b, blk| {
             let o = &mut out[b * pb..(b + 1) * pb];
-            for (g, word) in blk.codes[..qb].chunks_exact(4).enumerate() {
-                o[(g * PANEL + i) * 4..(g * PANEL + i) * 4 + 4].copy_from_slice(word);
-            }
+            put_codes(o, i, &blk.codes[..qb]);
             let p = PANEL * qb;
             o[p + 4 * i..p + 4 * i + 4].copy_from_slice(&blk.scale.to_le_bytes());
             if second {
@@ -192,6 +195,56 @@ pub(super) fn pack_panel(w: &QMatrix, r0: usize, r1: usize, out: &mut [u8]) {
                 o[p + 4 * i..p + 4 * i + 4].copy_from_slice(&blk.second.to_le_bytes());
             }
         });
+    }
+}
+
+/// Puts one row's codes of one block (`qb` bytes) into panel block `o` as row `i`: 4-byte
+/// group `g` at `(g · 16 + i) · 4`.
+#[inline]
+fn put_codes(o: &mut [u8], i: usize, codes: &[u8]) {
+    for (g, word) in codes.chunks_exact(4).enumerate() {
+        let at = (g * PANEL + i) * 4;
+        o[at..at + 4].copy_from_slice(word);
+    }
+}
+
+/// [`pack_panel`] for the formats held split (Q4_1, Q8_0: codes, then f16 scales and
+/// minimums apart): the codes moved a word at a time (Q8_0's made unsigned), the parameters
+/// converted a row at a time.
+fn pack_split(w: &QMatrix, r0: usize, r1: usize, out: &mut [u8]) {
+    let kind = w.kind();
+    let f = form::of(kind);
+    let nb = w.cols() / BLOCK;
+    let (pb, qb) = (form::block_bytes(f), form::code_bytes(f));
+    let (d, m, qs) = w.raw_parts();
+    // Q8_0's signed codes stored + 128: the top bit of each byte flipped.
+    let flip = if kind == Kind::Q8_0 {
+        0x8080_8080u32
+    } else {
+        0
+    };
+    let mut params = [0.0f32; 64];
+    for (i, r) in (r0..r1).enumerate() {
+        let row = &qs[r * nb * qb..(r + 1) * nb * qb];
+        for (src, o) in row.chunks_exact(qb).zip(out.chunks_exact_mut(pb)) {
+            for (g, word) in src.chunks_exact(4).enumerate() {
+                let v = u32::from_le_bytes([word[0], word[1], word[2], word[3]]) ^ flip;
+                let at = (g * PANEL + i) * 4;
+                o[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        let halves: &[&[f16]] = if kind == Kind::Q4_1 { &[d, m] } else { &[d] };
+        for (k, h) in halves.iter().enumerate() {
+            let at = PANEL * qb + 4 * PANEL * k + 4 * i;
+            for b0 in (0..nb).step_by(params.len()) {
+                let n = (nb - b0).min(params.len());
+                h[r * nb + b0..r * nb + b0 + n].convert_to_f32_slice(&mut params[..n]);
+                for (b, v) in params[..n].iter().enumerate() {
+                    let o = (b0 + b) * pb + at;
+                    out[o..o + 4].copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 //! AVX-512 kernels with VNNI (8-bit dot products): the int8 products of [`super`].
 
-use super::{PANEL, RowsView, Sums, form};
+use super::{PANEL, RowsView, Sums, TOKENS, form};
 use std::arch::x86_64::*;
 
 /// `out[t * ld + i] = Σ_b …` for the `x.tokens` tokens of `x` and the first `lanes` rows of
@@ -12,8 +12,9 @@ use std::arch::x86_64::*;
 /// form `f`; `x.tokens` must be 1 to 8 with `x`'s slices holding that many rows;
 /// `out` must be valid for writes of `lanes <= 16` values at each of `out + t * ld`,
 /// `t < x.tokens`, that no other thread accesses meanwhile.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub unsafe fn panel(f: u8, panel: &[u8], x: RowsView<'_>, out: *mut f32, ld: usize, lanes: usize) {
+unsafe fn panel(f: u8, panel: &[u8], x: RowsView<'_>, out: *mut f32, ld: usize, lanes: usize) {
     macro_rules! go {
         ($($t:literal)*) => {
             match x.tokens {
@@ -24,6 +25,39 @@ pub unsafe fn panel(f: u8, panel: &[u8], x: RowsView<'_>, out: *mut f32, ld: usi
     }
     // SAFETY: the caller's guarantees, passed on; each arm's T equals x.tokens.
     unsafe { go!(1 2 3 4 5 6 7 8) }
+}
+
+/// The int8 product for every token of `x` and the `rows` rows held in consecutive panels of
+/// `panel_bytes` each (`rows.div_ceil(16)` of them), their columns side by side from `out`:
+/// eight tokens at a time, each group of tokens through every panel while its codes are in L1.
+///
+/// # Safety
+/// As `panel`, for each panel and any number of tokens: `out` must be valid for writes of
+/// `rows` values at each of `out + t * ld`, `t < x.tokens`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub unsafe fn panels(
+    f: u8,
+    panels: &[u8],
+    panel_bytes: usize,
+    rows: usize,
+    x: RowsView<'_>,
+    out: *mut f32,
+    ld: usize,
+) {
+    let n = rows.div_ceil(PANEL);
+    assert!(panels.len() >= n * panel_bytes, "vnni::panels: bad sizes");
+    let mut t0 = 0;
+    while t0 < x.tokens {
+        let t1 = (t0 + TOKENS).min(x.tokens);
+        let xs = x.slice(t0, t1);
+        for p in 0..n {
+            let one = &panels[p * panel_bytes..(p + 1) * panel_bytes];
+            let lanes = (rows - p * PANEL).min(PANEL);
+            // SAFETY: the caller's guarantees, for tokens t0..t1 of x and panel p's columns.
+            unsafe { panel(f, one, xs, out.add(t0 * ld + p * PANEL), ld, lanes) };
+        }
+        t0 = t1;
+    }
 }
 
 /// [`tile`] for the form `f`.
@@ -216,5 +250,17 @@ unsafe fn tile<const T: usize, const F: u8>(
         // SAFETY: the caller guarantees `lanes` writable values at out + t * ld for t < T;
         // the mask writes only those.
         unsafe { _mm512_mask_storeu_ps(out.add(t * ld), mask, f) };
+    }
+}
+
+/// `o[i] += v · w[i]`, multiplied then added as the portable loop does (the compiler does not
+/// fuse them), in vectors.
+///
+/// # Safety
+/// The CPU must have AVX-512 F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn add_scaled(o: &mut [f32], v: f32, w: &[f32]) {
+    for (o, &wv) in o.iter_mut().zip(w) {
+        *o += v * wv;
     }
 }

@@ -562,6 +562,22 @@ impl QMatrix {
         (&self.d, &self.m, &self.qs)
     }
 
+    /// Asks for the bytes of rows `r0..r1` (clamped to the matrix) to be brought into L2
+    /// ahead of use ([`simd::prefetch_weights`]): every array the matrix holds is row-major
+    /// with the same bytes per row.
+    pub(crate) fn prefetch_rows(&self, r0: usize, r1: usize) {
+        let (r0, r1) = (r0.min(self.rows), r1.min(self.rows));
+        fn ask<T>(v: &[T], rows: usize, (r0, r1): (usize, usize)) {
+            let per = std::mem::size_of_val(v) / rows.max(1);
+            let p = (v.as_ptr() as *const u8).wrapping_add(r0 * per);
+            simd::prefetch_weights(p, (r1 - r0) * per);
+        }
+        ask(&self.qs, self.rows, (r0, r1));
+        ask(&self.d, self.rows, (r0, r1));
+        ask(&self.m, self.rows, (r0, r1));
+        ask(&self.f, self.rows, (r0, r1));
+    }
+
     /// The value at row `r`, column `c`, dequantized as the portable path does (`d · q + m`).
     pub fn value(&self, r: usize, c: usize) -> f32 {
         assert!(r < self.rows && c < self.cols, "value: out of range");
