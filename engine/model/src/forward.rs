@@ -220,6 +220,10 @@ fn product_parts(
     if let [w] = parts {
         return product(w, acts, batch, x, n, out);
     }
+    if n == 1 && parts.iter().all(|w| w.as_f32().is_none()) {
+        // A decode step: every part's rows in one parallel loop.
+        return QMatrix::matvec_parts(parts, acts, x, out);
+    }
     if batch == PrefillActs::Int8
         && n >= GEMM_MIN_ROWS
         && parts.iter().all(|w| w.as_f32().is_none())

@@ -959,7 +959,12 @@ mod tests {
                 for t in 0..tokens {
                     for r in 0..w.rows() {
                         let (a, b) = (all[t * ld + c0 + r], one[t * w.rows() + r]);
-                        assert_eq!(a.to_bits(), b.to_bits(), "{path:?} {:?} t{t} r{r}", w.kind());
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{path:?} {:?} t{t} r{r}",
+                            w.kind()
+                        );
                     }
                 }
                 c0 += w.rows();

@@ -706,38 +706,91 @@ impl QMatrix {
 
     /// [`QMatrix::matvec`] on a given path.
     pub fn matvec_with(&self, isa: Isa, acts: Activations, x: &[f32], out: &mut [f32]) {
-        assert_eq!(x.len(), self.cols, "matvec: activation length");
+        Self::matvec_parts_with(isa, std::slice::from_ref(self), acts, x, out)
+    }
+
+    /// `out = W · x` for a matrix `W` held as row ranges `parts` (the fused query, key and
+    /// value products, or gate and up): each part's rows in turn in `out`, split across the
+    /// engine's threads as one matrix's rows are, in one parallel loop, with the activations'
+    /// sums (and int8 codes) taken once. Each row's value is the one its part's own
+    /// [`QMatrix::matvec`] gives.
+    pub fn matvec_parts(parts: &[QMatrix], acts: Activations, x: &[f32], out: &mut [f32]) {
+        Self::matvec_parts_with(Isa::best(), parts, acts, x, out)
+    }
+
+    /// [`QMatrix::matvec_parts`] on a given path.
+    pub fn matvec_parts_with(
+        isa: Isa,
+        parts: &[QMatrix],
+        acts: Activations,
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        assert!(
+            parts.iter().all(|w| w.cols == x.len()),
+            "matvec: activation length"
+        );
         assert!(isa.available(), "{isa:?} path on a CPU without it");
-        let out = &mut out[..self.rows];
+        let rows: usize = parts.iter().map(|w| w.rows).sum();
+        let out = &mut out[..rows];
         // Σx per block, for the Q4_1 minimum term: Σ (d q + m) x = d Σ q x + m Σ x.
-        let xsum: Vec<f32> = if self.kind.has_mins() {
+        let xsum: Vec<f32> = if parts.iter().any(|w| w.kind.has_mins()) {
             x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
         } else {
             Vec::new()
         };
-        let xq = (acts == Activations::Int8 && self.kind != Kind::F32).then(|| quantize_acts(x));
+        let int8 = acts == Activations::Int8 && parts.iter().any(|w| w.kind != Kind::F32);
+        let xq = int8.then(|| quantize_acts(x));
         // One contiguous run of rows per thread: each thread streams one piece of the matrix
         // and pays for one task. Measured on 2 threads (docs/bench-engine.md), decode at depth 0
         // ran 10-15% faster than with four tasks per thread; if the other thread has not
         // started the second task when the first is done, the calling thread runs it too.
-        let per_task = self
-            .rows
+        let per_task = rows
             .div_ceil(rayon::current_num_threads())
             .next_multiple_of(8)
             .max(8);
-        out.par_chunks_mut(per_task).enumerate().for_each(|(t, o)| {
-            let r0 = t * per_task;
-            match &xq {
-                Some(xq) => {
-                    if !self.rows_dot_q8(isa, r0, xq, &xsum, o) {
-                        for (i, o) in o.iter_mut().enumerate() {
-                            *o = self.row_dot_q8(isa, r0 + i, xq, &xsum);
-                        }
+        out.par_chunks_mut(per_task)
+            .enumerate()
+            .for_each(|(t, mut o)| {
+                // The task's rows of the stacked parts, a piece from each part they cross.
+                let (mut g, mut base) = (t * per_task, 0);
+                for w in parts {
+                    if o.is_empty() {
+                        break;
+                    }
+                    if g < base + w.rows {
+                        let r0 = g - base;
+                        let (piece, rest) = o.split_at_mut((w.rows - r0).min(o.len()));
+                        w.rows_into(isa, r0, x, xq.as_ref(), &xsum, piece);
+                        g += piece.len();
+                        o = rest;
+                    }
+                    base += w.rows;
+                }
+            });
+    }
+
+    /// `out[i]` = row `r0 + i` · `x` for every `i`, with the activations' int8 codes where
+    /// `xq` holds them (a block-format matrix), else in f32.
+    fn rows_into(
+        &self,
+        isa: Isa,
+        r0: usize,
+        x: &[f32],
+        xq: Option<&QuantizedActs>,
+        xsum: &[f32],
+        out: &mut [f32],
+    ) {
+        match xq {
+            Some(xq) if self.kind != Kind::F32 => {
+                if !self.rows_dot_q8(isa, r0, xq, xsum, out) {
+                    for (i, o) in out.iter_mut().enumerate() {
+                        *o = self.row_dot_q8(isa, r0 + i, xq, xsum);
                     }
                 }
-                None => self.rows_dot(isa, r0, x, &xsum, o),
             }
-        });
+            _ => self.rows_dot(isa, r0, x, xsum, out),
+        }
     }
 
     /// `out[i]` = row `r0 + i` · `x` (f32 activations) for every `i`.
@@ -1056,6 +1109,45 @@ mod tests {
                         (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
                         "{isa:?} {a} vs {b}"
                     );
+                }
+            }
+        }
+    }
+
+    /// A matrix held in parts gives each row its part's own bits, on every path, with f32 and
+    /// int8 activations: parts of every layout (Q4_1, Q8_0, f32, a file's Q6_K blocks) whose
+    /// row counts cut the threads' tasks and the kernels' passes in odd places.
+    #[test]
+    fn parts_give_each_parts_own_rows() {
+        let cols = 256;
+        let (_, ms) = matrices(13, cols);
+        let k6 = crate::qmatrix::blocks::random_blocks(Kind::Q6_K, 21, 5);
+        let mut parts = ms;
+        parts.push(QMatrix::from_raw(21, cols, Kind::Q6_K, &k6));
+        parts.swap(1, 2);
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 37 % 41) as f32 - 20.0) / 7.0)
+            .collect();
+        let rows: usize = parts.iter().map(|w| w.rows).sum();
+        for isa in Isa::all_available() {
+            for acts in [Activations::F32, Activations::Int8] {
+                let mut all = vec![f32::NAN; rows + 1];
+                QMatrix::matvec_parts_with(isa, &parts, acts, &x, &mut all);
+                assert!(all[rows].is_nan(), "{isa:?} wrote past the rows");
+                let mut r0 = 0;
+                for w in &parts {
+                    let mut one = vec![f32::NAN; w.rows];
+                    w.matvec_with(isa, acts, &x, &mut one);
+                    for (r, v) in one.iter().enumerate() {
+                        let got = all[r0 + r];
+                        assert_eq!(
+                            got.to_bits(),
+                            v.to_bits(),
+                            "{isa:?} {acts:?} {:?} row {r}",
+                            w.kind
+                        );
+                    }
+                    r0 += w.rows;
                 }
             }
         }
