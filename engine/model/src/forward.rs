@@ -28,6 +28,7 @@ use crate::rope::{Rope, RopeAngles};
 use crate::stream::{Pass, StreamError, StreamUnit, WeightStream};
 use candle_core::quantized::GgmlDType;
 use policy::WeightPlanError;
+use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -547,7 +548,6 @@ impl Model {
     /// Reads every byte of the decode weights once on the engine's threads and returns a
     /// checksum: the memory read bandwidth a decode step can reach, measured on its own data.
     pub fn stream_weights(&self) -> u64 {
-        use rayon::prelude::*;
         let ms: Vec<&QMatrix> = self.matrices().collect();
         ms.par_iter()
             .map(|m| m.sum_bytes())
@@ -714,21 +714,33 @@ impl Model {
             rms_norm(&mut xn, x, &layer.attn_norm, cfg.rms_eps);
             layer.qkv.forward(pass, &xn, n, &mut qkv)?;
             let rope = &self.ropes[layer.rope];
-            for (i, row) in qkv.chunks_exact_mut(qd + 2 * kvd).enumerate() {
-                let pos = positions[i];
-                if let Some(b) = &layer.qkv_bias {
-                    add_assign(row, b);
-                }
-                let (qr, kv) = row.split_at_mut(qd);
-                let (kr, vr) = kv.split_at_mut(kvd);
-                if let Some((qn, kn)) = &layer.qk_norm {
-                    rms_norm_in_place(qr, qn, cfg.rms_eps);
-                    rms_norm_in_place(kr, kn, cfg.rms_eps);
-                }
-                rope.apply(qr, hd, &angles[layer.rope], i);
-                rope.apply(kr, hd, &angles[layer.rope], i);
+            // Each token's query and key: bias, norms and rotation, row by row on the
+            // engine's threads (a prefill step's rows are independent).
+            let stride = qd + 2 * kvd;
+            let per_task = (16usize << 10).div_ceil(stride).max(1);
+            qkv.par_chunks_mut(per_task * stride)
+                .enumerate()
+                .for_each(|(t, rows)| {
+                    for (j, row) in rows.chunks_exact_mut(stride).enumerate() {
+                        let i = t * per_task + j;
+                        if let Some(b) = &layer.qkv_bias {
+                            add_assign(row, b);
+                        }
+                        let (qr, kv) = row.split_at_mut(qd);
+                        let kr = &mut kv[..kvd];
+                        if let Some((qn, kn)) = &layer.qk_norm {
+                            rms_norm_in_place(qr, qn, cfg.rms_eps);
+                            rms_norm_in_place(kr, kn, cfg.rms_eps);
+                        }
+                        rope.apply(qr, hd, &angles[layer.rope], i);
+                        rope.apply(kr, hd, &angles[layer.rope], i);
+                    }
+                });
+            for (i, row) in qkv.chunks_exact(stride).enumerate() {
+                let (qr, kv) = row.split_at(qd);
+                let (kr, vr) = kv.split_at(kvd);
                 q[i * qd..(i + 1) * qd].copy_from_slice(qr);
-                cache.write(li, pos, kr, vr);
+                cache.write(li, positions[i], kr, vr);
             }
             if batched {
                 for &c in seal {

@@ -261,28 +261,78 @@ fn matmul(
     }
 }
 
+/// Values a task of the row-wise kernels takes at least: a batch's rows split across the
+/// engine's threads in runs of about this many values, a single row (decode) on the calling
+/// thread.
+const ROW_TASK_VALUES: usize = 16 << 10;
+
+/// Runs `f(rows, first)` over runs of whole rows of `out` (`d` values a row; `first` the index
+/// of the run's first row), on the engine's threads when there are enough rows.
+fn rows_par<F>(out: &mut [f32], d: usize, f: F)
+where
+    F: Fn(&mut [f32], usize) + Sync,
+{
+    use rayon::prelude::*;
+    let d = d.max(1);
+    let rows = out.len() / d;
+    let per = (ROW_TASK_VALUES / d).max(1);
+    if rows <= per || threads() == 1 {
+        return f(out, 0);
+    }
+    out.par_chunks_mut(per * d)
+        .enumerate()
+        .for_each(|(i, o)| f(o, i * per));
+}
+
+/// `Σ v²` in a fixed order: sixteen running sums (value `i` into sum `i % 16`, each a multiply
+/// then an add), added pairwise at the end. The order is the same on every CPU, and the sums are
+/// independent chains the compiler puts in vectors, where one running sum waited on each add.
+pub fn sum_squares(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += v * v;
+        }
+    }
+    for (a, v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += v * v;
+    }
+    let mut n = acc.len();
+    while n > 1 {
+        n /= 2;
+        for i in 0..n {
+            acc[i] += acc[i + n];
+        }
+    }
+    acc[0]
+}
+
 /// RMSNorm of each row of `x` (rows of `w.len()`), scaled by `w`, into `out`.
 pub fn rms_norm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
     let d = w.len();
-    for (o, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-        let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let r = 1.0 / (ss + eps).sqrt();
-        for ((o, x), w) in o.iter_mut().zip(x).zip(w) {
-            *o = x * r * w;
+    let n = out.len().min(x.len()) / d.max(1);
+    rows_par(&mut out[..n * d], d, |out, first| {
+        for (o, x) in out.chunks_exact_mut(d).zip(x[first * d..].chunks_exact(d)) {
+            let r = 1.0 / (sum_squares(x) / d as f32 + eps).sqrt();
+            for ((o, x), w) in o.iter_mut().zip(x).zip(w) {
+                *o = x * r * w;
+            }
         }
-    }
+    });
 }
 
 /// [`rms_norm`] of each row of `x` (rows of `w.len()`) in place.
 pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     let d = w.len();
-    for x in x.chunks_exact_mut(d) {
-        let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let r = 1.0 / (ss + eps).sqrt();
-        for (x, w) in x.iter_mut().zip(w) {
-            *x = *x * r * w;
+    rows_par(x, d, |x, _| {
+        for x in x.chunks_exact_mut(d) {
+            let r = 1.0 / (sum_squares(x) / d as f32 + eps).sqrt();
+            for (x, w) in x.iter_mut().zip(w) {
+                *x = *x * r * w;
+            }
         }
-    }
+    });
 }
 
 /// GeGLU on rows of `[gate | up]` (each `ffn` wide): `out = gelu(gate) * up`, GELU in its
@@ -295,6 +345,12 @@ pub fn geglu(out: &mut [f32], gate_up: &[f32], ffn: usize) {
 /// few ulp of libm's).
 pub fn geglu_with(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
     assert!(isa.available(), "{isa:?} path on a CPU without it");
+    rows_par(out, ffn, |out, first| {
+        geglu_rows(isa, out, &gate_up[first * 2 * ffn..], ffn)
+    });
+}
+
+fn geglu_rows(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
     const C: f32 = 0.797_884_6; // sqrt(2 / pi)
     for (o, gu) in out.chunks_exact_mut(ffn).zip(gate_up.chunks_exact(2 * ffn)) {
         let (g, u) = gu.split_at(ffn);
@@ -320,6 +376,12 @@ pub fn swiglu(out: &mut [f32], gate_up: &[f32], ffn: usize) {
 /// [`swiglu`] on a given path (the AVX2 one's `e^x` is a polynomial within a few ulp of libm's).
 pub fn swiglu_with(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
     assert!(isa.available(), "{isa:?} path on a CPU without it");
+    rows_par(out, ffn, |out, first| {
+        swiglu_rows(isa, out, &gate_up[first * 2 * ffn..], ffn)
+    });
+}
+
+fn swiglu_rows(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
     for (o, gu) in out.chunks_exact_mut(ffn).zip(gate_up.chunks_exact(2 * ffn)) {
         let (g, u) = gu.split_at(ffn);
         match isa {
@@ -970,14 +1032,75 @@ fn unpack_codes(q: &[u8], first: usize, bits: usize, out: &mut [f32]) {
 
 /// Adds `b` to `a` elementwise.
 pub fn add_assign(a: &mut [f32], b: &[f32]) {
-    for (a, b) in a.iter_mut().zip(b) {
-        *a += b;
-    }
+    let n = a.len().min(b.len());
+    rows_par(&mut a[..n], 1, |a, first| {
+        for (a, b) in a.iter_mut().zip(&b[first..]) {
+            *a += b;
+        }
+    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `sum_squares` is within its rounding bound of the exact sum at every length around its
+    /// sixteen lanes.
+    #[test]
+    fn sum_squares_is_within_rounding_of_the_exact_sum() {
+        for len in [0, 1, 5, 15, 16, 17, 31, 33, 640, 2049] {
+            let x: Vec<f32> = (0..len)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+                .collect();
+            let exact: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            // At most len / 16 + 4 additions in a row, each within u of its running sum.
+            let bound = (len / 16 + 6) as f64 * f64::from(f32::EPSILON) * exact;
+            let got = f64::from(sum_squares(&x));
+            assert!((got - exact).abs() <= bound, "{len}: {got} vs {exact}");
+        }
+    }
+
+    /// The row-wise kernels give each row the bits it gets alone, however many rows a call
+    /// holds (a batch's rows are split across the threads).
+    #[test]
+    fn row_kernels_give_a_row_the_same_bits_in_any_batch() {
+        let (rows, d) = (300, 96);
+        let x: Vec<f32> = (0..rows * 2 * d)
+            .map(|i| ((i * 7919 % 2003) as f32 - 1000.0) / 300.0)
+            .collect();
+        let w: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 / 97.0).collect();
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+        let mut all = vec![0.0; rows * d];
+        rms_norm(&mut all, &x[..rows * d], &w, 1e-6);
+        let mut inplace = x[..rows * d].to_vec();
+        rms_norm_in_place(&mut inplace, &w, 1e-6);
+        let (mut sw, mut ge) = (vec![0.0; rows * d], vec![0.0; rows * d]);
+        swiglu(&mut sw, &x, d);
+        geglu(&mut ge, &x, d);
+        let mut sum = x[..rows * d].to_vec();
+        add_assign(&mut sum, &x[rows * d..]);
+        for r in 0..rows {
+            let (row, gu) = (&x[r * d..(r + 1) * d], &x[r * 2 * d..(r + 1) * 2 * d]);
+            let mut one = vec![0.0; d];
+            rms_norm(&mut one, row, &w, 1e-6);
+            assert!(same(&one, &all[r * d..(r + 1) * d]), "rms_norm row {r}");
+            assert!(
+                same(&one, &inplace[r * d..(r + 1) * d]),
+                "rms_norm_in_place row {r}"
+            );
+            swiglu(&mut one, gu, d);
+            assert!(same(&one, &sw[r * d..(r + 1) * d]), "swiglu row {r}");
+            geglu(&mut one, gu, d);
+            assert!(same(&one, &ge[r * d..(r + 1) * d]), "geglu row {r}");
+            for (j, v) in sum[r * d..(r + 1) * d].iter().enumerate() {
+                assert_eq!(
+                    *v,
+                    x[r * d + j] + x[rows * d + r * d + j],
+                    "add_assign row {r}"
+                );
+            }
+        }
+    }
 
     /// Every path's softmax is within a few ulp of an f64 softmax, whatever the row's length
     /// (tails of 1 to 7 past the vectors) and range (scores far below the row's largest give

@@ -132,17 +132,15 @@ pub unsafe fn quantize(x: &[f32], q: &mut [i8], s: Sums<'_>) {
             && s.qsum.len() >= nb
             && s.qlo.len() >= nb
     );
-    let sign = _mm512_set1_ps(-0.0);
     for b in 0..nb {
         // SAFETY: block b < nb: its 32 values are inside x and its 32 codes inside q (the
         // assert above); unaligned loads and stores accept any address.
         unsafe {
             let xp = x.as_ptr().add(b * 32);
             let (lo, hi) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
-            let amax = _mm512_reduce_max_ps(_mm512_max_ps(
-                _mm512_andnot_ps(sign, lo),
-                _mm512_andnot_ps(sign, hi),
-            ));
+            // |x| by `vpandd` (AVX-512 F; `_mm512_andnot_ps` needs DQ, which these functions
+            // do not enable, and was called out of line).
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
             s.d[b] = amax / 127.0;
             let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
             // Round to nearest, ties to even (the default MXCSR mode).
