@@ -169,8 +169,9 @@ pub unsafe fn quantize(x: &[f32], q: &mut [i8], s: Sums<'_>) {
 ///
 /// # Safety
 /// As [`tokens`], with `x.tokens == T` and panels of form `F`.
+///
+/// One index runs over several register arrays at once (hence the index loops).
 #[inline]
-// One index runs over several register arrays at once.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile<const T: usize, const F: u8, const P: usize>(

@@ -11,12 +11,14 @@
 //! chosen at run time ([`Isa::best`]); tests force every path the CPU has and check each against
 //! the f64 oracle ([`oracle`]). [`quantize`] holds the test quantizer of each format.
 
+mod acts;
 pub mod blocks;
 mod legacy;
 pub mod oracle;
 pub mod quantize;
 
 use crate::simd;
+use acts::*;
 use half::f16;
 use legacy::*;
 use rayon::prelude::*;
@@ -154,41 +156,6 @@ pub enum Activations {
     /// Quantized to 8 bits per 32-value block (f32 scale) and multiplied with the weight blocks
     /// in integers, as llama.cpp does; the Q4_1 minimum term uses the exact f32 sums.
     Int8,
-}
-
-/// Activations quantized to 8 bits per 32-value block.
-struct QuantizedActs {
-    q: Vec<i8>,
-    d: Vec<f32>,
-}
-
-fn quantize_acts(x: &[f32]) -> QuantizedActs {
-    let nb = x.len() / BLOCK;
-    let (mut q, mut d) = (vec![0i8; nb * BLOCK], vec![0f32; nb]);
-    #[cfg(target_arch = "x86_64")]
-    if simd::vnni::available() {
-        // SAFETY: the CPU has the kernel's features (checked just above); it checks the sizes.
-        unsafe { simd::vnni::quantize(x, &mut q, &mut d) };
-        return QuantizedActs { q, d };
-    }
-    quantize_acts_portable(x, &mut q, &mut d);
-    QuantizedActs { q, d }
-}
-
-/// [`quantize_acts`] in plain Rust, into `q` and `d`.
-fn quantize_acts_portable(x: &[f32], q: &mut [i8], d: &mut [f32]) {
-    for ((b, qb), d) in x
-        .chunks_exact(BLOCK)
-        .zip(q.chunks_exact_mut(BLOCK))
-        .zip(d.iter_mut())
-    {
-        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        *d = amax / 127.0;
-        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-        for (q, v) in qb.iter_mut().zip(b) {
-            *q = (v * inv).round_ties_even() as i8;
-        }
-    }
 }
 
 /// How a matrix's values are stored: the GGUF block formats the kernels read as they are, and
