@@ -90,27 +90,18 @@ pub fn geglu(out: &mut [f32], gate_up: &[f32], ffn: usize) {
 /// few ulp of libm's).
 pub fn geglu_with(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
     assert!(isa.available(), "{isa:?} path on a CPU without it");
-    rows_par(out, ffn, |out, first| {
-        geglu_rows(isa, out, &gate_up[first * 2 * ffn..], ffn)
-    });
-}
-
-fn geglu_rows(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
     const C: f32 = 0.797_884_6; // sqrt(2 / pi)
-    for (o, gu) in out.chunks_exact_mut(ffn).zip(gate_up.chunks_exact(2 * ffn)) {
-        let (g, u) = gu.split_at(ffn);
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); g and u are ffn long.
-            Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::geglu(o, g, u) },
-            _ => {
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    let t = (C * (g + 0.044_715 * g * g * g)).tanh();
-                    *o = 0.5 * g * (1.0 + t) * u;
-                }
+    gated(out, gate_up, ffn, |o, g, u| match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); g and u are ffn long.
+        Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::geglu(o, g, u) },
+        _ => {
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                let t = (C * (g + 0.044_715 * g * g * g)).tanh();
+                *o = 0.5 * g * (1.0 + t) * u;
             }
         }
-    }
+    });
 }
 
 /// SwiGLU on rows of `[gate | up]` (each `ffn` wide): `out = silu(gate) * up`.
@@ -121,25 +112,31 @@ pub fn swiglu(out: &mut [f32], gate_up: &[f32], ffn: usize) {
 /// [`swiglu`] on a given path (the AVX2 one's `e^x` is a polynomial within a few ulp of libm's).
 pub fn swiglu_with(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
     assert!(isa.available(), "{isa:?} path on a CPU without it");
-    rows_par(out, ffn, |out, first| {
-        swiglu_rows(isa, out, &gate_up[first * 2 * ffn..], ffn)
+    gated(out, gate_up, ffn, |o, g, u| match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); g and u are ffn long.
+        Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::swiglu(o, g, u) },
+        _ => {
+            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        }
     });
 }
 
-fn swiglu_rows(isa: Isa, out: &mut [f32], gate_up: &[f32], ffn: usize) {
-    for (o, gu) in out.chunks_exact_mut(ffn).zip(gate_up.chunks_exact(2 * ffn)) {
-        let (g, u) = gu.split_at(ffn);
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); g and u are ffn long.
-            Isa::Avx2 | Isa::Avx512 => unsafe { simd::avx2::swiglu(o, g, u) },
-            _ => {
-                for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g / (1.0 + (-g).exp()) * u;
-                }
-            }
+/// `row(out, gate, up)` for each row of `out` (`ffn` wide) and of `[gate | up]`, a batch's
+/// rows split across the engine's threads.
+fn gated<F>(out: &mut [f32], gate_up: &[f32], ffn: usize, row: F)
+where
+    F: Fn(&mut [f32], &[f32], &[f32]) + Sync,
+{
+    rows_par(out, ffn, |out, first| {
+        let gate_up = &gate_up[first * 2 * ffn..];
+        for (o, gu) in out.chunks_exact_mut(ffn).zip(gate_up.chunks_exact(2 * ffn)) {
+            let (g, u) = gu.split_at(ffn);
+            row(o, g, u);
         }
-    }
+    });
 }
 
 /// Adds `b` to `a` elementwise.
