@@ -1,8 +1,9 @@
 //! Decode matrix-vector products per stored format and instruction path, on synthetic matrices
 //! of Gemma 3 270M's FFN shape (2048 × 640, the gate/up products, and 640 × 2048, the down
 //! product) and of a larger 4096 × 4096 one, beside a plain read of the same bytes
-//! ([`QMatrix::sum_bytes`] on two threads, how `llms bench engine` measures the read bandwidth): each
-//! reported as bytes of weights per second.
+//! ([`QMatrix::sum_bytes`] on two threads, how `llms bench engine` measures the read bandwidth),
+//! with f32 activations and with int8 ones (`/int8`, `--activations int8`): each reported as
+//! bytes of weights per second.
 
 use std::hint::black_box;
 

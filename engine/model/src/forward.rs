@@ -20,7 +20,9 @@
 
 use crate::config::{Activation, ConfigError, ModelConfig};
 use crate::int8gemm::{self, PrefillActs, QuantRows};
-use crate::kernels::{add_assign, geglu, matmul_nt_tiled, rms_norm, rms_norm_in_place, swiglu};
+use crate::kernels::{
+    add_assign, geglu, matmul_nt_tiled, rms_norm, rms_norm_in_place, rows_par, swiglu,
+};
 use crate::kv::attention::{AttnShape, ChunkRows, PACKED_MAX_TOKENS, attend_chunks, attend_packed};
 use crate::kv::{ChunkShape, KvCache, KvError};
 use crate::qmatrix::{Activations, BLOCK, Kind, QMatrix};
@@ -717,25 +719,22 @@ impl Model {
             // Each token's query and key: bias, norms and rotation, row by row on the
             // engine's threads (a prefill step's rows are independent).
             let stride = qd + 2 * kvd;
-            let per_task = (16usize << 10).div_ceil(stride).max(1);
-            qkv.par_chunks_mut(per_task * stride)
-                .enumerate()
-                .for_each(|(t, rows)| {
-                    for (j, row) in rows.chunks_exact_mut(stride).enumerate() {
-                        let i = t * per_task + j;
-                        if let Some(b) = &layer.qkv_bias {
-                            add_assign(row, b);
-                        }
-                        let (qr, kv) = row.split_at_mut(qd);
-                        let kr = &mut kv[..kvd];
-                        if let Some((qn, kn)) = &layer.qk_norm {
-                            rms_norm_in_place(qr, qn, cfg.rms_eps);
-                            rms_norm_in_place(kr, kn, cfg.rms_eps);
-                        }
-                        rope.apply(qr, hd, &angles[layer.rope], i);
-                        rope.apply(kr, hd, &angles[layer.rope], i);
+            rows_par(&mut qkv, stride, |rows, first| {
+                for (j, row) in rows.chunks_exact_mut(stride).enumerate() {
+                    let i = first + j;
+                    if let Some(b) = &layer.qkv_bias {
+                        add_assign(row, b);
                     }
-                });
+                    let (qr, kv) = row.split_at_mut(qd);
+                    let kr = &mut kv[..kvd];
+                    if let Some((qn, kn)) = &layer.qk_norm {
+                        rms_norm_in_place(qr, qn, cfg.rms_eps);
+                        rms_norm_in_place(kr, kn, cfg.rms_eps);
+                    }
+                    rope.apply(qr, hd, &angles[layer.rope], i);
+                    rope.apply(kr, hd, &angles[layer.rope], i);
+                }
+            });
             for (i, row) in qkv.chunks_exact(stride).enumerate() {
                 let (qr, kv) = row.split_at(qd);
                 let (kr, vr) = kv.split_at(kvd);

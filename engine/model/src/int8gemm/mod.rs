@@ -676,11 +676,9 @@ fn add_shadows(path: Path, tile: &Tile<'_>, x: &QuantRows, addr: usize, ld: usiz
 fn add_scaled(path: Path, o: &mut [f32], v: f32, w: &[f32]) {
     match path {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the CPU has the path's features (`product_parts` asserted it).
-        Path::Vnni => unsafe { vnni::add_scaled(o, v, w) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above; every AVX2 path has AVX2.
-        Path::Avx2 | Path::AvxVnni => unsafe { avx2::add_scaled(o, v, w) },
+        // SAFETY: the CPU has the path's features (`product_parts` asserted it), and every
+        // vector path has AVX2.
+        Path::Vnni | Path::Avx2 | Path::AvxVnni => unsafe { avx2::add_scaled(o, v, w) },
         _ => o.iter_mut().zip(w).for_each(|(o, &wv)| *o += v * wv),
     }
 }

@@ -303,15 +303,3 @@ unsafe fn tile<const T: usize, const F: u8, const P: usize>(
         }
     }
 }
-
-/// `o[i] += v · w[i]`, multiplied then added as the portable loop does (the compiler does not
-/// fuse them), in vectors.
-///
-/// # Safety
-/// The CPU must have AVX-512 F.
-#[target_feature(enable = "avx512f")]
-pub unsafe fn add_scaled(o: &mut [f32], v: f32, w: &[f32]) {
-    for (o, &wv) in o.iter_mut().zip(w) {
-        *o += v * wv;
-    }
-}

@@ -13,7 +13,7 @@ const ROW_TASK_VALUES: usize = 16 << 10;
 
 /// Runs `f(rows, first)` over runs of whole rows of `out` (`d` values a row; `first` the index
 /// of the run's first row), on the engine's threads when there are enough rows.
-fn rows_par<F>(out: &mut [f32], d: usize, f: F)
+pub(crate) fn rows_par<F>(out: &mut [f32], d: usize, f: F)
 where
     F: Fn(&mut [f32], usize) + Sync,
 {
