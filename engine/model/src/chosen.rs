@@ -42,7 +42,8 @@ pub fn engine(decode: Activations, prefill: PrefillActs) -> Vec<Chosen> {
         kernel: match (decode, isa) {
             (Activations::Int8, _) => "portable, int8 activations, one row at a time",
             (_, Isa::Avx512) => {
-                "blocks::matvec, file's blocks (f32 activations), 4 rows per pass, 512-bit"
+                "blocks::matvec, file's blocks (f32 activations), 4 rows per pass, 512-bit \
+                 (Q4_K, Q5_0: codes widened from memory, one scale per 32)"
             }
             (_, Isa::Avx2) => {
                 "blocks::matvec, file's blocks (f32 activations), 4 rows per pass, 256-bit"

@@ -7,6 +7,13 @@
 //! into 32 signed bytes (masks, shifts, and for the fifth and sixth bits a byte shuffle), widened
 //! to f32 and multiplied with the activations, which are loaded once for the several rows of a
 //! pass; each sum of 16 products is scaled once, and the offsets add `Σ min · Σx` per 32.
+//! The block headers' scales are unpacked in vectors (Q4_K/Q5_K's 6-bit scales and minimums
+//! four at a time in a word).
+//!
+//! On AVX-512 two formats take kernels of their own, with fewer instructions per value:
+//! Q4_K (one scale per 32 values: codes widened straight from memory, the two halves of a
+//! sub-block summed before their one scale, the minimums as one 8-lane product per block) and
+//! Q5_0 (its fifth bits as a lane mask, the code's offset one masked subtraction).
 
 use crate::qmatrix::Kind;
 use crate::simd::{WEIGHTS_AHEAD, prefetch_weights};
@@ -68,22 +75,55 @@ unsafe fn header<const K: u8>(p: *const u8, sc: &mut [f32; 16], mn: &mut [f32; 8
             }
             Q4_K | Q5_K => {
                 let (d, dmin) = (h2f(p), h2f(p.add(2)));
-                let s = std::slice::from_raw_parts(p.add(4), 12);
-                for j in 0..8 {
-                    let (a, m) = crate::qmatrix::blocks::scale_min_k4(j, s);
-                    sc[2 * j] = d * f32::from(a);
-                    sc[2 * j + 1] = sc[2 * j];
-                    mn[j] = -(dmin * f32::from(m));
-                }
+                let (a, m) = k4_scales(p.add(4));
+                // Each sub-block's scale twice (one per 16 values), in order.
+                let sa = _mm256_mul_ps(bytes8_ps(a), _mm256_set1_ps(d));
+                let lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+                let hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+                _mm256_storeu_ps(sc.as_mut_ptr(), _mm256_permutevar8x32_ps(sa, lo));
+                _mm256_storeu_ps(sc.as_mut_ptr().add(8), _mm256_permutevar8x32_ps(sa, hi));
+                let neg = _mm256_set1_ps(-dmin);
+                _mm256_storeu_ps(mn.as_mut_ptr(), _mm256_mul_ps(bytes8_ps(m), neg));
             }
             _ => {
-                let d = h2f(p.add(208));
-                for (j, s) in sc.iter_mut().enumerate() {
-                    *s = d * f32::from(*p.add(192 + j) as i8);
-                }
+                let d = _mm256_set1_ps(h2f(p.add(208)));
+                let q = _mm_loadu_si128(p.add(192) as *const __m128i);
+                let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q)));
+                _mm256_storeu_ps(sc.as_mut_ptr(), _mm256_mul_ps(lo, d));
+                _mm256_storeu_ps(sc.as_mut_ptr().add(8), _mm256_mul_ps(hi, d));
             }
         }
     }
+}
+
+/// The eight 6-bit scales and eight 6-bit minimums of a Q4_K/Q5_K block's 12 packed bytes at
+/// `p`, one per byte (what [`crate::qmatrix::blocks::scale_min_k4`] gives one at a time):
+/// sub-blocks 0-3 keep the low six bits of bytes 0-3 (scales) and 4-7 (minimums); sub-blocks
+/// 4-7 take a nibble of bytes 8-11 and the top two bits of bytes 0-3 or 4-7, all four bytes
+/// at once in a word.
+///
+/// # Safety
+/// 12 bytes at `p` must be readable.
+#[inline]
+unsafe fn k4_scales(p: *const u8) -> (u64, u64) {
+    // SAFETY: 12 readable bytes (the contract), read as three unaligned words.
+    let [u0, u1, u2] =
+        std::array::from_fn(|i| unsafe { (p.add(4 * i) as *const u32).read_unaligned() });
+    let (six, low, top) = (0x3F3F_3F3Fu32, 0x0F0F_0F0Fu32, 0x0303_0303u32);
+    let a_hi = (u2 & low) | (((u0 >> 6) & top) << 4);
+    let m_hi = ((u2 >> 4) & low) | (((u1 >> 6) & top) << 4);
+    (
+        u64::from(u0 & six) | u64::from(a_hi) << 32,
+        u64::from(u1 & six) | u64::from(m_hi) << 32,
+    )
+}
+
+/// The eight bytes of `v` (little-endian) as eight f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bytes8_ps(v: u64) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
 }
 
 /// 32 bits of `qh` at `p` (little-endian) as 32 bytes, 0x10 where the bit is set.
@@ -340,6 +380,13 @@ unsafe fn rows_avx512<const K: u8, const R: usize>(
     xsum: &[f32],
     out: &mut [f32],
 ) {
+    match K {
+        // SAFETY: the contract, passed on.
+        Q4_K => return unsafe { rows_q4_k::<R>(raw, rb, x, xsum, out) },
+        // SAFETY: as above.
+        Q5_0 => return unsafe { rows_q5_0::<R>(raw, rb, x, out) },
+        _ => {}
+    }
     let (vals, bytes) = geometry(K);
     let mut acc = [_mm512_setzero_ps(); R];
     let mut offs = [0.0f32; R];
@@ -372,6 +419,98 @@ unsafe fn rows_avx512<const K: u8, const R: usize>(
     }
     for r in 0..R {
         out[r] = _mm512_reduce_add_ps(acc[r]) + offs[r];
+    }
+}
+
+/// [`rows_avx512`] for Q4_K, whose scale covers 32 values: a pair of sub-blocks' 32 bytes
+/// widened sixteen at a time straight from memory, the low nibbles (the first sub-block) masked
+/// and the high ones (the second) shifted down, each sub-block's 32 products summed before its
+/// one scale; the minimums' term is one 8-lane product per block.
+///
+/// # Safety
+/// As [`rows_avx512`] for Q4_K.
+#[inline]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn rows_q4_k<const R: usize>(
+    raw: &[u8],
+    rb: usize,
+    x: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    let (vals, bytes) = geometry(Q4_K);
+    let nibble = _mm512_set1_epi32(0x0F);
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut offs = [_mm256_setzero_ps(); R];
+    let (mut sc, mut mn) = ([[0.0f32; 16]; R], [[0.0f32; 8]; R]);
+    for b in 0..x.len() / vals {
+        // SAFETY: block b of each row is inside raw, its values inside x and their eight sums
+        // inside xsum (the contract); unaligned loads accept any address.
+        unsafe {
+            let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
+            let xs = _mm256_loadu_ps(xsum.as_ptr().add(b * 8));
+            for r in 0..R {
+                header::<Q4_K>(at(r), &mut sc[r], &mut mn[r]);
+                offs[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[r].as_ptr()), xs, offs[r]);
+            }
+            for pair in 0..4 {
+                let xp = x.as_ptr().add(b * vals + 64 * pair);
+                let xv: [__m512; 4] = std::array::from_fn(|k| _mm512_loadu_ps(xp.add(16 * k)));
+                for r in 0..R {
+                    let q = at(r).add(16 + 32 * pair);
+                    let v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q as *const __m128i));
+                    let v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q.add(16) as *const __m128i));
+                    let f = |v: __m512i| _mm512_cvtepi32_ps(v);
+                    let (l0, l1) = (_mm512_and_si512(v0, nibble), _mm512_and_si512(v1, nibble));
+                    let lo = _mm512_fmadd_ps(f(l1), xv[1], _mm512_mul_ps(f(l0), xv[0]));
+                    let (h0, h1) = (_mm512_srli_epi32::<4>(v0), _mm512_srli_epi32::<4>(v1));
+                    let hi = _mm512_fmadd_ps(f(h1), xv[3], _mm512_mul_ps(f(h0), xv[2]));
+                    acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(sc[r][4 * pair]), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(sc[r][4 * pair + 2]), acc[r]);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(acc[r]) + super::avx2::hsum(offs[r]);
+    }
+}
+
+/// [`rows_avx512`] for Q5_0: a block's 16 bytes widened sixteen at a time straight from
+/// memory, its fifth bits taken as a lane mask (`qh`'s bit j is value j's), so that a code
+/// `q - 16` is one masked subtraction of the nibble: `nibble - 16` where the bit is clear.
+///
+/// # Safety
+/// As [`rows_avx512`] for Q5_0.
+#[inline]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn rows_q5_0<const R: usize>(raw: &[u8], rb: usize, x: &[f32], out: &mut [f32]) {
+    let (vals, bytes) = geometry(Q5_0);
+    let (nibble, sixteen) = (_mm512_set1_epi32(0x0F), _mm512_set1_epi32(16));
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..x.len() / vals {
+        // SAFETY: block b of each row is inside raw and its values inside x (the contract);
+        // unaligned loads accept any address.
+        unsafe {
+            let xp = x.as_ptr().add(b * vals);
+            let (x0, x1) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+            for r in 0..R {
+                let p = raw.as_ptr().add(r * rb + b * bytes);
+                let qh = (p.add(2) as *const u32).read_unaligned();
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(6) as *const __m128i));
+                let (lo, hi) = (_mm512_and_si512(v, nibble), _mm512_srli_epi32::<4>(v));
+                let lo = _mm512_mask_sub_epi32(lo, !(qh as u16), lo, sixteen);
+                let hi = _mm512_mask_sub_epi32(hi, !((qh >> 16) as u16), hi, sixteen);
+                let (lo, hi) = (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi));
+                let t = _mm512_fmadd_ps(hi, x1, _mm512_mul_ps(lo, x0));
+                acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(h2f(p)), acc[r]);
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(acc[r]);
     }
 }
 
