@@ -10,6 +10,8 @@
 //! The block headers' scales are unpacked in vectors (Q4_K/Q5_K's 6-bit scales and minimums
 //! four at a time in a word).
 //!
+//! Q4_K sums each sub-block's 32 products before its one scale on both widths, and takes its
+//! minimums as one 8-lane product per block.
 //! On AVX-512 two formats take kernels of their own, with fewer instructions per value:
 //! Q4_K (one scale per 32 values: codes widened straight from memory, the two halves of a
 //! sub-block summed before their one scale, the minimums as one 8-lane product per block) and
@@ -333,6 +335,10 @@ unsafe fn rows_avx2<const K: u8, const R: usize>(
     xsum: &[f32],
     out: &mut [f32],
 ) {
+    if K == Q4_K {
+        // SAFETY: the contract, passed on.
+        return unsafe { rows_q4_k_avx2::<R>(raw, rb, x, xsum, out) };
+    }
     let (vals, bytes) = geometry(K);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut offs = [0.0f32; R];
@@ -363,6 +369,53 @@ unsafe fn rows_avx2<const K: u8, const R: usize>(
     }
     for r in 0..R {
         out[r] = super::avx2::hsum(acc[r]) + offs[r];
+    }
+}
+
+/// [`rows_avx2`] for Q4_K, whose scale covers 32 values: a sub-block's 32 products summed
+/// before its one scale, and the minimums' term one 8-lane product per block.
+///
+/// # Safety
+/// As [`rows_avx2`] for Q4_K.
+#[inline]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_q4_k_avx2<const R: usize>(
+    raw: &[u8],
+    rb: usize,
+    x: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    let (vals, bytes) = geometry(Q4_K);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut offs = [_mm256_setzero_ps(); R];
+    let (mut sc, mut mn) = ([[0.0f32; 16]; R], [[0.0f32; 8]; R]);
+    for b in 0..x.len() / vals {
+        // SAFETY: block b of each row is inside raw, its values inside x and their eight sums
+        // inside xsum (the contract); unaligned loads accept any address.
+        unsafe {
+            let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
+            let xs = _mm256_loadu_ps(xsum.as_ptr().add(b * 8));
+            for r in 0..R {
+                header::<Q4_K>(at(r), &mut sc[r], &mut mn[r]);
+                offs[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[r].as_ptr()), xs, offs[r]);
+            }
+            for s in 0..vals / 32 {
+                let xp = x.as_ptr().add(b * vals + 32 * s);
+                let xv: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xp.add(8 * k)));
+                for r in 0..R {
+                    let w = widen(codes::<Q4_K>(at(r), s));
+                    let t = _mm256_fmadd_ps(w[1], xv[1], _mm256_mul_ps(w[0], xv[0]));
+                    let t = _mm256_fmadd_ps(w[2], xv[2], t);
+                    let t = _mm256_fmadd_ps(w[3], xv[3], t);
+                    acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(sc[r][2 * s]), acc[r]);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = super::avx2::hsum(acc[r]) + super::avx2::hsum(offs[r]);
     }
 }
 
