@@ -61,7 +61,11 @@ pub unsafe fn matvec_q4_1(
     }
 }
 
-/// [`matvec_q4_1`] for the `R` rows from `r0`.
+/// [`matvec_q4_1`] for the `R` rows from `r0`. Each block's 16 possible weights `d · q`
+/// (exact in f32: an f16 times a 4-bit code) are one vector, and each code picks its weight
+/// from it (`vpermps` reads only an index's low four bits, so the low nibble needs no mask):
+/// one multiply and two look-ups in place of two conversions, a mask and a multiply; measured
+/// in L1 on Zen 4, 4.45 against 4.77 cycles a row's block.
 ///
 /// # Safety
 /// As [`matvec_q4_1`], for rows `r0..r0 + R`; `out` holds `R` values.
@@ -79,7 +83,9 @@ unsafe fn rows_q4_1<const R: usize>(
     out: &mut [f32],
 ) {
     let nb = x.len() / 32;
-    let nibble = _mm512_set1_epi32(0x0F);
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
     let mut acc = [_mm512_setzero_ps(); R];
     let mut mins = [_mm512_setzero_ps(); R];
     let mut ds = [[0.0f32; 16]; R];
@@ -111,10 +117,11 @@ unsafe fn rows_q4_1<const R: usize>(
                 for r in 0..R {
                     let q = _mm_loadu_si128(qp.add(((r0 + r) * nb + b) * 16) as *const __m128i);
                     let v = _mm512_cvtepu8_epi32(q);
-                    let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble));
-                    let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(v));
-                    let t = _mm512_fmadd_ps(hi, xh, _mm512_mul_ps(lo, xl));
-                    acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(ds[r][i]), acc[r]);
+                    let tab = _mm512_mul_ps(iota, _mm512_set1_ps(ds[r][i]));
+                    let lo = _mm512_permutexvar_ps(v, tab);
+                    let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), tab);
+                    acc[r] = _mm512_fmadd_ps(lo, xl, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(hi, xh, acc[r]);
                 }
             }
         }
