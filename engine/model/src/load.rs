@@ -320,6 +320,24 @@ impl Model {
                 _ => 0,
             };
         self.holding.resident_bytes = matrices as u64;
+        // The resident weights into huge pages, on a thread of its own: the copy takes a few
+        // hundred milliseconds, and the model is usable meanwhile (the contents never change).
+        let buffers: Vec<(usize, usize)> = self
+            .matrices()
+            .flat_map(QMatrix::buffers)
+            .chain(match &self.embed {
+                Embed::Own(q) => q.buffers().to_vec(),
+                _ => Vec::new(),
+            })
+            .collect();
+        let _ = std::thread::Builder::new()
+            .name("huge-pages".into())
+            .spawn(move || {
+                let t = std::time::Instant::now();
+                let regions = crate::simd::collapse_to_huge_pages(buffers);
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                tracing::debug!(regions, ms, "weights in huge pages");
+            });
         if let Some(budget) = opts.budget {
             let held = self.weight_bytes() as u64 + self.holding.buffer_bytes;
             tracing::info!(

@@ -573,6 +573,16 @@ impl QMatrix {
         self.d.len() * 2 + self.m.len() * 2 + self.qs.len() + self.f.len() * 4
     }
 
+    /// The address and length in bytes of each buffer the matrix holds (empty ones included).
+    pub fn buffers(&self) -> [(usize, usize); 4] {
+        [
+            (self.d.as_ptr() as usize, self.d.len() * 2),
+            (self.m.as_ptr() as usize, self.m.len() * 2),
+            (self.qs.as_ptr() as usize, self.qs.len()),
+            (self.f.as_ptr() as usize, self.f.len() * 4),
+        ]
+    }
+
     /// Rows.
     pub fn rows(&self) -> usize {
         self.rows
