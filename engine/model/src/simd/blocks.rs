@@ -372,6 +372,32 @@ unsafe fn rows_avx2<const K: u8, const R: usize>(
     }
 }
 
+/// The headers of one Q4_K block of `R` rows (row `r`'s at `at(r)`) into `sc` and `mn`, and
+/// their minimums' term added to `offs`: one 8-lane product a row with the block's eight sums
+/// of activations at `xsum`.
+///
+/// # Safety
+/// A whole Q4_K block must be readable at `at(r)` for every row, and eight f32 at `xsum`.
+#[inline]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k_headers<const R: usize>(
+    at: impl Fn(usize) -> *const u8,
+    xsum: *const f32,
+    sc: &mut [[f32; 16]; R],
+    mn: &mut [[f32; 8]; R],
+    offs: &mut [__m256; R],
+) {
+    // SAFETY: the blocks and the sums are readable (the contract).
+    unsafe {
+        let xs = _mm256_loadu_ps(xsum);
+        for r in 0..R {
+            header::<Q4_K>(at(r), &mut sc[r], &mut mn[r]);
+            offs[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[r].as_ptr()), xs, offs[r]);
+        }
+    }
+}
+
 /// [`rows_avx2`] for Q4_K, whose scale covers 32 values: a sub-block's 32 products summed
 /// before its one scale, and the minimums' term one 8-lane product per block.
 ///
@@ -396,11 +422,7 @@ unsafe fn rows_q4_k_avx2<const R: usize>(
         // inside xsum (the contract); unaligned loads accept any address.
         unsafe {
             let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
-            let xs = _mm256_loadu_ps(xsum.as_ptr().add(b * 8));
-            for r in 0..R {
-                header::<Q4_K>(at(r), &mut sc[r], &mut mn[r]);
-                offs[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[r].as_ptr()), xs, offs[r]);
-            }
+            q4_k_headers(at, xsum.as_ptr().add(b * 8), &mut sc, &mut mn, &mut offs);
             for s in 0..vals / 32 {
                 let xp = x.as_ptr().add(b * vals + 32 * s);
                 let xv: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xp.add(8 * k)));
@@ -502,11 +524,7 @@ unsafe fn rows_q4_k<const R: usize>(
         // inside xsum (the contract); unaligned loads accept any address.
         unsafe {
             let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
-            let xs = _mm256_loadu_ps(xsum.as_ptr().add(b * 8));
-            for r in 0..R {
-                header::<Q4_K>(at(r), &mut sc[r], &mut mn[r]);
-                offs[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[r].as_ptr()), xs, offs[r]);
-            }
+            q4_k_headers(at, xsum.as_ptr().add(b * 8), &mut sc, &mut mn, &mut offs);
             for pair in 0..4 {
                 let xp = x.as_ptr().add(b * vals + 64 * pair);
                 let xv: [__m512; 4] = std::array::from_fn(|k| _mm512_loadu_ps(xp.add(16 * k)));
