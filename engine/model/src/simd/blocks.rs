@@ -6,12 +6,12 @@
 //! scale per 16 values, an offset per 32), then per sub-block of 32 values its codes unpacked
 //! into 32 signed bytes (masks, shifts, and for the fifth and sixth bits a byte shuffle), widened
 //! to f32 and multiplied with the activations, which are loaded once for the several rows of a
-//! pass; each sum of 16 products is scaled once, and the offsets add `Σ min · Σx` per 32.
+//! pass; each sum of 16 (or 32) products is scaled once, and the offsets add `Σ min · Σx` per 32.
 //! The block headers' scales are unpacked in vectors (Q4_K/Q5_K's 6-bit scales and minimums
 //! four at a time in a word).
 //!
-//! Q4_K sums each sub-block's 32 products before its one scale on both widths, and takes its
-//! minimums as one 8-lane product per block.
+//! Every format but Q6_K (one scale per 16 values) sums a sub-block's 32 products before its
+//! one scale; Q4_K also takes its minimums as one 8-lane product per block.
 //! On AVX-512 two formats take kernels of their own, with fewer instructions per value:
 //! Q4_K (one scale per 32 values: codes widened straight from memory, the two halves of a
 //! sub-block summed before their one scale, the minimums as one 8-lane product per block) and
@@ -41,6 +41,12 @@ const fn geometry(k: u8) -> (usize, usize) {
         Q5_K => (256, 176),
         _ => (256, 210),
     }
+}
+
+/// Whether one scale covers each 32 values (every format but Q6_K, which has one per 16):
+/// then a sub-block's 32 products are summed before they are scaled.
+const fn one_scale(k: u8) -> bool {
+    k != Q6_K
 }
 
 /// Whether values carry offsets.
@@ -357,9 +363,14 @@ unsafe fn rows_avx2<const K: u8, const R: usize>(
                 for r in 0..R {
                     let w = widen(codes::<K>(at(r), s));
                     let lo = _mm256_fmadd_ps(w[1], xv[1], _mm256_mul_ps(w[0], xv[0]));
-                    let hi = _mm256_fmadd_ps(w[3], xv[3], _mm256_mul_ps(w[2], xv[2]));
-                    acc[r] = _mm256_fmadd_ps(lo, _mm256_set1_ps(sc[r][2 * s]), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(hi, _mm256_set1_ps(sc[r][2 * s + 1]), acc[r]);
+                    if one_scale(K) {
+                        let t = _mm256_fmadd_ps(w[3], xv[3], _mm256_fmadd_ps(w[2], xv[2], lo));
+                        acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(sc[r][2 * s]), acc[r]);
+                    } else {
+                        let hi = _mm256_fmadd_ps(w[3], xv[3], _mm256_mul_ps(w[2], xv[2]));
+                        acc[r] = _mm256_fmadd_ps(lo, _mm256_set1_ps(sc[r][2 * s]), acc[r]);
+                        acc[r] = _mm256_fmadd_ps(hi, _mm256_set1_ps(sc[r][2 * s + 1]), acc[r]);
+                    }
                     if has_mins(K) {
                         offs[r] += mn[r][s] * *xsum.get_unchecked(b * vals / 32 + s);
                     }
@@ -482,9 +493,14 @@ unsafe fn rows_avx512<const K: u8, const R: usize>(
                     let w1 =
                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256::<1>(c)));
                     let t0 = _mm512_mul_ps(w0, x0);
-                    let t1 = _mm512_mul_ps(w1, x1);
-                    acc[r] = _mm512_fmadd_ps(t0, _mm512_set1_ps(sc[r][2 * s]), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(t1, _mm512_set1_ps(sc[r][2 * s + 1]), acc[r]);
+                    if one_scale(K) {
+                        let t = _mm512_fmadd_ps(w1, x1, t0);
+                        acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(sc[r][2 * s]), acc[r]);
+                    } else {
+                        let t1 = _mm512_mul_ps(w1, x1);
+                        acc[r] = _mm512_fmadd_ps(t0, _mm512_set1_ps(sc[r][2 * s]), acc[r]);
+                        acc[r] = _mm512_fmadd_ps(t1, _mm512_set1_ps(sc[r][2 * s + 1]), acc[r]);
+                    }
                     if has_mins(K) {
                         offs[r] += mn[r][s] * *xsum.get_unchecked(b * vals / 32 + s);
                     }
