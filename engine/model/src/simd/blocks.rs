@@ -11,7 +11,7 @@
 //! four at a time in a word).
 //!
 //! Every format but Q6_K (one scale per 16 values) sums a sub-block's 32 products before its
-//! one scale; Q4_K also takes its minimums as one 8-lane product per block.
+//! one scale; Q4_K and Q5_K take their eight minimums a block as one 8-lane product.
 //! On AVX-512 two formats take kernels of their own, with fewer instructions per value:
 //! Q4_K (one scale per 32 values: codes widened straight from memory, the two halves of a
 //! sub-block summed before their one scale, the minimums as one 8-lane product per block) and
@@ -52,6 +52,12 @@ const fn one_scale(k: u8) -> bool {
 /// Whether values carry offsets.
 const fn has_mins(k: u8) -> bool {
     matches!(k, Q5_1 | Q4_K | Q5_K)
+}
+
+/// Whether a block holds eight offsets (one per 32 of its 256 values), taken as one 8-lane
+/// product with the block's eight sums of activations.
+const fn mins8(k: u8) -> bool {
+    matches!(k, Q4_K | Q5_K)
 }
 
 /// The f16 at `p` as f32, through F16C.
@@ -341,22 +347,16 @@ unsafe fn rows_avx2<const K: u8, const R: usize>(
     xsum: &[f32],
     out: &mut [f32],
 ) {
-    if K == Q4_K {
-        // SAFETY: the contract, passed on.
-        return unsafe { rows_q4_k_avx2::<R>(raw, rb, x, xsum, out) };
-    }
     let (vals, bytes) = geometry(K);
     let mut acc = [_mm256_setzero_ps(); R];
-    let mut offs = [0.0f32; R];
+    let (mut offs, mut offv) = ([0.0f32; R], [_mm256_setzero_ps(); R]);
     let (mut sc, mut mn) = ([[0.0f32; 16]; R], [[0.0f32; 8]; R]);
     for b in 0..x.len() / vals {
         // SAFETY: block b of each row is inside raw, its values inside x and their sums
         // inside xsum (the contract); unaligned loads accept any address.
         unsafe {
             let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
-            for r in 0..R {
-                header::<K>(at(r), &mut sc[r], &mut mn[r]);
-            }
+            headers::<K, R>(at, xsum, b, &mut sc, &mut mn, &mut offv);
             for s in 0..vals / 32 {
                 let xp = x.as_ptr().add(b * vals + 32 * s);
                 let xv: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xp.add(8 * k)));
@@ -371,7 +371,7 @@ unsafe fn rows_avx2<const K: u8, const R: usize>(
                         acc[r] = _mm256_fmadd_ps(lo, _mm256_set1_ps(sc[r][2 * s]), acc[r]);
                         acc[r] = _mm256_fmadd_ps(hi, _mm256_set1_ps(sc[r][2 * s + 1]), acc[r]);
                     }
-                    if has_mins(K) {
+                    if has_mins(K) && !mins8(K) {
                         offs[r] += mn[r][s] * *xsum.get_unchecked(b * vals / 32 + s);
                     }
                 }
@@ -380,75 +380,43 @@ unsafe fn rows_avx2<const K: u8, const R: usize>(
     }
     for r in 0..R {
         out[r] = super::avx2::hsum(acc[r]) + offs[r];
+        if mins8(K) {
+            out[r] += super::avx2::hsum(offv[r]);
+        }
     }
 }
 
-/// The headers of one Q4_K block of `R` rows (row `r`'s at `at(r)`) into `sc` and `mn`, and
-/// their minimums' term added to `offs`: one 8-lane product a row with the block's eight sums
-/// of activations at `xsum`.
+/// The headers of block `b` of `R` rows of format `K` (row `r`'s at `at(r)`) into `sc` and
+/// `mn`; for the formats with eight offsets a block ([`mins8`]), their term added to `offs` as
+/// one 8-lane product a row with the block's eight sums of activations in `xsum`.
 ///
 /// # Safety
-/// A whole Q4_K block must be readable at `at(r)` for every row, and eight f32 at `xsum`.
+/// A whole block of format `K` must be readable at `at(r)` for every row; for [`mins8`]
+/// formats `xsum` holds the sums of block `b`'s eight sub-blocks.
 #[inline]
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k_headers<const R: usize>(
+unsafe fn headers<const K: u8, const R: usize>(
     at: impl Fn(usize) -> *const u8,
-    xsum: *const f32,
+    xsum: &[f32],
+    b: usize,
     sc: &mut [[f32; 16]; R],
     mn: &mut [[f32; 8]; R],
     offs: &mut [__m256; R],
 ) {
-    // SAFETY: the blocks and the sums are readable (the contract).
-    unsafe {
-        let xs = _mm256_loadu_ps(xsum);
-        for r in 0..R {
-            header::<Q4_K>(at(r), &mut sc[r], &mut mn[r]);
-            offs[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mn[r].as_ptr()), xs, offs[r]);
-        }
-    }
-}
-
-/// [`rows_avx2`] for Q4_K, whose scale covers 32 values: a sub-block's 32 products summed
-/// before its one scale, and the minimums' term one 8-lane product per block.
-///
-/// # Safety
-/// As [`rows_avx2`] for Q4_K.
-#[inline]
-#[allow(clippy::needless_range_loop)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_q4_k_avx2<const R: usize>(
-    raw: &[u8],
-    rb: usize,
-    x: &[f32],
-    xsum: &[f32],
-    out: &mut [f32],
-) {
-    let (vals, bytes) = geometry(Q4_K);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut offs = [_mm256_setzero_ps(); R];
-    let (mut sc, mut mn) = ([[0.0f32; 16]; R], [[0.0f32; 8]; R]);
-    for b in 0..x.len() / vals {
-        // SAFETY: block b of each row is inside raw, its values inside x and their eight sums
-        // inside xsum (the contract); unaligned loads accept any address.
-        unsafe {
-            let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
-            q4_k_headers(at, xsum.as_ptr().add(b * 8), &mut sc, &mut mn, &mut offs);
-            for s in 0..vals / 32 {
-                let xp = x.as_ptr().add(b * vals + 32 * s);
-                let xv: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xp.add(8 * k)));
-                for r in 0..R {
-                    let w = widen(codes::<Q4_K>(at(r), s));
-                    let t = _mm256_fmadd_ps(w[1], xv[1], _mm256_mul_ps(w[0], xv[0]));
-                    let t = _mm256_fmadd_ps(w[2], xv[2], t);
-                    let t = _mm256_fmadd_ps(w[3], xv[3], t);
-                    acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(sc[r][2 * s]), acc[r]);
-                }
-            }
-        }
-    }
     for r in 0..R {
-        out[r] = super::avx2::hsum(acc[r]) + super::avx2::hsum(offs[r]);
+        // SAFETY: the block is readable (the contract).
+        unsafe { header::<K>(at(r), &mut sc[r], &mut mn[r]) };
+    }
+    if mins8(K) {
+        let xs = &xsum[b * 8..b * 8 + 8];
+        // SAFETY: xs holds eight values (sliced just above), mn[r] eight.
+        let xs = unsafe { _mm256_loadu_ps(xs.as_ptr()) };
+        for r in 0..R {
+            // SAFETY: as above.
+            let m = unsafe { _mm256_loadu_ps(mn[r].as_ptr()) };
+            offs[r] = _mm256_fmadd_ps(m, xs, offs[r]);
+        }
     }
 }
 
@@ -475,15 +443,13 @@ unsafe fn rows_avx512<const K: u8, const R: usize>(
     }
     let (vals, bytes) = geometry(K);
     let mut acc = [_mm512_setzero_ps(); R];
-    let mut offs = [0.0f32; R];
+    let (mut offs, mut offv) = ([0.0f32; R], [_mm256_setzero_ps(); R]);
     let (mut sc, mut mn) = ([[0.0f32; 16]; R], [[0.0f32; 8]; R]);
     for b in 0..x.len() / vals {
         // SAFETY: as in rows_avx2.
         unsafe {
             let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
-            for r in 0..R {
-                header::<K>(at(r), &mut sc[r], &mut mn[r]);
-            }
+            headers::<K, R>(at, xsum, b, &mut sc, &mut mn, &mut offv);
             for s in 0..vals / 32 {
                 let xp = x.as_ptr().add(b * vals + 32 * s);
                 let (x0, x1) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
@@ -501,7 +467,7 @@ unsafe fn rows_avx512<const K: u8, const R: usize>(
                         acc[r] = _mm512_fmadd_ps(t0, _mm512_set1_ps(sc[r][2 * s]), acc[r]);
                         acc[r] = _mm512_fmadd_ps(t1, _mm512_set1_ps(sc[r][2 * s + 1]), acc[r]);
                     }
-                    if has_mins(K) {
+                    if has_mins(K) && !mins8(K) {
                         offs[r] += mn[r][s] * *xsum.get_unchecked(b * vals / 32 + s);
                     }
                 }
@@ -510,6 +476,9 @@ unsafe fn rows_avx512<const K: u8, const R: usize>(
     }
     for r in 0..R {
         out[r] = _mm512_reduce_add_ps(acc[r]) + offs[r];
+        if mins8(K) {
+            out[r] += super::avx2::hsum(offv[r]);
+        }
     }
 }
 
@@ -540,7 +509,7 @@ unsafe fn rows_q4_k<const R: usize>(
         // inside xsum (the contract); unaligned loads accept any address.
         unsafe {
             let at = |r: usize| raw.as_ptr().add(r * rb + b * bytes);
-            q4_k_headers(at, xsum.as_ptr().add(b * 8), &mut sc, &mut mn, &mut offs);
+            headers::<Q4_K, R>(at, xsum, b, &mut sc, &mut mn, &mut offs);
             for pair in 0..4 {
                 let xp = x.as_ptr().add(b * vals + 64 * pair);
                 let xv: [__m512; 4] = std::array::from_fn(|k| _mm512_loadu_ps(xp.add(16 * k)));
