@@ -80,11 +80,20 @@ pub fn attention() -> Vec<Chosen> {
         Isa::Avx2 => avx2,
         Isa::Portable => portable,
     };
+    #[cfg(target_arch = "x86_64")]
+    let vbmi = crate::simd::avx512::has_vbmi();
+    #[cfg(not(target_arch = "x86_64"))]
+    let vbmi = false;
+    let wide = if vbmi {
+        "avx512::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time; 2- and 3-bit codes 64 at a time by VBMI permute and multishift), 16 lanes"
+    } else {
+        "avx512::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time), 16 lanes"
+    };
     vec![
         Chosen {
             product: "attention scores and value sums over f16/int8/packed codes",
             kernel: pick(
-                "avx512::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time), 16 lanes",
+                wide,
                 "avx2::kv::dot_rows_stored/axpy_rows_stored, 3 query rows, 8 lanes",
                 "portable, codes unpacked per key",
             ),

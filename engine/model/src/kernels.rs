@@ -1260,7 +1260,8 @@ mod tests {
 
     /// Scores and weighted sums over packed codes match f64 sums of the unpacked codes on every
     /// path, for every width, 1 to 7 rows (groups of three and what is left), 0 to 33 keys (eight
-    /// per pass and the tail), rows at a stride, and keys that start past the buffer's start.
+    /// per pass and the tail), rows at a stride, keys that start past the buffer's start, and
+    /// heads of whole groups of 64 and not.
     #[test]
     fn dot_and_axpy_over_codes_match_f64() {
         let mut s = 5u32;
@@ -1268,9 +1269,15 @@ mod tests {
             s = s.wrapping_mul(1664525).wrapping_add(1013904223);
             s >> 8
         };
-        let hd = 64;
         let kinds = [2, 3, 4, 8].map(Codes::Unsigned);
-        for kind in kinds.into_iter().chain([Codes::Signed8, Codes::F16]) {
+        // 64: the wide unpacking where the CPU has it; 48: sixteen codes at a time.
+        let every = [64, 48].map(|hd| {
+            kinds
+                .into_iter()
+                .chain([Codes::Signed8, Codes::F16])
+                .map(move |k| (hd, k))
+        });
+        for (hd, kind) in every.into_iter().flatten() {
             let bits = kind.bits();
             for rows in 1..=7 {
                 for n in [0usize, 1, 7, 8, 9, 16, 33] {

@@ -539,6 +539,58 @@ unsafe fn axpy_rows_multi_by<const R: usize>(
     }
 }
 
+/// [`axpy_rows_multi_by`] for heads of whole groups of 64 whose value rows are loaded a group
+/// at a time: `val(i, d0)` gives value row i's dimensions `d0..d0 + 64` in four vectors.
+///
+/// # Safety
+/// As [`axpy_rows_multi_by`], with `hd` a multiple of 64 and `val(i, d0)` valid for every
+/// i < n and `d0` a multiple of 64 below `hd`.
+// One index runs over several register arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn axpy_rows_multi64_by<const R: usize>(
+    o: &mut [f32],
+    hd: usize,
+    bias: [f32; R],
+    w: &[f32],
+    wstride: usize,
+    n: usize,
+    val: impl Fn(usize, usize) -> [__m512; 4],
+) {
+    debug_assert!(hd.is_multiple_of(64));
+    let (op, wp) = (o.as_mut_ptr(), w.as_ptr());
+    for d0 in (0..hd).step_by(64) {
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        for r in 0..R {
+            for v in 0..4 {
+                // SAFETY: r · hd + d0 + 16 v + 16 <= R · hd <= o.len() (the contract).
+                acc[r][v] = _mm512_add_ps(
+                    unsafe { _mm512_loadu_ps(op.add(r * hd + d0 + 16 * v)) },
+                    _mm512_set1_ps(bias[r]),
+                );
+            }
+        }
+        for i in 0..n {
+            let vals = val(i, d0);
+            for r in 0..R {
+                // SAFETY: r · wstride + i < (R - 1) · wstride + n <= w.len().
+                let wb = _mm512_set1_ps(unsafe { *wp.add(r * wstride + i) });
+                for v in 0..4 {
+                    acc[r][v] = _mm512_fmadd_ps(wb, vals[v], acc[r][v]);
+                }
+            }
+        }
+        for r in 0..R {
+            for v in 0..4 {
+                // SAFETY: as the loads above.
+                unsafe { _mm512_storeu_ps(op.add(r * hd + d0 + 16 * v), acc[r][v]) };
+            }
+        }
+    }
+}
+
 pub use super::{HALF, SIGNED8};
 
 /// Sixteen stored values of kind `K` from value index `at` of `p` (on a byte), as f32.
@@ -621,6 +673,11 @@ pub unsafe fn dot_rows_stored<const K: usize, const R: usize>(
             && out.len() >= (R - 1) * stride + n,
         "avx512::dot_rows_stored: bad sizes"
     );
+    if matches!(K, 2 | 3) && hd.is_multiple_of(64) && has_vbmi() {
+        // SAFETY: the CPU has VBMI (checked) and the rest (this function's contract); sizes
+        // asserted above.
+        return unsafe { dot_rows_stored_vbmi::<K, R>(q, hd, bias, codes, first, out, stride, n) };
+    }
     let cp = codes.as_ptr();
     if K == 4 && hd.is_multiple_of(64) {
         // SAFETY: values d..d + 64 of key j < n (hd a multiple of 64) lie inside `codes`
@@ -636,9 +693,38 @@ pub unsafe fn dot_rows_stored<const K: usize, const R: usize>(
     }
 }
 
+/// [`dot_rows_stored`] for 2- and 3-bit keys with a head of whole groups of 64: each group of
+/// a key unpacked at once by [`load_codes64`].
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and VBMI, FMA and F16C; `K` 2 or 3, `hd` a multiple of
+/// 64, and the sizes as [`dot_rows_stored`] asserts them.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,fma,f16c")]
+unsafe fn dot_rows_stored_vbmi<const K: usize, const R: usize>(
+    q: &[f32],
+    hd: usize,
+    bias: [f32; R],
+    codes: &[u8],
+    first: usize,
+    out: &mut [f32],
+    stride: usize,
+    n: usize,
+) {
+    let cp = codes.as_ptr();
+    // SAFETY: values d..d + 64 <= hd of key j < n lie inside `codes`, on a byte (the caller's
+    // assertion).
+    let key =
+        |j: usize, d: usize| unsafe { load_codes64::<K>(cp.add((first + j * hd + d) * K / 8)) };
+    // SAFETY: the CPU has the features (this function's contract); sizes as asserted by the
+    // caller.
+    unsafe { dot_rows_multi_by::<R, 4>(q, hd, bias, out, stride, n, key) }
+}
+
 /// [`axpy_rows_multi_by`] over value rows stored as values of kind `K` (row i from value
 /// `first + i · hd`). Scales per row are folded into `w` and minimums into `bias` by the
-/// caller.
+/// caller. Sub-byte codes are unpacked 64 at a time where the CPU has VBMI and the head is
+/// whole groups of 64 ([`axpy_rows_stored_vbmi`]), sixteen at a time otherwise.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F, BW and VL, FMA and F16C.
@@ -661,11 +747,97 @@ pub unsafe fn axpy_rows_stored<const K: usize, const R: usize>(
             && w.len() >= (R - 1) * wstride + n,
         "avx512::axpy_rows_stored: bad sizes"
     );
+    if matches!(K, 2..=4) && hd.is_multiple_of(64) && has_vbmi() {
+        // SAFETY: the CPU has VBMI (checked) and the rest (this function's contract); sizes
+        // asserted above.
+        return unsafe { axpy_rows_stored_vbmi::<K, R>(o, hd, bias, w, wstride, n, codes, first) };
+    }
     let cp = codes.as_ptr();
     // SAFETY: values d..d + 16 of row i < n lie inside `codes` (asserted).
     let val = |i: usize, d: usize| unsafe { load_stored16::<K>(cp, first + i * hd + d) };
     // SAFETY: the CPU has the features (this function's contract); sizes asserted above.
     unsafe { axpy_rows_multi_by::<R>(o, hd, bias, w, wstride, n, val) }
+}
+
+/// [`axpy_rows_stored`] for 2-, 3- and 4-bit codes with a head of whole groups of 64: each
+/// group of a value row unpacked at once by [`load_codes64`].
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and VBMI, FMA and F16C; `K` 2, 3 or 4, `hd` a multiple
+/// of 64, and the sizes as [`axpy_rows_stored`] asserts them.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,fma,f16c")]
+unsafe fn axpy_rows_stored_vbmi<const K: usize, const R: usize>(
+    o: &mut [f32],
+    hd: usize,
+    bias: [f32; R],
+    w: &[f32],
+    wstride: usize,
+    n: usize,
+    codes: &[u8],
+    first: usize,
+) {
+    let cp = codes.as_ptr();
+    // SAFETY: values d0..d0 + 64 <= hd of row i < n lie inside `codes`, on a byte (the
+    // caller's assertion).
+    let val =
+        |i: usize, d0: usize| unsafe { load_codes64::<K>(cp.add((first + i * hd + d0) * K / 8)) };
+    // SAFETY: the CPU has the features (this function's contract); sizes as asserted by the
+    // caller.
+    unsafe { axpy_rows_multi64_by::<R>(o, hd, bias, w, wstride, n, val) }
+}
+
+/// Whether this CPU has AVX-512 VBMI (byte permutes and multishifts), detected once.
+pub fn has_vbmi() -> bool {
+    static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *VBMI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vbmi"))
+}
+
+/// Sixty-four packed unsigned `BITS`-bit codes (2, 3 or 4: `8 BITS` bytes at `p`, code j in bits
+/// `BITS·j..` of the little-endian bytes) as f32 in four vectors. One byte permute gives each
+/// 64-bit lane the `BITS` bytes of its eight codes, one multishift puts code j of the lane in
+/// its byte j, and a mask keeps its bits: four instructions for the 64 codes, where
+/// [`load_codes16`] takes about eight per sixteen; then widened sixteen at a time.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and VBMI; `p` must point at `8 BITS` readable bytes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,fma,f16c")]
+unsafe fn load_codes64<const BITS: usize>(p: *const u8) -> [__m512; 4] {
+    // Byte j of the permute takes byte `BITS (j / 8) + j % 8`; the multishift takes code j % 8
+    // of its lane from bit `BITS (j % 8)`.
+    const fn table(bits: usize, lane_step: usize) -> [u8; 64] {
+        let mut t = [0u8; 64];
+        let mut j = 0;
+        while j < 64 {
+            t[j] = (lane_step * (j / 8) + bits * (j % 8)) as u8;
+            j += 1;
+        }
+        t
+    }
+    let bytes = const { table(1, BITS) };
+    let shifts = const { table(BITS, 0) };
+    // SAFETY: the masked load reads the 8 BITS bytes the contract makes readable, nothing else;
+    // the two tables are 64 bytes each.
+    let (x, perm, ctrl) = unsafe {
+        (
+            _mm512_maskz_loadu_epi8((1u64 << (8 * BITS)) - 1, p as *const i8),
+            _mm512_loadu_si512(bytes.as_ptr() as *const _),
+            _mm512_loadu_si512(shifts.as_ptr() as *const _),
+        )
+    };
+    let spread = _mm512_permutexvar_epi8(perm, x);
+    let c = _mm512_and_si512(
+        _mm512_multishift_epi64_epi8(ctrl, spread),
+        _mm512_set1_epi8(((1u32 << BITS) - 1) as i8),
+    );
+    let wide = |v: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+    [
+        wide(_mm512_castsi512_si128(c)),
+        wide(_mm512_extracti32x4_epi32::<1>(c)),
+        wide(_mm512_extracti32x4_epi32::<2>(c)),
+        wide(_mm512_extracti32x4_epi32::<3>(c)),
+    ]
 }
 
 /// The AVX-512 body of [`crate::kernels::fold_params`]: `out = x · scales`, returning
@@ -939,5 +1111,46 @@ pub unsafe fn softmax(row: &mut [f32], scale: f32) {
                 _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p.add(i)), inv),
             )
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`load_codes64`] gives the codes [`load_codes16`] gives, sixteen at a time, for every
+    /// width it takes, on random bytes (where the CPU has VBMI; otherwise there is nothing to
+    /// run).
+    #[test]
+    fn codes_unpacked_64_at_a_time_are_the_codes_unpacked_16_at_a_time() {
+        if !(crate::qmatrix::Isa::Avx512.available() && has_vbmi()) {
+            return;
+        }
+        let mut s = 7u32;
+        let bytes: Vec<u8> = (0..64)
+            .map(|_| {
+                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                (s >> 24) as u8
+            })
+            .collect();
+        fn check<const B: usize>(bytes: &[u8]) {
+            let lanes = |v: __m512| {
+                let mut a = [0f32; 16];
+                // SAFETY: 16 writable f32.
+                unsafe { _mm512_storeu_ps(a.as_mut_ptr(), v) };
+                a
+            };
+            // SAFETY: the CPU has AVX-512 F, BW, VL and VBMI (checked by the caller); the 8 B
+            // bytes of 64 codes lie in `bytes` (64 long).
+            let wide = unsafe { load_codes64::<B>(bytes.as_ptr()) };
+            for (v, &w) in wide.iter().enumerate() {
+                // SAFETY: as above; sixteen codes take 2 B bytes, at 2 B v < 8 B.
+                let narrow = unsafe { load_codes16::<B>(bytes.as_ptr().add(2 * B * v)) };
+                assert_eq!(lanes(w), lanes(narrow), "{B}-bit codes {}..", 16 * v);
+            }
+        }
+        check::<2>(&bytes);
+        check::<3>(&bytes);
+        check::<4>(&bytes);
     }
 }
