@@ -412,6 +412,9 @@ pub struct Model {
     pub(crate) layer_ids: Vec<usize>,
     pub(crate) head_ids: Vec<usize>,
     pub(crate) holding: WeightHolding,
+    /// The thread moving the resident weights into huge pages after load, until
+    /// [`Model::settle_huge_pages`] has waited for it.
+    pub(crate) huge_pages: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Where token embeddings come from.
@@ -456,6 +459,20 @@ pub(crate) const DECODE_COMPUTE_BPS: f64 = 10e9;
 pub(crate) const PROBE_BYTES: usize = 32 << 20;
 
 impl Model {
+    /// Waits until the resident weights are in huge pages (the thread load starts for it,
+    /// a few hundred milliseconds): benchmarks call it so that no timed run shares the cores
+    /// with that copy. The model is usable meanwhile, so nothing else needs to.
+    pub fn settle_huge_pages(&self) {
+        let handle = self
+            .huge_pages
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+
     /// How the weights are held, and what the stream has read so far.
     pub fn holding(&self) -> WeightHolding {
         self.holding.clone()

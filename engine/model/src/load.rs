@@ -307,6 +307,7 @@ impl Model {
             layer_ids,
             head_ids,
             holding,
+            huge_pages: Default::default(),
         };
         model.within_budget(opts)
     }
@@ -330,7 +331,7 @@ impl Model {
                 _ => Vec::new(),
             })
             .collect();
-        let _ = std::thread::Builder::new()
+        let collapse = std::thread::Builder::new()
             .name("huge-pages".into())
             .spawn(move || {
                 let t = std::time::Instant::now();
@@ -338,6 +339,7 @@ impl Model {
                 let ms = t.elapsed().as_secs_f64() * 1e3;
                 tracing::debug!(regions, ms, "weights in huge pages");
             });
+        *self.huge_pages.get_mut().unwrap_or_else(|e| e.into_inner()) = collapse.ok();
         if let Some(budget) = opts.budget {
             let held = self.weight_bytes() as u64 + self.holding.buffer_bytes;
             tracing::info!(

@@ -149,6 +149,8 @@ fn read_bandwidth(model: &model::Model, runs: usize) -> f64 {
 pub fn run(a: BenchEngineArgs) -> anyhow::Result<()> {
     a.report.begin();
     let l = load(&a.engine)?;
+    // No timed run shares the cores with the copy of the weights into huge pages.
+    l.model.settle_huge_pages();
     check_lengths(&a, l.model.cfg.max_ctx)?;
     let tokens = bench_tokens(&a, &l)?;
     let threads = rayon::current_num_threads();

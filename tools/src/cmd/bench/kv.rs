@@ -36,7 +36,11 @@ impl ModelInput {
     /// Loads the model (fetching the default one if needed).
     pub fn load(&self) -> anyhow::Result<Model> {
         let path = crate::args::resolve_model(self.model.as_deref(), &self.dir)?;
-        Model::load(&path).with_context(|| format!("cannot load {}", path.display()))
+        let model =
+            Model::load(&path).with_context(|| format!("cannot load {}", path.display()))?;
+        // No timed run shares the cores with the copy of the weights into huge pages.
+        model.settle_huge_pages();
+        Ok(model)
     }
 
     /// `n` token ids: the text file's tokens repeated, or a pseudo-random sequence.
