@@ -81,13 +81,13 @@ pub fn attention() -> Vec<Chosen> {
         Isa::Portable => portable,
     };
     #[cfg(target_arch = "x86_64")]
-    let vbmi = crate::simd::avx512::has_vbmi();
+    let vbmi = crate::simd::avx512::kv::has_vbmi();
     #[cfg(not(target_arch = "x86_64"))]
     let vbmi = false;
     let wide = if vbmi {
-        "avx512::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time; 2- and 3-bit codes 64 at a time by VBMI permute and multishift), 16 lanes"
+        "avx512::kv::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time; 2- and 3-bit codes 64 at a time by VBMI permute and multishift), 16 lanes"
     } else {
-        "avx512::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time), 16 lanes"
+        "avx512::kv::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time), 16 lanes"
     };
     vec![
         Chosen {
@@ -101,7 +101,7 @@ pub fn attention() -> Vec<Chosen> {
         Chosen {
             product: "KV code and coded-parameter decode",
             kernel: pick(
-                "avx512::decode_codes/decode_coded_params, 16 at a time",
+                "avx512::kv::decode_codes/decode_coded_params, 16 at a time",
                 "avx2::kv::decode_codes/decode_coded_params, 8 at a time",
                 "portable",
             ),
@@ -109,7 +109,7 @@ pub fn attention() -> Vec<Chosen> {
         Chosen {
             product: "f32 key dot products and value sums",
             kernel: pick(
-                "avx512::dot_rows/axpy_rows, 16 keys per pass",
+                "avx512::kv::dot_rows/axpy_rows, 16 keys per pass",
                 "avx2::kv::dot_rows/axpy_rows, 8 keys per pass",
                 "portable",
             ),

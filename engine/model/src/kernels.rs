@@ -383,7 +383,7 @@ pub fn dot_rows_with(isa: Isa, q: &[f32], keys: &[f32], out: &mut [f32]) {
     if isa == Isa::Avx512 && hd.is_multiple_of(16) {
         // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and q's
         // length is a multiple of 16.
-        return unsafe { simd::avx512::dot_rows(q, keys, out) };
+        return unsafe { simd::avx512::kv::dot_rows(q, keys, out) };
     }
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() && hd.is_multiple_of(8) {
@@ -410,7 +410,7 @@ pub fn axpy_rows_with(isa: Isa, o: &mut [f32], w: &[f32], vals: &[f32]) {
     if isa == Isa::Avx512 && hd.is_multiple_of(16) {
         // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above), and o's
         // length is a multiple of 16.
-        return unsafe { simd::avx512::axpy_rows(o, w, vals) };
+        return unsafe { simd::avx512::kv::axpy_rows(o, w, vals) };
     }
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() && hd.is_multiple_of(8) {
@@ -476,10 +476,10 @@ pub fn decode_codes_with(
         // checks the sizes itself.
         unsafe {
             let f = match bits {
-                2 => simd::avx512::decode_codes::<2>,
-                3 => simd::avx512::decode_codes::<3>,
-                4 => simd::avx512::decode_codes::<4>,
-                _ => simd::avx512::decode_codes::<8>,
+                2 => simd::avx512::kv::decode_codes::<2>,
+                3 => simd::avx512::kv::decode_codes::<3>,
+                4 => simd::avx512::kv::decode_codes::<4>,
+                _ => simd::avx512::kv::decode_codes::<8>,
             };
             return f(codes, first, hd, mins, scales, per_row, out);
         }
@@ -550,7 +550,9 @@ pub fn decode_coded_params_with(
     if isa == Isa::Avx512 {
         // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted above); the kernel
         // checks the sizes itself.
-        done = unsafe { simd::avx512::decode_coded_params(pairs, amax, step, steps, mins, scales) };
+        done = unsafe {
+            simd::avx512::kv::decode_coded_params(pairs, amax, step, steps, mins, scales)
+        };
     } else if isa.has_avx2() {
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); the kernel checks the sizes
         // itself.
@@ -588,7 +590,7 @@ pub fn fold_params_with(isa: Isa, x: &[f32], mins: &[f32], scales: &[f32], out: 
         assert!(isa.available(), "{isa:?} path on a CPU without it");
         // SAFETY: the CPU has AVX-512 F, BW and VL, FMA and F16C (asserted); the sizes are
         // asserted above.
-        return unsafe { simd::avx512::fold_params(x, mins, scales, out) };
+        return unsafe { simd::avx512::kv::fold_params(x, mins, scales, out) };
     }
     let mut acc = [0.0f32; 8];
     let whole = n / 8 * 8;
@@ -721,7 +723,7 @@ pub fn dot_rows_codes_with(
             unsafe {
                 if wide {
                     rows_kernel!(
-                        simd::avx512,
+                        simd::avx512::kv,
                         kind,
                         k,
                         b,
@@ -814,7 +816,7 @@ pub fn axpy_rows_codes_with(
             unsafe {
                 if wide {
                     rows_kernel!(
-                        simd::avx512,
+                        simd::avx512::kv,
                         kind,
                         k,
                         b,
