@@ -313,6 +313,9 @@ unsafe fn axpy_rows_multi_by<const R: usize>(
 
 /// [`axpy_rows_multi_by`] for heads of whole groups of 64 whose value rows are loaded a group
 /// at a time: `val(i, d0)` gives value row i's dimensions `d0..d0 + 64` in four vectors.
+/// A body of its own on purpose: one body generic over the vectors a load gives ran the 3- and
+/// 4-bit value rows 6-7% slower in L1 (`cargo bench -p model --bench kvcodes`), and one whose
+/// loader returned the group with its partial vectors 20-30% slower on every kind.
 ///
 /// # Safety
 /// As [`axpy_rows_multi_by`], with `hd` a multiple of 64 and `val(i, d0)` valid for every
