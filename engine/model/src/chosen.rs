@@ -85,7 +85,7 @@ pub fn attention() -> Vec<Chosen> {
     #[cfg(not(target_arch = "x86_64"))]
     let vbmi = false;
     let wide = if vbmi {
-        "avx512::kv::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time; 2- and 3-bit codes 64 at a time by VBMI permute and multishift), 16 lanes"
+        "avx512::kv::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time; 2- and 3-bit codes 64 at a time by VBMI byte permutes), 16 lanes"
     } else {
         "avx512::kv::dot_rows_stored/axpy_rows_stored, 3 query rows, 4 keys per pass (4-bit keys unpacked 64 at a time), 16 lanes"
     };

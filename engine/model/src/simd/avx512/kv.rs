@@ -562,57 +562,76 @@ unsafe fn axpy_rows_stored_vbmi<const K: usize, const R: usize>(
     unsafe { axpy_rows_multi64_by::<R>(o, hd, bias, w, wstride, n, val) }
 }
 
-/// Whether this CPU has AVX-512 VBMI (byte permutes and multishifts), detected once.
+/// Whether this CPU has AVX-512 VBMI (byte permutes across the whole register), detected once.
 pub fn has_vbmi() -> bool {
     static VBMI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *VBMI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vbmi"))
 }
 
 /// Sixty-four packed unsigned `BITS`-bit codes (2, 3 or 4: `8 BITS` bytes at `p`, code j in bits
-/// `BITS·j..` of the little-endian bytes) as f32 in four vectors. One byte permute gives each
-/// 64-bit lane the `BITS` bytes of its eight codes, one multishift puts code j of the lane in
-/// its byte j, and a mask keeps its bits: four instructions for the 64 codes, where
-/// [`load_codes16`] takes about eight per sixteen; then widened sixteen at a time.
+/// `BITS·j..` of the little-endian bytes) as f32 in four vectors: one masked load, then per
+/// sixteen codes a byte permute (`vpermb`) that puts the bytes holding each lane's code in the
+/// lane's low bytes, a shift per lane, a mask and the conversion, where [`load_codes16`] builds
+/// its words from scalar loads and shifts. A first form, one permute and one multishift
+/// (`vpmultishiftqb`) for all 64 codes, then widened sixteen at a time, ran the value and key
+/// kernels 3-8% slower in L1 (more cross-lane shuffles).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F, BW, VL and VBMI; `p` must point at `8 BITS` readable bytes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,fma,f16c")]
 unsafe fn load_codes64<const BITS: usize>(p: *const u8) -> [__m512; 4] {
-    // Byte j of the permute takes byte `BITS (j / 8) + j % 8`; the multishift takes code j % 8
-    // of its lane from bit `BITS (j % 8)`.
-    const fn table(bits: usize, lane_step: usize) -> [u8; 64] {
+    // Vector v, lane j holds code c = 16 v + j: the permute puts the two bytes from byte
+    // BITS c / 8 in the lane's low bytes, the shift takes the code's bits down to bit 0.
+    const fn bytes(bits: usize, v: usize) -> [u8; 64] {
         let mut t = [0u8; 64];
         let mut j = 0;
         while j < 64 {
-            t[j] = (lane_step * (j / 8) + bits * (j % 8)) as u8;
+            let b = bits * (16 * v + j / 4) / 8 + j % 4;
+            t[j] = if b < 63 { b as u8 } else { 63 };
             j += 1;
         }
         t
     }
-    let bytes = const { table(1, BITS) };
-    let shifts = const { table(BITS, 0) };
-    // SAFETY: the masked load reads the 8 BITS bytes the contract makes readable, nothing else;
-    // the two tables are 64 bytes each.
-    let (x, perm, ctrl) = unsafe {
-        (
-            _mm512_maskz_loadu_epi8((1u64 << (8 * BITS)) - 1, p as *const i8),
-            _mm512_loadu_si512(bytes.as_ptr() as *const _),
-            _mm512_loadu_si512(shifts.as_ptr() as *const _),
-        )
+    const fn shifts(bits: usize, v: usize) -> [u32; 16] {
+        let mut t = [0u32; 16];
+        let mut j = 0;
+        while j < 16 {
+            t[j] = (bits * (16 * v + j) % 8) as u32;
+            j += 1;
+        }
+        t
+    }
+    let tables = const {
+        [
+            bytes(BITS, 0),
+            bytes(BITS, 1),
+            bytes(BITS, 2),
+            bytes(BITS, 3),
+        ]
     };
-    let spread = _mm512_permutexvar_epi8(perm, x);
-    let c = _mm512_and_si512(
-        _mm512_multishift_epi64_epi8(ctrl, spread),
-        _mm512_set1_epi8(((1u32 << BITS) - 1) as i8),
-    );
-    let wide = |v: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
-    [
-        wide(_mm512_castsi512_si128(c)),
-        wide(_mm512_extracti32x4_epi32::<1>(c)),
-        wide(_mm512_extracti32x4_epi32::<2>(c)),
-        wide(_mm512_extracti32x4_epi32::<3>(c)),
-    ]
+    let counts = const {
+        [
+            shifts(BITS, 0),
+            shifts(BITS, 1),
+            shifts(BITS, 2),
+            shifts(BITS, 3),
+        ]
+    };
+    // SAFETY: the masked load reads the 8 BITS bytes the contract makes readable, nothing else.
+    let x = unsafe { _mm512_maskz_loadu_epi8((1u64 << (8 * BITS)) - 1, p as *const i8) };
+    let mask = _mm512_set1_epi32((1 << BITS) - 1);
+    std::array::from_fn(|v| {
+        // SAFETY: each table is 64 bytes.
+        let (perm, count) = unsafe {
+            (
+                _mm512_loadu_si512(tables[v].as_ptr() as *const _),
+                _mm512_loadu_si512(counts[v].as_ptr() as *const _),
+            )
+        };
+        let lanes = _mm512_srlv_epi32(_mm512_permutexvar_epi8(perm, x), count);
+        _mm512_cvtepi32_ps(_mm512_and_si512(lanes, mask))
+    })
 }
 
 /// The AVX-512 body of [`crate::kernels::fold_params`]: `out = x · scales`, returning
