@@ -263,6 +263,12 @@ pub struct PplArgs {
     /// tokens whose greedy choice stays the same [default: --prefill-activations']
     #[arg(long, value_name = "KIND", value_parser = ["auto", "f32", "int8"])]
     pub kl_prefill: Option<String>,
+    /// Score each window's second half token by token through decode attention over the
+    /// chunks as stored (the kernels a call's answer runs), instead of in one batched pass; as
+    /// many forward passes as scored tokens, so slower (implies --kv-mix, by default
+    /// --kv-format's)
+    #[arg(long)]
+    pub decode: bool,
     #[command(flatten)]
     pub report: crate::report::ReportArgs,
 }
@@ -356,7 +362,7 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    if !a.kv_mix.is_empty() || a.kl || reference.is_some() {
+    if !a.kv_mix.is_empty() || a.kl || a.decode || reference.is_some() {
         let mixes = match a.kv_mix.is_empty() {
             true => vec![l.format.to_string()],
             false => a.kv_mix.clone(),
@@ -368,6 +374,10 @@ pub fn run_ppl(a: PplArgs) -> anyhow::Result<()> {
             ctx: a.ctx,
             max_windows: a.max_windows,
             kl: reference.as_ref().or(a.kl.then_some(&l.model)),
+            scoring: match a.decode {
+                true => model::kv::eval::Scoring::Decode,
+                false => model::kv::eval::Scoring::Batched,
+            },
         };
         return crate::cmd::kv_mix::run(&l, &run, &mixes, &a.report);
     }

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use model::kv::KvFormat;
-use model::kv::eval::{Compression, MAX_MIX_LEVELS, PplReport, Stored, evaluate};
+use model::kv::eval::{Compression, MAX_MIX_LEVELS, PplReport, Scoring, Stored, evaluate};
 use model::kv::sim::SimFormat;
 
 use crate::args::Loaded;
@@ -90,6 +90,8 @@ pub struct MixRun<'a> {
     /// Score KL and top-1 against this model's f16 run (the evaluated model, or the same
     /// weights with other prefill activations).
     pub kl: Option<&'a model::Model>,
+    /// How the scored halves are run: batched, or token by token through decode attention.
+    pub scoring: Scoring,
 }
 
 /// One mix's scores.
@@ -108,6 +110,8 @@ struct MixResult {
 #[derive(serde::Serialize)]
 struct MixReport<'a> {
     text: &'a str,
+    /// How the scored halves ran: `batched` or `decode` (token by token).
+    scoring: &'static str,
     ctx: usize,
     windows: usize,
     scored_tokens: usize,
@@ -140,6 +144,7 @@ pub fn run(
         ctx,
         l.chunk_tokens,
         r.kl,
+        r.scoring,
     )
     .with_context(|| format!("perplexity under --kv-mix {}", mixes.join(",")))?;
     let runs: Vec<MixResult> = mixes
@@ -156,6 +161,10 @@ pub fn run(
         .collect();
     let out = MixReport {
         text: r.text,
+        scoring: match r.scoring {
+            Scoring::Batched => "batched",
+            Scoring::Decode => "decode",
+        },
         ctx,
         windows,
         scored_tokens: scores.first().map_or(0, |s| s.tokens),
@@ -163,9 +172,10 @@ pub fn run(
         runs,
     };
     table!(
-        "{} at ctx {ctx}: {windows} windows, {} scored tokens",
+        "{} at ctx {ctx}: {windows} windows, {} scored tokens ({})",
         out.text,
-        out.scored_tokens
+        out.scored_tokens,
+        out.scoring
     );
     table!(
         "{:<24} {:>9} {:>12} {:>10} {:>10}",
@@ -277,6 +287,7 @@ pub fn sweep(a: SweepArgs) -> anyhow::Result<()> {
             ctx,
             l.chunk_tokens,
             Some(&l.model),
+            Scoring::Batched,
         )
         .with_context(|| format!("sweep at ctx {ctx}"))?;
         let at = |name: &str| r[mixes.iter().position(|m| m == name).unwrap_or(0)].ppl;

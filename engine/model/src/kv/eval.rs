@@ -249,6 +249,16 @@ pub fn levels_by_fractions(densities: &[f64], fractions: [f64; 3]) -> Vec<Level>
 
 const LEVEL_FORMATS: [KvFormat; 3] = [KvFormat::Int8, KvFormat::Int4, KvFormat::Int2];
 
+/// How the second half of each window is run: in one batched pass (prefill's attention over
+/// the chunks gathered), or token by token through decode attention over the chunks as stored
+/// (what a call's answer takes), which scores the decode kernels themselves.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Scoring {
+    #[default]
+    Batched,
+    Decode,
+}
+
 /// Perplexity of `tokens` in windows of `window` tokens, the KV cache in chunks of `chunk`
 /// tokens, under `compression` (see module doc).
 pub fn perplexity(
@@ -258,7 +268,15 @@ pub fn perplexity(
     window: usize,
     chunk: usize,
 ) -> Result<PplReport, EvalMixError> {
-    let r = evaluate(model, tokens, &[compression], window, chunk, None)?;
+    let r = evaluate(
+        model,
+        tokens,
+        &[compression],
+        window,
+        chunk,
+        None,
+        Scoring::Batched,
+    )?;
     Ok(r[0])
 }
 
@@ -304,7 +322,8 @@ fn argmax(row: &[f32]) -> usize {
 /// `kl`, also each one's KL divergence from, and top-1 agreement with, the next-token
 /// distributions of that model's f16 run (llama.cpp's `llama-perplexity --kl-divergence`),
 /// made once per window. The reference model is `model` itself, or the same weights run
-/// another way (f32 prefill activations, to measure what int8 ones cost).
+/// another way (f32 prefill activations, to measure what int8 ones cost). `scoring` says how
+/// the scored halves are run (the reference's too).
 pub fn evaluate(
     model: &Model,
     tokens: &[u32],
@@ -312,6 +331,7 @@ pub fn evaluate(
     window: usize,
     chunk: usize,
     kl: Option<&Model>,
+    scoring: Scoring,
 ) -> Result<Vec<PplReport>, EvalMixError> {
     check_inputs(model, tokens, compressions, window, chunk)?;
     let shape = model.chunk_shape(chunk);
@@ -325,7 +345,15 @@ pub fn evaluate(
         let mut ref_rows: Vec<f32> = Vec::new();
         let mut ref_top: Vec<usize> = Vec::new();
         if let Some(reference_model) = kl {
-            let (logits, _, _) = run_window(reference_model, ctx, rest, reference, window, chunk)?;
+            let (logits, _, _) = run_window(
+                reference_model,
+                ctx,
+                rest,
+                reference,
+                window,
+                chunk,
+                scoring,
+            )?;
             ref_rows.resize(logits.len(), 0.0);
             for (row, out) in logits
                 .chunks_exact(vocab)
@@ -336,7 +364,7 @@ pub fn evaluate(
             }
         }
         for (c, s) in compressions.iter().zip(&mut sums) {
-            let (logits, targets, past) = run_window(model, ctx, rest, *c, window, chunk)?;
+            let (logits, targets, past) = run_window(model, ctx, rest, *c, window, chunk, scoring)?;
             // Per value: a chunk past the window holds its global layers alone.
             for (i, f) in targets.into_iter().enumerate() {
                 let s_i = if i < past { shape.trimmed() } else { shape };
@@ -436,6 +464,7 @@ fn run_window(
     compression: Compression,
     window: usize,
     chunk: usize,
+    scoring: Scoring,
 ) -> Result<(Vec<f32>, Vec<Stored>, usize), EvalMixError> {
     let shape = model.chunk_shape(chunk);
     let heads = model.cfg.n_heads as u32;
@@ -505,7 +534,17 @@ fn run_window(
             Stored::Sim(f) => simulate(&mut cache, i, f, rope)?,
         }
     }
-    let logits = model.forward(&mut cache, &rest[..rest.len() - 1], Logits::All)?;
+    let scored = &rest[..rest.len() - 1];
+    let logits = match scoring {
+        Scoring::Batched => model.forward(&mut cache, scored, Logits::All)?,
+        Scoring::Decode => {
+            let mut all = Vec::with_capacity(scored.len() * model.cfg.vocab);
+            for &t in scored {
+                all.extend(model.forward(&mut cache, &[t], Logits::Last)?);
+            }
+            all
+        }
+    };
     Ok((logits, targets, past))
 }
 
@@ -513,6 +552,41 @@ fn run_window(
 mod tests {
     use super::*;
     use crate::tiny::{TinySpec, write_tiny_gguf};
+
+    /// Scoring token by token through decode attention gives the batched pass's perplexity
+    /// (the same products, summed in another order), over f16, int8 and coded chunks; and it
+    /// runs the decode path: its logits are not the batched pass's bit for bit.
+    #[test]
+    fn decode_scoring_matches_the_batched_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        write_tiny_gguf(&path, &TinySpec::default()).unwrap();
+        let model = Model::load(&path).unwrap();
+        let tokens: Vec<u32> = (0..256u32).map(|i| (i * 97 + 13) % 256).collect();
+        let formats = [
+            KvFormat::F16,
+            KvFormat::Int8,
+            KvFormat::K4v4,
+            KvFormat::K4v3,
+        ];
+        let compressions: Vec<Compression> =
+            formats.iter().map(|&f| Compression::Uniform(f)).collect();
+        let run = |s| evaluate(&model, &tokens, &compressions, 128, 16, Some(&model), s).unwrap();
+        let (batched, decode) = (run(Scoring::Batched), run(Scoring::Decode));
+        for ((f, b), d) in formats.iter().zip(&batched).zip(&decode) {
+            assert_eq!(b.tokens, d.tokens);
+            assert!(
+                (d.ppl / b.ppl - 1.0).abs() < 1e-3,
+                "{f}: decode {d:?} against batched {b:?}"
+            );
+        }
+        let (ctx, rest) = tokens[..128].split_at(64);
+        let f16 = Compression::Uniform(KvFormat::F16);
+        let (lb, _, _) = run_window(&model, ctx, rest, f16, 128, 16, Scoring::Batched).unwrap();
+        let (ld, _, _) = run_window(&model, ctx, rest, f16, 128, 16, Scoring::Decode).unwrap();
+        assert_eq!(lb.len(), ld.len());
+        assert_ne!(lb, ld, "decode scoring ran the batched pass");
+    }
 
     #[test]
     fn perplexity_under_formats_and_mixes_on_the_tiny_model() {
@@ -547,6 +621,7 @@ mod tests {
             128,
             16,
             Some(&model),
+            Scoring::Batched,
         )
         .unwrap();
         assert_eq!((kl[0].kl, kl[0].top1), (Some(0.0), Some(1.0)));
