@@ -161,10 +161,7 @@ pub fn run(
         .collect();
     let out = MixReport {
         text: r.text,
-        scoring: match r.scoring {
-            Scoring::Batched => "batched",
-            Scoring::Decode => "decode",
-        },
+        scoring: r.scoring.name(),
         ctx,
         windows,
         scored_tokens: scores.first().map_or(0, |s| s.tokens),

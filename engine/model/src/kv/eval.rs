@@ -252,11 +252,20 @@ const LEVEL_FORMATS: [KvFormat; 3] = [KvFormat::Int8, KvFormat::Int4, KvFormat::
 /// How the second half of each window is run: in one batched pass (prefill's attention over
 /// the chunks gathered), or token by token through decode attention over the chunks as stored
 /// (what a call's answer takes), which scores the decode kernels themselves.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Scoring {
-    #[default]
     Batched,
     Decode,
+}
+
+impl Scoring {
+    /// The name reports give it: `batched` or `decode`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scoring::Batched => "batched",
+            Scoring::Decode => "decode",
+        }
+    }
 }
 
 /// Perplexity of `tokens` in windows of `window` tokens, the KV cache in chunks of `chunk`
@@ -571,7 +580,7 @@ mod tests {
         ];
         let compressions: Vec<Compression> =
             formats.iter().map(|&f| Compression::Uniform(f)).collect();
-        let run = |s| evaluate(&model, &tokens, &compressions, 128, 16, Some(&model), s).unwrap();
+        let run = |s| evaluate(&model, &tokens, &compressions, 128, 16, None, s).unwrap();
         let (batched, decode) = (run(Scoring::Batched), run(Scoring::Decode));
         for ((f, b), d) in formats.iter().zip(&batched).zip(&decode) {
             assert_eq!(b.tokens, d.tokens);

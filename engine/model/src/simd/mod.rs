@@ -83,13 +83,12 @@ pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod blocks;
 
-/// AVX-512 (F, BW, VL) + FMA + F16C kernels for single-token products: several rows per pass,
-/// so each activation load and the f16 conversion of a group's scales serve all of them.
+/// AVX-512 (F, BW, VL) + FMA + F16C kernels: single-token products several rows per pass, and
+/// decode attention's kernels in [`avx512::kv`].
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 
-/// The size of a transparent huge page on x86-64.
-pub const HUGE_PAGE: usize = 2 << 20;
+use kvfs::io::HUGE_PAGE;
 
 /// Asks the kernel to back the memory of `ranges` (address, length) with transparent huge
 /// pages now (`MADV_COLLAPSE`, Linux 6.1 and later): every huge-page-aligned 2 MiB region that

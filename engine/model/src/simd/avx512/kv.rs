@@ -581,14 +581,14 @@ pub fn has_vbmi() -> bool {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,fma,f16c")]
 unsafe fn load_codes64<const BITS: usize>(p: *const u8) -> [__m512; 4] {
-    // Vector v, lane j holds code c = 16 v + j: the permute puts the two bytes from byte
-    // BITS c / 8 in the lane's low bytes, the shift takes the code's bits down to bit 0.
+    // Vector v, lane j holds code c = 16 v + j: the permute puts the four bytes from byte
+    // BITS c / 8 in the lane (at most byte 34 of the 64, for 4-bit codes), the shift takes the
+    // code's bits down to bit 0.
     const fn bytes(bits: usize, v: usize) -> [u8; 64] {
         let mut t = [0u8; 64];
         let mut j = 0;
         while j < 64 {
-            let b = bits * (16 * v + j / 4) / 8 + j % 4;
-            t[j] = if b < 63 { b as u8 } else { 63 };
+            t[j] = (bits * (16 * v + j / 4) / 8 + j % 4) as u8;
             j += 1;
         }
         t
