@@ -40,6 +40,10 @@ pub fn engine(decode: Activations, prefill: PrefillActs) -> Vec<Chosen> {
     out.push(Chosen {
         product: "decode Q4_0/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K matvec",
         kernel: match (decode, isa) {
+            (Activations::Int8 | Activations::Auto, _) if vnni => {
+                "vnni::blocks::matvec, file's blocks (int8 activations), 4 rows per pass, \
+                 vpdpbusd 512-bit"
+            }
             (Activations::Int8, _) => "portable, int8 activations, one row at a time",
             (_, Isa::Avx512) => {
                 "blocks::matvec, file's blocks (f32 activations), 4 rows per pass, 512-bit \

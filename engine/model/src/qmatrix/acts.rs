@@ -27,7 +27,7 @@ pub(super) fn quantize_acts(x: &[f32]) -> QuantizedActs {
 }
 
 /// [`quantize_acts`] in plain Rust, into `q` and `d`.
-pub(super) fn quantize_acts_portable(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+pub(crate) fn quantize_acts_portable(x: &[f32], q: &mut [i8], d: &mut [f32]) {
     for ((b, qb), d) in x
         .chunks_exact(BLOCK)
         .zip(q.chunks_exact_mut(BLOCK))

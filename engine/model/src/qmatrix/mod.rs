@@ -11,7 +11,7 @@
 //! chosen at run time ([`Isa::best`]); tests force every path the CPU has and check each against
 //! the f64 oracle ([`oracle`]). [`quantize`] holds the test quantizer of each format.
 
-mod acts;
+pub(crate) mod acts;
 pub mod blocks;
 mod legacy;
 pub mod oracle;
@@ -156,6 +156,11 @@ pub enum Activations {
     /// Quantized to 8 bits per 32-value block (f32 scale) and multiplied with the weight blocks
     /// in integers, as llama.cpp does; the Q4_1 minimum term uses the exact f32 sums.
     Int8,
+    /// Int8 for the matrices whose f32 kernel is held back by its arithmetic rather than by
+    /// memory, where the CPU has a several-rows int8 kernel for them: the formats read as the
+    /// file's blocks (K-quants, Q4_0, Q5_0, Q5_1) with AVX-512 VNNI. f32 for the rest (Q4_1 and
+    /// Q8_0, whose f32 kernels keep pace with memory, so the default model stays exact).
+    Auto,
 }
 
 /// How a matrix's values are stored: the GGUF block formats the kernels read as they are, and
@@ -716,7 +721,7 @@ impl QMatrix {
         } else {
             Vec::new()
         };
-        let int8 = acts == Activations::Int8 && parts.iter().any(|w| w.kind != Kind::F32);
+        let int8 = parts.iter().any(|w| w.takes_int8(isa, acts));
         let xq = int8.then(|| quantize_acts(x));
         // One contiguous run of rows per thread: each thread streams one piece of the matrix
         // and pays for one task. Measured on 2 threads (docs/bench-engine.md), decode at depth 0
@@ -738,7 +743,8 @@ impl QMatrix {
                     if g < base + w.rows {
                         let r0 = g - base;
                         let (piece, rest) = o.split_at_mut((w.rows - r0).min(o.len()));
-                        w.rows_into(isa, r0, x, xq.as_ref(), &xsum, piece);
+                        let xq = xq.as_ref().filter(|_| w.takes_int8(isa, acts));
+                        w.rows_into(isa, r0, x, xq, &xsum, piece);
                         g += piece.len();
                         o = rest;
                     }
@@ -815,10 +821,19 @@ impl QMatrix {
         }
     }
 
+    /// Whether this matrix's product on `isa` takes the activations as int8 codes under `acts`.
+    fn takes_int8(&self, isa: Isa, acts: Activations) -> bool {
+        match acts {
+            Activations::F32 => false,
+            Activations::Int8 => self.kind != Kind::F32,
+            Activations::Auto => self.kind.is_raw() && self.has_int8_rows(isa),
+        }
+    }
+
     /// Whether `isa` has a several-rows-a-pass kernel over int8 activations for this matrix.
     fn has_int8_rows(&self, isa: Isa) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 && matches!(self.kind, Kind::Q4_1 | Kind::Q8_0) {
+        if isa == Isa::Avx512 && self.kind != Kind::F32 {
             return simd::vnni::available();
         }
         let _ = isa;
@@ -826,8 +841,8 @@ impl QMatrix {
     }
 
     /// `out[i]` = row `r0 + i` · the int8 activations `x` for every `i`, several rows a pass,
-    /// where the path has such a kernel for this matrix's format (AVX-512 VNNI, Q4_1 and
-    /// Q8_0); returns whether it had one.
+    /// where the path has such a kernel for this matrix's format (AVX-512 VNNI: every block
+    /// format); returns whether it had one.
     fn rows_dot_q8(
         &self,
         isa: Isa,
@@ -840,6 +855,14 @@ impl QMatrix {
         if self.has_int8_rows(isa) {
             let nb = self.cols / BLOCK;
             let (b0, b1) = (r0 * nb, (r0 + out.len()) * nb);
+            if self.kind.is_raw() {
+                let rb = self.kind.bytes_of(self.cols);
+                let raw = &self.qs[r0 * rb..(r0 + out.len()) * rb];
+                // SAFETY: the CPU has the kernel's features (checked just above); raw holds the
+                // rows' whole blocks (the kernel checks the sizes).
+                unsafe { simd::vnni::blocks::matvec(self.kind, raw, &x.q, &x.d, xsum, out) };
+                return true;
+            }
             match self.kind {
                 // SAFETY: the CPU has the kernels' features (checked just above); the slices
                 // hold nb blocks for each of the out.len() rows (the kernels check the sizes).
@@ -1107,7 +1130,7 @@ mod tests {
             .collect();
         let rows: usize = parts.iter().map(|w| w.rows).sum();
         for isa in Isa::all_available() {
-            for acts in [Activations::F32, Activations::Int8] {
+            for acts in [Activations::F32, Activations::Int8, Activations::Auto] {
                 let mut all = vec![f32::NAN; rows + 1];
                 QMatrix::matvec_parts_with(isa, &parts, acts, &x, &mut all);
                 assert!(all[rows].is_nan(), "{isa:?} wrote past the rows");
@@ -1128,6 +1151,53 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `Activations::Auto` gives a matrix the f32 product, bit for bit, unless it is held as
+    /// the file's blocks and the path has AVX-512 VNNI, where it gives the int8 product.
+    #[test]
+    fn auto_activations_are_int8_only_for_the_files_blocks_with_vnni() {
+        let cols = 512;
+        let (_, mut ms) = matrices(9, cols);
+        for kind in [Kind::Q5_0, Kind::Q4_K, Kind::Q6_K] {
+            let raw =
+                crate::qmatrix::blocks::random_blocks(kind, 9 * cols / kind.block_values(), 3);
+            ms.push(QMatrix::from_raw(9, cols, kind, &raw));
+        }
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 37 % 41) as f32 - 20.0) / 7.0)
+            .collect();
+        let product = |m: &QMatrix, isa, acts| {
+            let mut out = vec![0.0f32; 9];
+            m.matvec_with(isa, acts, &x, &mut out);
+            out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        let mut int8_seen = false;
+        for isa in Isa::all_available() {
+            for m in &ms {
+                #[cfg(target_arch = "x86_64")]
+                let int8 = m.kind.is_raw() && isa == Isa::Avx512 && simd::vnni::available();
+                #[cfg(not(target_arch = "x86_64"))]
+                let int8 = false;
+                let want = if int8 {
+                    Activations::Int8
+                } else {
+                    Activations::F32
+                };
+                let got = product(m, isa, Activations::Auto);
+                assert_eq!(got, product(m, isa, want), "{isa:?} {:?}", m.kind);
+                if int8 {
+                    // The two products differ, so the check above tells them apart.
+                    assert_ne!(got, product(m, isa, Activations::F32), "{:?}", m.kind);
+                    int8_seen = true;
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            int8_seen,
+            Isa::Avx512.available() && simd::vnni::available()
+        );
     }
 
     #[test]

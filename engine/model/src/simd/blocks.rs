@@ -120,7 +120,7 @@ unsafe fn header<const K: u8>(p: *const u8, sc: &mut [f32; 16], mn: &mut [f32; 8
 /// # Safety
 /// 12 bytes at `p` must be readable.
 #[inline]
-unsafe fn k4_scales(p: *const u8) -> (u64, u64) {
+pub(crate) unsafe fn k4_scales(p: *const u8) -> (u64, u64) {
     // SAFETY: 12 readable bytes (the contract), read as three unaligned words.
     let [u0, u1, u2] =
         std::array::from_fn(|i| unsafe { (p.add(4 * i) as *const u32).read_unaligned() });

@@ -1,5 +1,6 @@
 //! AVX-512 VNNI matrix-vector products over int8 activations (`Activations::Int8`), for the
-//! formats held split into scales and quants (Q4_1, Q8_0).
+//! formats held split into scales and quants (Q4_1, Q8_0); [`blocks`] has them for the formats
+//! held as the file's bytes.
 //!
 //! Activations come quantized per block of 32 (`xq` signed bytes, `dx` their scales). Each pass
 //! takes two blocks of [`ROWS`] rows: one `vpdpbusd` multiplies the 64 weights of a row's two
@@ -15,6 +16,8 @@
 use crate::simd::{WEIGHTS_AHEAD, prefetch_weights};
 use half::f16;
 use std::arch::x86_64::*;
+
+pub mod blocks;
 
 /// Rows per pass.
 pub const ROWS: usize = 4;
@@ -45,7 +48,7 @@ fn lanes(n: usize) -> __mmask16 {
 
 /// The first `n` of 64 bytes.
 #[inline]
-fn bytes(n: usize) -> __mmask64 {
+pub(super) fn bytes(n: usize) -> __mmask64 {
     if n >= 64 { !0 } else { (1u64 << n) - 1 }
 }
 
@@ -211,7 +214,12 @@ pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32], out: &mut
 /// asking for the quants' lines [`WEIGHTS_AHEAD`] ahead of each pass (`row_bytes` a row from
 /// `qs`).
 #[inline]
-fn passes(rows: usize, row_bytes: usize, qs: *const u8, mut pass: impl FnMut(usize, usize)) {
+pub(super) fn passes(
+    rows: usize,
+    row_bytes: usize,
+    qs: *const u8,
+    mut pass: impl FnMut(usize, usize),
+) {
     prefetch_weights(qs, WEIGHTS_AHEAD);
     let mut r = 0;
     while r < rows {
