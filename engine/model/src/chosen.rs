@@ -44,6 +44,10 @@ pub fn engine(decode: Activations, prefill: PrefillActs) -> Vec<Chosen> {
                 "vnni::blocks::matvec, file's blocks (int8 activations), 4 rows per pass, \
                  vpdpbusd 512-bit"
             }
+            (Activations::Int8 | Activations::Auto, Isa::Avx2 | Isa::Avx512) => {
+                "avx2::blocks_int8::matvec, file's blocks (int8 activations), 4 rows per pass, \
+                 vpmaddubsw 256-bit"
+            }
             (Activations::Int8, _) => "portable, int8 activations, one row at a time",
             (_, Isa::Avx512) => {
                 "blocks::matvec, file's blocks (f32 activations), 4 rows per pass, 512-bit \

@@ -158,8 +158,9 @@ pub enum Activations {
     Int8,
     /// Int8 for the matrices whose f32 kernel is held back by its arithmetic rather than by
     /// memory, where the CPU has a several-rows int8 kernel for them: the formats read as the
-    /// file's blocks (K-quants, Q4_0, Q5_0, Q5_1) with AVX-512 VNNI. f32 for the rest (Q4_1 and
-    /// Q8_0, whose f32 kernels keep pace with memory, so the default model stays exact).
+    /// file's blocks (K-quants, Q4_0, Q5_0, Q5_1) with AVX2 or AVX-512 VNNI. f32 for the rest
+    /// (Q4_1 and Q8_0, whose f32 kernels keep pace with memory, so the default model stays
+    /// exact).
     Auto,
 }
 
@@ -833,16 +834,16 @@ impl QMatrix {
     /// Whether `isa` has a several-rows-a-pass kernel over int8 activations for this matrix.
     fn has_int8_rows(&self, isa: Isa) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 && self.kind != Kind::F32 {
-            return simd::vnni::available();
+        if isa == Isa::Avx512 && self.kind != Kind::F32 && simd::vnni::available() {
+            return true;
         }
-        let _ = isa;
-        false
+        // The file's block formats have an AVX2 form too.
+        isa.has_avx2() && self.kind.is_raw()
     }
 
     /// `out[i]` = row `r0 + i` · the int8 activations `x` for every `i`, several rows a pass,
     /// where the path has such a kernel for this matrix's format (AVX-512 VNNI: every block
-    /// format); returns whether it had one.
+    /// format; AVX2: the file's block formats); returns whether it had one.
     fn rows_dot_q8(
         &self,
         isa: Isa,
@@ -858,9 +859,16 @@ impl QMatrix {
             if self.kind.is_raw() {
                 let rb = self.kind.bytes_of(self.cols);
                 let raw = &self.qs[r0 * rb..(r0 + out.len()) * rb];
-                // SAFETY: the CPU has the kernel's features (checked just above); raw holds the
-                // rows' whole blocks (the kernel checks the sizes).
-                unsafe { simd::vnni::blocks::matvec(self.kind, raw, &x.q, &x.d, xsum, out) };
+                // SAFETY: the CPU has the kernels' features (`has_int8_rows`: AVX-512 VNNI, else
+                // AVX2, FMA and F16C); raw holds the rows' whole blocks (the kernels check the
+                // sizes).
+                unsafe {
+                    if isa == Isa::Avx512 && simd::vnni::available() {
+                        simd::vnni::blocks::matvec(self.kind, raw, &x.q, &x.d, xsum, out)
+                    } else {
+                        simd::avx2::blocks_int8::matvec(self.kind, raw, &x.q, &x.d, xsum, out)
+                    }
+                }
                 return true;
             }
             match self.kind {
@@ -1154,9 +1162,10 @@ mod tests {
     }
 
     /// `Activations::Auto` gives a matrix the f32 product, bit for bit, unless it is held as
-    /// the file's blocks and the path has AVX-512 VNNI, where it gives the int8 product.
+    /// the file's blocks and the path has AVX2 (or AVX-512 VNNI), where it gives the int8
+    /// product.
     #[test]
-    fn auto_activations_are_int8_only_for_the_files_blocks_with_vnni() {
+    fn auto_activations_are_int8_only_for_the_files_blocks() {
         let cols = 512;
         let (_, mut ms) = matrices(9, cols);
         for kind in [Kind::Q5_0, Kind::Q4_K, Kind::Q6_K] {
@@ -1175,10 +1184,7 @@ mod tests {
         let mut int8_seen = false;
         for isa in Isa::all_available() {
             for m in &ms {
-                #[cfg(target_arch = "x86_64")]
-                let int8 = m.kind.is_raw() && isa == Isa::Avx512 && simd::vnni::available();
-                #[cfg(not(target_arch = "x86_64"))]
-                let int8 = false;
+                let int8 = m.kind.is_raw() && isa.has_avx2();
                 let want = if int8 {
                     Activations::Int8
                 } else {
@@ -1193,11 +1199,7 @@ mod tests {
                 }
             }
         }
-        #[cfg(target_arch = "x86_64")]
-        assert_eq!(
-            int8_seen,
-            Isa::Avx512.available() && simd::vnni::available()
-        );
+        assert_eq!(int8_seen, Isa::Avx2.available());
     }
 
     #[test]

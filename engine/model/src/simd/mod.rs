@@ -63,6 +63,33 @@ pub fn prefetch_weights(p: *const u8, len: usize) {
 /// (docs/bench-engine.md).
 pub const WEIGHTS_AHEAD: usize = 16 << 10;
 
+/// Rows per pass of the several-rows int8 matrix-vector kernels ([`vnni`], and
+/// `avx2::blocks_int8`).
+pub const ROWS: usize = 4;
+
+/// Runs `pass(r, n)` over `rows` rows, [`ROWS`] at a time and then one at a time, first
+/// asking for the quants' lines [`WEIGHTS_AHEAD`] ahead of each pass (`row_bytes` a row from
+/// `qs`).
+#[inline]
+pub(crate) fn passes(
+    rows: usize,
+    row_bytes: usize,
+    qs: *const u8,
+    mut pass: impl FnMut(usize, usize),
+) {
+    prefetch_weights(qs, WEIGHTS_AHEAD);
+    let mut r = 0;
+    while r < rows {
+        let n = if r + ROWS <= rows { ROWS } else { 1 };
+        prefetch_weights(
+            qs.wrapping_add(r * row_bytes + WEIGHTS_AHEAD),
+            n * row_bytes,
+        );
+        pass(r, n);
+        r += n;
+    }
+}
+
 /// Kinds of stored KV values for the `dot_rows_stored` and `axpy_rows_stored` kernels: 2, 3,
 /// 4 and 8 are packed unsigned codes of that many bits, [`SIGNED8`] signed bytes, [`HALF`]
 /// little-endian f16.

@@ -1,7 +1,9 @@
 //! AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1): single-row products,
 //! f16 conversion, softmax and SwiGLU here; the several-rows-per-pass decode products in
-//! [`matvec`] and the attention kernels in [`kv`], the 256-bit forms of `simd::avx512`'s.
+//! [`matvec`] (f32 activations) and [`blocks_int8`] (int8 activations on the file's block
+//! formats), and the attention kernels in [`kv`], the 256-bit forms of `simd::avx512`'s.
 
+pub mod blocks_int8;
 pub mod kv;
 pub mod matvec;
 

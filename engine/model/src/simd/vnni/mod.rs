@@ -13,14 +13,14 @@
 //! are signed, so they are read with their top bit flipped (`w + 128`) and each lane starts from
 //! `-128 Σ x` of its four activations, which the pass computes once for every row.
 
-use crate::simd::{WEIGHTS_AHEAD, prefetch_weights};
+use crate::simd::passes;
 use half::f16;
 use std::arch::x86_64::*;
 
 pub mod blocks;
 
 /// Rows per pass.
-pub const ROWS: usize = 4;
+pub use crate::simd::ROWS;
 
 /// Whether this CPU runs these kernels: AVX-512 F, BW, VL and VNNI, and F16C.
 pub fn available() -> bool {
@@ -208,29 +208,6 @@ pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32], out: &mut
             }
         }
     });
-}
-
-/// Runs `pass(r, n)` over `rows` rows, [`ROWS`] at a time and then one at a time, first
-/// asking for the quants' lines [`WEIGHTS_AHEAD`] ahead of each pass (`row_bytes` a row from
-/// `qs`).
-#[inline]
-pub(super) fn passes(
-    rows: usize,
-    row_bytes: usize,
-    qs: *const u8,
-    mut pass: impl FnMut(usize, usize),
-) {
-    prefetch_weights(qs, WEIGHTS_AHEAD);
-    let mut r = 0;
-    while r < rows {
-        let n = if r + ROWS <= rows { ROWS } else { 1 };
-        prefetch_weights(
-            qs.wrapping_add(r * row_bytes + WEIGHTS_AHEAD),
-            n * row_bytes,
-        );
-        pass(r, n);
-        r += n;
-    }
 }
 
 /// [`matvec_q8_0`] for the `R` rows from `r0`; `base` holds each pair's starting lanes.

@@ -1,0 +1,395 @@
+//! AVX2 matrix-vector products over int8 activations for the block formats held as the file's
+//! bytes (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; layouts in [`crate::qmatrix::blocks`]): the
+//! 256-bit form of [`crate::simd::vnni::blocks`], for CPUs without AVX-512 VNNI.
+//!
+//! Each 32 values of a row are read as 32 unsigned codes `u` in value order, multiplied with
+//! the 32 activation bytes by `vpmaddubsw` (pairs summed into 16 bits: at most 2 · 63 · 127, so
+//! never saturated) and `vpmaddwd` by ones (each four summed into one of eight 32-bit lanes).
+//! The stored code is `u - offset` (8 for Q4_0, 16 for Q5_0, 32 for Q6_K, 0 otherwise): each
+//! lane starts from `-offset Σ x` of its four activations, computed once per product for
+//! every row. The lanes are converted to f32 once and multiplied by `scale · d_x`: one scale
+//! for the 32 values, or for Q6_K one for lanes 0-3 and one for lanes 4-7. Offsets (Q5_1,
+//! Q4_K, Q5_K) add `min · Σ x` with the activations' exact f32 sums. Four rows a pass share
+//! each load of the activations.
+
+use crate::qmatrix::Kind;
+use crate::simd::{ROWS, passes};
+use std::arch::x86_64::*;
+
+const Q4_0: u8 = 0;
+const Q5_0: u8 = 1;
+const Q5_1: u8 = 2;
+const Q4_K: u8 = 3;
+const Q5_K: u8 = 4;
+const Q6_K: u8 = 5;
+
+/// Values and bytes of a block of the format tagged `k`.
+const fn geometry(k: u8) -> (usize, usize) {
+    match k {
+        Q4_0 => (32, 18),
+        Q5_0 => (32, 22),
+        Q5_1 => (32, 24),
+        Q4_K => (256, 144),
+        Q5_K => (256, 176),
+        _ => (256, 210),
+    }
+}
+
+/// What a stored code is offset by: the value's code is `u - offset(k)`.
+const fn offset(k: u8) -> i8 {
+    match k {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q6_K => 32,
+        _ => 0,
+    }
+}
+
+/// The f16 at `p` as f32.
+///
+/// # Safety
+/// Two bytes at `p` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn h2f(p: *const u8) -> f32 {
+    // SAFETY: two readable bytes (the contract); an unaligned read.
+    let bits = unsafe { (p as *const u16).read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// The eight bytes of `v` (little-endian) as eight f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bytes8_ps(v: u64) -> __m256 {
+    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
+}
+
+/// `Σ u x` of 32 codes and 32 activations in eight lanes of four, plus `base`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot32(w: __m256i, x: __m256i, base: __m256i) -> __m256 {
+    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    _mm256_cvtepi32_ps(_mm256_add_epi32(p, base))
+}
+
+/// `out[r] = Σ_j w[r][j] x[j]` for the `out.len()` rows of `kind` held in `raw` (whole blocks,
+/// `xq.len()` values a row), with the activations quantized per 32 (`x[j] ≈ dx[j / 32] xq[j]`)
+/// and `xsum` their exact sums per 32 (read only for the formats with offsets). The same sums
+/// as [`crate::qmatrix::blocks::dot_row_q8`], in another order.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C. The sizes are checked.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn matvec(kind: Kind, raw: &[u8], xq: &[i8], dx: &[f32], xsum: &[f32], out: &mut [f32]) {
+    // SAFETY: the CPU has the features (this function's contract); `run` checks the sizes.
+    unsafe {
+        match kind {
+            Kind::Q4_0 => run::<Q4_0>(raw, xq, dx, xsum, out),
+            Kind::Q5_0 => run::<Q5_0>(raw, xq, dx, xsum, out),
+            Kind::Q5_1 => run::<Q5_1>(raw, xq, dx, xsum, out),
+            Kind::Q4_K => run::<Q4_K>(raw, xq, dx, xsum, out),
+            Kind::Q5_K => run::<Q5_K>(raw, xq, dx, xsum, out),
+            Kind::Q6_K => run::<Q6_K>(raw, xq, dx, xsum, out),
+            _ => panic!("avx2::blocks_int8::matvec: {kind:?} is not held as raw blocks"),
+        }
+    }
+}
+
+/// [`matvec`] for the format tagged `K`.
+///
+/// # Safety
+/// As [`matvec`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run<const K: u8>(raw: &[u8], xq: &[i8], dx: &[f32], xsum: &[f32], out: &mut [f32]) {
+    let (vals, bb) = geometry(K);
+    let cols = xq.len();
+    let rb = cols / vals * bb;
+    let rows = out.len();
+    let mins = matches!(K, Q5_1 | Q4_K | Q5_K);
+    assert!(
+        cols > 0
+            && cols.is_multiple_of(vals)
+            && dx.len() >= cols / 32
+            && (!mins || xsum.len() >= cols / 32)
+            && raw.len() >= rows * rb,
+        "avx2::blocks_int8::matvec: bad sizes"
+    );
+    // Each lane's -offset Σ x over its four activations, per 32 of them, for every row.
+    let off = _mm256_set1_epi8(offset(K));
+    let base: Vec<__m256i> = (0..cols / 32)
+        .map(|b| {
+            // SAFETY: values 32 b..32 b + 32 are inside xq (cols is a multiple of 32).
+            let x = unsafe { _mm256_loadu_si256(xq.as_ptr().add(32 * b) as *const __m256i) };
+            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(off, x), _mm256_set1_epi16(1));
+            _mm256_sub_epi32(_mm256_setzero_si256(), s)
+        })
+        .collect();
+    passes(rows, rb, raw.as_ptr(), |r, n| {
+        let out = &mut out[r..r + n];
+        // SAFETY: rows r..r + n are inside raw (asserted above); the CPU has the features
+        // (this function's contract).
+        unsafe {
+            match n {
+                ROWS => rows_of::<K, ROWS>(raw, rb, xq, dx, xsum, &base, r, out),
+                _ => rows_of::<K, 1>(raw, rb, xq, dx, xsum, &base, r, out),
+            }
+        }
+    });
+}
+
+/// The 32 codes of the 32-value block at `p`, unsigned, in value order.
+///
+/// # Safety
+/// The block at `p` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn small_codes<const K: u8>(p: *const u8) -> __m256i {
+    let (qh_at, qs_at) = match K {
+        Q4_0 => (0, 2),
+        Q5_0 => (2, 6),
+        _ => (4, 8),
+    };
+    // SAFETY: the nibbles (and the fifth bits) lie inside the block (the contract).
+    unsafe {
+        let q = _mm_loadu_si128(p.add(qs_at) as *const __m128i);
+        let w = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16::<4>(q), q),
+            _mm256_set1_epi8(0x0F),
+        );
+        if K == Q4_0 {
+            return w;
+        }
+        // Bit j of `qh` to byte j: bytes 0-1 of the word to the low half's sixteen bytes, 2-3
+        // to the high half's, then each byte's own bit tested.
+        let qh = (p.add(qh_at) as *const u32).read_unaligned();
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), spread);
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+    }
+}
+
+/// Codes `32 s .. 32 s + 32` (sub-block `s`) of the K-quant super-block at `p`, unsigned, in
+/// value order.
+///
+/// # Safety
+/// The super-block at `p` must be readable; `s < 8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_codes<const K: u8>(p: *const u8, s: usize) -> __m256i {
+    let nibble = _mm256_set1_epi8(0x0F);
+    let low_or_high = |v: __m256i, high: bool| {
+        let v = if high { _mm256_srli_epi16::<4>(v) } else { v };
+        _mm256_and_si256(v, nibble)
+    };
+    // SAFETY: every load lies inside the super-block (the contract; offsets from the layouts).
+    unsafe {
+        match K {
+            // Sub-block s: the low (even s) or high nibbles of bytes 32(s / 2)..+32.
+            Q4_K | Q5_K => {
+                let qs = if K == Q4_K { 16 } else { 48 };
+                let v = _mm256_loadu_si256(p.add(qs + 32 * (s / 2)) as *const __m256i);
+                let w = low_or_high(v, s % 2 == 1);
+                if K == Q4_K {
+                    return w;
+                }
+                // Fifth bits: bit s of byte l of `qh` for value l.
+                let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+                let bit = _mm256_set1_epi8(1 << s);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+            }
+            // Half h = s / 4, group g = s % 4: the low (g < 2) or high nibbles of
+            // ql[64h + 32(g % 2)..+32], their two high bits bits 2g, 2g + 1 of qh[32h + l].
+            _ => {
+                let (h, g) = (s / 4, s % 4);
+                let ql = _mm256_loadu_si256(p.add(64 * h + 32 * (g % 2)) as *const __m256i);
+                let qh = _mm256_loadu_si256(p.add(128 + 32 * h) as *const __m256i);
+                let top = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g as i32));
+                let top = _mm256_slli_epi16::<4>(_mm256_and_si256(top, _mm256_set1_epi8(3)));
+                _mm256_or_si256(low_or_high(ql, g >= 2), top)
+            }
+        }
+    }
+}
+
+/// [`run`] for the `R` rows from `r0`; `base` holds each 32 activations' starting lanes.
+///
+/// # Safety
+/// As [`matvec`], for rows `r0..r0 + R` inside `raw` (`rb` bytes a row); `out` holds `R`
+/// values.
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_of<const K: u8, const R: usize>(
+    raw: &[u8],
+    rb: usize,
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    base: &[__m256i],
+    r0: usize,
+    out: &mut [f32],
+) {
+    let (_, bb) = geometry(K);
+    let cols = xq.len();
+    let mut acc = [_mm256_setzero_ps(); R];
+    // Offsets' terms: one per block (Q5_1), eight lanes of sub-blocks (Q4_K, Q5_K).
+    let mut mins = [0.0f32; R];
+    let mut mins8 = [_mm256_setzero_ps(); R];
+    let row = |r: usize| raw.as_ptr().wrapping_add((r0 + r) * rb);
+    let xp = xq.as_ptr();
+    if K <= Q5_1 {
+        for b in 0..cols / 32 {
+            // SAFETY: values 32 b..32 b + 32 are inside xq, block b inside dx and xsum (the
+            // caller's contract).
+            let (x, dxb) = unsafe {
+                (
+                    _mm256_loadu_si256(xp.add(32 * b) as *const __m256i),
+                    *dx.get_unchecked(b),
+                )
+            };
+            for r in 0..R {
+                let p = row(r).wrapping_add(b * bb);
+                // SAFETY: block b of row r is inside raw (the caller's contract).
+                let (w, d) = unsafe { (small_codes::<K>(p), h2f(p)) };
+                let sums = dot32(w, x, base[b]);
+                acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * dxb), acc[r]);
+                if K == Q5_1 {
+                    // SAFETY: as above; `m` follows `d`.
+                    mins[r] += unsafe { h2f(p.add(2)) * *xsum.get_unchecked(b) };
+                }
+            }
+        }
+    } else {
+        // Each row's scale times d_x per 16 values of the super-block.
+        let mut su = [[0.0f32; 16]; R];
+        for b in 0..cols / 256 {
+            // SAFETY: the super-block's eight sub-blocks are inside dx and xsum (the caller's
+            // contract).
+            let (dx8, xs) = unsafe {
+                let xs = if K == Q6_K {
+                    _mm256_setzero_ps()
+                } else {
+                    _mm256_loadu_ps(xsum.as_ptr().add(8 * b))
+                };
+                (_mm256_loadu_ps(dx.as_ptr().add(8 * b)), xs)
+            };
+            for r in 0..R {
+                let p = row(r).wrapping_add(b * bb);
+                // SAFETY: the super-block b of row r is inside raw (the caller's contract);
+                // offsets from the layouts; the stores stay inside `su[r]`.
+                unsafe {
+                    if K == Q6_K {
+                        let d = _mm256_set1_ps(h2f(p.add(208)));
+                        let sc = _mm_loadu_si128(p.add(192) as *const __m128i);
+                        let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+                        let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc)));
+                        let twice = |a: i32| {
+                            _mm256_setr_epi32(a, a, a + 1, a + 1, a + 2, a + 2, a + 3, a + 3)
+                        };
+                        let (dlo, dhi) = (
+                            _mm256_permutevar8x32_ps(dx8, twice(0)),
+                            _mm256_permutevar8x32_ps(dx8, twice(4)),
+                        );
+                        let o = su[r].as_mut_ptr();
+                        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(lo, d), dlo));
+                        _mm256_storeu_ps(o.add(8), _mm256_mul_ps(_mm256_mul_ps(hi, d), dhi));
+                    } else {
+                        let (d, dmin) = (h2f(p), h2f(p.add(2)));
+                        let (sc, mn) = crate::simd::blocks::k4_scales(p.add(4));
+                        let s8 =
+                            _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc), _mm256_set1_ps(d)), dx8);
+                        _mm256_storeu_ps(su[r].as_mut_ptr(), s8);
+                        let m8 = _mm256_mul_ps(bytes8_ps(mn), xs);
+                        mins8[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(-dmin), mins8[r]);
+                    }
+                }
+            }
+            for s in 0..8 {
+                // SAFETY: values 256 b + 32 s..+32 are inside xq (cols is a multiple of 256).
+                let x = unsafe { _mm256_loadu_si256(xp.add(256 * b + 32 * s) as *const __m256i) };
+                let bs = base[8 * b + s];
+                for r in 0..R {
+                    // SAFETY: the super-block b of row r is inside raw (the caller's contract).
+                    let w = unsafe { k_codes::<K>(row(r).wrapping_add(b * bb), s) };
+                    let scale = if K == Q6_K {
+                        // Lanes 0-3 are values 0-15 of the sub-block, 4-7 values 16-31.
+                        _mm256_set_m128(_mm_set1_ps(su[r][2 * s + 1]), _mm_set1_ps(su[r][2 * s]))
+                    } else {
+                        _mm256_set1_ps(su[r][s])
+                    };
+                    acc[r] = _mm256_fmadd_ps(dot32(w, x, bs), scale, acc[r]);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = super::hsum(_mm256_add_ps(acc[r], mins8[r])) + mins[r];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::qmatrix::blocks::{dot_row_q8, random_blocks};
+
+    /// Every format, over rows that take the four-row passes and the one-row tail, gives the
+    /// portable int8 product within rounding (where the CPU has AVX2).
+    #[test]
+    fn raw_blocks_times_int8_activations_match_the_portable_product() {
+        if !crate::qmatrix::Isa::Avx2.available() {
+            return;
+        }
+        let kinds = [
+            Kind::Q4_0,
+            Kind::Q5_0,
+            Kind::Q5_1,
+            Kind::Q4_K,
+            Kind::Q5_K,
+            Kind::Q6_K,
+        ];
+        for kind in kinds {
+            let vals = kind.block_values();
+            for cols in [
+                vals,
+                3 * vals,
+                640usize.next_multiple_of(vals),
+                2048,
+                32 * 21,
+            ] {
+                if !cols.is_multiple_of(vals) {
+                    continue;
+                }
+                let rows = 7;
+                let raw = random_blocks(kind, rows * cols / vals, 11 + cols as u64);
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 37.0)
+                    .collect();
+                let mut xq = vec![0i8; cols];
+                let mut dx = vec![0f32; cols / 32];
+                crate::qmatrix::acts::quantize_acts_portable(&x, &mut xq, &mut dx);
+                let xsum: Vec<f32> = x.chunks_exact(32).map(|b| b.iter().sum()).collect();
+                let mut got = vec![f32::NAN; rows + 1];
+                // SAFETY: the test returned above on a CPU without the features.
+                unsafe { matvec(kind, &raw, &xq, &dx, &xsum, &mut got[..rows]) };
+                assert!(got[rows].is_nan(), "{kind:?} wrote past its rows");
+                let rb = kind.bytes_of(cols);
+                for r in 0..rows {
+                    let want = dot_row_q8(kind, &raw[r * rb..(r + 1) * rb], &xq, &dx, &xsum);
+                    let tol = 1e-4 * (1.0 + want.abs()) + 1e-5 * cols as f32;
+                    assert!(
+                        (got[r] - want).abs() <= tol,
+                        "{kind:?} cols {cols} row {r}: {} against {want}",
+                        got[r]
+                    );
+                }
+            }
+        }
+    }
+}
