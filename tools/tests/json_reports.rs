@@ -210,7 +210,7 @@ fn bench_engine_and_kv_report_the_kernels_they_ran() {
     assert_eq!(
         report["chosen_kernels"],
         expected(model::chosen::engine(
-            model::qmatrix::Activations::F32,
+            model::qmatrix::Activations::Auto,
             model::int8gemm::PrefillActs::F32,
         )),
         "{report}"

@@ -236,102 +236,147 @@ unsafe fn rows_of<const K: u8, const R: usize>(
     r0: usize,
     out: &mut [f32],
 ) {
-    let (_, bb) = geometry(K);
-    let cols = xq.len();
-    let mut acc = [_mm256_setzero_ps(); R];
-    // Offsets' terms: one per block (Q5_1), eight lanes of sub-blocks (Q4_K, Q5_K).
-    let mut mins = [0.0f32; R];
-    let mut mins8 = [_mm256_setzero_ps(); R];
     let row = |r: usize| raw.as_ptr().wrapping_add((r0 + r) * rb);
-    let xp = xq.as_ptr();
-    if K <= Q5_1 {
-        for b in 0..cols / 32 {
-            // SAFETY: values 32 b..32 b + 32 are inside xq, block b inside dx and xsum (the
-            // caller's contract).
-            let (x, dxb) = unsafe {
-                (
-                    _mm256_loadu_si256(xp.add(32 * b) as *const __m256i),
-                    *dx.get_unchecked(b),
-                )
-            };
-            for r in 0..R {
-                let p = row(r).wrapping_add(b * bb);
-                // SAFETY: block b of row r is inside raw (the caller's contract).
-                let (w, d) = unsafe { (small_codes::<K>(p), h2f(p)) };
-                let sums = dot32(w, x, base[b]);
-                acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * dxb), acc[r]);
-                if K == Q5_1 {
-                    // SAFETY: as above; `m` follows `d`.
-                    mins[r] += unsafe { h2f(p.add(2)) * *xsum.get_unchecked(b) };
-                }
-            }
+    // SAFETY: rows r0..r0 + R are inside raw (the caller's contract, passed on).
+    let (acc, mins) = unsafe {
+        if K <= Q5_1 {
+            rows_small::<K, R>(row, xq, dx, xsum, base)
+        } else {
+            rows_k::<K, R>(row, xq, dx, xsum, base)
         }
-    } else {
-        // Each row's scale times d_x per 16 values of the super-block.
-        let mut su = [[0.0f32; 16]; R];
-        for b in 0..cols / 256 {
-            // SAFETY: the super-block's eight sub-blocks are inside dx and xsum (the caller's
-            // contract).
-            let (dx8, xs) = unsafe {
-                let xs = if K == Q6_K {
-                    _mm256_setzero_ps()
-                } else {
-                    _mm256_loadu_ps(xsum.as_ptr().add(8 * b))
-                };
-                (_mm256_loadu_ps(dx.as_ptr().add(8 * b)), xs)
-            };
-            for r in 0..R {
-                let p = row(r).wrapping_add(b * bb);
-                // SAFETY: the super-block b of row r is inside raw (the caller's contract);
-                // offsets from the layouts; the stores stay inside `su[r]`.
-                unsafe {
-                    if K == Q6_K {
-                        let d = _mm256_set1_ps(h2f(p.add(208)));
-                        let sc = _mm_loadu_si128(p.add(192) as *const __m128i);
-                        let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
-                        let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc)));
-                        let twice = |a: i32| {
-                            _mm256_setr_epi32(a, a, a + 1, a + 1, a + 2, a + 2, a + 3, a + 3)
-                        };
-                        let (dlo, dhi) = (
-                            _mm256_permutevar8x32_ps(dx8, twice(0)),
-                            _mm256_permutevar8x32_ps(dx8, twice(4)),
-                        );
-                        let o = su[r].as_mut_ptr();
-                        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(lo, d), dlo));
-                        _mm256_storeu_ps(o.add(8), _mm256_mul_ps(_mm256_mul_ps(hi, d), dhi));
-                    } else {
-                        let (d, dmin) = (h2f(p), h2f(p.add(2)));
-                        let (sc, mn) = crate::simd::blocks::k4_scales(p.add(4));
-                        let s8 =
-                            _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc), _mm256_set1_ps(d)), dx8);
-                        _mm256_storeu_ps(su[r].as_mut_ptr(), s8);
-                        let m8 = _mm256_mul_ps(bytes8_ps(mn), xs);
-                        mins8[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(-dmin), mins8[r]);
-                    }
-                }
-            }
-            for s in 0..8 {
-                // SAFETY: values 256 b + 32 s..+32 are inside xq (cols is a multiple of 256).
-                let x = unsafe { _mm256_loadu_si256(xp.add(256 * b + 32 * s) as *const __m256i) };
-                let bs = base[8 * b + s];
-                for r in 0..R {
-                    // SAFETY: the super-block b of row r is inside raw (the caller's contract).
-                    let w = unsafe { k_codes::<K>(row(r).wrapping_add(b * bb), s) };
-                    let scale = if K == Q6_K {
-                        // Lanes 0-3 are values 0-15 of the sub-block, 4-7 values 16-31.
-                        _mm256_set_m128(_mm_set1_ps(su[r][2 * s + 1]), _mm_set1_ps(su[r][2 * s]))
-                    } else {
-                        _mm256_set1_ps(su[r][s])
-                    };
-                    acc[r] = _mm256_fmadd_ps(dot32(w, x, bs), scale, acc[r]);
-                }
-            }
-        }
-    }
+    };
     for r in 0..R {
-        out[r] = super::hsum(_mm256_add_ps(acc[r], mins8[r])) + mins[r];
+        out[r] = super::hsum(_mm256_add_ps(acc[r], mins[r]));
     }
+}
+
+/// [`rows_of`] for the 32-value formats, a block a vector: each row's sums and its offsets'
+/// terms, in lanes (`row(r)`: where row `r` starts).
+///
+/// # Safety
+/// As [`rows_of`].
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_small<const K: u8, const R: usize>(
+    row: impl Fn(usize) -> *const u8,
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    base: &[__m256i],
+) -> ([__m256; R], [__m256; R]) {
+    let (_, bb) = geometry(K);
+    let (cols, xp) = (xq.len(), xq.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); R];
+    // The offsets' terms, one per block (Q5_1).
+    let mut mins = [0.0f32; R];
+    for b in 0..cols / 32 {
+        // SAFETY: values 32 b..32 b + 32 are inside xq, block b inside dx and xsum (the
+        // caller's contract).
+        let (x, dxb) = unsafe {
+            (
+                _mm256_loadu_si256(xp.add(32 * b) as *const __m256i),
+                *dx.get_unchecked(b),
+            )
+        };
+        for r in 0..R {
+            let p = row(r).wrapping_add(b * bb);
+            // SAFETY: block b of row r is inside raw (the caller's contract).
+            let (w, d) = unsafe { (small_codes::<K>(p), h2f(p)) };
+            let sums = dot32(w, x, base[b]);
+            acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * dxb), acc[r]);
+            if K == Q5_1 {
+                // SAFETY: as above; `m` follows `d`.
+                mins[r] += unsafe { h2f(p.add(2)) * *xsum.get_unchecked(b) };
+            }
+        }
+    }
+    (
+        acc,
+        mins.map(|m| _mm256_setr_ps(m, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
+    )
+}
+
+/// [`rows_of`] for the K-quants, a sub-block of 32 values a vector: each row's sums and its
+/// offsets' terms, in lanes (`row(r)`: where row `r` starts).
+///
+/// # Safety
+/// As [`rows_of`].
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_k<const K: u8, const R: usize>(
+    row: impl Fn(usize) -> *const u8,
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    base: &[__m256i],
+) -> ([__m256; R], [__m256; R]) {
+    let (_, bb) = geometry(K);
+    let (cols, xp) = (xq.len(), xq.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); R];
+    // The offsets' terms, a lane per sub-block (Q4_K, Q5_K).
+    let mut mins8 = [_mm256_setzero_ps(); R];
+    // Each row's scale times d_x per 16 values of the super-block.
+    let mut su = [[0.0f32; 16]; R];
+    for b in 0..cols / 256 {
+        // SAFETY: the super-block's eight sub-blocks are inside dx and xsum (the caller's
+        // contract).
+        let (dx8, xs) = unsafe {
+            let xs = if K == Q6_K {
+                _mm256_setzero_ps()
+            } else {
+                _mm256_loadu_ps(xsum.as_ptr().add(8 * b))
+            };
+            (_mm256_loadu_ps(dx.as_ptr().add(8 * b)), xs)
+        };
+        for r in 0..R {
+            let p = row(r).wrapping_add(b * bb);
+            // SAFETY: the super-block b of row r is inside raw (the caller's contract);
+            // offsets from the layouts; the stores stay inside `su[r]`.
+            unsafe {
+                if K == Q6_K {
+                    let d = _mm256_set1_ps(h2f(p.add(208)));
+                    let sc = _mm_loadu_si128(p.add(192) as *const __m128i);
+                    let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+                    let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(sc)));
+                    let twice =
+                        |a: i32| _mm256_setr_epi32(a, a, a + 1, a + 1, a + 2, a + 2, a + 3, a + 3);
+                    let (dlo, dhi) = (
+                        _mm256_permutevar8x32_ps(dx8, twice(0)),
+                        _mm256_permutevar8x32_ps(dx8, twice(4)),
+                    );
+                    let o = su[r].as_mut_ptr();
+                    _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(lo, d), dlo));
+                    _mm256_storeu_ps(o.add(8), _mm256_mul_ps(_mm256_mul_ps(hi, d), dhi));
+                } else {
+                    let (d, dmin) = (h2f(p), h2f(p.add(2)));
+                    let (sc, mn) = crate::simd::blocks::k4_scales(p.add(4));
+                    let s8 = _mm256_mul_ps(_mm256_mul_ps(bytes8_ps(sc), _mm256_set1_ps(d)), dx8);
+                    _mm256_storeu_ps(su[r].as_mut_ptr(), s8);
+                    let m8 = _mm256_mul_ps(bytes8_ps(mn), xs);
+                    mins8[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(-dmin), mins8[r]);
+                }
+            }
+        }
+        for s in 0..8 {
+            // SAFETY: values 256 b + 32 s..+32 are inside xq (cols is a multiple of 256).
+            let x = unsafe { _mm256_loadu_si256(xp.add(256 * b + 32 * s) as *const __m256i) };
+            let bs = base[8 * b + s];
+            for r in 0..R {
+                // SAFETY: the super-block b of row r is inside raw (the caller's contract).
+                let w = unsafe { k_codes::<K>(row(r).wrapping_add(b * bb), s) };
+                let scale = if K == Q6_K {
+                    // Lanes 0-3 are values 0-15 of the sub-block, 4-7 values 16-31.
+                    _mm256_set_m128(_mm_set1_ps(su[r][2 * s + 1]), _mm_set1_ps(su[r][2 * s]))
+                } else {
+                    _mm256_set1_ps(su[r][s])
+                };
+                acc[r] = _mm256_fmadd_ps(dot32(w, x, bs), scale, acc[r]);
+            }
+        }
+    }
+    (acc, mins8)
 }
 
 #[cfg(test)]

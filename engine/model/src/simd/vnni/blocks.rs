@@ -266,140 +266,181 @@ unsafe fn rows_of<const K: u8, const R: usize>(
     r0: usize,
     out: &mut [f32],
 ) {
-    let (_, bb) = geometry(K);
-    let cols = xq.len();
-    let mut acc = [_mm512_setzero_ps(); R];
-    // Offsets' terms: 16 lanes of blocks (Q5_1), 8 of sub-blocks (Q4_K, Q5_K).
-    let mut mins = [_mm512_setzero_ps(); R];
-    let mut mins8 = [_mm256_setzero_ps(); R];
-    let mut ds = [_mm512_setzero_ps(); R];
     let row = |r: usize| raw.as_ptr().wrapping_add((r0 + r) * rb);
-    let xp = xq.as_ptr();
-    if small(K) {
-        let nb = cols / 32;
-        // Lanes 0-7 from the first of two values, 8-15 from the second.
-        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        let mut mins2 = [_mm_setzero_ps(); R];
-        let mut b = 0;
-        while b < nb {
-            let two = (nb - b).min(2);
-            // SAFETY: blocks b..b + two are inside xq (two · 32 bytes), dx and xsum (the
-            // caller's contract); masked loads read only those.
-            let (x, dxp, xs) = unsafe {
-                let k = (1u8 << two) - 1;
-                (
-                    _mm512_maskz_loadu_epi8(bytes(32 * two), xp.add(b * 32)),
-                    _mm_maskz_loadu_ps(k, dx.as_ptr().add(b)),
-                    if K == Q5_1 {
-                        _mm_maskz_loadu_ps(k, xsum.as_ptr().add(b))
-                    } else {
-                        _mm_setzero_ps()
-                    },
-                )
-            };
-            let dxp = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dxp));
-            for r in 0..R {
-                let p = row(r).wrapping_add(b * bb);
-                // SAFETY: blocks b..b + two of row r are inside raw (the caller's contract),
-                // their first four bytes `d` (and `m` for Q5_1) as f16.
-                let (w, head) = unsafe {
-                    let w = small_codes::<K>(p, bb, two == 2);
-                    let a = (p as *const u32).read_unaligned();
-                    let b = if two == 2 {
-                        (p.add(bb) as *const u32).read_unaligned()
-                    } else {
-                        0
-                    };
-                    (w, _mm_setr_epi32(a as i32, b as i32, 0, 0))
+    // SAFETY: rows r0..r0 + R are inside raw (the caller's contract, passed on).
+    let (acc, mins) = unsafe {
+        if small(K) {
+            rows_small::<K, R>(row, xq, dx, xsum, base)
+        } else {
+            rows_k::<K, R>(row, xq, dx, xsum, base)
+        }
+    };
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], mins[r]));
+    }
+}
+
+/// [`rows_of`] for the 32-value formats, two blocks a vector: each row's sums and its
+/// offsets' terms, in lanes (`row(r)`: where row `r` starts).
+///
+/// # Safety
+/// As [`rows_of`].
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+unsafe fn rows_small<const K: u8, const R: usize>(
+    row: impl Fn(usize) -> *const u8,
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    base: &[__m512i],
+) -> ([__m512; R], [__m512; R]) {
+    let (_, bb) = geometry(K);
+    let (cols, xp) = (xq.len(), xq.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut mins = [_mm512_setzero_ps(); R];
+    let nb = cols / 32;
+    // Lanes 0-7 from the first of two values, 8-15 from the second.
+    let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let mut mins2 = [_mm_setzero_ps(); R];
+    let mut b = 0;
+    while b < nb {
+        let two = (nb - b).min(2);
+        // SAFETY: blocks b..b + two are inside xq (two · 32 bytes), dx and xsum (the
+        // caller's contract); masked loads read only those.
+        let (x, dxp, xs) = unsafe {
+            let k = (1u8 << two) - 1;
+            (
+                _mm512_maskz_loadu_epi8(bytes(32 * two), xp.add(b * 32)),
+                _mm_maskz_loadu_ps(k, dx.as_ptr().add(b)),
+                if K == Q5_1 {
+                    _mm_maskz_loadu_ps(k, xsum.as_ptr().add(b))
+                } else {
+                    _mm_setzero_ps()
+                },
+            )
+        };
+        let dxp = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dxp));
+        for r in 0..R {
+            let p = row(r).wrapping_add(b * bb);
+            // SAFETY: blocks b..b + two of row r are inside raw (the caller's contract),
+            // their first four bytes `d` (and `m` for Q5_1) as f16.
+            let (w, head) = unsafe {
+                let w = small_codes::<K>(p, bb, two == 2);
+                let a = (p as *const u32).read_unaligned();
+                let b = if two == 2 {
+                    (p.add(bb) as *const u32).read_unaligned()
+                } else {
+                    0
                 };
-                let dd = _mm_cvtph_ps(_mm_packus_epi32(
-                    _mm_and_si128(head, _mm_set1_epi32(0xFFFF)),
+                (w, _mm_setr_epi32(a as i32, b as i32, 0, 0))
+            };
+            let dd = _mm_cvtph_ps(_mm_packus_epi32(
+                _mm_and_si128(head, _mm_set1_epi32(0xFFFF)),
+                _mm_setzero_si128(),
+            ));
+            if K == Q5_1 {
+                let m = _mm_cvtph_ps(_mm_packus_epi32(
+                    _mm_srli_epi32::<16>(head),
                     _mm_setzero_si128(),
                 ));
-                if K == Q5_1 {
-                    let m = _mm_cvtph_ps(_mm_packus_epi32(
-                        _mm_srli_epi32::<16>(head),
-                        _mm_setzero_si128(),
-                    ));
-                    mins2[r] = _mm_fmadd_ps(m, xs, mins2[r]);
-                }
-                let scale = _mm512_mul_ps(
-                    _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dd)),
-                    dxp,
-                );
-                let sums = _mm512_dpbusd_epi32(base[b / 2], w, x);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+                mins2[r] = _mm_fmadd_ps(m, xs, mins2[r]);
             }
-            b += 2;
+            let scale = _mm512_mul_ps(
+                _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(dd)),
+                dxp,
+            );
+            let sums = _mm512_dpbusd_epi32(base[b / 2], w, x);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
         }
-        for r in 0..R {
-            mins[r] = _mm512_castps128_ps512(mins2[r]);
-            mins[r] = _mm512_maskz_mov_ps(0x000F, mins[r]);
-        }
-    } else {
-        // dx per 32 values, each twice: one lane per group of 16.
-        let twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-        for b in 0..cols / 256 {
-            // SAFETY: the super-block's eight sub-blocks are inside dx and xsum (the caller's
-            // contract).
-            let (dxu, xs) = unsafe {
-                let dx8 = _mm256_loadu_ps(dx.as_ptr().add(8 * b));
-                let xs = if K == Q6_K {
-                    _mm256_setzero_ps()
-                } else {
-                    _mm256_loadu_ps(xsum.as_ptr().add(8 * b))
-                };
-                (
-                    _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(dx8)),
-                    xs,
-                )
-            };
-            for r in 0..R {
-                let p = row(r).wrapping_add(b * bb);
-                // SAFETY: the super-block b of row r is inside raw (the caller's contract);
-                // offsets from the layouts.
-                unsafe {
-                    if K == Q6_K {
-                        let sc = _mm_loadu_si128(p.add(192) as *const __m128i);
-                        let scf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc));
-                        ds[r] =
-                            _mm512_mul_ps(_mm512_mul_ps(scf, _mm512_set1_ps(h2f(p.add(208)))), dxu);
-                    } else {
-                        let (d, dmin) = (h2f(p), h2f(p.add(2)));
-                        let (sc, mn) = crate::simd::blocks::k4_scales(p.add(4));
-                        let sc = _mm_cvtsi64_si128(sc as i64);
-                        let scf =
-                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc, sc)));
-                        ds[r] = _mm512_mul_ps(_mm512_mul_ps(scf, _mm512_set1_ps(d)), dxu);
-                        let mnf =
-                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64)));
-                        mins8[r] = _mm256_fmadd_ps(
-                            _mm256_mul_ps(mnf, xs),
-                            _mm256_set1_ps(-dmin),
-                            mins8[r],
-                        );
-                    }
-                }
-            }
-            for z in 0..4 {
-                // SAFETY: values 256 b + 64 z.. + 64 are inside xq (cols is a multiple of 256).
-                let x = unsafe { _mm512_loadu_si512(xp.add(256 * b + 64 * z) as *const __m512i) };
-                let pick = quad_index(z);
-                for r in 0..R {
-                    // SAFETY: the super-block b of row r is inside raw (the caller's contract).
-                    let w = unsafe { k_codes::<K>(row(r).add(b * bb), z) };
-                    let sums = _mm512_dpbusd_epi32(base[4 * b + z], w, x);
-                    let scale = _mm512_permutexvar_ps(pick, ds[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
-                }
-            }
-        }
+        b += 2;
     }
     for r in 0..R {
-        let m8 = _mm512_castps256_ps512(mins8[r]);
-        let m8 = _mm512_mask_mov_ps(_mm512_setzero_ps(), 0x00FF, m8);
-        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], _mm512_add_ps(mins[r], m8)));
+        mins[r] = _mm512_castps128_ps512(mins2[r]);
+        mins[r] = _mm512_maskz_mov_ps(0x000F, mins[r]);
     }
+    (acc, mins)
+}
+
+/// [`rows_of`] for the K-quants, 64 values of a super-block a vector: each row's sums and its
+/// offsets' terms, in lanes (`row(r)`: where row `r` starts).
+///
+/// # Safety
+/// As [`rows_of`].
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+unsafe fn rows_k<const K: u8, const R: usize>(
+    row: impl Fn(usize) -> *const u8,
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    base: &[__m512i],
+) -> ([__m512; R], [__m512; R]) {
+    let (_, bb) = geometry(K);
+    let (cols, xp) = (xq.len(), xq.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); R];
+    // The offsets' terms, a lane per sub-block (Q4_K, Q5_K).
+    let mut mins8 = [_mm256_setzero_ps(); R];
+    let mut ds = [_mm512_setzero_ps(); R];
+    // dx per 32 values, each twice: one lane per group of 16.
+    let twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    for b in 0..cols / 256 {
+        // SAFETY: the super-block's eight sub-blocks are inside dx and xsum (the caller's
+        // contract).
+        let (dxu, xs) = unsafe {
+            let dx8 = _mm256_loadu_ps(dx.as_ptr().add(8 * b));
+            let xs = if K == Q6_K {
+                _mm256_setzero_ps()
+            } else {
+                _mm256_loadu_ps(xsum.as_ptr().add(8 * b))
+            };
+            (
+                _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(dx8)),
+                xs,
+            )
+        };
+        for r in 0..R {
+            let p = row(r).wrapping_add(b * bb);
+            // SAFETY: the super-block b of row r is inside raw (the caller's contract);
+            // offsets from the layouts.
+            unsafe {
+                if K == Q6_K {
+                    let sc = _mm_loadu_si128(p.add(192) as *const __m128i);
+                    let scf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc));
+                    ds[r] = _mm512_mul_ps(_mm512_mul_ps(scf, _mm512_set1_ps(h2f(p.add(208)))), dxu);
+                } else {
+                    let (d, dmin) = (h2f(p), h2f(p.add(2)));
+                    let (sc, mn) = crate::simd::blocks::k4_scales(p.add(4));
+                    let sc = _mm_cvtsi64_si128(sc as i64);
+                    let scf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc, sc)));
+                    ds[r] = _mm512_mul_ps(_mm512_mul_ps(scf, _mm512_set1_ps(d)), dxu);
+                    let mnf =
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64)));
+                    mins8[r] =
+                        _mm256_fmadd_ps(_mm256_mul_ps(mnf, xs), _mm256_set1_ps(-dmin), mins8[r]);
+                }
+            }
+        }
+        for z in 0..4 {
+            // SAFETY: values 256 b + 64 z.. + 64 are inside xq (cols is a multiple of 256).
+            let x = unsafe { _mm512_loadu_si512(xp.add(256 * b + 64 * z) as *const __m512i) };
+            let pick = quad_index(z);
+            for r in 0..R {
+                // SAFETY: the super-block b of row r is inside raw (the caller's contract).
+                let w = unsafe { k_codes::<K>(row(r).add(b * bb), z) };
+                let sums = _mm512_dpbusd_epi32(base[4 * b + z], w, x);
+                let scale = _mm512_permutexvar_ps(pick, ds[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc[r]);
+            }
+        }
+    }
+    (
+        acc,
+        mins8
+            .map(|m| _mm512_castps256_ps512(m))
+            .map(|m| _mm512_maskz_mov_ps(0x00FF, m)),
+    )
 }
 
 #[cfg(test)]
