@@ -234,11 +234,12 @@ fn bench_tokens(a: &BenchEngineArgs, l: &Loaded) -> anyhow::Result<Vec<u32>> {
     Ok(base.iter().copied().cycle().take(need).collect())
 }
 
-/// The kernels in use: the decode's instruction set, and the prefill's activations (with the
-/// int8 path's kernels).
+/// The kernels in use: the decode's instruction set and activations, and the prefill's
+/// activations (with the int8 path's kernels).
 fn kernels(model: &model::Model) -> String {
+    let decode = format!("{:?}", model.activations()).to_lowercase();
     format!(
-        "{:?}, prefill {}",
+        "{:?}, decode {decode}, prefill {}",
         model::qmatrix::Isa::best(),
         match model.prefill_activations() {
             model::int8gemm::PrefillActs::Int8 => {
