@@ -27,7 +27,10 @@ pub fn engine(decode: Activations, prefill: PrefillActs) -> Vec<Chosen> {
         kernel: match (decode, isa) {
             (Activations::Int8, _) if vnni => int8_rows,
             (Activations::Int8, Isa::Portable) => "portable, int8 activations, one row at a time",
-            (Activations::Int8, _) => "avx2 int8 activations (vpmaddubsw), one row at a time",
+            (Activations::Int8, _) => {
+                "avx2::split_int8::matvec_q4_1/q8_0 (int8 activations), 4 rows per pass, \
+                 vpmaddubsw 256-bit"
+            }
             (_, Isa::Avx512) => {
                 "avx512::matvec_q4_1/q8_0 (f32 activations), 4 rows per pass, 512-bit"
             }

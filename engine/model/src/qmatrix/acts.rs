@@ -59,13 +59,13 @@ impl QMatrix {
         if isa == Isa::Avx512 && self.kind != Kind::F32 && simd::vnni::available() {
             return true;
         }
-        // The file's block formats have an AVX2 form too.
-        isa.has_avx2() && self.kind.is_raw()
+        // Every block format has an AVX2 form too.
+        isa.has_avx2() && self.kind != Kind::F32
     }
 
     /// `out[i]` = row `r0 + i` · the int8 activations `x` for every `i`, several rows a pass,
-    /// where the path has such a kernel for this matrix's format (AVX-512 VNNI: every block
-    /// format; AVX2: the file's block formats); returns whether it had one.
+    /// where the path has such a kernel for this matrix's format (AVX-512 VNNI, else AVX2:
+    /// every block format); returns whether it had one.
     pub(super) fn rows_dot_q8(
         &self,
         isa: Isa,
@@ -93,18 +93,28 @@ impl QMatrix {
                 }
                 return true;
             }
+            let vnni = isa == Isa::Avx512 && simd::vnni::available();
             match self.kind {
-                // SAFETY: the CPU has the kernels' features (checked just above); the slices
-                // hold nb blocks for each of the out.len() rows (the kernels check the sizes).
+                // SAFETY: the CPU has the kernels' features (`has_int8_rows`: AVX-512 VNNI if
+                // `vnni`, else AVX2, FMA and F16C); the slices hold nb blocks for each of the
+                // out.len() rows (the kernels check the sizes).
                 Kind::Q4_1 => unsafe {
                     let (d, m, qs) = (&self.d[b0..b1], &self.m[b0..b1], &self.qs[b0 * 16..b1 * 16]);
-                    simd::vnni::matvec_q4_1(d, m, qs, &x.q, &x.d, xsum, out);
+                    if vnni {
+                        simd::vnni::matvec_q4_1(d, m, qs, &x.q, &x.d, xsum, out);
+                    } else {
+                        simd::avx2::split_int8::matvec_q4_1(d, m, qs, &x.q, &x.d, xsum, out);
+                    }
                     return true;
                 },
                 // SAFETY: as above.
                 Kind::Q8_0 => unsafe {
                     let (d, qs) = (&self.d[b0..b1], &self.qs[b0 * 32..b1 * 32]);
-                    simd::vnni::matvec_q8_0(d, qs, &x.q, &x.d, out);
+                    if vnni {
+                        simd::vnni::matvec_q8_0(d, qs, &x.q, &x.d, out);
+                    } else {
+                        simd::avx2::split_int8::matvec_q8_0(d, qs, &x.q, &x.d, out);
+                    }
                     return true;
                 },
                 _ => {}
@@ -114,7 +124,8 @@ impl QMatrix {
         false
     }
 
-    pub(super) fn row_dot_q8(&self, isa: Isa, r: usize, x: &QuantizedActs, xsum: &[f32]) -> f32 {
+    /// Row `r` · the int8 activations `x`, portably: the paths without a several-rows kernel.
+    pub(super) fn row_dot_q8(&self, r: usize, x: &QuantizedActs, xsum: &[f32]) -> f32 {
         let nb = self.cols / BLOCK;
         if self.kind.is_raw() {
             return blocks::dot_row_q8(self.kind, self.raw_row(r), &x.q, &x.d, xsum);
@@ -124,50 +135,31 @@ impl QMatrix {
             Kind::Q4_1 => {
                 let m = &self.m[r * nb..(r + 1) * nb];
                 let qs = &self.qs[r * nb * 16..(r + 1) * nb * 16];
-                match isa {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `matvec_with` checked that the CPU has the path's features; the
-                    // slices hold nb blocks and the activations cover them.
-                    Isa::Avx2 | Isa::Avx512 => unsafe {
-                        simd::avx2::dot_q4_1_q8(d, m, qs, &x.q, &x.d, xsum)
-                    },
-                    _ => {
-                        let mut acc = 0.0;
-                        for b in 0..nb {
-                            let (q, xb) = (&qs[b * 16..(b + 1) * 16], &x.q[b * 32..(b + 1) * 32]);
-                            let s: i32 = (0..16)
-                                .map(|j| {
-                                    i32::from(q[j] & 0xF) * i32::from(xb[j])
-                                        + i32::from(q[j] >> 4) * i32::from(xb[j + 16])
-                                })
-                                .sum();
-                            acc += d[b].to_f32() * x.d[b] * s as f32 + m[b].to_f32() * xsum[b];
-                        }
-                        acc
-                    }
+                let mut acc = 0.0;
+                for b in 0..nb {
+                    let (q, xb) = (&qs[b * 16..(b + 1) * 16], &x.q[b * 32..(b + 1) * 32]);
+                    let s: i32 = (0..16)
+                        .map(|j| {
+                            i32::from(q[j] & 0xF) * i32::from(xb[j])
+                                + i32::from(q[j] >> 4) * i32::from(xb[j + 16])
+                        })
+                        .sum();
+                    acc += d[b].to_f32() * x.d[b] * s as f32 + m[b].to_f32() * xsum[b];
                 }
+                acc
             }
             Kind::Q8_0 => {
                 let qs = &self.qs[r * nb * 32..(r + 1) * nb * 32];
-                match isa {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: as above.
-                    Isa::Avx2 | Isa::Avx512 => unsafe {
-                        simd::avx2::dot_q8_0_q8(d, qs, &x.q, &x.d)
-                    },
-                    _ => {
-                        let mut acc = 0.0;
-                        for b in 0..nb {
-                            let s: i32 = qs[b * 32..(b + 1) * 32]
-                                .iter()
-                                .zip(&x.q[b * 32..(b + 1) * 32])
-                                .map(|(&w, &a)| i32::from(w as i8) * i32::from(a))
-                                .sum();
-                            acc += d[b].to_f32() * x.d[b] * s as f32;
-                        }
-                        acc
-                    }
+                let mut acc = 0.0;
+                for b in 0..nb {
+                    let s: i32 = qs[b * 32..(b + 1) * 32]
+                        .iter()
+                        .zip(&x.q[b * 32..(b + 1) * 32])
+                        .map(|(&w, &a)| i32::from(w as i8) * i32::from(a))
+                        .sum();
+                    acc += d[b].to_f32() * x.d[b] * s as f32;
                 }
+                acc
             }
             _ => unreachable!("f32 matrices take f32 activations; the raw formats return above"),
         }

@@ -769,7 +769,7 @@ impl QMatrix {
             Some(xq) if self.kind != Kind::F32 => {
                 if !self.rows_dot_q8(isa, r0, xq, xsum, out) {
                     for (i, o) in out.iter_mut().enumerate() {
-                        *o = self.row_dot_q8(isa, r0 + i, xq, xsum);
+                        *o = self.row_dot_q8(r0 + i, xq, xsum);
                     }
                 }
             }

@@ -1,11 +1,13 @@
 //! AVX2 + FMA + F16C kernels (every x86-64 CPU since Haswell and Zen 1): single-row products,
 //! f16 conversion, softmax and SwiGLU here; the several-rows-per-pass decode products in
-//! [`matvec`] (f32 activations) and [`blocks_int8`] (int8 activations on the file's block
-//! formats), and the attention kernels in [`kv`], the 256-bit forms of `simd::avx512`'s.
+//! [`matvec`] (f32 activations), [`blocks_int8`] and [`split_int8`] (int8 activations on the
+//! file's block formats and on Q4_1/Q8_0), and the attention kernels in [`kv`], the 256-bit
+//! forms of `simd::avx512`'s.
 
 pub mod blocks_int8;
 pub mod kv;
 pub mod matvec;
+pub mod split_int8;
 
 use half::f16;
 use std::arch::x86_64::*;
@@ -87,83 +89,6 @@ pub unsafe fn dequant_q8_0(d: &[f16], qs: &[u8], out: &mut [f32]) {
             }
         }
     }
-}
-
-/// Σ (d q + m) x over the blocks of one Q4_1 row with activations quantized to 8 bits per
-/// block (`xq`, scales `dx`; `xsum` holds the exact Σ x per block for the minimum term).
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; `m`, `dx` and `xsum` must hold `d.len()` values,
-/// `qs` 16 bytes and `xq` 32 values for each of the `d.len()` blocks.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q4_1_q8(
-    d: &[f16],
-    m: &[f16],
-    qs: &[u8],
-    xq: &[i8],
-    dx: &[f32],
-    xsum: &[f32],
-) -> f32 {
-    let nb = d.len();
-    assert!(
-        m.len() >= nb
-            && dx.len() >= nb
-            && xsum.len() >= nb
-            && qs.len() >= nb * 16
-            && xq.len() >= nb * 32
-    );
-    let mask = _mm_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
-    let mut mins = 0.0;
-    for b in 0..nb {
-        // SAFETY: the assert above keeps the 16-byte load at qs[16b..] and the 32-byte load
-        // at xq[32b..] inside their slices.
-        let (q, xv) = unsafe {
-            (
-                _mm_loadu_si128(qs.as_ptr().add(b * 16) as *const __m128i),
-                _mm256_loadu_si256(xq.as_ptr().add(b * 32) as *const __m256i),
-            )
-        };
-        let lo = _mm_and_si128(q, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-        // Unsigned nibbles (≤ 15) times signed bytes (|x| ≤ 127): pair sums fit in i16.
-        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), xv), ones);
-        let s = _mm256_set1_ps(h2f(d[b]) * dx[b]);
-        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[b & 1]);
-        mins += h2f(m[b]) * xsum[b];
-    }
-    hsum(_mm256_add_ps(acc[0], acc[1])) + mins
-}
-
-/// Σ d q x over the blocks of one Q8_0 row with activations quantized to 8 bits per block.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; `dx` must hold `d.len()` values, `qs` and `xq` 32
-/// values for each of the `d.len()` blocks.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_0_q8(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32]) -> f32 {
-    let nb = d.len();
-    assert!(dx.len() >= nb && qs.len() >= nb * 32 && xq.len() >= nb * 32);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(), _mm256_setzero_ps()];
-    for b in 0..nb {
-        // SAFETY: the assert above keeps both 32-byte loads inside their slices.
-        let (w, xv) = unsafe {
-            (
-                _mm256_loadu_si256(qs.as_ptr().add(b * 32) as *const __m256i),
-                _mm256_loadu_si256(xq.as_ptr().add(b * 32) as *const __m256i),
-            )
-        };
-        // maddubs wants its first operand unsigned: |w| times x with w's sign.
-        let p = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)),
-            ones,
-        );
-        let s = _mm256_set1_ps(h2f(d[b]) * dx[b]);
-        acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[b & 1]);
-    }
-    hsum(_mm256_add_ps(acc[0], acc[1]))
 }
 
 /// Little-endian f16 bytes to f32, eight at a time.

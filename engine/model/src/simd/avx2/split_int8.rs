@@ -1,0 +1,146 @@
+//! AVX2 matrix-vector products over int8 activations for the formats held split into scales
+//! and quants (Q4_1, Q8_0): the 256-bit form of `simd::vnni::matvec_q4_1` and `matvec_q8_0`,
+//! four rows a pass, for CPUs without AVX-512 VNNI.
+//!
+//! Each block's 32 codes are multiplied with the 32 activation bytes by `vpmaddubsw` and
+//! `vpmaddwd` by ones into eight 32-bit lanes, converted to f32 once and multiplied by
+//! `d_w · d_x`. Q4_1's nibbles are unsigned (pair sums at most 2 · 15 · 127); Q8_0's codes are
+//! signed, so they are taken as `|w|` times `x` with `w`'s sign (at most 2 · 128 · 127 =
+//! 32,512, never saturated). Q4_1's minimum term uses the activations' exact f32 sums.
+
+use super::hsum;
+use crate::simd::{ROWS, passes};
+use half::f16;
+use std::arch::x86_64::*;
+
+/// The f16 `h` as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn h2f(h: f16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
+}
+
+/// `out[r] = Σ_b d[r][b] dx[b] Σ_j q[r][b][j] xq[32b + j] + Σ_b m[r][b] xsum[b]` for the
+/// `out.len()` Q4_1 rows held in `d`, `m` (`nb = xq.len() / 32` each) and `qs` (16 bytes a
+/// block: quant j in the low nibble of byte j, quant j + 16 in its high nibble).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C. The sizes are checked.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn matvec_q4_1(
+    d: &[f16],
+    m: &[f16],
+    qs: &[u8],
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    let nb = xq.len() / 32;
+    let rows = out.len();
+    assert!(
+        xq.len() == nb * 32
+            && dx.len() >= nb
+            && xsum.len() >= nb
+            && d.len() >= rows * nb
+            && m.len() >= rows * nb
+            && qs.len() >= rows * nb * 16,
+        "avx2::split_int8::matvec_q4_1: bad sizes"
+    );
+    passes(rows, nb * 16, qs.as_ptr(), |r, n| {
+        let out = &mut out[r..r + n];
+        // SAFETY: rows r..r + n are inside the slices (asserted above); the CPU has the
+        // features (this function's contract).
+        unsafe {
+            match n {
+                ROWS => rows_of::<false, ROWS>(d, m, qs, xq, dx, xsum, r, out),
+                _ => rows_of::<false, 1>(d, m, qs, xq, dx, xsum, r, out),
+            }
+        }
+    });
+}
+
+/// `out[r] = Σ_b d[r][b] dx[b] Σ_j q[r][b][j] xq[32b + j]` for the `out.len()` Q8_0 rows held
+/// in `d` (`nb = xq.len() / 32` each) and `qs` (32 signed bytes a block).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C. The sizes are checked.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32], out: &mut [f32]) {
+    let nb = xq.len() / 32;
+    let rows = out.len();
+    assert!(
+        xq.len() == nb * 32 && dx.len() >= nb && d.len() >= rows * nb && qs.len() >= rows * nb * 32,
+        "avx2::split_int8::matvec_q8_0: bad sizes"
+    );
+    passes(rows, nb * 32, qs.as_ptr(), |r, n| {
+        let out = &mut out[r..r + n];
+        // SAFETY: as in `matvec_q4_1`.
+        unsafe {
+            match n {
+                ROWS => rows_of::<true, ROWS>(d, &[], qs, xq, dx, &[], r, out),
+                _ => rows_of::<true, 1>(d, &[], qs, xq, dx, &[], r, out),
+            }
+        }
+    });
+}
+
+/// The `R` rows from `r0` of [`matvec_q8_0`] (`Q8`) or [`matvec_q4_1`].
+///
+/// # Safety
+/// As those, for rows `r0..r0 + R` inside the slices; `out` holds `R` values.
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_of<const Q8: bool, const R: usize>(
+    d: &[f16],
+    m: &[f16],
+    qs: &[u8],
+    xq: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    r0: usize,
+    out: &mut [f32],
+) {
+    let nb = xq.len() / 32;
+    let bytes = if Q8 { 32 } else { 16 };
+    let (ones, nibble) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut mins = [0.0f32; R];
+    let (dp, qp) = (d.as_ptr(), qs.as_ptr());
+    for b in 0..nb {
+        // SAFETY: block b < nb: its 32 codes inside xq, its scale inside dx (the contract).
+        let (x, dxb) = unsafe {
+            (
+                _mm256_loadu_si256(xq.as_ptr().add(32 * b) as *const __m256i),
+                *dx.get_unchecked(b),
+            )
+        };
+        for r in 0..R {
+            let o = (r0 + r) * nb + b;
+            // SAFETY: block b of row r0 + r is inside d, m and qs (the contract).
+            let (p, db) = unsafe {
+                let q = qp.add(o * bytes);
+                let p = if Q8 {
+                    let w = _mm256_loadu_si256(q as *const __m256i);
+                    _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+                } else {
+                    let v = _mm_loadu_si128(q as *const __m128i);
+                    let w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(v), v), nibble);
+                    _mm256_maddubs_epi16(w, x)
+                };
+                (p, h2f(*dp.add(o)))
+            };
+            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(db * dxb), acc[r]);
+            if !Q8 {
+                // SAFETY: as above.
+                mins[r] += unsafe { h2f(*m.as_ptr().add(o)) * *xsum.get_unchecked(b) };
+            }
+        }
+    }
+    for r in 0..R {
+        out[r] = hsum(acc[r]) + mins[r];
+    }
+}
