@@ -289,6 +289,57 @@ pub(crate) fn random_blocks(kind: Kind, n: usize, seed: u64) -> Vec<u8> {
     raw
 }
 
+/// Checks an int8-activation kernel over the file's blocks (`kernel(kind, raw, xq, dx, xsum,
+/// out)`) against [`dot_row_q8`]: every format, over rows that take the four-row passes and the
+/// one-row tail, rows of one, three and more blocks (and an odd block count), within rounding.
+#[cfg(test)]
+pub(crate) fn check_int8_rows(kernel: impl Fn(Kind, &[u8], &[i8], &[f32], &[f32], &mut [f32])) {
+    let kinds = [
+        Kind::Q4_0,
+        Kind::Q5_0,
+        Kind::Q5_1,
+        Kind::Q4_K,
+        Kind::Q5_K,
+        Kind::Q6_K,
+    ];
+    for kind in kinds {
+        let vals = kind.block_values();
+        for cols in [
+            vals,
+            3 * vals,
+            640usize.next_multiple_of(vals),
+            2048,
+            32 * 21,
+        ] {
+            if !cols.is_multiple_of(vals) {
+                continue;
+            }
+            let rows = 7;
+            let raw = random_blocks(kind, rows * cols / vals, 11 + cols as u64);
+            let x: Vec<f32> = (0..cols)
+                .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 37.0)
+                .collect();
+            let mut xq = vec![0i8; cols];
+            let mut dx = vec![0f32; cols / 32];
+            super::acts::quantize_acts_portable(&x, &mut xq, &mut dx);
+            let xsum: Vec<f32> = x.chunks_exact(32).map(|b| b.iter().sum()).collect();
+            let mut got = vec![f32::NAN; rows + 1];
+            kernel(kind, &raw, &xq, &dx, &xsum, &mut got[..rows]);
+            assert!(got[rows].is_nan(), "{kind:?} wrote past its rows");
+            let rb = kind.bytes_of(cols);
+            for r in 0..rows {
+                let want = dot_row_q8(kind, &raw[r * rb..(r + 1) * rb], &xq, &dx, &xsum);
+                let tol = 1e-4 * (1.0 + want.abs()) + 1e-5 * cols as f32;
+                assert!(
+                    (got[r] - want).abs() <= tol,
+                    "{kind:?} cols {cols} row {r}: {} against {want}",
+                    got[r]
+                );
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{Activations, BLOCK, Isa, QMatrix, oracle, quantize};

@@ -24,15 +24,15 @@ use std::arch::x86_64::*;
 /// Rows per pass of the matrix-vector kernels.
 pub const ROWS: usize = 4;
 
-const Q4_0: u8 = 0;
-const Q5_0: u8 = 1;
-const Q5_1: u8 = 2;
-const Q4_K: u8 = 3;
-const Q5_K: u8 = 4;
-const Q6_K: u8 = 5;
+pub(crate) const Q4_0: u8 = 0;
+pub(crate) const Q5_0: u8 = 1;
+pub(crate) const Q5_1: u8 = 2;
+pub(crate) const Q4_K: u8 = 3;
+pub(crate) const Q5_K: u8 = 4;
+pub(crate) const Q6_K: u8 = 5;
 
 /// Values and bytes of a block of the format tagged `k`.
-const fn geometry(k: u8) -> (usize, usize) {
+pub(crate) const fn geometry(k: u8) -> (usize, usize) {
     match k {
         Q4_0 => (32, 18),
         Q5_0 => (32, 22),
@@ -40,6 +40,17 @@ const fn geometry(k: u8) -> (usize, usize) {
         Q4_K => (256, 144),
         Q5_K => (256, 176),
         _ => (256, 210),
+    }
+}
+
+/// What a stored code is offset by in the int8 kernels, which read codes unsigned: the value's
+/// code is `u - code_offset(k)`.
+pub(crate) const fn code_offset(k: u8) -> i8 {
+    match k {
+        Q4_0 => 8,
+        Q5_0 => 16,
+        Q6_K => 32,
+        _ => 0,
     }
 }
 
@@ -66,7 +77,7 @@ const fn mins8(k: u8) -> bool {
 /// Two bytes at `p` must be readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn h2f(p: *const u8) -> f32 {
+pub(crate) unsafe fn h2f(p: *const u8) -> f32 {
     // SAFETY: two readable bytes (the contract); an unaligned read.
     let bits = unsafe { (p as *const u16).read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
@@ -245,8 +256,9 @@ fn widen(c: __m256i) -> [__m256; 4] {
     ]
 }
 
-/// The format's tag, for the const-generic kernels.
-fn tag(kind: Kind) -> u8 {
+/// The format's tag, for the const-generic kernels (here and in `simd::vnni::blocks`,
+/// `simd::avx2::blocks_int8`).
+pub(crate) fn tag(kind: Kind) -> u8 {
     match kind {
         Kind::Q4_0 => Q4_0,
         Kind::Q5_0 => Q5_0,

@@ -13,49 +13,9 @@
 //! each load of the activations.
 
 use crate::qmatrix::Kind;
+use crate::simd::blocks::{Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, code_offset, geometry, h2f, tag};
 use crate::simd::{ROWS, passes};
 use std::arch::x86_64::*;
-
-const Q4_0: u8 = 0;
-const Q5_0: u8 = 1;
-const Q5_1: u8 = 2;
-const Q4_K: u8 = 3;
-const Q5_K: u8 = 4;
-const Q6_K: u8 = 5;
-
-/// Values and bytes of a block of the format tagged `k`.
-const fn geometry(k: u8) -> (usize, usize) {
-    match k {
-        Q4_0 => (32, 18),
-        Q5_0 => (32, 22),
-        Q5_1 => (32, 24),
-        Q4_K => (256, 144),
-        Q5_K => (256, 176),
-        _ => (256, 210),
-    }
-}
-
-/// What a stored code is offset by: the value's code is `u - offset(k)`.
-const fn offset(k: u8) -> i8 {
-    match k {
-        Q4_0 => 8,
-        Q5_0 => 16,
-        Q6_K => 32,
-        _ => 0,
-    }
-}
-
-/// The f16 at `p` as f32.
-///
-/// # Safety
-/// Two bytes at `p` must be readable.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn h2f(p: *const u8) -> f32 {
-    // SAFETY: two readable bytes (the contract); an unaligned read.
-    let bits = unsafe { (p as *const u16).read_unaligned() };
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
 
 /// The eight bytes of `v` (little-endian) as eight f32.
 #[inline]
@@ -83,14 +43,13 @@ fn dot32(w: __m256i, x: __m256i, base: __m256i) -> __m256 {
 pub unsafe fn matvec(kind: Kind, raw: &[u8], xq: &[i8], dx: &[f32], xsum: &[f32], out: &mut [f32]) {
     // SAFETY: the CPU has the features (this function's contract); `run` checks the sizes.
     unsafe {
-        match kind {
-            Kind::Q4_0 => run::<Q4_0>(raw, xq, dx, xsum, out),
-            Kind::Q5_0 => run::<Q5_0>(raw, xq, dx, xsum, out),
-            Kind::Q5_1 => run::<Q5_1>(raw, xq, dx, xsum, out),
-            Kind::Q4_K => run::<Q4_K>(raw, xq, dx, xsum, out),
-            Kind::Q5_K => run::<Q5_K>(raw, xq, dx, xsum, out),
-            Kind::Q6_K => run::<Q6_K>(raw, xq, dx, xsum, out),
-            _ => panic!("avx2::blocks_int8::matvec: {kind:?} is not held as raw blocks"),
+        match tag(kind) {
+            Q4_0 => run::<Q4_0>(raw, xq, dx, xsum, out),
+            Q5_0 => run::<Q5_0>(raw, xq, dx, xsum, out),
+            Q5_1 => run::<Q5_1>(raw, xq, dx, xsum, out),
+            Q4_K => run::<Q4_K>(raw, xq, dx, xsum, out),
+            Q5_K => run::<Q5_K>(raw, xq, dx, xsum, out),
+            _ => run::<Q6_K>(raw, xq, dx, xsum, out),
         }
     }
 }
@@ -115,7 +74,7 @@ unsafe fn run<const K: u8>(raw: &[u8], xq: &[i8], dx: &[f32], xsum: &[f32], out:
         "avx2::blocks_int8::matvec: bad sizes"
     );
     // Each lane's -offset Σ x over its four activations, per 32 of them, for every row.
-    let off = _mm256_set1_epi8(offset(K));
+    let off = _mm256_set1_epi8(code_offset(K));
     let base: Vec<__m256i> = (0..cols / 32)
         .map(|b| {
             // SAFETY: values 32 b..32 b + 32 are inside xq (cols is a multiple of 32).
@@ -382,59 +341,18 @@ unsafe fn rows_k<const K: u8, const R: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::qmatrix::blocks::{dot_row_q8, random_blocks};
 
-    /// Every format, over rows that take the four-row passes and the one-row tail, gives the
-    /// portable int8 product within rounding (where the CPU has AVX2).
+    /// Every format gives the portable int8 product within rounding, over whole and partial
+    /// passes of rows and short and long rows ([`crate::qmatrix::blocks::check_int8_rows`];
+    /// where the CPU has AVX2, otherwise there is nothing to run).
     #[test]
     fn raw_blocks_times_int8_activations_match_the_portable_product() {
         if !crate::qmatrix::Isa::Avx2.available() {
             return;
         }
-        let kinds = [
-            Kind::Q4_0,
-            Kind::Q5_0,
-            Kind::Q5_1,
-            Kind::Q4_K,
-            Kind::Q5_K,
-            Kind::Q6_K,
-        ];
-        for kind in kinds {
-            let vals = kind.block_values();
-            for cols in [
-                vals,
-                3 * vals,
-                640usize.next_multiple_of(vals),
-                2048,
-                32 * 21,
-            ] {
-                if !cols.is_multiple_of(vals) {
-                    continue;
-                }
-                let rows = 7;
-                let raw = random_blocks(kind, rows * cols / vals, 11 + cols as u64);
-                let x: Vec<f32> = (0..cols)
-                    .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 37.0)
-                    .collect();
-                let mut xq = vec![0i8; cols];
-                let mut dx = vec![0f32; cols / 32];
-                crate::qmatrix::acts::quantize_acts_portable(&x, &mut xq, &mut dx);
-                let xsum: Vec<f32> = x.chunks_exact(32).map(|b| b.iter().sum()).collect();
-                let mut got = vec![f32::NAN; rows + 1];
-                // SAFETY: the test returned above on a CPU without the features.
-                unsafe { matvec(kind, &raw, &xq, &dx, &xsum, &mut got[..rows]) };
-                assert!(got[rows].is_nan(), "{kind:?} wrote past its rows");
-                let rb = kind.bytes_of(cols);
-                for r in 0..rows {
-                    let want = dot_row_q8(kind, &raw[r * rb..(r + 1) * rb], &xq, &dx, &xsum);
-                    let tol = 1e-4 * (1.0 + want.abs()) + 1e-5 * cols as f32;
-                    assert!(
-                        (got[r] - want).abs() <= tol,
-                        "{kind:?} cols {cols} row {r}: {} against {want}",
-                        got[r]
-                    );
-                }
-            }
-        }
+        crate::qmatrix::blocks::check_int8_rows(|kind, raw, xq, dx, xsum, out| {
+            // SAFETY: the CPU has the features (checked above); the kernel checks the sizes.
+            unsafe { matvec(kind, raw, xq, dx, xsum, out) }
+        });
     }
 }
