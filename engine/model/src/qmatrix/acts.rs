@@ -53,13 +53,10 @@ impl QMatrix {
         }
     }
 
-    /// Whether `isa` has a several-rows-a-pass kernel over int8 activations for this matrix.
+    /// Whether `isa` has a several-rows-a-pass kernel over int8 activations for this matrix:
+    /// every block format has one on AVX2 (and on AVX-512 VNNI, where [`Self::rows_dot_q8`]
+    /// takes that instead).
     pub(super) fn has_int8_rows(&self, isa: Isa) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 && self.kind != Kind::F32 && simd::vnni::available() {
-            return true;
-        }
-        // Every block format has an AVX2 form too.
         isa.has_avx2() && self.kind != Kind::F32
     }
 
@@ -78,14 +75,15 @@ impl QMatrix {
         if self.has_int8_rows(isa) {
             let nb = self.cols / BLOCK;
             let (b0, b1) = (r0 * nb, (r0 + out.len()) * nb);
+            let vnni = isa == Isa::Avx512 && simd::vnni::available();
             if self.kind.is_raw() {
                 let rb = self.kind.bytes_of(self.cols);
                 let raw = &self.qs[r0 * rb..(r0 + out.len()) * rb];
-                // SAFETY: the CPU has the kernels' features (`has_int8_rows`: AVX-512 VNNI, else
-                // AVX2, FMA and F16C); raw holds the rows' whole blocks (the kernels check the
-                // sizes).
+                // SAFETY: the CPU has the kernels' features (AVX-512 VNNI if `vnni`, else AVX2,
+                // FMA and F16C: `has_int8_rows`); raw holds the rows' whole blocks (the kernels
+                // check the sizes).
                 unsafe {
-                    if isa == Isa::Avx512 && simd::vnni::available() {
+                    if vnni {
                         simd::vnni::blocks::matvec(self.kind, raw, &x.q, &x.d, xsum, out)
                     } else {
                         simd::avx2::blocks_int8::matvec(self.kind, raw, &x.q, &x.d, xsum, out)
@@ -93,7 +91,6 @@ impl QMatrix {
                 }
                 return true;
             }
-            let vnni = isa == Isa::Avx512 && simd::vnni::available();
             match self.kind {
                 // SAFETY: the CPU has the kernels' features (`has_int8_rows`: AVX-512 VNNI if
                 // `vnni`, else AVX2, FMA and F16C); the slices hold nb blocks for each of the

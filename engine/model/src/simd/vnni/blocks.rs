@@ -10,9 +10,11 @@
 //! otherwise): each lane starts from `-offset Σ x` of its four activations, computed once per
 //! product for every row. A lane's four values share one scale unit (a block of 32 for the
 //! 32-value formats, a group of 16 for the K-quants), so the lanes are converted to f32 once
-//! and multiplied by their unit's `scale · d_x`, picked by a lane permute from a vector of
-//! sixteen units' scales built once per sixteen units. Offsets (Q5_1, Q4_K, Q5_K) add
-//! `min · Σ x` with the activations' exact f32 sums, as the f32 kernels do.
+//! and multiplied by their unit's `scale · d_x`: for the 32-value formats the two blocks'
+//! scales read as scalars and spread over their halves of the lanes (a gather of sixteen
+//! blocks' scales was slower), for the K-quants picked by a lane permute from the super-block's
+//! sixteen scales, built once per super-block. Offsets (Q5_1, Q4_K, Q5_K) add `min · Σ x` with
+//! the activations' exact f32 sums, as the f32 kernels do.
 
 use super::{ROWS, bytes, passes};
 use crate::qmatrix::Kind;
@@ -257,10 +259,10 @@ unsafe fn rows_small<const K: u8, const R: usize>(
     let (_, bb) = geometry(K);
     let (cols, xp) = (xq.len(), xq.as_ptr());
     let mut acc = [_mm512_setzero_ps(); R];
-    let mut mins = [_mm512_setzero_ps(); R];
     let nb = cols / 32;
     // Lanes 0-7 from the first of two values, 8-15 from the second.
     let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    // The offsets' terms (Q5_1), a lane per block of the pair.
     let mut mins2 = [_mm_setzero_ps(); R];
     let mut b = 0;
     while b < nb {
@@ -314,11 +316,7 @@ unsafe fn rows_small<const K: u8, const R: usize>(
         }
         b += 2;
     }
-    for r in 0..R {
-        mins[r] = _mm512_castps128_ps512(mins2[r]);
-        mins[r] = _mm512_maskz_mov_ps(0x000F, mins[r]);
-    }
-    (acc, mins)
+    (acc, mins2.map(|m| _mm512_zextps128_ps512(m)))
 }
 
 /// [`rows_of`] for the K-quants, 64 values of a super-block a vector: each row's sums and its
@@ -394,12 +392,7 @@ unsafe fn rows_k<const K: u8, const R: usize>(
             }
         }
     }
-    (
-        acc,
-        mins8
-            .map(|m| _mm512_castps256_ps512(m))
-            .map(|m| _mm512_maskz_mov_ps(0x00FF, m)),
-    )
+    (acc, mins8.map(|m| _mm512_zextps256_ps512(m)))
 }
 
 #[cfg(test)]
