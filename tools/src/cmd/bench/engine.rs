@@ -310,15 +310,10 @@ fn measure_decode(
             .model
             .forward(&mut cache, &tokens[..start], Logits::Last)?;
         let t = Instant::now();
-        let inpool = std::env::var("INPOOL").is_ok();
-        let mut body = || -> anyhow::Result<()> {
-            for _ in 0..a.decode {
-                let next = argmax(&logits);
-                logits = l.model.forward(&mut cache, &[next], Logits::Last)?;
-            }
-            Ok(())
-        };
-        if inpool { rayon::scope(|_| body())?; } else { body()?; }
+        for _ in 0..a.decode {
+            let next = argmax(&logits);
+            logits = l.model.forward(&mut cache, &[next], Logits::Last)?;
+        }
         secs.push(t.elapsed().as_secs_f64());
         kv_bytes = cache.resident_bytes();
         if a.append > 0 {
