@@ -294,15 +294,7 @@ pub(crate) fn random_blocks(kind: Kind, n: usize, seed: u64) -> Vec<u8> {
 /// one-row tail, rows of one, three and more blocks (and an odd block count), within rounding.
 #[cfg(test)]
 pub(crate) fn check_int8_rows(kernel: impl Fn(Kind, &[u8], &[i8], &[f32], &[f32], &mut [f32])) {
-    let kinds = [
-        Kind::Q4_0,
-        Kind::Q5_0,
-        Kind::Q5_1,
-        Kind::Q4_K,
-        Kind::Q5_K,
-        Kind::Q6_K,
-    ];
-    for kind in kinds {
+    for kind in tests::RAW {
         let vals = kind.block_values();
         for cols in [
             vals,
@@ -346,7 +338,7 @@ mod tests {
     use super::*;
 
     /// The formats held as raw blocks, and every format the oracle knows.
-    const RAW: [Kind; 6] = [
+    pub(super) const RAW: [Kind; 6] = [
         Kind::Q4_0,
         Kind::Q5_0,
         Kind::Q5_1,
