@@ -656,6 +656,37 @@ fn contexts_go_out_and_come_back_through_the_daemons_kvfs_mount() {
     }
 }
 
+/// `--chunk-tokens` sets the size of the chunks a daemon stores its contexts in; a restart with
+/// the model's size takes such a context back, keeps its tokens and stores it in that size.
+#[test]
+fn chunk_tokens_sets_the_size_a_context_is_stored_in() {
+    let w = world();
+    let meta = |ctx: u64| {
+        let store = kvfs::Store::open(&w.store(), kvfs::StoreOptions::default()).unwrap();
+        (
+            store.meta(kvfs::ContextId(ctx)).unwrap().chunk_tokens,
+            store.tokens(kvfs::ContextId(ctx)).unwrap().len(),
+        )
+    };
+    let d = w.serve(&["--chunk-tokens", "8"]);
+    let mut c = w.connect("sized");
+    let ctx = c.new_context(None, Default::default()).unwrap();
+    assert!(!ask(&mut c, ctx, PROMPTS[1], 6).tokens.is_empty());
+    drop(c);
+    assert!(d.term().success());
+    let (tokens_a_chunk, held) = meta(ctx);
+    assert_eq!(tokens_a_chunk, 8);
+    assert!(held > 16, "{held} tokens");
+    let d = w.serve(&[]);
+    let mut c = w.connect("sized");
+    assert!(!ask(&mut c, ctx, PROMPTS[2], 6).tokens.is_empty());
+    drop(c);
+    assert!(d.term().success());
+    let (tokens_a_chunk, now) = meta(ctx);
+    assert_eq!(tokens_a_chunk, 16, "the model's size");
+    assert!(now > held, "the context lost tokens: {held} → {now}");
+}
+
 /// Chat-format calls: the daemon closes the last answer's turn, opens the user's and then the
 /// assistant's, and encodes the text while the context's chunks are read back (each turn after a
 /// drained restart, so every one reads from kvfs). Its answers are those of a local manager given

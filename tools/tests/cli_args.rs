@@ -136,6 +136,10 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
             "at least 1",
         ),
         (
+            &["bench", "switch", "t.jsonl", "--chunk-tokens", "0"],
+            "must be between 1 and 256",
+        ),
+        (
             &["bench", "switch", "t.jsonl", "--threads", "0"],
             "at least 1",
         ),
@@ -227,6 +231,14 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
             "keeps its chunks in f16",
         ),
         (&["serve", "--threads", "0"], "--threads"),
+        (
+            &["serve", "--chunk-tokens", "0"],
+            "--chunk-tokens must be between 1 and 256, not 0",
+        ),
+        (
+            &["serve", "--chunk-tokens", "300"],
+            "--chunk-tokens must be between 1 and 256, not 300",
+        ),
         (
             &["kvfs", "mount", "--store", "s", "--threads", "0", "m"],
             "at least 1",

@@ -216,6 +216,9 @@ pub struct SwitchReport {
     /// Bytes of one context's worth: int8 slots of a context at the trace's cap.
     pub context_bytes: u64,
     pub max_context: u32,
+    /// The daemons' tokens per chunk (`--chunk-tokens`); `None`: the model's.
+    #[serde(default)]
+    pub chunk_tokens: Option<usize>,
     pub read_bps: Option<u64>,
     pub write_bps: Option<u64>,
     /// The scratch disk's `O_DIRECT` read bandwidth measured at the start of the run (64 MiB of
@@ -244,6 +247,8 @@ pub struct Setup<'a> {
     pub max_context: u32,
     pub apps_contexts: usize,
     pub threads: Option<usize>,
+    /// `None`: the model's.
+    pub chunk_tokens: Option<usize>,
     pub drain: bool,
 }
 
@@ -341,6 +346,9 @@ fn daemon_spec(s: &Setup<'_>, manager: &str, budget: Budget, sandbox: &Sandbox) 
     ];
     if let Some(t) = s.threads {
         spec.args.extend(["--threads".into(), t.to_string()]);
+    }
+    if let Some(c) = s.chunk_tokens {
+        spec.args.extend(["--chunk-tokens".into(), c.to_string()]);
     }
     spec.cgroups = sandbox.cgroups();
     spec

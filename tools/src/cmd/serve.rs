@@ -117,6 +117,12 @@ pub struct ServeArgs {
     /// model, 32768 for gemma3-270m) [default: the model's context length]
     #[arg(long, env = "LLMS_MAX_CONTEXT", value_name = "TOKENS")]
     pub max_context: Option<usize>,
+    /// Tokens per KV chunk, the unit that is compressed, written, read and recomputed (1 to
+    /// 256). A context stored in chunks of another size keeps its tokens and has its chunks
+    /// recomputed in the new size at its next call [default: the model's: 16, and 32 for
+    /// Gemma 3]
+    #[arg(long, env = "LLMS_CHUNK_TOKENS", value_name = "TOKENS")]
+    pub chunk_tokens: Option<usize>,
     /// Refuse a call that does not fit in its context (`context_full`) instead of sliding the
     /// window: by default a full context keeps its first 16 tokens (the attention sink) and its
     /// most recent ones, at most half its length, and prefills them again with the prompt
@@ -213,6 +219,8 @@ struct Settings {
     manager: ManagerKind,
     window: bool,
     max_context: Option<usize>,
+    /// `None`: the model's.
+    chunk_tokens: Option<usize>,
     daemon: DaemonConfig,
     threads: Option<usize>,
     /// The planner's starting costs from `--profile`; `None`: the built-in ones.
@@ -289,6 +297,11 @@ fn resolve(mut a: ServeArgs) -> anyhow::Result<Settings> {
         )?,
         ..d
     };
+    if let Some(c) = a.chunk_tokens
+        && !(1..=256).contains(&c)
+    {
+        bail!("--chunk-tokens must be between 1 and 256, not {c}");
+    }
     let cost = a.profile.map(|p| read_profile(&p)).transpose()?;
     let socket = a.socket.unwrap_or_else(default_socket);
     let mount = match (a.no_mount, a.mount) {
@@ -315,6 +328,7 @@ fn resolve(mut a: ServeArgs) -> anyhow::Result<Settings> {
         manager,
         window: !a.no_window,
         max_context: a.max_context,
+        chunk_tokens: a.chunk_tokens,
         daemon,
         threads: a.threads,
         cost,
@@ -541,6 +555,9 @@ fn manager_config(s: &Settings, model: &Model) -> anyhow::Result<ManagerConfig> 
         ),
         Some(n) => n,
     };
+    if let Some(c) = s.chunk_tokens {
+        mc.chunk_tokens = c;
+    }
     if let Some(cost) = s.cost {
         mc.cost = cost;
     }

@@ -90,6 +90,11 @@ pub struct BenchSwitchArgs {
     /// Engine threads of the daemon [default: the number of CPUs]
     #[arg(long, value_name = "N", value_parser = crate::report::positive)]
     pub threads: Option<usize>,
+    /// Tokens per KV chunk of every daemon (`llms serve --chunk-tokens`), to compare chunk
+    /// sizes as the paper's §5.4 does; the budget in contexts' worth stays the same bytes
+    /// [default: the model's]
+    #[arg(long, value_name = "TOKENS", value_parser = parse_chunk_tokens)]
+    pub chunk_tokens: Option<usize>,
     /// Where each run's store, socket and mount go (a fresh directory inside, removed after
     /// the run), on the disk to measure [default: <out>]
     #[arg(long, value_name = "DIR")]
@@ -105,6 +110,14 @@ pub struct BenchSwitchArgs {
     #[arg(long, value_delimiter = ',', value_name = "TYPES", default_value = "q8_0",
           value_parser = bench::peer::parse_kv_type, requires = "llama_server")]
     pub llama_kv: Vec<bench::peer::KvType>,
+}
+
+fn parse_chunk_tokens(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(v) if (1..=256).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} tokens a chunk: must be between 1 and 256")),
+        Err(e) => Err(format!("'{s}': {e}")),
+    }
 }
 
 fn parse_manager(s: &str) -> Result<String, String> {
@@ -185,6 +198,7 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         max_context: h.max_context,
         apps_contexts: most_contexts_per_app(&input.trace),
         threads: args.threads,
+        chunk_tokens: args.chunk_tokens,
         drain: !args.no_drain,
     };
     let runs = replay_all(args, &input, &plan, &setup)?;
@@ -195,6 +209,7 @@ pub fn run(args: &BenchSwitchArgs) -> anyhow::Result<()> {
         model: input.model_name,
         context_bytes: plan.context_bytes,
         max_context: h.max_context,
+        chunk_tokens: args.chunk_tokens,
         read_bps: args.read_bps,
         write_bps: args.write_bps,
         disk_mib_s: disk.bps / f64::from(1 << 20),
