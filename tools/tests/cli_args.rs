@@ -137,7 +137,7 @@ fn zeros_empty_lists_and_huge_values_are_errors_not_panics() {
         ),
         (
             &["bench", "switch", "t.jsonl", "--chunk-tokens", "0"],
-            "must be between 1 and 256",
+            "1..=256",
         ),
         (
             &["bench", "switch", "t.jsonl", "--threads", "0"],

@@ -93,7 +93,8 @@ pub struct BenchSwitchArgs {
     /// Tokens per KV chunk of every daemon (`llms serve --chunk-tokens`), to compare chunk
     /// sizes as the paper's §5.4 does; the budget in contexts' worth stays the same bytes
     /// [default: the model's]
-    #[arg(long, value_name = "TOKENS", value_parser = parse_chunk_tokens)]
+    #[arg(long, value_name = "TOKENS",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=256))]
     pub chunk_tokens: Option<usize>,
     /// Where each run's store, socket and mount go (a fresh directory inside, removed after
     /// the run), on the disk to measure [default: <out>]
@@ -110,14 +111,6 @@ pub struct BenchSwitchArgs {
     #[arg(long, value_delimiter = ',', value_name = "TYPES", default_value = "q8_0",
           value_parser = bench::peer::parse_kv_type, requires = "llama_server")]
     pub llama_kv: Vec<bench::peer::KvType>,
-}
-
-fn parse_chunk_tokens(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(v) if (1..=256).contains(&v) => Ok(v),
-        Ok(v) => Err(format!("{v} tokens a chunk: must be between 1 and 256")),
-        Err(e) => Err(format!("'{s}': {e}")),
-    }
 }
 
 fn parse_manager(s: &str) -> Result<String, String> {
