@@ -102,6 +102,10 @@ pub fn attention() -> Vec<Chosen> {
     };
     vec![
         Chosen {
+            product: "attention over unsigned codes (LLMS_KV_ARITH)",
+            kernel: crate::kernels::coded::KvArith::describe(),
+        },
+        Chosen {
             product: "attention scores and value sums over f16/int8/packed codes",
             kernel: pick(
                 wide,

@@ -3,6 +3,7 @@
 //! Matrix products go to the `gemm` crate (the one candle-core uses on CPU), called directly so
 //! that no tensor is allocated per call; everything else is simple loops the compiler vectorises.
 
+pub mod coded;
 mod rows;
 
 pub use rows::*;

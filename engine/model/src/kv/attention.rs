@@ -18,17 +18,14 @@
 //! receives is summed into the cache, so each chunk's information density is known with no
 //! second pass.
 
-use crate::kernels::{
-    Codes, axpy, axpy_rows, axpy_rows_codes, dot, dot_rows, dot_rows_codes, fold_params, matmul_nn,
-    matmul_nt, matmul_serial, softmax, softmax_exp,
-};
-use crate::kv::codec::{
-    decode_k, decode_v, f16_keys, f16_values, head_codes, int8_keys, int8_values, packed_keys,
-    packed_values,
-};
-use crate::kv::{ChunkShape, KvCache, KvError, KvFormat, LayerView};
-use crate::simd::prefetch_l2;
+use crate::kernels::{axpy, dot, matmul_nn, matmul_nt, matmul_serial, softmax};
+use crate::kv::codec::{decode_k, decode_v};
+use crate::kv::{KvCache, KvError};
 use rayon::prelude::*;
+
+mod decode;
+
+pub use decode::attend_packed;
 
 /// The shape of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -340,7 +337,11 @@ fn record_seen(
 
 /// How many query rows see each key `0..len`: each query at `q` sees keys
 /// `shape.first_key(q)..=q`, once per head.
-fn seen_counts(shape: AttnShape, queries: impl Iterator<Item = usize>, len: usize) -> Vec<u32> {
+pub(super) fn seen_counts(
+    shape: AttnShape,
+    queries: impl Iterator<Item = usize>,
+    len: usize,
+) -> Vec<u32> {
     // A difference array: +1 where a query's keys start, -1 past its own position.
     let mut diff = vec![0i64; len + 1];
     for q in queries {
@@ -355,492 +356,6 @@ fn seen_counts(shape: AttnShape, queries: impl Iterator<Item = usize>, len: usiz
             (run * shape.n_heads as i64) as u32
         })
         .collect()
-}
-
-/// How many chunks ahead of the one in work decode attention asks for a chunk's layer.
-const PREFETCH_CHUNKS: usize = 2;
-
-/// Chunks per decode task below which a KV head's chunks are not split further.
-const DECODE_TASK_CHUNKS: usize = 8;
-
-/// Chunks per thread from which a decode task takes every KV head of its chunks (see
-/// [`DecodeSplit::of`]).
-const DECODE_WIDE_CHUNKS: usize = 32;
-
-/// How the chunks of one decode step are cut into tasks: each task takes `heads` KV heads
-/// (1, or all of them) of one of `ranges` ranges of chunks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct DecodeSplit {
-    heads: usize,
-    ranges: usize,
-}
-
-impl DecodeSplit {
-    /// The split of `chunks` on `threads`. Long contexts ([`DECODE_WIDE_CHUNKS`] chunks a
-    /// thread or more) are cut by chunks alone, each task reading every KV head of its chunks:
-    /// a chunk's layer is then one run of memory read once, with one prefetch, one look-up
-    /// and one page walk, where a task per head touched the same pages once per head. Shorter
-    /// ones keep a task per KV head, each head's chunks cut by [`decode_splits`], so every
-    /// thread still has work.
-    fn of(n_kv_heads: usize, chunks: usize, threads: usize) -> DecodeSplit {
-        let threads = threads.max(1);
-        if n_kv_heads > 1 && chunks >= threads * DECODE_WIDE_CHUNKS {
-            DecodeSplit {
-                heads: n_kv_heads,
-                ranges: threads,
-            }
-        } else {
-            DecodeSplit {
-                heads: 1,
-                ranges: decode_splits(n_kv_heads, chunks, threads),
-            }
-        }
-    }
-}
-
-/// How many ranges to cut each KV head's `chunks` into, so the `n_kv_heads × splits` tasks of
-/// a decode step fall evenly on `threads` (3 KV heads on 2 threads would leave one thread
-/// doing two heads while the other waits): the fewest splits that make the tasks a multiple of
-/// the threads, with at least [`DECODE_TASK_CHUNKS`] chunks a task, else as many as that allows.
-fn decode_splits(n_kv_heads: usize, chunks: usize, threads: usize) -> usize {
-    let most = (chunks / DECODE_TASK_CHUNKS).max(1);
-    (1..=most)
-        .find(|s| (n_kv_heads * s).is_multiple_of(threads.max(1)))
-        .unwrap_or(most)
-}
-
-/// One KV head's share of a task of [`attend_packed`]: head `g`'s chunks of the task, for
-/// every query row of the head, softmax not yet normalized (pieces of one head are put together
-/// at the end).
-struct Piece {
-    g: usize,
-    /// The first position of the piece.
-    start: usize,
-    /// Positions in the piece.
-    width: usize,
-    /// `[rows][width]`: `e^(scale · s - max)` per row and position; 0 where masked.
-    e: Vec<f32>,
-    /// Per row, `scale` times its largest score in the piece (−∞ if it sees none of it).
-    max: Vec<f32>,
-    /// Per row, Σ e.
-    sum: Vec<f32>,
-    /// `[rows][head_dim]`: Σ e v.
-    o: Vec<f32>,
-}
-
-/// Attention of a few query rows straight from chunk memory (see the module comment).
-///
-/// The chunks are cut into tasks ([`DecodeSplit::of`]); a task reads its chunks' keys (scores
-/// of each query row against 16 keys at a time), takes its rows' exponentials against its own
-/// largest score and sums its values weighted by them; the pieces of a head are then scaled to
-/// the head's largest score and normalized (as in flash-decoding), which equals one softmax
-/// over the whole row up to f32 rounding.
-pub fn attend_packed(
-    cache: &mut KvCache,
-    layer: usize,
-    shape: AttnShape,
-    q: &[f32],
-    p0: usize,
-    n: usize,
-    out: &mut [f32],
-) -> Result<(), KvError> {
-    let chunks = cache.chunks_upto(p0 + n) - shape.first_key(p0) / cache.shape().tokens;
-    let threads = rayon::current_num_threads();
-    let split = DecodeSplit::of(shape.n_kv_heads, chunks, threads);
-    attend_packed_split(cache, layer, shape, q, p0, n, split, out)
-}
-
-/// [`attend_packed`] with its chunks cut as `split` says.
-#[allow(clippy::too_many_arguments)]
-fn attend_packed_split(
-    cache: &mut KvCache,
-    layer: usize,
-    shape: AttnShape,
-    q: &[f32],
-    p0: usize,
-    n: usize,
-    split: DecodeSplit,
-    out: &mut [f32],
-) -> Result<(), KvError> {
-    let total = p0 + n;
-    let chunks = cache.chunks_upto(total);
-    // The first chunk the first query's window reaches (0 on a global layer).
-    let first = shape.first_key(p0) / cache.shape().tokens;
-    let per = (chunks - first).div_ceil(split.ranges).max(1);
-    let heads = split.heads.clamp(1, shape.n_kv_heads);
-    let tasks: Vec<Task> = (0..shape.n_kv_heads)
-        .step_by(heads)
-        .flat_map(|g0| {
-            (first..chunks).step_by(per).map(move |c0| Task {
-                heads: g0..(g0 + heads).min(shape.n_kv_heads),
-                c0,
-                c1: (c0 + per).min(chunks),
-            })
-        })
-        .collect();
-    let work = PieceWork {
-        view: cache,
-        cs: *cache.shape(),
-        layer,
-        shape,
-        q,
-        p0,
-        total,
-        group: shape.n_heads / shape.n_kv_heads,
-        rows: n * (shape.n_heads / shape.n_kv_heads),
-    };
-    let pieces: Vec<Piece> = if tasks.len() > 1 {
-        tasks
-            .par_iter()
-            .map(|t| work.run(t))
-            .collect::<Result<Vec<_>, _>>()?
-    } else {
-        tasks
-            .iter()
-            .map(|t| work.run(t))
-            .collect::<Result<Vec<_>, _>>()?
-    }
-    .into_iter()
-    .flatten()
-    .collect();
-    let col = merge_pieces(&pieces, &work, out);
-    cache.add_attention(layer, &col);
-    if cache.recording() {
-        let seen = seen_counts(shape, p0..p0 + n, total);
-        cache.add_rows(layer, &seen);
-    }
-    Ok(())
-}
-
-/// One task of a decode step: KV heads `heads` of chunks `c0..c1`.
-struct Task {
-    heads: std::ops::Range<usize>,
-    c0: usize,
-    c1: usize,
-}
-
-/// What every piece of one [`attend_packed_split`] shares.
-struct PieceWork<'a> {
-    view: &'a KvCache,
-    cs: ChunkShape,
-    layer: usize,
-    shape: AttnShape,
-    /// `[n][n_heads * head_dim]`, after RoPE.
-    q: &'a [f32],
-    /// The first query's position.
-    p0: usize,
-    /// Positions attended to: `p0 + n`.
-    total: usize,
-    /// Query heads per KV head.
-    group: usize,
-    /// Query rows per KV head: `n * group`.
-    rows: usize,
-}
-
-/// A task's scratch rows: the chunk's minimums and scales, each row's query (or weights)
-/// times the scales, and each row's bias (its dot product with the minimums).
-struct Scratch {
-    mins: Vec<f32>,
-    scales: Vec<f32>,
-    qsr: Vec<f32>,
-    wsr: Vec<f32>,
-    bias: Vec<f32>,
-    /// A chunk's values of the head decoded to f32, for formats with several value groups a
-    /// token (`[token][head_dim]`).
-    vals: Vec<f32>,
-}
-
-impl PieceWork<'_> {
-    /// Query row `r` of KV head `g`: query token `r / group`, head `g * group + r % group`.
-    fn qrow(&self, g: usize, r: usize) -> &[f32] {
-        let hd = self.shape.head_dim;
-        let src =
-            (r / self.group) * self.shape.n_heads * hd + (g * self.group + r % self.group) * hd;
-        &self.q[src..src + hd]
-    }
-
-    /// The task's KV heads over its chunks against their query rows: scores, exponentials
-    /// against each head's largest in the task, and the values weighted by them; one piece a
-    /// head.
-    fn run(&self, task: &Task) -> Result<Vec<Piece>, KvError> {
-        let (hd, t) = (self.shape.head_dim, self.cs.tokens);
-        let rows = self.rows;
-        let (start, end) = (task.c0 * t, (task.c1 * t).min(self.total));
-        let width = end - start;
-        let mut s = Scratch {
-            mins: vec![0.0; hd.max(t)],
-            scales: vec![0.0; hd.max(t)],
-            qsr: vec![0.0; rows * hd],
-            wsr: vec![0.0; rows * t],
-            bias: vec![0.0; rows],
-            vals: Vec::new(),
-        };
-        // Each chunk's layer, looked up once for the prefetches and both passes.
-        let views = (task.c0..task.c1)
-            .map(|c| self.view.layer_view(self.layer, c))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut es: Vec<Vec<f32>> = task
-            .heads
-            .clone()
-            .map(|_| vec![0.0; rows * width])
-            .collect();
-        self.scores(task, &views, start, width, &mut es, &mut s);
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut pieces: Vec<Piece> = task
-            .heads
-            .clone()
-            .zip(es)
-            .map(|(g, mut e)| {
-                let mut max = vec![f32::NEG_INFINITY; rows];
-                let mut sum = vec![0.0f32; rows];
-                for (r, srow) in e.chunks_exact_mut(width).enumerate() {
-                    let pos = self.p0 + r / self.group;
-                    let visible = (pos + 1).min(end).saturating_sub(start);
-                    let hidden = self.shape.first_key(pos).saturating_sub(start).min(visible);
-                    let (live, masked) = srow.split_at_mut(visible);
-                    let (before, live) = live.split_at_mut(hidden);
-                    masked.fill(0.0);
-                    before.fill(0.0);
-                    (max[r], sum[r]) = softmax_exp(live, scale);
-                }
-                Piece {
-                    g,
-                    start,
-                    width,
-                    e,
-                    max,
-                    sum,
-                    o: vec![0.0f32; rows * hd],
-                }
-            })
-            .collect();
-        self.weighted_values(task, &views, start, width, &mut pieces, &mut s);
-        Ok(pieces)
-    }
-
-    /// Asks for the key codes (`part` 0) or value codes (1) of KV heads `heads` of a chunk's
-    /// layer (`view`: none past the task's chunks), when it is sealed, and their parameters.
-    /// Chunks are separate slots of memory, each read in pieces of a few KiB, so the hardware's
-    /// prefetchers start late on each: a task asks a few chunks before it reads them, and only
-    /// for its heads' own bytes. Asking for the whole layer in each head's task made decode at
-    /// depth 8,160 over f16 chunks 19% slower (25 against 31 tokens/s).
-    fn prefetch(&self, heads: &std::ops::Range<usize>, view: Option<&LayerView<'_>>, part: usize) {
-        if let Some(&LayerView::Sealed(f, bytes)) = view {
-            let cs = &self.cs;
-            // The section's parameters (scales, minimums) are small and follow its codes.
-            let params = match part {
-                0 => cs.k_values_bytes(f)..cs.k_bytes(f),
-                _ => cs.k_bytes(f) + cs.v_values_bytes(f)..cs.layer_bytes(f),
-            };
-            let codes = head_codes(cs, f, heads.start)[part].start
-                ..head_codes(cs, f, heads.end - 1)[part].end;
-            for range in [codes, params] {
-                if let Some(b) = bytes.get(range) {
-                    prefetch_l2(b);
-                }
-            }
-        }
-    }
-
-    /// Each query row's scores against the keys of the chunks `views` (chunk `task.c0` first)
-    /// into `es` (one `[rows][width]` per KV head of the task), chunk by chunk, every head of
-    /// a chunk before the next chunk.
-    ///
-    /// Chunks of codes (int8, and the formats of unsigned codes with a minimum and a scale per
-    /// group: per channel for keys) are read for every row of the head at once, never decoded
-    /// to f32: each row's query times the keys' scales, and its dot product with their minimums
-    /// as a bias.
-    fn scores(
-        &self,
-        task: &Task,
-        views: &[LayerView<'_>],
-        start: usize,
-        width: usize,
-        es: &mut [Vec<f32>],
-        s: &mut Scratch,
-    ) {
-        let (hd, t, cs) = (self.shape.head_dim, self.cs.tokens, &self.cs);
-        let ahead = |i: usize| self.prefetch(&task.heads, views.get(i), 0);
-        for i in 0..PREFETCH_CHUNKS {
-            ahead(i);
-        }
-        for (i, &view) in views.iter().enumerate() {
-            ahead(i + PREFETCH_CHUNKS);
-            let c = task.c0 + i;
-            let live = t.min(self.total - c * t);
-            let off = c * t - start;
-            for (g, e) in task.heads.clone().zip(es.iter_mut()) {
-                let out = &mut e[off..];
-                let (codes, first, kind) = match view {
-                    // f16 keys are read as stored, converted in registers where the CPU can.
-                    LayerView::Sealed(KvFormat::F16, bytes) => {
-                        for (r, qr) in s.qsr.chunks_exact_mut(hd).enumerate() {
-                            qr.copy_from_slice(self.qrow(g, r));
-                        }
-                        s.bias.fill(0.0);
-                        (&f16_keys(cs, bytes, g)[..live * hd * 2], 0, Codes::F16)
-                    }
-                    // int8 keys too, each row's query scaled by the channels' scales instead.
-                    LayerView::Sealed(KvFormat::Int8, bytes) => {
-                        let k = &int8_keys(cs, bytes, g, &mut s.scales)[..live * hd];
-                        for (r, qr) in s.qsr.chunks_exact_mut(hd).enumerate() {
-                            for ((x, &q), &sc) in qr.iter_mut().zip(self.qrow(g, r)).zip(&s.scales)
-                            {
-                                *x = q * sc;
-                            }
-                        }
-                        s.bias.fill(0.0);
-                        (k, 0, Codes::Signed8)
-                    }
-                    // Every other format: unsigned codes with a minimum and a scale per channel.
-                    LayerView::Sealed(f, bytes) => {
-                        let (codes, first) =
-                            packed_keys(cs, f, bytes, g, &mut s.mins, &mut s.scales);
-                        for (r, (qr, b)) in s.qsr.chunks_exact_mut(hd).zip(&mut s.bias).enumerate()
-                        {
-                            *b = fold_params(self.qrow(g, r), &s.mins[..hd], &s.scales[..hd], qr);
-                        }
-                        (codes, first, Codes::Unsigned(f.key_bits() as usize))
-                    }
-                    LayerView::Open(b) => {
-                        let keys = &b[g * t * hd..(g + 1) * t * hd];
-                        for (r, srow) in e.chunks_exact_mut(width).enumerate() {
-                            dot_rows(
-                                self.qrow(g, r),
-                                &keys[..live * hd],
-                                &mut srow[off..off + live],
-                            );
-                        }
-                        continue;
-                    }
-                };
-                dot_rows_codes(&s.qsr, &s.bias, codes, first, kind, hd, out, width, live);
-            }
-        }
-    }
-
-    /// Σ e v over the values of the chunks `views` (chunk `task.c0` first), per query row, into
-    /// each piece's `o` (`[rows][head_dim]`), chunk by chunk as [`PieceWork::scores`]. Codes are
-    /// read as for keys, with each row's weights times the values' scales (per token) and their
-    /// dot product with the minimums as the bias; values in groups narrower than the head are
-    /// decoded to f32 first.
-    fn weighted_values(
-        &self,
-        task: &Task,
-        views: &[LayerView<'_>],
-        start: usize,
-        width: usize,
-        pieces: &mut [Piece],
-        s: &mut Scratch,
-    ) {
-        let (hd, t, cs) = (self.shape.head_dim, self.cs.tokens, &self.cs);
-        for i in 0..PREFETCH_CHUNKS {
-            self.prefetch(&task.heads, views.get(i), 1);
-        }
-        for (i, &view) in views.iter().enumerate() {
-            self.prefetch(&task.heads, views.get(i + PREFETCH_CHUNKS), 1);
-            let c = task.c0 + i;
-            let live = t.min(self.total - c * t);
-            let off = c * t - start;
-            for p in pieces.iter_mut() {
-                let (g, e, o) = (p.g, &p.e, &mut p.o);
-                match view {
-                    LayerView::Sealed(KvFormat::F16, bytes) => {
-                        let v = &f16_values(cs, bytes, g)[..live * hd * 2];
-                        s.bias.fill(0.0);
-                        let w = &e[off..];
-                        axpy_rows_codes(o, &s.bias, w, width, live, v, 0, Codes::F16, hd);
-                    }
-                    // int8 values, each weight scaled by its token's scale instead.
-                    LayerView::Sealed(KvFormat::Int8, bytes) => {
-                        let v = &int8_values(cs, bytes, g, &mut s.scales)[..live * hd];
-                        for (erow, wr) in e.chunks_exact(width).zip(s.wsr.chunks_exact_mut(t)) {
-                            let w = &erow[off..off + live];
-                            for ((x, &w), &sc) in wr.iter_mut().zip(w).zip(&s.scales) {
-                                *x = w * sc;
-                            }
-                        }
-                        s.bias.fill(0.0);
-                        axpy_rows_codes(o, &s.bias, &s.wsr, t, live, v, 0, Codes::Signed8, hd);
-                    }
-                    // Values in groups narrower than the head (Gemma 3): decoded, then summed in
-                    // f32.
-                    LayerView::Sealed(f, bytes) if cs.value_width(f) != hd => {
-                        s.vals.resize(t * hd, 0.0);
-                        decode_v(cs, f, bytes, g, &mut s.vals);
-                        for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
-                            axpy_rows(orow, &erow[off..off + live], &s.vals[..live * hd]);
-                        }
-                    }
-                    // Every other format: unsigned codes with a minimum and a scale per token.
-                    LayerView::Sealed(f, bytes) => {
-                        let (codes, first) =
-                            packed_values(cs, f, bytes, g, &mut s.mins, &mut s.scales);
-                        let weights = e.chunks_exact(width).zip(s.wsr.chunks_exact_mut(t));
-                        for ((erow, wr), b) in weights.zip(&mut s.bias) {
-                            let w = &erow[off..off + live];
-                            *b =
-                                fold_params(w, &s.mins[..live], &s.scales[..live], &mut wr[..live]);
-                        }
-                        let kind = Codes::Unsigned(f.value_bits() as usize);
-                        axpy_rows_codes(o, &s.bias, &s.wsr, t, live, codes, first, kind, hd);
-                    }
-                    LayerView::Open(b) => {
-                        let values = &b[(self.shape.n_kv_heads + g) * t * hd..][..t * hd];
-                        for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
-                            axpy_rows(orow, &erow[off..off + live], &values[..live * hd]);
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Merges each KV head's pieces into `out` (one softmax over the whole row, flash-decoding's
-/// rescaling) and returns the attention each position received, summed over rows.
-fn merge_pieces(pieces: &[Piece], w: &PieceWork<'_>, out: &mut [f32]) -> Vec<f32> {
-    let AttnShape {
-        n_heads,
-        n_kv_heads,
-        head_dim: hd,
-        ..
-    } = w.shape;
-    let group = w.group;
-    let mut col = vec![0.0f32; w.total];
-    let mut f = Vec::new();
-    for g in 0..n_kv_heads {
-        let head: Vec<&Piece> = pieces.iter().filter(|p| p.g == g).collect();
-        for r in 0..w.rows {
-            // The row's largest over its pieces; a piece it sees none of weighs 0.
-            let m = head
-                .iter()
-                .map(|p| p.max[r])
-                .fold(f32::NEG_INFINITY, f32::max);
-            f.clear();
-            f.extend(head.iter().map(|p| {
-                if p.sum[r] > 0.0 {
-                    (p.max[r] - m).exp()
-                } else {
-                    0.0
-                }
-            }));
-            let l: f32 = head.iter().zip(&f).map(|(p, f)| f * p.sum[r]).sum();
-            let inv = 1.0 / l;
-            let dst = (r / group) * n_heads * hd + (g * group + r % group) * hd;
-            let orow = &mut out[dst..dst + hd];
-            orow.fill(0.0);
-            for (p, &f) in head.iter().zip(&f) {
-                let a = f * inv;
-                axpy(orow, a, &p.o[r * hd..(r + 1) * hd]);
-                let erow = &p.e[r * p.width..(r + 1) * p.width];
-                for (c, e) in col[p.start..p.start + p.width].iter_mut().zip(erow) {
-                    *c += e * a;
-                }
-            }
-        }
-    }
-    col
 }
 
 /// Attention of many query rows: gather to f32, then GEMM per block of rows.
@@ -975,6 +490,7 @@ fn gather_blocks(
 
 #[cfg(test)]
 mod tests {
+    use super::decode::{DecodeSplit, attend_packed_split, decode_splits};
     use super::*;
     use crate::kv::{ChunkShape, HeapChunks, KvFormat};
     use rand::rngs::StdRng;
@@ -990,10 +506,21 @@ mod tests {
     /// A cache of `len` random tokens over 2 layers whose sealed chunks take `formats` in turn,
     /// the coded formats' values in groups of `value_group` channels (0: the head's 16).
     fn cache(len: usize, formats: &[KvFormat], value_group: usize, rng: &mut StdRng) -> KvCache {
+        cache_hd(len, formats, value_group, 16, rng)
+    }
+
+    /// [`cache`] with heads of `hd` channels.
+    fn cache_hd(
+        len: usize,
+        formats: &[KvFormat],
+        value_group: usize,
+        hd: usize,
+        rng: &mut StdRng,
+    ) -> KvCache {
         let s = ChunkShape {
             n_layers: 2,
             n_kv_heads: 2,
-            head_dim: 16,
+            head_dim: hd,
             tokens: 16,
             value_group,
             ..ChunkShape::DENSE
@@ -1002,8 +529,8 @@ mod tests {
         c.reserve(len).unwrap();
         for p in 0..len {
             for l in 0..2 {
-                let k: Vec<f32> = (0..32).map(|_| rng.random_range(-2.0..2.0)).collect();
-                let v: Vec<f32> = (0..32).map(|_| rng.random_range(-2.0..2.0)).collect();
+                let k: Vec<f32> = (0..2 * hd).map(|_| rng.random_range(-2.0..2.0)).collect();
+                let v: Vec<f32> = (0..2 * hd).map(|_| rng.random_range(-2.0..2.0)).collect();
                 c.write(l, p, &k, &v);
             }
         }
@@ -1128,6 +655,55 @@ mod tests {
             let w = shape.window.unwrap_or(usize::MAX);
             let seen = (p0..len).filter(|&q| q >= p && q - p < w).count() * 4;
             assert_eq!(rows[p] as usize, seen, "rows of key {p}");
+        }
+    }
+
+    /// Decode attention over chunks of codes with heads of 64 channels: in f32 as the full
+    /// matrix; in integers (where the CPU has the kernels) within the rounding of its folded
+    /// rows, and not the f32 path's bits (so the integer kernels ran).
+    #[test]
+    fn integer_decode_attention_is_near_the_full_matrix() {
+        use crate::kernels::coded::{KvArith, int8_available};
+        use KvFormat::*;
+        let shape = AttnShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 64,
+            window: None,
+        };
+        for (len, n) in [(70, 1), (70, 2), (300, 1), (16, 1), (600, 2)] {
+            let mut rng = StdRng::seed_from_u64((len * 10 + n) as u64);
+            let mut c = cache_hd(len, &[K4v3, K8v8, K4v4, Int4, Int2], 0, 64, &mut rng);
+            let p0 = len - n;
+            let q: Vec<f32> = (0..n * 256).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let (want, _) = direct(&c, shape, 1, &q, p0, n);
+            let mut got = [vec![0.0; n * 256], vec![0.0; n * 256]];
+            for (arith, out) in [KvArith::F32, KvArith::Int8].into_iter().zip(&mut got) {
+                c.set_arith(arith);
+                attend(&mut c, 1, shape, &q, p0, n, out).unwrap();
+            }
+            let worst = |o: &[f32]| {
+                o.iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max)
+            };
+            assert!(
+                worst(&got[0]) < 1e-4,
+                "f32, len {len} n {n}: {}",
+                worst(&got[0])
+            );
+            assert!(
+                worst(&got[1]) < 2e-2,
+                "int8, len {len} n {n}: {}",
+                worst(&got[1])
+            );
+            if int8_available() {
+                assert_ne!(
+                    got[0], got[1],
+                    "len {len} n {n}: the integer kernels did not run"
+                );
+            }
         }
     }
 

@@ -7,6 +7,7 @@
 //! A sealed chunk may later move down a format ([`KvCache::recompress`]), be dropped from memory
 //! ([`KvCache::reclaim`]) and be rebuilt from its tokens ([`crate::kv::recompute`]).
 
+use crate::kernels::coded::KvArith;
 pub use crate::kv::codec::{
     ChunkShape, CodecError, KvFormat, PAGE, decode_k, decode_v, encode_layer,
 };
@@ -190,6 +191,8 @@ pub struct KvCache {
     /// saw it: over every layer, and over the global layers alone on a model with a window.
     attn: Attention,
     scratch: Vec<u8>,
+    /// How decode attention multiplies the chunks of codes ([`KvArith::get`] at creation).
+    arith: KvArith,
 }
 
 impl KvCache {
@@ -216,7 +219,19 @@ impl KvCache {
             shared: Vec::new(),
             attn: Attention::new(&shape),
             scratch: Vec::new(),
+            arith: KvArith::get(),
         }
+    }
+
+    /// How decode attention over this cache multiplies chunks of codes.
+    pub fn arith(&self) -> KvArith {
+        self.arith
+    }
+
+    /// Sets how decode attention over this cache multiplies chunks of codes (tests and
+    /// benchmarks that compare the two in one process).
+    pub fn set_arith(&mut self, arith: KvArith) {
+        self.arith = arith;
     }
 
     /// How many chunks are past the sliding window: they keep only their global layers

@@ -18,6 +18,7 @@ use half::f16;
 use std::arch::x86_64::*;
 
 pub mod blocks;
+pub mod kv;
 
 /// Rows per pass.
 pub use crate::simd::ROWS;

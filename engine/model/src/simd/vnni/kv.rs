@@ -1,0 +1,720 @@
+//! AVX-512 VNNI and VBMI kernels of decode attention in integers, over one block of at most
+//! sixteen tokens of a chunk stored in unsigned codes with a minimum and a scale per group
+//! (keys per channel, values per token): the int8 form of `simd::avx512::kv`'s
+//! `dot_rows_stored` and `axpy_rows_stored` with the parameters' folding inside.
+//!
+//! Each kernel folds the scales into its f32 rows (the query times the keys' scales, the
+//! attention weights times the values' scales), rounds each folded row to bytes against its
+//! largest magnitude, and multiplies them with the codes by `vpdpbusd` (64 products a pass,
+//! summed four at a time into 32-bit lanes, exactly); the minimums' term stays in f32. The
+//! rounding of a row is its only error: at most half its step times each code, the step being
+//! `max |x| / 127` for a query row (signed bytes against the unsigned codes) and `max / 255`
+//! for a row of weights (never negative: unsigned bytes against the codes read as signed,
+//! 8-bit codes less 128 with the difference added back from the weights' sum).
+//!
+//! - Scores ([`dot_rows_coded`], 4- and 8-bit keys): a register holds 64 codes of two keys;
+//!   one `vpdpbusd` leaves eight partial sums of each, and the sixteen keys' sums are put
+//!   together by interleaving, as `simd::avx512::kv::reduce16` does for f32.
+//! - Weighted values ([`axpy_rows_coded`], 2-, 3-, 4- and 8-bit values): the four bytes of a
+//!   lane must be four tokens' codes of one channel, so four value rows are interleaved by one
+//!   two-register byte permute (`vpermi2b`) and one per-byte bit shift (`vpmultishiftqb`)
+//!   per 64 codes, and the four tokens' weights are one broadcast lane.
+//!
+//! Against the f32 kernels, attention of one decode step at depth 8,192 over k4v3 chunks takes
+//! about a quarter less time on an AMD EPYC (Zen 4), and the service's mix scores a perplexity
+//! 0.3% higher (docs/bench-long.md, "Decode attention in integers").
+
+use std::arch::x86_64::*;
+
+/// Whether this CPU runs these kernels: what [`super::available`] checks, and VBMI.
+pub fn available() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| super::available() && std::arch::is_x86_feature_detected!("avx512vbmi"))
+}
+
+/// The first `n` of sixteen lanes.
+#[inline]
+fn lanes(n: usize) -> __mmask16 {
+    if n >= 16 { 0xFFFF } else { (1u16 << n) - 1 }
+}
+
+/// The statistics of a row folded with a group's parameters: the first `valid` of `x`'s values
+/// (`len` in all, a multiple of 16; the rest taken as 0) times `scales`: the largest magnitude
+/// of `x · scales`, and `x · mins`.
+///
+/// # Safety
+/// The CPU must have what [`available`] checks; `x`, `mins` and `scales` must hold `valid`
+/// values.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+unsafe fn fold_stats(
+    x: *const f32,
+    mins: *const f32,
+    scales: *const f32,
+    len: usize,
+    valid: usize,
+) -> (f32, f32) {
+    let (mut bias, mut top) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    for v in 0..len / 16 {
+        let m = lanes(valid.saturating_sub(16 * v));
+        // SAFETY: the loads are masked to values 16 v.. of the `valid` ones (the contract).
+        let (xv, sv, mv) = unsafe {
+            (
+                _mm512_maskz_loadu_ps(m, x.add(16 * v)),
+                _mm512_maskz_loadu_ps(m, scales.add(16 * v)),
+                _mm512_maskz_loadu_ps(m, mins.add(16 * v)),
+            )
+        };
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_mul_ps(xv, sv)));
+        bias = _mm512_fmadd_ps(xv, mv, bias);
+    }
+    (_mm512_reduce_max_ps(top), _mm512_reduce_add_ps(bias))
+}
+
+/// Sixteen values of a folded row rounded to signed bytes: `round(x · scales · inv)`, where
+/// `inv` is 127 over the row's largest magnitude ([`fold_stats`]), so every byte is within
+/// ±127 (the product is computed as there, and never exceeds the largest). Lanes outside
+/// `mask` are 0.
+///
+/// # Safety
+/// The CPU must have what [`available`] checks; the lanes of `mask` must be readable from `x`
+/// and `scales`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+unsafe fn round16(x: *const f32, scales: *const f32, inv: __m512, mask: __mmask16) -> __m128i {
+    // SAFETY: masked to the readable lanes (the contract).
+    let f = unsafe {
+        _mm512_mul_ps(
+            _mm512_maskz_loadu_ps(mask, x),
+            _mm512_maskz_loadu_ps(mask, scales),
+        )
+    };
+    _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(f, inv)))
+}
+
+/// Sixteen values of a folded row of non-negative values (attention weights) rounded to
+/// unsigned bytes: `round(x · scales · inv)`, `inv` 255 over the row's largest; negative
+/// products are taken as 0. Lanes outside `mask` are 0.
+///
+/// # Safety
+/// As [`round16`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+unsafe fn round16_u8(x: *const f32, scales: *const f32, inv: __m512, mask: __mmask16) -> __m128i {
+    // SAFETY: masked to the readable lanes (the contract).
+    let f = unsafe {
+        _mm512_mul_ps(
+            _mm512_maskz_loadu_ps(mask, x),
+            _mm512_maskz_loadu_ps(mask, scales),
+        )
+    };
+    let q = _mm512_max_epi32(
+        _mm512_cvtps_epi32(_mm512_mul_ps(f, inv)),
+        _mm512_setzero_si512(),
+    );
+    _mm512_cvtusepi32_epi8(q)
+}
+
+/// 127 over a row's largest magnitude, or 0 for a row of zeros.
+#[inline]
+fn inverse_step(top: f32) -> f32 {
+    if top > 0.0 { 127.0 / top } else { 0.0 }
+}
+
+/// The first of sixteen rows of `row_bytes` from byte `at` of `codes`: in place when all
+/// sixteen are there (`n` of them), else a copy of the `n` in `tail` padded with zero rows, so
+/// the kernels read whole blocks without a test.
+fn sixteen_rows(
+    codes: &[u8],
+    at: usize,
+    n: usize,
+    row_bytes: usize,
+    tail: &mut Vec<u8>,
+) -> *const u8 {
+    if n == 16 {
+        codes[at..at + 16 * row_bytes].as_ptr()
+    } else {
+        tail.resize(16 * row_bytes, 0u8);
+        tail[..n * row_bytes].copy_from_slice(&codes[at..at + n * row_bytes]);
+        tail.as_ptr()
+    }
+}
+
+/// Sixty-four channels of a query row (from `q`, scales from `scales`) rounded to signed bytes
+/// ([`round16`]) and laid out as a key pair's codes ([`key_pair`]): for 4-bit keys the even
+/// channels (the low nibbles) then the odd ones, for 8-bit keys each half; each twice.
+///
+/// # Safety
+/// The CPU must have what [`available`] checks; 64 values must be readable from `q` and
+/// `scales`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+unsafe fn query_bytes<const K: usize>(
+    q: *const f32,
+    scales: *const f32,
+    inv: __m512,
+) -> [__m512i; 2] {
+    // SAFETY: 64 readable values (the contract).
+    let b = unsafe {
+        [
+            round16(q, scales, inv, 0xFFFF),
+            round16(q.add(16), scales.add(16), inv, 0xFFFF),
+            round16(q.add(32), scales.add(32), inv, 0xFFFF),
+            round16(q.add(48), scales.add(48), inv, 0xFFFF),
+        ]
+    };
+    let x = _mm512_inserti32x4::<1>(_mm512_castsi128_si512(b[0]), b[1]);
+    let x = _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(x, b[2]), b[3]);
+    if K == 4 {
+        const EVEN: [u8; 64] = {
+            let mut t = [0u8; 64];
+            let mut i = 0;
+            while i < 64 {
+                t[i] = (2 * (i % 32)) as u8;
+                i += 1;
+            }
+            t
+        };
+        // SAFETY: a 64-byte table.
+        let even = unsafe { _mm512_loadu_si512(EVEN.as_ptr() as *const _) };
+        let odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
+        [
+            _mm512_permutexvar_epi8(even, x),
+            _mm512_permutexvar_epi8(odd, x),
+        ]
+    } else {
+        [
+            _mm512_shuffle_i64x2::<0x44>(x, x),
+            _mm512_shuffle_i64x2::<0xEE>(x, x),
+        ]
+    }
+}
+
+/// Channels `64 u..64 u + 64` of two keys' `K`-bit codes (rows from `a` and `b`) as the two
+/// registers of unsigned bytes [`query_bytes`] pairs with: each key's codes in one half, for
+/// 4-bit keys the low nibbles in the first register and the high ones in the second, for
+/// 8-bit keys channels 0-31 of the piece in the first and 32-63 in the second.
+///
+/// # Safety
+/// The CPU must have what [`available`] checks; each row's bytes of those channels must be
+/// readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+unsafe fn key_pair<const K: usize>(a: *const u8, b: *const u8, u: usize) -> [__m512i; 2] {
+    // SAFETY: the bytes of channels 64 u..64 u + 64 of both rows (the contract).
+    unsafe {
+        if K == 4 {
+            let nib = _mm512_set1_epi8(0x0F);
+            let x = _mm512_castsi256_si512(_mm256_loadu_si256(a.add(32 * u) as *const __m256i));
+            let x = _mm512_inserti64x4::<1>(x, _mm256_loadu_si256(b.add(32 * u) as *const __m256i));
+            [
+                _mm512_and_si512(x, nib),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(x), nib),
+            ]
+        } else {
+            let (a, b) = (a.add(64 * u), b.add(64 * u));
+            let lo = _mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i));
+            let hi = _mm512_castsi256_si512(_mm256_loadu_si256(a.add(32) as *const __m256i));
+            [
+                _mm512_inserti64x4::<1>(lo, _mm256_loadu_si256(b as *const __m256i)),
+                _mm512_inserti64x4::<1>(hi, _mm256_loadu_si256(b.add(32) as *const __m256i)),
+            ]
+        }
+    }
+}
+
+/// Per 128-bit lane `m`, element `e` of the result is the sum of `w[e]`'s four elements in
+/// that lane (as `simd::avx512::kv::lane_partials`, in integers).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+fn lane_sums(w: &[__m512i; 4]) -> __m512i {
+    let pair = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    let (x, y) = (pair(w[0], w[1]), pair(w[2], w[3]));
+    _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y))
+}
+
+/// Scores of `R` query rows against `n <= 16` keys of `hd` channels stored as unsigned
+/// `K`-bit codes (4 or 8) with a minimum and a scale per channel:
+/// `out[r · stride + j] = Σ_d q[r · hd + d] · (mins[d] + scales[d] · code(j, d))`, key j's
+/// codes from packed value `first + j · hd` of `codes`, each row's folded query rounded to
+/// bytes (see the module comment).
+///
+/// # Safety
+/// The CPU must have what [`available`] checks. The sizes are checked.
+#[allow(clippy::too_many_arguments)]
+// One index runs over several register arrays at once.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+pub unsafe fn dot_rows_coded<const K: usize, const R: usize>(
+    q: &[f32],
+    hd: usize,
+    mins: &[f32],
+    scales: &[f32],
+    codes: &[u8],
+    first: usize,
+    out: &mut [f32],
+    stride: usize,
+    n: usize,
+) {
+    assert!(
+        matches!(K, 4 | 8)
+            && (1..=4).contains(&R)
+            && hd.is_multiple_of(64)
+            && hd <= 256
+            && n <= 16
+            && (first * K).is_multiple_of(8)
+            && codes.len() * 8 >= (first + n * hd) * K
+            && q.len() >= R * hd
+            && mins.len() >= hd
+            && scales.len() >= hd
+            && (n == 0 || out.len() >= (R - 1) * stride + n),
+        "vnni::kv::dot_rows_coded: bad sizes"
+    );
+    if n == 0 {
+        return;
+    }
+    let mut inv = [_mm512_setzero_ps(); R];
+    let mut step = [0f32; R];
+    let mut bias = [0f32; R];
+    let (qp, mp, sp) = (q.as_ptr(), mins.as_ptr(), scales.as_ptr());
+    for r in 0..R {
+        // SAFETY: row r of `q` and the `hd` parameters are inside the slices (asserted).
+        let (top, b) = unsafe { fold_stats(qp.add(r * hd), mp, sp, hd, hd) };
+        (step[r], bias[r]) = (top / 127.0, b);
+        inv[r] = _mm512_set1_ps(inverse_step(top));
+    }
+    let row_bytes = hd * K / 8;
+    let mut tail = Vec::new();
+    let kp = sixteen_rows(codes, first * K / 8, n, row_bytes, &mut tail);
+    // Per row, the sums of keys e, e + 4, e + 8, e + 12 in the lanes of register e (four
+    // partial sums a key).
+    let mut w = [[_mm512_setzero_si512(); 4]; R];
+    let mut qv = [[_mm512_setzero_si512(); 2]; R];
+    for u in 0..hd / 64 {
+        for r in 0..R {
+            // SAFETY: values r · hd + 64 u.. of `q` and 64 u.. of `scales` are inside them
+            // (hd a multiple of 64, asserted).
+            qv[r] = unsafe { query_bytes::<K>(qp.add(r * hd + 64 * u), sp.add(64 * u), inv[r]) };
+        }
+        for e in 0..4 {
+            // Keys e and e + 4 in one register, e + 8 and e + 12 in the other: so the sums
+            // come out in the keys' order.
+            let mut acc = [[_mm512_setzero_si512(); 2]; R];
+            for h in 0..2 {
+                let (j0, j1) = (e + 8 * h, e + 4 + 8 * h);
+                // SAFETY: keys j0, j1 < 16 of `kp` (the chunk's or the padded copy's sixteen
+                // rows), with their channels 64 u..64 u + 64.
+                let halves =
+                    unsafe { key_pair::<K>(kp.add(j0 * row_bytes), kp.add(j1 * row_bytes), u) };
+                for r in 0..R {
+                    let a = _mm512_dpbusd_epi32(acc[r][h], halves[0], qv[r][0]);
+                    acc[r][h] = _mm512_dpbusd_epi32(a, halves[1], qv[r][1]);
+                }
+            }
+            for r in 0..R {
+                let (a, b) = (acc[r][0], acc[r][1]);
+                let sums = _mm512_add_epi32(
+                    _mm512_shuffle_i32x4::<0x88>(a, b),
+                    _mm512_shuffle_i32x4::<0xDD>(a, b),
+                );
+                w[r][e] = _mm512_add_epi32(w[r][e], sums);
+            }
+        }
+    }
+    for r in 0..R {
+        let sums = _mm512_cvtepi32_ps(lane_sums(&w[r]));
+        let s = _mm512_fmadd_ps(sums, _mm512_set1_ps(step[r]), _mm512_set1_ps(bias[r]));
+        // SAFETY: out[r · stride..r · stride + n] is inside `out` (asserted); the store is
+        // masked to those lanes.
+        unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(r * stride), lanes(n), s) };
+    }
+}
+
+/// The byte permute and the bit shifts that interleave four value rows of `BITS`-bit codes
+/// (2, 3 or 4), each row's 64 channels in a 32-byte slot of a two-register source, into the
+/// lanes of channels `16 k..16 k + 16`: byte `t` of lane `c` is row t's code of channel
+/// `16 k + c`. Qword `q` of the permuted source holds two bytes of each row (from the byte
+/// that holds channel `16 k + 2 q`); the shift of each output byte takes its code out of them.
+const fn interleave_tables(bits: usize, k: usize) -> [[u8; 64]; 2] {
+    let mut perm = [0u8; 64];
+    let mut shift = [0u8; 64];
+    let mut q = 0;
+    while q < 8 {
+        let d0 = 16 * k + 2 * q;
+        let mut t = 0;
+        while t < 4 {
+            let mut b = 0;
+            while b < 2 {
+                // The byte past a row's last one is never shifted in; keep the index in range.
+                perm[8 * q + 2 * t + b] = ((32 * t + bits * d0 / 8 + b) & 127) as u8;
+                b += 1;
+            }
+            let mut i = 0;
+            while i < 2 {
+                shift[8 * q + 4 * i + t] = (16 * t + bits * d0 % 8 + bits * i) as u8;
+                i += 1;
+            }
+            t += 1;
+        }
+        q += 1;
+    }
+    [perm, shift]
+}
+
+/// A row of attention weights (`n` from `w`) folded with the values' scales and rounded to
+/// unsigned bytes ([`round16_u8`]), four tokens a lane, with its step and its bias: its
+/// weights times the minimums, and for 8-bit codes (read as signed, less 128) 128 times the
+/// bytes' sum in steps.
+///
+/// # Safety
+/// The CPU must have what [`available`] checks; `n <= 16` values must be readable from `w`,
+/// `mins` and `scales`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+unsafe fn weight_bytes<const K: usize>(
+    w: *const f32,
+    mins: *const f32,
+    scales: *const f32,
+    n: usize,
+) -> ([i32; 4], f32, f32) {
+    let mut wb = [0i32; 4];
+    // SAFETY: the loads are masked to the n readable values (the contract); `wb` is 16 bytes.
+    let (top, bias, bytes) = unsafe {
+        let (top, bias) = fold_stats(w, mins, scales, 16, n);
+        let inv = if top > 0.0 { 255.0 / top } else { 0.0 };
+        let bytes = round16_u8(w, scales, _mm512_set1_ps(inv), lanes(n));
+        _mm_storeu_si128(wb.as_mut_ptr() as *mut __m128i, bytes);
+        (top, bias, bytes)
+    };
+    let step = top / 255.0;
+    let offset = if K == 8 {
+        // The bytes' sum: two sums of eight by `vpsadbw`.
+        let s = _mm_sad_epu8(bytes, _mm_setzero_si128());
+        let sum = _mm_cvtsi128_si64(s) + _mm_extract_epi64::<1>(s);
+        128.0 * sum as f32 * step
+    } else {
+        0.0
+    };
+    (wb, step, bias + offset)
+}
+
+/// Channels `64 u..64 u + 64` of four value rows of `K`-bit codes (from `rows`, `row_bytes`
+/// apart) interleaved for `vpdpbusd`: register k holds channels `16 k..16 k + 16`, byte t of
+/// each lane row t's code, as signed bytes (8-bit codes less 128).
+///
+/// # Safety
+/// The CPU must have what [`available`] checks; the four rows' bytes of those channels must be
+/// readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+unsafe fn value_lanes<const K: usize>(rows: *const u8, row_bytes: usize, u: usize) -> [__m512i; 4] {
+    const fn spread8() -> [u8; 64] {
+        let mut t = [0u8; 64];
+        let mut i = 0;
+        while i < 64 {
+            t[i] = (16 * (i % 4) + i / 4) as u8;
+            i += 1;
+        }
+        t
+    }
+    let mut z = [_mm512_setzero_si512(); 4];
+    if K == 8 {
+        // Four rows' 16 bytes of a lane of channels side by side, then interleaved.
+        const SPREAD: [u8; 64] = spread8();
+        // SAFETY: a 64-byte table; bytes 64 u + 16 k.. of each row (the contract).
+        unsafe {
+            let spread = _mm512_loadu_si512(SPREAD.as_ptr() as *const _);
+            for (k, zk) in z.iter_mut().enumerate() {
+                let p = rows.add(64 * u + 16 * k);
+                let x = _mm512_castsi128_si512(_mm_loadu_si128(p as *const __m128i));
+                let x = _mm512_inserti32x4::<1>(x, _mm_loadu_si128(p.add(row_bytes) as *const _));
+                let x =
+                    _mm512_inserti32x4::<2>(x, _mm_loadu_si128(p.add(2 * row_bytes) as *const _));
+                let x =
+                    _mm512_inserti32x4::<3>(x, _mm_loadu_si128(p.add(3 * row_bytes) as *const _));
+                let signed = _mm512_set1_epi8(-128);
+                *zk = _mm512_xor_si512(_mm512_permutexvar_epi8(spread, x), signed);
+            }
+        }
+        return z;
+    }
+    let tables: [[[u8; 64]; 2]; 4] = const {
+        [
+            interleave_tables(K, 0),
+            interleave_tables(K, 1),
+            interleave_tables(K, 2),
+            interleave_tables(K, 3),
+        ]
+    };
+    let piece = ((1u64 << (8 * K.min(4))) - 1) as u32;
+    let mask = _mm512_set1_epi8(((1u16 << K) - 1) as u8 as i8);
+    // SAFETY: each row's 8 K bytes of the channels (the contract), the loads masked to them;
+    // 64-byte tables.
+    unsafe {
+        let p = rows.add(8 * K * u);
+        let r0 = _mm256_maskz_loadu_epi8(piece, p as *const i8);
+        let r1 = _mm256_maskz_loadu_epi8(piece, p.add(row_bytes) as *const i8);
+        let r2 = _mm256_maskz_loadu_epi8(piece, p.add(2 * row_bytes) as *const i8);
+        let r3 = _mm256_maskz_loadu_epi8(piece, p.add(3 * row_bytes) as *const i8);
+        let s0 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(r0), r1);
+        let s1 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(r2), r3);
+        for (k, zk) in z.iter_mut().enumerate() {
+            let perm = _mm512_loadu_si512(tables[k][0].as_ptr() as *const _);
+            let shift = _mm512_loadu_si512(tables[k][1].as_ptr() as *const _);
+            let x = _mm512_permutex2var_epi8(s0, perm, s1);
+            *zk = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift, x), mask);
+        }
+    }
+    z
+}
+
+/// Sums of `n <= 16` value rows of `hd` channels stored as unsigned `K`-bit codes (2, 3, 4 or
+/// 8) with a minimum and a scale per row, weighted for `R` output rows:
+/// `o[r · hd + d] += Σ_i w[r · wstride + i] · (mins[i] + scales[i] · code(i, d))`, value row i's
+/// codes from packed value `first + i · hd` of `codes`, each output row's folded weights
+/// rounded to unsigned bytes (see the module comment): weights and scales must not be
+/// negative (attention weights and the formats' scales never are); a negative product counts
+/// as 0.
+///
+/// # Safety
+/// The CPU must have what [`available`] checks. The sizes are checked.
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
+pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(
+    o: &mut [f32],
+    hd: usize,
+    w: &[f32],
+    wstride: usize,
+    n: usize,
+    mins: &[f32],
+    scales: &[f32],
+    codes: &[u8],
+    first: usize,
+) {
+    assert!(
+        matches!(K, 2 | 3 | 4 | 8)
+            && (1..=4).contains(&R)
+            && hd.is_multiple_of(64)
+            && n <= 16
+            && (first * K).is_multiple_of(8)
+            && codes.len() * 8 >= (first + n * hd) * K
+            && o.len() >= R * hd
+            && mins.len() >= n
+            && scales.len() >= n
+            && (n == 0 || w.len() >= (R - 1) * wstride + n),
+        "vnni::kv::axpy_rows_coded: bad sizes"
+    );
+    if n == 0 {
+        return;
+    }
+    let mut wb = [[0i32; 4]; R];
+    let mut step = [0f32; R];
+    let mut bias = [0f32; R];
+    for r in 0..R {
+        // SAFETY: the n weights of row r and the n parameters are inside the slices (asserted).
+        (wb[r], step[r], bias[r]) = unsafe {
+            weight_bytes::<K>(
+                w.as_ptr().add(r * wstride),
+                mins.as_ptr(),
+                scales.as_ptr(),
+                n,
+            )
+        };
+    }
+    let row_bytes = hd * K / 8;
+    let mut tail = Vec::new();
+    let vp = sixteen_rows(codes, first * K / 8, n, row_bytes, &mut tail);
+    for u in 0..hd / 64 {
+        let mut acc = [[_mm512_setzero_si512(); 4]; R];
+        for g in 0..n.div_ceil(4) {
+            // SAFETY: rows 4 g..4 g + 4 < 16 of `vp` (the chunk's sixteen rows or the padded
+            // copy's), with their channels 64 u..64 u + 64.
+            let z = unsafe { value_lanes::<K>(vp.add(4 * g * row_bytes), row_bytes, u) };
+            for r in 0..R {
+                let b = _mm512_set1_epi32(wb[r][g]);
+                for k in 0..4 {
+                    acc[r][k] = _mm512_dpbusd_epi32(acc[r][k], b, z[k]);
+                }
+            }
+        }
+        for r in 0..R {
+            let (s, b) = (_mm512_set1_ps(step[r]), _mm512_set1_ps(bias[r]));
+            for k in 0..4 {
+                // SAFETY: o[r · hd + 64 u + 16 k..+ 16] is inside `o` (asserted).
+                unsafe {
+                    let p = o.as_mut_ptr().add(r * hd + 64 * u + 16 * k);
+                    let x = _mm512_add_ps(_mm512_loadu_ps(p), b);
+                    _mm512_storeu_ps(p, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][k]), s, x));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    /// `n` rows of `hd` random `bits`-bit codes packed as the KV formats pack them (low bits
+    /// first along the row), after `first` values of padding.
+    fn packed(
+        rng: &mut StdRng,
+        bits: usize,
+        first: usize,
+        n: usize,
+        hd: usize,
+    ) -> (Vec<u8>, Vec<u32>) {
+        let codes: Vec<u32> = (0..n * hd)
+            .map(|_| rng.random_range(0..1u32 << bits))
+            .collect();
+        let mut bytes = vec![0u8; ((first + n * hd) * bits).div_ceil(8) + 1];
+        for (i, &c) in codes.iter().enumerate() {
+            let bit = (first + i) * bits;
+            for b in 0..bits {
+                if c >> b & 1 == 1 {
+                    bytes[(bit + b) / 8] |= 1 << ((bit + b) % 8);
+                }
+            }
+        }
+        (bytes, codes)
+    }
+
+    fn rand_row(rng: &mut StdRng, len: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..len).map(|_| rng.random_range(lo..hi)).collect()
+    }
+
+    fn check_dot<const K: usize, const R: usize>(rng: &mut StdRng, hd: usize, n: usize) {
+        let first = 2 * hd;
+        let (bytes, codes) = packed(rng, K, first, n, hd);
+        let q = rand_row(rng, R * hd, -2.0, 2.0);
+        let mins = rand_row(rng, hd, -1.0, 0.0);
+        let scales = rand_row(rng, hd, 0.001, 0.2);
+        let stride = 17;
+        let mut out = vec![f32::NAN; (R - 1) * stride + n + 1];
+        // SAFETY: the test runs only where `available` says so.
+        unsafe {
+            dot_rows_coded::<K, R>(&q, hd, &mins, &scales, &bytes, first, &mut out, stride, n)
+        };
+        for r in 0..R {
+            let qr = &q[r * hd..(r + 1) * hd];
+            let step = qr
+                .iter()
+                .zip(&scales)
+                .map(|(q, s)| (q * s).abs())
+                .fold(0.0, f32::max)
+                / 127.0;
+            for j in 0..n {
+                let key = &codes[j * hd..(j + 1) * hd];
+                let exact: f64 = (0..hd)
+                    .map(|d| {
+                        f64::from(qr[d])
+                            * (f64::from(mins[d]) + f64::from(scales[d]) * f64::from(key[d]))
+                    })
+                    .sum();
+                // Half a step of each folded query value times its code, and f32 rounding.
+                let bound: f64 = key
+                    .iter()
+                    .map(|&c| f64::from(step) / 2.0 * f64::from(c))
+                    .sum::<f64>()
+                    + 1e-4 * (1.0 + exact.abs());
+                let got = f64::from(out[r * stride + j]);
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "K {K} R {R} hd {hd} n {n}: row {r} key {j}: {got} against {exact} (bound {bound})"
+                );
+            }
+            let after = if r + 1 < R {
+                (r + 1) * stride
+            } else {
+                out.len()
+            };
+            assert!(
+                out[r * stride + n..after].iter().all(|x| x.is_nan()),
+                "row {r} written past key {n}"
+            );
+        }
+    }
+
+    fn check_axpy<const K: usize, const R: usize>(rng: &mut StdRng, hd: usize, n: usize) {
+        let first = 3 * hd;
+        let (bytes, codes) = packed(rng, K, first, n, hd);
+        let wstride = 19;
+        let w = rand_row(rng, (R - 1) * wstride + n.max(1), 0.0, 1.0);
+        let mins = rand_row(rng, n, -1.0, 0.0);
+        let scales = rand_row(rng, n, 0.001, 0.2);
+        let o0 = rand_row(rng, R * hd, -1.0, 1.0);
+        let mut o = o0.clone();
+        // SAFETY: the test runs only where `available` says so.
+        unsafe {
+            axpy_rows_coded::<K, R>(&mut o, hd, &w, wstride, n, &mins, &scales, &bytes, first)
+        };
+        for r in 0..R {
+            let wr = &w[r * wstride..r * wstride + n];
+            let step = wr
+                .iter()
+                .zip(&scales)
+                .map(|(w, s)| (w * s).abs())
+                .fold(0.0, f32::max)
+                / 255.0;
+            for d in 0..hd {
+                let exact: f64 = f64::from(o0[r * hd + d])
+                    + (0..n)
+                        .map(|i| {
+                            f64::from(wr[i])
+                                * (f64::from(mins[i])
+                                    + f64::from(scales[i]) * f64::from(codes[i * hd + d]))
+                        })
+                        .sum::<f64>();
+                let bound: f64 = (0..n)
+                    .map(|i| f64::from(step) / 2.0 * f64::from(codes[i * hd + d]))
+                    .sum::<f64>()
+                    + 1e-4 * (1.0 + exact.abs());
+                let got = f64::from(o[r * hd + d]);
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "K {K} R {R} hd {hd} n {n}: row {r} channel {d}: {got} against {exact} (bound {bound})"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn integer_scores_match_f64_within_the_query_rounding() {
+        // The kernels exist only where the CPU has the instructions.
+        if !available() {
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(7);
+        for hd in [64, 128, 256] {
+            for n in [16, 1, 5, 13] {
+                check_dot::<4, 3>(&mut rng, hd, n);
+                check_dot::<8, 3>(&mut rng, hd, n);
+                check_dot::<4, 1>(&mut rng, hd, n);
+                check_dot::<8, 4>(&mut rng, hd, n);
+                check_dot::<4, 2>(&mut rng, hd, n);
+            }
+        }
+    }
+
+    #[test]
+    fn integer_value_sums_match_f64_within_the_weights_rounding() {
+        // The kernels exist only where the CPU has the instructions.
+        if !available() {
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(8);
+        for hd in [64, 128, 256] {
+            for n in [16, 1, 6, 15, 0] {
+                check_axpy::<2, 3>(&mut rng, hd, n);
+                check_axpy::<3, 3>(&mut rng, hd, n);
+                check_axpy::<4, 3>(&mut rng, hd, n);
+                check_axpy::<8, 3>(&mut rng, hd, n);
+                check_axpy::<3, 4>(&mut rng, hd, n);
+                check_axpy::<4, 1>(&mut rng, hd, n);
+                check_axpy::<8, 2>(&mut rng, hd, n);
+            }
+        }
+    }
+}
