@@ -121,6 +121,17 @@ fn inverse_step(top: f32) -> f32 {
     if top > 0.0 { 127.0 / top } else { 0.0 }
 }
 
+/// Whether a kernel call's block fits what the kernels take: 1 to 4 rows, heads of whole
+/// groups of 64 channels, at most 16 tokens of `bits`-bit codes from packed value `first` (on
+/// a byte) inside `len` bytes.
+fn block_fits(bits: usize, rows: usize, hd: usize, n: usize, len: usize, first: usize) -> bool {
+    (1..=4).contains(&rows)
+        && hd.is_multiple_of(64)
+        && n <= 16
+        && (first * bits).is_multiple_of(8)
+        && len * 8 >= (first + n * hd) * bits
+}
+
 /// The first of sixteen rows of `row_bytes` from byte `at` of `codes`: in place when all
 /// sixteen are there (`n` of them), else a copy of the `n` in `tail` padded with zero rows, so
 /// the kernels read whole blocks without a test.
@@ -258,12 +269,8 @@ pub unsafe fn dot_rows_coded<const K: usize, const R: usize>(
 ) {
     assert!(
         matches!(K, 4 | 8)
-            && (1..=4).contains(&R)
-            && hd.is_multiple_of(64)
             && hd <= 256
-            && n <= 16
-            && (first * K).is_multiple_of(8)
-            && codes.len() * 8 >= (first + n * hd) * K
+            && block_fits(K, R, hd, n, codes.len(), first)
             && q.len() >= R * hd
             && mins.len() >= hd
             && scales.len() >= hd
@@ -494,11 +501,7 @@ pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(
 ) {
     assert!(
         matches!(K, 2 | 3 | 4 | 8)
-            && (1..=4).contains(&R)
-            && hd.is_multiple_of(64)
-            && n <= 16
-            && (first * K).is_multiple_of(8)
-            && codes.len() * 8 >= (first + n * hd) * K
+            && block_fits(K, R, hd, n, codes.len(), first)
             && o.len() >= R * hd
             && mins.len() >= n
             && scales.len() >= n
