@@ -22,16 +22,25 @@ pub(crate) const EXP_POLY: [f32; 6] = [
     0.5,
 ];
 
-/// Asks for the cache lines of `bytes` into L2 (a hint: no effect on results, and none on
-/// CPUs other than x86-64).
+/// Asks for every cache line `bytes` touches into L2 (a hint: no effect on results, and none
+/// on CPUs other than x86-64). From the line of its first byte: stepping 64 bytes from an
+/// unaligned start missed the line of the last bytes, where a KV chunk's section keeps its
+/// heads' `amax`, the first thing decode reads of it.
 pub fn prefetch_l2(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
-    for o in (0..bytes.len()).step_by(64) {
-        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        // SAFETY: SSE is part of every x86-64 CPU; a prefetch reads nothing architecturally,
-        // and the address is inside `bytes` anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes[o..].as_ptr() as *const i8) };
+    {
+        let skew = bytes.as_ptr() as usize % 64;
+        let line = bytes.as_ptr().wrapping_sub(skew);
+        for o in (0..bytes.len() + skew).step_by(64) {
+            use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+            // SAFETY: SSE is part of every x86-64 CPU; a prefetch reads nothing
+            // architecturally and never faults, whatever the address (computed with wrapping
+            // arithmetic, never dereferenced).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(line.wrapping_add(o) as *const i8) };
+        }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }
 
 /// Asks for the cache lines of the `len` bytes of weights from `p` into L2, for the
