@@ -710,6 +710,7 @@ mod tests {
                 check_dot::<4, 1>(&mut rng, hd, n);
                 check_dot::<8, 4>(&mut rng, hd, n);
                 check_dot::<4, 2>(&mut rng, hd, n);
+                check_dot::<4, 4>(&mut rng, hd, n);
             }
         }
     }
