@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 /// CPU can (AVX-512 VNNI and VBMI; f32 elsewhere).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvArith {
+    /// Every code converted to f32 and multiplied in f32: the reference.
     F32,
+    /// The folded rows rounded to bytes and multiplied in integers, where the CPU can.
     Int8,
 }
 
@@ -22,8 +24,8 @@ pub const KV_ARITH_ENV: &str = "LLMS_KV_ARITH";
 static ARITH: AtomicU8 = AtomicU8::new(0);
 
 impl KvArith {
-    /// The arithmetic decode attention uses: as last [`KvArith::set`], else [`KV_ARITH_ENV`],
-    /// else int8 (an unknown value is logged and ignored).
+    /// The arithmetic new caches take ([`crate::kv::KvCache::arith`]): [`KV_ARITH_ENV`] read
+    /// once, else int8 (an unknown value is logged and ignored).
     pub fn get() -> KvArith {
         match ARITH.load(Ordering::Relaxed) {
             1 => KvArith::F32,
@@ -40,8 +42,8 @@ impl KvArith {
         }
     }
 
-    /// Sets the arithmetic for the whole process (benchmarks and tests that compare the two).
-    pub fn set(self) {
+    /// Keeps the process's choice.
+    fn set(self) {
         ARITH.store(1 + self as u8, Ordering::Relaxed);
     }
 
@@ -204,4 +206,17 @@ pub fn axpy_rows_coded(
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_arithmetic_is_named_as_the_environment_says() {
+        assert_eq!(KvArith::parse(""), Some(KvArith::Int8));
+        assert_eq!(KvArith::parse(" INT8 "), Some(KvArith::Int8));
+        assert_eq!(KvArith::parse("f32"), Some(KvArith::F32));
+        assert_eq!(KvArith::parse("fp16"), None);
+    }
 }
