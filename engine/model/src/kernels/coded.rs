@@ -4,7 +4,7 @@
 //! [`super::axpy_rows_codes`]) stay the reference; [`KvArith`] chooses between them.
 
 use crate::qmatrix::IsaCap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
 
 /// How decode attention multiplies a chunk of codes: in f32 (every code converted, the
 /// reference), or with the folded rows rounded to bytes and multiplied in integers where the
@@ -20,31 +20,18 @@ pub enum KvArith {
 /// The environment variable that sets [`KvArith`] for a process: `f32` or `int8`.
 pub const KV_ARITH_ENV: &str = "LLMS_KV_ARITH";
 
-/// 0: not decided yet; else `1 + KvArith as u8`.
-static ARITH: AtomicU8 = AtomicU8::new(0);
-
 impl KvArith {
     /// The arithmetic new caches take ([`crate::kv::KvCache::arith`]): [`KV_ARITH_ENV`] read
     /// once, else int8 (an unknown value is logged and ignored).
     pub fn get() -> KvArith {
-        match ARITH.load(Ordering::Relaxed) {
-            1 => KvArith::F32,
-            2 => KvArith::Int8,
-            _ => {
-                let v = std::env::var(KV_ARITH_ENV).unwrap_or_default();
-                let a = KvArith::parse(&v).unwrap_or_else(|| {
-                    tracing::warn!("{KV_ARITH_ENV}={v:?} is neither f32 nor int8: ignored");
-                    KvArith::Int8
-                });
-                a.set();
-                a
-            }
-        }
-    }
-
-    /// Keeps the process's choice.
-    fn set(self) {
-        ARITH.store(1 + self as u8, Ordering::Relaxed);
+        static ARITH: OnceLock<KvArith> = OnceLock::new();
+        *ARITH.get_or_init(|| {
+            let v = std::env::var(KV_ARITH_ENV).unwrap_or_default();
+            KvArith::parse(&v).unwrap_or_else(|| {
+                tracing::warn!("{KV_ARITH_ENV}={v:?} is neither f32 nor int8: ignored");
+                KvArith::Int8
+            })
+        })
     }
 
     /// The arithmetic a value names (the empty string: the default, int8).
@@ -132,7 +119,7 @@ pub fn dot_rows_coded(
     stride: usize,
     n: usize,
 ) -> bool {
-    if !(int8_available() && matches!(bits, 4 | 8) && hd.is_multiple_of(64) && hd <= 256) {
+    if !(int8_available() && matches!(bits, 4 | 8) && hd.is_multiple_of(64)) {
         return false;
     }
     #[cfg(target_arch = "x86_64")]

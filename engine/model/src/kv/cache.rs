@@ -228,8 +228,8 @@ impl KvCache {
         self.arith
     }
 
-    /// Sets how decode attention over this cache multiplies chunks of codes (tests and
-    /// benchmarks that compare the two in one process).
+    /// Sets how decode attention over this cache multiplies chunks of codes (for tests that
+    /// compare the two in one process).
     pub fn set_arith(&mut self, arith: KvArith) {
         self.arith = arith;
     }

@@ -22,8 +22,8 @@
 //!   per 64 codes, and the four tokens' weights are one broadcast lane.
 //!
 //! Against the f32 kernels, attention of one decode step at depth 8,192 over k4v3 chunks takes
-//! about a quarter less time on an AMD EPYC (Zen 4), and the service's mix scores a perplexity
-//! 0.3% higher (docs/bench-long.md, "Decode attention in integers").
+//! about a quarter less time on an AMD EPYC (Zen 4), and the service's mix stays within 0.25% of
+//! int8's perplexity (docs/bench-long.md, "Decode attention in integers").
 
 use std::arch::x86_64::*;
 
@@ -116,10 +116,10 @@ unsafe fn round16_u8(x: *const f32, scales: *const f32, inv: __m512, mask: __mma
     _mm512_cvtusepi32_epi8(q)
 }
 
-/// 127 over a row's largest magnitude, or 0 for a row of zeros.
+/// `levels` over a row's largest magnitude, or 0 for a row of zeros.
 #[inline]
-fn inverse_step(top: f32) -> f32 {
-    if top > 0.0 { 127.0 / top } else { 0.0 }
+fn inverse_step(top: f32, levels: f32) -> f32 {
+    if top > 0.0 { levels / top } else { 0.0 }
 }
 
 /// Whether a kernel call's block fits what the kernels take: 1 to 4 rows, heads of whole
@@ -240,8 +240,14 @@ unsafe fn key_pair<const K: usize>(a: *const u8, b: *const u8, u: usize) -> [__m
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
 fn lane_sums(w: &[__m512i; 4]) -> __m512i {
-    let pair = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-    let (x, y) = (pair(w[0], w[1]), pair(w[2], w[3]));
+    let x = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(w[0], w[1]),
+        _mm512_unpackhi_epi32(w[0], w[1]),
+    );
+    let y = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(w[2], w[3]),
+        _mm512_unpackhi_epi32(w[2], w[3]),
+    );
     _mm512_add_epi32(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y))
 }
 
@@ -270,7 +276,6 @@ pub unsafe fn dot_rows_coded<const K: usize, const R: usize>(
 ) {
     assert!(
         matches!(K, 4 | 8)
-            && hd <= 256
             && block_fits(K, R, hd, n, codes.len(), first)
             && q.len() >= R * hd
             && mins.len() >= hd
@@ -300,7 +305,7 @@ pub unsafe fn dot_rows_coded<const K: usize, const R: usize>(
                 let (top, bias) = fold_stats(qp.add(at), mp.add(64 * u), sp.add(64 * u), 64, 64);
                 step[r] = top / 127.0;
                 scores[r] = _mm512_add_ps(scores[r], _mm512_set1_ps(bias));
-                let inv = _mm512_set1_ps(inverse_step(top));
+                let inv = _mm512_set1_ps(inverse_step(top, 127.0));
                 query_bytes::<K>(qp.add(at), sp.add(64 * u), inv)
             };
         }
@@ -394,8 +399,8 @@ unsafe fn weight_bytes<const K: usize>(
     // SAFETY: the loads are masked to the n readable values (the contract); `wb` is 16 bytes.
     let (top, bias, bytes) = unsafe {
         let (top, bias) = fold_stats(w, mins, scales, 16, n);
-        let inv = if top > 0.0 { 255.0 / top } else { 0.0 };
-        let bytes = round16_u8(w, scales, _mm512_set1_ps(inv), lanes(n));
+        let inv = _mm512_set1_ps(inverse_step(top, 255.0));
+        let bytes = round16_u8(w, scales, inv, lanes(n));
         _mm_storeu_si128(wb.as_mut_ptr() as *mut __m128i, bytes);
         (top, bias, bytes)
     };
@@ -703,7 +708,7 @@ mod tests {
             return;
         }
         let mut rng = StdRng::seed_from_u64(7);
-        for hd in [64, 128, 256] {
+        for hd in [64, 128, 256, 512] {
             for n in [16, 1, 5, 13] {
                 check_dot::<4, 3>(&mut rng, hd, n);
                 check_dot::<8, 3>(&mut rng, hd, n);
