@@ -59,13 +59,16 @@ pub struct EngineOpts {
     /// model's: 16 of its chunks, 256 tokens, and 512 for Gemma 3]
     #[arg(long, value_name = "N")]
     pub prefill_chunk: Option<usize>,
-    /// Activations of single-token products: f32 (exact) or int8 (8 bits per 32 values,
-    /// multiplied in integers as llama.cpp does, four rows a pass with AVX-512 VNNI or AVX2, one
-    /// row at a time on the portable path; on AVX2 CPUs 1.1-1.3x faster decode of the default
-    /// model than f32); auto is int8 for the K-quant and Q4_0/Q5_0/Q5_1 matrices where the
-    /// CPU has AVX2 (their f32 kernels are slower than memory; perplexity +0.3-0.6% on Gemma
-    /// 3), f32 elsewhere (so the default model's products stay exact)
-    #[arg(long, default_value = "auto", value_name = "KIND", value_parser = ["auto", "f32", "int8"])]
+    /// Activations of single-token products: f32 (exact); int8 (8 bits per 32 values,
+    /// multiplied in integers as llama.cpp does, four rows a pass with AVX-512 VNNI or AVX2;
+    /// perplexity +0.4% on the default model, +0.2-0.6% on Gemma 3, and near-tied tokens flip,
+    /// which the 135M default model does not survive); int16 (the int8 codes and each value's
+    /// remainder in 256ths of a step, multiplied twice in integers, Q4_1 and Q8_0 only, with
+    /// AVX-512 VNNI or AVX2: the default model's perplexity and answers as f32's, decode
+    /// 1.1-1.2x faster; f32 for the other formats); auto is int16 for Q4_1 and Q8_0 and int8
+    /// for the K-quant and Q4_0/Q5_0/Q5_1 matrices where the CPU has AVX2 (their f32 kernels
+    /// are slower than memory), f32 elsewhere
+    #[arg(long, default_value = "auto", value_name = "KIND", value_parser = ["auto", "f32", "int8", "int16"])]
     pub activations: String,
     /// Activations of batched products (prefill, recompute): f32 GEMM over dequantized weight
     /// tiles (the reference), or int8 codes per 32 values multiplied in integers (about 2x faster
@@ -171,6 +174,7 @@ pub fn load_path(path: &Path, opts: &EngineOpts) -> anyhow::Result<Loaded> {
     }
     model.set_activations(match opts.activations.as_str() {
         "int8" => Activations::Int8,
+        "int16" => Activations::Int16,
         "auto" => Activations::Auto,
         _ => Activations::F32,
     });

@@ -2,8 +2,8 @@
 //! of Gemma 3 270M's FFN shape (2048 × 640, the gate/up products, and 640 × 2048, the down
 //! product) and of a larger 4096 × 4096 one, beside a plain read of the same bytes
 //! ([`QMatrix::sum_bytes`] on two threads, how `llms bench engine` measures the read bandwidth),
-//! with f32 activations and with int8 ones (`/int8`, `--activations int8`): each reported as
-//! bytes of weights per second.
+//! with f32 activations, int8 ones (`/int8`, `--activations int8`) and, where the CPU has the
+//! kernel, 16-bit ones (`/int16`): each reported as bytes of weights per second.
 
 use std::hint::black_box;
 
@@ -52,6 +52,11 @@ fn bench(c: &mut Criterion) {
                 g.bench_function(format!("{kind:?}/{isa:?}/int8"), |b| {
                     b.iter(|| m.matvec_with(isa, Activations::Int8, black_box(&x), &mut out))
                 });
+                if isa != Isa::Portable && matches!(kind, Kind::Q4_1 | Kind::Q8_0) {
+                    g.bench_function(format!("{kind:?}/{isa:?}/int16"), |b| {
+                        b.iter(|| m.matvec_with(isa, Activations::Int16, black_box(&x), &mut out))
+                    });
+                }
             }
         }
         g.finish();

@@ -25,7 +25,15 @@ pub fn engine(decode: Activations, prefill: PrefillActs) -> Vec<Chosen> {
     let mut out = vec![Chosen {
         product: "decode Q4_1/Q8_0 matvec",
         kernel: match (decode, isa) {
+            (Activations::Int16 | Activations::Auto, _) if vnni => {
+                "vnni::matvec_q4_1/q8_0 (16-bit activations: codes and remainders), 4 rows per \
+                 pass, vpdpbusd 512-bit twice"
+            }
             (Activations::Int8, _) if vnni => int8_rows,
+            (Activations::Int16 | Activations::Auto, Isa::Avx2 | Isa::Avx512) => {
+                "avx2::split_int8::matvec_q4_1/q8_0 (16-bit activations: codes and remainders), \
+                 4 rows per pass, vpmaddubsw 256-bit twice"
+            }
             (Activations::Int8, Isa::Portable) => "portable, int8 activations, one row at a time",
             (Activations::Int8, _) => {
                 "avx2::split_int8::matvec_q4_1/q8_0 (int8 activations), 4 rows per pass, \

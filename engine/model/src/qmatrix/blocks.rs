@@ -528,7 +528,7 @@ mod tests {
         x[cols / 3] = 7.5;
         let mag = magnitudes(kind, &raw);
         let rb = kind.bytes_of(cols);
-        let xq = super::super::quantize_acts(&x);
+        let xq = super::super::quantize_acts(&x, false);
         for isa in Isa::all_available() {
             let mut got = vec![f32::NAN; rows + 1];
             q.matvec_with(isa, Activations::F32, &x, &mut got);
@@ -559,6 +559,18 @@ mod tests {
                 assert!(
                     (f64::from(got8[r]) - want).abs() <= act * 1.001 + bound + 1e-6,
                     "{isa:?} {kind:?} int8 row {r}: {} vs {want} (bound {act})",
+                    got8[r]
+                );
+                // And it is the product with the dequantized activations, up to float
+                // rounding: the minimum terms take the codes' sums, not the exact ones.
+                let (exact, mag8) = (0..cols).fold((0.0f64, 0.0f64), |(e, a), c| {
+                    let xh = f64::from(xq.d[c / BLOCK]) * f64::from(xq.q[c]);
+                    (e + w[c] * xh, a + mag[r * cols + c] * xh.abs())
+                });
+                let bound8 = n * f64::from(f32::EPSILON) / 2.0 * mag8;
+                assert!(
+                    (f64::from(got8[r]) - exact).abs() <= bound8 + 1e-6,
+                    "{isa:?} {kind:?} int8 row {r}: {} vs Σ w x̂ {exact}",
                     got8[r]
                 );
             }

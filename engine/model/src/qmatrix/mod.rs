@@ -154,13 +154,19 @@ pub enum Activations {
     #[default]
     F32,
     /// Quantized to 8 bits per 32-value block (f32 scale) and multiplied with the weight blocks
-    /// in integers, as llama.cpp does; the Q4_1 minimum term uses the exact f32 sums.
+    /// in integers, as llama.cpp does; the minimum terms (Q4_1, the K-quants) take the sums of
+    /// the codes, so the product is exactly the one with the dequantized activations.
     Int8,
-    /// Int8 for the matrices whose f32 kernel is held back by its arithmetic rather than by
-    /// memory, where the CPU has a several-rows int8 kernel for them: the formats read as the
-    /// file's blocks (K-quants, Q4_0, Q5_0, Q5_1) with AVX2 or AVX-512 VNNI. f32 for the rest
-    /// (Q4_1 and Q8_0, whose f32 kernels keep pace with memory, so the default model stays
-    /// exact).
+    /// Quantized to 16 bits per 32-value block, the 8-bit codes and each value's remainder in
+    /// 256ths of a step, `x ≈ d (q + lo / 256)`, and multiplied in integers twice over the same
+    /// weight bytes (Q4_1 and Q8_0, with AVX-512 VNNI's `vpdpbusd` or AVX2's `vpmaddubsw`): an
+    /// error per value at most 1/256 of int8's. f32 for the other formats and on the portable
+    /// path.
+    Int16,
+    /// The fastest activations that keep the default model's answers: int16 for Q4_1 and Q8_0
+    /// where the CPU has AVX2 (their f32 kernels are held back by their arithmetic, at about
+    /// 0.6-0.7 of the read bandwidth); int8 for the formats read as the file's blocks (K-quants,
+    /// Q4_0, Q5_0, Q5_1) where the CPU has AVX2; f32 for the rest.
     Auto,
 }
 
@@ -722,8 +728,21 @@ impl QMatrix {
         } else {
             Vec::new()
         };
-        let int8 = parts.iter().any(|w| w.takes_int8(isa, acts));
-        let xq = int8.then(|| quantize_acts(x));
+        // The widest activations any part takes: a 16-bit quantization holds the 8-bit one.
+        let widest = parts.iter().map(|w| w.taken(isa, acts)).max();
+        let xq = match widest {
+            Some(t @ (Taken::Int8 | Taken::Int16)) => Some(quantize_acts(x, t == Taken::Int16)),
+            _ => None,
+        };
+        // The quantized products' minimum terms take the sums of the activations they multiply
+        // (`QuantizedActs::sums`).
+        let sums = |t: Taken| match &xq {
+            Some(xq) if !xsum.is_empty() && parts.iter().any(|w| w.taken(isa, acts) == t) => {
+                xq.sums(t)
+            }
+            _ => Vec::new(),
+        };
+        let (xsum8, xsum16) = (sums(Taken::Int8), sums(Taken::Int16));
         // One contiguous run of rows per thread: each thread streams one piece of the matrix
         // and pays for one task. Measured on 2 threads (docs/bench-engine.md), decode at depth 0
         // ran 10-15% faster than with four tasks per thread; if the other thread has not
@@ -744,8 +763,13 @@ impl QMatrix {
                     if g < base + w.rows {
                         let r0 = g - base;
                         let (piece, rest) = o.split_at_mut((w.rows - r0).min(o.len()));
-                        let xq = xq.as_ref().filter(|_| w.takes_int8(isa, acts));
-                        w.rows_into(isa, r0, x, xq, &xsum, piece);
+                        let taken = w.taken(isa, acts);
+                        let (codes, xsum) = match (&xq, taken) {
+                            (Some(xq), Taken::Int8) => (Some(xq.codes(taken)), &xsum8),
+                            (Some(xq), Taken::Int16) => (Some(xq.codes(taken)), &xsum16),
+                            _ => (None, &xsum),
+                        };
+                        w.rows_into(isa, r0, x, codes, xsum, piece);
                         g += piece.len();
                         o = rest;
                     }
@@ -754,14 +778,14 @@ impl QMatrix {
             });
     }
 
-    /// `out[i]` = row `r0 + i` · `x` for every `i`, with the activations' int8 codes where
-    /// `xq` holds them (a block-format matrix), else in f32.
+    /// `out[i]` = row `r0 + i` · `x` for every `i`, with the activations' codes where `xq`
+    /// holds them (a block-format matrix), else in f32.
     fn rows_into(
         &self,
         isa: Isa,
         r0: usize,
         x: &[f32],
-        xq: Option<&QuantizedActs>,
+        xq: Option<Codes>,
         xsum: &[f32],
         out: &mut [f32],
     ) {
@@ -1009,7 +1033,13 @@ mod tests {
             .collect();
         let rows: usize = parts.iter().map(|w| w.rows).sum();
         for isa in Isa::all_available() {
-            for acts in [Activations::F32, Activations::Int8, Activations::Auto] {
+            let every = [
+                Activations::F32,
+                Activations::Int8,
+                Activations::Int16,
+                Activations::Auto,
+            ];
+            for acts in every {
                 let mut all = vec![f32::NAN; rows + 1];
                 QMatrix::matvec_parts_with(isa, &parts, acts, &x, &mut all);
                 assert!(all[rows].is_nan(), "{isa:?} wrote past the rows");
@@ -1032,11 +1062,12 @@ mod tests {
         }
     }
 
-    /// `Activations::Auto` gives a matrix the f32 product, bit for bit, unless it is held as
-    /// the file's blocks and the path has AVX2 (or AVX-512 VNNI), where it gives the int8
-    /// product.
+    /// `Activations::Auto` gives a matrix the f32 product, bit for bit, unless the path has a
+    /// 16-bit activations kernel for it (Q4_1 and Q8_0 with AVX2), where it gives that product,
+    /// or it is held as the file's blocks and the path has AVX2 (or AVX-512 VNNI), where it
+    /// gives the int8 product.
     #[test]
-    fn auto_activations_are_int8_only_for_the_files_blocks() {
+    fn auto_activations_are_int16_or_int8_only_where_a_kernel_takes_them() {
         let cols = 512;
         let (_, mut ms) = matrices(9, cols);
         for kind in [Kind::Q5_0, Kind::Q4_K, Kind::Q6_K] {
@@ -1052,25 +1083,35 @@ mod tests {
             m.matvec_with(isa, acts, &x, &mut out);
             out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
-        let mut int8_seen = false;
+        let (mut int8_seen, mut int16_seen) = (false, false);
         for isa in Isa::all_available() {
             for m in &ms {
-                let int8 = m.kind.is_raw() && isa.has_avx2();
-                let want = if int8 {
-                    Activations::Int8
-                } else {
-                    Activations::F32
+                let int16 = m.has_int16_rows(isa);
+                let int8 = !int16 && m.kind.is_raw() && isa.has_avx2();
+                let want = match (int16, int8) {
+                    (true, _) => Activations::Int16,
+                    (_, true) => Activations::Int8,
+                    _ => Activations::F32,
                 };
                 let got = product(m, isa, Activations::Auto);
                 assert_eq!(got, product(m, isa, want), "{isa:?} {:?}", m.kind);
-                if int8 {
-                    // The two products differ, so the check above tells them apart.
+                if int8 || int16 {
+                    // The products differ, so the check above tells them apart.
                     assert_ne!(got, product(m, isa, Activations::F32), "{:?}", m.kind);
-                    int8_seen = true;
+                    int8_seen |= int8;
+                    int16_seen |= int16;
+                }
+                if int16 {
+                    assert_ne!(got, product(m, isa, Activations::Int8), "{:?}", m.kind);
                 }
             }
         }
         assert_eq!(int8_seen, Isa::Avx2.available());
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            int16_seen,
+            Isa::Avx512.available() && simd::vnni::available()
+        );
     }
 
     #[test]
@@ -1143,6 +1184,79 @@ mod tests {
             // Ties go to even: 0.5 → 0, 1.5 → 2, -0.5 → 0, -1.5 → -2.
             assert_eq!(&q1[48..50], &[0, 2]);
             assert_eq!(&q1[46..48], &[-2, 0]);
+            // The remainders of 16-bit activations, the same bits on both paths; a remainder
+            // of exactly half a step is clamped: 0.5 → 0 + 127/256, 1.5 → 2 - 127/256.
+            let (mut l1, mut l2, mut q3) = (vec![0i8; 256], vec![0i8; 256], vec![0i8; 256]);
+            remainders_portable(&x, &q1, &d1, &mut l1);
+            // SAFETY: the CPU has the kernel's features (checked above).
+            unsafe { simd::vnni::quantize16(&x, &mut q3, &mut l2, &mut d2) };
+            assert_eq!(q1, q3);
+            assert_eq!(l1, l2);
+            assert_eq!(&l1[48..50], &[127, -127]);
+            let xa = quantize_acts(&x, true);
+            assert_eq!((xa.q, xa.lo), (q1, l1));
+        }
+    }
+
+    #[test]
+    fn int16_activations_are_within_a_256th_of_int8s_bound() {
+        let (rows, cols) = (70, 96);
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 29 % 17) as f32 - 8.0) / 3.0 + if i == 5 { 20.0 } else { 0.0 })
+            .collect();
+        let xa = quantize_acts(&x, true);
+        // Each value within a 256th of its block's step (a 512th but where a remainder of half
+        // a step saturated), apart from the rounding of x · (127 / amax).
+        for (c, &v) in x.iter().enumerate() {
+            let d = xa.d[c / BLOCK];
+            let xh = d * (f32::from(xa.q[c]) + f32::from(xa.lo[c]) / 256.0);
+            assert!(
+                (xh - v).abs() <= d / 256.0 + 4.0 * f32::EPSILON * v.abs(),
+                "{c}"
+            );
+        }
+        let (_, ms) = matrices(rows, cols);
+        for m in &ms[..2] {
+            let w = dequant(m);
+            let mut f32s = vec![0.0; rows];
+            m.matvec_with(Isa::best(), Activations::F32, &x, &mut f32s);
+            for isa in Isa::all_available() {
+                let mut got = vec![0.0; rows];
+                m.matvec_with(isa, Activations::Int16, &x, &mut got);
+                if !m.has_int16_rows(isa) {
+                    // No kernel for them here: the f32 product, the same bits as its own.
+                    let mut want = vec![0.0; rows];
+                    m.matvec_with(isa, Activations::F32, &x, &mut want);
+                    assert_eq!(got, want, "{isa:?} {:?}", m.kind);
+                    continue;
+                }
+                for r in 0..rows {
+                    let (exact, mag, bound) = (0..cols).fold((0.0f64, 0.0, 0.0), |(e, a, b), c| {
+                        let d = f64::from(xa.d[c / BLOCK]);
+                        let xh = d * (f64::from(xa.q[c]) + f64::from(xa.lo[c]) / 256.0);
+                        let wv = f64::from(w[r * cols + c]);
+                        (e + wv * xh, a + (wv * xh).abs(), b + wv.abs() * d / 256.0)
+                    });
+                    // Σ w x̂ up to float rounding (the integer sums are exact)...
+                    assert!(
+                        (f64::from(got[r]) - exact).abs() <= 64.0 * f64::from(f32::EPSILON) * mag,
+                        "{isa:?} {:?} row {r}: {} vs Σ w x̂ {exact}",
+                        m.kind,
+                        got[r]
+                    );
+                    // ...and so within a 256th of a step per value of the f32 product.
+                    assert!(
+                        (got[r] - f32s[r]).abs() as f64 <= bound * 1.01 + 1e-4,
+                        "{isa:?} {:?} row {r}: {} vs f32 {} (bound {bound})",
+                        m.kind,
+                        got[r],
+                        f32s[r]
+                    );
+                    // The portable row product reads the remainders the same way.
+                    let portable = m.row_dot_q8(r, xa.codes(Taken::Int16), &xa.sums(Taken::Int16));
+                    assert!((portable - got[r]).abs() <= 1e-4 * (1.0 + got[r].abs()));
+                }
+            }
         }
     }
 
@@ -1152,7 +1266,7 @@ mod tests {
         let x: Vec<f32> = (0..cols)
             .map(|i| ((i * 29 % 17) as f32 - 8.0) / 3.0 + if i == 5 { 20.0 } else { 0.0 })
             .collect();
-        let xa = quantize_acts(&x);
+        let xa = quantize_acts(&x, false);
         let (_, ms) = matrices(rows, cols);
         for m in &ms[..2] {
             let w = dequant(m);
@@ -1169,6 +1283,19 @@ mod tests {
                     assert!(
                         (got[r] - want).abs() <= bound * 1.01 + 1e-4,
                         "{isa:?} {:?} row {r}: {} vs {want} (bound {bound})",
+                        m.kind,
+                        got[r]
+                    );
+                    // And it is the product with the dequantized activations, up to float
+                    // rounding: the minimum term takes the codes' sum, not the exact one.
+                    let (exact, mag) = (0..cols).fold((0.0f64, 0.0f64), |(e, a), c| {
+                        let xh = f64::from(xa.d[c / BLOCK]) * f64::from(xa.q[c]);
+                        let t = f64::from(w[r * cols + c]) * xh;
+                        (e + t, a + t.abs())
+                    });
+                    assert!(
+                        (f64::from(got[r]) - exact).abs() <= 64.0 * f64::from(f32::EPSILON) * mag,
+                        "{isa:?} {:?} row {r}: {} vs Σ w x̂ {exact}",
                         m.kind,
                         got[r]
                     );

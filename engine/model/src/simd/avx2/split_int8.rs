@@ -6,7 +6,12 @@
 //! `vpmaddwd` by ones into eight 32-bit lanes, converted to f32 once and multiplied by
 //! `d_w · d_x`. Q4_1's nibbles are unsigned (pair sums at most 2 · 15 · 127); Q8_0's codes are
 //! signed, so they are taken as `|w|` times `x` with `w`'s sign (at most 2 · 128 · 127 =
-//! 32,512, never saturated). Q4_1's minimum term uses the activations' exact f32 sums.
+//! 32,512, never saturated). Q4_1's minimum term takes `xsum` as given (the codes' sums).
+//!
+//! With 16-bit activations (`xl`, each value's remainder in 256ths of a step, -127..=127) the
+//! remainders go through the same two instructions, and the codes' pair sums are widened by
+//! `vpmaddwd` with 256 in place of 1, so the two add up exactly in 32 bits and each block takes
+//! one scale, `d_w · d_x / 256`.
 
 use super::hsum;
 use crate::simd::{ROWS, passes};
@@ -20,18 +25,22 @@ fn h2f(h: f16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
 }
 
-/// `out[r] = Σ_b d[r][b] dx[b] Σ_j q[r][b][j] xq[32b + j] + Σ_b m[r][b] xsum[b]` for the
+/// `out[r] = Σ_b d[r][b] dx[b] Σ_j q[r][b][j] x[32b + j] + Σ_b m[r][b] xsum[b]` for the
 /// `out.len()` Q4_1 rows held in `d`, `m` (`nb = xq.len() / 32` each) and `qs` (16 bytes a
-/// block: quant j in the low nibble of byte j, quant j + 16 in its high nibble).
+/// block: quant j in the low nibble of byte j, quant j + 16 in its high nibble), where `x` is
+/// `xq` (8-bit activations, `xl` empty) or `xq + xl / 256` (16-bit ones, `xl` as long as `xq`,
+/// in -127..=127).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C. The sizes are checked.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn matvec_q4_1(
     d: &[f16],
     m: &[f16],
     qs: &[u8],
     xq: &[i8],
+    xl: &[i8],
     dx: &[f32],
     xsum: &[f32],
     out: &mut [f32],
@@ -40,6 +49,7 @@ pub unsafe fn matvec_q4_1(
     let rows = out.len();
     assert!(
         xq.len() == nb * 32
+            && (xl.is_empty() || xl.len() == xq.len())
             && dx.len() >= nb
             && xsum.len() >= nb
             && d.len() >= rows * nb
@@ -52,40 +62,51 @@ pub unsafe fn matvec_q4_1(
         // SAFETY: rows r..r + n are inside the slices (asserted above); the CPU has the
         // features (this function's contract).
         unsafe {
-            match n {
-                ROWS => rows_of::<false, ROWS>(d, m, qs, xq, dx, xsum, r, out),
-                _ => rows_of::<false, 1>(d, m, qs, xq, dx, xsum, r, out),
+            match (n, xl.is_empty()) {
+                (ROWS, true) => rows_of::<false, ROWS, false>(d, m, qs, xq, xl, dx, xsum, r, out),
+                (_, true) => rows_of::<false, 1, false>(d, m, qs, xq, xl, dx, xsum, r, out),
+                (ROWS, false) => rows_of::<false, ROWS, true>(d, m, qs, xq, xl, dx, xsum, r, out),
+                (_, false) => rows_of::<false, 1, true>(d, m, qs, xq, xl, dx, xsum, r, out),
             }
         }
     });
 }
 
-/// `out[r] = Σ_b d[r][b] dx[b] Σ_j q[r][b][j] xq[32b + j]` for the `out.len()` Q8_0 rows held
-/// in `d` (`nb = xq.len() / 32` each) and `qs` (32 signed bytes a block).
+/// `out[r] = Σ_b d[r][b] dx[b] Σ_j q[r][b][j] x[32b + j]` for the `out.len()` Q8_0 rows held
+/// in `d` (`nb = xq.len() / 32` each) and `qs` (32 signed bytes a block), where `x` is `xq`
+/// (8-bit activations, `xl` empty) or `xq + xl / 256` (16-bit ones, `xl` as long as `xq`, in
+/// -127..=127).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C. The sizes are checked.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32], out: &mut [f32]) {
+pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], xl: &[i8], dx: &[f32], out: &mut [f32]) {
     let nb = xq.len() / 32;
     let rows = out.len();
     assert!(
-        xq.len() == nb * 32 && dx.len() >= nb && d.len() >= rows * nb && qs.len() >= rows * nb * 32,
+        xq.len() == nb * 32
+            && (xl.is_empty() || xl.len() == xq.len())
+            && dx.len() >= nb
+            && d.len() >= rows * nb
+            && qs.len() >= rows * nb * 32,
         "avx2::split_int8::matvec_q8_0: bad sizes"
     );
     passes(rows, nb * 32, qs.as_ptr(), |r, n| {
         let out = &mut out[r..r + n];
         // SAFETY: as in `matvec_q4_1`.
         unsafe {
-            match n {
-                ROWS => rows_of::<true, ROWS>(d, &[], qs, xq, dx, &[], r, out),
-                _ => rows_of::<true, 1>(d, &[], qs, xq, dx, &[], r, out),
+            match (n, xl.is_empty()) {
+                (ROWS, true) => rows_of::<true, ROWS, false>(d, &[], qs, xq, xl, dx, &[], r, out),
+                (_, true) => rows_of::<true, 1, false>(d, &[], qs, xq, xl, dx, &[], r, out),
+                (ROWS, false) => rows_of::<true, ROWS, true>(d, &[], qs, xq, xl, dx, &[], r, out),
+                (_, false) => rows_of::<true, 1, true>(d, &[], qs, xq, xl, dx, &[], r, out),
             }
         }
     });
 }
 
-/// The `R` rows from `r0` of [`matvec_q8_0`] (`Q8`) or [`matvec_q4_1`].
+/// The `R` rows from `r0` of [`matvec_q8_0`] (`Q8`) or [`matvec_q4_1`], with the remainders
+/// `xl` if `LO`.
 ///
 /// # Safety
 /// As those, for rows `r0..r0 + R` inside the slices; `out` holds `R` values.
@@ -93,11 +114,12 @@ pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], dx: &[f32], out: &mut
 #[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_of<const Q8: bool, const R: usize>(
+unsafe fn rows_of<const Q8: bool, const R: usize, const LO: bool>(
     d: &[f16],
     m: &[f16],
     qs: &[u8],
     xq: &[i8],
+    xl: &[i8],
     dx: &[f32],
     xsum: &[f32],
     r0: usize,
@@ -106,6 +128,12 @@ unsafe fn rows_of<const Q8: bool, const R: usize>(
     let nb = xq.len() / 32;
     let bytes = if Q8 { 32 } else { 16 };
     let (ones, nibble) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
+    // The codes' pair sums count 256 remainders' units each (16-bit activations).
+    let (wide, unit) = if LO {
+        (_mm256_set1_epi16(256), 1.0 / 256.0)
+    } else {
+        (ones, 1.0)
+    };
     let mut acc = [_mm256_setzero_ps(); R];
     let mut mins = [0.0f32; R];
     let (dp, qp) = (d.as_ptr(), qs.as_ptr());
@@ -114,25 +142,47 @@ unsafe fn rows_of<const Q8: bool, const R: usize>(
         let (x, dxb) = unsafe {
             (
                 _mm256_loadu_si256(xq.as_ptr().add(32 * b) as *const __m256i),
-                *dx.get_unchecked(b),
+                *dx.get_unchecked(b) * unit,
             )
+        };
+        let lo = if LO {
+            // SAFETY: as above; xl is as long as xq when LO.
+            unsafe { _mm256_loadu_si256(xl.as_ptr().add(32 * b) as *const __m256i) }
+        } else {
+            _mm256_setzero_si256()
         };
         for r in 0..R {
             let o = (r0 + r) * nb + b;
             // SAFETY: block b of row r0 + r is inside d, m and qs (the contract).
-            let (p, db) = unsafe {
+            let (p, pl, db) = unsafe {
                 let q = qp.add(o * bytes);
-                let p = if Q8 {
+                let (p, pl) = if Q8 {
                     let w = _mm256_loadu_si256(q as *const __m256i);
-                    _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+                    let a = _mm256_abs_epi8(w);
+                    let pl = if LO {
+                        _mm256_maddubs_epi16(a, _mm256_sign_epi8(lo, w))
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    (_mm256_maddubs_epi16(a, _mm256_sign_epi8(x, w)), pl)
                 } else {
                     let v = _mm_loadu_si128(q as *const __m128i);
                     let w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(v), v), nibble);
-                    _mm256_maddubs_epi16(w, x)
+                    let pl = if LO {
+                        _mm256_maddubs_epi16(w, lo)
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    (_mm256_maddubs_epi16(w, x), pl)
                 };
-                (p, h2f(*dp.add(o)))
+                (p, pl, h2f(*dp.add(o)))
             };
-            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            let mut ints = _mm256_madd_epi16(p, wide);
+            if LO {
+                // At most 256 · 2 · 32,512 + 2 · 32,512 a lane: far inside 32 bits.
+                ints = _mm256_add_epi32(ints, _mm256_madd_epi16(pl, ones));
+            }
+            let sums = _mm256_cvtepi32_ps(ints);
             acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(db * dxb), acc[r]);
             if !Q8 {
                 // SAFETY: as above.
