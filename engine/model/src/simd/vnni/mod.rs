@@ -347,42 +347,12 @@ unsafe fn rows_q8_0<const R: usize, const LO: bool>(
 ///
 /// # Safety
 /// The CPU must have what [`available`] checks. The sizes are checked.
-// One index runs over the codes and the scales at once.
-#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
 pub unsafe fn quantize16(x: &[f32], q: &mut [i8], lo: &mut [i8], d: &mut [f32]) {
     let nb = x.len() / 32;
-    assert!(
-        q.len() >= nb * 32 && lo.len() >= nb * 32 && d.len() >= nb,
-        "vnni::quantize16: bad sizes"
-    );
-    let (steps, floor) = (_mm512_set1_ps(256.0), _mm512_set1_epi32(-127));
-    for b in 0..nb {
-        // SAFETY: block b < nb: its 32 values are inside x and its 32 codes inside q and lo
-        // (the assert above); unaligned loads and stores accept any address.
-        unsafe {
-            let xp = x.as_ptr().add(b * 32);
-            let (xl, xh) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
-            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(xl), _mm512_abs_ps(xh)));
-            d[b] = amax / 127.0;
-            let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
-            for (half, v) in [xl, xh].into_iter().enumerate() {
-                let s = _mm512_mul_ps(v, inv);
-                // Round to nearest, ties to even (the default MXCSR mode); s - q is exact.
-                let c = _mm512_cvtps_epi32(s);
-                let rest = _mm512_mul_ps(_mm512_sub_ps(s, _mm512_cvtepi32_ps(c)), steps);
-                let at = b * 32 + 16 * half;
-                _mm_storeu_si128(
-                    q.as_mut_ptr().add(at) as *mut __m128i,
-                    _mm512_cvtepi32_epi8(c),
-                );
-                _mm_storeu_si128(
-                    lo.as_mut_ptr().add(at) as *mut __m128i,
-                    _mm512_cvtsepi32_epi8(_mm512_max_epi32(_mm512_cvtps_epi32(rest), floor)),
-                );
-            }
-        }
-    }
+    assert!(lo.len() >= nb * 32, "vnni::quantize16: bad sizes");
+    // SAFETY: the CPU has the features (this function's contract); lo holds nb blocks.
+    unsafe { quantize_with::<true>(x, q, lo, d) }
 }
 
 /// Quantizes `x` per block of 32 into `q` (codes in -127..=127, rounded to nearest, ties to
@@ -391,32 +361,57 @@ pub unsafe fn quantize16(x: &[f32], q: &mut [i8], lo: &mut [i8], d: &mut [f32]) 
 ///
 /// # Safety
 /// The CPU must have what [`available`] checks. The sizes are checked.
-// One index runs over the codes and the scales at once.
-#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
 pub unsafe fn quantize(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    // SAFETY: the CPU has the features (this function's contract); lo is not read without LO.
+    unsafe { quantize_with::<false>(x, q, &mut [], d) }
+}
+
+/// [`quantize`], and with `LO` [`quantize16`]'s remainders into `lo`.
+///
+/// # Safety
+/// The CPU must have what [`available`] checks; with `LO`, `lo` must hold `x.len()` values.
+/// The other sizes are checked.
+// One index runs over the codes and the scales at once.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+unsafe fn quantize_with<const LO: bool>(x: &[f32], q: &mut [i8], lo: &mut [i8], d: &mut [f32]) {
     let nb = x.len() / 32;
     assert!(
         q.len() >= nb * 32 && d.len() >= nb,
         "vnni::quantize: bad sizes"
     );
+    let (steps, floor) = (_mm512_set1_ps(256.0), _mm512_set1_epi32(-127));
     for b in 0..nb {
         // SAFETY: block b < nb: its 32 values are inside x and its 32 codes inside q (the
-        // assert above); unaligned loads and stores accept any address.
+        // assert above) and, with LO, inside lo (the caller); unaligned loads and stores
+        // accept any address.
         unsafe {
             let xp = x.as_ptr().add(b * 32);
-            let (lo, hi) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+            let (xl, xh) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
             // |x| by `vpandd` (AVX-512 F; `_mm512_andnot_ps` needs DQ, which these functions
             // do not enable, and was called out of line).
-            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(xl), _mm512_abs_ps(xh)));
             d[b] = amax / 127.0;
             let inv = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
-            // Round to nearest, ties to even (the default MXCSR mode).
-            let ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
-            let qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-            let qp = q.as_mut_ptr().add(b * 32);
-            _mm_storeu_si128(qp as *mut __m128i, _mm512_cvtepi32_epi8(ql));
-            _mm_storeu_si128(qp.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(qh));
+            for (half, v) in [xl, xh].into_iter().enumerate() {
+                let s = _mm512_mul_ps(v, inv);
+                // Round to nearest, ties to even (the default MXCSR mode); s - q is exact.
+                let c = _mm512_cvtps_epi32(s);
+                let at = b * 32 + 16 * half;
+                _mm_storeu_si128(
+                    q.as_mut_ptr().add(at) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(c),
+                );
+                if LO {
+                    let rest = _mm512_mul_ps(_mm512_sub_ps(s, _mm512_cvtepi32_ps(c)), steps);
+                    _mm_storeu_si128(
+                        lo.as_mut_ptr().add(at) as *mut __m128i,
+                        _mm512_cvtsepi32_epi8(_mm512_max_epi32(_mm512_cvtps_epi32(rest), floor)),
+                    );
+                }
+            }
         }
     }
 }
