@@ -80,17 +80,34 @@ pub(super) fn quantize_acts(x: &[f32], sixteen: bool) -> QuantizedActs {
     } else {
         Vec::new()
     };
+    // The quantizer of the best path within `LLMS_ISA`, so a capped run does what that CPU
+    // would do.
     #[cfg(target_arch = "x86_64")]
-    if simd::vnni::available() {
-        // SAFETY: the CPU has the kernels' features (checked just above); they check the sizes.
-        unsafe {
-            if sixteen {
-                simd::vnni::quantize16(x, &mut q, &mut lo, &mut d);
-            } else {
-                simd::vnni::quantize(x, &mut q, &mut d);
+    match Isa::best() {
+        Isa::Avx512 if simd::vnni::available() => {
+            // SAFETY: the CPU has the kernels' features (checked just above); they check the
+            // sizes.
+            unsafe {
+                if sixteen {
+                    simd::vnni::quantize16(x, &mut q, &mut lo, &mut d);
+                } else {
+                    simd::vnni::quantize(x, &mut q, &mut d);
+                }
             }
+            return QuantizedActs { q, lo, d };
         }
-        return QuantizedActs { q, lo, d };
+        Isa::Avx2 | Isa::Avx512 => {
+            // SAFETY: the path has AVX2, FMA and F16C; lo holds x.len() values when sixteen.
+            unsafe {
+                if sixteen {
+                    simd::avx2::split_int8::quantize::<true>(x, &mut q, &mut lo, &mut d);
+                } else {
+                    simd::avx2::split_int8::quantize::<false>(x, &mut q, &mut [], &mut d);
+                }
+            }
+            return QuantizedActs { q, lo, d };
+        }
+        Isa::Portable => {}
     }
     quantize_acts_portable(x, &mut q, &mut d);
     if sixteen {

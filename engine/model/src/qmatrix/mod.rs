@@ -1199,6 +1199,39 @@ mod tests {
     }
 
     #[test]
+    fn avx2_activation_quantizer_agrees_bit_for_bit() {
+        #[cfg(target_arch = "x86_64")]
+        if Isa::Avx2.available() {
+            let mut x: Vec<f32> = (0..256)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            // Ties and half-step remainders (a step of 1), a zero block, a constant one.
+            x[32] = 127.0;
+            for (j, v) in x[33..64].iter_mut().enumerate() {
+                *v = j as f32 - 15.5;
+            }
+            x[64..96].fill(0.0);
+            x[96..128].fill(-3.25);
+            let (mut q1, mut l1, mut d1) = (vec![0i8; 256], vec![0i8; 256], vec![0f32; 8]);
+            quantize_acts_portable(&x, &mut q1, &mut d1);
+            remainders_portable(&x, &q1, &d1, &mut l1);
+            let (mut q2, mut l2, mut d2) = (vec![0i8; 256], vec![0i8; 256], vec![0f32; 8]);
+            // SAFETY: the CPU has AVX2, FMA and F16C (`Isa::Avx2`); l2 holds 256 values.
+            unsafe { simd::avx2::split_int8::quantize::<true>(&x, &mut q2, &mut l2, &mut d2) };
+            assert_eq!((&q2, &l2), (&q1, &l1));
+            assert!(d1.iter().zip(&d2).all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(
+                l1.contains(&127) && l1.contains(&-127),
+                "half steps clamped"
+            );
+            let mut q3 = vec![0i8; 256];
+            // SAFETY: as above; without LO the empty remainders are not written.
+            unsafe { simd::avx2::split_int8::quantize::<false>(&x, &mut q3, &mut [], &mut d2) };
+            assert_eq!(q3, q1);
+        }
+    }
+
+    #[test]
     fn int16_activations_are_within_a_256th_of_int8s_bound() {
         let (rows, cols) = (70, 96);
         let x: Vec<f32> = (0..cols)

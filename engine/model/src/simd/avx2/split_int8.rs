@@ -194,3 +194,60 @@ unsafe fn rows_of<const Q8: bool, const R: usize, const LO: bool>(
         out[r] = hsum(acc[r]) + mins[r];
     }
 }
+
+/// Quantizes `x` per block of 32 into `q` (codes in -127..=127, rounded to nearest, ties to
+/// even), `d` (each block's largest magnitude over 127) and, with `LO`, each value's remainder
+/// in 256ths of a step into `lo` (clamped to -127..=127): the same bits as the portable
+/// quantizer of `qmatrix` and `simd::vnni::quantize`/`quantize16`, on 256 bits.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; with `LO`, `lo` must hold `x.len()` values. The other
+/// sizes are checked.
+// One index runs over the codes and the scales at once.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize<const LO: bool>(x: &[f32], q: &mut [i8], lo: &mut [i8], d: &mut [f32]) {
+    let nb = x.len() / 32;
+    assert!(
+        q.len() >= nb * 32 && d.len() >= nb,
+        "avx2::split_int8::quantize: bad sizes"
+    );
+    let sign = _mm256_set1_ps(-0.0);
+    let (steps, floor) = (_mm256_set1_ps(256.0), _mm256_set1_epi32(-127));
+    // `vpackssdw` and `vpacksswb` interleave their 128-bit lanes; this puts the words back.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let pack = |c: [__m256i; 4]| {
+        let w = _mm256_packs_epi16(
+            _mm256_packs_epi32(c[0], c[1]),
+            _mm256_packs_epi32(c[2], c[3]),
+        );
+        _mm256_permutevar8x32_epi32(w, order)
+    };
+    for b in 0..nb {
+        // SAFETY: block b < nb: its 32 values are inside x and its 32 codes inside q (the
+        // assert above) and, with LO, inside lo (the caller); unaligned loads and stores
+        // accept any address.
+        unsafe {
+            let xp = x.as_ptr().add(b * 32);
+            let v = [0, 8, 16, 24].map(|k| _mm256_loadu_ps(xp.add(k)));
+            let a = v.map(|v| _mm256_andnot_ps(sign, v));
+            let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+            d[b] = amax / 127.0;
+            let inv = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
+            let s = v.map(|v| _mm256_mul_ps(v, inv));
+            // Round to nearest, ties to even (the default MXCSR mode); s - q is exact.
+            let c = s.map(|s| _mm256_cvtps_epi32(s));
+            _mm256_storeu_si256(q.as_mut_ptr().add(b * 32) as *mut __m256i, pack(c));
+            if LO {
+                let r = [0, 1, 2, 3].map(|k| {
+                    let rest = _mm256_mul_ps(_mm256_sub_ps(s[k], _mm256_cvtepi32_ps(c[k])), steps);
+                    _mm256_max_epi32(_mm256_cvtps_epi32(rest), floor)
+                });
+                _mm256_storeu_si256(lo.as_mut_ptr().add(b * 32) as *mut __m256i, pack(r));
+            }
+        }
+    }
+}
