@@ -65,7 +65,7 @@ pub struct EngineOpts {
     /// which the 135M default model does not survive); int16 (the int8 codes and each value's
     /// remainder in 256ths of a step, multiplied twice in integers, Q4_1 and Q8_0 only, with
     /// AVX-512 VNNI or AVX2: the default model's perplexity and answers as f32's, decode
-    /// 1.1-1.2x faster; f32 for the other formats); auto is int16 for Q4_1 and Q8_0 and int8
+    /// 1.1-1.3x faster; f32 for the other formats); auto is int16 for Q4_1 and Q8_0 and int8
     /// for the K-quant and Q4_0/Q5_0/Q5_1 matrices where the CPU has AVX2 (their f32 kernels
     /// are slower than memory), f32 elsewhere
     #[arg(long, default_value = "auto", value_name = "KIND", value_parser = ["auto", "f32", "int8", "int16"])]
