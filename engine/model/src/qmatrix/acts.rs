@@ -250,15 +250,15 @@ impl QMatrix {
             return blocks::dot_row_q8(self.kind, self.raw_row(r), x.q, x.d, xsum);
         }
         // 16-bit activations as integers in 256ths of a step: 256 q + lo.
-        let (unit, act) = if x.lo.is_empty() {
-            (1.0, (|q: i8, _: i8| i32::from(q)) as fn(i8, i8) -> i32)
-        } else {
-            (
-                1.0 / 256.0,
-                (|q: i8, l: i8| 256 * i32::from(q) + i32::from(l)) as fn(i8, i8) -> i32,
-            )
+        let sixteen = !x.lo.is_empty();
+        let unit = if sixteen { 1.0 / 256.0 } else { 1.0 };
+        let act = |i: usize| {
+            if sixteen {
+                256 * i32::from(x.q[i]) + i32::from(x.lo[i])
+            } else {
+                i32::from(x.q[i])
+            }
         };
-        let lo = |i: usize| x.lo.get(i).copied().unwrap_or(0);
         let d = &self.d[r * nb..(r + 1) * nb];
         match self.kind {
             Kind::Q4_1 => {
@@ -270,8 +270,7 @@ impl QMatrix {
                     let s: i32 = (0..16)
                         .map(|j| {
                             let (a, c) = (o + j, o + j + 16);
-                            i32::from(q[j] & 0xF) * act(x.q[a], lo(a))
-                                + i32::from(q[j] >> 4) * act(x.q[c], lo(c))
+                            i32::from(q[j] & 0xF) * act(a) + i32::from(q[j] >> 4) * act(c)
                         })
                         .sum();
                     acc += d[b].to_f32() * (x.d[b] * unit) * s as f32 + m[b].to_f32() * xsum[b];
@@ -285,7 +284,7 @@ impl QMatrix {
                     let s: i32 = qs[b * 32..(b + 1) * 32]
                         .iter()
                         .enumerate()
-                        .map(|(j, &w)| i32::from(w as i8) * act(x.q[b * 32 + j], lo(b * 32 + j)))
+                        .map(|(j, &w)| i32::from(w as i8) * act(b * 32 + j))
                         .sum();
                     acc += d[b].to_f32() * (x.d[b] * unit) * s as f32;
                 }

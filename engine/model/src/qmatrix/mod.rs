@@ -722,24 +722,28 @@ impl QMatrix {
         assert!(isa.available(), "{isa:?} path on a CPU without it");
         let rows: usize = parts.iter().map(|w| w.rows).sum();
         let out = &mut out[..rows];
-        // Σx per block, for the Q4_1 minimum term: Σ (d q + m) x = d Σ q x + m Σ x.
-        let xsum: Vec<f32> = if parts.iter().any(|w| w.kind.has_mins()) {
-            x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
-        } else {
-            Vec::new()
-        };
         // The widest activations any part takes: a 16-bit quantization holds the 8-bit one.
         let widest = parts.iter().map(|w| w.taken(isa, acts)).max();
         let xq = match widest {
             Some(t @ (Taken::Int8 | Taken::Int16)) => Some(quantize_acts(x, t == Taken::Int16)),
             _ => None,
         };
-        // The quantized products' minimum terms take the sums of the activations they multiply
-        // (`QuantizedActs::sums`).
+        // Per block, the sum of the activations a product multiplies, for the minimum terms
+        // (Q4_1, Q5_1, the K-quants: Σ (d q + m) x = d Σ q x + m Σ x): the exact sums for the
+        // f32 products, the codes' for the quantized ones (`QuantizedActs::sums`); each only
+        // where a part with minimums takes those activations.
+        let needs = |t: Taken| {
+            parts
+                .iter()
+                .any(|w| w.kind.has_mins() && w.taken(isa, acts) == t)
+        };
+        let xsum: Vec<f32> = if needs(Taken::F32) {
+            x.chunks_exact(BLOCK).map(|b| b.iter().sum()).collect()
+        } else {
+            Vec::new()
+        };
         let sums = |t: Taken| match &xq {
-            Some(xq) if !xsum.is_empty() && parts.iter().any(|w| w.taken(isa, acts) == t) => {
-                xq.sums(t)
-            }
+            Some(xq) if needs(t) => xq.sums(t),
             _ => Vec::new(),
         };
         let (xsum8, xsum16) = (sums(Taken::Int8), sums(Taken::Int16));
