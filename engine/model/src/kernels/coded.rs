@@ -74,9 +74,23 @@ pub fn int8_available() -> bool {
     false
 }
 
-/// Dispatches on the code width and the rows of one call.
+/// Dispatches on the code width and the rows of one call (`keys`: 4- and 8-bit codes only, the
+/// widths the scores' kernel takes).
 #[cfg(target_arch = "x86_64")]
 macro_rules! coded_kernel {
+    (keys $f:ident, $bits:expr, $rows:expr, ($($arg:expr),*)) => {{
+        use crate::simd::vnni::kv::$f;
+        match ($bits, $rows) {
+            (4, 1) => $f::<4, 1>($($arg),*),
+            (4, 2) => $f::<4, 2>($($arg),*),
+            (4, 3) => $f::<4, 3>($($arg),*),
+            (4, _) => $f::<4, 4>($($arg),*),
+            (_, 1) => $f::<8, 1>($($arg),*),
+            (_, 2) => $f::<8, 2>($($arg),*),
+            (_, 3) => $f::<8, 3>($($arg),*),
+            (_, _) => $f::<8, 4>($($arg),*),
+        }
+    }};
     ($f:ident, $bits:expr, $rows:expr, ($($arg:expr),*)) => {{
         use crate::simd::vnni::kv::$f;
         match ($bits, $rows) {
@@ -131,7 +145,7 @@ pub fn dot_rows_coded(
             // SAFETY: the CPU has the kernels (`int8_available`); they check the sizes.
             unsafe {
                 coded_kernel!(
-                    dot_rows_coded,
+                    keys dot_rows_coded,
                     bits,
                     k,
                     (rows, hd, mins, scales, codes, at, &mut out[j..], stride, m)
