@@ -106,6 +106,43 @@ pub const SIGNED8: usize = 9;
 /// See [`SIGNED8`].
 pub const HALF: usize = 16;
 
+/// Whether a kernel call's block fits what the kernels take: 1 to 4 rows, heads of whole
+/// groups of 64 channels, at most 16 tokens of `bits`-bit codes from packed value `first` (on
+/// a byte) inside `len` bytes.
+pub(crate) fn coded_block_fits(
+    bits: usize,
+    rows: usize,
+    hd: usize,
+    n: usize,
+    len: usize,
+    first: usize,
+) -> bool {
+    (1..=4).contains(&rows)
+        && hd.is_multiple_of(64)
+        && n <= 16
+        && (first * bits).is_multiple_of(8)
+        && len * 8 >= (first + n * hd) * bits
+}
+
+/// The first of sixteen rows of `row_bytes` from byte `at` of `codes`: in place when all
+/// sixteen are there (`n` of them), else a copy of the `n` in `tail` padded with zero rows, so
+/// the kernels read whole blocks without a test.
+pub(crate) fn sixteen_rows(
+    codes: &[u8],
+    at: usize,
+    n: usize,
+    row_bytes: usize,
+    tail: &mut Vec<u8>,
+) -> *const u8 {
+    if n == 16 {
+        codes[at..at + 16 * row_bytes].as_ptr()
+    } else {
+        tail.resize(16 * row_bytes, 0u8);
+        tail[..n * row_bytes].copy_from_slice(&codes[at..at + n * row_bytes]);
+        tail.as_ptr()
+    }
+}
+
 /// AVX-512 VNNI matrix-vector products over int8 activations.
 #[cfg(target_arch = "x86_64")]
 pub mod vnni;

@@ -5,6 +5,7 @@
 //! forms of `simd::avx512`'s.
 
 pub mod blocks_int8;
+pub mod coded;
 pub mod kv;
 pub mod matvec;
 pub mod split_int8;
