@@ -18,8 +18,9 @@
 //!   eight partial sums are put together by `vphaddd`, as `simd::avx2::kv::reduce8` does in
 //!   f32.
 //! - Weighted values ([`axpy_rows_coded`]): each value row's 64 codes are first laid out as
-//!   bytes (2-, 3- and 4-bit codes by one in-lane byte shuffle, a 16-bit multiply and a shift
-//!   per sixteen codes; the same layout for every width), two tokens' bytes of each channel
+//!   bytes (2- and 3-bit codes by one in-lane byte shuffle, a 16-bit multiply and a shift per
+//!   sixteen codes, 4-bit codes by their nibbles interleaved; the same layout for every
+//!   width), two tokens' bytes of each channel
 //!   side by side; a `vpmaddubsw` against the two tokens' weights adds both products per
 //!   channel, and four such (eight tokens, at most 8 · 255 · 15 < 2^15) are summed in 16 bits
 //!   before they are widened. 8-bit codes take `vpmaddwd` on the same pairs widened to 16 bits.
@@ -248,44 +249,50 @@ pub unsafe fn dot_rows_coded<const K: usize, const R: usize>(
                 *s = _mm256_add_ps(*s, _mm256_set1_ps(bias));
             }
         }
-        for h in 0..2 {
-            let mut part = [[_mm256_setzero_si256(); 8]; R];
-            for k in 0..8 {
-                // SAFETY: key 8 h + k < 16 of `kp` (the chunk's or the padded copy's sixteen
-                // rows), with the bytes of its channels 64 u..64 u + 64.
-                let key = unsafe { kp.add((8 * h + k) * row_bytes + 8 * K * u) };
-                if K == 4 {
-                    // SAFETY: 32 bytes of the key (above).
-                    let x = unsafe { _mm256_loadu_si256(key as *const __m256i) };
-                    let lo = _mm256_and_si256(x, nib);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nib);
-                    for r in 0..R {
+        // 4-bit keys' nibbles split once for every row (kept in L1: with the rows' eight
+        // partial sums in registers, sixteen keys' would not fit).
+        let mut nibbles = [[_mm256_setzero_si256(); 2]; 16];
+        if K == 4 {
+            for (j, kn) in nibbles.iter_mut().enumerate() {
+                // SAFETY: key j < 16 of `kp` (the chunk's or the padded copy's sixteen rows),
+                // with the 32 bytes of its channels 64 u..64 u + 64.
+                let x = unsafe { _mm256_loadu_si256(kp.add(j * row_bytes + 32 * u) as *const _) };
+                *kn = [
+                    _mm256_and_si256(x, nib),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(x), nib),
+                ];
+            }
+        }
+        for r in 0..R {
+            let q = qw[r];
+            for h in 0..2 {
+                let part: [__m256i; 8] = std::array::from_fn(|k| {
+                    let j = 8 * h + k;
+                    if K == 4 {
                         let p = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, qw[r][0]),
-                            _mm256_maddubs_epi16(hi, qw[r][1]),
+                            _mm256_maddubs_epi16(nibbles[j][0], q[0]),
+                            _mm256_maddubs_epi16(nibbles[j][1], q[1]),
                         );
-                        part[r][k] = _mm256_madd_epi16(p, ones);
-                    }
-                } else {
-                    // SAFETY: 64 bytes of the key (above), 16 at a time.
-                    let c: [__m256i; 4] = std::array::from_fn(|i| unsafe {
-                        _mm256_cvtepu8_epi16(_mm_loadu_si128(key.add(16 * i) as *const __m128i))
-                    });
-                    for r in 0..R {
+                        _mm256_madd_epi16(p, ones)
+                    } else {
+                        // SAFETY: key j < 16 of `kp` (above), the 64 bytes of its channels
+                        // 64 u..64 u + 64, 16 at a time.
+                        let c: [__m256i; 4] = std::array::from_fn(|i| unsafe {
+                            let at = kp.add(j * row_bytes + 64 * u + 16 * i);
+                            _mm256_cvtepu8_epi16(_mm_loadu_si128(at as *const __m128i))
+                        });
                         let a = _mm256_add_epi32(
-                            _mm256_madd_epi16(c[0], qw[r][0]),
-                            _mm256_madd_epi16(c[1], qw[r][1]),
+                            _mm256_madd_epi16(c[0], q[0]),
+                            _mm256_madd_epi16(c[1], q[1]),
                         );
                         let b = _mm256_add_epi32(
-                            _mm256_madd_epi16(c[2], qw[r][2]),
-                            _mm256_madd_epi16(c[3], qw[r][3]),
+                            _mm256_madd_epi16(c[2], q[2]),
+                            _mm256_madd_epi16(c[3], q[3]),
                         );
-                        part[r][k] = _mm256_add_epi32(a, b);
+                        _mm256_add_epi32(a, b)
                     }
-                }
-            }
-            for r in 0..R {
-                let sums = _mm256_cvtepi32_ps(reduce8_epi32(&part[r]));
+                });
+                let sums = _mm256_cvtepi32_ps(reduce8_epi32(&part));
                 scores[r][h] = _mm256_fmadd_ps(sums, _mm256_set1_ps(step[r]), scores[r][h]);
             }
         }
@@ -363,6 +370,17 @@ unsafe fn row_codes<const K: usize>(row: *const u8, u: usize) -> [__m256i; 2] {
                 _mm256_permute2x128_si256::<0x20>(a, b),
                 _mm256_permute2x128_si256::<0x31>(a, b),
             ];
+        }
+        if K == 4 {
+            // Byte b holds channels 2 b (low nibble) and 2 b + 1: interleaving the nibbles per
+            // lane gives channels 0-15 | 32-47 and 16-31 | 48-63.
+            let x = _mm256_loadu_si256(p as *const __m256i);
+            let nib = _mm256_set1_epi8(0x0F);
+            let (lo, hi) = (
+                _mm256_and_si256(x, nib),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(x), nib),
+            );
+            return [_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi)];
         }
         let src = _mm256_loadu2_m128i(p.add(high_source(K)) as *const __m128i, p as *const __m128i);
         let tables: [([u8; 32], [u16; 16]); 4] = const {
