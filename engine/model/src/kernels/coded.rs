@@ -58,7 +58,9 @@ impl KvArith {
             (KvArith::Int8, Some(CodedPath::Avx2)) => {
                 "int8: avx2::coded::dot_rows_coded/axpy_rows_coded, folded rows rounded to bytes, vpmaddubsw over 4-bit keys and 2- to 4-bit values (vpmaddwd over 8-bit ones), 16 tokens a block"
             }
-            (KvArith::Int8, None) => "f32: int8 asked, but this path has no integer kernels",
+            (KvArith::Int8, None) => {
+                "f32: the portable kernels below (int8 asked; the portable path has no integer kernels)"
+            }
             (KvArith::F32, _) if crate::qmatrix::Isa::best() == crate::qmatrix::Isa::Portable => {
                 "f32: the portable kernels below"
             }

@@ -199,10 +199,14 @@ fn reduce8_epi32(v: &[__m256i; 8]) -> __m256i {
 /// `simd::vnni::kv::dot_rows_coded` computes them (see the module comment):
 /// `out[r · stride + j] = Σ_d q[r · hd + d] · (mins[d] + scales[d] · code(j, d))`.
 ///
+/// Kept whole: each row's scores stay in registers across the pieces of 64 channels, and the
+/// keys' split nibbles across the rows, so the loops are one function.
+///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C. The sizes are checked.
+///
+/// One index runs over several register arrays at once (hence the index loops).
 #[allow(clippy::too_many_arguments)]
-// One index runs over several register arrays at once.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_rows_coded<const K: usize, const R: usize>(
@@ -453,10 +457,15 @@ unsafe fn weight_pairs<const K: usize>(
 /// `o[r · hd + d] += Σ_i w[r · wstride + i] · (mins[i] + scales[i] · code(i, d))`; weights and
 /// scales must not be negative (a negative product counts as 0).
 ///
+/// Kept whole: the pairs' bytes, laid out once per piece of 64 channels, are read by every
+/// row, whose 16- and 32-bit sums stay in registers across the pairs, so the loops are one
+/// function.
+///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C. The sizes are checked.
+///
+/// One index runs over several register arrays at once (hence the index loops).
 #[allow(clippy::too_many_arguments)]
-// One index runs over several register arrays at once.
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(

@@ -73,33 +73,13 @@ unsafe fn fold_stats(
     (_mm512_reduce_max_ps(top), _mm512_reduce_add_ps(bias))
 }
 
-/// Sixteen values of a folded row rounded to signed bytes: `round(x · scales · inv)`, where
-/// `inv` is 127 over the row's largest magnitude ([`fold_stats`]), so every byte is within
-/// ±127 (the product is computed as there, and never exceeds the largest). Lanes outside
-/// `mask` are 0.
-///
-/// # Safety
-/// The CPU must have what [`available`] checks; the lanes of `mask` must be readable from `x`
-/// and `scales`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
-unsafe fn round16(x: *const f32, scales: *const f32, inv: __m512, mask: __mmask16) -> __m128i {
-    // SAFETY: masked to the readable lanes (the contract).
-    let f = unsafe {
-        _mm512_mul_ps(
-            _mm512_maskz_loadu_ps(mask, x),
-            _mm512_maskz_loadu_ps(mask, scales),
-        )
-    };
-    _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(f, inv)))
-}
-
 /// Sixteen values of a folded row of non-negative values (attention weights) rounded to
 /// unsigned bytes: `round(x · scales · inv)`, `inv` 255 over the row's largest; negative
 /// products are taken as 0. Lanes outside `mask` are 0.
 ///
 /// # Safety
-/// As [`round16`].
+/// The CPU must have what [`available`] checks; the lanes of `mask` must be readable from `x`
+/// and `scales`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
 unsafe fn round16_u8(x: *const f32, scales: *const f32, inv: __m512, mask: __mmask16) -> __m128i {
@@ -123,29 +103,37 @@ fn inverse_step(top: f32, levels: f32) -> f32 {
     if top > 0.0 { levels / top } else { 0.0 }
 }
 
-/// Sixty-four channels of a query row (from `q`, scales from `scales`) rounded to signed bytes
-/// ([`round16`]) and laid out as a key pair's codes ([`key_pair`]): for 4-bit keys the even
-/// channels (the low nibbles) then the odd ones, for 8-bit keys each half; each twice.
+/// Sixty-four channels of a query row (from `q`, minimums and scales from `mins` and `scales`)
+/// folded and rounded to signed bytes against their largest magnitude (`round(x · scales · 127 /
+/// max)`, the product computed once, so no byte exceeds ±127), and laid out as a key pair's codes
+/// ([`key_pair`]): for 4-bit keys the even channels (the low nibbles) then the odd ones, for
+/// 8-bit keys each half; each twice. With them, the step (the largest over 127) and the row's
+/// dot product with the minimums.
 ///
 /// # Safety
-/// The CPU must have what [`available`] checks; 64 values must be readable from `q` and
-/// `scales`.
+/// The CPU must have what [`available`] checks; 64 values must be readable from `q`, `mins`
+/// and `scales`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")]
 unsafe fn query_bytes<const K: usize>(
     q: *const f32,
+    mins: *const f32,
     scales: *const f32,
-    inv: __m512,
-) -> [__m512i; 2] {
-    // SAFETY: 64 readable values (the contract).
-    let b = unsafe {
-        [
-            round16(q, scales, inv, 0xFFFF),
-            round16(q.add(16), scales.add(16), inv, 0xFFFF),
-            round16(q.add(32), scales.add(32), inv, 0xFFFF),
-            round16(q.add(48), scales.add(48), inv, 0xFFFF),
-        ]
-    };
+) -> ([__m512i; 2], f32, f32) {
+    let (mut top, mut bias) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    // SAFETY: 64 readable values of each (the contract).
+    let f: [__m512; 4] = std::array::from_fn(|i| unsafe {
+        let x = _mm512_loadu_ps(q.add(16 * i));
+        let f = _mm512_mul_ps(x, _mm512_loadu_ps(scales.add(16 * i)));
+        top = _mm512_max_ps(top, _mm512_abs_ps(f));
+        bias = _mm512_fmadd_ps(x, _mm512_loadu_ps(mins.add(16 * i)), bias);
+        f
+    });
+    let top = _mm512_reduce_max_ps(top);
+    let inv = _mm512_set1_ps(inverse_step(top, 127.0));
+    let b: [__m128i; 4] =
+        std::array::from_fn(|i| _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(f[i], inv))));
+    let (step, bias) = (top / 127.0, _mm512_reduce_add_ps(bias));
     let x = _mm512_inserti32x4::<1>(_mm512_castsi128_si512(b[0]), b[1]);
     let x = _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(x, b[2]), b[3]);
     if K == 4 {
@@ -161,15 +149,17 @@ unsafe fn query_bytes<const K: usize>(
         // SAFETY: a 64-byte table.
         let even = unsafe { _mm512_loadu_si512(EVEN.as_ptr() as *const _) };
         let odd = _mm512_add_epi8(even, _mm512_set1_epi8(1));
-        [
+        let v = [
             _mm512_permutexvar_epi8(even, x),
             _mm512_permutexvar_epi8(odd, x),
-        ]
+        ];
+        (v, step, bias)
     } else {
-        [
+        let v = [
             _mm512_shuffle_i64x2::<0x44>(x, x),
             _mm512_shuffle_i64x2::<0xEE>(x, x),
-        ]
+        ];
+        (v, step, bias)
     }
 }
 
@@ -270,15 +260,12 @@ pub unsafe fn dot_rows_coded<const K: usize, const R: usize>(
     for u in 0..hd / 64 {
         for r in 0..R {
             let at = r * hd + 64 * u;
+            let bias;
             // SAFETY: values at..at + 64 of `q` and 64 u..64 u + 64 of the parameters are
             // inside them (hd a multiple of 64, asserted).
-            qv[r] = unsafe {
-                let (top, bias) = fold_stats(qp.add(at), mp.add(64 * u), sp.add(64 * u), 64, 64);
-                step[r] = top / 127.0;
-                scores[r] = _mm512_add_ps(scores[r], _mm512_set1_ps(bias));
-                let inv = _mm512_set1_ps(inverse_step(top, 127.0));
-                query_bytes::<K>(qp.add(at), sp.add(64 * u), inv)
-            };
+            (qv[r], step[r], bias) =
+                unsafe { query_bytes::<K>(qp.add(at), mp.add(64 * u), sp.add(64 * u)) };
+            scores[r] = _mm512_add_ps(scores[r], _mm512_set1_ps(bias));
         }
         // Per row, the sums of keys e, e + 4, e + 8, e + 12 in the lanes of register e (four
         // partial sums a key).
