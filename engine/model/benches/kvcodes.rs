@@ -137,7 +137,8 @@ fn folded(
         g.bench_function(format!("axpy+fold/{kind:?}/int8"), |b| {
             b.iter(|| {
                 let (m, s) = (&mins[..n], &scales[..n]);
-                coded::axpy_rows_coded(&mut o, hd, w, n, n, m, s, black_box(codes), 0, bits)
+                let g = coded::ValueGroups::whole(hd);
+                coded::axpy_rows_coded(&mut o, hd, w, n, n, m, s, g, black_box(codes), 0, bits)
             })
         });
     }

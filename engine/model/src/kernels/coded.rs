@@ -4,6 +4,7 @@
 //! [`super::axpy_rows_codes`]) stay the reference; [`KvArith`] chooses between them.
 
 use crate::qmatrix::IsaCap;
+pub use crate::simd::ValueGroups;
 use std::sync::OnceLock;
 
 /// How decode attention multiplies a chunk of codes: in f32 (every code converted, the
@@ -236,12 +237,13 @@ pub fn dot_rows_coded_on(
     true
 }
 
-/// Sums of `n` value rows of `bits`-bit codes with a minimum and a scale per row, weighted for
+/// Sums of `n` value rows of `bits`-bit codes with a minimum and a scale per token and group of
+/// channels ([`ValueGroups`]: the whole head, or Gemma 3's 32 channels), weighted for
 /// `o.len() / hd` output rows (one after another), in integers:
-/// `o[r · hd + d] += Σ_i w[r · wstride + i] · (mins[i] + scales[i] · code(i, d))`, value row
-/// i's codes from packed value `first + i · hd`; weights and scales must not be negative (a
-/// negative product counts as 0). Returns false, changing nothing, where the integer kernels
-/// do not take the shape (as [`dot_rows_coded`]).
+/// `o[r · hd + d] += Σ_i w[r · wstride + i] · (mins[j] + scales[j] · code(i, d))`, `j` the index
+/// of token i's group of channel d, value row i's codes from packed value `first + i · hd`;
+/// weights and scales must not be negative (a negative product counts as 0). Returns false,
+/// changing nothing, where the integer kernels do not take the shape (as [`dot_rows_coded`]).
 #[allow(clippy::too_many_arguments)]
 pub fn axpy_rows_coded(
     o: &mut [f32],
@@ -251,12 +253,15 @@ pub fn axpy_rows_coded(
     n: usize,
     mins: &[f32],
     scales: &[f32],
+    groups: ValueGroups,
     codes: &[u8],
     first: usize,
     bits: usize,
 ) -> bool {
     CodedPath::best().is_some_and(|path| {
-        axpy_rows_coded_on(path, o, hd, w, wstride, n, mins, scales, codes, first, bits)
+        axpy_rows_coded_on(
+            path, o, hd, w, wstride, n, mins, scales, groups, codes, first, bits,
+        )
     })
 }
 
@@ -271,12 +276,13 @@ pub fn axpy_rows_coded_on(
     n: usize,
     mins: &[f32],
     scales: &[f32],
+    groups: ValueGroups,
     codes: &[u8],
     first: usize,
     bits: usize,
 ) -> bool {
     assert!(path.available(), "{path:?} kernels on a CPU without them");
-    if !(matches!(bits, 2 | 3 | 4 | 8) && hd.is_multiple_of(64)) {
+    if !(matches!(bits, 2 | 3 | 4 | 8) && hd.is_multiple_of(64) && groups.fits(hd)) {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
@@ -294,7 +300,7 @@ pub fn axpy_rows_coded_on(
                     @all axpy_rows_coded,
                     bits,
                     k,
-                    (rows, hd, w, wstride, m, mins, scales, codes, first + i * hd)
+                    (rows, hd, w, wstride, m, mins, scales, groups, codes, first + i * hd)
                 )
             };
         }
@@ -400,7 +406,9 @@ mod tests {
     }
 
     /// `rows` rows of weights over `n` value rows on `path`, against f64: within half a step
-    /// of each folded weight (the step of its block of 16 tokens) times its code.
+    /// of each folded weight (the step of its row, group of `vw` channels and block of 16
+    /// tokens) times its code.
+    #[allow(clippy::too_many_arguments)]
     fn check_axpy(
         path: CodedPath,
         rng: &mut StdRng,
@@ -408,38 +416,47 @@ mod tests {
         rows: usize,
         hd: usize,
         n: usize,
+        vw: usize,
     ) {
         let first = 3 * hd;
         let (bytes, codes) = packed(rng, bits, first, n, hd);
         let wstride = n + 5;
         let w = rand_row(rng, rows * wstride, 0.0, 1.0);
-        let mins = rand_row(rng, n, -1.0, 0.0);
-        let scales = rand_row(rng, n, 0.001, 0.2);
+        // Group g's parameters of token i at g · n + i.
+        let groups = ValueGroups {
+            width: vw,
+            stride: n,
+        };
+        let np = (hd / vw * n).max(1);
+        let mins = rand_row(rng, np, -1.0, 0.0);
+        let scales = rand_row(rng, np, 0.001, 0.2);
         let o0 = rand_row(rng, rows * hd, -1.0, 1.0);
         let mut o = o0.clone();
         assert!(axpy_rows_coded_on(
-            path, &mut o, hd, &w, wstride, n, &mins, &scales, &bytes, first, bits
+            path, &mut o, hd, &w, wstride, n, &mins, &scales, groups, &bytes, first, bits
         ));
-        let at = format!("{path:?} bits {bits} rows {rows} hd {hd} n {n}");
+        let at = format!("{path:?} bits {bits} rows {rows} hd {hd} n {n} groups of {vw}");
         for r in 0..rows {
             let wr = &w[r * wstride..r * wstride + n];
-            let step: Vec<f32> = (0..n)
-                .map(|i| {
-                    let block = i / 16 * 16..(i / 16 * 16 + 16).min(n);
-                    block.map(|t| (wr[t] * scales[t]).abs()).fold(0.0, f32::max) / 255.0
-                })
-                .collect();
             for d in 0..hd {
+                let j = |i: usize| d / vw * n + i;
+                let step = |i: usize| {
+                    let block = i / 16 * 16..(i / 16 * 16 + 16).min(n);
+                    block
+                        .map(|t| (wr[t] * scales[j(t)]).abs())
+                        .fold(0.0, f32::max)
+                        / 255.0
+                };
                 let exact: f64 = f64::from(o0[r * hd + d])
                     + (0..n)
                         .map(|i| {
                             f64::from(wr[i])
-                                * (f64::from(mins[i])
-                                    + f64::from(scales[i]) * f64::from(codes[i * hd + d]))
+                                * (f64::from(mins[j(i)])
+                                    + f64::from(scales[j(i)]) * f64::from(codes[i * hd + d]))
                         })
                         .sum::<f64>();
                 let bound: f64 = (0..n)
-                    .map(|i| f64::from(step[i]) / 2.0 * f64::from(codes[i * hd + d]))
+                    .map(|i| f64::from(step(i)) / 2.0 * f64::from(codes[i * hd + d]))
                     .sum::<f64>()
                     + 1e-4 * (1.0 + exact.abs());
                 let got = f64::from(o[r * hd + d]);
@@ -472,9 +489,25 @@ mod tests {
             for hd in [64, 128, 256] {
                 for n in [16, 1, 6, 15, 0, 37] {
                     for (bits, rows) in [(2, 3), (3, 3), (4, 3), (8, 3), (3, 4), (4, 1), (8, 2)] {
-                        check_axpy(path, &mut rng, bits, rows, hd, n);
+                        check_axpy(path, &mut rng, bits, rows, hd, n, hd);
                     }
-                    check_axpy(path, &mut rng, 3, 7, hd, n);
+                    check_axpy(path, &mut rng, 3, 7, hd, n, hd);
+                }
+            }
+        }
+    }
+
+    /// Values whose minimums and scales are per group of channels (Gemma 3's 32, and 64 or
+    /// 128 in heads of 256): each group's weights folded and rounded on their own.
+    #[test]
+    fn integer_value_sums_in_groups_match_f64_on_every_path() {
+        let mut rng = StdRng::seed_from_u64(10);
+        for path in CodedPath::all_available() {
+            for (hd, vw) in [(64, 32), (256, 32), (256, 64), (256, 128), (128, 64)] {
+                for n in [16, 1, 13, 32, 37] {
+                    for (bits, rows) in [(3, 4), (4, 4), (2, 1), (8, 3), (3, 2)] {
+                        check_axpy(path, &mut rng, bits, rows, hd, n, vw);
+                    }
                 }
             }
         }
@@ -501,9 +534,9 @@ mod tests {
                     let keys =
                         dot_rows_coded_on(p, &q, hd, &mins, &scales, &bytes, 0, bits, &mut s, n, n);
                     assert_eq!(keys, matches!(bits, 4 | 8));
-                    let (m, sc) = (&mins[..n], &scales[..n]);
+                    let (m, sc, g) = (&mins[..n], &scales[..n], ValueGroups::whole(hd));
                     assert!(axpy_rows_coded_on(
-                        p, &mut o, hd, &w, n, n, m, sc, &bytes, 0, bits
+                        p, &mut o, hd, &w, n, n, m, sc, g, &bytes, 0, bits
                     ));
                     (s, o)
                 })

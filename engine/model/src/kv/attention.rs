@@ -658,9 +658,10 @@ mod tests {
         }
     }
 
-    /// Decode attention over chunks of codes with heads of 64 channels: in f32 as the full
-    /// matrix; in integers (where the CPU has the kernels) within the rounding of its folded
-    /// rows, and not the f32 path's bits (so the integer kernels ran).
+    /// Decode attention over chunks of codes with heads of 64 channels, values in one group a
+    /// head or in groups of 32 channels: in f32 as the full matrix; in integers (where the CPU
+    /// has the kernels) within the rounding of its folded rows, and not the f32 path's bits
+    /// (so the integer kernels ran).
     #[test]
     fn integer_decode_attention_is_near_the_full_matrix() {
         use crate::kernels::coded::{KvArith, int8_available};
@@ -671,9 +672,13 @@ mod tests {
             head_dim: 64,
             window: None,
         };
-        for (len, n) in [(70, 1), (70, 2), (300, 1), (16, 1), (600, 2)] {
-            let mut rng = StdRng::seed_from_u64((len * 10 + n) as u64);
-            let mut c = cache_hd(len, &[K4v3, K8v8, K4v4, Int4, Int2], 0, 64, &mut rng);
+        // Value groups of the whole head, and of 32 channels (Gemma 3's; the coded formats).
+        let cases = [(70, 1, 0), (70, 2, 0), (300, 1, 0), (16, 1, 0), (600, 2, 0)]
+            .into_iter()
+            .chain([(70, 1, 32), (300, 2, 32)]);
+        for (len, n, group) in cases {
+            let mut rng = StdRng::seed_from_u64((len * 10 + n + group) as u64);
+            let mut c = cache_hd(len, &[K4v3, K8v8, K4v4, Int4, Int2], group, 64, &mut rng);
             let p0 = len - n;
             let q: Vec<f32> = (0..n * 256).map(|_| rng.random_range(-2.0..2.0)).collect();
             let (want, _) = direct(&c, shape, 1, &q, p0, n);
@@ -690,12 +695,12 @@ mod tests {
             };
             assert!(
                 worst(&got[0]) < 1e-4,
-                "f32, len {len} n {n}: {}",
+                "f32, len {len} n {n} groups {group}: {}",
                 worst(&got[0])
             );
             assert!(
                 worst(&got[1]) < 2e-2,
-                "int8, len {len} n {n}: {}",
+                "int8, len {len} n {n} groups {group}: {}",
                 worst(&got[1])
             );
             if int8_available() {

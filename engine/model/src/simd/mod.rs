@@ -106,6 +106,46 @@ pub const SIGNED8: usize = 9;
 /// See [`SIGNED8`].
 pub const HALF: usize = 16;
 
+/// How the integer value kernels' minimums and scales are grouped over a value row's channels
+/// (`kernels::coded::axpy_rows_coded`): `width` channels share a minimum and a scale per token
+/// (the whole head, a multiple of 64 channels that divides it, or 32 channels: Gemma 3's
+/// groups), group `g`'s parameter of token `i` at index `g · stride + i` of each slice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ValueGroups {
+    /// Channels a group spans.
+    pub width: usize,
+    /// Index distance between groups' parameters (unused for one group a head).
+    pub stride: usize,
+}
+
+impl ValueGroups {
+    /// One group a token: a minimum and a scale per value row of `hd` channels.
+    pub fn whole(hd: usize) -> ValueGroups {
+        ValueGroups {
+            width: hd,
+            stride: 0,
+        }
+    }
+
+    /// Whether the kernels take these groups over heads of `hd` channels.
+    pub fn fits(&self, hd: usize) -> bool {
+        self.width > 0
+            && hd.is_multiple_of(self.width)
+            && (self.width == 32 || self.width.is_multiple_of(64))
+    }
+
+    /// The groups of channels `64 u..64 u + 32` and `64 u + 32..64 u + 64`.
+    #[inline]
+    pub fn of_piece(&self, u: usize) -> [usize; 2] {
+        [64 * u / self.width, (64 * u + 32) / self.width]
+    }
+
+    /// Parameters each slice must hold for `n` tokens of heads of `hd` channels.
+    pub fn params_len(&self, hd: usize, n: usize) -> usize {
+        (hd / self.width - 1) * self.stride + n
+    }
+}
+
 /// Whether a kernel call's block fits what the kernels take: 1 to 4 rows, heads of whole
 /// groups of 64 channels, at most 16 tokens of `bits`-bit codes from packed value `first` (on
 /// a byte) inside `len` bytes.

@@ -3,12 +3,14 @@
 //! parent module's comment).
 
 use super::{AttnShape, seen_counts};
+use crate::kernels::coded::ValueGroups;
 use crate::kernels::{
     Codes, axpy, axpy_rows, axpy_rows_codes, coded, dot_rows, dot_rows_codes, fold_params,
     softmax_exp,
 };
 use crate::kv::codec::{
-    decode_v, f16_keys, f16_values, head_codes, int8_keys, int8_values, packed_keys, packed_values,
+    decode_v, f16_keys, f16_values, head_codes, int8_keys, int8_values, packed_grouped_values,
+    packed_keys, packed_values,
 };
 use crate::kv::{ChunkShape, KvCache, KvError, KvFormat, LayerView};
 use crate::simd::prefetch_l2;
@@ -241,6 +243,10 @@ struct Scratch {
     /// A chunk's values of the head decoded to f32, for formats with several value groups a
     /// token (`[token][head_dim]`).
     vals: Vec<f32>,
+    /// Those formats' minimums and scales group by group, for the integer kernels.
+    gmins: Vec<f32>,
+    /// See `gmins`.
+    gscales: Vec<f32>,
 }
 
 impl PieceWork<'_> {
@@ -267,6 +273,8 @@ impl PieceWork<'_> {
             wsr: vec![0.0; rows * t],
             bias: vec![0.0; rows],
             vals: Vec::new(),
+            gmins: Vec::new(),
+            gscales: Vec::new(),
         };
         // Each chunk's layer, looked up once for the prefetches and both passes.
         let views = (task.c0..task.c1)
@@ -483,9 +491,30 @@ impl PieceWork<'_> {
                         s.bias.fill(0.0);
                         axpy_rows_codes(o, &s.bias, &s.wsr, t, live, v, 0, Codes::Signed8, hd);
                     }
-                    // Values in groups narrower than the head (Gemma 3): decoded, then summed in
-                    // f32.
+                    // Values in groups narrower than the head (Gemma 3): in integers as below,
+                    // each group's weights folded with its own scales; else decoded, then summed
+                    // in f32.
                     LayerView::Sealed(f, bytes) if cs.value_width(f) != hd => {
+                        if self.int8 {
+                            let n = cs.value_groups(f);
+                            s.gmins.resize(n, 0.0);
+                            s.gscales.resize(n, 0.0);
+                            let (codes, first, groups) = packed_grouped_values(
+                                cs,
+                                f,
+                                bytes,
+                                g,
+                                &mut s.gmins,
+                                &mut s.gscales,
+                            );
+                            let bits = f.value_bits() as usize;
+                            let (m, sc, w) = (&s.gmins[..], &s.gscales[..], &e[off..]);
+                            if coded::axpy_rows_coded(
+                                o, hd, w, width, live, m, sc, groups, codes, first, bits,
+                            ) {
+                                continue;
+                            }
+                        }
                         s.vals.resize(t * hd, 0.0);
                         decode_v(cs, f, bytes, g, &mut s.vals);
                         for (orow, erow) in o.chunks_exact_mut(hd).zip(e.chunks_exact(width)) {
@@ -507,6 +536,7 @@ impl PieceWork<'_> {
                                 live,
                                 m,
                                 sc,
+                                ValueGroups::whole(hd),
                                 codes,
                                 first,
                                 bits as usize,

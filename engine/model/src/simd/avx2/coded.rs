@@ -25,7 +25,7 @@
 //!   channel, and four such (eight tokens, at most 8 · 255 · 15 < 2^15) are summed in 16 bits
 //!   before they are widened. 8-bit codes take `vpmaddwd` on the same pairs widened to 16 bits.
 
-use crate::simd::{coded_block_fits as block_fits, sixteen_rows};
+use crate::simd::{ValueGroups, coded_block_fits as block_fits, sixteen_rows};
 use std::arch::x86_64::*;
 
 /// Whether this CPU runs these kernels: AVX2, FMA and F16C (the engine's AVX2 path).
@@ -452,10 +452,11 @@ unsafe fn weight_pairs<const K: usize>(
 }
 
 /// Sums of `n <= 16` value rows of `hd` channels stored as unsigned `K`-bit codes (2, 3, 4 or
-/// 8) with a minimum and a scale per row, weighted for `R` output rows, as
-/// `simd::vnni::kv::axpy_rows_coded` computes them (see the module comment):
-/// `o[r · hd + d] += Σ_i w[r · wstride + i] · (mins[i] + scales[i] · code(i, d))`; weights and
-/// scales must not be negative (a negative product counts as 0).
+/// 8) with a minimum and a scale per token and group of channels (`groups`), weighted for `R`
+/// output rows, as `simd::vnni::kv::axpy_rows_coded` computes them (see the module comment):
+/// `o[r · hd + d] += Σ_i w[r · wstride + i] · (mins[j] + scales[j] · code(i, d))`, `j` the
+/// index of token i's group of channel d; weights and scales must not be negative (a negative
+/// product counts as 0).
 ///
 /// Kept whole: the pairs' bytes, laid out once per piece of 64 channels, are read by every
 /// row, whose 16- and 32-bit sums stay in registers across the pairs, so the loops are one
@@ -476,40 +477,57 @@ pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(
     n: usize,
     mins: &[f32],
     scales: &[f32],
+    groups: ValueGroups,
     codes: &[u8],
     first: usize,
 ) {
     assert!(
         matches!(K, 2 | 3 | 4 | 8)
             && block_fits(K, R, hd, n, codes.len(), first)
+            && groups.fits(hd)
             && o.len() >= R * hd
-            && mins.len() >= n
-            && scales.len() >= n
+            && mins.len() >= groups.params_len(hd, n)
+            && scales.len() >= groups.params_len(hd, n)
             && (n == 0 || w.len() >= (R - 1) * wstride + n),
         "avx2::coded::axpy_rows_coded: bad sizes"
     );
     if n == 0 {
         return;
     }
-    let mut pairs = [[0i32; 8]; R];
-    let mut step = [0f32; R];
-    let mut bias = [0f32; R];
-    for r in 0..R {
-        // SAFETY: the n weights of row r and the n parameters are inside the slices (asserted).
-        (pairs[r], step[r], bias[r]) = unsafe {
-            weight_pairs::<K>(
-                w.as_ptr().add(r * wstride),
-                mins.as_ptr(),
-                scales.as_ptr(),
-                n,
-            )
-        };
-    }
+    // Per row, the folded weights, step and bias of the groups of a piece's two halves of 32
+    // channels (the low and the high 128-bit lanes below), folded again only when the group
+    // changes.
+    let mut folded = [[([0i32; 8], 0f32, 0f32); 2]; R];
+    let mut held = [usize::MAX; 2];
     let row_bytes = hd * K / 8;
     let mut tail = Vec::new();
     let vp = sixteen_rows(codes, first * K / 8, n, row_bytes, &mut tail);
     let zero = _mm256_setzero_si256();
     for u in 0..hd / 64 {
+        let gs = groups.of_piece(u);
+        for h in 0..2 {
+            if gs[h] == held[h] {
+                continue;
+            }
+            for r in 0..R {
+                folded[r][h] = if h == 1 && gs[1] == gs[0] {
+                    folded[r][0]
+                } else {
+                    let at = gs[h] * groups.stride;
+                    // SAFETY: the n weights of row r and the n parameters of group gs[h] are
+                    // inside the slices (asserted: `params_len`).
+                    unsafe {
+                        weight_pairs::<K>(
+                            w.as_ptr().add(r * wstride),
+                            mins.as_ptr().add(at),
+                            scales.as_ptr().add(at),
+                            n,
+                        )
+                    }
+                };
+            }
+            held[h] = gs[h];
+        }
         // Pair p's two tokens' bytes side by side per channel: register k holds channels
         // 8 k..8 k + 8 of the piece in its low lane and 32 + 8 k.. in its high one.
         let mut z = [[zero; 4]; 8];
@@ -538,7 +556,8 @@ pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(
                 let mut lo4 = [zero; 4];
                 let mut hi4 = [zero; 4];
                 for p in 0..8 {
-                    let wp = _mm256_set1_epi32(pairs[r][p]);
+                    let (a, b) = (folded[r][0].0[p], folded[r][1].0[p]);
+                    let wp = _mm256_set_m128i(_mm_set1_epi32(b), _mm_set1_epi32(a));
                     for k in 0..4 {
                         let x = z[p][k];
                         lo4[k] = _mm256_add_epi32(
@@ -559,7 +578,8 @@ pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(
                 for half in 0..2 {
                     let mut s16 = [zero; 4];
                     for p in 4 * half..4 * half + 4 {
-                        let wp = _mm256_set1_epi16(pairs[r][p] as i16);
+                        let (a, b) = (folded[r][0].0[p] as i16, folded[r][1].0[p] as i16);
+                        let wp = _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a));
                         for k in 0..4 {
                             s16[k] = _mm256_add_epi16(s16[k], _mm256_maddubs_epi16(wp, z[p][k]));
                         }
@@ -574,8 +594,9 @@ pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(
                     }
                 }
             }
-            let (s, b) = (_mm256_set1_ps(step[r]), _mm256_set1_ps(bias[r]));
             for (i, a) in acc.iter().enumerate() {
+                let (_, step, bias) = folded[r][i / 4];
+                let (s, b) = (_mm256_set1_ps(step), _mm256_set1_ps(bias));
                 let ch = 64 * u + if i < 4 { 8 * i } else { 32 + 8 * (i - 4) };
                 // SAFETY: o[r · hd + ch..+ 8] is inside `o` (asserted: ch + 8 <= hd).
                 unsafe {

@@ -25,7 +25,7 @@
 //! about a quarter less time on an AMD EPYC (Zen 4), and the service's mix stays within 0.25% of
 //! int8's perplexity (docs/bench-long.md, "Decode attention in integers").
 
-use crate::simd::{coded_block_fits as block_fits, sixteen_rows};
+use crate::simd::{ValueGroups, coded_block_fits as block_fits, sixteen_rows};
 use std::arch::x86_64::*;
 
 /// Whether this CPU runs these kernels: what [`super::available`] checks, and VBMI.
@@ -445,10 +445,12 @@ unsafe fn value_lanes<const K: usize>(rows: *const u8, row_bytes: usize, u: usiz
 }
 
 /// Sums of `n <= 16` value rows of `hd` channels stored as unsigned `K`-bit codes (2, 3, 4 or
-/// 8) with a minimum and a scale per row, weighted for `R` output rows:
-/// `o[r · hd + d] += Σ_i w[r · wstride + i] · (mins[i] + scales[i] · code(i, d))`, value row i's
-/// codes from packed value `first + i · hd` of `codes`, each output row's folded weights
-/// rounded to unsigned bytes (see the module comment): weights and scales must not be
+/// 8) with a minimum and a scale per token and group of channels (`groups`), weighted for `R`
+/// output rows:
+/// `o[r · hd + d] += Σ_i w[r · wstride + i] · (mins[j] + scales[j] · code(i, d))`, `j` the
+/// index of token i's group of channel d ([`ValueGroups`]), value row i's codes from packed
+/// value `first + i · hd` of `codes`, each output row's weights folded with each group's scales
+/// and rounded to unsigned bytes (see the module comment): weights and scales must not be
 /// negative (attention weights and the formats' scales never are); a negative product counts
 /// as 0.
 ///
@@ -465,54 +467,74 @@ pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(
     n: usize,
     mins: &[f32],
     scales: &[f32],
+    groups: ValueGroups,
     codes: &[u8],
     first: usize,
 ) {
     assert!(
         matches!(K, 2 | 3 | 4 | 8)
             && block_fits(K, R, hd, n, codes.len(), first)
+            && groups.fits(hd)
             && o.len() >= R * hd
-            && mins.len() >= n
-            && scales.len() >= n
+            && mins.len() >= groups.params_len(hd, n)
+            && scales.len() >= groups.params_len(hd, n)
             && (n == 0 || w.len() >= (R - 1) * wstride + n),
         "vnni::kv::axpy_rows_coded: bad sizes"
     );
     if n == 0 {
         return;
     }
-    let mut wb = [[0i32; 4]; R];
-    let mut step = [0f32; R];
-    let mut bias = [0f32; R];
-    for r in 0..R {
-        // SAFETY: the n weights of row r and the n parameters are inside the slices (asserted).
-        (wb[r], step[r], bias[r]) = unsafe {
-            weight_bytes::<K>(
-                w.as_ptr().add(r * wstride),
-                mins.as_ptr(),
-                scales.as_ptr(),
-                n,
-            )
-        };
-    }
+    // Per row, the folded weights, step and bias of the groups of a piece's two halves of 32
+    // channels, folded again only when the group changes.
+    let mut folded = [[([0i32; 4], 0f32, 0f32); 2]; R];
+    let mut held = [usize::MAX; 2];
     let row_bytes = hd * K / 8;
     let mut tail = Vec::new();
     let vp = sixteen_rows(codes, first * K / 8, n, row_bytes, &mut tail);
     for u in 0..hd / 64 {
+        let gs = groups.of_piece(u);
+        for h in 0..2 {
+            if gs[h] == held[h] {
+                continue;
+            }
+            for r in 0..R {
+                folded[r][h] = if h == 1 && gs[1] == gs[0] {
+                    folded[r][0]
+                } else {
+                    let at = gs[h] * groups.stride;
+                    // SAFETY: the n weights of row r and the n parameters of group gs[h] are
+                    // inside the slices (asserted: `params_len`).
+                    unsafe {
+                        weight_bytes::<K>(
+                            w.as_ptr().add(r * wstride),
+                            mins.as_ptr().add(at),
+                            scales.as_ptr().add(at),
+                            n,
+                        )
+                    }
+                };
+            }
+            held[h] = gs[h];
+        }
         let mut acc = [[_mm512_setzero_si512(); 4]; R];
         for g in 0..n.div_ceil(4) {
             // SAFETY: rows 4 g..4 g + 4 < 16 of `vp` (the chunk's sixteen rows or the padded
             // copy's), with their channels 64 u..64 u + 64.
             let z = unsafe { value_lanes::<K>(vp.add(4 * g * row_bytes), row_bytes, u) };
             for r in 0..R {
-                let b = _mm512_set1_epi32(wb[r][g]);
+                let b = [
+                    _mm512_set1_epi32(folded[r][0].0[g]),
+                    _mm512_set1_epi32(folded[r][1].0[g]),
+                ];
                 for k in 0..4 {
-                    acc[r][k] = _mm512_dpbusd_epi32(acc[r][k], b, z[k]);
+                    acc[r][k] = _mm512_dpbusd_epi32(acc[r][k], b[k / 2], z[k]);
                 }
             }
         }
         for r in 0..R {
-            let (s, b) = (_mm512_set1_ps(step[r]), _mm512_set1_ps(bias[r]));
             for k in 0..4 {
+                let (_, step, bias) = folded[r][k / 2];
+                let (s, b) = (_mm512_set1_ps(step), _mm512_set1_ps(bias));
                 // SAFETY: o[r · hd + 64 u + 16 k..+ 16] is inside `o` (asserted).
                 unsafe {
                     let p = o.as_mut_ptr().add(r * hd + 64 * u + 16 * k);
