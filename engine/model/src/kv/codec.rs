@@ -714,7 +714,7 @@ fn decode_f16(src: &[u8], out: &mut [f32]) {
 }
 
 /// The `(min, scale)` f16 pairs `first..first + mins.len()` of `params` to f32, converted in bulk.
-fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
+pub(crate) fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
     let mut buf = [0f32; 512];
     for (i, (m, s)) in mins.chunks_mut(256).zip(scales.chunks_mut(256)).enumerate() {
         let p0 = first + i * 256;
@@ -729,7 +729,7 @@ fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
 /// Head `h`'s coded parameters `first..first + mins.len()` of a section (`groups` per head) as
 /// f32 minimums and scales.
 #[inline]
-fn coded_pairs(
+pub(crate) fn coded_pairs(
     params: &[u8],
     groups: usize,
     n_heads: usize,
@@ -843,45 +843,6 @@ pub fn packed_values<'a>(
     scales: &mut [f32],
 ) -> (&'a [u8], usize) {
     packed_section(shape, f, layer, h, false, mins, scales)
-}
-
-/// Head `h`'s values in one layer of an [`affine_codes`] format whose value groups are narrower
-/// than the head (Gemma 3's 32 channels), as [`packed_values`] with the parameters laid out
-/// group by group: value `[i][c]` is `mins[j] + code[i][c] · scales[j]`, `j = (c / width) ·
-/// tokens + i` (what `kernels::coded::axpy_rows_coded` takes as its [`ValueGroups`]).
-/// `mins` and `scales` must hold the head's groups in the layer (`tokens · head_dim / width`,
-/// at most 256).
-pub fn packed_grouped_values<'a>(
-    shape: &ChunkShape,
-    f: KvFormat,
-    layer: &'a [u8],
-    h: usize,
-    mins: &mut [f32],
-    scales: &mut [f32],
-) -> (&'a [u8], usize, crate::simd::ValueGroups) {
-    let (vw, t) = (shape.value_width(f), shape.tokens);
-    let groups = shape.value_groups(f);
-    debug_assert!(affine_codes(f) && groups <= 256);
-    let per_token = shape.head_dim / vw;
-    let section = &layer[shape.k_bytes(f)..shape.layer_bytes(f)];
-    let params = &section[shape.v_values_bytes(f)..];
-    // The parameters in the order they are stored (token by token), then regrouped.
-    let (mut m, mut s) = ([0f32; 256], [0f32; 256]);
-    let (m, s) = (&mut m[..groups], &mut s[..groups]);
-    if f.coded() {
-        coded_pairs(params, groups, shape.n_kv_heads, h, 0, m, s);
-    } else {
-        le_pairs(params, h * groups, m, s);
-    }
-    for (r, (&mr, &sr)) in m.iter().zip(s.iter()).enumerate() {
-        let (i, g) = (r / per_token, r % per_token);
-        (mins[g * t + i], scales[g * t + i]) = (mr, sr);
-    }
-    let layout = crate::simd::ValueGroups {
-        width: vw,
-        stride: t,
-    };
-    (section, h * shape.block(), layout)
 }
 
 /// [`packed_keys`] (`keys`, a group per channel) or [`packed_values`] (a group per token).

@@ -9,7 +9,7 @@ use crate::kernels::{
     softmax_exp,
 };
 use crate::kv::codec::{
-    decode_v, f16_keys, f16_values, head_codes, int8_keys, int8_values, packed_grouped_values,
+    coded_pairs, decode_v, f16_keys, f16_values, head_codes, int8_keys, int8_values, le_pairs,
     packed_keys, packed_values,
 };
 use crate::kv::{ChunkShape, KvCache, KvError, KvFormat, LayerView};
@@ -491,29 +491,12 @@ impl PieceWork<'_> {
                         s.bias.fill(0.0);
                         axpy_rows_codes(o, &s.bias, &s.wsr, t, live, v, 0, Codes::Signed8, hd);
                     }
-                    // Values in groups narrower than the head (Gemma 3): in integers as below,
-                    // each group's weights folded with its own scales; else decoded, then summed
-                    // in f32.
+                    // Values in groups narrower than the head (Gemma 3): in integers per group,
+                    // else decoded, then summed in f32.
                     LayerView::Sealed(f, bytes) if cs.value_width(f) != hd => {
-                        if self.int8 {
-                            let n = cs.value_groups(f);
-                            s.gmins.resize(n, 0.0);
-                            s.gscales.resize(n, 0.0);
-                            let (codes, first, groups) = packed_grouped_values(
-                                cs,
-                                f,
-                                bytes,
-                                g,
-                                &mut s.gmins,
-                                &mut s.gscales,
-                            );
-                            let bits = f.value_bits() as usize;
-                            let (m, sc, w) = (&s.gmins[..], &s.gscales[..], &e[off..]);
-                            if coded::axpy_rows_coded(
-                                o, hd, w, width, live, m, sc, groups, codes, first, bits,
-                            ) {
-                                continue;
-                            }
+                        let weights = (&e[off..], width, live);
+                        if self.int8 && grouped_values_int8(cs, (f, bytes, g), o, weights, s) {
+                            continue;
                         }
                         s.vals.resize(t * hd, 0.0);
                         decode_v(cs, f, bytes, g, &mut s.vals);
@@ -563,6 +546,66 @@ impl PieceWork<'_> {
             }
         }
     }
+}
+
+/// Head `h`'s values in one layer of an affine-codes format whose value groups are narrower
+/// than the head (Gemma 3's 32 channels), as `codec::packed_values` with the parameters laid out
+/// group by group: value `[i][c]` is `mins[j] + code[i][c] · scales[j]`, `j = (c / width) ·
+/// tokens + i` (what [`coded::axpy_rows_coded`] takes as its [`ValueGroups`]).
+/// `mins` and `scales` must hold the head's groups in the layer (`tokens · head_dim / width`,
+/// at most 256).
+fn packed_grouped_values<'a>(
+    shape: &ChunkShape,
+    f: KvFormat,
+    layer: &'a [u8],
+    h: usize,
+    mins: &mut [f32],
+    scales: &mut [f32],
+) -> (&'a [u8], usize, ValueGroups) {
+    let (vw, t) = (shape.value_width(f), shape.tokens);
+    let groups = shape.value_groups(f);
+    debug_assert!(groups <= 256);
+    let per_token = shape.head_dim / vw;
+    let section = &layer[shape.k_bytes(f)..shape.layer_bytes(f)];
+    let params = &section[shape.v_values_bytes(f)..];
+    // The parameters in the order they are stored (token by token), then regrouped.
+    let (mut m, mut s) = ([0f32; 256], [0f32; 256]);
+    let (m, s) = (&mut m[..groups], &mut s[..groups]);
+    if f.coded() {
+        coded_pairs(params, groups, shape.n_kv_heads, h, 0, m, s);
+    } else {
+        le_pairs(params, h * groups, m, s);
+    }
+    for (r, (&mr, &sr)) in m.iter().zip(s.iter()).enumerate() {
+        let (i, g) = (r / per_token, r % per_token);
+        (mins[g * t + i], scales[g * t + i]) = (mr, sr);
+    }
+    let layout = ValueGroups {
+        width: vw,
+        stride: t,
+    };
+    (section, h * shape.block(), layout)
+}
+
+/// Head `g`'s values of a chunk's layer (`f`, `bytes`) in groups narrower than the head, summed
+/// in integers into `o` (`[rows][head_dim]`) with the weights `w` (`[rows][stride]`, `live`
+/// of each from the chunk's first column; [`coded::axpy_rows_coded`] with the parameters
+/// group by group); false, changing nothing, where those kernels do not run.
+fn grouped_values_int8(
+    cs: &ChunkShape,
+    (f, bytes, g): (KvFormat, &[u8], usize),
+    o: &mut [f32],
+    (w, stride, live): (&[f32], usize, usize),
+    s: &mut Scratch,
+) -> bool {
+    let n = cs.value_groups(f);
+    s.gmins.resize(n, 0.0);
+    s.gscales.resize(n, 0.0);
+    let (codes, first, groups) =
+        packed_grouped_values(cs, f, bytes, g, &mut s.gmins, &mut s.gscales);
+    let (bits, hd) = (f.value_bits() as usize, cs.head_dim);
+    let (m, sc) = (&s.gmins[..], &s.gscales[..]);
+    coded::axpy_rows_coded(o, hd, w, stride, live, m, sc, groups, codes, first, bits)
 }
 
 /// Merges each KV head's pieces into `out` (one softmax over the whole row, flash-decoding's
