@@ -146,6 +146,34 @@ impl ValueGroups {
     }
 }
 
+/// The integer value kernels' folded weights per row for the groups of piece `u`'s two halves
+/// of 32 channels (`folded[r][h]`), refolded only where a half's group differs from the one
+/// `held` says was folded last: `fold(r, at)` folds row `r` against the parameters from index
+/// `at` (the group's first).
+#[inline]
+pub(crate) fn fold_piece_groups<T: Copy, const R: usize>(
+    groups: ValueGroups,
+    u: usize,
+    held: &mut [usize; 2],
+    folded: &mut [[T; 2]; R],
+    mut fold: impl FnMut(usize, usize) -> T,
+) {
+    let gs = groups.of_piece(u);
+    for h in 0..2 {
+        if gs[h] == held[h] {
+            continue;
+        }
+        for (r, f) in folded.iter_mut().enumerate() {
+            f[h] = if h == 1 && gs[1] == gs[0] {
+                f[0]
+            } else {
+                fold(r, gs[h] * groups.stride)
+            };
+        }
+        held[h] = gs[h];
+    }
+}
+
 /// Whether a kernel call's block fits what the kernels take: 1 to 4 rows, heads of whole
 /// groups of 64 channels, at most 16 tokens of `bits`-bit codes from packed value `first` (on
 /// a byte) inside `len` bytes.

@@ -25,7 +25,7 @@
 //!   channel, and four such (eight tokens, at most 8 · 255 · 15 < 2^15) are summed in 16 bits
 //!   before they are widened. 8-bit codes take `vpmaddwd` on the same pairs widened to 16 bits.
 
-use crate::simd::{ValueGroups, coded_block_fits as block_fits, sixteen_rows};
+use crate::simd::{ValueGroups, coded_block_fits as block_fits, fold_piece_groups, sixteen_rows};
 use std::arch::x86_64::*;
 
 /// Whether this CPU runs these kernels: AVX2, FMA and F16C (the engine's AVX2 path).
@@ -504,30 +504,18 @@ pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(
     let vp = sixteen_rows(codes, first * K / 8, n, row_bytes, &mut tail);
     let zero = _mm256_setzero_si256();
     for u in 0..hd / 64 {
-        let gs = groups.of_piece(u);
-        for h in 0..2 {
-            if gs[h] == held[h] {
-                continue;
+        fold_piece_groups(groups, u, &mut held, &mut folded, |r, at| {
+            // SAFETY: the n weights of row r and the n parameters of the group from `at` are
+            // inside the slices (asserted: `params_len`).
+            unsafe {
+                weight_pairs::<K>(
+                    w.as_ptr().add(r * wstride),
+                    mins.as_ptr().add(at),
+                    scales.as_ptr().add(at),
+                    n,
+                )
             }
-            for r in 0..R {
-                folded[r][h] = if h == 1 && gs[1] == gs[0] {
-                    folded[r][0]
-                } else {
-                    let at = gs[h] * groups.stride;
-                    // SAFETY: the n weights of row r and the n parameters of group gs[h] are
-                    // inside the slices (asserted: `params_len`).
-                    unsafe {
-                        weight_pairs::<K>(
-                            w.as_ptr().add(r * wstride),
-                            mins.as_ptr().add(at),
-                            scales.as_ptr().add(at),
-                            n,
-                        )
-                    }
-                };
-            }
-            held[h] = gs[h];
-        }
+        });
         // Pair p's two tokens' bytes side by side per channel: register k holds channels
         // 8 k..8 k + 8 of the piece in its low lane and 32 + 8 k.. in its high one.
         let mut z = [[zero; 4]; 8];

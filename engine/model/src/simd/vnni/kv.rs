@@ -25,7 +25,7 @@
 //! about a quarter less time on an AMD EPYC (Zen 4), and the service's mix stays within 0.25% of
 //! int8's perplexity (docs/bench-long.md, "Decode attention in integers").
 
-use crate::simd::{ValueGroups, coded_block_fits as block_fits, sixteen_rows};
+use crate::simd::{ValueGroups, coded_block_fits as block_fits, fold_piece_groups, sixteen_rows};
 use std::arch::x86_64::*;
 
 /// Whether this CPU runs these kernels: what [`super::available`] checks, and VBMI.
@@ -492,30 +492,18 @@ pub unsafe fn axpy_rows_coded<const K: usize, const R: usize>(
     let mut tail = Vec::new();
     let vp = sixteen_rows(codes, first * K / 8, n, row_bytes, &mut tail);
     for u in 0..hd / 64 {
-        let gs = groups.of_piece(u);
-        for h in 0..2 {
-            if gs[h] == held[h] {
-                continue;
+        fold_piece_groups(groups, u, &mut held, &mut folded, |r, at| {
+            // SAFETY: the n weights of row r and the n parameters of the group from `at` are
+            // inside the slices (asserted: `params_len`).
+            unsafe {
+                weight_bytes::<K>(
+                    w.as_ptr().add(r * wstride),
+                    mins.as_ptr().add(at),
+                    scales.as_ptr().add(at),
+                    n,
+                )
             }
-            for r in 0..R {
-                folded[r][h] = if h == 1 && gs[1] == gs[0] {
-                    folded[r][0]
-                } else {
-                    let at = gs[h] * groups.stride;
-                    // SAFETY: the n weights of row r and the n parameters of group gs[h] are
-                    // inside the slices (asserted: `params_len`).
-                    unsafe {
-                        weight_bytes::<K>(
-                            w.as_ptr().add(r * wstride),
-                            mins.as_ptr().add(at),
-                            scales.as_ptr().add(at),
-                            n,
-                        )
-                    }
-                };
-            }
-            held[h] = gs[h];
-        }
+        });
         let mut acc = [[_mm512_setzero_si512(); 4]; R];
         for g in 0..n.div_ceil(4) {
             // SAFETY: rows 4 g..4 g + 4 < 16 of `vp` (the chunk's sixteen rows or the padded
