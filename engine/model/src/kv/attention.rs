@@ -712,6 +712,49 @@ mod tests {
         }
     }
 
+    /// The grouped values' parameters laid out group by group give back what `decode_v`
+    /// decodes, on chunks whose groups fit one pass (16 tokens) and need two (64 tokens of
+    /// heads of 256 in groups of 32: 512 groups).
+    #[test]
+    fn grouped_values_laid_out_by_group_decode_as_decode_v() {
+        use crate::kv::codec::{decode_v, encode_layer, packed_value};
+        for tokens in [16, 64] {
+            let s = ChunkShape {
+                n_layers: 1,
+                n_kv_heads: 2,
+                head_dim: 256,
+                tokens,
+                value_group: 32,
+                ..ChunkShape::DENSE
+            };
+            let mut rng = StdRng::seed_from_u64(tokens as u64);
+            let n = 2 * tokens * 256;
+            let k: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let v: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
+            for f in [KvFormat::K4v3, KvFormat::K8v8] {
+                let mut layer = vec![0u8; s.layer_bytes(f)];
+                encode_layer(&s, f, &k, &v, &mut layer).unwrap();
+                for h in 0..2 {
+                    let mut want = vec![0.0; tokens * 256];
+                    decode_v(&s, f, &layer, h, &mut want);
+                    let groups = s.value_groups(f);
+                    let (mut m, mut sc) = (vec![0.0; groups], vec![0.0; groups]);
+                    let (codes, first, layout) =
+                        decode::packed_grouped_values(&s, f, &layer, h, &mut m, &mut sc);
+                    for i in 0..tokens {
+                        for c in 0..256 {
+                            let j = c / layout.width * layout.stride + i;
+                            let code = packed_value(codes, first + i * 256 + c, f.value_bits());
+                            let got = m[j] + f32::from(code) * sc[j];
+                            let at = format!("{f:?} tokens {tokens} head {h} [{i}][{c}]");
+                            assert!((got - want[i * 256 + c]).abs() < 1e-5, "{at}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn attention_over_values_in_groups_equals_the_full_matrix() {
         use KvFormat::*;

@@ -552,9 +552,8 @@ impl PieceWork<'_> {
 /// than the head (Gemma 3's 32 channels), as `codec::packed_values` with the parameters laid out
 /// group by group: value `[i][c]` is `mins[j] + code[i][c] · scales[j]`, `j = (c / width) ·
 /// tokens + i` (what [`coded::axpy_rows_coded`] takes as its [`ValueGroups`]).
-/// `mins` and `scales` must hold the head's groups in the layer (`tokens · head_dim / width`,
-/// at most 256).
-fn packed_grouped_values<'a>(
+/// `mins` and `scales` must hold the head's groups in the layer (`tokens · head_dim / width`).
+pub(super) fn packed_grouped_values<'a>(
     shape: &ChunkShape,
     f: KvFormat,
     layer: &'a [u8],
@@ -564,21 +563,24 @@ fn packed_grouped_values<'a>(
 ) -> (&'a [u8], usize, ValueGroups) {
     let (vw, t) = (shape.value_width(f), shape.tokens);
     let groups = shape.value_groups(f);
-    debug_assert!(groups <= 256);
     let per_token = shape.head_dim / vw;
     let section = &layer[shape.k_bytes(f)..shape.layer_bytes(f)];
     let params = &section[shape.v_values_bytes(f)..];
-    // The parameters in the order they are stored (token by token), then regrouped.
+    // The parameters in the order they are stored (token by token), 256 at a time (a chunk of
+    // 64 tokens holds 512 of Gemma 3's), then regrouped.
     let (mut m, mut s) = ([0f32; 256], [0f32; 256]);
-    let (m, s) = (&mut m[..groups], &mut s[..groups]);
-    if f.coded() {
-        coded_pairs(params, groups, shape.n_kv_heads, h, 0, m, s);
-    } else {
-        le_pairs(params, h * groups, m, s);
-    }
-    for (r, (&mr, &sr)) in m.iter().zip(s.iter()).enumerate() {
-        let (i, g) = (r / per_token, r % per_token);
-        (mins[g * t + i], scales[g * t + i]) = (mr, sr);
+    for r0 in (0..groups).step_by(256) {
+        let n = (groups - r0).min(256);
+        let (m, s) = (&mut m[..n], &mut s[..n]);
+        if f.coded() {
+            coded_pairs(params, groups, shape.n_kv_heads, h, r0, m, s);
+        } else {
+            le_pairs(params, h * groups + r0, m, s);
+        }
+        for (j, (&mr, &sr)) in m.iter().zip(s.iter()).enumerate() {
+            let (i, g) = ((r0 + j) / per_token, (r0 + j) % per_token);
+            (mins[g * t + i], scales[g * t + i]) = (mr, sr);
+        }
     }
     let layout = ValueGroups {
         width: vw,
