@@ -1,7 +1,7 @@
 //! AVX2 kernels of decode attention in integers, the 256-bit form of `simd::vnni::kv` for CPUs
 //! without AVX-512 (AMD Zen 3, most laptops and desktops): over one block of at most sixteen
 //! tokens of a chunk stored in unsigned codes with a minimum and a scale per group (keys per
-//! channel, values per token), the parameters folded inside.
+//! channel, values per token or per token and group of channels), the parameters folded inside.
 //!
 //! The rounding is `simd::vnni::kv`'s: each query row folded with the keys' scales is rounded
 //! to signed bytes against its largest magnitude, 64 channels at a time (`max |x| / 127` a

@@ -1,7 +1,8 @@
 //! AVX-512 VNNI and VBMI kernels of decode attention in integers, over one block of at most
 //! sixteen tokens of a chunk stored in unsigned codes with a minimum and a scale per group
-//! (keys per channel, values per token): the int8 form of `simd::avx512::kv`'s
-//! `dot_rows_stored` and `axpy_rows_stored` with the parameters' folding inside.
+//! (keys per channel, values per token or per token and group of channels, `ValueGroups`): the
+//! int8 form of `simd::avx512::kv`'s `dot_rows_stored` and `axpy_rows_stored` with the
+//! parameters' folding inside.
 //!
 //! Each kernel folds the scales into its f32 rows (the query times the keys' scales, the
 //! attention weights times the values' scales), rounds them to bytes against their largest
