@@ -1,7 +1,9 @@
-//! Decode attention over chunks of unsigned codes in integers (`simd::vnni::kv`): the query
-//! rows and the attention weights folded with a chunk's scales and rounded to bytes, multiplied
-//! with the codes by `vpdpbusd`. The f32 kernels ([`super::dot_rows_codes`],
-//! [`super::axpy_rows_codes`]) stay the reference; [`KvArith`] chooses between them.
+//! Decode attention over chunks of unsigned codes in integers: the query rows and the attention
+//! weights folded with a chunk's scales and rounded to bytes, multiplied with the codes by
+//! `vpdpbusd` (`simd::vnni::kv`, AVX-512 VNNI and VBMI) or `vpmaddubsw`/`vpmaddwd`
+//! (`simd::avx2::coded`, AVX2), the same rounding on both; [`CodedPath`] chooses the kernels.
+//! The f32 kernels ([`super::dot_rows_codes`], [`super::axpy_rows_codes`]) stay the reference;
+//! [`KvArith`] chooses between them.
 
 use crate::qmatrix::IsaCap;
 pub use crate::simd::ValueGroups;
@@ -9,7 +11,7 @@ use std::sync::OnceLock;
 
 /// How decode attention multiplies a chunk of codes: in f32 (every code converted, the
 /// reference), or with the folded rows rounded to bytes and multiplied in integers where the
-/// CPU can (AVX-512 VNNI and VBMI; f32 elsewhere).
+/// CPU can (AVX-512 VNNI and VBMI, or AVX2; f32 on the portable path).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvArith {
     /// Every code converted to f32 and multiplied in f32: the reference.

@@ -174,6 +174,13 @@ pub(crate) fn fold_piece_groups<T: Copy, const R: usize>(
     }
 }
 
+/// `levels` over a row's largest magnitude, or 0 for a row of zeros: what the integer
+/// attention kernels multiply a folded row by before rounding it.
+#[inline]
+pub(crate) fn inverse_step(top: f32, levels: f32) -> f32 {
+    if top > 0.0 { levels / top } else { 0.0 }
+}
+
 /// Whether a kernel call's block fits what the kernels take: 1 to 4 rows, heads of whole
 /// groups of 64 channels, at most 16 tokens of `bits`-bit codes from packed value `first` (on
 /// a byte) inside `len` bytes.

@@ -25,7 +25,9 @@
 //!   channel, and four such (eight tokens, at most 8 · 255 · 15 < 2^15) are summed in 16 bits
 //!   before they are widened. 8-bit codes take `vpmaddwd` on the same pairs widened to 16 bits.
 
-use crate::simd::{ValueGroups, coded_block_fits as block_fits, fold_piece_groups, sixteen_rows};
+use crate::simd::{
+    ValueGroups, coded_block_fits as block_fits, fold_piece_groups, inverse_step, sixteen_rows,
+};
 use std::arch::x86_64::*;
 
 /// Whether this CPU runs these kernels: AVX2, FMA and F16C (the engine's AVX2 path).
@@ -105,12 +107,6 @@ unsafe fn round8(x: *const f32, scales: *const f32, inv: __m256, mask: __m256i) 
         )
     };
     _mm256_cvtps_epi32(_mm256_mul_ps(f, inv))
-}
-
-/// `levels` over a row's largest magnitude, or 0 for a row of zeros.
-#[inline]
-fn inverse_step(top: f32, levels: f32) -> f32 {
-    if top > 0.0 { levels / top } else { 0.0 }
 }
 
 /// Sixteen 32-bit integers (`a` then `b`) as 16-bit ones in order (saturating, never reached
@@ -315,7 +311,7 @@ pub unsafe fn dot_rows_coded<const K: usize, const R: usize>(
 }
 
 /// The in-lane byte shuffle and the 16-bit multipliers that take sixteen `BITS`-bit codes
-/// (2, 3 or 4) out of a value row: register `k` of [`row_codes`] holds, in 16-bit lanes,
+/// (2, 3 or 4; [`row_codes`] reads 4-bit rows by their nibbles instead) out of a value row: register `k` of [`row_codes`] holds, in 16-bit lanes,
 /// channels `8 k..8 k + 8` in its low 128-bit lane and `32 + 8 k..` in its high one. The
 /// low lane's source is the row's bytes from 0, the high lane's from [`high_source`]; each
 /// 16-bit lane gathers the two bytes that hold its code, and multiplying by

@@ -26,7 +26,9 @@
 //! about a quarter less time on an AMD EPYC (Zen 4), and the service's mix stays within 0.25% of
 //! int8's perplexity (docs/bench-long.md, "Decode attention in integers").
 
-use crate::simd::{ValueGroups, coded_block_fits as block_fits, fold_piece_groups, sixteen_rows};
+use crate::simd::{
+    ValueGroups, coded_block_fits as block_fits, fold_piece_groups, inverse_step, sixteen_rows,
+};
 use std::arch::x86_64::*;
 
 /// Whether this CPU runs these kernels: what [`super::available`] checks, and VBMI.
@@ -96,12 +98,6 @@ unsafe fn round16_u8(x: *const f32, scales: *const f32, inv: __m512, mask: __mma
         _mm512_setzero_si512(),
     );
     _mm512_cvtusepi32_epi8(q)
-}
-
-/// `levels` over a row's largest magnitude, or 0 for a row of zeros.
-#[inline]
-fn inverse_step(top: f32, levels: f32) -> f32 {
-    if top > 0.0 { levels / top } else { 0.0 }
 }
 
 /// Sixty-four channels of a query row (from `q`, minimums and scales from `mins` and `scales`)
