@@ -714,7 +714,7 @@ fn decode_f16(src: &[u8], out: &mut [f32]) {
 }
 
 /// The `(min, scale)` f16 pairs `first..first + mins.len()` of `params` to f32, converted in bulk.
-fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
+pub(crate) fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
     let mut buf = [0f32; 512];
     for (i, (m, s)) in mins.chunks_mut(256).zip(scales.chunks_mut(256)).enumerate() {
         let p0 = first + i * 256;
@@ -729,7 +729,7 @@ fn le_pairs(params: &[u8], first: usize, mins: &mut [f32], scales: &mut [f32]) {
 /// Head `h`'s coded parameters `first..first + mins.len()` of a section (`groups` per head) as
 /// f32 minimums and scales.
 #[inline]
-fn coded_pairs(
+pub(crate) fn coded_pairs(
     params: &[u8],
     groups: usize,
     n_heads: usize,
@@ -743,28 +743,6 @@ fn coded_pairs(
     let step = coded_step(amax);
     let pairs = &params[2 * (h * groups + first)..];
     decode_coded_params(pairs, amax, step, &SCALE_STEPS, mins, scales);
-}
-
-/// Head `h`'s (minimum, scale) pairs `first..first + mins.len()` of a section of `f` whose
-/// parameters are `params` (`groups` a head), as f32: coded (8-bit) pairs or f16 ones, as the
-/// format stores them.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-pub(crate) fn section_pairs(
-    shape: &ChunkShape,
-    f: KvFormat,
-    params: &[u8],
-    groups: usize,
-    h: usize,
-    first: usize,
-    mins: &mut [f32],
-    scales: &mut [f32],
-) {
-    if f.coded() {
-        coded_pairs(params, groups, shape.n_kv_heads, h, first, mins, scales);
-    } else {
-        le_pairs(params, h * groups + first, mins, scales);
-    }
 }
 
 /// The bytes of head `h`'s key codes and of its value codes in one layer of format `f` (their
@@ -892,7 +870,11 @@ fn packed_section<'a>(
     };
     let params = &section[codes..];
     let (m, s) = (&mut mins[..groups], &mut scales[..groups]);
-    section_pairs(shape, f, params, groups, h, 0, m, s);
+    if f.coded() {
+        coded_pairs(params, groups, shape.n_kv_heads, h, 0, m, s);
+    } else {
+        le_pairs(params, h * groups, m, s);
+    }
     (section, h * shape.block())
 }
 
@@ -956,7 +938,11 @@ pub fn decode_v(shape: &ChunkShape, f: KvFormat, layer: &[u8], h: usize, out: &m
             for (r0, rows) in out.chunks_mut(256 * vw).enumerate() {
                 let n = rows.len() / vw;
                 let (m, s) = (&mut mins[..n], &mut scales[..n]);
-                section_pairs(shape, f, params, groups, h, r0 * 256, m, s);
+                if f.coded() {
+                    coded_pairs(params, groups, shape.n_kv_heads, h, r0 * 256, m, s);
+                } else {
+                    le_pairs(params, h * groups + r0 * 256, m, s);
+                }
                 let first = h * blk + r0 * 256 * vw;
                 decode_codes(vb, first, bits, vw, m, s, true, rows);
             }

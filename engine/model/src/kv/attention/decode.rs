@@ -9,8 +9,8 @@ use crate::kernels::{
     softmax_exp,
 };
 use crate::kv::codec::{
-    decode_v, f16_keys, f16_values, head_codes, int8_keys, int8_values, packed_keys, packed_values,
-    section_pairs,
+    coded_pairs, decode_v, f16_keys, f16_values, head_codes, int8_keys, int8_values, le_pairs,
+    packed_keys, packed_values,
 };
 use crate::kv::{ChunkShape, KvCache, KvError, KvFormat, LayerView};
 use crate::simd::prefetch_l2;
@@ -572,7 +572,11 @@ pub(super) fn packed_grouped_values<'a>(
     for r0 in (0..groups).step_by(256) {
         let n = (groups - r0).min(256);
         let (m, s) = (&mut m[..n], &mut s[..n]);
-        section_pairs(shape, f, params, groups, h, r0, m, s);
+        if f.coded() {
+            coded_pairs(params, groups, shape.n_kv_heads, h, r0, m, s);
+        } else {
+            le_pairs(params, h * groups + r0, m, s);
+        }
         for (j, (&mr, &sr)) in m.iter().zip(s.iter()).enumerate() {
             let (i, g) = ((r0 + j) / per_token, (r0 + j) % per_token);
             (mins[g * t + i], scales[g * t + i]) = (mr, sr);
