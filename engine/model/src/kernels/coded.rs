@@ -474,7 +474,7 @@ mod tests {
     fn integer_scores_match_f64_within_the_query_rounding_on_every_path() {
         let mut rng = StdRng::seed_from_u64(7);
         for path in CodedPath::all_available() {
-            for hd in [64, 128, 256] {
+            for hd in [64, 128, 256, 512] {
                 for n in [16, 1, 5, 13, 40] {
                     for (bits, rows) in [(4, 3), (8, 3), (4, 1), (8, 4), (4, 2), (4, 5), (8, 6)] {
                         check_dot(path, &mut rng, bits, rows, hd, n);
