@@ -872,10 +872,81 @@ impl Model {
 /// has finished it: two thread wake-ups per loop, and three threads on the engine's cores.
 /// Started from a pool thread, a loop runs its first part on that thread at once and the
 /// other workers take the rest, so the step pays one hand-over in all.
-pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+///
+/// For as long as `f` runs, the pool's other workers are kept polling for its loops' work
+/// ([`hot`]).
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() {
-        f()
+        hot(f)
     } else {
-        rayon::scope(|_| f())
+        rayon::scope(|_| hot(f))
     }
+}
+
+/// How long a worker kept hot polls without finding work before it gives up and may sleep.
+const HOT_IDLE: std::time::Duration = std::time::Duration::from_micros(500);
+
+/// Workers polling for a pass's work right now ([`on_pool`]).
+static HOT_WORKERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many workers are polling for the work of a pass in [`on_pool`] right now, in every
+/// pool: 0 whenever no pass runs (or once each has idled [`HOT_IDLE`]).
+pub fn hot_workers() -> usize {
+    HOT_WORKERS.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Runs `f` on this pool thread with every other worker of the pool polling for work
+/// (`rayon::yield_now`) until `f` returns, or until it has found none for [`HOT_IDLE`].
+///
+/// Between two of a pass's parallel loops the calling thread works alone for a few to some
+/// tens of microseconds (norms, RoPE, the KV append, the head's sampling outside). A rayon
+/// worker that finds no work yields the CPU some rounds and then sleeps; a loop started after
+/// that waits for a wake-up, and once the gap reaches about 20 µs the sleeping worker takes
+/// its share late or not at all (measured: two tasks of 25 µs each behind a serial gap of
+/// 40 µs ran slower than one thread running both). Kept polling, a worker takes its share
+/// within a microsecond. The poll stops with the pass, so an idle engine sleeps as before.
+fn hot<R>(f: impl FnOnce() -> R) -> R {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    thread_local! {
+        static HOT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    if rayon::current_num_threads() < 2 || HOT.get() {
+        return f();
+    }
+    /// Ends the poll when the pass ends, also by a panic.
+    struct Done(Arc<AtomicBool>);
+    impl Drop for Done {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+            HOT.set(false);
+        }
+    }
+    let me = rayon::current_thread_index();
+    let done = Done(Arc::new(AtomicBool::new(false)));
+    let flag = Arc::clone(&done.0);
+    HOT.set(true);
+    rayon::spawn_broadcast(move |ctx| {
+        if Some(ctx.index()) == me {
+            return;
+        }
+        HOT_WORKERS.fetch_add(1, Ordering::AcqRel);
+        let mut idle_since = None;
+        while !flag.load(Ordering::Acquire) {
+            match rayon::yield_now() {
+                Some(rayon::Yield::Executed) => idle_since = None,
+                _ => {
+                    let t = *idle_since.get_or_insert_with(std::time::Instant::now);
+                    if t.elapsed() > HOT_IDLE {
+                        break;
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        HOT_WORKERS.fetch_sub(1, Ordering::AcqRel);
+    });
+    let out = f();
+    drop(done);
+    out
 }
