@@ -909,6 +909,8 @@ fn hot<R>(f: impl FnOnce() -> R) -> R {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     thread_local! {
+        /// Whether this thread runs a pass that already keeps the others polling (a pass
+        /// within a pass broadcasts nothing more).
         static HOT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
     if rayon::current_num_threads() < 2 || HOT.get() {
@@ -946,7 +948,6 @@ fn hot<R>(f: impl FnOnce() -> R) -> R {
         }
         HOT_WORKERS.fetch_sub(1, Ordering::AcqRel);
     });
-    let out = f();
-    drop(done);
-    out
+    // `done` ends the poll as it drops, after `f` has returned or unwound.
+    f()
 }
