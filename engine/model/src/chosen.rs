@@ -31,8 +31,8 @@ pub fn engine(decode: Activations, prefill: PrefillActs) -> Vec<Chosen> {
             }
             (Activations::Int8, _) if vnni => int8_rows,
             (Activations::Int16 | Activations::Auto, Isa::Avx2 | Isa::Avx512) => {
-                "avx2::split_int8::matvec_q4_1/q8_0 (16-bit activations: codes and remainders), \
-                 4 rows per pass, vpmaddubsw 256-bit twice"
+                "avx2::split_int8::matvec_q4_1/q8_0 (16-bit activations as words: 256 code + \
+                 remainder), 4 rows per pass, weights widened to words, vpmaddwd 256-bit"
             }
             (Activations::Int8, Isa::Portable) => "portable, int8 activations, one row at a time",
             (Activations::Int8, _) => {

@@ -8,10 +8,13 @@
 //! signed, so they are taken as `|w|` times `x` with `w`'s sign (at most 2 · 128 · 127 =
 //! 32,512, never saturated). Q4_1's minimum term takes `xsum` as given (the codes' sums).
 //!
-//! With 16-bit activations (`xl`, each value's remainder in 256ths of a step, -127..=127) the
-//! remainders go through the same two instructions, and the codes' pair sums are widened by
-//! `vpmaddwd` with 256 in place of 1, so the two add up exactly in 32 bits and each block takes
-//! one scale, `d_w · d_x / 256`.
+//! With 16-bit activations (`xl`, each value's remainder in 256ths of a step, -127..=127) each
+//! activation is first put together as one word, `256 · xq + xl` (at most 32,639 in magnitude,
+//! once per call for all rows: [`words`]), and the weights, widened to words, are multiplied
+//! with them by `vpmaddwd` alone (pair sums at most 2 · 128 · 32,639, inside 32 bits): the same
+//! integer as the codes' and the remainders' products added, in two `vpmaddwd` a block where
+//! the two passes took four multiplies and two shuffles. Each block takes one scale,
+//! `d_w · d_x / 256`.
 
 use super::hsum;
 use crate::simd::{ROWS, passes};
@@ -50,18 +53,27 @@ pub unsafe fn matvec_q4_1(
             && qs.len() >= rows * nb * 16,
         "avx2::split_int8::matvec_q4_1: bad sizes"
     );
-    passes(rows, nb * 16, qs.as_ptr(), |r, n| {
-        let out = &mut out[r..r + n];
-        // SAFETY: rows r..r + n are inside the slices (asserted above); the CPU has the
-        // features (this function's contract).
-        unsafe {
-            match (n, xl.is_empty()) {
-                (ROWS, true) => rows_of::<false, ROWS, false>(d, m, qs, xq, xl, dx, xsum, r, out),
-                (_, true) => rows_of::<false, 1, false>(d, m, qs, xq, xl, dx, xsum, r, out),
-                (ROWS, false) => rows_of::<false, ROWS, true>(d, m, qs, xq, xl, dx, xsum, r, out),
-                (_, false) => rows_of::<false, 1, true>(d, m, qs, xq, xl, dx, xsum, r, out),
+    WORDS.with_borrow_mut(|x16| {
+        // SAFETY: the CPU has AVX2 (this function's contract); xl is as long as xq (asserted).
+        unsafe { words(xq, xl, x16) };
+        let x16 = &x16[..];
+        passes(rows, nb * 16, qs.as_ptr(), |r, n| {
+            let out = &mut out[r..r + n];
+            // SAFETY: rows r..r + n are inside the slices (asserted above); the CPU has the
+            // features (this function's contract).
+            unsafe {
+                match (n, xl.is_empty()) {
+                    (ROWS, true) => {
+                        rows_of::<false, ROWS, false>(d, m, qs, xq, x16, dx, xsum, r, out)
+                    }
+                    (_, true) => rows_of::<false, 1, false>(d, m, qs, xq, x16, dx, xsum, r, out),
+                    (ROWS, false) => {
+                        rows_of::<false, ROWS, true>(d, m, qs, xq, x16, dx, xsum, r, out)
+                    }
+                    (_, false) => rows_of::<false, 1, true>(d, m, qs, xq, x16, dx, xsum, r, out),
+                }
             }
-        }
+        })
     });
 }
 
@@ -84,25 +96,63 @@ pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], xl: &[i8], dx: &[f32]
             && qs.len() >= rows * nb * 32,
         "avx2::split_int8::matvec_q8_0: bad sizes"
     );
-    passes(rows, nb * 32, qs.as_ptr(), |r, n| {
-        let out = &mut out[r..r + n];
+    WORDS.with_borrow_mut(|x16| {
         // SAFETY: as in `matvec_q4_1`.
-        unsafe {
-            match (n, xl.is_empty()) {
-                (ROWS, true) => rows_of::<true, ROWS, false>(d, &[], qs, xq, xl, dx, &[], r, out),
-                (_, true) => rows_of::<true, 1, false>(d, &[], qs, xq, xl, dx, &[], r, out),
-                (ROWS, false) => rows_of::<true, ROWS, true>(d, &[], qs, xq, xl, dx, &[], r, out),
-                (_, false) => rows_of::<true, 1, true>(d, &[], qs, xq, xl, dx, &[], r, out),
+        unsafe { words(xq, xl, x16) };
+        let x16 = &x16[..];
+        passes(rows, nb * 32, qs.as_ptr(), |r, n| {
+            let out = &mut out[r..r + n];
+            // SAFETY: as in `matvec_q4_1`.
+            unsafe {
+                match (n, xl.is_empty()) {
+                    (ROWS, true) => {
+                        rows_of::<true, ROWS, false>(d, &[], qs, xq, x16, dx, &[], r, out)
+                    }
+                    (_, true) => rows_of::<true, 1, false>(d, &[], qs, xq, x16, dx, &[], r, out),
+                    (ROWS, false) => {
+                        rows_of::<true, ROWS, true>(d, &[], qs, xq, x16, dx, &[], r, out)
+                    }
+                    (_, false) => rows_of::<true, 1, true>(d, &[], qs, xq, x16, dx, &[], r, out),
+                }
             }
-        }
+        })
     });
+}
+
+thread_local! {
+    /// Each thread's buffer of 16-bit activation words ([`words`]), kept across calls.
+    static WORDS: std::cell::RefCell<Vec<i16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The 16-bit activations as words, `256 · xq + xl`, into `x16` (emptied where `xl` is empty:
+/// 8-bit activations).
+///
+/// # Safety
+/// The CPU must have AVX2; `xl` must be empty or as long as `xq`, a multiple of 16.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn words(xq: &[i8], xl: &[i8], x16: &mut Vec<i16>) {
+    x16.clear();
+    if xl.is_empty() {
+        return;
+    }
+    assert!(xl.len() == xq.len() && xq.len().is_multiple_of(16));
+    x16.resize(xq.len(), 0);
+    for i in (0..xq.len()).step_by(16) {
+        // SAFETY: values i..i + 16 of xq, xl and x16 (their lengths, asserted).
+        unsafe {
+            let q = _mm256_cvtepi8_epi16(_mm_loadu_si128(xq.as_ptr().add(i) as *const __m128i));
+            let l = _mm256_cvtepi8_epi16(_mm_loadu_si128(xl.as_ptr().add(i) as *const __m128i));
+            let w = _mm256_add_epi16(_mm256_slli_epi16::<8>(q), l);
+            _mm256_storeu_si256(x16.as_mut_ptr().add(i) as *mut __m256i, w);
+        }
+    }
 }
 
 /// Blocks whose scales [`rows_of`] prepares at a time.
 const SEGMENT: usize = 64;
 
-/// The `R` rows from `r0` of [`matvec_q8_0`] (`Q8`) or [`matvec_q4_1`], with the remainders
-/// `xl` if `LO`.
+/// The `R` rows from `r0` of [`matvec_q8_0`] (`Q8`) or [`matvec_q4_1`], over the 8-bit
+/// activations `xq`, or with `LO` the 16-bit ones as words `x16` ([`words`]).
 ///
 /// Up to [`SEGMENT`] blocks at a time, each row's scales `d_w · d_x` are first converted and
 /// multiplied eight blocks at a time into a buffer, and Q4_1's minimum term `m · xsum` summed
@@ -121,21 +171,19 @@ unsafe fn rows_of<const Q8: bool, const R: usize, const LO: bool>(
     m: &[f16],
     qs: &[u8],
     xq: &[i8],
-    xl: &[i8],
+    x16: &[i16],
     dx: &[f32],
     xsum: &[f32],
     r0: usize,
     out: &mut [f32],
 ) {
     let nb = xq.len() / 32;
+    debug_assert!(!LO || x16.len() == xq.len());
     let bytes = if Q8 { 32 } else { 16 };
     let (ones, nibble) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
-    // The codes' pair sums count 256 remainders' units each (16-bit activations).
-    let (wide, unit) = if LO {
-        (_mm256_set1_epi16(256), 1.0 / 256.0)
-    } else {
-        (ones, 1.0)
-    };
+    let low4 = _mm256_set1_epi16(0x0F);
+    // The words count 256 remainders' units a code (16-bit activations).
+    let unit = if LO { 1.0 / 256.0 } else { 1.0 };
     let mut acc = [_mm256_setzero_ps(); R];
     let mut mins = [0f32; R];
     let mut scales = [[0f32; SEGMENT]; R];
@@ -171,45 +219,56 @@ unsafe fn rows_of<const Q8: bool, const R: usize, const LO: bool>(
         }
         for k in 0..len {
             let b = s0 + k;
-            // SAFETY: block b < nb: its 32 codes inside xq (the contract).
-            let x = unsafe { _mm256_loadu_si256(xq.as_ptr().add(32 * b) as *const __m256i) };
-            let lo = if LO {
-                // SAFETY: as above; xl is as long as xq when LO.
-                unsafe { _mm256_loadu_si256(xl.as_ptr().add(32 * b) as *const __m256i) }
-            } else {
-                _mm256_setzero_si256()
+            // SAFETY: block b < nb: its 32 codes inside xq, and with LO its 32 words inside x16
+            // (the contract).
+            let (x, x0, x1) = unsafe {
+                if LO {
+                    let w = x16.as_ptr().add(32 * b) as *const __m256i;
+                    (
+                        _mm256_setzero_si256(),
+                        _mm256_loadu_si256(w),
+                        _mm256_loadu_si256(w.add(1)),
+                    )
+                } else {
+                    let x = _mm256_loadu_si256(xq.as_ptr().add(32 * b) as *const __m256i);
+                    (x, _mm256_setzero_si256(), _mm256_setzero_si256())
+                }
             };
             for r in 0..R {
                 let o = (r0 + r) * nb + b;
                 // SAFETY: block b of row r0 + r is inside qs (the contract).
-                let (p, pl) = unsafe {
+                let ints = unsafe {
                     let q = qp.add(o * bytes);
-                    if Q8 {
-                        let w = _mm256_loadu_si256(q as *const __m256i);
-                        let a = _mm256_abs_epi8(w);
-                        let pl = if LO {
-                            _mm256_maddubs_epi16(a, _mm256_sign_epi8(lo, w))
-                        } else {
-                            _mm256_setzero_si256()
-                        };
-                        (_mm256_maddubs_epi16(a, _mm256_sign_epi8(x, w)), pl)
-                    } else {
-                        let v = _mm_loadu_si128(q as *const __m128i);
-                        let w =
-                            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(v), v), nibble);
-                        let pl = if LO {
-                            _mm256_maddubs_epi16(w, lo)
-                        } else {
-                            _mm256_setzero_si256()
-                        };
-                        (_mm256_maddubs_epi16(w, x), pl)
+                    match (Q8, LO) {
+                        // The codes widened to words against the activations' words.
+                        (true, true) => {
+                            let w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(q as *const __m128i));
+                            let w1 =
+                                _mm256_cvtepi8_epi16(_mm_loadu_si128(q.add(16) as *const __m128i));
+                            _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1))
+                        }
+                        (false, true) => {
+                            let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(q as *const __m128i));
+                            let w0 = _mm256_and_si256(v, low4);
+                            let w1 = _mm256_srli_epi16::<4>(v);
+                            _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1))
+                        }
+                        (true, false) => {
+                            let w = _mm256_loadu_si256(q as *const __m256i);
+                            let p =
+                                _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+                            _mm256_madd_epi16(p, ones)
+                        }
+                        (false, false) => {
+                            let v = _mm_loadu_si128(q as *const __m128i);
+                            let w = _mm256_and_si256(
+                                _mm256_set_m128i(_mm_srli_epi16::<4>(v), v),
+                                nibble,
+                            );
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones)
+                        }
                     }
                 };
-                let mut ints = _mm256_madd_epi16(p, wide);
-                if LO {
-                    // At most 256 · 2 · 32,512 + 2 · 32,512 a lane: far inside 32 bits.
-                    ints = _mm256_add_epi32(ints, _mm256_madd_epi16(pl, ones));
-                }
                 let sums = _mm256_cvtepi32_ps(ints);
                 // SAFETY: k < len <= SEGMENT.
                 let s = unsafe { _mm256_broadcast_ss(scales[r].get_unchecked(k)) };
