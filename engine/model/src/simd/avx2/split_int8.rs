@@ -180,8 +180,6 @@ unsafe fn rows_of<const Q8: bool, const R: usize, const LO: bool>(
     let nb = xq.len() / 32;
     debug_assert!(!LO || x16.len() == xq.len());
     let bytes = if Q8 { 32 } else { 16 };
-    let (ones, nibble) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0F));
-    let low4 = _mm256_set1_epi16(0x0F);
     // The words count 256 remainders' units a code (16-bit activations).
     let unit = if LO { 1.0 / 256.0 } else { 1.0 };
     let mut acc = [_mm256_setzero_ps(); R];
@@ -237,38 +235,7 @@ unsafe fn rows_of<const Q8: bool, const R: usize, const LO: bool>(
             for r in 0..R {
                 let o = (r0 + r) * nb + b;
                 // SAFETY: block b of row r0 + r is inside qs (the contract).
-                let ints = unsafe {
-                    let q = qp.add(o * bytes);
-                    match (Q8, LO) {
-                        // The codes widened to words against the activations' words.
-                        (true, true) => {
-                            let w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(q as *const __m128i));
-                            let w1 =
-                                _mm256_cvtepi8_epi16(_mm_loadu_si128(q.add(16) as *const __m128i));
-                            _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1))
-                        }
-                        (false, true) => {
-                            let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(q as *const __m128i));
-                            let w0 = _mm256_and_si256(v, low4);
-                            let w1 = _mm256_srli_epi16::<4>(v);
-                            _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1))
-                        }
-                        (true, false) => {
-                            let w = _mm256_loadu_si256(q as *const __m256i);
-                            let p =
-                                _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-                            _mm256_madd_epi16(p, ones)
-                        }
-                        (false, false) => {
-                            let v = _mm_loadu_si128(q as *const __m128i);
-                            let w = _mm256_and_si256(
-                                _mm256_set_m128i(_mm_srli_epi16::<4>(v), v),
-                                nibble,
-                            );
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones)
-                        }
-                    }
-                };
+                let ints = unsafe { block_sums::<Q8, LO>(qp.add(o * bytes), x, x0, x1) };
                 let sums = _mm256_cvtepi32_ps(ints);
                 // SAFETY: k < len <= SEGMENT.
                 let s = unsafe { _mm256_broadcast_ss(scales[r].get_unchecked(k)) };
@@ -278,6 +245,53 @@ unsafe fn rows_of<const Q8: bool, const R: usize, const LO: bool>(
     }
     for r in 0..R {
         out[r] = hsum(acc[r]) + mins[r];
+    }
+}
+
+/// One block's eight lanes of integer sums of [`rows_of`]: its codes at `q` against the 8-bit
+/// activations `x`, or with `LO` against the activations' words `x0` (values 0-15) and `x1`
+/// (16-31).
+///
+/// # Safety
+/// The CPU must have AVX2; the block's bytes (32 for Q8_0, 16 for Q4_1) must be readable at `q`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_sums<const Q8: bool, const LO: bool>(
+    q: *const u8,
+    x: __m256i,
+    x0: __m256i,
+    x1: __m256i,
+) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: the block's bytes (the contract).
+    unsafe {
+        match (Q8, LO) {
+            // The codes widened to words against the activations' words.
+            (true, true) => {
+                let w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(q as *const __m128i));
+                let w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(q.add(16) as *const __m128i));
+                _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1))
+            }
+            (false, true) => {
+                let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(q as *const __m128i));
+                let w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+                let w1 = _mm256_srli_epi16::<4>(v);
+                _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1))
+            }
+            (true, false) => {
+                let w = _mm256_loadu_si256(q as *const __m256i);
+                let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+                _mm256_madd_epi16(p, ones)
+            }
+            (false, false) => {
+                let v = _mm_loadu_si128(q as *const __m128i);
+                let w = _mm256_and_si256(
+                    _mm256_set_m128i(_mm_srli_epi16::<4>(v), v),
+                    _mm256_set1_epi8(0x0F),
+                );
+                _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones)
+            }
+        }
     }
 }
 
