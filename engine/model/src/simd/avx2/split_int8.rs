@@ -53,28 +53,9 @@ pub unsafe fn matvec_q4_1(
             && qs.len() >= rows * nb * 16,
         "avx2::split_int8::matvec_q4_1: bad sizes"
     );
-    WORDS.with_borrow_mut(|x16| {
-        // SAFETY: the CPU has AVX2 (this function's contract); xl is as long as xq (asserted).
-        unsafe { words(xq, xl, x16) };
-        let x16 = &x16[..];
-        passes(rows, nb * 16, qs.as_ptr(), |r, n| {
-            let out = &mut out[r..r + n];
-            // SAFETY: rows r..r + n are inside the slices (asserted above); the CPU has the
-            // features (this function's contract).
-            unsafe {
-                match (n, xl.is_empty()) {
-                    (ROWS, true) => {
-                        rows_of::<false, ROWS, false>(d, m, qs, xq, x16, dx, xsum, r, out)
-                    }
-                    (_, true) => rows_of::<false, 1, false>(d, m, qs, xq, x16, dx, xsum, r, out),
-                    (ROWS, false) => {
-                        rows_of::<false, ROWS, true>(d, m, qs, xq, x16, dx, xsum, r, out)
-                    }
-                    (_, false) => rows_of::<false, 1, true>(d, m, qs, xq, x16, dx, xsum, r, out),
-                }
-            }
-        })
-    });
+    // SAFETY: the sizes are as `all_rows` needs them (asserted); the CPU has the features
+    // (this function's contract).
+    unsafe { all_rows::<false>(d, m, qs, xq, xl, dx, xsum, out) };
 }
 
 /// `out[r] = Σ_b d[r][b] dx[b] Σ_j q[r][b][j] x[32b + j]` for the `out.len()` Q8_0 rows held
@@ -96,23 +77,43 @@ pub unsafe fn matvec_q8_0(d: &[f16], qs: &[u8], xq: &[i8], xl: &[i8], dx: &[f32]
             && qs.len() >= rows * nb * 32,
         "avx2::split_int8::matvec_q8_0: bad sizes"
     );
+    // SAFETY: as in `matvec_q4_1`.
+    unsafe { all_rows::<true>(d, &[], qs, xq, xl, dx, &[], out) };
+}
+
+/// Every row of [`matvec_q8_0`] (`Q8`) or [`matvec_q4_1`], [`ROWS`] a pass ([`passes`]), the
+/// 16-bit activations put together as words first when `xl` holds them.
+///
+/// # Safety
+/// As those, whose size checks the caller has made.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn all_rows<const Q8: bool>(
+    d: &[f16],
+    m: &[f16],
+    qs: &[u8],
+    xq: &[i8],
+    xl: &[i8],
+    dx: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    let row_bytes = xq.len() / 32 * if Q8 { 32 } else { 16 };
     WORDS.with_borrow_mut(|x16| {
-        // SAFETY: as in `matvec_q4_1`.
+        // SAFETY: the CPU has AVX2 (the contract); xl is empty or as long as xq (checked by the
+        // caller).
         unsafe { words(xq, xl, x16) };
         let x16 = &x16[..];
-        passes(rows, nb * 32, qs.as_ptr(), |r, n| {
+        passes(out.len(), row_bytes, qs.as_ptr(), |r, n| {
             let out = &mut out[r..r + n];
-            // SAFETY: as in `matvec_q4_1`.
+            // SAFETY: rows r..r + n are inside the slices (checked by the caller); the CPU has
+            // the features (the contract).
             unsafe {
                 match (n, xl.is_empty()) {
-                    (ROWS, true) => {
-                        rows_of::<true, ROWS, false>(d, &[], qs, xq, x16, dx, &[], r, out)
-                    }
-                    (_, true) => rows_of::<true, 1, false>(d, &[], qs, xq, x16, dx, &[], r, out),
-                    (ROWS, false) => {
-                        rows_of::<true, ROWS, true>(d, &[], qs, xq, x16, dx, &[], r, out)
-                    }
-                    (_, false) => rows_of::<true, 1, true>(d, &[], qs, xq, x16, dx, &[], r, out),
+                    (ROWS, true) => rows_of::<Q8, ROWS, false>(d, m, qs, xq, x16, dx, xsum, r, out),
+                    (_, true) => rows_of::<Q8, 1, false>(d, m, qs, xq, x16, dx, xsum, r, out),
+                    (ROWS, false) => rows_of::<Q8, ROWS, true>(d, m, qs, xq, x16, dx, xsum, r, out),
+                    (_, false) => rows_of::<Q8, 1, true>(d, m, qs, xq, x16, dx, xsum, r, out),
                 }
             }
         })
