@@ -189,7 +189,7 @@ impl QMatrix {
         xsum: &[f32],
         out: &mut [f32],
     ) -> bool {
-        // Only the VNNI kernels of Q4_1 and Q8_0 read remainders (`has_int16_rows`).
+        // Only the Q4_1 and Q8_0 kernels (VNNI and AVX2) read remainders (`has_int16_rows`).
         debug_assert!(x.lo.is_empty() || self.has_int16_rows(isa));
         #[cfg(target_arch = "x86_64")]
         if self.has_int8_rows(isa) {
