@@ -302,6 +302,8 @@ pub(crate) fn check_int8_rows(kernel: impl Fn(Kind, &[u8], &[i8], &[f32], &[f32]
             640usize.next_multiple_of(vals),
             2048,
             32 * 21,
+            // Two of the AVX2 kernel's 64-block segments, the second with a partial eight.
+            32 * 75,
         ] {
             if !cols.is_multiple_of(vals) {
                 continue;

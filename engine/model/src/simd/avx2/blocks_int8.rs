@@ -5,12 +5,14 @@
 //! Each 32 values of a row are read as 32 unsigned codes `u` in value order, multiplied with
 //! the 32 activation bytes by `vpmaddubsw` (pairs summed into 16 bits: at most 2 · 63 · 127, so
 //! never saturated) and `vpmaddwd` by ones (each four summed into one of eight 32-bit lanes).
-//! The stored code is `u - offset` (8 for Q4_0, 16 for Q5_0, 32 for Q6_K, 0 otherwise): each
-//! lane starts from `-offset Σ x` of its four activations, computed once per product for
-//! every row. The lanes are converted to f32 once and multiplied by `scale · d_x`: one scale
-//! for the 32 values, or for Q6_K one for lanes 0-3 and one for lanes 4-7. Offsets (Q5_1,
-//! Q4_K, Q5_K) add `min · Σ x` with the activations' exact f32 sums. Four rows a pass share
-//! each load of the activations.
+//! The stored code is `u - offset` (8 for Q4_0, 16 for Q5_0, 32 for Q6_K, 0 otherwise): the
+//! offset's term `-offset Σ x` is computed once per product for every row, per block for the
+//! 32-value formats (scaled with the block's scale outside the codes' products) and per lane
+//! of four activations for Q6_K (added to the lanes). The lanes are converted to f32 once and
+//! multiplied by `scale · d_x`: one scale for the 32 values, or for Q6_K one for lanes 0-3 and
+//! one for lanes 4-7. Offsets (Q5_1, Q4_K, Q5_K) add `min · Σ x` with the activations' exact
+//! f32 sums. Four rows a pass share each load of the activations; the 32-value formats'
+//! scales are converted eight blocks at a time before a row's products (`rows_small`).
 
 use crate::qmatrix::Kind;
 use crate::simd::blocks::{Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, code_offset, geometry, h2f, tag};
@@ -24,12 +26,18 @@ fn bytes8_ps(v: u64) -> __m256 {
     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)))
 }
 
-/// `Σ u x` of 32 codes and 32 activations in eight lanes of four, plus `base`.
+/// `Σ u x` of 32 codes and 32 activations in eight lanes of four, plus `base` for the formats
+/// whose codes are offset (`K`: the format's tag).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot32(w: __m256i, x: __m256i, base: __m256i) -> __m256 {
+fn dot32<const K: u8>(w: __m256i, x: __m256i, base: __m256i) -> __m256 {
     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-    _mm256_cvtepi32_ps(_mm256_add_epi32(p, base))
+    let p = if code_offset(K) != 0 {
+        _mm256_add_epi32(p, base)
+    } else {
+        p
+    };
+    _mm256_cvtepi32_ps(p)
 }
 
 /// `out[r] = Σ_j w[r][j] x[j]` for the `out.len()` rows of `kind` held in `raw` (whole blocks,
@@ -73,27 +81,77 @@ unsafe fn run<const K: u8>(raw: &[u8], xq: &[i8], dx: &[f32], xsum: &[f32], out:
             && raw.len() >= rows * rb,
         "avx2::blocks_int8::matvec: bad sizes"
     );
-    // Each lane's -offset Σ x over its four activations, per 32 of them, for every row.
+    // The codes are read unsigned: each K-quant sub-block's lanes start from -offset Σ x of
+    // their four activations; each 32-value block's offset term, -offset Σ x, is scaled with
+    // the block instead (`rows_small`). Both once per product, for every row.
     let off = _mm256_set1_epi8(code_offset(K));
-    let base: Vec<__m256i> = (0..cols / 32)
-        .map(|b| {
-            // SAFETY: values 32 b..32 b + 32 are inside xq (cols is a multiple of 32).
-            let x = unsafe { _mm256_loadu_si256(xq.as_ptr().add(32 * b) as *const __m256i) };
-            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(off, x), _mm256_set1_epi16(1));
-            _mm256_sub_epi32(_mm256_setzero_si256(), s)
-        })
-        .collect();
+    let lane_offsets = |b: usize| {
+        // SAFETY: values 32 b..32 b + 32 are inside xq (cols is a multiple of 32).
+        let x = unsafe { _mm256_loadu_si256(xq.as_ptr().add(32 * b) as *const __m256i) };
+        let s = _mm256_madd_epi16(_mm256_maddubs_epi16(off, x), _mm256_set1_epi16(1));
+        _mm256_sub_epi32(_mm256_setzero_si256(), s)
+    };
+    let small = K <= Q5_1;
+    let base: Vec<__m256i> = if small {
+        Vec::new()
+    } else {
+        (0..cols / 32).map(lane_offsets).collect()
+    };
+    // For the 32-value formats, per block and padded with zeros to whole eights: the offset
+    // term, d_x, and (Q5_1) Σ x.
+    let (mut offs, mut dx8, mut xsum8) = (Vec::new(), Vec::new(), Vec::new());
+    if small {
+        let padded = (cols / 32).next_multiple_of(8);
+        offs = (0..cols / 32)
+            .map(|b| super::hsum(_mm256_cvtepi32_ps(lane_offsets(b))))
+            .collect();
+        dx8 = dx[..cols / 32].to_vec();
+        if K == Q5_1 {
+            xsum8 = xsum[..cols / 32].to_vec();
+            xsum8.resize(padded, 0.0);
+        }
+        offs.resize(padded, 0.0);
+        dx8.resize(padded, 0.0);
+    }
     passes(rows, rb, raw.as_ptr(), |r, n| {
         let out = &mut out[r..r + n];
+        let sums = if small {
+            Sums {
+                xq,
+                dx: &dx8,
+                xsum: &xsum8,
+                base: &base,
+                offs: &offs,
+            }
+        } else {
+            Sums {
+                xq,
+                dx,
+                xsum,
+                base: &base,
+                offs: &offs,
+            }
+        };
         // SAFETY: rows r..r + n are inside raw (asserted above); the CPU has the features
         // (this function's contract).
         unsafe {
             match n {
-                ROWS => rows_of::<K, ROWS>(raw, rb, xq, dx, xsum, &base, r, out),
-                _ => rows_of::<K, 1>(raw, rb, xq, dx, xsum, &base, r, out),
+                ROWS => rows_of::<K, ROWS>(raw, rb, &sums, r, out),
+                _ => rows_of::<K, 1>(raw, rb, &sums, r, out),
             }
         }
     });
+}
+
+/// What every row of one product reads besides its own blocks: the activations, their scales
+/// and sums per 32, and the codes' offset terms (per lane of four activations for the
+/// K-quants, per block for the 32-value formats).
+struct Sums<'a> {
+    xq: &'a [i8],
+    dx: &'a [f32],
+    xsum: &'a [f32],
+    base: &'a [__m256i],
+    offs: &'a [f32],
 }
 
 /// The 32 codes of the 32-value block at `p`, unsigned, in value order.
@@ -110,9 +168,10 @@ unsafe fn small_codes<const K: u8>(p: *const u8) -> __m256i {
     };
     // SAFETY: the nibbles (and the fifth bits) lie inside the block (the contract).
     unsafe {
-        let q = _mm_loadu_si128(p.add(qs_at) as *const __m128i);
+        // The sixteen bytes in both halves, the high half's shifted down to its high nibbles.
+        let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(qs_at) as *const __m128i));
         let w = _mm256_and_si256(
-            _mm256_set_m128i(_mm_srli_epi16::<4>(q), q),
+            _mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
             _mm256_set1_epi8(0x0F),
         );
         if K == Q4_0 {
@@ -176,32 +235,29 @@ unsafe fn k_codes<const K: u8>(p: *const u8, s: usize) -> __m256i {
     }
 }
 
-/// [`run`] for the `R` rows from `r0`; `base` holds each 32 activations' starting lanes.
+/// [`run`] for the `R` rows from `r0`.
 ///
 /// # Safety
 /// As [`matvec`], for rows `r0..r0 + R` inside `raw` (`rb` bytes a row); `out` holds `R`
 /// values.
-#[allow(clippy::too_many_arguments)]
 #[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_of<const K: u8, const R: usize>(
     raw: &[u8],
     rb: usize,
-    xq: &[i8],
-    dx: &[f32],
-    xsum: &[f32],
-    base: &[__m256i],
+    sums: &Sums<'_>,
     r0: usize,
     out: &mut [f32],
 ) {
     let row = |r: usize| raw.as_ptr().wrapping_add((r0 + r) * rb);
+    let (xq, dx, xsum) = (sums.xq, sums.dx, sums.xsum);
     // SAFETY: rows r0..r0 + R are inside raw (the caller's contract, passed on).
     let (acc, mins) = unsafe {
         if K <= Q5_1 {
-            rows_small::<K, R>(row, xq, dx, xsum, base)
+            rows_small::<K, R>(row, sums)
         } else {
-            rows_k::<K, R>(row, xq, dx, xsum, base)
+            rows_k::<K, R>(row, xq, dx, xsum, sums.base)
         }
     };
     for r in 0..R {
@@ -209,8 +265,37 @@ unsafe fn rows_of<const K: u8, const R: usize>(
     }
 }
 
+/// Blocks whose scales [`rows_small`] prepares at a time.
+const SEGMENT: usize = 64;
+
+/// The f16 at `p`, `p + stride`, ... of `n <= 8` blocks as one vector of eight (zeros past
+/// `n`), put together in general registers: eight 16-bit stores read back as one vector would
+/// wait for the stores to retire.
+///
+/// # Safety
+/// Two bytes must be readable at each of the `n` addresses.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn halves8(p: *const u8, stride: usize, n: usize) -> __m128i {
+    let mut v = [0u64; 2];
+    for i in 0..n {
+        // SAFETY: block i < n's two bytes (the contract).
+        let h = unsafe { (p.add(i * stride) as *const u16).read_unaligned() };
+        v[i / 4] |= u64::from(h) << (16 * (i % 4));
+    }
+    _mm_set_epi64x(v[1] as i64, v[0] as i64)
+}
+
 /// [`rows_of`] for the 32-value formats, a block a vector: each row's sums and its offsets'
 /// terms, in lanes (`row(r)`: where row `r` starts).
+///
+/// Up to [`SEGMENT`] blocks at a time, each row's scales `d · d_x` are first gathered as f16,
+/// converted and multiplied eight blocks at a time into a buffer, and the block's terms that
+/// do not depend on its codes (`d · d_x` times the codes' offset term, Q5_1's `m · Σ x`) summed
+/// eight blocks a lane. Each block then costs its codes, two multiplies, a conversion and one
+/// fused multiply-add with its scale broadcast from the buffer; a scalar conversion, product
+/// and broadcast a block and row, and the offset's add, had been a quarter of the
+/// instructions.
 ///
 /// # Safety
 /// As [`rows_of`].
@@ -219,41 +304,59 @@ unsafe fn rows_of<const K: u8, const R: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows_small<const K: u8, const R: usize>(
     row: impl Fn(usize) -> *const u8,
-    xq: &[i8],
-    dx: &[f32],
-    xsum: &[f32],
-    base: &[__m256i],
+    sums: &Sums<'_>,
 ) -> ([__m256; R], [__m256; R]) {
     let (_, bb) = geometry(K);
-    let (cols, xp) = (xq.len(), xq.as_ptr());
+    let (xq, dx, xsum, offs) = (sums.xq, sums.dx, sums.xsum, sums.offs);
+    let (nb, xp) = (xq.len() / 32, xq.as_ptr());
+    let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); R];
-    // The offsets' terms, one per block (Q5_1).
-    let mut mins = [0.0f32; R];
-    for b in 0..cols / 32 {
-        // SAFETY: values 32 b..32 b + 32 are inside xq, block b inside dx and xsum (the
-        // caller's contract).
-        let (x, dxb) = unsafe {
-            (
-                _mm256_loadu_si256(xp.add(32 * b) as *const __m256i),
-                *dx.get_unchecked(b),
-            )
-        };
+    // The terms outside the codes' products, eight blocks a lane.
+    let mut terms = [_mm256_setzero_ps(); R];
+    let mut scales = [[0f32; SEGMENT]; R];
+    for s0 in (0..nb).step_by(SEGMENT) {
+        let len = (nb - s0).min(SEGMENT);
         for r in 0..R {
-            let p = row(r).wrapping_add(b * bb);
-            // SAFETY: block b of row r is inside raw (the caller's contract).
-            let (w, d) = unsafe { (small_codes::<K>(p), h2f(p)) };
-            let sums = dot32(w, x, base[b]);
-            acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * dxb), acc[r]);
-            if K == Q5_1 {
-                // SAFETY: as above; `m` follows `d`.
-                mins[r] += unsafe { h2f(p.add(2)) * *xsum.get_unchecked(b) };
+            let p = row(r).wrapping_add(s0 * bb);
+            for k in (0..len).step_by(8) {
+                let at = s0 + k;
+                let n = (len - k).min(8);
+                // SAFETY: blocks s0 + k..s0 + k + n of row r are inside raw, and the
+                // activations' terms of blocks at..at + 8 inside dx, xsum and offs (padded by
+                // the caller to whole eights); the store is inside `scales[r]` (len <= SEGMENT,
+                // a multiple of 8).
+                unsafe {
+                    let d = _mm256_cvtph_ps(halves8(p.add(k * bb), bb, n));
+                    let s = _mm256_mul_ps(d, _mm256_loadu_ps(dx.as_ptr().add(at)));
+                    _mm256_storeu_ps(scales[r].as_mut_ptr().add(k), s);
+                    terms[r] = _mm256_fmadd_ps(s, _mm256_loadu_ps(offs.as_ptr().add(at)), terms[r]);
+                    if K == Q5_1 {
+                        let m = _mm256_cvtph_ps(halves8(p.add(k * bb + 2), bb, n));
+                        let xs = _mm256_loadu_ps(xsum.as_ptr().add(at));
+                        terms[r] = _mm256_fmadd_ps(m, xs, terms[r]);
+                    }
+                }
+            }
+        }
+        for k in 0..len {
+            let b = s0 + k;
+            // SAFETY: values 32 b..32 b + 32 are inside xq (the caller's contract).
+            let x = unsafe { _mm256_loadu_si256(xp.add(32 * b) as *const __m256i) };
+            for r in 0..R {
+                // SAFETY: block b of row r is inside raw (the caller's contract); k < len <=
+                // SEGMENT.
+                let (w, s) = unsafe {
+                    (
+                        small_codes::<K>(row(r).wrapping_add(b * bb)),
+                        _mm256_broadcast_ss(scales[r].get_unchecked(k)),
+                    )
+                };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r]);
             }
         }
     }
-    (
-        acc,
-        mins.map(|m| _mm256_setr_ps(m, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)),
-    )
+    (acc, terms)
 }
 
 /// [`rows_of`] for the K-quants, a sub-block of 32 values a vector: each row's sums and its
@@ -331,7 +434,7 @@ unsafe fn rows_k<const K: u8, const R: usize>(
                 } else {
                     _mm256_set1_ps(su[r][s])
                 };
-                acc[r] = _mm256_fmadd_ps(dot32(w, x, bs), scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(dot32::<K>(w, x, bs), scale, acc[r]);
             }
         }
     }
