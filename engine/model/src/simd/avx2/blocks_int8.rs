@@ -115,22 +115,17 @@ unsafe fn run<const K: u8>(raw: &[u8], xq: &[i8], dx: &[f32], xsum: &[f32], out:
     }
     passes(rows, rb, raw.as_ptr(), |r, n| {
         let out = &mut out[r..r + n];
-        let sums = if small {
-            Sums {
-                xq,
-                dx: &dx8,
-                xsum: &xsum8,
-                base: &base,
-                offs: &offs,
-            }
+        let (dx, xsum) = if small {
+            (&dx8[..], &xsum8[..])
         } else {
-            Sums {
-                xq,
-                dx,
-                xsum,
-                base: &base,
-                offs: &offs,
-            }
+            (dx, xsum)
+        };
+        let sums = Sums {
+            xq,
+            dx,
+            xsum,
+            base: &base,
+            offs: &offs,
         };
         // SAFETY: rows r..r + n are inside raw (asserted above); the CPU has the features
         // (this function's contract).
