@@ -97,21 +97,23 @@ unsafe fn run<const K: u8>(raw: &[u8], xq: &[i8], dx: &[f32], xsum: &[f32], out:
     } else {
         (0..cols / 32).map(lane_offsets).collect()
     };
-    // For the 32-value formats, per block and padded with zeros to whole eights: the offset
-    // term, d_x, and (Q5_1) Σ x.
+    // For the 32-value formats, per block and padded with zeros to whole eights: d_x, the
+    // offset term (Q4_0, Q5_0) and Σ x (Q5_1).
     let (mut offs, mut dx8, mut xsum8) = (Vec::new(), Vec::new(), Vec::new());
     if small {
         let padded = (cols / 32).next_multiple_of(8);
-        offs = (0..cols / 32)
-            .map(|b| super::hsum(_mm256_cvtepi32_ps(lane_offsets(b))))
-            .collect();
         dx8 = dx[..cols / 32].to_vec();
+        dx8.resize(padded, 0.0);
+        if code_offset(K) != 0 {
+            offs = (0..cols / 32)
+                .map(|b| super::hsum(_mm256_cvtepi32_ps(lane_offsets(b))))
+                .collect();
+            offs.resize(padded, 0.0);
+        }
         if K == Q5_1 {
             xsum8 = xsum[..cols / 32].to_vec();
             xsum8.resize(padded, 0.0);
         }
-        offs.resize(padded, 0.0);
-        dx8.resize(padded, 0.0);
     }
     passes(rows, rb, raw.as_ptr(), |r, n| {
         let out = &mut out[r..r + n];
@@ -140,7 +142,7 @@ unsafe fn run<const K: u8>(raw: &[u8], xq: &[i8], dx: &[f32], xsum: &[f32], out:
 
 /// What every row of one product reads besides its own blocks: the activations, their scales
 /// and sums per 32, and the codes' offset terms (per lane of four activations for the
-/// K-quants, per block for the 32-value formats).
+/// K-quants, per block for Q4_0 and Q5_0; empty for the formats whose codes are not offset).
 struct Sums<'a> {
     xq: &'a [i8],
     dx: &'a [f32],
@@ -317,14 +319,17 @@ unsafe fn rows_small<const K: u8, const R: usize>(
                 let at = s0 + k;
                 let n = (len - k).min(8);
                 // SAFETY: blocks s0 + k..s0 + k + n of row r are inside raw, and the
-                // activations' terms of blocks at..at + 8 inside dx, xsum and offs (padded by
-                // the caller to whole eights); the store is inside `scales[r]` (len <= SEGMENT,
-                // a multiple of 8).
+                // activations' terms of blocks at..at + 8 inside dx, xsum (Q5_1) and offs (Q4_0,
+                // Q5_0), padded by the caller to whole eights; the store is inside `scales[r]`
+                // (len <= SEGMENT, a multiple of 8).
                 unsafe {
                     let d = _mm256_cvtph_ps(halves8(p.add(k * bb), bb, n));
                     let s = _mm256_mul_ps(d, _mm256_loadu_ps(dx.as_ptr().add(at)));
                     _mm256_storeu_ps(scales[r].as_mut_ptr().add(k), s);
-                    terms[r] = _mm256_fmadd_ps(s, _mm256_loadu_ps(offs.as_ptr().add(at)), terms[r]);
+                    if code_offset(K) != 0 {
+                        let o = _mm256_loadu_ps(offs.as_ptr().add(at));
+                        terms[r] = _mm256_fmadd_ps(s, o, terms[r]);
+                    }
                     if K == Q5_1 {
                         let m = _mm256_cvtph_ps(halves8(p.add(k * bb + 2), bb, n));
                         let xs = _mm256_loadu_ps(xsum.as_ptr().add(at));
